@@ -1,0 +1,40 @@
+"""lowrank_laplace: Laplace posteriors on the exact low-rank structure of the GGN.
+
+The mini-batch engine (ViViT): the GGN ``G = V V^T`` with ``V`` computed by BackPACK
+in one backward pass; its nonzero spectrum lives in the small Gram matrix ``V^T V``.
+"""
+
+from lowrank_laplace.directional import (
+    DirectionalDerivatives,
+    damped_newton_step,
+    directional_derivatives,
+    ggn_inverse_matvec,
+    newton_step_from_factor,
+    snr,
+)
+from lowrank_laplace.factor import FactorEngine, GGNFactor, supported_modules
+from lowrank_laplace.spectrum import (
+    LowRankGGN,
+    ggn_eigh,
+    ggn_eigvals,
+    gram_eigh,
+    lowrank_ggn,
+)
+
+__all__ = [
+    "DirectionalDerivatives",
+    "FactorEngine",
+    "GGNFactor",
+    "LowRankGGN",
+    "damped_newton_step",
+    "directional_derivatives",
+    "ggn_eigh",
+    "ggn_eigvals",
+    "ggn_inverse_matvec",
+    "gram_eigh",
+    "lowrank_ggn",
+    "newton_step_from_factor",
+    "snr",
+    "supported_modules",
+]
+__version__ = "0.1.0"

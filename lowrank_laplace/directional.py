@@ -1,0 +1,260 @@
+r"""Per-sample directional derivatives, damped Newton steps and inverse products.
+
+Along a GGN eigenvector :math:`e_k` the quadratic model of sample ``n`` has slope
+:math:`\gamma_{nk} = e_k^\top g_n` and curvature :math:`\lambda_{nk} = e_k^\top G_n
+e_k`, where :math:`g_n, G_n` are gradient and GGN of the sample's own loss
+:math:`\ell_n` (the batch loss is their mean or sum). Both come from the Gram
+space: with :math:`e_k = V \tilde g_k / \sqrt{\lambda_k}`,
+:math:`\lambda_{nk} = s\,\lambda_k \sum_c \tilde g_{k,(c,n)}^2` (``s = N`` for mean,
+``1`` for sum reduction) and :math:`\gamma_{nk} = s\,\tilde g_k^\top (V^\top
+g^{(\rho)}_n) / \sqrt{\lambda_k}` with BackPACK's per-sample gradients
+:math:`g^{(\rho)}_n` of the reduced loss.
+
+Shape glossary:
+    N: batch size; N_S: curvature samples; K: eigenpairs; D: parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from lowrank_laplace.factor import FactorEngine, GGNFactor
+from lowrank_laplace.spectrum import gram_eigh, to_parameter_space
+
+
+def snr(samples: Tensor) -> Tensor:
+    r"""Signal-to-noise ratio per column: squared mean over unbiased variance.
+
+    .. math:: \mathrm{SNR}_k = \bar x_k^2 / (\tfrac{1}{N-1}\sum_n (x_{nk}-\bar x_k)^2)
+
+    Args:
+        samples: Tensor of shape ``(N, K)`` with ``N >= 2``.
+
+    Returns:
+        Tensor of shape ``(K,)``.
+
+    Raises:
+        ValueError: If fewer than two samples are given.
+    """
+    if samples.shape[0] < 2:
+        raise ValueError("An SNR needs at least two samples.")
+    return samples.mean(0) ** 2 / samples.var(0, unbiased=True)
+
+
+@dataclass
+class DirectionalDerivatives:
+    """First- and second-order directional derivatives along GGN eigenvectors.
+
+    Attributes:
+        gammas: ``gamma_nk = e_k^T g_n`` for every sample of the batch, ``(N, K)``.
+        lambdas: ``lambda_nk = e_k^T G_n e_k`` for every curvature sample,
+            ``(N_S, K)`` (``N_S = len(subsampling)`` when sub-sampling).
+        eigenvalues: GGN eigenvalues ``lambda_k``, ``(K,)``.
+        eigenvectors: GGN eigenvectors ``e_k``, ``(D, K)``.
+        reduction: The loss reduction; for ``'mean'`` the column means of
+            ``gammas`` and ``lambdas`` are ``e_k^T g`` and ``lambda_k``.
+    """
+
+    gammas: Tensor
+    lambdas: Tensor
+    eigenvalues: Tensor
+    eigenvectors: Tensor
+    reduction: str
+
+    @property
+    def gamma_snr(self) -> Tensor:
+        """Gradient SNR along each direction, ``(K,)``."""
+        return snr(self.gammas)
+
+    @property
+    def lambda_snr(self) -> Tensor:
+        """Curvature SNR along each direction, ``(K,)``."""
+        return snr(self.lambdas)
+
+
+def _directional(factor: GGNFactor, group: int, evals: Tensor, gvecs: Tensor):
+    num_vectors, n_curv = factor.num_vectors, factor.num_curv_samples
+    # BackPACK's column order is (vector, sample)
+    sq = gvecs.reshape(num_vectors, n_curv, -1).pow(2).sum(0)
+    lambdas = factor.sample_scale * evals * sq
+    grad_scale = factor.num_samples if factor.reduction == "mean" else 1
+    proj = factor.t_matmul_batch_grads(group)  # (M, N)
+    gammas = grad_scale * (proj.T @ gvecs) / evals.sqrt()
+    return gammas, lambdas
+
+
+def directional_derivatives(
+    model: nn.Module,
+    loss_func: nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    top_k: Optional[int] = 10,
+    mc_samples: int = 0,
+    subsampling: Optional[Sequence[int]] = None,
+    param_groups: Optional[List[dict]] = None,
+    *,
+    threshold: Optional[float] = None,
+    indices: Optional[Sequence[int]] = None,
+) -> Union[DirectionalDerivatives, List[DirectionalDerivatives]]:
+    """Per-sample slopes and curvatures along the GGN's eigenvectors, one backward pass.
+
+    Gradients (``gammas``) always use every sample of the batch; the GGN, its
+    eigenvectors and ``lambdas`` use the curvature approximation chosen by
+    ``mc_samples`` and ``subsampling`` (``lambdas`` then has one row per
+    curvature sample; for MC they are MC estimates of the per-sample curvature).
+
+    Args:
+        model: The network (left unchanged).
+        loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss``.
+        inputs: Inputs, shape ``(N, ...)``.
+        targets: Targets.
+        top_k: Number of leading eigenpairs; ``None`` for all nonzero ones.
+        mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte-Carlo.
+        subsampling: Indices of the samples used for the curvature.
+        param_groups: Optimizer-style groups for a block-diagonal GGN.
+        threshold: Keep only eigenvalues ``>= threshold``.
+        indices: Keep these positions of the descending nonzero spectrum instead.
+
+    Returns:
+        :class:`DirectionalDerivatives` (a list, one per group, with ``param_groups``).
+    """
+    with FactorEngine(model, loss_func) as engine:
+        factor = engine.compute(
+            inputs, targets, mc_samples, subsampling, param_groups, batch_grad=True
+        )
+    results = []
+    for g in range(len(factor.groups)):
+        evals, gvecs, _ = gram_eigh(factor, g, top_k, threshold, indices, "dense")
+        gammas, lambdas = _directional(factor, g, evals, gvecs)
+        results.append(
+            DirectionalDerivatives(
+                gammas=gammas,
+                lambdas=lambdas,
+                eigenvalues=evals,
+                eigenvectors=to_parameter_space(factor, evals, gvecs, g),
+                reduction=factor.reduction,
+            )
+        )
+    return results if param_groups is not None else results[0]
+
+
+def newton_step_from_factor(
+    factor: GGNFactor,
+    damping: float,
+    group: int = 0,
+    top_k: Optional[int] = None,
+) -> Tensor:
+    r"""Damped Newton step :math:`-\sum_k \gamma_k/(\lambda_k+\delta)\, e_k` of a group.
+
+    Summed in Gram space, :math:`\sum_k c_k e_k = V \sum_k c_k \tilde g_k /
+    \sqrt{\lambda_k}`, so only one transformation to parameter space is needed.
+
+    Args:
+        factor: The GGN factor with kept blocks and gradient.
+        damping: ``delta >= 0`` added to every eigenvalue.
+        group: Group index.
+        top_k: Number of leading directions (``None``: all nonzero).
+
+    Returns:
+        Flat step over the group's parameters, shape ``(D,)``.
+
+    Raises:
+        ValueError: If ``damping`` is negative.
+    """
+    if damping < 0:
+        raise ValueError(f"damping must be non-negative, got {damping}.")
+    evals, gvecs, _ = gram_eigh(factor, group, top_k)
+    vtg = factor.t_matmul(factor.grad_flat(group)[:, None], group)[:, 0]
+    gammas = (gvecs.T @ vtg) / evals.sqrt()
+    coeffs = -gammas / (evals + damping) / evals.sqrt()
+    return factor.matmul((gvecs @ coeffs)[:, None], group)[:, 0]
+
+
+def damped_newton_step(
+    model: nn.Module,
+    loss_func: nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    damping: float = 1.0,
+    top_k: Optional[int] = None,
+    mc_samples: int = 0,
+    subsampling: Optional[Sequence[int]] = None,
+    param_groups: Optional[List[dict]] = None,
+) -> Tensor:
+    """Damped Newton step in the GGN's nonzero eigenspace, from one backward pass.
+
+    ``step = sum_k -gamma_k / (lambda_k + damping) e_k`` with ``gamma_k = e_k^T g``.
+    With ``param_groups`` each group gets its own (block-diagonal) step.
+
+    Args:
+        model: The network (left unchanged).
+        loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss``.
+        inputs: Inputs, shape ``(N, ...)``.
+        targets: Targets.
+        damping: ``delta >= 0``.
+        top_k: Number of leading directions (``None``: all nonzero ones).
+        mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte-Carlo.
+        subsampling: Indices of the samples used for the curvature.
+        param_groups: Optimizer-style groups for a block-diagonal GGN.
+
+    Returns:
+        Flat step, shape ``(D,)``: over ``model.parameters()`` with
+        ``requires_grad`` or, with ``param_groups``, the groups concatenated.
+    """
+    with FactorEngine(model, loss_func) as engine:
+        factor = engine.compute(inputs, targets, mc_samples, subsampling, param_groups)
+    steps = [
+        newton_step_from_factor(factor, damping, g, top_k)
+        for g in range(len(factor.groups))
+    ]
+    return torch.cat(steps)
+
+
+def ggn_inverse_matvec(
+    model: nn.Module,
+    loss_func: nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    vec: Tensor,
+    damping: float,
+    mc_samples: int = 0,
+    subsampling: Optional[Sequence[int]] = None,
+    param_groups: Optional[List[dict]] = None,
+) -> Tensor:
+    r"""Damped inverse GGN-vector products :math:`(G + \delta I)^{-1} x`.
+
+    Uses the matrix inversion lemma with the ``M x M`` damped Gram matrix. With
+    ``param_groups`` the GGN is block-diagonal and each block is inverted on its
+    own.
+
+    Args:
+        model: The network (left unchanged).
+        loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss``.
+        inputs: Inputs, shape ``(N, ...)``.
+        targets: Targets.
+        vec: Flat vector(s), shape ``(D,)`` or ``(D, K)``, ordered like the
+            concatenated groups.
+        damping: ``delta > 0``.
+        mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte-Carlo.
+        subsampling: Indices of the samples used for the curvature.
+        param_groups: Optimizer-style groups for a block-diagonal GGN.
+
+    Returns:
+        Tensor of the same shape as ``vec``.
+
+    Raises:
+        ValueError: If ``vec`` has the wrong length.
+    """
+    with FactorEngine(model, loss_func) as engine:
+        factor = engine.compute(inputs, targets, mc_samples, subsampling, param_groups)
+    dims = [factor.group_dim(g) for g in range(len(factor.groups))]
+    if vec.shape[0] != sum(dims):
+        raise ValueError(f"vec has {vec.shape[0]} entries, the groups have {sum(dims)}.")
+    x = vec if vec.ndim == 2 else vec[:, None]
+    parts = torch.split(x, dims, dim=0)
+    out = torch.cat([factor.inverse_matvec(p, damping, g) for g, p in enumerate(parts)])
+    return out if vec.ndim == 2 else out[:, 0]

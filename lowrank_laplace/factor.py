@@ -1,0 +1,538 @@
+r"""The GGN factor ``V`` of a mini-batch, computed in one BackPACK backward pass.
+
+The generalized Gauss-Newton matrix of a loss :math:`L(\theta) = \rho \sum_n
+\ell_n(f(x_n, \theta), y_n)` (``rho = 1/N`` for ``reduction='mean'``, ``1`` for
+``'sum'``) factorises as
+
+.. math::
+    G = \rho \sum_n J_n^\top \nabla_f^2 \ell_n J_n = V V^\top, \qquad
+    V = \sqrt{\rho}\,[v_{11}, \dots, v_{NC}], \quad v_{nc} = J_n^\top s_{nc},
+
+with :math:`\nabla_f^2 \ell_n = \sum_c s_{nc} s_{nc}^\top` (exact) or a
+Monte-Carlo estimate with ``M`` sampled vectors instead of ``C``. BackPACK's
+``SqrtGGNExact`` / ``SqrtGGNMC`` extensions deliver ``V`` block by block for each
+parameter during one backward pass; an extension hook hands each block to the
+consumers (Gram matrix, kept copy) right away, so blocks that are only needed for
+Gram quantities are freed inside the backward pass. Weights of ``nn.Linear``
+layers are kept as :class:`~lowrank_laplace._blocks.KronBlock` (inputs and
+backpropagated vectors) and never expanded.
+
+Sub-sampling: with ``subsampling=S`` the curvature is that of the loss evaluated on
+the samples ``S`` only, with the loss's own reduction (``1/|S|`` for ``'mean'``),
+while gradients still use the whole batch.
+
+Shape glossary:
+    N: batch size; N_S: number of curvature samples (``len(subsampling)`` or N).
+    C: model outputs; M: columns of ``V`` (``C * N_S`` exact, ``mc_samples * N_S``).
+    D: number of parameters of a group.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from backpack import backpack, extend
+from backpack.context import CTX
+from backpack.extensions import BatchGrad, SqrtGGNExact, SqrtGGNMC
+from backpack.core.derivatives.adaptive_avg_pool_nd import (
+    AdaptiveAvgPool1dDerivatives,
+    AdaptiveAvgPool2dDerivatives,
+    AdaptiveAvgPool3dDerivatives,
+)
+from backpack.extensions.firstorder.batch_grad.linear import BatchGradLinear
+from backpack.extensions.secondorder.sqrt_ggn.base import SqrtGGNBaseModule
+from backpack.extensions.secondorder.sqrt_ggn.linear import SqrtGGNLinear
+from backpack.utils.subsampling import subsample
+from torch import Tensor, nn
+
+from lowrank_laplace import _checks
+from lowrank_laplace._blocks import Block, DenseBlock, KronBlock
+
+
+class _StructuredSqrtGGNLinear(SqrtGGNLinear):
+    """``SqrtGGN`` extension for ``nn.Linear`` that keeps weights factored."""
+
+    def weight(self, ext, module, g_inp, g_out, backproped):  # noqa: D102
+        if module.input0.ndim != 2:
+            return self.derivatives.param_mjp(
+                "weight", module, g_inp, g_out, backproped, sum_batch=False,
+                subsampling=ext.get_subsampling(),
+            )
+        z = subsample(module.input0, subsampling=ext.get_subsampling())
+        num_vecs, num_samples = backproped.shape[:2]
+        idx = torch.arange(num_samples, device=z.device).repeat(num_vecs)
+        return KronBlock(backproped.reshape(num_vecs * num_samples, -1), z, idx)
+
+
+class _StructuredBatchGradLinear(BatchGradLinear):
+    """``BatchGrad`` extension for ``nn.Linear`` that keeps weights factored."""
+
+    def weight(self, ext, module, g_inp, g_out, backproped):  # noqa: D102
+        if module.input0.ndim != 2:
+            return self.derivatives.param_mjp(
+                "weight", module, g_inp, g_out, g_out[0], sum_batch=False,
+                subsampling=ext.get_subsampling(),
+            )
+        z = module.input0
+        idx = torch.arange(z.shape[0], device=z.device)
+        return KronBlock(g_out[0], z, idx)
+
+
+# Layers BackPACK's SqrtGGN lacks although it ships their derivatives.
+_EXTRA_SQRT_GGN = {
+    nn.AdaptiveAvgPool1d: AdaptiveAvgPool1dDerivatives,
+    nn.AdaptiveAvgPool2d: AdaptiveAvgPool2dDerivatives,
+    nn.AdaptiveAvgPool3d: AdaptiveAvgPool3dDerivatives,
+}
+
+
+def _sqrt_ggn_extension(mc_samples: int, subsampling: Optional[List[int]]):
+    """Create BackPACK's ``SqrtGGN`` extension with our layer additions."""
+    if mc_samples:
+        ext = SqrtGGNMC(mc_samples=mc_samples, subsampling=subsampling)
+    else:
+        ext = SqrtGGNExact(subsampling=subsampling)
+    ext.set_module_extension(nn.Linear, _StructuredSqrtGGNLinear(), overwrite=True)
+    for layer, derivatives in _EXTRA_SQRT_GGN.items():
+        ext.set_module_extension(layer, SqrtGGNBaseModule(derivatives()), overwrite=True)
+    return ext
+
+
+def supported_modules() -> tuple:
+    """Return the module classes the GGN factor can be backpropagated through."""
+    # BackPACK keeps the mapping private; read it through the mangled name.
+    ext = _sqrt_ggn_extension(0, None)
+    return tuple(ext._BackpropExtension__module_extensions.keys())
+
+
+@dataclass
+class GGNFactor:
+    r"""The GGN factor ``V`` of one mini-batch, split into parameter groups.
+
+    Attributes:
+        groups: Parameter indices (into ``list(model.parameters())``) per group.
+        shapes: Shape of every parameter (indexed like the model's parameters).
+        blocks: Kept blocks of ``V^T`` per parameter index (may be empty when only
+            Gram matrices were requested).
+        grams: Gram matrices ``V^T V`` per group accumulated during the backward
+            pass (``None`` entries where not requested).
+        num_vectors: Vectors per sample (``C`` exact, ``mc_samples`` for MC).
+        num_curv_samples: Number of samples in the curvature (``N_S``).
+        sample_scale: ``G_n = sample_scale * sum_c v_{nc} v_{nc}^T`` is the
+            per-sample GGN of the sample's own loss ``l_n`` (``N_S`` for mean,
+            ``1`` for sum reduction).
+        grad: Flat mini-batch gradient per parameter index (if requested).
+        batch_grads: Blocks of per-sample gradients of ``rho * l_n`` (if requested).
+        num_samples: Batch size ``N``.
+        reduction: The loss reduction, ``'mean'`` or ``'sum'``.
+        loss: The mini-batch loss (detached).
+    """
+
+    groups: List[List[int]]
+    shapes: List[torch.Size]
+    num_vectors: int
+    num_curv_samples: int
+    sample_scale: float
+    num_samples: int
+    reduction: str
+    loss: Tensor
+    blocks: Dict[int, Block] = field(default_factory=dict)
+    grams: List[Optional[Tensor]] = field(default_factory=list)
+    grad: Dict[int, Tensor] = field(default_factory=dict)
+    batch_grads: Dict[int, Block] = field(default_factory=dict)
+
+    @property
+    def num_columns(self) -> int:
+        """Number of columns ``M`` of ``V``."""
+        return self.num_vectors * self.num_curv_samples
+
+    def group_dim(self, group: int = 0) -> int:
+        """Number of parameters ``D`` in a group.
+
+        Args:
+            group: Group index.
+
+        Returns:
+            The dimension of the group's parameter space.
+        """
+        return sum(self.shapes[i].numel() for i in self.groups[group])
+
+    def _split(self, x: Tensor, group: int) -> List[Tensor]:
+        sizes = [self.shapes[i].numel() for i in self.groups[group]]
+        return list(torch.split(x, sizes, dim=0))
+
+    def _blocks(self, group: int) -> List[Block]:
+        try:
+            return [self.blocks[i] for i in self.groups[group]]
+        except KeyError as err:
+            raise RuntimeError(
+                "V was not kept for this group (it was computed with keep_blocks=False)."
+            ) from err
+
+    def gram(self, group: int = 0) -> Tensor:
+        """Return the Gram matrix ``V^T V`` of a group, shape ``(M, M)``.
+
+        Args:
+            group: Group index.
+
+        Returns:
+            The Gram matrix.
+        """
+        if len(self.grams) > group and self.grams[group] is not None:
+            return self.grams[group]
+        return sum(b.gram() for b in self._blocks(group))
+
+    def trace(self, group: int = 0) -> Tensor:
+        """Return the exact GGN trace ``tr(V V^T) = tr(V^T V)`` of a group.
+
+        Args:
+            group: Group index.
+
+        Returns:
+            Scalar tensor.
+        """
+        if len(self.grams) > group and self.grams[group] is not None:
+            return self.grams[group].diagonal().sum()
+        return sum(b.row_sq_norms().sum() for b in self._blocks(group))
+
+    def t_matmul(self, x: Tensor, group: int = 0) -> Tensor:
+        """Return ``V^T x``.
+
+        Args:
+            x: Flat vectors over the group's parameters, shape ``(D, K)``.
+            group: Group index.
+
+        Returns:
+            Tensor of shape ``(M, K)``.
+        """
+        parts = self._split(x, group)
+        return sum(b.t_matmul(p) for b, p in zip(self._blocks(group), parts))
+
+    def matmul(self, y: Tensor, group: int = 0) -> Tensor:
+        """Return ``V y`` as flat vectors over the group's parameters.
+
+        Args:
+            y: Tensor of shape ``(M, K)``.
+            group: Group index.
+
+        Returns:
+            Tensor of shape ``(D, K)``.
+        """
+        return torch.cat([b.matmul(y) for b in self._blocks(group)], dim=0)
+
+    def matvec(self, x: Tensor, group: int = 0) -> Tensor:
+        """Return the GGN-vector products ``G x = V (V^T x)``.
+
+        Args:
+            x: Tensor of shape ``(D, K)``.
+            group: Group index.
+
+        Returns:
+            Tensor of shape ``(D, K)``.
+        """
+        return self.matmul(self.t_matmul(x, group), group)
+
+    def inverse_matvec(self, x: Tensor, damping: float, group: int = 0) -> Tensor:
+        r"""Return ``(G + delta I)^{-1} x`` by the matrix inversion lemma.
+
+        :math:`(G + \delta I)^{-1} = \delta^{-1}[I - V(\delta I + V^\top V)^{-1}V^\top]`,
+        solved with a Cholesky factor of the ``M x M`` damped Gram matrix.
+
+        Args:
+            x: Tensor of shape ``(D, K)``.
+            damping: ``delta > 0``.
+            group: Group index.
+
+        Returns:
+            Tensor of shape ``(D, K)``.
+
+        Raises:
+            ValueError: If ``damping <= 0``.
+        """
+        if not damping > 0:
+            raise ValueError(f"damping must be positive, got {damping}.")
+        gram = self.gram(group)
+        eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+        chol = torch.linalg.cholesky(gram + damping * eye)
+        inner = torch.cholesky_solve(self.t_matmul(x, group), chol)
+        return (x - self.matmul(inner, group)) / damping
+
+    def grad_flat(self, group: int = 0) -> Tensor:
+        """Return the mini-batch gradient, flat over the group's parameters.
+
+        Args:
+            group: Group index.
+
+        Returns:
+            Tensor of shape ``(D,)``.
+        """
+        return torch.cat([self.grad[i] for i in self.groups[group]])
+
+    def t_matmul_batch_grads(self, group: int = 0) -> Tensor:
+        """Return ``V^T [g_1, ..., g_N]`` with the per-sample gradients of ``rho l_n``.
+
+        Args:
+            group: Group index.
+
+        Returns:
+            Tensor of shape ``(M, N)``.
+        """
+        return sum(
+            self.blocks[i].cross(self.batch_grads[i]) for i in self.groups[group]
+        )
+
+
+class FactorEngine:
+    """Computes :class:`GGNFactor` objects for a model without touching it.
+
+    BackPACK needs hooks on every module. The engine extends a private deep copy of
+    the model and loss, copies the user's current parameter values into it before
+    every computation, and removes all of its hooks in :meth:`close`. The user's
+    model keeps its parameters, mode and ``requires_grad`` flags, and gets no hooks.
+
+    Args:
+        model: The network; its output must have shape ``(N, C)``.
+        loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss`` with mean/sum reduction.
+    """
+
+    def __init__(self, model: nn.Module, loss_func: nn.Module):
+        _checks.check_loss_func(loss_func)
+        _checks.check_model(model, supported_modules())
+        self.model = model
+        self.loss_func = loss_func
+        self._copy = copy.deepcopy(model)
+        self._loss = copy.deepcopy(loss_func)
+        self._handles = None  # BackPACK hooks, installed at the first computation
+        self._copy_params = list(self._copy.parameters())
+        self._index = {id(p): i for i, p in enumerate(self._copy_params)}
+
+    def _extend(self, inputs: Tensor) -> None:
+        """Check the forward pass on one sample, then install BackPACK's hooks."""
+        with torch.no_grad():
+            _checked_forward(self._copy, inputs[:1])
+        num_handles = len(CTX.hook_handles)
+        extend(self._copy)
+        extend(self._loss)
+        self._handles = CTX.hook_handles[num_handles:]
+
+    def close(self) -> None:
+        """Remove every BackPACK hook the engine installed."""
+        for handle in self._handles or []:
+            handle.remove()
+        ids = {id(h) for h in self._handles}
+        CTX.hook_handles = [h for h in CTX.hook_handles if id(h) not in ids]
+        self._handles = []
+
+    def __enter__(self) -> "FactorEngine":
+        return self
+
+    def __exit__(self, *args) -> None:
+        self.close()
+
+    def _sync(self, groups: List[List[int]]) -> None:
+        active = {i for g in groups for i in g}
+        with torch.no_grad():
+            for i, (src, dst) in enumerate(zip(self.model.parameters(), self._copy_params)):
+                dst.copy_(src)
+                dst.requires_grad_(i in active)
+                dst.grad = None
+            for src, dst in zip(self.model.buffers(), self._copy.buffers()):
+                dst.copy_(src)
+        self._copy.train(self.model.training)
+        for src, dst in zip(self.model.modules(), self._copy.modules()):
+            dst.training = src.training
+
+    def compute(
+        self,
+        inputs: Tensor,
+        targets: Tensor,
+        mc_samples: int = 0,
+        subsampling: Optional[Sequence[int]] = None,
+        param_groups: Optional[List[dict]] = None,
+        keep_blocks: bool = True,
+        compute_grams: bool = False,
+        batch_grad: bool = False,
+    ) -> GGNFactor:
+        """Run one backward pass and collect ``V`` (and gradients).
+
+        Args:
+            inputs: Inputs, shape ``(N, ...)``.
+            targets: Targets, shape ``(N,)`` (class indices) or ``(N, C)``.
+            mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte-Carlo.
+            subsampling: Indices of the samples used for the curvature.
+            param_groups: Optimizer-style groups of the model's parameters;
+                ``None`` is one group of all trainable parameters.
+            keep_blocks: Keep the blocks of ``V`` (needed for eigenvectors and
+                products). ``False`` frees each block inside the backward pass.
+            compute_grams: Accumulate each group's Gram matrix during the pass.
+            batch_grad: Also compute per-sample gradients (BackPACK ``BatchGrad``).
+
+        Returns:
+            The factor.
+
+        Raises:
+            ValueError: If neither blocks nor Gram matrices are requested.
+        """
+        if not (keep_blocks or compute_grams):
+            raise ValueError("Request keep_blocks and/or compute_grams.")
+        n = _checks.check_batch(inputs, targets)
+        mc_samples = _checks.check_mc_samples(mc_samples)
+        subsampling = _checks.check_subsampling(subsampling, n)
+        groups = _checks.resolve_param_groups(self.model, param_groups)
+        self._sync(groups)
+        if self._handles is None:
+            self._extend(inputs)
+
+        n_curv = n if subsampling is None else len(subsampling)
+        mean = self.loss_func.reduction == "mean"
+        # BackPACK normalises by the full batch; rescale to the subset's own loss
+        rescale = math.sqrt(n / n_curv) if (mean and subsampling is not None) else 1.0
+        group_of = {i: g for g, members in enumerate(groups) for i in members}
+        grams: List[Optional[Tensor]] = [None] * len(groups)
+        kept: Dict[int, Block] = {}
+        batch_grads: Dict[int, Block] = {}
+
+        ext = _sqrt_ggn_extension(mc_samples, subsampling)
+        exts = [ext]
+        if batch_grad:
+            bg = BatchGrad()
+            bg.set_module_extension(nn.Linear, _StructuredBatchGradLinear(), overwrite=True)
+            exts.append(bg)
+
+        def consume(module: nn.Module) -> None:
+            for param in module.parameters(recurse=False):
+                i = self._index.get(id(param))
+                if i is None or not param.requires_grad:
+                    continue
+                value = getattr(param, ext.savefield)
+                delattr(param, ext.savefield)
+                block = _as_block(value, lead=2)
+                if rescale != 1.0:
+                    block.scale_(rescale)
+                if compute_grams:
+                    g = group_of[i]
+                    gram = block.gram()
+                    grams[g] = gram if grams[g] is None else grams[g] + gram
+                if keep_blocks:
+                    kept[i] = block
+                if batch_grad:
+                    batch_grads[i] = _as_block(param.grad_batch, lead=1)
+                    del param.grad_batch
+
+        with torch.enable_grad():
+            outputs = self._copy(inputs)
+            _checks.check_targets(self.loss_func, outputs, targets)
+            loss = self._loss(outputs, targets)
+            _checks.check_finite(loss)
+            # BackPACK builds helper layers (e.g. for AvgPool) in the default dtype
+            default_dtype = torch.get_default_dtype()
+            torch.set_default_dtype(outputs.dtype)
+            try:
+                with backpack(*exts, extension_hook=consume):
+                    loss.backward()
+            finally:
+                torch.set_default_dtype(default_dtype)
+
+        grad = {}
+        for i in group_of:
+            p = self._copy_params[i]
+            grad[i] = (p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+            p.grad = None
+        missing = [i for i in group_of if keep_blocks and i not in kept]
+        if missing:
+            names = [n for n, p in self._copy.named_parameters() if self._index[id(p)] in missing]
+            raise RuntimeError(
+                f"BackPACK produced no GGN factor for parameters {names}: they do not "
+                "influence the loss through supported layers."
+            )
+        num_vectors = mc_samples if mc_samples else outputs.shape[1]
+        return GGNFactor(
+            groups=groups,
+            shapes=[p.shape for p in self._copy_params],
+            num_vectors=num_vectors,
+            num_curv_samples=n_curv,
+            sample_scale=float(n_curv) if mean else 1.0,
+            num_samples=n,
+            reduction=self.loss_func.reduction,
+            loss=loss.detach(),
+            blocks=kept,
+            grams=grams if compute_grams else [],
+            grad=grad,
+            batch_grads=batch_grads,
+        )
+
+
+def _as_block(value, lead: int) -> Block:
+    """Wrap a BackPACK result as a block of rows.
+
+    Args:
+        value: A block, or a tensor of shape ``(*lead_dims, *param.shape)``
+            (``(vectors, samples, ...)`` for ``V``, ``(samples, ...)`` for
+            per-sample gradients).
+        lead: Number of leading dimensions that index rows.
+
+    Returns:
+        The block.
+    """
+    if isinstance(value, (DenseBlock, KronBlock)):
+        return value
+    return DenseBlock(value.reshape(math.prod(value.shape[:lead]), -1))
+
+
+def _checked_forward(model: nn.Module, inputs: Tensor) -> Tensor:
+    """Forward pass that verifies every operation is a module BackPACK sees.
+
+    Args:
+        model: The (extended copy of the) network.
+        inputs: Inputs.
+
+    Returns:
+        The model output.
+
+    Raises:
+        NotImplementedError: If a module receives a tensor that no earlier module
+            produced (a functional operation such as ``torch.relu`` or ``x.view``
+            sits in between), or a module is called twice.
+    """
+    produced = {id(inputs)}
+    keep_alive = [inputs]
+    called = set()
+    problems = []
+    names = {m: n for n, m in model.named_modules()}
+
+    def hook(module, inp, out):
+        if module in called:
+            problems.append(f"module {names[module]!r} is called more than once")
+        called.add(module)
+        for t in inp:
+            if isinstance(t, Tensor) and id(t) not in produced and not problems:
+                problems.append(
+                    f"the input of {names[module]!r} ({type(module).__name__}) is not "
+                    "the output of another module"
+                )
+        outs = out if isinstance(out, tuple) else (out,)
+        for t in outs:
+            produced.add(id(t))
+            keep_alive.append(t)
+
+    leaves = [m for m in model.modules() if not list(m.children())]
+    handles = [m.register_forward_hook(hook) for m in leaves]
+    try:
+        outputs = model(inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    if id(outputs) not in produced and not problems:
+        problems.append("the model output is not the output of a module")
+    if problems:
+        raise NotImplementedError(
+            "BackPACK can only backpropagate through nn.Module layers, but "
+            f"{problems[0]}: the forward pass applies a functional operation (e.g. "
+            "torch.relu, x.view, x + y). Use modules instead (nn.ReLU, nn.Flatten, "
+            "backpack.custom_module.branching.Parallel/SumModule for residuals)."
+        )
+    return outputs

@@ -1,0 +1,329 @@
+r"""Exact GGN spectrum from the small Gram matrix ``V^T V``.
+
+The Gram matrix :math:`\tilde G = V^\top V` (``M x M``) and :math:`G = V V^\top`
+(``D x D``) share all nonzero eigenvalues. An eigenvector :math:`\tilde g_k` of
+:math:`\tilde G` with eigenvalue :math:`\lambda_k > 0` maps to the GGN eigenvector
+:math:`e_k = V \tilde g_k / \sqrt{\lambda_k}`.
+
+Shape glossary:
+    M: columns of ``V``; D: parameters in a group; K: selected eigenpairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from lowrank_laplace.factor import FactorEngine, GGNFactor
+
+
+@dataclass
+class LowRankGGN:
+    r"""Selected eigenpairs of a (mini-batch) GGN: :math:`G_K = U \mathrm{diag}(\lambda) U^\top`.
+
+    Attributes:
+        eigenvalues: Selected eigenvalues in descending order, shape ``(K,)``.
+        eigenvectors: Orthonormal eigenvectors, flat over the group's parameters
+            (in the group's parameter order), shape ``(D, K)``.
+        trace: Exact trace of the GGN (the sum of *all* its eigenvalues).
+        all_eigenvalues: Every nonzero eigenvalue in descending order (``None``
+            when an iterative solver only computed the selected ones).
+        shapes: Shapes of the group's parameters, to split the flat vectors.
+    """
+
+    eigenvalues: Tensor
+    eigenvectors: Tensor
+    trace: Tensor
+    all_eigenvalues: Optional[Tensor]
+    shapes: List[torch.Size]
+
+    @property
+    def kept_fraction(self) -> Tensor:
+        """Fraction of the GGN trace (total curvature) that the selection keeps."""
+        return self.eigenvalues.sum() / self.trace
+
+    def eigenvectors_per_param(self) -> List[Tensor]:
+        """Eigenvectors split per parameter.
+
+        Returns:
+            One tensor of shape ``(K, *param.shape)`` per parameter.
+        """
+        sizes = [s.numel() for s in self.shapes]
+        parts = torch.split(self.eigenvectors, sizes, dim=0)
+        return [p.T.reshape(-1, *s) for p, s in zip(parts, self.shapes)]
+
+    def matvec(self, x: Tensor) -> Tensor:
+        r"""Multiply with the truncated GGN :math:`U \mathrm{diag}(\lambda) U^\top`.
+
+        Args:
+            x: Tensor of shape ``(D,)`` or ``(D, K')``.
+
+        Returns:
+            Tensor of the same shape as ``x``.
+        """
+        U = self.eigenvectors
+        return U @ (self.eigenvalues[:, None] * (U.T @ x)) if x.ndim == 2 else U @ (
+            self.eigenvalues * (U.T @ x)
+        )
+
+
+def nonzero_tolerance(eigenvalues: Tensor, dim: int) -> float:
+    """Threshold below which a Gram eigenvalue counts as zero.
+
+    Args:
+        eigenvalues: Eigenvalues of the Gram matrix.
+        dim: Size of the Gram matrix.
+
+    Returns:
+        ``max(eigenvalues) * dim * eps`` with the dtype's machine epsilon, as for
+        numerical matrix rank.
+    """
+    if eigenvalues.numel() == 0:
+        return 0.0
+    top = float(eigenvalues.abs().max())
+    return top * max(dim, 1) * torch.finfo(eigenvalues.dtype).eps * 10
+
+
+def select(
+    eigenvalues: Tensor,
+    top_k: Optional[int] = None,
+    threshold: Optional[float] = None,
+    indices: Optional[Sequence[int]] = None,
+) -> Tensor:
+    """Choose eigenpairs from a descending spectrum of nonzero eigenvalues.
+
+    Args:
+        eigenvalues: Descending nonzero eigenvalues, shape ``(R,)``.
+        top_k: Keep the ``top_k`` largest (``None``: all).
+        threshold: Keep eigenvalues ``>= threshold``.
+        indices: Keep these positions of the descending spectrum.
+
+    Returns:
+        Positions into ``eigenvalues`` (long tensor).
+
+    Raises:
+        ValueError: For invalid or conflicting criteria.
+    """
+    num = eigenvalues.numel()
+    if indices is not None:
+        if top_k is not None or threshold is not None:
+            raise ValueError("Pass either indices or top_k/threshold, not both.")
+        idx = [int(i) for i in indices]
+        if any(i < 0 or i >= num for i in idx):
+            raise ValueError(f"indices must lie in [0, {num}) (number of nonzero eigenvalues).")
+        return torch.tensor(idx, dtype=torch.long)
+    keep = torch.arange(num)
+    if threshold is not None:
+        keep = keep[eigenvalues.cpu() >= threshold]
+    if top_k is not None:
+        if isinstance(top_k, bool) or int(top_k) != top_k or top_k < 1:
+            raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}.")
+        keep = keep[: int(top_k)]
+    return keep
+
+
+def gram_eigh(
+    factor: GGNFactor,
+    group: int = 0,
+    top_k: Optional[int] = None,
+    threshold: Optional[float] = None,
+    indices: Optional[Sequence[int]] = None,
+    solver: str = "auto",
+) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Eigenpairs of the Gram matrix ``V^T V`` of one group.
+
+    Args:
+        factor: The GGN factor.
+        group: Group index.
+        top_k: Number of leading eigenpairs (``None``: all nonzero ones).
+        threshold: Keep eigenvalues ``>= threshold``.
+        indices: Keep these positions of the descending nonzero spectrum.
+        solver: ``'dense'`` (eigendecomposition of the full Gram matrix),
+            ``'lanczos'`` (scipy's ``eigsh`` on Gram-matrix products, only for
+            ``top_k``) or ``'auto'`` (``'lanczos'`` for ``top_k`` when the Gram
+            matrix is larger than 4,096, else ``'dense'``).
+
+    Returns:
+        ``(eigenvalues (K,), gram_eigenvectors (M, K), all_nonzero_eigenvalues)``,
+        the last being ``None`` for the Lanczos solver.
+
+    Raises:
+        ValueError: For an unknown solver or Lanczos without ``top_k``.
+    """
+    if solver not in ("auto", "dense", "lanczos"):
+        raise ValueError(f"solver must be 'auto', 'dense' or 'lanczos', got {solver!r}.")
+    only_top = top_k is not None and threshold is None and indices is None
+    if solver == "lanczos" and not only_top:
+        raise ValueError("solver='lanczos' computes top_k eigenpairs only: pass top_k.")
+    num_cols = factor.num_columns
+    if solver == "lanczos" or (solver == "auto" and only_top and num_cols > 4096):
+        if top_k < num_cols - 1:
+            return (*_lanczos(factor, group, int(top_k)), None)
+    gram = factor.gram(group)
+    # eigh in float64: the Gram matrix is small, and tiny eigenvalues stay accurate
+    evals, evecs = torch.linalg.eigh(gram.double())
+    evals, evecs = evals.flip(0).to(gram.dtype), evecs.flip(1).to(gram.dtype)
+    nonzero = evals > nonzero_tolerance(evals, num_cols)
+    evals, evecs = evals[nonzero], evecs[:, nonzero]
+    keep = select(evals, top_k, threshold, indices).to(evals.device)
+    return evals[keep], evecs[:, keep], evals
+
+
+def _lanczos(factor: GGNFactor, group: int, k: int) -> Tuple[Tensor, Tensor]:
+    """Top-k Gram eigenpairs by implicitly restarted Lanczos on ``V^T (V x)``."""
+    from scipy.sparse.linalg import LinearOperator, eigsh
+
+    num_cols = factor.num_columns
+    ref = next(iter(factor.blocks.values()))
+    dtype = ref.rows.dtype if hasattr(ref, "rows") else ref.s.dtype
+    device = ref.rows.device if hasattr(ref, "rows") else ref.s.device
+
+    def gram_mv(x: np.ndarray) -> np.ndarray:
+        xt = torch.from_numpy(np.asarray(x, dtype=np.float64)).reshape(num_cols, -1)
+        xt = xt.to(device=device, dtype=dtype)
+        out = factor.t_matmul(factor.matmul(xt, group), group)
+        return out.double().cpu().numpy().reshape(x.shape)
+
+    op = LinearOperator((num_cols, num_cols), matvec=gram_mv, matmat=gram_mv,
+                        dtype=np.float64)
+    evals, evecs = eigsh(op, k=k, which="LA")
+    order = np.argsort(evals)[::-1].copy()
+    evals = torch.from_numpy(evals[order].copy()).to(device=device, dtype=dtype)
+    evecs = torch.from_numpy(evecs[:, order].copy()).to(device=device, dtype=dtype)
+    positive = evals > 0
+    return evals[positive], evecs[:, positive]
+
+
+def to_parameter_space(
+    factor: GGNFactor, evals: Tensor, gram_evecs: Tensor, group: int = 0
+) -> Tensor:
+    """Map Gram eigenvectors to GGN eigenvectors ``e_k = V g_k / sqrt(lambda_k)``.
+
+    Args:
+        factor: The GGN factor (with kept blocks).
+        evals: Eigenvalues, shape ``(K,)``, all positive.
+        gram_evecs: Gram eigenvectors, shape ``(M, K)``.
+        group: Group index.
+
+    Returns:
+        Orthonormal eigenvectors, shape ``(D, K)``.
+    """
+    return factor.matmul(gram_evecs / evals.sqrt(), group)
+
+
+def lowrank_ggn(
+    factor: GGNFactor,
+    group: int = 0,
+    top_k: Optional[int] = None,
+    threshold: Optional[float] = None,
+    indices: Optional[Sequence[int]] = None,
+    solver: str = "auto",
+) -> LowRankGGN:
+    """Select eigenpairs of one group's GGN from its factor.
+
+    Args:
+        factor: The GGN factor with kept blocks.
+        group: Group index.
+        top_k: Number of leading eigenpairs (``None``: all nonzero ones).
+        threshold: Keep eigenvalues ``>= threshold``.
+        indices: Keep these positions of the descending nonzero spectrum.
+        solver: See :func:`gram_eigh`.
+
+    Returns:
+        The selected eigenpairs, exact trace and (dense solver) full spectrum.
+    """
+    evals, gvecs, all_evals = gram_eigh(factor, group, top_k, threshold, indices, solver)
+    return LowRankGGN(
+        eigenvalues=evals,
+        eigenvectors=to_parameter_space(factor, evals, gvecs, group),
+        trace=factor.trace(group),
+        all_eigenvalues=all_evals,
+        shapes=[factor.shapes[i] for i in factor.groups[group]],
+    )
+
+
+def ggn_eigh(
+    model: nn.Module,
+    loss_func: nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    top_k: Optional[int] = 10,
+    mc_samples: int = 0,
+    subsampling: Optional[Sequence[int]] = None,
+    param_groups: Optional[List[dict]] = None,
+    *,
+    threshold: Optional[float] = None,
+    indices: Optional[Sequence[int]] = None,
+    solver: str = "auto",
+) -> Union[LowRankGGN, List[LowRankGGN]]:
+    """Eigenpairs of a mini-batch GGN from ``V`` computed in one backward pass.
+
+    The GGN follows the loss's reduction (``'mean'``: average of the per-sample
+    GGNs, ``'sum'``: their sum). With ``subsampling`` it is the GGN of the loss on
+    those samples only (same reduction); with ``mc_samples=M`` the loss Hessian is
+    replaced by a Monte-Carlo estimate from ``M`` sampled outputs per sample.
+
+    Args:
+        model: The network (left unchanged; no hooks remain).
+        loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss``.
+        inputs: Inputs, shape ``(N, ...)``.
+        targets: Targets, shape ``(N,)`` or ``(N, C)``.
+        top_k: Number of leading eigenpairs; ``None`` for all nonzero ones.
+        mc_samples: ``0`` for the exact GGN, ``M >= 1`` for the MC approximation.
+        subsampling: Indices of the samples used for the curvature.
+        param_groups: Optimizer-style groups (``[{"params": [...]}, ...]``) for a
+            block-diagonal GGN; ``None`` means the whole network as one block.
+        threshold: Keep only eigenvalues ``>= threshold``.
+        indices: Keep these positions of the descending nonzero spectrum instead.
+        solver: ``'auto'``, ``'dense'`` or ``'lanczos'`` (see :func:`gram_eigh`).
+
+    Returns:
+        A :class:`LowRankGGN`, or a list with one per group when ``param_groups``
+        is given.
+    """
+    with FactorEngine(model, loss_func) as engine:
+        factor = engine.compute(inputs, targets, mc_samples, subsampling, param_groups)
+    results = [
+        lowrank_ggn(factor, g, top_k, threshold, indices, solver)
+        for g in range(len(factor.groups))
+    ]
+    return results if param_groups is not None else results[0]
+
+
+def ggn_eigvals(
+    model: nn.Module,
+    loss_func: nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    mc_samples: int = 0,
+    subsampling: Optional[Sequence[int]] = None,
+    param_groups: Optional[List[dict]] = None,
+) -> Union[Tensor, List[Tensor]]:
+    """All nonzero GGN eigenvalues, with every block of ``V`` freed during backward.
+
+    Only the ``M x M`` Gram matrix of each group is held, so peak memory is that of
+    the largest single layer's block, never all of ``V``.
+
+    Args:
+        model: The network (left unchanged).
+        loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss``.
+        inputs: Inputs, shape ``(N, ...)``.
+        targets: Targets.
+        mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte-Carlo.
+        subsampling: Indices of the samples used for the curvature.
+        param_groups: Optimizer-style groups for a block-diagonal GGN.
+
+    Returns:
+        Descending nonzero eigenvalues (one tensor per group if ``param_groups``).
+    """
+    with FactorEngine(model, loss_func) as engine:
+        factor = engine.compute(
+            inputs, targets, mc_samples, subsampling, param_groups,
+            keep_blocks=False, compute_grams=True,
+        )
+    results = [gram_eigh(factor, g)[2] for g in range(len(factor.groups))]
+    return results if param_groups is not None else results[0]

@@ -1,0 +1,90 @@
+"""Seeded test cases: dicts of lambdas with readable ids, run in float64."""
+
+import pytest
+import torch
+from backpack.custom_module.branching import Parallel, SumModule
+from torch import nn
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _bn_eval(channels):
+    bn = nn.BatchNorm2d(channels)
+    bn.running_mean.uniform_(-0.5, 0.5)
+    bn.running_var.uniform_(0.5, 1.5)
+    bn.weight.data.uniform_(0.5, 1.5)
+    bn.bias.data.uniform_(-0.5, 0.5)
+    return bn.eval()
+
+
+ARCHS = {
+    "mlp": dict(
+        model_fn=lambda: nn.Sequential(
+            nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 3)
+        ),
+        input_fn=lambda n: torch.randn(n, 5),
+    ),
+    "cnn": dict(
+        model_fn=lambda: nn.Sequential(
+            nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(3, 2, 2), nn.Sigmoid(), nn.Flatten(), nn.Linear(8, 3),
+        ),
+        input_fn=lambda n: torch.randn(n, 2, 6, 6),
+    ),
+    "conv1d": dict(
+        model_fn=lambda: nn.Sequential(
+            nn.Conv1d(2, 3, 3), nn.ELU(), nn.AvgPool1d(2), nn.Flatten(),
+            nn.Linear(9, 3),
+        ),
+        input_fn=lambda n: torch.randn(n, 2, 8),
+    ),
+    "bn_adaptive": dict(
+        model_fn=lambda: nn.Sequential(
+            nn.Conv2d(1, 3, 3), _bn_eval(3), nn.LeakyReLU(), nn.AdaptiveAvgPool2d(2),
+            nn.Flatten(), nn.Dropout(0.3).eval(), nn.Linear(12, 3),
+        ),
+        input_fn=lambda n: torch.randn(n, 1, 6, 6),
+    ),
+    "residual": dict(
+        model_fn=lambda: nn.Sequential(
+            nn.Linear(4, 4),
+            Parallel(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Identity(),
+                     merge_module=SumModule()),
+            nn.Linear(4, 3),
+        ),
+        input_fn=lambda n: torch.randn(n, 4),
+    ),
+}
+
+LOSSES = {
+    "ce-mean": (lambda: nn.CrossEntropyLoss(), lambda n, c: torch.randint(0, c, (n,))),
+    "ce-sum": (lambda: nn.CrossEntropyLoss(reduction="sum"),
+               lambda n, c: torch.randint(0, c, (n,))),
+    "mse-mean": (lambda: nn.MSELoss(), lambda n, c: torch.randn(n, c)),
+    "mse-sum": (lambda: nn.MSELoss(reduction="sum"), lambda n, c: torch.randn(n, c)),
+}
+
+CASES = [(a, lo) for a in ARCHS for lo in LOSSES]
+CASE_IDS = [f"{a}-{lo}" for a, lo in CASES]
+
+
+def make_case(arch, loss, n=5, seed=0, device="cpu", dtype=torch.float64):
+    """Build (model, loss_func, X, y) for a case, seeded."""
+    torch.manual_seed(seed)
+    model = ARCHS[arch]["model_fn"]().to(device=device, dtype=dtype)
+    X = ARCHS[arch]["input_fn"](n).to(device=device, dtype=dtype)
+    loss_fn, target_fn = LOSSES[loss]
+    y = target_fn(n, 3).to(device)
+    if y.is_floating_point():
+        y = y.to(dtype)
+    return model, loss_fn(), X, y
+
+
+@pytest.fixture(params=CASES, ids=CASE_IDS)
+def case(request):
+    return make_case(*request.param)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param

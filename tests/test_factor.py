@@ -1,0 +1,187 @@
+"""The GGN factor V against dense torch.func references."""
+
+import pytest
+import torch
+from torch import nn
+
+from lowrank_laplace import FactorEngine
+from lowrank_laplace._blocks import DenseBlock, KronBlock
+from tests import reference as ref
+from tests.conftest import make_case
+
+TOL = dict(rtol=1e-5, atol=1e-8)
+
+
+def dense_V(factor, group=0):
+    eye = torch.eye(factor.num_columns, dtype=torch.float64)
+    return factor.matmul(eye, group)
+
+
+def test_factor_equals_dense_ggn(case):
+    model, loss_func, X, y = case
+    with FactorEngine(model, loss_func) as engine:
+        factor = engine.compute(X, y, compute_grams=True)
+    V = dense_V(factor)
+    G = ref.ggn(model, loss_func, X, y)
+    torch.testing.assert_close(V @ V.T, G, **TOL)
+    torch.testing.assert_close(factor.gram(), V.T @ V, **TOL)
+    torch.testing.assert_close(factor.trace(), torch.trace(G), **TOL)
+    x = torch.randn(G.shape[0], 2, dtype=G.dtype)
+    torch.testing.assert_close(factor.matvec(x), G @ x, **TOL)
+
+
+def test_stagewise_gram_equals_kept(case):
+    model, loss_func, X, y = case
+    with FactorEngine(model, loss_func) as engine:
+        lean = engine.compute(X, y, keep_blocks=False, compute_grams=True)
+        full = engine.compute(X, y)
+    assert lean.blocks == {}
+    torch.testing.assert_close(lean.gram(), full.gram(), **TOL)
+    with pytest.raises(RuntimeError, match="not kept"):
+        lean.matmul(torch.eye(lean.num_columns, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("loss", ["ce-mean", "ce-sum", "mse-mean", "mse-sum"])
+@pytest.mark.parametrize("arch", ["mlp", "cnn"])
+def test_subsampling_equals_dense_ggn_of_subset(arch, loss):
+    model, loss_func, X, y = make_case(arch, loss, n=6)
+    sub = [4, 0, 2]
+    with FactorEngine(model, loss_func) as engine:
+        factor = engine.compute(X, y, subsampling=sub)
+    V = dense_V(factor)
+    assert factor.num_curv_samples == 3
+    torch.testing.assert_close(V @ V.T, ref.ggn(model, loss_func, X, y, subsampling=sub), **TOL)
+    # the gradient still uses the whole batch
+    torch.testing.assert_close(factor.grad_flat(), ref.gradient(model, loss_func, X, y), **TOL)
+
+
+@pytest.mark.parametrize("loss", ["ce-mean", "mse-sum"])
+def test_mc_ggn_is_unbiased(loss):
+    model, loss_func, X, y = make_case("mlp", loss, n=3)
+    torch.manual_seed(1)
+    mc = 40_000
+    with FactorEngine(model, loss_func) as engine:
+        factor = engine.compute(X, y, mc_samples=mc)
+    assert factor.num_columns == mc * 3
+    Vt = torch.cat([factor.blocks[i].to_dense() for i in factor.groups[0]], dim=1)
+    G = ref.ggn(model, loss_func, X, y)
+    V = Vt.T
+    # Monte-Carlo error ~ 1/sqrt(mc) relative to the largest entry
+    err = (V @ V.T - G).abs().max() / G.abs().max()
+    assert err < 3e-2
+
+
+@pytest.mark.parametrize("arch", ["mlp", "cnn", "residual"])
+def test_param_groups_give_diagonal_blocks(arch):
+    model, loss_func, X, y = make_case(arch, "ce-mean")
+    params = list(model.parameters())
+    groups = [{"params": params[i : i + 2]} for i in range(0, len(params), 2)]
+    with FactorEngine(model, loss_func) as engine:
+        factor = engine.compute(X, y, param_groups=groups)
+    G = ref.ggn(model, loss_func, X, y)
+    start = 0
+    for g in range(len(groups)):
+        V = dense_V(factor, g)
+        d = V.shape[0]
+        torch.testing.assert_close(V @ V.T, G[start : start + d, start : start + d], **TOL)
+        start += d
+
+
+def test_per_sample_gradients(case):
+    model, loss_func, X, y = case
+    with FactorEngine(model, loss_func) as engine:
+        factor = engine.compute(X, y, batch_grad=True)
+    N = X.shape[0]
+    scale = N if loss_func.reduction == "mean" else 1
+    V = dense_V(factor)
+    g_n = ref.per_sample_grads(model, loss_func, X, y)
+    torch.testing.assert_close(scale * factor.t_matmul_batch_grads(), V.T @ g_n.T, **TOL)
+
+
+def test_linear_gram_without_expansion():
+    torch.manual_seed(0)
+    s, z = torch.randn(12, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    idx = torch.arange(4).repeat(3)
+    kron = KronBlock(s, z, idx)
+    dense = DenseBlock(kron.to_dense())
+    # row m is vec(s_m z_{idx m}^T), row-major like a (5, 3) weight
+    torch.testing.assert_close(dense.rows[7], torch.outer(s[7], z[idx[7]]).flatten())
+    torch.testing.assert_close(kron.gram(), dense.gram(), **TOL)
+    torch.testing.assert_close(kron.row_sq_norms(), dense.row_sq_norms(), **TOL)
+    x, y = torch.randn(15, 2, dtype=torch.float64), torch.randn(12, 2, dtype=torch.float64)
+    torch.testing.assert_close(kron.t_matmul(x), dense.t_matmul(x), **TOL)
+    torch.testing.assert_close(kron.matmul(y), dense.matmul(y), **TOL)
+    other = KronBlock(torch.randn(4, 5, dtype=torch.float64), z, torch.arange(4))
+    torch.testing.assert_close(kron.cross(other), dense.cross(other), **TOL)
+    torch.testing.assert_close(dense.cross(other), dense.rows @ other.to_dense().T, **TOL)
+
+
+def _hook_count(model):
+    return sum(
+        len(m._forward_hooks) + len(m._backward_hooks) + len(m._forward_pre_hooks)
+        for m in model.modules()
+    )
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_model_left_as_it_was(train):
+    model, loss_func, X, y = make_case("mlp", "ce-mean")
+    model.train(train)
+    model[2].weight.requires_grad_(False)
+    before = [p.detach().clone() for p in model.parameters()]
+    flags = [p.requires_grad for p in model.parameters()]
+    with FactorEngine(model, loss_func) as engine:
+        factor = engine.compute(X, y)
+    assert factor.group_dim() == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert _hook_count(model) == 0
+    assert model.training == train
+    assert [p.requires_grad for p in model.parameters()] == flags
+    assert all(p.grad is None for p in model.parameters())
+    for b, p in zip(before, model.parameters()):
+        assert torch.equal(b, p)
+    assert not any(hasattr(m, "input0") or hasattr(m, "_backpack_extend") for m in model.modules())
+    # torch.func still works on the same model
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    torch.func.jacrev(lambda p: torch.func.functional_call(model, p, (X,)))(params)
+    from backpack.context import CTX
+
+    assert all(h not in CTX.hook_handles for h in engine._handles)
+
+
+def test_engine_follows_parameter_updates():
+    model, loss_func, X, y = make_case("mlp", "mse-mean")
+    with FactorEngine(model, loss_func) as engine:
+        engine.compute(X, y)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.5)
+        factor = engine.compute(X, y)
+    V = dense_V(factor)
+    torch.testing.assert_close(V @ V.T, ref.ggn(model, loss_func, X, y), **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_device_and_dtype_follow_model(device, dtype):
+    model, loss_func, X, y = make_case("cnn", "ce-mean", device=device, dtype=dtype)
+    with FactorEngine(model, loss_func) as engine:
+        factor = engine.compute(X, y)
+    gram = factor.gram()
+    assert gram.dtype == dtype and gram.device.type == device
+    G = ref.ggn(model.double(), loss_func, X.double(), y)
+    V = factor.matmul(torch.eye(factor.num_columns, dtype=dtype, device=device)).double()
+    tol = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else TOL  # float32 rounding
+    torch.testing.assert_close(V @ V.T, G, **tol)
+
+
+def test_unsupported_module_with_children_and_params():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(2, 2)
+            self.extra = nn.Parameter(torch.ones(2))
+
+        def forward(self, x):
+            return self.inner(x) * self.extra
+
+    with pytest.raises(NotImplementedError, match="owns parameters"):
+        FactorEngine(nn.Sequential(Odd(), nn.Linear(2, 2)), nn.MSELoss())
