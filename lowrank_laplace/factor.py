@@ -62,10 +62,11 @@ class _StructuredSqrtGGNLinear(SqrtGGNLinear):
                 "weight", module, g_inp, g_out, backproped, sum_batch=False,
                 subsampling=ext.get_subsampling(),
             )
-        z = subsample(module.input0, subsampling=ext.get_subsampling())
+        z = subsample(module.input0, subsampling=ext.get_subsampling()).detach()
         num_vecs, num_samples = backproped.shape[:2]
         idx = torch.arange(num_samples, device=z.device).repeat(num_vecs)
-        return KronBlock(backproped.reshape(num_vecs * num_samples, -1), z, idx)
+        s = backproped.detach().reshape(num_vecs * num_samples, -1)
+        return KronBlock(s, z, idx)
 
 
 class _StructuredBatchGradLinear(BatchGradLinear):
@@ -77,9 +78,9 @@ class _StructuredBatchGradLinear(BatchGradLinear):
                 "weight", module, g_inp, g_out, g_out[0], sum_batch=False,
                 subsampling=ext.get_subsampling(),
             )
-        z = module.input0
+        z = module.input0.detach()
         idx = torch.arange(z.shape[0], device=z.device)
-        return KronBlock(g_out[0], z, idx)
+        return KronBlock(g_out[0].detach(), z, idx)
 
 
 # Layers BackPACK's SqrtGGN lacks although it ships their derivatives.
@@ -307,6 +308,7 @@ class FactorEngine:
         self._copy = copy.deepcopy(model)
         self._loss = copy.deepcopy(loss_func)
         self._handles = None  # BackPACK hooks, installed at the first computation
+        self._closed = False
         self._copy_params = list(self._copy.parameters())
         self._index = {id(p): i for i, p in enumerate(self._copy_params)}
 
@@ -321,11 +323,13 @@ class FactorEngine:
 
     def close(self) -> None:
         """Remove every BackPACK hook the engine installed."""
-        for handle in self._handles or []:
+        handles = self._handles or []
+        for handle in handles:
             handle.remove()
-        ids = {id(h) for h in self._handles}
+        ids = {id(h) for h in handles}
         CTX.hook_handles = [h for h in CTX.hook_handles if id(h) not in ids]
         self._handles = []
+        self._closed = True
 
     def __enter__(self) -> "FactorEngine":
         return self
@@ -377,6 +381,8 @@ class FactorEngine:
         Raises:
             ValueError: If neither blocks nor Gram matrices are requested.
         """
+        if self._closed:
+            raise RuntimeError("The engine is closed: create a new FactorEngine.")
         if not (keep_blocks or compute_grams):
             raise ValueError("Request keep_blocks and/or compute_grams.")
         n = _checks.check_batch(inputs, targets)
@@ -480,7 +486,7 @@ def _as_block(value, lead: int) -> Block:
     """
     if isinstance(value, (DenseBlock, KronBlock)):
         return value
-    return DenseBlock(value.reshape(math.prod(value.shape[:lead]), -1))
+    return DenseBlock(value.detach().reshape(math.prod(value.shape[:lead]), -1))
 
 
 def _checked_forward(model: nn.Module, inputs: Tensor) -> Tensor:

@@ -1,0 +1,171 @@
+"""Every validation error has its own test."""
+
+import pytest
+import torch
+from torch import nn
+
+import lowrank_laplace as ll
+from tests.conftest import make_case
+
+
+@pytest.fixture
+def mlp():
+    return make_case("mlp", "ce-mean")
+
+
+def test_unsupported_loss(mlp):
+    model, _, X, y = mlp
+    with pytest.raises(TypeError, match="Unsupported loss NLLLoss"):
+        ll.ggn_eigh(model, nn.NLLLoss(), X, y)
+
+
+@pytest.mark.parametrize("reduction", ["none", "batchmean"])
+def test_bad_reduction(mlp, reduction):
+    model, _, X, y = mlp
+    loss = nn.CrossEntropyLoss()
+    loss.reduction = reduction
+    with pytest.raises(ValueError, match="reduction='mean' or reduction='sum'"):
+        ll.ggn_eigh(model, loss, X, y)
+
+
+def test_weighted_cross_entropy(mlp):
+    model, _, X, y = mlp
+    with pytest.raises(ValueError, match="class weights or label smoothing"):
+        ll.ggn_eigh(model, nn.CrossEntropyLoss(label_smoothing=0.1), X, y)
+
+
+def test_unsupported_layer_named():
+    model = nn.Sequential(nn.Linear(3, 4), nn.GELU(), nn.Linear(4, 2)).double()
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+    with pytest.raises(NotImplementedError, match=r"Layer '1' \(GELU\).*last_layer"):
+        ll.ggn_eigh(model, nn.CrossEntropyLoss(), X, y)
+
+
+def test_functional_operation_detected():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    X, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    with pytest.raises(NotImplementedError, match="input of 'b'.*functional operation"):
+        ll.ggn_eigh(Net(), nn.CrossEntropyLoss(), X, y)
+
+
+def test_batchnorm_in_train_mode():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    X, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    with pytest.raises(ValueError, match="training mode.*model.eval"):
+        ll.ggn_eigh(model, nn.CrossEntropyLoss(), X, y)
+
+
+def test_target_dtype_for_cross_entropy(mlp):
+    model, loss, X, _ = mlp
+    with pytest.raises(ValueError, match="class-index targets of dtype torch.long"):
+        ll.ggn_eigh(model, loss, X, torch.zeros(X.shape[0]))
+
+
+def test_target_out_of_range(mlp):
+    model, loss, X, _ = mlp
+    with pytest.raises(ValueError, match=r"Class indices must lie in \[0, 3\)"):
+        ll.ggn_eigh(model, loss, X, torch.full((X.shape[0],), 7))
+
+
+def test_target_shape_for_mse(mlp):
+    model, _, X, _ = mlp
+    with pytest.raises(ValueError, match="MSELoss needs floating-point targets"):
+        ll.ggn_eigh(model, nn.MSELoss(), X, torch.zeros(X.shape[0], 2, dtype=X.dtype))
+
+
+def test_batch_size_mismatch(mlp):
+    model, loss, X, y = mlp
+    with pytest.raises(ValueError, match="first dimensions must match"):
+        ll.ggn_eigh(model, loss, X, y[:2])
+
+
+def test_empty_batch(mlp):
+    model, loss, X, y = mlp
+    with pytest.raises(ValueError, match="Empty batch"):
+        ll.ggn_eigh(model, loss, X[:0], y[:0])
+
+
+def test_non_tensor_inputs(mlp):
+    model, loss, X, y = mlp
+    with pytest.raises(TypeError, match="must be torch.Tensor"):
+        ll.ggn_eigh(model, loss, X.tolist(), y)
+
+
+def test_output_must_be_2d():
+    model = nn.Sequential(nn.Conv1d(1, 2, 2))
+    X, y = torch.randn(3, 1, 4), torch.randn(3, 2, 3)
+    with pytest.raises(ValueError, match=r"output must have shape \(N, C\)"):
+        ll.ggn_eigh(model, nn.MSELoss(), X, y)
+
+
+@pytest.mark.parametrize("sub, msg", [
+    ([0, 9], r"must lie in \[0, 5\)"),
+    ([-1], r"must lie in \[0, 5\)"),
+    ([1, 1], "duplicate"),
+    ([], "subsampling is empty"),
+])
+def test_bad_subsampling(mlp, sub, msg):
+    model, loss, X, y = mlp
+    with pytest.raises(ValueError, match=msg):
+        ll.ggn_eigh(model, loss, X, y, subsampling=sub)
+
+
+@pytest.mark.parametrize("mc", [-1, 1.5, True])
+def test_bad_mc_samples(mlp, mc):
+    model, loss, X, y = mlp
+    with pytest.raises(ValueError, match="mc_samples must be 0"):
+        ll.ggn_eigh(model, loss, X, y, mc_samples=mc)
+
+
+def test_non_finite_loss(mlp):
+    model, loss, X, y = mlp
+    X = X.clone()
+    X[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="loss is not finite"):
+        ll.ggn_eigh(model, loss, X, y)
+
+
+def test_param_group_errors(mlp):
+    model, loss, X, y = mlp
+    p = list(model.parameters())
+    with pytest.raises(ValueError, match="dict with key 'params'"):
+        ll.ggn_eigh(model, loss, X, y, param_groups=[p])
+    with pytest.raises(ValueError, match="has no parameters"):
+        ll.ggn_eigh(model, loss, X, y, param_groups=[{"params": []}])
+    with pytest.raises(ValueError, match="not in the model"):
+        ll.ggn_eigh(model, loss, X, y, param_groups=[{"params": [nn.Parameter(torch.ones(2))]}])
+    with pytest.raises(ValueError, match="more than one group"):
+        ll.ggn_eigh(model, loss, X, y, param_groups=[{"params": p}, {"params": p[:1]}])
+
+
+def test_no_trainable_parameters(mlp):
+    model, loss, X, y = mlp
+    for q in model.parameters():
+        q.requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameters with requires_grad=True"):
+        ll.ggn_eigh(model, loss, X, y)
+
+
+def test_module_called_twice():
+    lin = nn.Linear(3, 3)
+    model = nn.Sequential(lin, nn.Tanh(), lin)
+    X, y = torch.randn(4, 3), torch.randint(0, 3, (4,))
+    with pytest.raises(NotImplementedError, match="called more than once"):
+        ll.ggn_eigh(model, nn.CrossEntropyLoss(), X, y)
+
+
+def test_closed_engine(mlp):
+    model, loss, X, y = mlp
+    with ll.FactorEngine(model, loss) as engine:
+        engine.compute(X, y)
+    with pytest.raises(RuntimeError, match="engine is closed"):
+        engine.compute(X, y)
+    with pytest.raises(ValueError, match="keep_blocks and/or compute_grams"):
+        ll.FactorEngine(model, loss).compute(X, y, keep_blocks=False)

@@ -1,0 +1,117 @@
+"""Directional derivatives, Newton steps and inverse products against brute force."""
+
+import pytest
+import torch
+
+import lowrank_laplace as ll
+from tests import reference as ref
+from tests.conftest import make_case
+
+TOL = dict(rtol=1e-5, atol=1e-8)
+
+
+def test_directional_derivatives_brute_force(case):
+    model, loss_func, X, y = case
+    dd = ll.directional_derivatives(model, loss_func, X, y, top_k=3)
+    U = dd.eigenvectors
+    g_n = ref.per_sample_grads(model, loss_func, X, y)
+    G_n = ref.per_sample_ggns(model, loss_func, X, y)
+    torch.testing.assert_close(dd.gammas, g_n @ U, **TOL)
+    lambdas = torch.einsum("dk,nde,ek->nk", U, G_n, U)
+    torch.testing.assert_close(dd.lambdas, lambdas, **TOL)
+    if loss_func.reduction == "mean":
+        g = ref.gradient(model, loss_func, X, y)
+        torch.testing.assert_close(dd.gammas.mean(0), U.T @ g, **TOL)
+        torch.testing.assert_close(dd.lambdas.mean(0), dd.eigenvalues, **TOL)
+    else:
+        torch.testing.assert_close(dd.lambdas.sum(0), dd.eigenvalues, **TOL)
+    torch.testing.assert_close(dd.gamma_snr, dd.gammas.mean(0) ** 2 / dd.gammas.var(0), **TOL)
+    n = dd.lambdas.shape[0]
+    var = ((dd.lambdas - dd.lambdas.mean(0)) ** 2).sum(0) / (n - 1)
+    torch.testing.assert_close(dd.lambda_snr, dd.lambdas.mean(0) ** 2 / var, **TOL)
+
+
+def test_directional_derivatives_subsampling_and_groups():
+    model, loss_func, X, y = make_case("cnn", "ce-mean", n=6)
+    sub = [1, 2, 5]
+    dd = ll.directional_derivatives(model, loss_func, X, y, top_k=2, subsampling=sub)
+    assert dd.gammas.shape == (6, 2) and dd.lambdas.shape == (3, 2)
+    G_n = ref.per_sample_ggns(model, loss_func, X, y, subsampling=sub)
+    U = dd.eigenvectors
+    torch.testing.assert_close(dd.lambdas, torch.einsum("dk,nde,ek->nk", U, G_n, U), **TOL)
+    torch.testing.assert_close(dd.gammas, ref.per_sample_grads(model, loss_func, X, y) @ U, **TOL)
+
+    params = list(model.parameters())
+    groups = [{"params": params[:2]}, {"params": params[2:]}]
+    dds = ll.directional_derivatives(model, loss_func, X, y, top_k=2, param_groups=groups)
+    d = sum(p.numel() for p in params[:2])
+    g_n = ref.per_sample_grads(model, loss_func, X, y)
+    torch.testing.assert_close(dds[0].gammas, g_n[:, :d] @ dds[0].eigenvectors, **TOL)
+    torch.testing.assert_close(dds[1].gammas, g_n[:, d:] @ dds[1].eigenvectors, **TOL)
+
+
+def test_snr_needs_two_samples():
+    with pytest.raises(ValueError, match="at least two samples"):
+        ll.snr(torch.ones(1, 3))
+
+
+@pytest.mark.parametrize("top_k", [None, 2])
+def test_damped_newton_step(case, top_k):
+    model, loss_func, X, y = case
+    damping = 0.5
+    step = ll.damped_newton_step(model, loss_func, X, y, damping=damping, top_k=top_k)
+    G = ref.ggn(model, loss_func, X, y)
+    g = ref.gradient(model, loss_func, X, y)
+    evals, evecs = torch.linalg.eigh(G)
+    evals, evecs = evals.flip(0), evecs.flip(1)
+    keep = evals > 1e-10 * evals[0]
+    evals, evecs = evals[keep], evecs[:, keep]
+    if top_k is not None:
+        evals, evecs = evals[:top_k], evecs[:, :top_k]
+    expected = -evecs @ ((evecs.T @ g) / (evals + damping))
+    torch.testing.assert_close(step, expected, **TOL)
+
+
+def test_newton_step_block_diagonal():
+    model, loss_func, X, y = make_case("mlp", "mse-mean")
+    params = list(model.parameters())
+    groups = [{"params": params[:2]}, {"params": params[2:]}]
+    step = ll.damped_newton_step(model, loss_func, X, y, damping=1.0, param_groups=groups)
+    G = ref.ggn(model, loss_func, X, y)
+    g = ref.gradient(model, loss_func, X, y)
+    d = sum(p.numel() for p in params[:2])
+    parts = []
+    for sl in (slice(0, d), slice(d, None)):
+        evals, evecs = torch.linalg.eigh(G[sl, sl])
+        keep = evals > 1e-10 * evals.max()
+        evals, evecs = evals[keep], evecs[:, keep]
+        parts.append(-evecs @ ((evecs.T @ g[sl]) / (evals + 1.0)))
+    torch.testing.assert_close(step, torch.cat(parts), **TOL)
+
+
+def test_inverse_matvec_full_and_block_diagonal(case):
+    model, loss_func, X, y = case
+    G = ref.ggn(model, loss_func, X, y)
+    D = G.shape[0]
+    x = torch.randn(D, 2, dtype=G.dtype)
+    delta = 0.3
+    out = ll.ggn_inverse_matvec(model, loss_func, X, y, x, damping=delta)
+    torch.testing.assert_close(out, torch.linalg.solve(G + delta * torch.eye(D, dtype=G.dtype), x), **TOL)
+    params = list(model.parameters())
+    groups = [{"params": [p]} for p in params]
+    out = ll.ggn_inverse_matvec(model, loss_func, X, y, x[:, 0], damping=delta, param_groups=groups)
+    sizes = [p.numel() for p in params]
+    blocks = [G[a : a + s, a : a + s] for a, s in zip(torch.tensor([0] + sizes).cumsum(0).tolist(), sizes)]
+    B = torch.block_diag(*blocks)
+    torch.testing.assert_close(out, torch.linalg.solve(B + delta * torch.eye(D, dtype=G.dtype), x[:, 0]), **TOL)
+
+
+def test_newton_and_inverse_errors():
+    model, loss_func, X, y = make_case("mlp", "ce-mean")
+    with pytest.raises(ValueError, match="damping must be non-negative"):
+        ll.damped_newton_step(model, loss_func, X, y, damping=-1.0)
+    D = sum(p.numel() for p in model.parameters())
+    with pytest.raises(ValueError, match="damping must be positive"):
+        ll.ggn_inverse_matvec(model, loss_func, X, y, torch.ones(D, dtype=X.dtype), damping=0.0)
+    with pytest.raises(ValueError, match="vec has 3 entries"):
+        ll.ggn_inverse_matvec(model, loss_func, X, y, torch.ones(3, dtype=X.dtype), damping=1.0)

@@ -1,0 +1,122 @@
+"""Eigenpairs from the Gram matrix against dense eigendecompositions."""
+
+import pytest
+import torch
+
+import lowrank_laplace as ll
+from tests import reference as ref
+from tests.conftest import make_case
+
+TOL = dict(rtol=1e-5, atol=1e-8)
+
+
+def dense_nonzero_eigvals(G):
+    evals = torch.linalg.eigvalsh(G).flip(0)
+    return evals[evals > 1e-10 * evals[0]]
+
+
+def check_eigenpairs(res, G):
+    U, lam = res.eigenvectors, res.eigenvalues
+    # residual G e = lambda e and orthonormality; tiny eigenvalues filtered by the solver
+    torch.testing.assert_close(G @ U, U * lam, rtol=1e-5, atol=1e-8 * G.abs().max())
+    torch.testing.assert_close(U.T @ U, torch.eye(U.shape[1], dtype=U.dtype), **TOL)
+
+
+def test_all_eigenvalues_and_vectors(case):
+    model, loss_func, X, y = case
+    res = ll.ggn_eigh(model, loss_func, X, y, top_k=None)
+    G = ref.ggn(model, loss_func, X, y)
+    expected = dense_nonzero_eigvals(G)
+    torch.testing.assert_close(res.eigenvalues, expected, rtol=1e-5, atol=1e-8 * expected[0])
+    torch.testing.assert_close(res.all_eigenvalues, res.eigenvalues)
+    check_eigenpairs(res, G)
+    torch.testing.assert_close(res.trace, torch.trace(G), **TOL)
+    torch.testing.assert_close(res.kept_fraction, torch.ones((), dtype=G.dtype), **TOL)
+    # matrix-vector products with G (full rank selection) and with its truncation
+    x = torch.randn(G.shape[0], dtype=G.dtype)
+    torch.testing.assert_close(res.matvec(x), G @ x, rtol=1e-5, atol=1e-8 * G.abs().max())
+
+
+@pytest.mark.parametrize("arch", ["mlp", "cnn", "bn_adaptive"])
+def test_selections(arch):
+    model, loss_func, X, y = make_case(arch, "ce-mean", n=6)
+    G = ref.ggn(model, loss_func, X, y)
+    expected = dense_nonzero_eigvals(G)
+    top = ll.ggn_eigh(model, loss_func, X, y, top_k=3)
+    torch.testing.assert_close(top.eigenvalues, expected[:3], **TOL)
+    check_eigenpairs(top, G)
+    torch.testing.assert_close(top.kept_fraction, expected[:3].sum() / torch.trace(G), **TOL)
+    U, lam = top.eigenvectors, top.eigenvalues
+    x = torch.randn(G.shape[0], 2, dtype=G.dtype)
+    torch.testing.assert_close(top.matvec(x), U @ torch.diag(lam) @ U.T @ x, **TOL)
+
+    thr = float(expected[4])
+    above = ll.ggn_eigh(model, loss_func, X, y, top_k=None, threshold=thr)
+    torch.testing.assert_close(above.eigenvalues, expected[expected >= thr], **TOL)
+
+    picked = ll.ggn_eigh(model, loss_func, X, y, top_k=None, indices=[1, 4])
+    torch.testing.assert_close(picked.eigenvalues, expected[[1, 4]], **TOL)
+    check_eigenpairs(picked, G)
+
+    per_param = top.eigenvectors_per_param()
+    assert [t.shape[1:] for t in per_param] == [p.shape for p in model.parameters()]
+    flat = torch.cat([t.reshape(3, -1) for t in per_param], dim=1).T
+    torch.testing.assert_close(flat, top.eigenvectors)
+
+
+@pytest.mark.parametrize("loss", ["ce-mean", "mse-sum"])
+def test_lanczos_matches_dense(loss):
+    model, loss_func, X, y = make_case("cnn", loss, n=8)
+    dense = ll.ggn_eigh(model, loss_func, X, y, top_k=4, solver="dense")
+    lanczos = ll.ggn_eigh(model, loss_func, X, y, top_k=4, solver="lanczos")
+    assert lanczos.all_eigenvalues is None
+    torch.testing.assert_close(lanczos.eigenvalues, dense.eigenvalues, **TOL)
+    check_eigenpairs(lanczos, ref.ggn(model, loss_func, X, y))
+    torch.testing.assert_close(lanczos.trace, dense.trace, **TOL)
+
+
+def test_param_groups_block_diagonal():
+    model, loss_func, X, y = make_case("cnn", "mse-mean")
+    params = list(model.parameters())
+    groups = [{"params": params[:2]}, {"params": params[2:]}]
+    results = ll.ggn_eigh(model, loss_func, X, y, top_k=None, param_groups=groups)
+    eigvals = ll.ggn_eigvals(model, loss_func, X, y, param_groups=groups)
+    G = ref.ggn(model, loss_func, X, y)
+    d = sum(p.numel() for p in params[:2])
+    for res, ev, block in zip(results, eigvals, [G[:d, :d], G[d:, d:]]):
+        expected = dense_nonzero_eigvals(block)
+        torch.testing.assert_close(res.eigenvalues, expected, rtol=1e-5, atol=1e-8 * expected[0])
+        torch.testing.assert_close(ev, res.eigenvalues, **TOL)
+        check_eigenpairs(res, block)
+
+
+def test_eigvals_stagewise(case):
+    model, loss_func, X, y = case
+    evals = ll.ggn_eigvals(model, loss_func, X, y)
+    expected = dense_nonzero_eigvals(ref.ggn(model, loss_func, X, y))
+    torch.testing.assert_close(evals, expected, rtol=1e-5, atol=1e-8 * expected[0])
+
+
+def test_mc_and_subsampling_eigenpairs():
+    model, loss_func, X, y = make_case("mlp", "ce-mean", n=8)
+    sub = [0, 3, 5]
+    res = ll.ggn_eigh(model, loss_func, X, y, top_k=None, subsampling=sub)
+    G_sub = ref.ggn(model, loss_func, X, y, subsampling=sub)
+    torch.testing.assert_close(res.eigenvalues, dense_nonzero_eigvals(G_sub), **TOL)
+    torch.manual_seed(0)
+    mc = ll.ggn_eigh(model, loss_func, X, y, top_k=None, mc_samples=1)
+    assert mc.eigenvalues.numel() <= X.shape[0]  # rank <= N * mc_samples
+
+
+def test_selection_errors():
+    model, loss_func, X, y = make_case("mlp", "ce-mean")
+    with pytest.raises(ValueError, match="top_k must be a positive integer"):
+        ll.ggn_eigh(model, loss_func, X, y, top_k=0)
+    with pytest.raises(ValueError, match="indices must lie in"):
+        ll.ggn_eigh(model, loss_func, X, y, top_k=None, indices=[100])
+    with pytest.raises(ValueError, match="either indices or top_k"):
+        ll.ggn_eigh(model, loss_func, X, y, top_k=2, indices=[0])
+    with pytest.raises(ValueError, match="solver must be"):
+        ll.ggn_eigh(model, loss_func, X, y, solver="qr")
+    with pytest.raises(ValueError, match="computes top_k eigenpairs only"):
+        ll.ggn_eigh(model, loss_func, X, y, top_k=None, solver="lanczos")
