@@ -170,9 +170,7 @@ def make_problem(
     model = MODELS[name](C).to(device=device, dtype=dtype)
     D = num_params(model)
     if D != EXPECTED_NUM_PARAMS[name]:
-        raise ValueError(
-            f"{name}: got {D} parameters, expected {EXPECTED_NUM_PARAMS[name]}."
-        )
+        raise ValueError(f"{name}: got {D} parameters, expected {EXPECTED_NUM_PARAMS[name]}.")
 
     generator = torch.Generator().manual_seed(seed + 1)
     X = torch.randn(N, *INPUT_SHAPES[name], generator=generator, dtype=dtype)

@@ -4,6 +4,7 @@ The mini-batch engine (ViViT): the GGN ``G = V V^T`` with ``V`` computed by Back
 in one backward pass; its nonzero spectrum lives in the small Gram matrix ``V^T V``.
 """
 
+from lowrank_laplace._extensions import supported_modules
 from lowrank_laplace.directional import (
     DirectionalDerivatives,
     damped_newton_step,
@@ -12,7 +13,7 @@ from lowrank_laplace.directional import (
     newton_step_from_factor,
     snr,
 )
-from lowrank_laplace.factor import FactorEngine, GGNFactor, supported_modules
+from lowrank_laplace.factor import FactorEngine, GGNFactor
 from lowrank_laplace.spectrum import (
     LowRankGGN,
     ggn_eigh,

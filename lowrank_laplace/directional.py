@@ -128,7 +128,7 @@ def directional_derivatives(
         )
     results = []
     for g in range(len(factor.groups)):
-        evals, gvecs, _ = gram_eigh(factor, g, top_k, threshold, indices, "dense")
+        evals, gvecs, _ = gram_eigh(factor, g, top_k, threshold, indices)
         gammas, lambdas = _directional(factor, g, evals, gvecs)
         results.append(
             DirectionalDerivatives(

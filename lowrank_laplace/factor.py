@@ -37,77 +37,15 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from backpack import backpack, extend
 from backpack.context import CTX
-from backpack.extensions import BatchGrad, SqrtGGNExact, SqrtGGNMC
-from backpack.core.derivatives.adaptive_avg_pool_nd import (
-    AdaptiveAvgPool1dDerivatives,
-    AdaptiveAvgPool2dDerivatives,
-    AdaptiveAvgPool3dDerivatives,
-)
-from backpack.extensions.firstorder.batch_grad.linear import BatchGradLinear
-from backpack.extensions.secondorder.sqrt_ggn.base import SqrtGGNBaseModule
-from backpack.extensions.secondorder.sqrt_ggn.linear import SqrtGGNLinear
-from backpack.utils.subsampling import subsample
 from torch import Tensor, nn
 
 from lowrank_laplace import _checks
 from lowrank_laplace._blocks import Block, DenseBlock, KronBlock
-
-
-class _StructuredSqrtGGNLinear(SqrtGGNLinear):
-    """``SqrtGGN`` extension for ``nn.Linear`` that keeps weights factored."""
-
-    def weight(self, ext, module, g_inp, g_out, backproped):  # noqa: D102
-        if module.input0.ndim != 2:
-            return self.derivatives.param_mjp(
-                "weight", module, g_inp, g_out, backproped, sum_batch=False,
-                subsampling=ext.get_subsampling(),
-            )
-        z = subsample(module.input0, subsampling=ext.get_subsampling()).detach()
-        num_vecs, num_samples = backproped.shape[:2]
-        idx = torch.arange(num_samples, device=z.device).repeat(num_vecs)
-        s = backproped.detach().reshape(num_vecs * num_samples, -1)
-        return KronBlock(s, z, idx)
-
-
-class _StructuredBatchGradLinear(BatchGradLinear):
-    """``BatchGrad`` extension for ``nn.Linear`` that keeps weights factored."""
-
-    def weight(self, ext, module, g_inp, g_out, backproped):  # noqa: D102
-        if module.input0.ndim != 2:
-            return self.derivatives.param_mjp(
-                "weight", module, g_inp, g_out, g_out[0], sum_batch=False,
-                subsampling=ext.get_subsampling(),
-            )
-        z = module.input0.detach()
-        idx = torch.arange(z.shape[0], device=z.device)
-        return KronBlock(g_out[0].detach(), z, idx)
-
-
-# Layers BackPACK's SqrtGGN lacks although it ships their derivatives.
-_EXTRA_SQRT_GGN = {
-    nn.AdaptiveAvgPool1d: AdaptiveAvgPool1dDerivatives,
-    nn.AdaptiveAvgPool2d: AdaptiveAvgPool2dDerivatives,
-    nn.AdaptiveAvgPool3d: AdaptiveAvgPool3dDerivatives,
-}
-
-
-def _sqrt_ggn_extension(mc_samples: int, subsampling: Optional[List[int]]):
-    """Create BackPACK's ``SqrtGGN`` extension with our layer additions."""
-    if mc_samples:
-        ext = SqrtGGNMC(mc_samples=mc_samples, subsampling=subsampling)
-    else:
-        ext = SqrtGGNExact(subsampling=subsampling)
-    ext.set_module_extension(nn.Linear, _StructuredSqrtGGNLinear(), overwrite=True)
-    for layer, derivatives in _EXTRA_SQRT_GGN.items():
-        ext.set_module_extension(layer, SqrtGGNBaseModule(derivatives()), overwrite=True)
-    return ext
-
-
-def supported_modules() -> tuple:
-    """Return the module classes the GGN factor can be backpropagated through."""
-    # BackPACK keeps the mapping private; read it through the mangled name.
-    ext = _sqrt_ggn_extension(0, None)
-    return tuple(ext._BackpropExtension__module_extensions.keys())
+from lowrank_laplace._extensions import (
+    batch_grad_extension,
+    sqrt_ggn_extension,
+    supported_modules,
+)
 
 
 @dataclass
@@ -262,6 +200,14 @@ class GGNFactor:
         inner = torch.cholesky_solve(self.t_matmul(x, group), chol)
         return (x - self.matmul(inner, group)) / damping
 
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype of the model's parameters."""
+        return next(iter(self.grad.values())).dtype
+
+    def grad_device(self) -> torch.device:
+        """The device of the model's parameters."""
+        return next(iter(self.grad.values())).device
+
     def grad_flat(self, group: int = 0) -> Tensor:
         """Return the mini-batch gradient, flat over the group's parameters.
 
@@ -402,12 +348,8 @@ class FactorEngine:
         kept: Dict[int, Block] = {}
         batch_grads: Dict[int, Block] = {}
 
-        ext = _sqrt_ggn_extension(mc_samples, subsampling)
-        exts = [ext]
-        if batch_grad:
-            bg = BatchGrad()
-            bg.set_module_extension(nn.Linear, _StructuredBatchGradLinear(), overwrite=True)
-            exts.append(bg)
+        ext = sqrt_ggn_extension(mc_samples, subsampling)
+        exts = [ext, batch_grad_extension()] if batch_grad else [ext]
 
         def consume(module: nn.Module) -> None:
             for param in module.parameters(recurse=False):

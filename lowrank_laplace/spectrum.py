@@ -120,10 +120,17 @@ def select(
     if threshold is not None:
         keep = keep[eigenvalues.cpu() >= threshold]
     if top_k is not None:
-        if isinstance(top_k, bool) or int(top_k) != top_k or top_k < 1:
-            raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}.")
-        keep = keep[: int(top_k)]
+        keep = keep[: _check_top_k(top_k)]
     return keep
+
+
+def _check_top_k(top_k) -> int:
+    if isinstance(top_k, bool) or int(top_k) != top_k or top_k < 1:
+        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}.")
+    return int(top_k)
+
+
+SOLVERS = ("auto", "eigh", "arpack", "matrix_free")
 
 
 def gram_eigh(
@@ -142,55 +149,71 @@ def gram_eigh(
         top_k: Number of leading eigenpairs (``None``: all nonzero ones).
         threshold: Keep eigenvalues ``>= threshold``.
         indices: Keep these positions of the descending nonzero spectrum.
-        solver: ``'dense'`` (eigendecomposition of the full Gram matrix),
-            ``'lanczos'`` (scipy's ``eigsh`` on Gram-matrix products, only for
-            ``top_k``) or ``'auto'`` (``'lanczos'`` for ``top_k`` when the Gram
-            matrix is larger than 4,096, else ``'dense'``).
+        solver: How to solve the ``M x M`` eigenproblem:
+
+            * ``'eigh'``: full eigendecomposition of the Gram matrix (in its
+              dtype); yields every nonzero eigenvalue.
+            * ``'arpack'``: form the Gram matrix, then only the ``top_k`` leading
+              eigenpairs by ARPACK's Lanczos (scipy ``eigsh``, float64, to machine
+              precision). Cheaper than ``'eigh'`` for ``top_k << M``.
+            * ``'matrix_free'``: ARPACK on products ``V^T (V x)`` without ever
+              forming the Gram matrix (for very large ``M``; needs kept blocks).
+            * ``'auto'``: ``'arpack'`` for a CPU ``top_k`` selection with
+              ``top_k < M / 4``, else ``'eigh'``.
 
     Returns:
         ``(eigenvalues (K,), gram_eigenvectors (M, K), all_nonzero_eigenvalues)``,
-        the last being ``None`` for the Lanczos solver.
+        the last being ``None`` unless ``'eigh'`` ran.
 
     Raises:
-        ValueError: For an unknown solver or Lanczos without ``top_k``.
+        ValueError: For an unknown solver, or an ARPACK solver without ``top_k``.
     """
-    if solver not in ("auto", "dense", "lanczos"):
-        raise ValueError(f"solver must be 'auto', 'dense' or 'lanczos', got {solver!r}.")
+    if solver not in SOLVERS:
+        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}.")
+    if top_k is not None:
+        _check_top_k(top_k)
     only_top = top_k is not None and threshold is None and indices is None
-    if solver == "lanczos" and not only_top:
-        raise ValueError("solver='lanczos' computes top_k eigenpairs only: pass top_k.")
+    if solver in ("arpack", "matrix_free") and not only_top:
+        raise ValueError(f"solver={solver!r} computes top_k eigenpairs only: pass top_k.")
     num_cols = factor.num_columns
-    if solver == "lanczos" or (solver == "auto" and only_top and num_cols > 4096):
-        if top_k < num_cols - 1:
-            return (*_lanczos(factor, group, int(top_k)), None)
+    if solver == "auto":
+        on_cpu = factor.grad_device().type == "cpu"
+        small_k = only_top and top_k < num_cols / 4
+        solver = "arpack" if (on_cpu and small_k) else "eigh"
+    if solver != "eigh" and top_k < num_cols - 1:
+        return (*_arpack(factor, group, int(top_k), solver == "matrix_free"), None)
     gram = factor.gram(group)
-    # eigh in float64: the Gram matrix is small, and tiny eigenvalues stay accurate
-    evals, evecs = torch.linalg.eigh(gram.double())
-    evals, evecs = evals.flip(0).to(gram.dtype), evecs.flip(1).to(gram.dtype)
+    evals, evecs = torch.linalg.eigh(gram)
+    evals, evecs = evals.flip(0), evecs.flip(1)
     nonzero = evals > nonzero_tolerance(evals, num_cols)
     evals, evecs = evals[nonzero], evecs[:, nonzero]
     keep = select(evals, top_k, threshold, indices).to(evals.device)
     return evals[keep], evecs[:, keep], evals
 
 
-def _lanczos(factor: GGNFactor, group: int, k: int) -> Tuple[Tensor, Tensor]:
-    """Top-k Gram eigenpairs by implicitly restarted Lanczos on ``V^T (V x)``."""
+def _arpack(factor: GGNFactor, group: int, k: int, matrix_free: bool) -> Tuple[Tensor, Tensor]:
+    """Top-k Gram eigenpairs by ARPACK (implicitly restarted Lanczos)."""
     from scipy.sparse.linalg import LinearOperator, eigsh
 
     num_cols = factor.num_columns
-    ref = next(iter(factor.blocks.values()))
-    dtype = ref.rows.dtype if hasattr(ref, "rows") else ref.s.dtype
-    device = ref.rows.device if hasattr(ref, "rows") else ref.s.device
+    if matrix_free:
+        dtype, device = factor.grad_dtype(), factor.grad_device()
 
-    def gram_mv(x: np.ndarray) -> np.ndarray:
-        xt = torch.from_numpy(np.asarray(x, dtype=np.float64)).reshape(num_cols, -1)
-        xt = xt.to(device=device, dtype=dtype)
-        out = factor.t_matmul(factor.matmul(xt, group), group)
-        return out.double().cpu().numpy().reshape(x.shape)
+        def gram_mv(x: np.ndarray) -> np.ndarray:
+            xt = torch.from_numpy(np.asarray(x, dtype=np.float64)).reshape(num_cols, -1)
+            xt = xt.to(device=device, dtype=dtype)
+            out = factor.t_matmul(factor.matmul(xt, group), group)
+            return out.double().cpu().numpy().reshape(x.shape)
 
-    op = LinearOperator((num_cols, num_cols), matvec=gram_mv, matmat=gram_mv,
-                        dtype=np.float64)
-    evals, evecs = eigsh(op, k=k, which="LA")
+        op = LinearOperator((num_cols, num_cols), matvec=gram_mv, matmat=gram_mv,
+                            dtype=np.float64)
+    else:
+        gram = factor.gram(group)
+        dtype, device = gram.dtype, gram.device
+        op = gram.detach().double().cpu().numpy()
+    # fixed start vector: results do not depend on numpy's global random state
+    v0 = np.ones(num_cols) / np.sqrt(num_cols)
+    evals, evecs = eigsh(op, k=k, which="LA", tol=0, v0=v0)
     order = np.argsort(evals)[::-1].copy()
     evals = torch.from_numpy(evals[order].copy()).to(device=device, dtype=dtype)
     evecs = torch.from_numpy(evecs[:, order].copy()).to(device=device, dtype=dtype)
@@ -279,7 +302,8 @@ def ggn_eigh(
             block-diagonal GGN; ``None`` means the whole network as one block.
         threshold: Keep only eigenvalues ``>= threshold``.
         indices: Keep these positions of the descending nonzero spectrum instead.
-        solver: ``'auto'``, ``'dense'`` or ``'lanczos'`` (see :func:`gram_eigh`).
+        solver: ``'auto'``, ``'eigh'``, ``'arpack'`` or ``'matrix_free'`` (see
+            :func:`gram_eigh`).
 
     Returns:
         A :class:`LowRankGGN`, or a list with one per group when ``param_groups``

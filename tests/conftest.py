@@ -38,6 +38,13 @@ ARCHS = {
         ),
         input_fn=lambda n: torch.randn(n, 2, 8),
     ),
+    "conv_variants": dict(  # stride, dilation, padding; grouped conv uses BackPACK
+        model_fn=lambda: nn.Sequential(
+            nn.Conv2d(2, 4, 3, stride=2, padding=2, dilation=2), nn.Tanh(),
+            nn.Conv2d(4, 4, 2, groups=2), nn.Flatten(), nn.Linear(36, 3),
+        ),
+        input_fn=lambda n: torch.randn(n, 2, 8, 8),
+    ),
     "bn_adaptive": dict(
         model_fn=lambda: nn.Sequential(
             nn.Conv2d(1, 3, 3), _bn_eval(3), nn.LeakyReLU(), nn.AdaptiveAvgPool2d(2),

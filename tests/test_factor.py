@@ -185,3 +185,16 @@ def test_unsupported_module_with_children_and_params():
 
     with pytest.raises(NotImplementedError, match="owns parameters"):
         FactorEngine(nn.Sequential(Odd(), nn.Linear(2, 2)), nn.MSELoss())
+
+
+@pytest.mark.parametrize("kernel, dilation, padding, stride", [
+    ((3, 3), (1, 1), (0, 0), (1, 1)),
+    ((3, 2), (2, 1), (2, 1), (2, 3)),
+    ((1, 4), (1, 2), (0, 3), (1, 1)),
+])
+def test_unfold_input_matches_torch(kernel, dilation, padding, stride):
+    from lowrank_laplace._extensions import unfold_input
+
+    x = torch.randn(3, 2, 9, 10, dtype=torch.float64)
+    expected = torch.nn.functional.unfold(x, kernel, dilation, padding, stride)
+    torch.testing.assert_close(unfold_input(x, kernel, dilation, padding, stride), expected)

@@ -1,0 +1,209 @@
+"""BackPACK extensions tuned for the GGN factor ``V``.
+
+* ``nn.Linear`` weights (2d inputs) return a :class:`KronBlock` (inputs and
+  backpropagated vectors) instead of the expanded block.
+* ``nn.Conv1d``/``nn.Conv2d`` weights (``groups=1``, numeric zero padding) are
+  expanded by one batched matrix product with the unfolded input per vector,
+  instead of BackPACK's grouped-convolution trick that first repeats the input
+  once per vector (measured ~10x slower on DeepOBS 3c3d).
+* ``nn.AdaptiveAvgPool{1,2,3}d``, for which BackPACK ships derivatives but no
+  ``SqrtGGN`` mapping.
+
+Shape glossary:
+    V: vectors per sample (C exact, mc_samples for MC, 1 for gradients).
+    N: samples; P: output positions of a conv layer; Q: ``in * prod(kernel)``.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from backpack.core.derivatives.adaptive_avg_pool_nd import (
+    AdaptiveAvgPool1dDerivatives,
+    AdaptiveAvgPool2dDerivatives,
+    AdaptiveAvgPool3dDerivatives,
+)
+from backpack.extensions import BatchGrad, SqrtGGNExact, SqrtGGNMC
+from backpack.extensions.firstorder.batch_grad.conv1d import BatchGradConv1d
+from backpack.extensions.firstorder.batch_grad.conv2d import BatchGradConv2d
+from backpack.extensions.firstorder.batch_grad.linear import BatchGradLinear
+from backpack.extensions.secondorder.sqrt_ggn.base import SqrtGGNBaseModule
+from backpack.extensions.secondorder.sqrt_ggn.convnd import SqrtGGNConv1d, SqrtGGNConv2d
+from backpack.extensions.secondorder.sqrt_ggn.linear import SqrtGGNLinear
+from backpack.utils.subsampling import subsample
+from torch import Tensor, nn
+from torch.nn.functional import pad
+
+from lowrank_laplace._blocks import DenseBlock, KronBlock
+
+
+def _linear_weight(module: nn.Linear, mat: Tensor, subsampling) -> Optional[KronBlock]:
+    """Factored weight block of a linear layer, or ``None`` if not applicable.
+
+    Args:
+        module: The layer (after a forward pass, with ``input0``).
+        mat: Backpropagated vectors at the output, shape ``(V, N, out)``.
+        subsampling: Active sample indices or ``None``.
+
+    Returns:
+        The block with rows ordered ``(v, n)``, or ``None`` for inputs with more
+        than two dimensions.
+    """
+    if module.input0.ndim != 2:
+        return None
+    z = subsample(module.input0, subsampling=subsampling).detach()
+    num_vecs, num_samples = mat.shape[:2]
+    idx = torch.arange(num_samples, device=z.device).repeat(num_vecs)
+    return KronBlock(mat.detach().reshape(num_vecs * num_samples, -1), z, idx)
+
+
+def _conv_weight(module: nn.Module, mat: Tensor, subsampling) -> Optional[DenseBlock]:
+    """Expanded weight block of a 1d/2d convolution, or ``None`` if not applicable.
+
+    Args:
+        module: ``nn.Conv1d`` or ``nn.Conv2d`` (after a forward pass).
+        mat: Backpropagated vectors at the output, shape ``(V, N, out, *spatial)``.
+        subsampling: Active sample indices or ``None``.
+
+    Returns:
+        Rows ``(V * N, out * Q)`` ordered ``(v, n)``, or ``None`` for grouped
+        convolutions, string padding or non-zero padding modes.
+    """
+    if (module.groups != 1 or isinstance(module.padding, str)
+            or module.padding_mode != "zeros"):
+        return None
+    x = subsample(module.input0, subsampling=subsampling).detach()
+    kernel, dilation = module.kernel_size, module.dilation
+    padding, stride = module.padding, module.stride
+    if isinstance(module, nn.Conv1d):
+        x = x.unsqueeze(2)
+        kernel, dilation = (1, *kernel), (1, *dilation)
+        padding, stride = (0, *padding), (1, *stride)
+    cols_t = unfold_input(x, kernel, dilation, padding, stride).transpose(1, 2)  # (N, P, Q)
+    num_vecs, num_samples, out_channels = mat.shape[:3]
+    mat = mat.detach().reshape(num_vecs, num_samples, out_channels, -1)  # (V, N, out, P)
+    rows = mat.new_empty(num_vecs, num_samples, out_channels, cols_t.shape[2])
+    for v in range(num_vecs):
+        torch.matmul(mat[v], cols_t, out=rows[v])
+    return DenseBlock(rows.reshape(num_vecs * num_samples, -1))
+
+
+def unfold_input(x: Tensor, kernel, dilation, padding, stride) -> Tensor:
+    """Unfold the patches of a 2d convolution's input, like ``F.unfold``.
+
+    Built from strided views and one copy: ``torch.nn.functional.unfold`` was
+    measured at ~0.8 s per call for DeepOBS 3c3d's conv inputs (N = 128, 2 CPU
+    cores, torch 2.14), this at ~0.01 s.
+
+    Args:
+        x: Input, shape ``(N, C, H, W)``.
+        kernel: Kernel size ``(kh, kw)``.
+        dilation: Dilation ``(dh, dw)``.
+        padding: Zero padding ``(ph, pw)``.
+        stride: Stride ``(sh, sw)``.
+
+    Returns:
+        Patches, shape ``(N, C * kh * kw, P)`` with ``P = H' * W'`` output positions.
+    """
+    x = pad(x, (padding[1], padding[1], padding[0], padding[0]))
+    for d in range(2):
+        span = (kernel[d] - 1) * dilation[d] + 1
+        x = x.unfold(2 + d, span, stride[d])
+        if dilation[d] > 1:
+            x = x[..., :: dilation[d]]
+    n, c, h, w, kh, kw = x.shape  # (N, C, H', W', kh, kw)
+    return x.permute(0, 1, 4, 5, 2, 3).reshape(n, c * kh * kw, h * w)
+
+
+class _SqrtGGNLinear(SqrtGGNLinear):
+    def weight(self, ext, module, g_inp, g_out, backproped):  # noqa: D102
+        block = _linear_weight(module, backproped, ext.get_subsampling())
+        if block is None:
+            return self.derivatives.param_mjp(
+                "weight", module, g_inp, g_out, backproped, sum_batch=False,
+                subsampling=ext.get_subsampling(),
+            )
+        return block
+
+
+def _sqrt_ggn_conv(base):
+    class _SqrtGGNConv(base):
+        def weight(self, ext, module, g_inp, g_out, backproped):  # noqa: D102
+            block = _conv_weight(module, backproped, ext.get_subsampling())
+            if block is None:
+                return self.derivatives.param_mjp(
+                    "weight", module, g_inp, g_out, backproped, sum_batch=False,
+                    subsampling=ext.get_subsampling(),
+                )
+            return block
+
+    return _SqrtGGNConv
+
+
+def _batch_grad(base, weight_fn):
+    class _BatchGrad(base):
+        def weight(self, ext, module, g_inp, g_out, backproped):  # noqa: D102
+            block = weight_fn(module, g_out[0].unsqueeze(0), None)
+            if block is None:
+                return self._derivatives.param_mjp(
+                    "weight", module, g_inp, g_out, g_out[0], sum_batch=False
+                )
+            return block
+
+    return _BatchGrad
+
+
+_EXTRA_SQRT_GGN = {
+    nn.AdaptiveAvgPool1d: AdaptiveAvgPool1dDerivatives,
+    nn.AdaptiveAvgPool2d: AdaptiveAvgPool2dDerivatives,
+    nn.AdaptiveAvgPool3d: AdaptiveAvgPool3dDerivatives,
+}
+
+
+def sqrt_ggn_extension(mc_samples: int, subsampling: Optional[List[int]]):
+    """BackPACK's ``SqrtGGNExact``/``SqrtGGNMC`` with the tuned layer extensions.
+
+    Args:
+        mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte-Carlo.
+        subsampling: Active sample indices or ``None``.
+
+    Returns:
+        The extension; results are stored under ``ext.savefield``.
+    """
+    if mc_samples:
+        ext = SqrtGGNMC(mc_samples=mc_samples, subsampling=subsampling)
+    else:
+        ext = SqrtGGNExact(subsampling=subsampling)
+    ext.set_module_extension(nn.Linear, _SqrtGGNLinear(), overwrite=True)
+    ext.set_module_extension(nn.Conv1d, _sqrt_ggn_conv(SqrtGGNConv1d)(), overwrite=True)
+    ext.set_module_extension(nn.Conv2d, _sqrt_ggn_conv(SqrtGGNConv2d)(), overwrite=True)
+    for layer, derivatives in _EXTRA_SQRT_GGN.items():
+        ext.set_module_extension(layer, SqrtGGNBaseModule(derivatives()), overwrite=True)
+    return ext
+
+
+def batch_grad_extension() -> BatchGrad:
+    """BackPACK's ``BatchGrad`` with factored linear and fast conv weights.
+
+    Returns:
+        The extension; results are stored under ``grad_batch``.
+    """
+    ext = BatchGrad()
+    ext.set_module_extension(
+        nn.Linear, _batch_grad(BatchGradLinear, _linear_weight)(), overwrite=True
+    )
+    ext.set_module_extension(
+        nn.Conv1d, _batch_grad(BatchGradConv1d, _conv_weight)(), overwrite=True
+    )
+    ext.set_module_extension(
+        nn.Conv2d, _batch_grad(BatchGradConv2d, _conv_weight)(), overwrite=True
+    )
+    return ext
+
+
+def supported_modules() -> tuple:
+    """Return the module classes the GGN factor can be backpropagated through."""
+    # BackPACK keeps the mapping private; read it through the mangled name.
+    ext = sqrt_ggn_extension(0, None)
+    return tuple(ext._BackpropExtension__module_extensions.keys())
