@@ -450,7 +450,12 @@ def run_worker(args: argparse.Namespace) -> Dict[str, Any]:
         args: Parsed command line arguments of the worker.
 
     Returns:
-        The record of this configuration.
+        The record of this configuration. Besides time and memory, it contains
+        the eigenvalues and (unless ``--no-verify``) untimed checks of the
+        eigenvectors with independent GGN-vector products: Rayleigh quotients and
+        relative residuals w.r.t. the full mini-batch GGN (``rayleigh``,
+        ``rel_residual``) and, for sub-sampled variants, w.r.t. the GGN on the
+        sub-sample (``sub_rayleigh``, ``sub_rel_residual``).
     """
     device = torch.device(args.device)
     threads = args.threads or _num_cores()
@@ -587,8 +592,16 @@ def run_worker(args: argparse.Namespace) -> Dict[str, Any]:
         record["warnings"] = problems
 
     if args.verify and list(evecs.shape) == [D, evals.numel()]:
+        # w.r.t. the full mini-batch GGN
         ggnvp = GGNVectorProduct(model, loss_func, X, y)
         record.update(_verify(ggnvp, evecs[:, order], device))
+        # w.r.t. the GGN on the sub-sampled mini-batch (target of ``*_sub``)
+        if args.method in OURS_CASES and OURS_CASES[args.method][1]:
+            sub = list(range(args.N // 8))
+            ggnvp_sub = GGNVectorProduct(model, loss_func, X[sub], y[sub])
+            checks = _verify(ggnvp_sub, evecs[:, order], device)
+            record["sub_rayleigh"] = checks["rayleigh"]
+            record["sub_rel_residual"] = checks["rel_residual"]
 
     record["status"] = "ok"
     return record

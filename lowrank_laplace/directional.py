@@ -76,15 +76,44 @@ class DirectionalDerivatives:
         return snr(self.lambdas)
 
 
-def _directional(factor: GGNFactor, group: int, evals: Tensor, gvecs: Tensor):
-    num_vectors, n_curv = factor.num_vectors, factor.num_curv_samples
+def directional_from_factor(
+    factor: GGNFactor,
+    group: int = 0,
+    top_k: Optional[int] = 10,
+    threshold: Optional[float] = None,
+    indices: Optional[Sequence[int]] = None,
+) -> DirectionalDerivatives:
+    """Directional derivatives of one group from a factor with per-sample gradients.
+
+    Args:
+        factor: Factor computed with ``batch_grad=True`` and kept blocks.
+        group: Group index.
+        top_k: Number of leading eigenpairs; ``None`` for all nonzero ones.
+        threshold: Keep only eigenvalues ``>= threshold``.
+        indices: Keep these positions of the descending nonzero spectrum instead.
+
+    Returns:
+        The directional derivatives along the selected eigenvectors.
+
+    Raises:
+        ValueError: If the factor has no per-sample gradients.
+    """
+    if not factor.batch_grads:
+        raise ValueError("The factor has no per-sample gradients: compute it with batch_grad=True.")
+    evals, gvecs, _ = gram_eigh(factor, group, top_k, threshold, indices)
     # BackPACK's column order is (vector, sample)
-    sq = gvecs.reshape(num_vectors, n_curv, -1).pow(2).sum(0)
+    sq = gvecs.reshape(factor.num_vectors, factor.num_curv_samples, -1).pow(2).sum(0)
     lambdas = factor.sample_scale * evals * sq
     grad_scale = factor.num_samples if factor.reduction == "mean" else 1
     proj = factor.t_matmul_batch_grads(group)  # (M, N)
     gammas = grad_scale * (proj.T @ gvecs) / evals.sqrt()
-    return gammas, lambdas
+    return DirectionalDerivatives(
+        gammas=gammas,
+        lambdas=lambdas,
+        eigenvalues=evals,
+        eigenvectors=to_parameter_space(factor, evals, gvecs, group),
+        reduction=factor.reduction,
+    )
 
 
 def directional_derivatives(
@@ -126,19 +155,10 @@ def directional_derivatives(
         factor = engine.compute(
             inputs, targets, mc_samples, subsampling, param_groups, batch_grad=True
         )
-    results = []
-    for g in range(len(factor.groups)):
-        evals, gvecs, _ = gram_eigh(factor, g, top_k, threshold, indices)
-        gammas, lambdas = _directional(factor, g, evals, gvecs)
-        results.append(
-            DirectionalDerivatives(
-                gammas=gammas,
-                lambdas=lambdas,
-                eigenvalues=evals,
-                eigenvectors=to_parameter_space(factor, evals, gvecs, g),
-                reduction=factor.reduction,
-            )
-        )
+    results = [
+        directional_from_factor(factor, g, top_k, threshold, indices)
+        for g in range(len(factor.groups))
+    ]
     return results if param_groups is not None else results[0]
 
 

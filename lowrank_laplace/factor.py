@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -380,7 +381,9 @@ class FactorEngine:
             default_dtype = torch.get_default_dtype()
             torch.set_default_dtype(outputs.dtype)
             try:
-                with backpack(*exts, extension_hook=consume):
+                with backpack(*exts, extension_hook=consume), warnings.catch_warnings():
+                    # inputs never require grad; BackPACK's hooks fire on outputs only
+                    warnings.filterwarnings("ignore", message="Full backward hook is firing")
                     loss.backward()
             finally:
                 torch.set_default_dtype(default_dtype)

@@ -80,12 +80,13 @@ def nonzero_tolerance(eigenvalues: Tensor, dim: int) -> float:
 
     Returns:
         ``max(eigenvalues) * dim * eps`` with the dtype's machine epsilon, as for
-        numerical matrix rank.
+        the numerical rank of a Gram matrix (its entries carry rounding errors of
+        about ``eps * max(eigenvalues)``).
     """
     if eigenvalues.numel() == 0:
         return 0.0
     top = float(eigenvalues.abs().max())
-    return top * max(dim, 1) * torch.finfo(eigenvalues.dtype).eps * 10
+    return top * max(dim, 1) * torch.finfo(eigenvalues.dtype).eps
 
 
 def select(

@@ -1,0 +1,7 @@
+"""``python -m lowrank_laplace``: the same as the ``lowrank-laplace`` command."""
+
+import sys
+
+from lowrank_laplace.cli import main
+
+sys.exit(main())
