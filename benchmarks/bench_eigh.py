@@ -1012,7 +1012,8 @@ def summarize(
 
     kmax = max(ks)
     ref = _ok(records, REFERENCE, kmax)
-    print(f"\nTargets at k = {kmax}:")
+    note = "" if kmax == 10 else " (targets are defined for k = 10)"
+    print(f"\nTargets at k = {kmax}{note}:")
     targets = (("power", TARGET_SPEEDUP_POWER), ("eigsh", TARGET_SPEEDUP_EIGSH))
     for peer, target in targets:
         r = _ok(records, peer, kmax)
