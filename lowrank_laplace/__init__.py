@@ -4,6 +4,7 @@ The mini-batch engine (ViViT): the GGN ``G = V V^T`` with ``V`` computed by Back
 in one backward pass; its nonzero spectrum lives in the small Gram matrix ``V^T V``.
 """
 
+from lowrank_laplace._checks import layerwise_param_groups
 from lowrank_laplace._extensions import supported_modules
 from lowrank_laplace.directional import (
     DirectionalDerivatives,
@@ -35,6 +36,7 @@ __all__ = [
     "ggn_eigvals",
     "ggn_inverse_matvec",
     "gram_eigh",
+    "layerwise_param_groups",
     "lowrank_ggn",
     "newton_step_from_factor",
     "snr",

@@ -236,6 +236,24 @@ def resolve_param_groups(
     return groups
 
 
+def layerwise_param_groups(model: nn.Module) -> List[Dict[str, Any]]:
+    """One parameter group per layer (module owning trainable parameters).
+
+    Args:
+        model: The network.
+
+    Returns:
+        Optimizer-style groups ``[{"params": [...], "name": layer_name}, ...]`` for a
+        per-layer block-diagonal GGN.
+    """
+    groups = []
+    for name, module in model.named_modules():
+        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if params:
+            groups.append({"params": params, "name": name})
+    return groups
+
+
 def check_finite(loss: Tensor) -> None:
     """Raise if the loss is NaN or infinite.
 

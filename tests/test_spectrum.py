@@ -123,3 +123,29 @@ def test_selection_errors():
     for solver in ("arpack", "matrix_free"):
         with pytest.raises(ValueError, match="computes top_k eigenpairs only"):
             ll.ggn_eigh(model, loss_func, X, y, top_k=None, solver=solver)
+
+
+def test_layerwise_groups_match_dense_blocks():
+    model, loss_func, X, y = make_case("bn_adaptive", "ce-sum")
+    groups = ll.layerwise_param_groups(model)
+    assert [g["name"] for g in groups] == ["0", "1", "6"]
+    results = ll.ggn_eigh(model, loss_func, X, y, top_k=None, param_groups=groups)
+    G = ref.ggn(model, loss_func, X, y)
+    start = 0
+    for res in results:
+        d = res.eigenvectors.shape[0]
+        check_eigenpairs(res, G[start : start + d, start : start + d])
+        start += d
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_results_follow_device_and_dtype(device, dtype):
+    model, loss_func, X, y = make_case("cnn", "ce-mean", n=6, device=device, dtype=dtype)
+    res = ll.ggn_eigh(model, loss_func, X, y, top_k=3)
+    dd = ll.directional_derivatives(model, loss_func, X, y, top_k=3)
+    step = ll.damped_newton_step(model, loss_func, X, y)
+    for t in (res.eigenvalues, res.eigenvectors, res.trace, dd.gammas, dd.lambdas, step):
+        assert t.device.type == device and t.dtype == dtype
+    cpu = ll.ggn_eigh(model.cpu().double(), loss_func, X.cpu().double(), y.cpu(), top_k=3)
+    tol = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else TOL  # float32 rounding
+    torch.testing.assert_close(res.eigenvalues.cpu().double(), cpu.eigenvalues, **tol)
