@@ -1,5 +1,8 @@
 """lowrank_laplace: Laplace posteriors on the exact low-rank structure of the GGN.
 
+Importing it registers ``hessian_structure="lowrank_ggn"`` with laplace-torch's
+``Laplace`` factory (``subset_of_weights="all"`` and ``"last_layer"``).
+
 The mini-batch engine (ViViT): the GGN ``G = V V^T`` with ``V`` computed by BackPACK
 in one backward pass; its nonzero spectrum lives in the small Gram matrix ``V^T V``.
 """
@@ -16,6 +19,9 @@ from lowrank_laplace.directional import (
     snr,
 )
 from lowrank_laplace.factor import FactorEngine, GGNFactor
+from lowrank_laplace.laplace_backend import LowRankGGNLaplace, LowRankGGNLLLaplace
+from lowrank_laplace.merge import StreamingMerge
+from lowrank_laplace.posterior import LowRankPrecision
 from lowrank_laplace.spectrum import (
     LowRankGGN,
     ggn_eigh,
@@ -29,6 +35,10 @@ __all__ = [
     "FactorEngine",
     "GGNFactor",
     "LowRankGGN",
+    "LowRankGGNLLLaplace",
+    "LowRankGGNLaplace",
+    "LowRankPrecision",
+    "StreamingMerge",
     "damped_newton_step",
     "directional_derivatives",
     "directional_from_factor",

@@ -24,7 +24,10 @@ from __future__ import annotations
 
 from typing import Union
 
+import torch
 from torch import Tensor
+
+Weight = Union[float, Tensor]
 
 
 class DenseBlock:
@@ -72,6 +75,30 @@ class DenseBlock:
             Tensor of shape ``(M, M')``.
         """
         return self.rows @ other.to_dense().T
+
+    def weighted_gram(self, weight: Weight) -> Tensor:
+        """Return ``B diag(w) B^T``, shape ``(M, M)``.
+
+        Args:
+            weight: Scalar or per-entry weights of shape ``(d,)``.
+
+        Returns:
+            The weighted Gram matrix.
+        """
+        return (self.rows * weight) @ self.rows.T
+
+    def sample_gram(self, num_vectors: int, weight: Weight = 1.0) -> Tensor:
+        """Per-sample diagonal blocks of ``B diag(w) B^T`` for rows ordered ``(v, n)``.
+
+        Args:
+            num_vectors: Vectors per sample ``V`` (``M = V * N``).
+            weight: Scalar or per-entry weights of shape ``(d,)``.
+
+        Returns:
+            Tensor of shape ``(N, V, V)``.
+        """
+        rows = self.rows.reshape(num_vectors, -1, self.rows.shape[1])
+        return torch.einsum("vnd,knd->nvk", rows * weight, rows)
 
     def row_sq_norms(self) -> Tensor:
         """Return the squared norm of every row, shape ``(M,)``."""
@@ -158,6 +185,36 @@ class KronBlock:
     def row_sq_norms(self) -> Tensor:
         """Return the squared norm of every row, shape ``(M,)``."""
         return (self.s**2).sum(1) * (self.z**2).sum(1)[self.idx]
+
+    def weighted_gram(self, weight: Weight) -> Tensor:
+        """Return ``B diag(w) B^T``, shape ``(M, M)``.
+
+        Args:
+            weight: Scalar (keeps the factored form) or per-entry weights ``(d,)``
+                (expands the block).
+
+        Returns:
+            The weighted Gram matrix.
+        """
+        if isinstance(weight, Tensor) and weight.numel() > 1:
+            return DenseBlock(self.to_dense()).weighted_gram(weight)
+        return self.gram() * weight
+
+    def sample_gram(self, num_vectors: int, weight: Weight = 1.0) -> Tensor:
+        """Per-sample diagonal blocks of ``B diag(w) B^T`` for rows ordered ``(v, n)``.
+
+        Args:
+            num_vectors: Vectors per sample ``V`` (``M = V * N``, ``idx[m] = m % N``).
+            weight: Scalar (keeps the factored form) or per-entry weights ``(d,)``.
+
+        Returns:
+            Tensor of shape ``(N, V, V)``.
+        """
+        if isinstance(weight, Tensor) and weight.numel() > 1:
+            return DenseBlock(self.to_dense()).sample_gram(num_vectors, weight)
+        s = self.s.reshape(num_vectors, -1, self.s.shape[1])
+        zz = (self.z[self.idx[: s.shape[1]]] ** 2).sum(1)
+        return torch.einsum("vno,kno->nvk", s, s) * (zz * weight)[:, None, None]
 
     def t_matmul(self, x: Tensor) -> Tensor:
         """Return ``B x`` without expanding ``B``.

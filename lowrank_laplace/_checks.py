@@ -40,12 +40,16 @@ def check_loss_func(loss_func: nn.Module) -> None:
             )
 
 
-def check_model(model: nn.Module, supported: Sequence[type]) -> None:
+def check_model(
+    model: nn.Module, supported: Sequence[type], allow_train_batchnorm: bool = False
+) -> None:
     """Check that BackPACK can backpropagate the GGN factor through every layer.
 
     Args:
         model: The network.
         supported: Module classes with a BackPACK ``SqrtGGN`` extension.
+        allow_train_batchnorm: Accept BatchNorm in training mode (the caller
+            evaluates in eval mode).
 
     Raises:
         NotImplementedError: Naming the first unsupported layer and a workaround.
@@ -56,7 +60,7 @@ def check_model(model: nn.Module, supported: Sequence[type]) -> None:
     for name, module in model.named_modules():
         name = name or type(model).__name__
         children = list(module.children())
-        if isinstance(module, _BATCHNORMS) and module.training:
+        if isinstance(module, _BATCHNORMS) and module.training and not allow_train_batchnorm:
             raise ValueError(
                 f"Layer {name!r} ({type(module).__name__}) is in training mode, which "
                 "couples the samples of a batch: call model.eval() first."

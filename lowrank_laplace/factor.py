@@ -41,7 +41,7 @@ from backpack.context import CTX
 from torch import Tensor, nn
 
 from lowrank_laplace import _checks
-from lowrank_laplace._blocks import Block, DenseBlock, KronBlock
+from lowrank_laplace._blocks import Block, DenseBlock, KronBlock, Weight
 from lowrank_laplace._extensions import (
     batch_grad_extension,
     sqrt_ggn_extension,
@@ -70,6 +70,7 @@ class GGNFactor:
         num_samples: Batch size ``N``.
         reduction: The loss reduction, ``'mean'`` or ``'sum'``.
         loss: The mini-batch loss (detached).
+        outputs: The model outputs on the batch (detached), shape ``(N, C)``.
     """
 
     groups: List[List[int]]
@@ -80,6 +81,7 @@ class GGNFactor:
     num_samples: int
     reduction: str
     loss: Tensor
+    outputs: Optional[Tensor] = None
     blocks: Dict[int, Block] = field(default_factory=dict)
     grams: List[Optional[Tensor]] = field(default_factory=list)
     grad: Dict[int, Tensor] = field(default_factory=dict)
@@ -138,6 +140,32 @@ class GGNFactor:
         if len(self.grams) > group and self.grams[group] is not None:
             return self.grams[group].diagonal().sum()
         return sum(b.row_sq_norms().sum() for b in self._blocks(group))
+
+    def weighted_gram(self, weights: Sequence[Weight], group: int = 0) -> Tensor:
+        """Return ``V^T diag(w) V`` with one weight (scalar or ``(d,)``) per parameter.
+
+        Args:
+            weights: Weights for the group's parameters, in group order.
+            group: Group index.
+
+        Returns:
+            Tensor of shape ``(M, M)``.
+        """
+        return sum(b.weighted_gram(w) for b, w in zip(self._blocks(group), weights))
+
+    def sample_gram(self, weights: Sequence[Weight], group: int = 0) -> Tensor:
+        """Per-sample blocks of ``V^T diag(w) V``: ``(N_S, V, V)`` for vectors ``V``.
+
+        Args:
+            weights: Weights for the group's parameters, in group order.
+            group: Group index.
+
+        Returns:
+            Tensor of shape ``(N_S, num_vectors, num_vectors)``.
+        """
+        return sum(
+            b.sample_gram(self.num_vectors, w) for b, w in zip(self._blocks(group), weights)
+        )
 
     def t_matmul(self, x: Tensor, group: int = 0) -> Tensor:
         """Return ``V^T x``.
@@ -245,11 +273,14 @@ class FactorEngine:
     Args:
         model: The network; its output must have shape ``(N, C)``.
         loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss`` with mean/sum reduction.
+        eval_mode: Evaluate the private copy in eval mode whatever the model's mode
+            (as laplace-torch does when fitting); ``False`` mirrors the model's mode.
     """
 
-    def __init__(self, model: nn.Module, loss_func: nn.Module):
+    def __init__(self, model: nn.Module, loss_func: nn.Module, eval_mode: bool = False):
         _checks.check_loss_func(loss_func)
-        _checks.check_model(model, supported_modules())
+        _checks.check_model(model, supported_modules(), allow_train_batchnorm=eval_mode)
+        self.eval_mode = eval_mode
         self.model = model
         self.loss_func = loss_func
         self._copy = copy.deepcopy(model)
@@ -267,6 +298,45 @@ class FactorEngine:
         extend(self._copy)
         extend(self._loss)
         self._handles = CTX.hook_handles[num_handles:]
+
+    def bytes_per_sample(self, inputs: Tensor, num_vectors: Optional[int] = None) -> int:
+        """Estimate the memory one sample adds to a computation of ``V``.
+
+        Counts the expanded blocks (``num_vectors`` vectors over every trainable
+        parameter except factored ``nn.Linear`` weights) and the backpropagated
+        vectors at every layer output, measured by a forward pass on one sample.
+
+        Args:
+            inputs: A batch of inputs (only the first sample is used).
+            num_vectors: Vectors per sample (``mc_samples`` for MC); ``None`` uses
+                the number of model outputs ``C`` (exact GGN).
+
+        Returns:
+            Estimated bytes per sample.
+        """
+        dense, feature_sizes = 0, [0]
+        for module in self._copy.modules():
+            for name, p in module.named_parameters(recurse=False):
+                if not p.requires_grad:
+                    continue
+                factored = isinstance(module, nn.Linear) and name == "weight"
+                dense += sum(p.shape) if factored else p.numel()
+
+        def hook(module, inp, out):
+            if isinstance(out, Tensor):
+                feature_sizes.append(out[0].numel())
+
+        leaves = [m for m in self._copy.modules() if not list(m.children())]
+        handles = [m.register_forward_hook(hook) for m in leaves]
+        try:
+            with torch.no_grad():
+                outputs = self._copy(inputs[:1])
+        finally:
+            for h in handles:
+                h.remove()
+        num_vectors = outputs.shape[-1] if num_vectors is None else num_vectors
+        itemsize = torch.finfo(inputs.dtype).bits // 8 if inputs.is_floating_point() else 4
+        return itemsize * num_vectors * (dense + 2 * max(feature_sizes))
 
     def close(self) -> None:
         """Remove every BackPACK hook the engine installed."""
@@ -293,14 +363,13 @@ class FactorEngine:
                 dst.grad = None
             for src, dst in zip(self.model.buffers(), self._copy.buffers()):
                 dst.copy_(src)
-        self._copy.train(self.model.training)
         for src, dst in zip(self.model.modules(), self._copy.modules()):
-            dst.training = src.training
+            dst.training = False if self.eval_mode else src.training
 
     def compute(
         self,
         inputs: Tensor,
-        targets: Tensor,
+        targets: Optional[Tensor],
         mc_samples: int = 0,
         subsampling: Optional[Sequence[int]] = None,
         param_groups: Optional[List[dict]] = None,
@@ -312,7 +381,8 @@ class FactorEngine:
 
         Args:
             inputs: Inputs, shape ``(N, ...)``.
-            targets: Targets, shape ``(N,)`` (class indices) or ``(N, C)``.
+            targets: Targets, shape ``(N,)`` (class indices) or ``(N, C)``; ``None``
+                for ``MSELoss`` uses zeros (the GGN of MSE does not depend on them).
             mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte-Carlo.
             subsampling: Indices of the samples used for the curvature.
             param_groups: Optimizer-style groups of the model's parameters;
@@ -326,13 +396,17 @@ class FactorEngine:
             The factor.
 
         Raises:
-            ValueError: If neither blocks nor Gram matrices are requested.
+            RuntimeError: If the engine was closed.
+            ValueError: If neither blocks nor Gram matrices are requested, or
+                ``targets`` is ``None`` for a loss other than MSE.
         """
         if self._closed:
             raise RuntimeError("The engine is closed: create a new FactorEngine.")
         if not (keep_blocks or compute_grams):
             raise ValueError("Request keep_blocks and/or compute_grams.")
-        n = _checks.check_batch(inputs, targets)
+        if targets is None and not isinstance(self.loss_func, nn.MSELoss):
+            raise ValueError("targets=None is only allowed for MSELoss.")
+        n = _checks.check_batch(inputs, inputs if targets is None else targets)
         mc_samples = _checks.check_mc_samples(mc_samples)
         subsampling = _checks.check_subsampling(subsampling, n)
         groups = _checks.resolve_param_groups(self.model, param_groups)
@@ -374,6 +448,8 @@ class FactorEngine:
 
         with torch.enable_grad():
             outputs = self._copy(inputs)
+            if targets is None:  # the GGN of MSELoss does not depend on the targets
+                targets = torch.zeros_like(outputs.detach())
             _checks.check_targets(self.loss_func, outputs, targets)
             loss = self._loss(outputs, targets)
             _checks.check_finite(loss)
@@ -410,6 +486,7 @@ class FactorEngine:
             num_samples=n,
             reduction=self.loss_func.reduction,
             loss=loss.detach(),
+            outputs=outputs.detach(),
             blocks=kept,
             grams=grams if compute_grams else [],
             grad=grad,

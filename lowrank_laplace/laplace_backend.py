@@ -1,0 +1,433 @@
+r"""``hessian_structure="lowrank_ggn"`` for laplace-torch.
+
+After ``import lowrank_laplace``, laplace-torch's own factory returns these classes::
+
+    from laplace import Laplace
+    la = Laplace(model, "classification", subset_of_weights="all",
+                 hessian_structure="lowrank_ggn")
+    la.fit(train_loader)
+
+The curvature is laplace-torch's GGN (a sum over the training data, times
+``1/sigma^2/T``), represented by its exact leading eigenpairs: ``V`` of every
+micro-batch comes from one BackPACK backward pass and is merged into a rank-``r``
+eigendecomposition by :class:`~lowrank_laplace.merge.StreamingMerge`. The posterior
+precision ``P = U diag(ell) U^T + P_0`` is handled by
+:class:`~lowrank_laplace.posterior.LowRankPrecision` (determinant lemma, Woodbury),
+and the GLM predictive by :mod:`lowrank_laplace.predictive` without materialising the
+``(B, C, D)`` Jacobian. This is the only module that imports laplace-torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+from typing import Any, List, Optional, Tuple, Union
+
+import torch
+import tqdm
+from laplace.baselaplace import ParametricLaplace
+from laplace.lllaplace import LLLaplace
+from torch import Tensor, nn
+from torch.nn.utils import parameters_to_vector
+from torch.utils.data import DataLoader
+
+from lowrank_laplace.factor import FactorEngine
+from lowrank_laplace.merge import StreamingMerge
+from lowrank_laplace.posterior import LowRankPrecision
+from lowrank_laplace.predictive import batched_glm_moments, glm_moments
+
+DEFAULT_RANK = 100
+DEFAULT_MEMORY_BUDGET = 2**30
+
+
+def resolve_memory_budget(budget: Union[int, float, None], device: torch.device) -> int:
+    """Turn a memory budget into bytes.
+
+    Args:
+        budget: Bytes (``int >= 1``), a fraction in ``(0, 1]`` of the currently free
+            memory of ``device``, or ``None`` for 1 GiB.
+        device: Where ``V`` lives.
+
+    Returns:
+        The budget in bytes.
+
+    Raises:
+        ValueError: For a non-positive budget or a fraction above 1.
+    """
+    if budget is None:
+        return DEFAULT_MEMORY_BUDGET
+    if budget <= 0:
+        raise ValueError(f"memory_budget must be positive, got {budget}.")
+    if isinstance(budget, float) and budget <= 1:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return int(budget * free)
+    return int(budget)
+
+
+class LowRankGGNLaplace(ParametricLaplace):
+    r"""Full-network Laplace with the GGN's exact leading eigenspace as curvature.
+
+    Accepts every argument of laplace-torch's ``ParametricLaplace`` (``backend`` is
+    accepted for compatibility and only used by inherited code paths, e.g. the
+    Jacobian fallback when ``enable_backprop=True``), plus:
+
+    Args:
+        model: The network (its parameters with ``requires_grad=True`` are the
+            Laplace parameters).
+        likelihood: ``"classification"`` or ``"regression"``.
+        sigma_noise: Observation noise (regression).
+        prior_precision: Scalar, per-layer or per-parameter prior precision.
+        prior_mean: Prior mean.
+        temperature: Posterior temperature.
+        enable_backprop: Backpropagate through the predictive (uses laplace-torch's
+            Jacobians instead of the engine).
+        dict_key_x: laplace-torch's key for dict inputs (not supported by the engine).
+        dict_key_y: laplace-torch's key for dict targets.
+        backend: laplace-torch curvature backend for inherited Jacobian paths.
+        backend_kwargs: Its keyword arguments.
+        asdl_fisher_kwargs: Ignored (laplace-torch compatibility).
+        rank: Number of leading GGN eigenpairs kept (default 100). Exact whenever
+            the GGN's rank over the whole training set fits.
+        oversampling: Extra eigenpairs kept while streaming (default ``rank // 5``).
+        mc_samples: ``0`` for the exact GGN, ``M >= 1`` for a Monte-Carlo GGN with
+            ``M`` sampled outputs per sample (classification).
+        subsample_fraction: Curvature from this random fraction of every batch
+            (rescaled to stay unbiased); ``None`` uses every sample.
+        memory_budget: Bytes (or a fraction of free memory) one micro-batch's ``V``
+            may take; batches are split automatically. Default 1 GiB.
+        seed: Seed for curvature sub-sampling.
+    """
+
+    _key = ("all", "lowrank_ggn")
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: str,
+        sigma_noise: Union[float, Tensor] = 1.0,
+        prior_precision: Union[float, Tensor] = 1.0,
+        prior_mean: Union[float, Tensor] = 0.0,
+        temperature: float = 1.0,
+        enable_backprop: bool = False,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        backend: Any = None,
+        backend_kwargs: Optional[dict] = None,
+        asdl_fisher_kwargs: Optional[dict] = None,
+        *,
+        rank: int = DEFAULT_RANK,
+        oversampling: Optional[int] = None,
+        mc_samples: int = 0,
+        subsample_fraction: Optional[float] = None,
+        memory_budget: Union[int, float, None] = None,
+        seed: int = 0,
+    ):
+        self._set_options(rank, oversampling, mc_samples, subsample_fraction, memory_budget, seed)
+        super().__init__(
+            model, likelihood, sigma_noise=sigma_noise, prior_precision=prior_precision,
+            prior_mean=prior_mean, temperature=temperature, enable_backprop=enable_backprop,
+            dict_key_x=dict_key_x, dict_key_y=dict_key_y, backend=backend,
+            backend_kwargs=backend_kwargs,
+        )
+
+    def _set_options(self, rank, oversampling, mc_samples, subsample_fraction, memory_budget,
+                     seed) -> None:
+        StreamingMerge(rank, oversampling or 0)  # validates rank and oversampling
+        if isinstance(mc_samples, bool) or int(mc_samples) != mc_samples or mc_samples < 0:
+            raise ValueError(f"mc_samples must be 0 or a positive integer, got {mc_samples!r}.")
+        if subsample_fraction is not None and not 0 < subsample_fraction <= 1:
+            raise ValueError(
+                f"subsample_fraction must lie in (0, 1], got {subsample_fraction!r}."
+            )
+        self.rank = int(rank)
+        self.oversampling = self.rank // 5 if oversampling is None else int(oversampling)
+        self.mc_samples = int(mc_samples)
+        self.subsample_fraction = subsample_fraction
+        self.memory_budget = memory_budget
+        self.seed = seed
+        self.trace: Optional[Tensor] = None
+
+    def _init_H(self) -> None:
+        self.H: Optional[Tuple[Tensor, Tensor]] = None
+
+    # ----------------------------------------------------------------- fitting
+    def _curvature_target(self) -> Tuple[nn.Module, Any, List[Tensor]]:
+        """The module whose GGN is computed, an input transform, and its parameters."""
+        return self.model, (lambda X: X), self.params
+
+    def _loss_and_factor(self) -> Tuple[nn.Module, float]:
+        if self.likelihood == "regression":
+            return nn.MSELoss(reduction="sum"), 0.5
+        return nn.CrossEntropyLoss(reduction="sum"), 1.0
+
+    def _check_targets(self, y: Tensor) -> None:
+        if self.likelihood == "regression":
+            if y.ndim != 2 or not y.is_floating_point():
+                raise ValueError(
+                    "likelihood='regression' needs floating-point targets of the output's "
+                    f"shape (N, C), got dtype {y.dtype} and shape {tuple(y.shape)}."
+                )
+        elif y.is_floating_point() or y.ndim != 1:
+            raise ValueError(
+                "likelihood='classification' needs integer class targets of shape (N,), "
+                f"got dtype {y.dtype} and shape {tuple(y.shape)}."
+            )
+
+    def fit(
+        self, train_loader: DataLoader, override: bool = True, progress_bar: bool = False
+    ) -> None:
+        """Fit the low-rank GGN over the whole loader by streaming merges.
+
+        Args:
+            train_loader: Yields ``(X, y)`` batches; ``train_loader.dataset`` gives
+                the number of data points.
+            override: Must be ``True`` (a truncated eigendecomposition cannot be
+                updated with new data and stay exact).
+            progress_bar: Show a tqdm progress bar over batches.
+
+        Raises:
+            ValueError: For ``override=False``, a loader without ``dataset``, an
+                empty loader, dict inputs, mismatched targets, or a memory budget
+                too small for one sample.
+        """
+        if not override:
+            raise ValueError("lowrank_ggn Laplace does not support override=False.")
+        dataset = getattr(train_loader, "dataset", None)
+        if dataset is None:
+            raise ValueError("train_loader needs a .dataset to know the number of data points.")
+        num_data = len(dataset)
+        if num_data == 0:
+            raise ValueError("train_loader is empty: nothing to fit.")
+        module, to_inputs, params = self._curvature_target()
+        self.mean = parameters_to_vector(params).detach()
+        loss_func, factor = self._loss_and_factor()
+        merge = StreamingMerge(self.rank, self.oversampling)
+        generator = torch.Generator().manual_seed(self.seed)
+        loss, micro = 0.0, None
+        with FactorEngine(module, loss_func, eval_mode=True) as engine:
+            for data in tqdm.tqdm(train_loader, disable=not progress_bar,
+                                  desc="[lowrank_ggn: merging GGN factors]"):
+                if isinstance(data, MutableMapping):
+                    raise ValueError("lowrank_ggn supports (X, y) batches, not dict inputs.")
+                X, y = data
+                X, y = to_inputs(X.to(self._device)), y.to(self._device)
+                if micro is None:
+                    micro = self._micro_batch_size(engine, X, self.mc_samples or None)
+                self._check_targets(y)
+                for Xc, yc in zip(torch.split(X, micro), torch.split(y, micro)):
+                    sub, scale = self._subsample(len(yc), generator)
+                    batch = engine.compute(Xc, yc, mc_samples=self.mc_samples, subsampling=sub)
+                    merge.add_factor(batch, scale=factor * scale)
+                    loss = loss + factor * batch.loss
+                    self.n_outputs = batch.outputs.shape[-1]
+        if micro is None:
+            raise ValueError("train_loader yielded no batches: nothing to fit.")
+        U, lam, trace = merge.result()
+        self.H = (U, lam)
+        self.trace = trace
+        self.loss = loss
+        self.n_data = num_data
+
+    def _micro_batch_size(self, engine: FactorEngine, X: Tensor, num_vectors) -> int:
+        """Samples per backward pass so that one micro-batch's ``V`` fits the budget."""
+        per_sample = engine.bytes_per_sample(X, num_vectors)
+        budget = resolve_memory_budget(self.memory_budget, X.device)
+        if per_sample > budget:
+            raise ValueError(
+                f"memory_budget={budget:,} bytes is too small for one sample (about "
+                f"{per_sample:,} bytes of V): raise memory_budget, use mc_samples=1, or "
+                "subset_of_weights='last_layer'."
+            )
+        return max(1, budget // per_sample)
+
+    def _subsample(self, n: int, generator: torch.Generator):
+        if self.subsample_fraction is None or self.subsample_fraction == 1:
+            return None, 1.0
+        k = max(1, round(self.subsample_fraction * n))
+        idx = torch.randperm(n, generator=generator)[:k].tolist()
+        return idx, n / k
+
+    # --------------------------------------------------------------- posterior
+    @property
+    def kept_fraction(self) -> Tensor:
+        """Fraction of the exact GGN trace (total curvature) the kept rank holds."""
+        self._check_H_init()
+        return self.H[1].sum() / self.trace
+
+    @property
+    def posterior_precision(self) -> Tuple[Tuple[Tensor, Tensor], Tensor]:
+        """``((U, ell), prior_precision_diag)`` with ``P = U diag(ell) U^T + diag(p0)``."""
+        self._check_H_init()
+        return (self.H[0], self._H_factor * self.H[1]), self.prior_precision_diag
+
+    def _precision(self) -> LowRankPrecision:
+        self._check_H_init()
+        prior = torch.as_tensor(self.prior_precision, device=self._device, dtype=self._dtype)
+        if prior.numel() != 1:
+            prior = self.prior_precision_diag
+        return LowRankPrecision(self.H[0], self._H_factor * self.H[1], prior)
+
+    @property
+    def log_det_posterior_precision(self) -> Tensor:
+        """``log det P`` by the determinant lemma (closed form for a scalar prior)."""
+        return self._precision().logdet()
+
+    def square_norm(self, value: Tensor) -> Tensor:
+        """``(value - mean)^T P (value - mean)``.
+
+        Args:
+            value: Parameter vector, shape ``(D,)``.
+
+        Returns:
+            Scalar tensor.
+        """
+        return self._precision().square_norm(value - self.mean)
+
+    @staticmethod
+    def _jacobian_terms(Js: Tensor, precision: LowRankPrecision):
+        """``J P_0^{-1}`` and ``J P_0^{-1} W`` from explicit Jacobians ``(..., D)``."""
+        return Js / precision.d, Js @ precision.w_over_d()
+
+    def functional_variance(self, Js: Tensor) -> Tensor:
+        """``J P^{-1} J^T`` per input from explicit Jacobians.
+
+        Args:
+            Js: Jacobians, shape ``(B, C, D)``.
+
+        Returns:
+            Tensor of shape ``(B, C, C)``.
+        """
+        precision = self._precision()
+        jd, jdw = self._jacobian_terms(Js, precision)
+        return precision.functional_variance(jd @ Js.transpose(1, 2), jdw)
+
+    def functional_covariance(self, Js: Tensor) -> Tensor:
+        """Joint ``J P^{-1} J^T`` over all inputs and outputs from explicit Jacobians.
+
+        Args:
+            Js: Jacobians, shape ``(B, C, D)``.
+
+        Returns:
+            Tensor of shape ``(B C, B C)``.
+        """
+        Js = Js.reshape(-1, Js.shape[-1])
+        precision = self._precision()
+        jd, jdw = self._jacobian_terms(Js, precision)
+        return precision.functional_variance(jd @ Js.T, jdw)
+
+    def sample_from_noise(self, eps: Tensor) -> Tensor:
+        """Posterior samples as a linear map of standard normal noise.
+
+        Args:
+            eps: Noise, shape ``(D, n)``.
+
+        Returns:
+            Samples ``mean + S eps`` with ``S S^T = P^{-1}``, shape ``(n, D)``.
+        """
+        return self.mean + self._precision().sqrt_inv_matmul(eps).T
+
+    def sample(self, n_samples: int = 100, generator: Optional[torch.Generator] = None) -> Tensor:
+        """Draw parameter samples from the posterior ``N(mean, P^{-1})``.
+
+        Args:
+            n_samples: Number of samples.
+            generator: Random number generator.
+
+        Returns:
+            Samples, shape ``(n_samples, D)``.
+        """
+        eps = torch.randn(self.n_params, n_samples, device=self._device, dtype=self._dtype,
+                          generator=generator)
+        return self.sample_from_noise(eps)
+
+    # -------------------------------------------------------------- predictive
+    def _prior_variance_weights(self) -> List[Union[float, Tensor]]:
+        prior = torch.as_tensor(self.prior_precision, device=self._device, dtype=self._dtype)
+        params = self._curvature_target()[2]
+        if prior.numel() == 1:
+            return [1 / prior.reshape(())] * len(params)
+        if prior.numel() == len(params) and prior.numel() != self.n_params:
+            return [1 / p for p in prior]
+        sizes = [p.numel() for p in params]
+        return list(torch.split(1 / self.prior_precision_diag, sizes))
+
+    def _glm_predictive_distribution(
+        self,
+        X: Union[Tensor, MutableMapping],
+        joint: bool = False,
+        diagonal_output: bool = False,
+    ) -> Tuple[Tensor, Tensor]:
+        if self.enable_backprop or isinstance(X, MutableMapping):
+            return super()._glm_predictive_distribution(X, joint, diagonal_output)
+        precision, weights = self._precision(), self._prior_variance_weights()
+        X = X.to(self._device)
+        # V = sqrt(2) J^T from the MSE-sum engine; eval mode as in laplace-torch's fit
+        with FactorEngine(self.model, nn.MSELoss(reduction="sum"), eval_mode=True) as engine:
+            if joint:
+                f_mu, f_var = glm_moments(engine, X, precision, weights, joint=True)
+                return f_mu.flatten(), f_var
+            micro = self._micro_batch_size(engine, X, None)
+            f_mu, f_var = batched_glm_moments(engine, X, precision, weights, micro)
+        if diagonal_output:
+            f_var = torch.diagonal(f_var, dim1=-2, dim2=-1)
+        return f_mu, f_var
+
+    # ------------------------------------------------------------- persistence
+    def state_dict(self) -> dict:
+        """laplace-torch's state plus the exact GGN trace and the rank options."""
+        state = super().state_dict()
+        state.update(trace=self.trace, rank=self.rank, mc_samples=self.mc_samples)
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a fitted posterior.
+
+        Args:
+            state_dict: From :meth:`state_dict` of the same model type.
+
+        Raises:
+            ValueError: If the state belongs to another model or Laplace type.
+        """
+        super().load_state_dict(state_dict)
+        U = self.H[0]
+        if U.shape[0] != self.n_params:
+            raise ValueError(
+                f"The saved eigenvectors have {U.shape[0]} rows but the model has "
+                f"{self.n_params} Laplace parameters."
+            )
+        self.trace = state_dict.get("trace")
+
+
+class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
+    """Last-layer Laplace with the last layer's exact low-rank GGN.
+
+    Same options as :class:`LowRankGGNLaplace` (``rank``, ``oversampling``,
+    ``mc_samples``, ``subsample_fraction``, ``memory_budget``, ``seed``) plus
+    laplace-torch's last-layer arguments (``last_layer_name``, ``feature_reduction``).
+    """
+
+    _key = ("last_layer", "lowrank_ggn")
+
+    def __init__(self, model: nn.Module, likelihood: str, *args, rank: int = DEFAULT_RANK,
+                 oversampling: Optional[int] = None, mc_samples: int = 0,
+                 subsample_fraction: Optional[float] = None,
+                 memory_budget: Union[int, float, None] = None, seed: int = 0, **kwargs):
+        super().__init__(model, likelihood, *args, **kwargs)
+        self._set_options(rank, oversampling, mc_samples, subsample_fraction, memory_budget, seed)
+
+    def _curvature_target(self):
+        last = self.model.last_layer
+        extractor = self.model
+
+        def features(X):
+            with torch.no_grad():
+                return extractor.forward_with_features(X)[1].detach()
+
+        return nn.Sequential(last), features, list(last.parameters())
+
+    def _glm_predictive_distribution(self, X, joint: bool = False,
+                                     diagonal_output: bool = False):
+        return LLLaplace._glm_predictive_distribution(self, X, joint, diagonal_output)

@@ -1,0 +1,132 @@
+r"""Streaming low-rank merge of GGN factors over a data set.
+
+laplace-torch's curvature is a *sum* over the training set, :math:`H = \sum_b V_b
+V_b^\top`. We keep a factor :math:`W = U \mathrm{diag}(\lambda)^{1/2}` (``D x r``) with
+:math:`W W^\top \approx H` and merge every (micro-)batch factor :math:`V_b`:
+:math:`Z = [W, V_b]`, eigen-decompose the small matrix
+
+.. math::
+    Z^\top Z = \begin{pmatrix} \mathrm{diag}(\lambda) & \mathrm{diag}(\lambda)^{1/2}
+    U^\top V_b \\ V_b^\top U \mathrm{diag}(\lambda)^{1/2} & V_b^\top V_b \end{pmatrix}
+    = Q \mathrm{diag}(\mu) Q^\top,
+
+keep the leading ``r + p`` eigenpairs (``p``: oversampling while streaming) and set
+:math:`U \leftarrow Z Q_{:, :r+p} \mathrm{diag}(\mu)^{-1/2}`. The result is exact
+whenever the total rank fits, needs one pass over the data, holds ``O(D (r + M))``
+memory, and is the same operation that merges factors of several processes. The
+dropped curvature is known exactly: running trace minus kept eigenvalues.
+
+Shape glossary:
+    D: parameters; r: kept rank; M: columns of one batch factor.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from lowrank_laplace.factor import GGNFactor
+
+
+class StreamingMerge:
+    """Accumulates ``H = sum_b V_b V_b^T`` as a truncated eigendecomposition.
+
+    Args:
+        rank: Number of eigenpairs kept in the end (``r >= 1``).
+        oversampling: Extra eigenpairs kept while streaming (``p >= 0``), which
+            makes the truncation more accurate when the total rank exceeds ``r``.
+
+    Raises:
+        ValueError: For ``rank < 1`` or negative oversampling.
+    """
+
+    def __init__(self, rank: int, oversampling: int = 0):
+        if isinstance(rank, bool) or int(rank) != rank or rank < 1:
+            raise ValueError(f"rank must be a positive integer, got {rank!r}.")
+        if isinstance(oversampling, bool) or int(oversampling) != oversampling or oversampling < 0:
+            raise ValueError(f"oversampling must be a non-negative integer, got {oversampling!r}.")
+        self.rank = int(rank)
+        self.oversampling = int(oversampling)
+        self.eigenvectors: Optional[Tensor] = None  # (D, k)
+        self.eigenvalues: Optional[Tensor] = None  # (k,)
+        self.trace: Optional[Tensor] = None
+        self.num_merges = 0
+
+    @property
+    def _keep(self) -> int:
+        return self.rank + self.oversampling
+
+    def add_factor(self, factor: GGNFactor, group: int = 0, scale: float = 1.0) -> None:
+        """Merge ``scale * V V^T`` of one group of a batch factor.
+
+        Args:
+            factor: Batch factor with kept blocks.
+            group: Group index.
+            scale: Non-negative factor applied to the batch's GGN.
+        """
+        gram = factor.gram(group) * scale
+        trace = gram.diagonal().sum()
+        self.trace = trace if self.trace is None else self.trace + trace
+        if self.eigenvectors is None:
+            evals, q = _top_eigh(gram, self._keep)
+            self.eigenvectors = factor.matmul(q, group) * (scale**0.5) / evals.sqrt()
+            self.eigenvalues = evals
+            self.num_merges += 1
+            return
+        U, lam = self.eigenvectors, self.eigenvalues
+        r = lam.numel()
+        cross = factor.t_matmul(U, group).T * (scale**0.5) * lam.sqrt()[:, None]  # (r, M)
+        small = torch.cat(
+            [torch.cat([torch.diag(lam), cross], 1), torch.cat([cross.T, gram], 1)], 0
+        )
+        evals, q = _top_eigh(small, self._keep)
+        new = U @ (lam.sqrt()[:, None] * q[:r]) + factor.matmul(q[r:], group) * (scale**0.5)
+        self.eigenvectors = new / evals.sqrt()
+        self.eigenvalues = evals
+        self.num_merges += 1
+
+    def add_lowrank(self, eigenvectors: Tensor, eigenvalues: Tensor, trace: Tensor) -> None:
+        """Merge another truncated eigendecomposition (e.g. from another process).
+
+        Args:
+            eigenvectors: Orthonormal vectors, shape ``(D, k)``.
+            eigenvalues: Positive eigenvalues, shape ``(k,)``.
+            trace: The exact trace of the other curvature.
+        """
+        self.trace = trace if self.trace is None else self.trace + trace
+        if self.eigenvectors is None:
+            self.eigenvectors, self.eigenvalues = eigenvectors, eigenvalues
+            return
+        W = torch.cat(
+            [self.eigenvectors * self.eigenvalues.sqrt(), eigenvectors * eigenvalues.sqrt()], 1
+        )
+        evals, q = _top_eigh(W.T @ W, self._keep)
+        self.eigenvectors = (W @ q) / evals.sqrt()
+        self.eigenvalues = evals
+        self.num_merges += 1
+
+    def result(self) -> Tuple[Tensor, Tensor, Tensor]:
+        """The leading ``rank`` eigenpairs and the exact total trace.
+
+        Returns:
+            ``(eigenvectors (D, k), eigenvalues (k,), trace)`` with ``k <= rank``.
+
+        Raises:
+            RuntimeError: If nothing was merged.
+        """
+        if self.eigenvectors is None:
+            raise RuntimeError("Nothing was merged: the data loader was empty.")
+        k = min(self.rank, self.eigenvalues.numel())
+        return self.eigenvectors[:, :k], self.eigenvalues[:k], self.trace
+
+
+def _top_eigh(mat: Tensor, keep: int) -> Tuple[Tensor, Tensor]:
+    """Leading eigenpairs of a symmetric PSD matrix, numerically zero ones dropped."""
+    evals, evecs = torch.linalg.eigh(mat)
+    evals, evecs = evals.flip(0), evecs.flip(1)
+    tol = evals[0].clamp(min=0) * mat.shape[0] * torch.finfo(mat.dtype).eps
+    num = int(min(keep, int((evals > tol).sum())))
+    num = max(num, 1)
+    return evals[:num].clamp(min=torch.finfo(mat.dtype).tiny), evecs[:, :num]

@@ -1,0 +1,105 @@
+r"""GLM predictive moments without materialising the ``(B, C, D)`` Jacobian.
+
+The linearised predictive needs :math:`f(x)` and :math:`J P^{-1} J^\top`. With the
+low-rank precision of :mod:`lowrank_laplace.posterior`,
+
+.. math::
+    J P^{-1} J^\top = J P_0^{-1} J^\top - (J P_0^{-1} W) K^{-1} (J P_0^{-1} W)^\top.
+
+Both terms come from the engine itself: for ``MSELoss(reduction="sum")`` the loss
+Hessian is :math:`2I`, so BackPACK's factor has columns :math:`\sqrt{2} J_n^\top e_c`:
+``V = sqrt(2) J^T``. The per-sample ``C x C`` blocks of :math:`J P_0^{-1} J^\top`
+are per-sample Gram blocks (linear layers stay factored) and :math:`J P_0^{-1} W`
+is ``V^T (P_0^{-1} W)``, all accumulated from one backward pass per micro-batch.
+
+Shape glossary:
+    B: test inputs; C: outputs; D: parameters; r: rank.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+from torch import Tensor
+
+from lowrank_laplace._blocks import Weight
+from lowrank_laplace.factor import FactorEngine
+from lowrank_laplace.posterior import LowRankPrecision
+
+
+def jacobian_factor(engine: FactorEngine, inputs: Tensor):
+    """One backward pass giving ``V = sqrt(2) J^T`` on ``inputs`` (MSE-sum engine).
+
+    Args:
+        engine: Engine built with ``nn.MSELoss(reduction="sum")``.
+        inputs: Inputs, shape ``(B, ...)``.
+
+    Returns:
+        The :class:`~lowrank_laplace.factor.GGNFactor` (its ``outputs`` are ``f(x)``).
+    """
+    return engine.compute(inputs, None)
+
+
+def glm_moments(
+    engine: FactorEngine,
+    inputs: Tensor,
+    precision: LowRankPrecision,
+    weights: List[Weight],
+    joint: bool = False,
+) -> Tuple[Tensor, Tensor]:
+    r"""Mean and (co)variance of the linearised predictive on a batch.
+
+    Args:
+        engine: Engine built with ``nn.MSELoss(reduction="sum")`` on the model.
+        inputs: Inputs, shape ``(B, ...)``.
+        precision: The posterior precision.
+        weights: :math:`P_0^{-1}` per parameter (scalar or ``(d,)``), in the
+            order of the model's trainable parameters.
+        joint: Return the joint ``(B C, B C)`` covariance instead of the per-input
+            ``(B, C, C)`` blocks.
+
+    Returns:
+        ``f_mu`` of shape ``(B, C)`` and ``f_var`` of shape ``(B, C, C)`` (or
+        ``(B C, B C)`` with ``joint``, ordered like ``f_mu.flatten()``).
+    """
+    factor = jacobian_factor(engine, inputs)
+    num_out, num_in = factor.num_vectors, factor.num_samples
+    jdw = factor.t_matmul(precision.w_over_d()) / 2**0.5  # (C*B, r), rows (c, n)
+    jdw = jdw.reshape(num_out, num_in, -1).transpose(0, 1)  # (B, C, r)
+    if joint:
+        jdj = factor.weighted_gram(weights) / 2  # rows/cols ordered (c, n)
+        jdj = jdj.reshape(num_out, num_in, num_out, num_in).permute(1, 0, 3, 2)
+        jdj = jdj.reshape(num_in * num_out, num_in * num_out)
+        f_var = precision.functional_variance(jdj, jdw.reshape(num_in * num_out, -1))
+    else:
+        jdj = factor.sample_gram(weights) / 2  # (B, C, C)
+        f_var = precision.functional_variance(jdj, jdw)
+    return factor.outputs, f_var
+
+
+def batched_glm_moments(
+    engine: FactorEngine,
+    inputs: Tensor,
+    precision: LowRankPrecision,
+    weights: List[Weight],
+    micro_batch_size: int,
+) -> Tuple[Tensor, Tensor]:
+    """:func:`glm_moments` over micro-batches (per-input variances only).
+
+    Args:
+        engine: Engine built with ``nn.MSELoss(reduction="sum")`` on the model.
+        inputs: Inputs, shape ``(B, ...)``.
+        precision: The posterior precision.
+        weights: :math:`P_0^{-1}` per parameter.
+        micro_batch_size: Inputs per backward pass.
+
+    Returns:
+        ``f_mu`` of shape ``(B, C)`` and ``f_var`` of shape ``(B, C, C)``.
+    """
+    mus, variances = [], []
+    for chunk in torch.split(inputs, micro_batch_size):
+        mu, var = glm_moments(engine, chunk, precision, weights)
+        mus.append(mu)
+        variances.append(var)
+    return torch.cat(mus), torch.cat(variances)

@@ -1,0 +1,354 @@
+"""laplace-torch integration: with full rank, equal to FullLaplace's exact GGN."""
+
+import math
+
+import pytest
+import torch
+from laplace import FullLaplace, Laplace
+from laplace.lllaplace import FullLLLaplace
+from laplace.marglik_training import marglik_training
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lowrank_laplace as ll
+from lowrank_laplace import LowRankGGNLaplace, LowRankGGNLLLaplace
+
+TOL = dict(rtol=1e-5, atol=1e-8)
+
+
+def _mlp(out):
+    return nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, out))
+
+
+def _cnn(out):
+    return nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(2 * 3 * 3, out))
+
+
+PROBLEMS = {
+    "mlp-classification": (_mlp, lambda n: torch.randn(n, 3), "classification"),
+    "mlp-regression": (_mlp, lambda n: torch.randn(n, 3), "regression"),
+    "cnn-classification": (_cnn, lambda n: torch.randn(n, 1, 5, 5), "classification"),
+    "cnn-regression": (_cnn, lambda n: torch.randn(n, 1, 5, 5), "regression"),
+}
+
+
+def make_problem(name, n=24, out=3, seed=0, batch_size=7, shuffle=False):
+    torch.manual_seed(seed)
+    model_fn, x_fn, likelihood = PROBLEMS[name]
+    model = model_fn(out).double()
+    X = x_fn(n).double()
+    if likelihood == "classification":
+        y = torch.randint(0, out, (n,))
+    else:
+        y = torch.randn(n, out, dtype=torch.float64)
+    loader = DataLoader(TensorDataset(X, y), batch_size=batch_size, shuffle=shuffle)
+    return model, likelihood, X, y, loader
+
+
+def fit_reference(la, loader):
+    """Fit a laplace-torch reference; its curvlinops backend builds torch.eye in the
+    default dtype, so float64 is made the default for exact float64 references."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        la.fit(loader)
+    finally:
+        torch.set_default_dtype(old)
+    return la
+
+
+def dense_H(la):
+    U, lam = la.H
+    return U @ torch.diag(lam) @ U.T
+
+
+def fit_pair(name, **kwargs):
+    model, likelihood, X, y, loader = make_problem(name)
+    ours = Laplace(model, likelihood, subset_of_weights="all", hessian_structure="lowrank_ggn",
+                   rank=1000, **kwargs)
+    full = FullLaplace(model, likelihood, **kwargs)
+    ours.fit(loader)
+    fit_reference(full, loader)
+    return ours, full, X
+
+
+@pytest.fixture(params=list(PROBLEMS), scope="module")
+def pair(request):
+    return fit_pair(request.param)
+
+
+def test_factory_returns_our_classes():
+    model, likelihood, *_ = make_problem("mlp-classification")
+    assert isinstance(Laplace(model, likelihood, hessian_structure="lowrank_ggn"), LowRankGGNLaplace)
+    la = Laplace(model, likelihood, subset_of_weights="last_layer", hessian_structure="lowrank_ggn")
+    assert isinstance(la, LowRankGGNLLLaplace)
+
+
+def test_hessian_equals_full_laplace(pair):
+    ours, full, _ = pair
+    scale = full.H.abs().max()
+    torch.testing.assert_close(dense_H(ours), full.H, rtol=1e-5, atol=1e-8 * scale)
+    torch.testing.assert_close(ours.loss, torch.as_tensor(full.loss, dtype=torch.float64), **TOL)
+    torch.testing.assert_close(ours.kept_fraction, torch.ones((), dtype=torch.float64), **TOL)
+
+
+@pytest.mark.parametrize("prior", ["scalar", "layer", "diag"])
+def test_marglik_logdet_equal_full_laplace(pair, prior):
+    ours, full, _ = pair
+    torch.manual_seed(3)
+    if prior == "scalar":
+        p = torch.tensor(0.7, dtype=torch.float64)
+    elif prior == "layer":
+        p = torch.rand(ours.n_layers, dtype=torch.float64) + 0.2
+    else:
+        p = torch.rand(ours.n_params, dtype=torch.float64) + 0.2
+    sigma = torch.tensor(0.8 if ours.likelihood == "regression" else 1.0, dtype=torch.float64)
+    for la in (ours, full):
+        la.prior_precision = p
+        if la.likelihood == "regression":
+            la.sigma_noise = sigma
+    torch.testing.assert_close(ours.log_det_posterior_precision,
+                               full.log_det_posterior_precision, **TOL)
+    torch.testing.assert_close(ours.log_marginal_likelihood(), full.log_marginal_likelihood(), **TOL)
+    delta = torch.randn(ours.n_params, dtype=torch.float64)
+    torch.testing.assert_close(ours.square_norm(ours.mean + delta),
+                               full.square_norm(full.mean + delta), **TOL)
+
+
+def test_marglik_gradients_equal_full_laplace():
+    ours, full, _ = fit_pair("mlp-regression")
+    grads = []
+    for la in (ours, full):
+        log_prior = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+        log_sigma = torch.tensor(-0.2, dtype=torch.float64, requires_grad=True)
+        la.log_marginal_likelihood(log_prior.exp(), log_sigma.exp()).backward()
+        grads.append(torch.stack([log_prior.grad, log_sigma.grad]))
+    torch.testing.assert_close(grads[0], grads[1], **TOL)
+
+
+@pytest.mark.parametrize("link", ["probit", "bridge", "bridge_norm", "mc"])
+def test_glm_predictive_equals_full_laplace(pair, link):
+    ours, full, X = pair
+    for la in (ours, full):
+        la.prior_precision = 0.9
+    if ours.likelihood == "regression":
+        for joint in (False, True):
+            mu_o, var_o = ours(X[:5], pred_type="glm", joint=joint)
+            mu_f, var_f = full(X[:5], pred_type="glm", joint=joint)
+            torch.testing.assert_close(mu_o, mu_f, **TOL)
+            torch.testing.assert_close(var_o, var_f, **TOL)
+        return
+    torch.manual_seed(0)
+    p_o = ours(X[:5], pred_type="glm", link_approx=link, n_samples=50)
+    torch.manual_seed(0)
+    p_f = full(X[:5], pred_type="glm", link_approx=link, n_samples=50)
+    torch.testing.assert_close(p_o, p_f, **TOL)
+
+
+def test_functional_variance_from_jacobians(pair):
+    ours, full, X = pair
+    Js, _ = full.backend.jacobians(X[:4])
+    torch.testing.assert_close(ours.functional_variance(Js), full.functional_variance(Js), **TOL)
+    torch.testing.assert_close(ours.functional_covariance(Js), full.functional_covariance(Js), **TOL)
+
+
+@pytest.mark.parametrize("method", ["marglik", "gridsearch"])
+def test_optimize_prior_precision_equals_full_laplace(method):
+    ours, full, X = fit_pair("mlp-classification")
+    y = torch.randint(0, 3, (X.shape[0],))
+    val = DataLoader(TensorDataset(X, y), batch_size=8)
+    found = []
+    for la in (ours, full):
+        kw = dict(val_loader=val, grid_size=12) if method == "gridsearch" else dict(n_steps=30)
+        la.optimize_prior_precision(method=method, **kw)
+        found.append(la.prior_precision)
+    torch.testing.assert_close(found[0], found[1], rtol=1e-5, atol=1e-8)
+
+
+def test_sampling_is_a_square_root_of_the_covariance():
+    ours, full, _ = fit_pair("cnn-regression")
+    for prior in (torch.tensor(0.5, dtype=torch.float64),
+                  torch.rand(ours.n_params, dtype=torch.float64) + 0.3):
+        ours.prior_precision = prior
+        full.prior_precision = prior
+        eye = torch.eye(ours.n_params, dtype=torch.float64)
+        S = (ours.sample_from_noise(eye) - ours.mean).T
+        ref = full.posterior_covariance
+        torch.testing.assert_close(S @ S.T, ref, rtol=1e-5, atol=1e-8 * ref.abs().max())
+
+
+def test_sample_covariance_statistical():
+    ours, full, _ = fit_pair("mlp-classification")
+    ours.prior_precision = full.prior_precision = 2.0
+    gen = torch.Generator().manual_seed(0)
+    n = 40_000
+    samples = ours.sample(n, generator=gen)
+    cov = torch.cov(samples.T)
+    ref = full.posterior_covariance
+    # Monte-Carlo error of a sample covariance ~ sqrt(2/n) relative to the variances
+    assert ((cov - ref).abs().max() / ref.diagonal().max()) < 0.03
+    assert ((samples.mean(0) - ours.mean).abs().max() / ref.diagonal().max().sqrt()) < 0.03
+
+
+def test_shuffled_orders_and_micro_batches_agree():
+    model, likelihood, X, y, _ = make_problem("cnn-classification", n=30)
+    results = []
+    for seed, bs, budget in [(0, 30, None), (1, 4, None), (2, 11, 2000)]:
+        gen = torch.Generator().manual_seed(seed)
+        loader = DataLoader(TensorDataset(X, y), batch_size=bs, shuffle=True, generator=gen)
+        la = LowRankGGNLaplace(model, likelihood, rank=1000, memory_budget=budget)
+        la.fit(loader)
+        results.append(dense_H(la))
+    scale = results[0].abs().max()
+    for H in results[1:]:
+        torch.testing.assert_close(H, results[0], rtol=1e-6, atol=1e-9 * scale)
+
+
+def overlap(U, W):
+    """Overlap of two k-dim subspaces (ViViT eq. overlap_eigenspaces): ||U^T W||_F^2 / k."""
+    return (U.T @ W).pow(2).sum() / U.shape[1]
+
+
+def test_truncated_rank_against_dense_top_r():
+    model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
+    full = fit_reference(FullLaplace(model, likelihood), loader)
+    evals, evecs = torch.linalg.eigh(full.H)
+    evals, evecs = evals.flip(0), evecs.flip(1)
+    r = 6
+    la = LowRankGGNLaplace(model, likelihood, rank=r, oversampling=10)
+    la.fit(loader)
+    U, lam = la.H
+    assert lam.shape == (r,)
+    torch.testing.assert_close(lam, evals[:r], rtol=1e-3, atol=0)
+    assert overlap(U, evecs[:, :r]) > 0.999
+    # the trace is exact, so the kept fraction is exact too
+    torch.testing.assert_close(la.trace, torch.trace(full.H), **TOL)
+    torch.testing.assert_close(la.kept_fraction, lam.sum() / torch.trace(full.H), **TOL)
+
+
+def test_mc_and_subsampling_are_unbiased_on_average():
+    model, likelihood, X, y, loader = make_problem("mlp-classification", n=20, batch_size=20)
+    full = fit_reference(FullLaplace(model, likelihood), loader)
+    acc = {"mc": 0, "sub": 0}
+    reps = 200
+    for seed in range(reps):
+        torch.manual_seed(seed)
+        la = LowRankGGNLaplace(model, likelihood, rank=1000, mc_samples=1)
+        la.fit(loader)
+        acc["mc"] = acc["mc"] + dense_H(la) / reps
+        la = LowRankGGNLaplace(model, likelihood, rank=1000, subsample_fraction=0.5, seed=seed)
+        la.fit(loader)
+        acc["sub"] = acc["sub"] + dense_H(la) / reps
+    scale = full.H.abs().max()
+    for H in acc.values():  # Monte-Carlo error ~ 1/sqrt(reps)
+        assert (H - full.H).abs().max() / scale < 0.15
+
+
+def test_last_layer_equals_full_ll_laplace():
+    model, likelihood, X, y, loader = make_problem("cnn-classification")
+    ours = Laplace(model, likelihood, subset_of_weights="last_layer", hessian_structure="lowrank_ggn",
+                   rank=1000)
+    full = FullLLLaplace(model, likelihood)
+    ours.fit(loader)
+    fit_reference(full, loader)
+    torch.testing.assert_close(dense_H(ours), full.H, rtol=1e-5, atol=1e-10)
+    for la in (ours, full):
+        la.prior_precision = 0.6
+    torch.testing.assert_close(ours.log_marginal_likelihood(), full.log_marginal_likelihood(), **TOL)
+    torch.testing.assert_close(ours(X[:4]), full(X[:4]), **TOL)
+
+
+def test_marglik_training_runs_and_improves():
+    torch.manual_seed(0)
+    X = torch.randn(64, 2)
+    y = (X[:, 0] * X[:, 1] > 0).long()
+    loader = DataLoader(TensorDataset(X, y), batch_size=16)
+    model = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 2))
+    la, model, margliks, losses = marglik_training(
+        model, loader, likelihood="classification", hessian_structure="lowrank_ggn",
+        n_epochs=20, n_epochs_burnin=2, marglik_frequency=2, n_hypersteps=5,
+        backend=None, optimizer_kwargs={"lr": 1e-2},
+    )
+    assert isinstance(la, LowRankGGNLaplace)
+    assert margliks[-1] < margliks[0]  # negative log marginal likelihood decreases
+    assert all(math.isfinite(m) for m in margliks)
+
+
+def test_nn_predictive_and_model_left_as_it_was():
+    model, likelihood, X, y, loader = make_problem("mlp-classification")
+    model.train()
+    before = [p.detach().clone() for p in model.parameters()]
+    la = LowRankGGNLaplace(model, likelihood, rank=1000)
+    la.fit(loader)
+    probs = la(X[:4], pred_type="glm")
+    torch.manual_seed(0)
+    nn_probs = la(X[:4], pred_type="nn", link_approx="mc", n_samples=20)
+    assert probs.shape == nn_probs.shape == (4, 3)
+    torch.testing.assert_close(nn_probs.sum(-1), torch.ones(4, dtype=torch.float64))
+    assert model.training
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert sum(len(m._forward_hooks) + len(m._backward_hooks) for m in model.modules()) == 0
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    torch.func.jacrev(lambda p: torch.func.functional_call(model, p, (X,)))(params)
+
+
+def test_state_dict_round_trip_and_mismatch():
+    ours, full, X = fit_pair("mlp-classification")
+    ours.prior_precision = 1.3
+    state = ours.state_dict()
+    model2 = _mlp(3).double()
+    model2.load_state_dict(ours.model.state_dict())
+    la2 = LowRankGGNLaplace(model2, "classification")
+    la2.load_state_dict(state)
+    torch.testing.assert_close(la2.log_marginal_likelihood(), ours.log_marginal_likelihood(), **TOL)
+    torch.testing.assert_close(la2(X[:3]), ours(X[:3]), **TOL)
+    other = LowRankGGNLaplace(nn.Sequential(nn.Linear(3, 3)).double(), "classification")
+    with pytest.raises(ValueError, match="different number of parameters"):
+        other.load_state_dict(state)
+
+
+def test_errors():
+    model, likelihood, X, y, loader = make_problem("mlp-classification")
+    la = LowRankGGNLaplace(model, likelihood)
+    with pytest.raises(AttributeError, match="not fitted"):
+        la(X[:2])
+    with pytest.raises(ValueError, match="train_loader is empty"):
+        la.fit(DataLoader(TensorDataset(X[:0], y[:0]), batch_size=4))
+    with pytest.raises(ValueError, match="needs a .dataset"):
+        la.fit([(X, y)])
+    with pytest.raises(ValueError, match="override=False"):
+        la.fit(loader, override=False)
+    with pytest.raises(ValueError, match="integer class targets"):
+        la.fit(DataLoader(TensorDataset(X, y.double()), batch_size=4))
+    reg = LowRankGGNLaplace(model, "regression")
+    with pytest.raises(ValueError, match="floating-point targets"):
+        reg.fit(loader)
+    with pytest.raises(ValueError, match="rank must be a positive integer"):
+        LowRankGGNLaplace(model, likelihood, rank=0)
+    with pytest.raises(ValueError, match="memory_budget=10 bytes is too small for one sample"):
+        LowRankGGNLaplace(model, likelihood, memory_budget=10).fit(loader)
+    with pytest.raises(ValueError, match="subsample_fraction must lie in"):
+        LowRankGGNLaplace(model, likelihood, subsample_fraction=1.5)
+    bad = X.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="loss is not finite"):
+        la.fit(DataLoader(TensorDataset(bad, y), batch_size=4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_device_and_dtype(device, dtype):
+    model, likelihood, X, y, _ = make_problem("cnn-classification")
+    model = model.to(device=device, dtype=dtype)
+    loader = DataLoader(TensorDataset(X.to(device, dtype), y.to(device)), batch_size=8)
+    la = LowRankGGNLaplace(model, likelihood, rank=50)
+    la.fit(loader)
+    probs = la(X[:3].to(device, dtype))
+    assert probs.device.type == device and probs.dtype == dtype
+    assert la.H[0].device.type == device and la.H[0].dtype == dtype
+    assert torch.isfinite(la.log_marginal_likelihood())
+
+
+def test_exported_names():
+    assert ll.LowRankGGNLaplace is LowRankGGNLaplace
+    assert LowRankGGNLaplace._key == ("all", "lowrank_ggn")
+    assert LowRankGGNLLLaplace._key == ("last_layer", "lowrank_ggn")
