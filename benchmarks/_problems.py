@@ -13,27 +13,27 @@ The architectures follow DeepOBS (Schneider et al., 2019):
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple, Union
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 #: Expected number of parameters of the DeepOBS architectures.
-EXPECTED_NUM_PARAMS: Dict[str, int] = {
+EXPECTED_NUM_PARAMS: dict[str, int] = {
     "3c3d": 895_210,
     "2c2d": 3_274_634,
     "mlp": 784 * 128 + 128 + 128 * 64 + 64 + 64 * 10 + 10,
 }
 
 #: Input shape (without batch axis) of each problem.
-INPUT_SHAPES: Dict[str, Tuple[int, ...]] = {
+INPUT_SHAPES: dict[str, tuple[int, ...]] = {
     "3c3d": (3, 32, 32),
     "2c2d": (1, 28, 28),
     "mlp": (1, 28, 28),
 }
 
 #: Number of classes of each problem.
-NUM_CLASSES: Dict[str, int] = {"3c3d": 10, "2c2d": 10, "mlp": 10}
+NUM_CLASSES: dict[str, int] = {"3c3d": 10, "2c2d": 10, "mlp": 10}
 
 
 def make_3c3d(num_classes: int = 10) -> nn.Sequential:
@@ -113,7 +113,7 @@ def make_mlp(num_classes: int = 10) -> nn.Sequential:
 
 
 #: Model constructors of the available problems.
-MODELS: Dict[str, Callable[[int], nn.Sequential]] = {
+MODELS: dict[str, Callable[[int], nn.Sequential]] = {
     "3c3d": make_3c3d,
     "2c2d": make_2c2d,
     "mlp": make_mlp,
@@ -139,9 +139,9 @@ def make_problem(
     name: str,
     N: int,
     seed: int = 0,
-    device: Union[str, torch.device] = "cpu",
+    device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-) -> Tuple[nn.Sequential, nn.CrossEntropyLoss, Tensor, Tensor]:
+) -> tuple[nn.Sequential, nn.CrossEntropyLoss, Tensor, Tensor]:
     """Create a model, loss function and a random mini-batch.
 
     Model initialization and data are deterministic given ``seed``.

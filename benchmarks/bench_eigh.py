@@ -35,7 +35,9 @@ Results are written to ``<out>/eigh_<problem>.json`` and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import importlib
 import json
 import math
 import os
@@ -46,8 +48,9 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -57,22 +60,21 @@ REPO_ROOT = HERE.parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _problems import (  # noqa: E402
-    EXPECTED_NUM_PARAMS,
-    NUM_CLASSES,
-    PROBLEMS,
-    make_problem,
-)
+_problems = importlib.import_module("_problems")
+EXPECTED_NUM_PARAMS = _problems.EXPECTED_NUM_PARAMS
+NUM_CLASSES = _problems.NUM_CLASSES
+PROBLEMS = _problems.PROBLEMS
+make_problem = _problems.make_problem
 
 #: ``ours`` variants: name -> (``mc_samples``, whether to sub-sample the batch).
-OURS_CASES: Dict[str, Tuple[int, bool]] = {
+OURS_CASES: dict[str, tuple[int, bool]] = {
     "ours_exact_full": (0, False),
     "ours_exact_sub": (0, True),
     "ours_mc_full": (1, False),
     "ours_mc_sub": (1, True),
 }
 #: Labels used in the ViViT paper for the ``ours`` variants.
-PAPER_LABELS: Dict[str, str] = {
+PAPER_LABELS: dict[str, str] = {
     "ours_exact_full": "vivit exact mb",
     "ours_exact_sub": "vivit exact sub",
     "ours_mc_full": "vivit mc mb",
@@ -80,7 +82,7 @@ PAPER_LABELS: Dict[str, str] = {
     "power": "power iteration",
     "eigsh": "eigsh (Lanczos)",
 }
-METHODS: Tuple[str, ...] = (*OURS_CASES, "power", "eigsh")
+METHODS: tuple[str, ...] = (*OURS_CASES, "power", "eigsh")
 REFERENCE = "ours_exact_full"
 RESULT_MARKER = "__BENCH_EIGH_RESULT__"
 
@@ -95,6 +97,8 @@ POWER_MAX_ITER = 100
 POWER_TOL = 1e-3
 
 GiB = 2**30
+# Warn about competing processes if the CPU was busier than this before a run.
+BUSY_WARN_PERCENT = 20.0
 
 
 ###############################################################################
@@ -169,7 +173,7 @@ class GGNVectorProduct:
 
         return functional_call(self._model, dict(zip(self._names, params)), (self._X,))
 
-    def _unflatten(self, v: Tensor) -> Tuple[Tensor, ...]:
+    def _unflatten(self, v: Tensor) -> tuple[Tensor, ...]:
         """Convert a flat vector into parameter-shaped tensors.
 
         Args:
@@ -211,10 +215,10 @@ def power_iteration(
     k: int,
     max_iter: int = POWER_MAX_ITER,
     tol: float = POWER_TOL,
-    device: Optional[torch.device] = None,
+    device: torch.device | None = None,
     dtype: torch.dtype = torch.float32,
-    generator: Optional[torch.Generator] = None,
-) -> Tuple[Tensor, Tensor]:
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
     """PyHessian-style power iteration with deflation for the top-k eigenpairs.
 
     Follows ``pyhessian.hessian.eigenvalues``: for each eigenpair, start from a
@@ -237,8 +241,8 @@ def power_iteration(
         Eigenvalues of shape ``(k,)`` (in the order found, i.e. approximately
         descending) and eigenvectors of shape ``(D, k)``.
     """
-    eigenvalues: List[float] = []
-    eigenvectors: List[Tensor] = []
+    eigenvalues: list[float] = []
+    eigenvectors: list[Tensor] = []
 
     def orthonormalize(w: Tensor) -> Tensor:
         for u in eigenvectors:
@@ -248,7 +252,7 @@ def power_iteration(
     for _ in range(k):
         v = torch.randn(dim, generator=generator, dtype=dtype).to(device)
         v = v / v.norm()
-        eigenvalue: Optional[float] = None
+        eigenvalue: float | None = None
         for _ in range(max_iter):
             v = orthonormalize(v)
             Gv = ggnvp(v)
@@ -298,7 +302,7 @@ class _CountingMatvec:
 
 def eigsh_curvlinops(
     model: nn.Module, loss_func: nn.Module, X: Tensor, y: Tensor, k: int
-) -> Tuple[Tensor, Tensor, int]:
+) -> tuple[Tensor, Tensor, int]:
     """Top-k GGN eigenpairs with SciPy's ``eigsh`` on curvlinops' GGN operator.
 
     The curvlinops operator is a PyTorch linear operator; it is exported to SciPy
@@ -395,7 +399,7 @@ def _is_oom(exc: BaseException) -> bool:
     return any(s in msg for s in ("out of memory", "can't allocate memory", "not enough memory"))
 
 
-def _verify(ggnvp: GGNVectorProduct, evecs: Tensor, device: torch.device) -> Dict[str, Any]:
+def _verify(ggnvp: GGNVectorProduct, evecs: Tensor, device: torch.device) -> dict[str, Any]:
     """Check returned eigenvectors with independent GGN-vector products.
 
     Args:
@@ -426,24 +430,28 @@ def _verify(ggnvp: GGNVectorProduct, evecs: Tensor, device: torch.device) -> Dic
 
 
 def _preimport():
-    """Import modules that ``torch.func`` loads lazily on its first call.
+    """Import modules that the methods load lazily on their first call.
 
     The first forward-mode AD call imports ``torch._dynamo`` (and with it several
-    hundred modules, about 1 s). Import time is excluded from all measurements,
-    so load these modules before the timed call of every method.
+    hundred modules, about 1 s); SciPy's ARPACK and BackPACK may also be imported
+    lazily. Import time is excluded from all measurements, so load these modules
+    before the timed call of every method.
     """
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name in ("torch._dynamo", "torch._decomp.decompositions_for_jvp"):
-            try:
+        for name in (
+            "torch._dynamo",
+            "torch._decomp.decompositions_for_jvp",
+            "scipy.sparse.linalg",
+            "backpack",
+        ):
+            with contextlib.suppress(Exception):  # best effort
                 __import__(name)
-            except Exception:  # noqa: BLE001 (best effort)
-                pass
 
 
-def run_worker(args: argparse.Namespace) -> Dict[str, Any]:
+def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     """Run a single configuration and measure time and memory of the call.
 
     Args:
@@ -462,7 +470,7 @@ def run_worker(args: argparse.Namespace) -> Dict[str, Any]:
     torch.set_num_threads(threads)
     torch.manual_seed(args.seed)
 
-    record: Dict[str, Any] = {
+    record: dict[str, Any] = {
         "problem": args.problem,
         "method": args.method,
         "label": PAPER_LABELS.get(args.method, args.method),
@@ -481,7 +489,7 @@ def run_worker(args: argparse.Namespace) -> Dict[str, Any]:
     record.update({"D": D, "C": C})
 
     # Prepare the call (imports and argument preparation are not timed)
-    extra: Dict[str, Any] = {}
+    extra: dict[str, Any] = {}
     if args.method in OURS_CASES:
         if str(REPO_ROOT) not in sys.path:
             sys.path.append(str(REPO_ROOT))
@@ -496,7 +504,7 @@ def run_worker(args: argparse.Namespace) -> Dict[str, Any]:
             }
         )
 
-        def call() -> Tuple[Tensor, Tensor]:
+        def call() -> tuple[Tensor, Tensor]:
             torch.manual_seed(args.seed)
             result = ll.ggn_eigh(
                 model,
@@ -511,7 +519,7 @@ def run_worker(args: argparse.Namespace) -> Dict[str, Any]:
 
     elif args.method == "power":
 
-        def call() -> Tuple[Tensor, Tensor]:
+        def call() -> tuple[Tensor, Tensor]:
             ggnvp = GGNVectorProduct(model, loss_func, X, y)
             generator = torch.Generator().manual_seed(args.seed)
             evals, evecs = power_iteration(
@@ -524,7 +532,7 @@ def run_worker(args: argparse.Namespace) -> Dict[str, Any]:
         import curvlinops  # noqa: F401
         import scipy.sparse.linalg  # noqa: F401
 
-        def call() -> Tuple[Tensor, Tensor]:
+        def call() -> tuple[Tensor, Tensor]:
             evals, evecs, count = eigsh_curvlinops(model, loss_func, X, y, args.k)
             extra["num_products"] = count
             return evals, evecs
@@ -635,7 +643,7 @@ def worker_main(args: argparse.Namespace):
 ###############################################################################
 
 
-def worker_env(args: argparse.Namespace) -> Dict[str, str]:
+def worker_env(args: argparse.Namespace) -> dict[str, str]:
     """Environment of the worker processes.
 
     Two settings make timings on small (virtual) machines reproducible and are
@@ -664,9 +672,28 @@ def worker_env(args: argparse.Namespace) -> Dict[str, str]:
     return env
 
 
+def other_cpu_load(interval: float = 0.5) -> float | None:
+    """Measure the system-wide CPU utilization while no worker is running.
+
+    Other processes competing for the (few) cores distort the timings, so this is
+    recorded with each run and reported in the summary.
+
+    Args:
+        interval: Measurement interval in seconds.
+
+    Returns:
+        CPU utilization in percent (all cores), ``None`` if psutil is missing.
+    """
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover
+        return None
+    return psutil.cpu_percent(interval=interval)
+
+
 def run_subprocess(
     problem: str, method: str, N: int, k: int, args: argparse.Namespace
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Run one configuration in a fresh Python process.
 
     Args:
@@ -693,7 +720,17 @@ def run_subprocess(
     ]
     if not args.verify:
         cmd.append("--no-verify")
-    base = {"problem": problem, "method": method, "N": N, "k": k}
+    busy = other_cpu_load()
+    deadline = time.perf_counter() + args.wait_idle
+    while busy is not None and busy > BUSY_WARN_PERCENT and time.perf_counter() < deadline:
+        busy = other_cpu_load(interval=2.0)
+    base = {
+        "problem": problem,
+        "method": method,
+        "N": N,
+        "k": k,
+        "cpu_busy_before_percent": busy,
+    }
     start = time.perf_counter()
     try:
         proc = subprocess.run(
@@ -703,6 +740,7 @@ def run_subprocess(
             timeout=args.timeout,
             cwd=REPO_ROOT,
             env=worker_env(args),
+            check=False,
         )
     except subprocess.TimeoutExpired:
         return {
@@ -717,6 +755,7 @@ def run_subprocess(
         if line.startswith(RESULT_MARKER):
             record = json.loads(line[len(RESULT_MARKER) :])
             record["subprocess_wall_s"] = wall
+            record["cpu_busy_before_percent"] = busy
             if record.get("status") != "ok" and proc.stderr:
                 record["stderr_tail"] = proc.stderr[-2000:]
             return record
@@ -746,7 +785,7 @@ def run_subprocess(
 
 def run_config(
     problem: str, method: str, N: int, k: int, args: argparse.Namespace
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Run one configuration ``--repeats`` times, each in a fresh process.
 
     Args:
@@ -777,6 +816,9 @@ def run_config(
     record["time_s"] = median
     for key in ("peak_delta_bytes", "peak_bytes"):
         record[key] = max(r[key] for r in ok)
+    busy = [r.get("cpu_busy_before_percent") for r in runs]
+    busy = [b for b in busy if b is not None]
+    record["cpu_busy_before_percent"] = max(busy) if busy else None
     if len(ok) < len(runs):
         record["failed_repeats"] = [
             {"status": r.get("status"), "reason": r.get("reason")}
@@ -786,7 +828,7 @@ def run_config(
     return record
 
 
-def machine_info(device: str) -> Dict[str, Any]:
+def machine_info(device: str) -> dict[str, Any]:
     """Collect information about the machine and software.
 
     Args:
@@ -797,7 +839,7 @@ def machine_info(device: str) -> Dict[str, Any]:
     """
     import importlib.metadata
 
-    info: Dict[str, Any] = {
+    info: dict[str, Any] = {
         "cpu_count": os.cpu_count(),
         "cpu_count_usable": _num_cores(),
         "platform": platform.platform(),
@@ -840,7 +882,7 @@ def machine_info(device: str) -> Dict[str, Any]:
     return info
 
 
-def _ok(records: Sequence[Dict[str, Any]], method: str, k: int) -> Optional[Dict]:
+def _ok(records: Sequence[dict[str, Any]], method: str, k: int) -> dict | None:
     """Find the successful record of a method at a given k.
 
     Args:
@@ -871,8 +913,8 @@ def _rel_dev(a: float, b: float) -> float:
 
 
 def eigenvalue_deviations(
-    records: Sequence[Dict[str, Any]], methods: Sequence[str], ks: Sequence[int]
-) -> Dict[str, Dict[str, float]]:
+    records: Sequence[dict[str, Any]], methods: Sequence[str], ks: Sequence[int]
+) -> dict[str, dict[str, float]]:
     """Compute per-method maximum relative deviations of eigenvalues from eigsh.
 
     The top eigenvalue of each (method, k) is compared with the top eigenvalue of
@@ -890,7 +932,7 @@ def eigenvalue_deviations(
     """
     eigsh_runs = {k: _ok(records, "eigsh", k) for k in ks}
     eigsh_runs = {k: r for k, r in eigsh_runs.items() if r is not None}
-    result: Dict[str, Dict[str, float]] = {}
+    result: dict[str, dict[str, float]] = {}
     if not eigsh_runs:
         return {m: {"top": math.nan, "all": math.nan} for m in methods}
     largest = eigsh_runs[max(eigsh_runs)]["eigenvalues"]
@@ -911,7 +953,7 @@ def eigenvalue_deviations(
     return result
 
 
-def _fmt_time(r: Optional[Dict[str, Any]], failed: Optional[Dict[str, Any]]) -> str:
+def _fmt_time(r: dict[str, Any] | None, failed: dict[str, Any] | None) -> str:
     """Format a time entry of the table.
 
     Args:
@@ -928,7 +970,7 @@ def _fmt_time(r: Optional[Dict[str, Any]], failed: Optional[Dict[str, Any]]) -> 
     return "-"
 
 
-def _verdict(ok: Optional[bool]) -> str:
+def _verdict(ok: bool | None) -> str:
     """Format the outcome of a check.
 
     Args:
@@ -945,10 +987,10 @@ def _verdict(ok: Optional[bool]) -> str:
 def summarize(
     problem: str,
     N: int,
-    records: Sequence[Dict[str, Any]],
+    records: Sequence[dict[str, Any]],
     methods: Sequence[str],
     ks: Sequence[int],
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Print tables and target checks, and return the summary.
 
     Args:
@@ -964,9 +1006,9 @@ def summarize(
     D = EXPECTED_NUM_PARAMS[problem]
     C = NUM_CLASSES[problem]
     V_bytes = D * N * C * 4
-    summary: Dict[str, Any] = {"V_bytes": V_bytes}
+    summary: dict[str, Any] = {"V_bytes": V_bytes}
 
-    def failed(m: str, k: int) -> Optional[Dict[str, Any]]:
+    def failed(m: str, k: int) -> dict[str, Any] | None:
         for r in records:
             if r["method"] == m and r["k"] == k and r.get("status") != "ok":
                 return r
@@ -1010,6 +1052,19 @@ def summarize(
     warn = [r for r in records if r.get("warnings")]
     for r in warn:
         print(f"  WARNING {r['method']} k={r['k']}: {'; '.join(r['warnings'])}")
+
+    busy = [
+        r.get("cpu_busy_before_percent")
+        for r in records
+        if r.get("cpu_busy_before_percent") is not None
+    ]
+    if busy and max(busy) > BUSY_WARN_PERCENT:
+        n_busy = sum(b > BUSY_WARN_PERCENT for b in busy)
+        print(
+            f"  WARNING: other processes used up to {max(busy):.0f}% CPU right "
+            f"before {n_busy}/{len(busy)} runs; timings may be distorted."
+        )
+    summary["max_cpu_busy_before_percent"] = max(busy) if busy else None
 
     kmax = max(ks)
     ref = _ok(records, REFERENCE, kmax)
@@ -1064,11 +1119,11 @@ def summarize(
 def plot(
     problem: str,
     N: int,
-    records: Sequence[Dict[str, Any]],
+    records: Sequence[dict[str, Any]],
     methods: Sequence[str],
     ks: Sequence[int],
     path: Path,
-    info: Dict[str, Any],
+    info: dict[str, Any],
 ):
     """Plot time and peak memory versus k for each method.
 
@@ -1140,10 +1195,10 @@ def _dump(
     path: Path,
     problem: str,
     N: int,
-    records: List[Dict[str, Any]],
-    info: Dict[str, Any],
+    records: list[dict[str, Any]],
+    info: dict[str, Any],
     args: argparse.Namespace,
-    summary: Optional[Dict[str, Any]] = None,
+    summary: dict[str, Any] | None = None,
 ):
     """Write the results of a problem to a JSON file.
 
@@ -1206,7 +1261,7 @@ def driver_main(args: argparse.Namespace):
             f"\n### Problem {problem}: N = {N}, ks = {args.ks}, methods = {args.methods}",
             flush=True,
         )
-        records: List[Dict[str, Any]] = []
+        records: list[dict[str, Any]] = []
         json_path = out / f"eigh_{problem}.json"
 
         for k in args.ks:
@@ -1235,7 +1290,7 @@ def driver_main(args: argparse.Namespace):
     return all_summaries
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse command line arguments.
 
     Args:
@@ -1304,6 +1359,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="OPENBLAS_NUM_THREADS for NumPy/SciPy in workers (0: do not set).",
     )
     parser.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        help="Before each run, wait up to this many seconds for other processes to "
+        f"leave the CPU (< {BUSY_WARN_PERCENT:g}%% busy); 0: do not wait.",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -1319,7 +1381,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         dest="verify",
         action="store_false",
         help="Skip the (untimed) check of the returned eigenvectors "
-        "with independent GGN-vector products.",
+        "with independent GGN-vector products (verify: %(default)s).",
     )
     parser.add_argument(
         "--quick", action="store_true", help="Smoke test: problem mlp, N=32, ks 1 2."
@@ -1335,7 +1397,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None):
+def main(argv: Sequence[str] | None = None):
     """Entry point.
 
     Args:

@@ -14,8 +14,8 @@ Two representations exist:
 
 * :class:`DenseBlock` holds ``B`` explicitly (``(M, d)``).
 * :class:`KronBlock` exploits the structure of a linear layer's weight
-  (``z_out = W z_in``): every row is ``vec(s_m z_{n(m)}^T)``, so only the
-  backpropagated vectors ``s`` (``(M, out)``) and the layer inputs ``z``
+  (``z_out = W z_in``): every row is ``vec(s_{vn} z_n^T)``, so only the
+  backpropagated vectors ``s`` (``(V, N, out)``) and the layer inputs ``z``
   (``(N, in)``) are stored, never ``B`` itself (paper appendix, "Optimized Gram
   matrix computation for linear layers").
 """
@@ -128,23 +128,26 @@ class DenseBlock:
 
 
 class KronBlock:
-    """Linear-layer weight block with rows ``vec(s_m z_{idx[m]}^T)`` (row-major).
+    """Linear-layer weight block with rows ``vec(s_{vn} z_n^T)`` (row-major, ``(v, n)``).
+
+    Rows are ordered like BackPACK's columns of ``V``: vector-major, ``m = v N + n``.
 
     Args:
-        s: Backpropagated vectors at the layer output, shape ``(M, out)``.
+        s: Backpropagated vectors at the layer output, shape ``(V, N, out)``.
         z: Layer inputs, shape ``(N, in)``.
-        idx: Sample index of each row, shape ``(M,)`` (long).
     """
 
-    def __init__(self, s: Tensor, z: Tensor, idx: Tensor):
+    def __init__(self, s: Tensor, z: Tensor):
         self.s = s
         self.z = z
-        self.idx = idx
 
     @property
     def num_rows(self) -> int:
-        """Number of rows ``M``."""
-        return self.s.shape[0]
+        """Number of rows ``M = V * N``."""
+        return self.s.shape[0] * self.s.shape[1]
+
+    def _flat_s(self) -> Tensor:
+        return self.s.reshape(self.num_rows, self.s.shape[2])
 
     def scale_(self, alpha: float) -> "KronBlock":
         """Scale the block in place.
@@ -160,13 +163,12 @@ class KronBlock:
 
     def to_dense(self) -> Tensor:
         """Return ``B`` explicitly, shape ``(M, out * in)``."""
-        zs = self.z[self.idx]
-        return (self.s[:, :, None] * zs[:, None, :]).flatten(start_dim=1)
+        dense = self.s[:, :, :, None] * self.z[None, :, None, :]
+        return dense.reshape(self.num_rows, -1)
 
     def gram(self) -> Tensor:
         """Return ``B B^T`` from two small Gram matrices, shape ``(M, M)``."""
-        zz = self.z @ self.z.T
-        return (self.s @ self.s.T) * zz[self.idx][:, self.idx]
+        return self.cross(self)
 
     def cross(self, other: Block) -> Tensor:
         """Return ``B B'^T`` with another block of the same parameter.
@@ -177,14 +179,45 @@ class KronBlock:
         Returns:
             Tensor of shape ``(M, M')``.
         """
-        if isinstance(other, KronBlock):
-            zz = self.z @ other.z.T
-            return (self.s @ other.s.T) * zz[self.idx][:, other.idx]
-        return self.t_matmul(other.to_dense().T)
+        if not isinstance(other, KronBlock):
+            return self.t_matmul(other.to_dense().T)
+        (v, n), (v2, n2) = self.s.shape[:2], other.s.shape[:2]
+        ss = (self._flat_s() @ other._flat_s().T).reshape(v, n, v2, n2)
+        zz = self.z @ other.z.T
+        return (ss * zz[None, :, None, :]).reshape(v * n, v2 * n2)
 
     def row_sq_norms(self) -> Tensor:
         """Return the squared norm of every row, shape ``(M,)``."""
-        return (self.s**2).sum(1) * (self.z**2).sum(1)[self.idx]
+        return ((self.s**2).sum(2) * (self.z**2).sum(1)[None]).flatten()
+
+    def t_matmul(self, x: Tensor) -> Tensor:
+        """Return ``B x`` without expanding ``B``.
+
+        Args:
+            x: Tensor of shape ``(out * in, K)``.
+
+        Returns:
+            Tensor of shape ``(M, K)``.
+        """
+        out_dim, in_dim = self.s.shape[2], self.z.shape[1]
+        xz = x.T.reshape(-1, out_dim, in_dim) @ self.z.T  # (K, out, N)
+        # per sample: (V, out) @ (out, K)
+        res = self.s.permute(1, 0, 2) @ xz.permute(2, 1, 0)  # (N, V, K)
+        return res.transpose(0, 1).reshape(self.num_rows, -1)
+
+    def matmul(self, y: Tensor) -> Tensor:
+        """Return ``B^T y`` without expanding ``B``.
+
+        Args:
+            y: Tensor of shape ``(M, K)``.
+
+        Returns:
+            Tensor of shape ``(out * in, K)``.
+        """
+        v, n = self.s.shape[:2]
+        acc = self.s.permute(1, 2, 0) @ y.reshape(v, n, -1).transpose(0, 1)  # (N, out, K)
+        out = acc.permute(2, 1, 0) @ self.z  # (K, out, in)
+        return out.reshape(out.shape[0], -1).T
 
     def weighted_gram(self, weight: Weight) -> Tensor:
         """Return ``B diag(w) B^T``, shape ``(M, M)``.
@@ -201,10 +234,10 @@ class KronBlock:
         return self.gram() * weight
 
     def sample_gram(self, num_vectors: int, weight: Weight = 1.0) -> Tensor:
-        """Per-sample diagonal blocks of ``B diag(w) B^T`` for rows ordered ``(v, n)``.
+        """Per-sample diagonal blocks of ``B diag(w) B^T``.
 
         Args:
-            num_vectors: Vectors per sample ``V`` (``M = V * N``, ``idx[m] = m % N``).
+            num_vectors: Vectors per sample ``V`` (must match the block's layout).
             weight: Scalar (keeps the factored form) or per-entry weights ``(d,)``.
 
         Returns:
@@ -212,39 +245,8 @@ class KronBlock:
         """
         if isinstance(weight, Tensor) and weight.numel() > 1:
             return DenseBlock(self.to_dense()).sample_gram(num_vectors, weight)
-        s = self.s.reshape(num_vectors, -1, self.s.shape[1])
-        zz = (self.z[self.idx[: s.shape[1]]] ** 2).sum(1)
-        return torch.einsum("vno,kno->nvk", s, s) * (zz * weight)[:, None, None]
-
-    def t_matmul(self, x: Tensor) -> Tensor:
-        """Return ``B x`` without expanding ``B``.
-
-        Args:
-            x: Tensor of shape ``(out * in, K)``.
-
-        Returns:
-            Tensor of shape ``(M, K)``.
-        """
-        out_dim, in_dim = self.s.shape[1], self.z.shape[1]
-        x = x.T.reshape(-1, out_dim, in_dim)  # (K, out, in)
-        xz = x @ self.z.T  # (K, out, N)
-        return (xz[:, :, self.idx] * self.s.T[None]).sum(1).T
-
-    def matmul(self, y: Tensor) -> Tensor:
-        """Return ``B^T y`` without expanding ``B``.
-
-        Args:
-            y: Tensor of shape ``(M, K)``.
-
-        Returns:
-            Tensor of shape ``(out * in, K)``.
-        """
-        num_samples = self.z.shape[0]
-        # sum rows that share a sample first: (K, N, out), then contract with z
-        ys = y.T[:, :, None] * self.s[None]  # (K, M, out)
-        acc = ys.new_zeros(y.shape[1], num_samples, self.s.shape[1])
-        acc.index_add_(1, self.idx, ys)
-        return (acc.transpose(1, 2) @ self.z).flatten(start_dim=1).T
+        zz = (self.z**2).sum(1)
+        return torch.einsum("vno,kno->nvk", self.s, self.s) * (zz * weight)[:, None, None]
 
 
 Block = Union[DenseBlock, KronBlock]

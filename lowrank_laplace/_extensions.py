@@ -53,9 +53,7 @@ def _linear_weight(module: nn.Linear, mat: Tensor, subsampling) -> Optional[Kron
     if module.input0.ndim != 2:
         return None
     z = subsample(module.input0, subsampling=subsampling).detach()
-    num_vecs, num_samples = mat.shape[:2]
-    idx = torch.arange(num_samples, device=z.device).repeat(num_vecs)
-    return KronBlock(mat.detach().reshape(num_vecs * num_samples, -1), z, idx)
+    return KronBlock(mat.detach(), z)
 
 
 def _conv_weight(module: nn.Module, mat: Tensor, subsampling) -> Optional[DenseBlock]:

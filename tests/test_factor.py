@@ -100,20 +100,28 @@ def test_per_sample_gradients(case):
 
 def test_linear_gram_without_expansion():
     torch.manual_seed(0)
-    s, z = torch.randn(12, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
-    idx = torch.arange(4).repeat(3)
-    kron = KronBlock(s, z, idx)
+    s, z = torch.randn(3, 4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    kron = KronBlock(s, z)
     dense = DenseBlock(kron.to_dense())
-    # row m is vec(s_m z_{idx m}^T), row-major like a (5, 3) weight
-    torch.testing.assert_close(dense.rows[7], torch.outer(s[7], z[idx[7]]).flatten())
+    # row m = v N + n is vec(s_vn z_n^T), row-major like a (5, 3) weight
+    torch.testing.assert_close(dense.rows[7], torch.outer(s[1, 3], z[3]).flatten())
     torch.testing.assert_close(kron.gram(), dense.gram(), **TOL)
     torch.testing.assert_close(kron.row_sq_norms(), dense.row_sq_norms(), **TOL)
     x, y = torch.randn(15, 2, dtype=torch.float64), torch.randn(12, 2, dtype=torch.float64)
     torch.testing.assert_close(kron.t_matmul(x), dense.t_matmul(x), **TOL)
     torch.testing.assert_close(kron.matmul(y), dense.matmul(y), **TOL)
-    other = KronBlock(torch.randn(4, 5, dtype=torch.float64), z, torch.arange(4))
+    other = KronBlock(torch.randn(1, 4, 5, dtype=torch.float64), z)
     torch.testing.assert_close(kron.cross(other), dense.cross(other), **TOL)
+    torch.testing.assert_close(kron.cross(DenseBlock(other.to_dense())), dense.cross(other), **TOL)
     torch.testing.assert_close(dense.cross(other), dense.rows @ other.to_dense().T, **TOL)
+    w = torch.rand(15, dtype=torch.float64)
+    for weight in (0.7, w):
+        torch.testing.assert_close(kron.weighted_gram(weight), dense.weighted_gram(weight), **TOL)
+        torch.testing.assert_close(kron.sample_gram(3, weight), dense.sample_gram(3, weight), **TOL)
+    expected = (dense.rows * w) @ dense.rows.T
+    torch.testing.assert_close(dense.weighted_gram(w), expected, **TOL)
+    blocks = expected.reshape(3, 4, 3, 4).diagonal(dim1=1, dim2=3).permute(2, 0, 1)
+    torch.testing.assert_close(dense.sample_gram(3, w), blocks, **TOL)
 
 
 def _hook_count(model):
