@@ -285,6 +285,7 @@ class FactorEngine:
         self.loss_func = loss_func
         self._copy = copy.deepcopy(model)
         self._loss = copy.deepcopy(loss_func)
+        self.num_outputs: Optional[int] = None  # model outputs, known after a forward pass
         self._handles = None  # BackPACK hooks, installed at the first computation
         self._closed = False
         self._copy_params = list(self._copy.parameters())
@@ -298,6 +299,23 @@ class FactorEngine:
         extend(self._copy)
         extend(self._loss)
         self._handles = CTX.hook_handles[num_handles:]
+
+    def dense_param_count(self) -> int:
+        """Entries of ``V``'s rows that are stored explicitly, per column.
+
+        Trainable parameters count fully, except ``nn.Linear`` weights, which are
+        kept factored (``out + in`` numbers per column).
+
+        Returns:
+            The count.
+        """
+        dense = 0
+        for module in self._copy.modules():
+            for name, p in module.named_parameters(recurse=False):
+                if p.requires_grad:
+                    factored = isinstance(module, nn.Linear) and name == "weight"
+                    dense += sum(p.shape) if factored else p.numel()
+        return dense
 
     def bytes_per_sample(self, inputs: Tensor, num_vectors: Optional[int] = None) -> int:
         """Estimate the memory one sample adds to a computation of ``V``.
@@ -314,13 +332,7 @@ class FactorEngine:
         Returns:
             Estimated bytes per sample.
         """
-        dense, feature_sizes = 0, [0]
-        for module in self._copy.modules():
-            for name, p in module.named_parameters(recurse=False):
-                if not p.requires_grad:
-                    continue
-                factored = isinstance(module, nn.Linear) and name == "weight"
-                dense += sum(p.shape) if factored else p.numel()
+        dense, feature_sizes = self.dense_param_count(), [0]
 
         def hook(module, inp, out):
             if isinstance(out, Tensor):
@@ -334,6 +346,7 @@ class FactorEngine:
         finally:
             for h in handles:
                 h.remove()
+        self.num_outputs = outputs.shape[-1]
         num_vectors = outputs.shape[-1] if num_vectors is None else num_vectors
         itemsize = torch.finfo(inputs.dtype).bits // 8 if inputs.is_floating_point() else 4
         return itemsize * num_vectors * (dense + 2 * max(feature_sizes))

@@ -98,6 +98,8 @@ class LowRankGGNLaplace(ParametricLaplace):
             (rescaled to stay unbiased); ``None`` uses every sample.
         memory_budget: Bytes (or a fraction of free memory) one micro-batch's ``V``
             may take; batches are split automatically. Default 1 GiB.
+        micro_batch_size: Upper bound on samples per backward pass; ``None``
+            chooses it from the memory budget and a cost model of the merge.
         seed: Seed for curvature sub-sampling.
     """
 
@@ -123,9 +125,11 @@ class LowRankGGNLaplace(ParametricLaplace):
         mc_samples: int = 0,
         subsample_fraction: Optional[float] = None,
         memory_budget: Union[int, float, None] = None,
+        micro_batch_size: Optional[int] = None,
         seed: int = 0,
     ):
-        self._set_options(rank, oversampling, mc_samples, subsample_fraction, memory_budget, seed)
+        self._set_options(rank, oversampling, mc_samples, subsample_fraction, memory_budget,
+                          micro_batch_size, seed)
         super().__init__(
             model, likelihood, sigma_noise=sigma_noise, prior_precision=prior_precision,
             prior_mean=prior_mean, temperature=temperature, enable_backprop=enable_backprop,
@@ -134,7 +138,7 @@ class LowRankGGNLaplace(ParametricLaplace):
         )
 
     def _set_options(self, rank, oversampling, mc_samples, subsample_fraction, memory_budget,
-                     seed) -> None:
+                     micro_batch_size, seed) -> None:
         StreamingMerge(rank, oversampling or 0)  # validates rank and oversampling
         if isinstance(mc_samples, bool) or int(mc_samples) != mc_samples or mc_samples < 0:
             raise ValueError(f"mc_samples must be 0 or a positive integer, got {mc_samples!r}.")
@@ -146,7 +150,13 @@ class LowRankGGNLaplace(ParametricLaplace):
         self.oversampling = self.rank // 5 if oversampling is None else int(oversampling)
         self.mc_samples = int(mc_samples)
         self.subsample_fraction = subsample_fraction
+        if micro_batch_size is not None and (int(micro_batch_size) != micro_batch_size
+                                             or micro_batch_size < 1):
+            raise ValueError(
+                f"micro_batch_size must be a positive integer, got {micro_batch_size!r}."
+            )
         self.memory_budget = memory_budget
+        self.micro_batch_size = micro_batch_size
         self.seed = seed
         self.trace: Optional[Tensor] = None
 
@@ -215,7 +225,7 @@ class LowRankGGNLaplace(ParametricLaplace):
                 X, y = data
                 X, y = to_inputs(X.to(self._device)), y.to(self._device)
                 if micro is None:
-                    micro = self._micro_batch_size(engine, X, self.mc_samples or None)
+                    micro = self._micro_batch_size(engine, X, self.mc_samples or None, True)
                 self._check_targets(y)
                 for Xc, yc in zip(torch.split(X, micro), torch.split(y, micro)):
                     sub, scale = self._subsample(len(yc), generator)
@@ -231,8 +241,16 @@ class LowRankGGNLaplace(ParametricLaplace):
         self.loss = loss
         self.n_data = num_data
 
-    def _micro_batch_size(self, engine: FactorEngine, X: Tensor, num_vectors) -> int:
-        """Samples per backward pass so that one micro-batch's ``V`` fits the budget."""
+    def _micro_batch_size(self, engine: FactorEngine, X: Tensor, num_vectors,
+                          merging: bool = False) -> int:
+        """Samples per backward pass.
+
+        At most what fits the memory budget. When merging, also at most the size
+        that balances the two costs that depend on it: the Gram matrix of a
+        micro-batch (``2 b C^2 D_dense`` flop per sample, growing with ``b``) and
+        the rotation of the kept basis (``2 D k^2 / b`` per sample, shrinking):
+        ``b* = (k / C) sqrt(D / D_dense)`` with ``k = rank + oversampling``.
+        """
         per_sample = engine.bytes_per_sample(X, num_vectors)
         budget = resolve_memory_budget(self.memory_budget, X.device)
         if per_sample > budget:
@@ -241,7 +259,16 @@ class LowRankGGNLaplace(ParametricLaplace):
                 f"{per_sample:,} bytes of V): raise memory_budget, use mc_samples=1, or "
                 "subset_of_weights='last_layer'."
             )
-        return max(1, budget // per_sample)
+        size = max(1, budget // per_sample)
+        if self.micro_batch_size is not None:
+            return min(size, self.micro_batch_size)
+        dense = engine.dense_param_count()
+        if merging and dense > 0:
+            vectors = num_vectors or engine.num_outputs
+            keep = self.rank + self.oversampling
+            total = sum(p.numel() for p in engine.model.parameters() if p.requires_grad)
+            size = min(size, max(8, round(keep / vectors * (total / dense) ** 0.5)))
+        return size
 
     def _subsample(self, n: int, generator: torch.Generator):
         if self.subsample_fraction is None or self.subsample_fraction == 1:
@@ -405,7 +432,8 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
     """Last-layer Laplace with the last layer's exact low-rank GGN.
 
     Same options as :class:`LowRankGGNLaplace` (``rank``, ``oversampling``,
-    ``mc_samples``, ``subsample_fraction``, ``memory_budget``, ``seed``) plus
+    ``mc_samples``, ``subsample_fraction``, ``memory_budget``, ``micro_batch_size``,
+    ``seed``) plus
     laplace-torch's last-layer arguments (``last_layer_name``, ``feature_reduction``).
     """
 
@@ -414,9 +442,11 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
     def __init__(self, model: nn.Module, likelihood: str, *args, rank: int = DEFAULT_RANK,
                  oversampling: Optional[int] = None, mc_samples: int = 0,
                  subsample_fraction: Optional[float] = None,
-                 memory_budget: Union[int, float, None] = None, seed: int = 0, **kwargs):
+                 memory_budget: Union[int, float, None] = None,
+                 micro_batch_size: Optional[int] = None, seed: int = 0, **kwargs):
         super().__init__(model, likelihood, *args, **kwargs)
-        self._set_options(rank, oversampling, mc_samples, subsample_fraction, memory_budget, seed)
+        self._set_options(rank, oversampling, mc_samples, subsample_fraction, memory_budget,
+                          micro_batch_size, seed)
 
     def _curvature_target(self):
         last = self.model.last_layer

@@ -193,10 +193,12 @@ def test_sample_covariance_statistical():
 def test_shuffled_orders_and_micro_batches_agree():
     model, likelihood, X, y, _ = make_problem("cnn-classification", n=30)
     results = []
-    for seed, bs, budget in [(0, 30, None), (1, 4, None), (2, 11, 2000)]:
+    for seed, bs, budget, micro in [(0, 30, None, None), (1, 4, None, None), (2, 11, 2000, None),
+                                    (3, 30, None, 7)]:
         gen = torch.Generator().manual_seed(seed)
         loader = DataLoader(TensorDataset(X, y), batch_size=bs, shuffle=True, generator=gen)
-        la = LowRankGGNLaplace(model, likelihood, rank=1000, memory_budget=budget)
+        la = LowRankGGNLaplace(model, likelihood, rank=1000, memory_budget=budget,
+                               micro_batch_size=micro)
         la.fit(loader)
         results.append(dense_H(la))
     scale = results[0].abs().max()
@@ -327,6 +329,10 @@ def test_errors():
         LowRankGGNLaplace(model, likelihood, rank=0)
     with pytest.raises(ValueError, match="memory_budget=10 bytes is too small for one sample"):
         LowRankGGNLaplace(model, likelihood, memory_budget=10).fit(loader)
+    with pytest.raises(ValueError, match="micro_batch_size must be a positive integer"):
+        LowRankGGNLaplace(model, likelihood, micro_batch_size=0)
+    with pytest.raises(ValueError, match="memory_budget must be positive"):
+        LowRankGGNLaplace(model, likelihood, memory_budget=-1.0).fit(loader)
     with pytest.raises(ValueError, match="subsample_fraction must lie in"):
         LowRankGGNLaplace(model, likelihood, subsample_fraction=1.5)
     bad = X.clone()
