@@ -24,11 +24,11 @@ import torch
 from torch import Tensor
 
 from lowrank_laplace._blocks import Weight
-from lowrank_laplace.factor import FactorEngine
+from lowrank_laplace.factor import FactorEngine, GGNFactor
 from lowrank_laplace.posterior import LowRankPrecision
 
 
-def jacobian_factor(engine: FactorEngine, inputs: Tensor):
+def jacobian_factor(engine: FactorEngine, inputs: Tensor) -> GGNFactor:
     """One backward pass giving ``V = sqrt(2) J^T`` on ``inputs`` (MSE-sum engine).
 
     Args:
