@@ -1,0 +1,476 @@
+"""Shared helpers of the benchmark scripts (process isolation, memory, machine info).
+
+The benchmark scripts run every configuration in a fresh worker process (the
+script itself with ``--worker``) that reports its record as JSON on stdout. This
+module holds what the drivers and workers of all scripts share:
+
+- measuring memory: RSS high-water marks (resettable on Linux), CUDA peaks,
+  recognizing out-of-memory errors and capping a worker's address space,
+- the workers' environment (thread pools) and waiting for a quiet machine,
+- classifying how a worker process ended, and machine/software information.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import resource
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+GiB = 2**30
+# Warn about competing processes if the CPU was busier than this before a run.
+BUSY_WARN_PERCENT = 20.0
+
+#: Modules that benchmarked methods may load lazily on their first call.
+DEFAULT_PREIMPORTS: tuple[str, ...] = (
+    "torch._dynamo",
+    "torch._decomp.decompositions_for_jvp",
+    "scipy.sparse.linalg",
+    "backpack",
+)
+
+#: Packages whose versions :func:`machine_info` records by default.
+DEFAULT_PACKAGES: tuple[str, ...] = (
+    "numpy",
+    "scipy",
+    "curvlinops-for-pytorch",
+    "backpack-for-pytorch",
+    "lowrank_laplace",
+    "lowrank-laplace",
+)
+
+
+###############################################################################
+#                              Worker side                                    #
+###############################################################################
+
+
+def num_cores() -> int:
+    """Return the number of CPU cores available to this process.
+
+    Returns:
+        Number of usable cores.
+    """
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover (non-Linux)
+        return os.cpu_count() or 1
+
+
+def maxrss_bytes() -> int:
+    """Return the RSS high-water mark of this process in bytes.
+
+    Returns:
+        ``ru_maxrss`` converted to bytes (it is in KiB on Linux, bytes on macOS).
+    """
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024
+
+
+def _proc_status_bytes(key: str) -> int | None:
+    """Read a memory entry (in kB) of ``/proc/self/status``.
+
+    Args:
+        key: Entry name, e.g. ``'VmHWM'`` or ``'VmRSS'``.
+
+    Returns:
+        The value in bytes, ``None`` if unavailable (non-Linux).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def current_rss_bytes() -> int:
+    """Return the current resident set size of this process in bytes.
+
+    Returns:
+        ``VmRSS`` on Linux, else the high-water mark as an upper bound.
+    """
+    rss = _proc_status_bytes("VmRSS")
+    return maxrss_bytes() if rss is None else rss
+
+
+def peak_rss_bytes() -> int:
+    """Return the RSS high-water mark since the last :func:`reset_peak_rss`.
+
+    Returns:
+        ``VmHWM`` on Linux, else ``ru_maxrss`` (high-water mark of the process).
+    """
+    hwm = _proc_status_bytes("VmHWM")
+    return maxrss_bytes() if hwm is None else hwm
+
+
+def reset_peak_rss() -> bool:
+    """Reset the RSS high-water mark to the current RSS (Linux >= 4.0).
+
+    Writes ``5`` to ``/proc/self/clear_refs``. This allows per-phase peak memory
+    measurements of several phases in one process.
+
+    Returns:
+        Whether the reset worked (otherwise the peak is that of the whole process).
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def limit_address_space(max_bytes: int) -> int | None:
+    """Cap the virtual address space of this process (``RLIMIT_AS``).
+
+    Allocations beyond the cap fail with ``MemoryError``/``RuntimeError`` (which
+    can be recorded) instead of driving the machine into swapping or the OOM
+    killer. Do not use with CUDA (its driver reserves huge virtual ranges).
+
+    Args:
+        max_bytes: The cap in bytes (``<= 0``: leave unlimited).
+
+    Returns:
+        The cap that is in effect, ``None`` if none could be set.
+    """
+    if max_bytes <= 0:
+        return None
+    try:
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard != resource.RLIM_INFINITY:
+            max_bytes = min(max_bytes, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (max_bytes, hard))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover
+        return None
+    return max_bytes
+
+
+def sync(device: torch.device):
+    """Synchronize CUDA (no-op on CPU).
+
+    Args:
+        device: The device used.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Check whether an exception signals running out of memory.
+
+    Args:
+        exc: The exception.
+
+    Returns:
+        Whether the exception is an out-of-memory error.
+    """
+    if isinstance(exc, MemoryError):
+        return True
+    if type(exc).__name__ == "OutOfMemoryError":
+        return True
+    msg = str(exc).lower()
+    return any(s in msg for s in ("out of memory", "can't allocate memory", "not enough memory"))
+
+
+def preimport(names: Iterable[str] = DEFAULT_PREIMPORTS):
+    """Import modules that the methods load lazily on their first call.
+
+    The first forward-mode AD call imports ``torch._dynamo`` (and with it several
+    hundred modules, about 1 s); SciPy's ARPACK and BackPACK may also be imported
+    lazily. Import time is excluded from all measurements, so load these modules
+    before the timed call of every method.
+
+    Args:
+        names: Module names (failures to import are ignored).
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in names:
+            with contextlib.suppress(Exception):  # best effort
+                __import__(name)
+
+
+class CountingMatvec:
+    """Wrap a matrix-vector product to count how often it is called.
+
+    Attributes:
+        count: Number of multiplied vectors.
+    """
+
+    def __init__(self, f: Callable):
+        """Store the wrapped function.
+
+        Args:
+            f: Matrix-vector (or matrix-matrix) product on NumPy arrays.
+        """
+        self.f = f
+        self.count = 0
+
+    def __call__(self, x: Any) -> Any:
+        """Multiply and count.
+
+        Args:
+            x: NumPy vector or matrix.
+
+        Returns:
+            The product.
+        """
+        self.count += 1 if x.ndim == 1 else x.shape[1]
+        return self.f(x)
+
+
+###############################################################################
+#                              Driver side                                    #
+###############################################################################
+
+
+def worker_env(args: argparse.Namespace) -> dict[str, str]:
+    """Environment of the worker processes.
+
+    Two settings make timings on small (virtual) machines reproducible and are
+    applied to *all* workers alike:
+
+    - NumPy/SciPy ship their own OpenBLAS, separate from PyTorch's MKL/OpenMP.
+      With both thread pools busy-waiting, the matrix-vector products inside
+      ``eigsh`` slowed down by up to 20x on a 2-core VM. The NumPy/SciPy BLAS
+      threads are therefore limited to ``--blas-threads`` (default 1); PyTorch
+      keeps ``--threads`` threads.
+    - With OpenMP's default (active, spinning) wait policy, PyTorch on a 2-vCPU
+      VM was randomly (per process) up to 6x slower than with one thread.
+      ``OMP_WAIT_POLICY`` is set to ``--omp-wait-policy`` (default ``PASSIVE``).
+
+    Args:
+        args: Parsed command line arguments of the driver (``blas_threads`` and
+            ``omp_wait_policy`` are used).
+
+    Returns:
+        The environment variables.
+    """
+    env = dict(os.environ)
+    if args.blas_threads > 0:
+        env["OPENBLAS_NUM_THREADS"] = str(args.blas_threads)
+    if args.omp_wait_policy:
+        env["OMP_WAIT_POLICY"] = args.omp_wait_policy
+    return env
+
+
+def other_cpu_load(interval: float = 0.5) -> float | None:
+    """Measure the system-wide CPU utilization while no worker is running.
+
+    Other processes competing for the (few) cores distort the timings, so this is
+    recorded with each run and reported in the summary.
+
+    Args:
+        interval: Measurement interval in seconds.
+
+    Returns:
+        CPU utilization in percent (all cores), ``None`` if psutil is missing.
+    """
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover
+        return None
+    return psutil.cpu_percent(interval=interval)
+
+
+def wait_for_idle_cpu(max_wait_s: float) -> float | None:
+    """Wait up to ``max_wait_s`` seconds for the CPU to become (almost) idle.
+
+    Args:
+        max_wait_s: Maximum waiting time; ``0`` measures the load once.
+
+    Returns:
+        The last measured CPU utilization in percent (``None`` without psutil);
+        above :data:`BUSY_WARN_PERCENT` if the waiting time ran out.
+    """
+    busy = other_cpu_load()
+    deadline = time.perf_counter() + max_wait_s
+    while busy is not None and busy > BUSY_WARN_PERCENT and time.perf_counter() < deadline:
+        busy = other_cpu_load(interval=2.0)
+    return busy
+
+
+def busy_processes(
+    patterns: Sequence[str], min_cpu_percent: float = 5.0, interval: float = 1.0
+) -> list[str]:
+    """Find other processes whose command line matches a pattern and that use CPU.
+
+    The process tree of the caller (itself, its ancestors and descendants) is
+    ignored.
+
+    Args:
+        patterns: Substrings searched in each process's command line.
+        min_cpu_percent: CPU utilization (percent of one core, measured over
+            ``interval``) from which a process counts as busy.
+        interval: Measurement interval in seconds.
+
+    Returns:
+        ``'pid cpu% command'`` descriptions of the busy matching processes (empty
+        without psutil or without patterns).
+    """
+    if not patterns:
+        return []
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover
+        return []
+    me = psutil.Process()
+    own = {me.pid} | {p.pid for p in me.parents()}
+    with contextlib.suppress(psutil.Error):
+        own |= {p.pid for p in me.children(recursive=True)}
+    matches = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(proc.info.get("cmdline") or [])
+        if proc.info["pid"] in own or not any(p in cmdline for p in patterns):
+            continue
+        with contextlib.suppress(psutil.Error):
+            proc.cpu_percent(None)  # start the measurement
+            matches.append((proc, cmdline))
+    if not matches:
+        return []
+    time.sleep(interval)
+    busy = []
+    for proc, cmdline in matches:
+        with contextlib.suppress(psutil.Error):
+            cpu = proc.cpu_percent(None)
+            if cpu >= min_cpu_percent:
+                busy.append(f"{proc.pid} {cpu:.0f}% {cmdline[:120]}")
+    return busy
+
+
+def wait_for_processes(
+    patterns: Sequence[str],
+    max_wait_s: float,
+    poll_s: float = 30.0,
+    log: Callable[[str], None] | None = print,
+) -> list[str]:
+    """Wait until no other process matching ``patterns`` uses CPU.
+
+    Args:
+        patterns: Substrings of command lines to wait for (e.g. ``'pytest'``).
+        max_wait_s: Maximum waiting time in seconds.
+        poll_s: Polling interval in seconds.
+        log: Function printing progress messages (``None``: silent).
+
+    Returns:
+        The busy processes found at the last poll (empty if the machine became
+        quiet in time).
+    """
+    deadline = time.perf_counter() + max_wait_s
+    busy = busy_processes(patterns)
+    while busy and time.perf_counter() < deadline:
+        if log is not None:
+            log(f"  waiting for {len(busy)} busy process(es): {busy[0]}")
+        time.sleep(max(0.0, min(poll_s, deadline - time.perf_counter())))
+        busy = busy_processes(patterns)
+    return busy
+
+
+def classify_exit(returncode: int) -> tuple[str, str]:
+    """Classify the exit of a worker that did not report a result.
+
+    Args:
+        returncode: Return code of the process (negative: killed by a signal).
+
+    Returns:
+        ``(status, reason)``; the status is ``'oom'`` for ``SIGKILL`` (likely the
+        kernel's OOM killer), ``'killed'`` for other signals, else ``'error'``.
+    """
+    if returncode < 0:
+        try:
+            sig = signal.Signals(-returncode).name
+        except ValueError:
+            sig = str(-returncode)
+        if sig == "SIGKILL":
+            return "oom", f"killed by signal {sig} (likely out of memory)"
+        return "killed", f"killed by signal {sig}"
+    return "error", f"exit code {returncode} without result"
+
+
+def median(values: Sequence[float]) -> float:
+    """Median of a non-empty sequence.
+
+    Args:
+        values: The values.
+
+    Returns:
+        The median (mean of the two middle values for an even count).
+    """
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else 0.5 * (values[mid - 1] + values[mid])
+
+
+def machine_info(device: str, packages: Sequence[str] = DEFAULT_PACKAGES) -> dict[str, Any]:
+    """Collect information about the machine and software.
+
+    Args:
+        device: Device string used for the benchmark.
+        packages: Distributions whose versions are recorded (if installed).
+
+    Returns:
+        Dictionary with CPU count, memory, device name and package versions.
+    """
+    import importlib.metadata
+
+    info: dict[str, Any] = {
+        "cpu_count": os.cpu_count(),
+        "cpu_count_usable": num_cores(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": device,
+    }
+    cpu_name = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu_name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info["cpu_name"] = cpu_name
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["device_name"] = torch.cuda.get_device_name(torch.device(device))
+    else:
+        info["device_name"] = cpu_name
+    try:
+        import psutil
+
+        info["total_memory_bytes"] = psutil.virtual_memory().total
+    except ImportError:  # pragma: no cover
+        pass
+    for pkg in packages:
+        try:
+            info[f"version_{pkg}"] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return info
+
+
+def verdict(ok: bool | None) -> str:
+    """Format the outcome of a check.
+
+    Args:
+        ok: Whether the check passed, ``None`` if it could not be evaluated.
+
+    Returns:
+        ``'PASSED'``, ``'FAILED'`` or ``'n/a (missing runs)'``.
+    """
+    if ok is None:
+        return "n/a (missing runs)"
+    return "PASSED" if ok else "FAILED"

@@ -1,0 +1,209 @@
+"""Plots for calibration, curvature spectra and predictive uncertainty (matplotlib, Agg).
+
+Every function returns the figure and, given ``path``, saves it as PNG.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Dict, Optional, Sequence, Union
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+PathLike = Union[str, Path, None]
+
+
+def _finish(fig, path: PathLike):
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
+def reliability_diagram(probs: Tensor, targets: Tensor, n_bins: int = 15,
+                        title: str = "", path: PathLike = None):
+    """Accuracy per confidence bin against the diagonal of perfect calibration.
+
+    Args:
+        probs: Predictive probabilities, shape ``(N, C)``.
+        targets: Class indices, shape ``(N,)``.
+        n_bins: Number of equal-width confidence bins.
+        title: Axes title.
+        path: Where to save the PNG (optional).
+
+    Returns:
+        The matplotlib figure.
+    """
+    conf, pred = probs.max(1)
+    correct = (pred == targets).float()
+    edges = torch.linspace(0, 1, n_bins + 1)
+    idx = torch.bucketize(conf, edges[1:-1])
+    acc = torch.zeros(n_bins)
+    avg_conf = torch.zeros(n_bins)
+    count = torch.zeros(n_bins)
+    count.index_add_(0, idx, torch.ones_like(conf))
+    acc.index_add_(0, idx, correct)
+    avg_conf.index_add_(0, idx, conf)
+    nonempty = count > 0
+    fig, (ax, hist) = plt.subplots(2, 1, figsize=(4.5, 5.5), sharex=True,
+                                   gridspec_kw={"height_ratios": [3, 1]})
+    centers = (edges[:-1] + edges[1:]) / 2
+    ax.bar(centers[nonempty], (acc / count.clamp_min(1))[nonempty], width=1 / n_bins,
+           edgecolor="k", alpha=0.7, label="accuracy")
+    ax.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")
+    ax.plot((avg_conf / count.clamp_min(1))[nonempty], (acc / count.clamp_min(1))[nonempty],
+            "o-", color="C3", ms=3, label="per-bin confidence")
+    ax.set_ylabel("accuracy")
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize=8)
+    hist.bar(centers, count / count.sum(), width=1 / n_bins, edgecolor="k", alpha=0.7)
+    hist.set_xlabel("confidence")
+    hist.set_ylabel("fraction")
+    return _finish(fig, path)
+
+
+def confidence_histograms(confidences: Dict[str, Tensor], title: str = "",
+                          path: PathLike = None):
+    """Overlaid histograms of top-1 confidence (e.g. in- vs out-of-distribution).
+
+    Args:
+        confidences: Named 1-D tensors of confidences.
+        title: Axes title.
+        path: Where to save the PNG (optional).
+
+    Returns:
+        The matplotlib figure.
+    """
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for name, conf in confidences.items():
+        ax.hist(conf.cpu().numpy(), bins=20, range=(0, 1), alpha=0.5, label=name, density=True)
+    ax.set_xlabel("confidence")
+    ax.set_ylabel("density")
+    ax.set_title(title)
+    ax.legend()
+    return _finish(fig, path)
+
+
+def spectrum(eigenvalues: Dict[str, Tensor], title: str = "GGN spectrum",
+             path: PathLike = None):
+    """Eigenvalues by index (log scale) and their histogram, one line per case.
+
+    Args:
+        eigenvalues: Named descending eigenvalue tensors.
+        title: Figure title.
+        path: Where to save the PNG (optional).
+
+    Returns:
+        The matplotlib figure.
+    """
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for name, evals in eigenvalues.items():
+        evals = evals.detach().cpu()
+        left.semilogy(evals.numpy(), label=name)
+        right.hist(torch.log10(evals.clamp_min(1e-30)).numpy(), bins=30, alpha=0.5, label=name)
+    left.set_xlabel("index k")
+    left.set_ylabel("eigenvalue")
+    right.set_xlabel("log10 eigenvalue")
+    right.set_ylabel("count")
+    left.legend(fontsize=8)
+    fig.suptitle(title)
+    return _finish(fig, path)
+
+
+def regression_band(x_train: Tensor, y_train: Tensor, x_grid: Tensor,
+                    predictions: Dict[str, Sequence[Tensor]], title: str = "",
+                    path: PathLike = None):
+    """1-D regression: data, predictive mean and a two-standard-deviation band.
+
+    Args:
+        x_train: Training inputs, shape ``(N, 1)``.
+        y_train: Training targets, shape ``(N, 1)``.
+        x_grid: Evaluation inputs, shape ``(G, 1)``.
+        predictions: Named ``(mean, std)`` pairs on the grid.
+        title: Axes title.
+        path: Where to save the PNG (optional).
+
+    Returns:
+        The matplotlib figure.
+    """
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    x = x_grid.flatten().cpu().numpy()
+    ax.scatter(x_train.flatten().cpu(), y_train.flatten().cpu(), s=8, c="k", label="data")
+    for i, (name, (mean, std)) in enumerate(predictions.items()):
+        m, s = mean.flatten().cpu().numpy(), std.flatten().cpu().numpy()
+        ax.plot(x, m, color=f"C{i}", label=name)
+        ax.fill_between(x, m - 2 * s, m + 2 * s, color=f"C{i}", alpha=0.2)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return _finish(fig, path)
+
+
+def uncertainty_map(predict: Callable[[Tensor], Tensor], X: Tensor, y: Tensor,
+                    title: str = "", resolution: int = 80, ax=None, path: PathLike = None):
+    """2-D classification: confidence of ``predict`` on a grid, with the data.
+
+    Args:
+        predict: Maps inputs ``(G, 2)`` to probabilities ``(G, C)``.
+        X: Data inputs, shape ``(N, 2)``.
+        y: Labels, shape ``(N,)``.
+        title: Axes title.
+        resolution: Grid points per axis.
+        ax: Existing axes to draw into (optional).
+        path: Where to save the PNG (optional).
+
+    Returns:
+        The matplotlib figure.
+    """
+    lo, hi = X.min(0).values - 1.0, X.max(0).values + 1.0
+    gx, gy = torch.meshgrid(torch.linspace(lo[0], hi[0], resolution),
+                            torch.linspace(lo[1], hi[1], resolution), indexing="xy")
+    grid = torch.stack([gx.flatten(), gy.flatten()], 1)
+    conf = predict(grid).max(1).values.reshape(resolution, resolution).detach().cpu()
+    fig = None
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(4, 3.5))
+    contour = ax.contourf(gx.numpy(), gy.numpy(), conf.numpy(), levels=20, cmap="viridis",
+                          vmin=0.5, vmax=1.0)
+    ax.scatter(X[:, 0].cpu(), X[:, 1].cpu(), c=y.cpu(), cmap="coolwarm", s=8, edgecolors="k",
+               linewidths=0.3)
+    ax.set_title(title)
+    fig = fig or ax.figure
+    fig.colorbar(contour, ax=ax, label="confidence")
+    return _finish(fig, path)
+
+
+def shift_curves(results: Dict[str, Dict[str, Dict[str, float]]], metric: str = "ece",
+                 path: PathLike = None):
+    """A metric against the rotation angle, one line per method.
+
+    Args:
+        results: ``{method: {angle: {metric: value}}}`` (angles as strings).
+        metric: Which metric to plot.
+        path: Where to save the PNG (optional).
+
+    Returns:
+        The matplotlib figure.
+    """
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for name, by_angle in results.items():
+        angles = sorted(by_angle, key=float)
+        ax.plot([float(a) for a in angles], [by_angle[a][metric] for a in angles], "o-",
+                label=name)
+    ax.set_xlabel("rotation angle [deg]")
+    ax.set_ylabel(metric)
+    ax.legend(fontsize=8)
+    return _finish(fig, path)
+
+
+def close(fig: Optional[object]) -> None:
+    """Close a figure (frees memory in long scripts).
+
+    Args:
+        fig: The figure.
+    """
+    plt.close(fig)
