@@ -35,15 +35,10 @@ Results are written to ``<out>/eigh_<problem>.json`` and
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import importlib
 import json
 import math
-import os
-import platform
-import resource
-import signal
 import subprocess
 import sys
 import time
@@ -61,6 +56,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 _problems = importlib.import_module("_problems")
+_harness = importlib.import_module("_harness")
 EXPECTED_NUM_PARAMS = _problems.EXPECTED_NUM_PARAMS
 NUM_CLASSES = _problems.NUM_CLASSES
 PROBLEMS = _problems.PROBLEMS
@@ -96,9 +92,21 @@ SANITY_RTOL = 1e-2
 POWER_MAX_ITER = 100
 POWER_TOL = 1e-3
 
-GiB = 2**30
+GiB = _harness.GiB
 # Warn about competing processes if the CPU was busier than this before a run.
-BUSY_WARN_PERCENT = 20.0
+BUSY_WARN_PERCENT = _harness.BUSY_WARN_PERCENT
+
+# Shared helpers (see _harness.py)
+_CountingMatvec = _harness.CountingMatvec
+_num_cores = _harness.num_cores
+_maxrss_bytes = _harness.maxrss_bytes
+_sync = _harness.sync
+_is_oom = _harness.is_oom
+_preimport = _harness.preimport
+_verdict = _harness.verdict
+worker_env = _harness.worker_env
+other_cpu_load = _harness.other_cpu_load
+machine_info = _harness.machine_info
 
 
 ###############################################################################
@@ -271,35 +279,6 @@ def power_iteration(
     return torch.tensor(eigenvalues), torch.stack(eigenvectors, dim=1)
 
 
-class _CountingMatvec:
-    """Wrap a matrix-vector product to count how often it is called.
-
-    Attributes:
-        count: Number of multiplied vectors.
-    """
-
-    def __init__(self, f: Callable):
-        """Store the wrapped function.
-
-        Args:
-            f: Matrix-vector (or matrix-matrix) product on NumPy arrays.
-        """
-        self.f = f
-        self.count = 0
-
-    def __call__(self, x: Any) -> Any:
-        """Multiply and count.
-
-        Args:
-            x: NumPy vector or matrix.
-
-        Returns:
-            The product.
-        """
-        self.count += 1 if x.ndim == 1 else x.shape[1]
-        return self.f(x)
-
-
 def eigsh_curvlinops(
     model: nn.Module, loss_func: nn.Module, X: Tensor, y: Tensor, k: int
 ) -> tuple[Tensor, Tensor, int]:
@@ -350,55 +329,6 @@ def eigsh_curvlinops(
 ###############################################################################
 
 
-def _num_cores() -> int:
-    """Return the number of CPU cores available to this process.
-
-    Returns:
-        Number of usable cores.
-    """
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover (non-Linux)
-        return os.cpu_count() or 1
-
-
-def _maxrss_bytes() -> int:
-    """Return the RSS high-water mark of this process in bytes.
-
-    Returns:
-        ``ru_maxrss`` converted to bytes (it is in KiB on Linux, bytes on macOS).
-    """
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return maxrss if sys.platform == "darwin" else maxrss * 1024
-
-
-def _sync(device: torch.device):
-    """Synchronize CUDA (no-op on CPU).
-
-    Args:
-        device: The device used.
-    """
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _is_oom(exc: BaseException) -> bool:
-    """Check whether an exception signals running out of memory.
-
-    Args:
-        exc: The exception.
-
-    Returns:
-        Whether the exception is an out-of-memory error.
-    """
-    if isinstance(exc, MemoryError):
-        return True
-    if type(exc).__name__ == "OutOfMemoryError":
-        return True
-    msg = str(exc).lower()
-    return any(s in msg for s in ("out of memory", "can't allocate memory", "not enough memory"))
-
-
 def _verify(ggnvp: GGNVectorProduct, evecs: Tensor, device: torch.device) -> dict[str, Any]:
     """Check returned eigenvectors with independent GGN-vector products.
 
@@ -427,28 +357,6 @@ def _verify(ggnvp: GGNVectorProduct, evecs: Tensor, device: torch.device) -> dic
         "rel_residual": residual,
         "orthonormality_error": ortho_err,
     }
-
-
-def _preimport():
-    """Import modules that the methods load lazily on their first call.
-
-    The first forward-mode AD call imports ``torch._dynamo`` (and with it several
-    hundred modules, about 1 s); SciPy's ARPACK and BackPACK may also be imported
-    lazily. Import time is excluded from all measurements, so load these modules
-    before the timed call of every method.
-    """
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for name in (
-            "torch._dynamo",
-            "torch._decomp.decompositions_for_jvp",
-            "scipy.sparse.linalg",
-            "backpack",
-        ):
-            with contextlib.suppress(Exception):  # best effort
-                __import__(name)
 
 
 def run_worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -643,54 +551,6 @@ def worker_main(args: argparse.Namespace):
 ###############################################################################
 
 
-def worker_env(args: argparse.Namespace) -> dict[str, str]:
-    """Environment of the worker processes.
-
-    Two settings make timings on small (virtual) machines reproducible and are
-    applied to *all* workers alike:
-
-    - NumPy/SciPy ship their own OpenBLAS, separate from PyTorch's MKL/OpenMP.
-      With both thread pools busy-waiting, the matrix-vector products inside
-      ``eigsh`` slowed down by up to 20x on a 2-core VM. The NumPy/SciPy BLAS
-      threads are therefore limited to ``--blas-threads`` (default 1); PyTorch
-      keeps ``--threads`` threads.
-    - With OpenMP's default (active, spinning) wait policy, PyTorch on a 2-vCPU
-      VM was randomly (per process) up to 6x slower than with one thread.
-      ``OMP_WAIT_POLICY`` is set to ``--omp-wait-policy`` (default ``PASSIVE``).
-
-    Args:
-        args: Parsed command line arguments of the driver.
-
-    Returns:
-        The environment variables.
-    """
-    env = dict(os.environ)
-    if args.blas_threads > 0:
-        env["OPENBLAS_NUM_THREADS"] = str(args.blas_threads)
-    if args.omp_wait_policy:
-        env["OMP_WAIT_POLICY"] = args.omp_wait_policy
-    return env
-
-
-def other_cpu_load(interval: float = 0.5) -> float | None:
-    """Measure the system-wide CPU utilization while no worker is running.
-
-    Other processes competing for the (few) cores distort the timings, so this is
-    recorded with each run and reported in the summary.
-
-    Args:
-        interval: Measurement interval in seconds.
-
-    Returns:
-        CPU utilization in percent (all cores), ``None`` if psutil is missing.
-    """
-    try:
-        import psutil
-    except ImportError:  # pragma: no cover
-        return None
-    return psutil.cpu_percent(interval=interval)
-
-
 def run_subprocess(
     problem: str, method: str, N: int, k: int, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -720,10 +580,7 @@ def run_subprocess(
     ]
     if not args.verify:
         cmd.append("--no-verify")
-    busy = other_cpu_load()
-    deadline = time.perf_counter() + args.wait_idle
-    while busy is not None and busy > BUSY_WARN_PERCENT and time.perf_counter() < deadline:
-        busy = other_cpu_load(interval=2.0)
+    busy = _harness.wait_for_idle_cpu(args.wait_idle)
     base = {
         "problem": problem,
         "method": method,
@@ -760,19 +617,7 @@ def run_subprocess(
                 record["stderr_tail"] = proc.stderr[-2000:]
             return record
 
-    if proc.returncode < 0:
-        try:
-            sig = signal.Signals(-proc.returncode).name
-        except ValueError:
-            sig = str(-proc.returncode)
-        reason = f"killed by signal {sig}"
-        status = "killed"
-        if sig == "SIGKILL":
-            reason += " (likely out of memory)"
-            status = "oom"
-    else:
-        status = "error"
-        reason = f"exit code {proc.returncode} without result"
+    status, reason = _harness.classify_exit(proc.returncode)
     return {
         **base,
         "status": status,
@@ -809,11 +654,8 @@ def run_config(
     if not ok:
         return runs[0]
     record = dict(ok[0])
-    times = sorted(r["time_s"] for r in ok)
-    mid = len(times) // 2
-    median = times[mid] if len(times) % 2 else 0.5 * (times[mid - 1] + times[mid])
     record["times_s"] = [r["time_s"] for r in ok]
-    record["time_s"] = median
+    record["time_s"] = _harness.median(record["times_s"])
     for key in ("peak_delta_bytes", "peak_bytes"):
         record[key] = max(r[key] for r in ok)
     busy = [r.get("cpu_busy_before_percent") for r in runs]
@@ -826,60 +668,6 @@ def run_config(
             if r.get("status") != "ok"
         ]
     return record
-
-
-def machine_info(device: str) -> dict[str, Any]:
-    """Collect information about the machine and software.
-
-    Args:
-        device: Device string used for the benchmark.
-
-    Returns:
-        Dictionary with CPU count, memory, device name and package versions.
-    """
-    import importlib.metadata
-
-    info: dict[str, Any] = {
-        "cpu_count": os.cpu_count(),
-        "cpu_count_usable": _num_cores(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "device": device,
-    }
-    cpu_name = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu_name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info["cpu_name"] = cpu_name
-    if device.startswith("cuda") and torch.cuda.is_available():
-        info["device_name"] = torch.cuda.get_device_name(torch.device(device))
-    else:
-        info["device_name"] = cpu_name
-    try:
-        import psutil
-
-        info["total_memory_bytes"] = psutil.virtual_memory().total
-    except ImportError:  # pragma: no cover
-        pass
-    for pkg in (
-        "numpy",
-        "scipy",
-        "curvlinops-for-pytorch",
-        "backpack-for-pytorch",
-        "lowrank_laplace",
-        "lowrank-laplace",
-    ):
-        try:
-            info[f"version_{pkg}"] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return info
 
 
 def _ok(records: Sequence[dict[str, Any]], method: str, k: int) -> dict | None:
@@ -968,20 +756,6 @@ def _fmt_time(r: dict[str, Any] | None, failed: dict[str, Any] | None) -> str:
     if failed is not None:
         return failed.get("status", "fail").upper()
     return "-"
-
-
-def _verdict(ok: bool | None) -> str:
-    """Format the outcome of a check.
-
-    Args:
-        ok: Whether the check passed, ``None`` if it could not be evaluated.
-
-    Returns:
-        ``'PASSED'``, ``'FAILED'`` or ``'n/a (missing runs)'``.
-    """
-    if ok is None:
-        return "n/a (missing runs)"
-    return "PASSED" if ok else "FAILED"
 
 
 def summarize(

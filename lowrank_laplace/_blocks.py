@@ -104,6 +104,10 @@ class DenseBlock:
         """Return the squared norm of every row, shape ``(M,)``."""
         return (self.rows**2).sum(1)
 
+    def diag_outer(self) -> Tensor:
+        """Return the diagonal of ``B^T B`` (this parameter's GGN diagonal), ``(d,)``."""
+        return (self.rows**2).sum(0)
+
     def t_matmul(self, x: Tensor) -> Tensor:
         """Return ``B x`` (i.e. ``V^T x`` restricted to this parameter).
 
@@ -190,6 +194,10 @@ class KronBlock:
         """Return the squared norm of every row, shape ``(M,)``."""
         return ((self.s**2).sum(2) * (self.z**2).sum(1)[None]).flatten()
 
+    def diag_outer(self) -> Tensor:
+        """Return the diagonal of ``B^T B`` without expanding ``B``, ``(out * in,)``."""
+        return torch.einsum("vno,ni->oi", self.s**2, self.z**2).flatten()
+
     def t_matmul(self, x: Tensor) -> Tensor:
         """Return ``B x`` without expanding ``B``.
 
@@ -223,14 +231,16 @@ class KronBlock:
         """Return ``B diag(w) B^T``, shape ``(M, M)``.
 
         Args:
-            weight: Scalar (keeps the factored form) or per-entry weights ``(d,)``
-                (expands the block).
+            weight: Scalar or per-entry weights ``(d,)`` (both keep the factored form).
 
         Returns:
             The weighted Gram matrix.
         """
         if isinstance(weight, Tensor) and weight.numel() > 1:
-            return DenseBlock(self.to_dense()).weighted_gram(weight)
+            w = weight.reshape(self.s.shape[2], self.z.shape[1])  # (out, in)
+            zz = torch.einsum("ni,pi,oi->npo", self.z, self.z, w)
+            v, n = self.s.shape[:2]
+            return torch.einsum("vno,kpo,npo->vnkp", self.s, self.s, zz).reshape(v * n, v * n)
         return self.gram() * weight
 
     def sample_gram(self, num_vectors: int, weight: Weight = 1.0) -> Tensor:
@@ -238,13 +248,15 @@ class KronBlock:
 
         Args:
             num_vectors: Vectors per sample ``V`` (must match the block's layout).
-            weight: Scalar (keeps the factored form) or per-entry weights ``(d,)``.
+            weight: Scalar or per-entry weights ``(d,)`` (both keep the factored form).
 
         Returns:
             Tensor of shape ``(N, V, V)``.
         """
         if isinstance(weight, Tensor) and weight.numel() > 1:
-            return DenseBlock(self.to_dense()).sample_gram(num_vectors, weight)
+            w = weight.reshape(self.s.shape[2], self.z.shape[1])  # (out, in)
+            a = (self.z**2) @ w.T  # (N, out)
+            return torch.einsum("vno,kno,no->nvk", self.s, self.s, a)
         zz = (self.z**2).sum(1)
         return torch.einsum("vno,kno->nvk", self.s, self.s) * (zz * weight)[:, None, None]
 

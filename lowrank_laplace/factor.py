@@ -167,6 +167,17 @@ class GGNFactor:
             b.sample_gram(self.num_vectors, w) for b, w in zip(self._blocks(group), weights)
         )
 
+    def diag(self, group: int = 0) -> Tensor:
+        """Return the exact diagonal of ``G = V V^T`` over the group, shape ``(D,)``.
+
+        Args:
+            group: Group index.
+
+        Returns:
+            The GGN diagonal (linear-layer blocks stay factored).
+        """
+        return torch.cat([b.diag_outer() for b in self._blocks(group)])
+
     def t_matmul(self, x: Tensor, group: int = 0) -> Tensor:
         """Return ``V^T x``.
 

@@ -100,6 +100,11 @@ class LowRankGGNLaplace(ParametricLaplace):
             may take; batches are split automatically. Default 1 GiB.
         micro_batch_size: Upper bound on samples per backward pass; ``None``
             chooses it from the memory budget and a cost model of the merge.
+        diagonal_correction: Keep the exact diagonal of the curvature the rank
+            truncation drops, ``P = U diag(ell) U^T + diag(p0 + h r)`` with
+            ``r = diag(H) - diag(U diag(lambda) U^T)`` (free: the GGN diagonal comes
+            from the same factors). Without it (default) the dropped directions see
+            only the prior, and a scalar prior keeps ``O(r)`` closed forms.
         seed: Seed for curvature sub-sampling.
     """
 
@@ -126,10 +131,11 @@ class LowRankGGNLaplace(ParametricLaplace):
         subsample_fraction: Optional[float] = None,
         memory_budget: Union[int, float, None] = None,
         micro_batch_size: Optional[int] = None,
+        diagonal_correction: bool = False,
         seed: int = 0,
     ):
         self._set_options(rank, oversampling, mc_samples, subsample_fraction, memory_budget,
-                          micro_batch_size, seed)
+                          micro_batch_size, diagonal_correction, seed)
         super().__init__(
             model, likelihood, sigma_noise=sigma_noise, prior_precision=prior_precision,
             prior_mean=prior_mean, temperature=temperature, enable_backprop=enable_backprop,
@@ -138,7 +144,7 @@ class LowRankGGNLaplace(ParametricLaplace):
         )
 
     def _set_options(self, rank, oversampling, mc_samples, subsample_fraction, memory_budget,
-                     micro_batch_size, seed) -> None:
+                     micro_batch_size, diagonal_correction, seed) -> None:
         StreamingMerge(rank, oversampling or 0)  # validates rank and oversampling
         if isinstance(mc_samples, bool) or int(mc_samples) != mc_samples or mc_samples < 0:
             raise ValueError(f"mc_samples must be 0 or a positive integer, got {mc_samples!r}.")
@@ -157,6 +163,8 @@ class LowRankGGNLaplace(ParametricLaplace):
             )
         self.memory_budget = memory_budget
         self.micro_batch_size = micro_batch_size
+        self.diagonal_correction = bool(diagonal_correction)
+        self.residual_diagonal: Optional[Tensor] = None
         self.seed = seed
         self.trace: Optional[Tensor] = None
 
@@ -235,9 +243,10 @@ class LowRankGGNLaplace(ParametricLaplace):
                     self.n_outputs = batch.outputs.shape[-1]
         if micro is None:
             raise ValueError("train_loader yielded no batches: nothing to fit.")
-        U, lam, trace = merge.result()
+        U, lam, trace, residual = merge.result()
         self.H = (U, lam)
         self.trace = trace
+        self.residual_diagonal = residual if self.diagonal_correction else None
         self.loss = loss
         self.n_data = num_data
 
@@ -286,16 +295,26 @@ class LowRankGGNLaplace(ParametricLaplace):
 
     @property
     def posterior_precision(self) -> Tuple[Tuple[Tensor, Tensor], Tensor]:
-        """``((U, ell), prior_precision_diag)`` with ``P = U diag(ell) U^T + diag(p0)``."""
+        """``((U, ell), d)`` with ``P = U diag(ell) U^T + diag(d)``.
+
+        ``d`` is the prior precision diagonal, plus the scaled residual diagonal with
+        ``diagonal_correction``.
+        """
         self._check_H_init()
-        return (self.H[0], self._H_factor * self.H[1]), self.prior_precision_diag
+        return (self.H[0], self._H_factor * self.H[1]), self._diagonal_term(full=True)
+
+    def _diagonal_term(self, full: bool = False) -> Tensor:
+        """``p0`` (scalar when isotropic, unless ``full``) plus ``h r`` if corrected."""
+        prior = torch.as_tensor(self.prior_precision, device=self._device, dtype=self._dtype)
+        if prior.numel() != 1 or full or self.residual_diagonal is not None:
+            prior = self.prior_precision_diag
+        if self.residual_diagonal is not None:
+            prior = prior + self._H_factor * self.residual_diagonal
+        return prior
 
     def _precision(self) -> LowRankPrecision:
         self._check_H_init()
-        prior = torch.as_tensor(self.prior_precision, device=self._device, dtype=self._dtype)
-        if prior.numel() != 1:
-            prior = self.prior_precision_diag
-        return LowRankPrecision(self.H[0], self._H_factor * self.H[1], prior)
+        return LowRankPrecision(self.H[0], self._H_factor * self.H[1], self._diagonal_term())
 
     @property
     def log_det_posterior_precision(self) -> Tensor:
@@ -372,14 +391,16 @@ class LowRankGGNLaplace(ParametricLaplace):
 
     # -------------------------------------------------------------- predictive
     def _prior_variance_weights(self) -> List[Union[float, Tensor]]:
+        """``diag(d)^{-1}`` per parameter (scalars where ``d`` is constant on it)."""
         prior = torch.as_tensor(self.prior_precision, device=self._device, dtype=self._dtype)
         params = self._curvature_target()[2]
-        if prior.numel() == 1:
-            return [1 / prior.reshape(())] * len(params)
-        if prior.numel() == len(params) and prior.numel() != self.n_params:
-            return [1 / p for p in prior]
+        if self.residual_diagonal is None:
+            if prior.numel() == 1:
+                return [1 / prior.reshape(())] * len(params)
+            if prior.numel() == len(params) and prior.numel() != self.n_params:
+                return [1 / p for p in prior]
         sizes = [p.numel() for p in params]
-        return list(torch.split(1 / self.prior_precision_diag, sizes))
+        return list(torch.split(1 / self._diagonal_term(full=True), sizes))
 
     def _glm_predictive_distribution(
         self,
@@ -406,7 +427,8 @@ class LowRankGGNLaplace(ParametricLaplace):
     def state_dict(self) -> dict:
         """laplace-torch's state plus the exact GGN trace and the rank options."""
         state = super().state_dict()
-        state.update(trace=self.trace, rank=self.rank, mc_samples=self.mc_samples)
+        state.update(trace=self.trace, rank=self.rank, mc_samples=self.mc_samples,
+                     residual_diagonal=self.residual_diagonal)
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -426,6 +448,7 @@ class LowRankGGNLaplace(ParametricLaplace):
                 f"{self.n_params} Laplace parameters."
             )
         self.trace = state_dict.get("trace")
+        self.residual_diagonal = state_dict.get("residual_diagonal")
 
 
 class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
@@ -433,7 +456,7 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
 
     Same options as :class:`LowRankGGNLaplace` (``rank``, ``oversampling``,
     ``mc_samples``, ``subsample_fraction``, ``memory_budget``, ``micro_batch_size``,
-    ``seed``) plus
+    ``diagonal_correction``, ``seed``) plus
     laplace-torch's last-layer arguments (``last_layer_name``, ``feature_reduction``).
     """
 
@@ -443,10 +466,11 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
                  oversampling: Optional[int] = None, mc_samples: int = 0,
                  subsample_fraction: Optional[float] = None,
                  memory_budget: Union[int, float, None] = None,
-                 micro_batch_size: Optional[int] = None, seed: int = 0, **kwargs):
+                 micro_batch_size: Optional[int] = None, diagonal_correction: bool = False,
+                 seed: int = 0, **kwargs):
         super().__init__(model, likelihood, *args, **kwargs)
         self._set_options(rank, oversampling, mc_samples, subsample_fraction, memory_budget,
-                          micro_batch_size, seed)
+                          micro_batch_size, diagonal_correction, seed)
 
     def _curvature_target(self):
         last = self.model.last_layer

@@ -52,6 +52,7 @@ class StreamingMerge:
         self.eigenvectors: Optional[Tensor] = None  # (D, k)
         self.eigenvalues: Optional[Tensor] = None  # (k,)
         self.trace: Optional[Tensor] = None
+        self.diagonal: Optional[Tensor] = None  # exact diagonal of the merged sum
         self.num_merges = 0
 
     @property
@@ -67,8 +68,7 @@ class StreamingMerge:
             scale: Non-negative factor applied to the batch's GGN.
         """
         gram = factor.gram(group) * scale
-        trace = gram.diagonal().sum()
-        self.trace = trace if self.trace is None else self.trace + trace
+        self._add_trace_and_diagonal(gram.diagonal().sum(), factor.diag(group) * scale)
         if self.eigenvectors is None:
             evals, q = _top_eigh(gram, self._keep)
             self.eigenvectors = factor.matmul(q, group) * (scale**0.5) / evals.sqrt()
@@ -87,15 +87,21 @@ class StreamingMerge:
         self.eigenvalues = evals
         self.num_merges += 1
 
-    def add_lowrank(self, eigenvectors: Tensor, eigenvalues: Tensor, trace: Tensor) -> None:
+    def _add_trace_and_diagonal(self, trace: Tensor, diagonal: Tensor) -> None:
+        self.trace = trace if self.trace is None else self.trace + trace
+        self.diagonal = diagonal if self.diagonal is None else self.diagonal + diagonal
+
+    def add_lowrank(self, eigenvectors: Tensor, eigenvalues: Tensor, trace: Tensor,
+                    diagonal: Tensor) -> None:
         """Merge another truncated eigendecomposition (e.g. from another process).
 
         Args:
             eigenvectors: Orthonormal vectors, shape ``(D, k)``.
             eigenvalues: Positive eigenvalues, shape ``(k,)``.
             trace: The exact trace of the other curvature.
+            diagonal: The exact diagonal of the other curvature, shape ``(D,)``.
         """
-        self.trace = trace if self.trace is None else self.trace + trace
+        self._add_trace_and_diagonal(trace, diagonal)
         if self.eigenvectors is None:
             self.eigenvectors, self.eigenvalues = eigenvectors, eigenvalues
             return
@@ -107,11 +113,13 @@ class StreamingMerge:
         self.eigenvalues = evals
         self.num_merges += 1
 
-    def result(self) -> Tuple[Tensor, Tensor, Tensor]:
-        """The leading ``rank`` eigenpairs and the exact total trace.
+    def result(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The leading ``rank`` eigenpairs, the exact trace and the residual diagonal.
 
         Returns:
-            ``(eigenvectors (D, k), eigenvalues (k,), trace)`` with ``k <= rank``.
+            ``(eigenvectors (D, k), eigenvalues (k,), trace, residual (D,))`` with
+            ``k <= rank`` and ``residual = diag(H) - diag(U diag(lambda) U^T)``, the
+            diagonal of the dropped curvature (non-negative up to rounding).
 
         Raises:
             RuntimeError: If nothing was merged.
@@ -119,7 +127,9 @@ class StreamingMerge:
         if self.eigenvectors is None:
             raise RuntimeError("Nothing was merged: the data loader was empty.")
         k = min(self.rank, self.eigenvalues.numel())
-        return self.eigenvectors[:, :k], self.eigenvalues[:k], self.trace
+        U, lam = self.eigenvectors[:, :k], self.eigenvalues[:k]
+        residual = (self.diagonal - (U**2) @ lam).clamp(min=0)
+        return U, lam, self.trace, residual
 
 
 def _top_eigh(mat: Tensor, keep: int) -> Tuple[Tensor, Tensor]:

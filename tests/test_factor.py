@@ -26,6 +26,7 @@ def test_factor_equals_dense_ggn(case):
     torch.testing.assert_close(V @ V.T, G, **TOL)
     torch.testing.assert_close(factor.gram(), V.T @ V, **TOL)
     torch.testing.assert_close(factor.trace(), torch.trace(G), **TOL)
+    torch.testing.assert_close(factor.diag(), G.diagonal(), **TOL)
     x = torch.randn(G.shape[0], 2, dtype=G.dtype)
     torch.testing.assert_close(factor.matvec(x), G @ x, **TOL)
 
@@ -107,6 +108,8 @@ def test_linear_gram_without_expansion():
     torch.testing.assert_close(dense.rows[7], torch.outer(s[1, 3], z[3]).flatten())
     torch.testing.assert_close(kron.gram(), dense.gram(), **TOL)
     torch.testing.assert_close(kron.row_sq_norms(), dense.row_sq_norms(), **TOL)
+    torch.testing.assert_close(kron.diag_outer(), dense.diag_outer(), **TOL)
+    torch.testing.assert_close(dense.diag_outer(), (dense.rows.T @ dense.rows).diagonal(), **TOL)
     x, y = torch.randn(15, 2, dtype=torch.float64), torch.randn(12, 2, dtype=torch.float64)
     torch.testing.assert_close(kron.t_matmul(x), dense.t_matmul(x), **TOL)
     torch.testing.assert_close(kron.matmul(y), dense.matmul(y), **TOL)

@@ -1,0 +1,313 @@
+"""End-to-end calibration study behind ``lowrank-laplace calibrate``.
+
+Trains (or loads) a small CNN on an offline image data set, fits Laplace posteriors
+(``lowrank_ggn`` on all weights and on the last layer, laplace-torch's ``kron`` and
+``diag`` on all weights), tunes their prior precision, and evaluates in-distribution
+calibration, rotation shift and out-of-distribution detection. The report's schema::
+
+    {"methods": {name: {"in_distribution": {"accuracy", "nll", "ece", "mce", "brier",
+                                              "confidence"},
+                        "shift": {"<angle>": {"accuracy", "nll", "ece"}, ...},
+                        "ood_auroc": float, "fit_s": float, "predict_s": float}
+                        # or {"error": "why it could not run"}
+     "config": {...}}
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import tqdm
+from torch import Tensor, nn
+
+from lowrank_laplace import datasets, metrics, plots
+
+METHODS = ("map", "lowrank_ggn_all", "lowrank_ggn_last_layer", "kron_all", "diag_all")
+
+
+class UserError(Exception):
+    """A problem the user can fix (bad option, missing file); reported in one line."""
+
+
+@dataclass
+class CalibrationConfig:
+    """Options of the calibration study (the command-line flags).
+
+    Attributes:
+        dataset: ``'mnist'`` or ``'digits'``.
+        epochs: Training epochs (ignored with ``checkpoint``).
+        checkpoint: Load the network's ``state_dict`` from here instead of training.
+        save_checkpoint: Save the trained network's ``state_dict`` here.
+        n_train: Use at most this many training points (``0``: all).
+        n_test: Use at most this many test points (``0``: all).
+        batch_size: Batch size for training, fitting and prediction.
+        rank: Rank of the ``lowrank_ggn`` posteriors.
+        mc_samples: ``0`` exact GGN, ``M >= 1`` Monte-Carlo GGN for ``lowrank_ggn``.
+        prior: ``'marglik'`` or ``'gridsearch'`` (on the validation split).
+        angles: Rotation angles for the dataset-shift evaluation.
+        methods: Methods to run, a subset of :data:`METHODS`.
+        device: ``'cpu'`` or ``'cuda'``.
+        seed: Seed for data split, initialisation and training.
+        out: Output directory for the JSON report and PNG plots.
+    """
+
+    dataset: str = "mnist"
+    epochs: int = 3
+    checkpoint: Optional[str] = None
+    save_checkpoint: Optional[str] = None
+    n_train: int = 0
+    n_test: int = 0
+    batch_size: int = 128
+    rank: int = 100
+    mc_samples: int = 0
+    prior: str = "marglik"
+    angles: List[float] = field(default_factory=lambda: [0, 15, 30, 60, 90, 120, 180])
+    methods: List[str] = field(default_factory=lambda: list(METHODS))
+    device: str = "cpu"
+    seed: int = 0
+    out: str = "results"
+
+
+def make_cnn(dataset: str) -> nn.Module:
+    """The small CNN used for a data set.
+
+    Args:
+        dataset: ``'mnist'`` (28x28) or ``'digits'`` (8x8).
+
+    Returns:
+        An ``nn.Sequential`` of BackPACK-supported layers with 10 outputs.
+    """
+    if dataset == "mnist":
+        return nn.Sequential(
+            nn.Conv2d(1, 8, 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10),
+        )
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10),
+    )
+
+
+def validate(config: CalibrationConfig) -> torch.device:
+    """Check the options before any expensive work.
+
+    Args:
+        config: The options.
+
+    Returns:
+        The torch device.
+
+    Raises:
+        UserError: For an unknown dataset, method or prior method, a missing
+            checkpoint, CUDA asked for but absent, or an unwritable output directory.
+    """
+    if config.dataset not in datasets.IMAGE_DATASETS:
+        raise UserError(f"unknown dataset {config.dataset!r}: choose one of "
+                        f"{', '.join(datasets.IMAGE_DATASETS)}")
+    unknown = [m for m in config.methods if m not in METHODS]
+    if unknown:
+        raise UserError(f"unknown method {unknown[0]!r}: choose from {', '.join(METHODS)}")
+    if config.prior not in ("marglik", "gridsearch"):
+        raise UserError(f"unknown prior tuning {config.prior!r}: use marglik or gridsearch")
+    if config.checkpoint is not None and not Path(config.checkpoint).is_file():
+        raise UserError(f"checkpoint {config.checkpoint!r} does not exist")
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for, but CUDA is not available")
+    out = Path(config.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise UserError(f"output directory {str(out)!r} is not writable: {err.strerror}") from err
+    return torch.device(config.device)
+
+
+def _train_or_load(config: CalibrationConfig, split: datasets.Split, device) -> nn.Module:
+    model = make_cnn(config.dataset).to(device)
+    if config.checkpoint is not None:
+        state = torch.load(config.checkpoint, map_location=device, weights_only=True)
+        try:
+            model.load_state_dict(state)
+        except (RuntimeError, KeyError, TypeError) as err:
+            raise UserError(f"checkpoint {config.checkpoint!r} does not fit the "
+                            f"{config.dataset} CNN (another architecture?)") from err
+        return model.eval()
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    loss_func = nn.CrossEntropyLoss()
+    loader = split.loaders(config.batch_size, config.seed)["train"]
+    for _ in tqdm.trange(config.epochs, desc="training", disable=None, leave=False):
+        for X, y in loader:
+            opt.zero_grad()
+            loss_func(model(X.to(device)), y.to(device)).backward()
+            opt.step()
+    if config.save_checkpoint is not None:
+        torch.save(model.state_dict(), config.save_checkpoint)
+    return model.eval()
+
+
+def _fit_laplace(name: str, model: nn.Module, config: CalibrationConfig, loaders) -> object:
+    from laplace import Laplace
+
+    import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
+
+    subset, structure = {
+        "lowrank_ggn_all": ("all", "lowrank_ggn"),
+        "lowrank_ggn_last_layer": ("last_layer", "lowrank_ggn"),
+        "kron_all": ("all", "kron"),
+        "diag_all": ("all", "diag"),
+    }[name]
+    if structure == "lowrank_ggn":
+        kwargs = dict(rank=config.rank, mc_samples=config.mc_samples)
+    else:
+        # laplace-torch's default (curvlinops) GLM predictive computes Jacobians with
+        # torch.func; its BackPACK backend is ~30x faster here (47 s vs 1.4 s for 128
+        # MNIST test points on 2 CPU cores)
+        from laplace.curvature import BackPackGGN
+
+        kwargs = dict(backend=BackPackGGN)
+    la = Laplace(model, "classification", subset_of_weights=subset, hessian_structure=structure,
+                 **kwargs)
+    la.fit(loaders["train"])
+    if config.prior == "marglik":
+        la.optimize_prior_precision(method="marglik")
+    else:
+        la.optimize_prior_precision(method="gridsearch", val_loader=loaders["val"],
+                                    pred_type="glm", link_approx="probit", grid_size=20)
+    return la
+
+
+def _predictor(name: str, model: nn.Module, la) -> Callable[[Tensor], Tensor]:
+    if name == "map":
+        return lambda X: torch.softmax(model(X), -1)
+    return lambda X: la(X, pred_type="glm", link_approx="probit")
+
+
+def _predict(predict, X: Tensor, batch_size: int, device) -> Tensor:
+    with torch.no_grad():
+        out = [predict(chunk.to(device)).detach().cpu() for chunk in torch.split(X, batch_size)]
+    return torch.cat(out)
+
+
+def evaluate(predict, split: datasets.Split, ood: Tensor, config: CalibrationConfig,
+             device) -> Tuple[dict, Tensor]:
+    """In-distribution, shift and OOD metrics of one predictor.
+
+    Args:
+        predict: Maps inputs to predictive probabilities.
+        split: The data.
+        ood: Out-of-distribution inputs.
+        config: The options.
+        device: Where the model lives.
+
+    Returns:
+        The method's report entry (without timings) and its test probabilities.
+    """
+    X, y = split.test
+    start = time.perf_counter()
+    probs = _predict(predict, X, config.batch_size, device)
+    predict_s = time.perf_counter() - start
+    entry = {"in_distribution": metrics.classification_metrics(probs, y), "shift": {},
+             "predict_s": predict_s}
+    for angle in config.angles:
+        p = _predict(predict, datasets.rotate(X, angle), config.batch_size, device)
+        full = metrics.classification_metrics(p, y)
+        entry["shift"][f"{angle:g}"] = {k: full[k] for k in ("accuracy", "nll", "ece")}
+    entry["ood_auroc"] = metrics.ood_auroc(probs, _predict(predict, ood, config.batch_size,
+                                                           device))
+    return entry, probs
+
+
+def run(config: CalibrationConfig) -> dict:
+    """Run the study and write ``calibration.json`` plus PNG plots to ``config.out``.
+
+    Args:
+        config: The options.
+
+    Returns:
+        The report (see the module docstring for its schema).
+    """
+    device = validate(config)
+    torch.manual_seed(config.seed)
+    split = datasets.image_split(config.dataset, seed=config.seed, max_train=config.n_train)
+    if config.n_test:
+        split.test = (split.test[0][: config.n_test], split.test[1][: config.n_test])
+    size = split.train[0].shape[-1]
+    ood = datasets.ood_images(len(split.test[1]), size, seed=config.seed)
+    loaders = split.loaders(config.batch_size, config.seed)
+    model = _train_or_load(config, split, device)
+    report = {"methods": {}, "config": asdict(config) | {
+        "n_train_used": len(split.train[1]), "n_test_used": len(split.test[1]),
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "ood": "grayscale crops of scikit-learn's sample photographs"}}
+    out = Path(config.out)
+    for name in tqdm.tqdm(config.methods, desc="methods", disable=None):
+        try:
+            start = time.perf_counter()
+            la = None if name == "map" else _fit_laplace(name, model, config, loaders)
+            fit_s = time.perf_counter() - start
+            entry, probs = evaluate(_predictor(name, model, la), split, ood, config, device)
+        except (RuntimeError, MemoryError, ValueError, NotImplementedError) as err:
+            report["methods"][name] = {"error": f"{type(err).__name__}: {err}"}
+            continue
+        entry["fit_s"] = fit_s
+        report["methods"][name] = entry
+        fig = plots.reliability_diagram(probs, split.test[1], title=name,
+                                        path=out / f"reliability_{name}.png")
+        plots.close(fig)
+    shifts = {n: m["shift"] for n, m in report["methods"].items() if "shift" in m}
+    if shifts:
+        plots.close(plots.shift_curves(shifts, "ece", path=out / "shift_ece.png"))
+        plots.close(plots.shift_curves(shifts, "accuracy", path=out / "shift_accuracy.png"))
+    (out / "calibration.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def format_table(report: dict) -> str:
+    """The report as a text table.
+
+    Args:
+        report: From :func:`run`.
+
+    Returns:
+        A table with one row per method.
+    """
+    cols = ("accuracy", "nll", "ece", "mce", "brier", "confidence")
+    header = f"{'method':<24}" + "".join(f"{c:>11}" for c in cols) + \
+        f"{'OOD AUROC':>11}{'fit [s]':>9}{'pred [s]':>9}"
+    lines = [header, "-" * len(header)]
+    for name, m in report["methods"].items():
+        if "error" in m:
+            lines.append(f"{name:<24}  could not run: {m['error'][:70]}")
+            continue
+        ind = m["in_distribution"]
+        lines.append(f"{name:<24}" + "".join(f"{ind[c]:>11.4f}" for c in cols)
+                     + f"{m['ood_auroc']:>11.4f}{m['fit_s']:>9.2f}{m['predict_s']:>9.2f}")
+    return "\n".join(lines)
+
+
+def format_shift(report: dict) -> str:
+    """ECE under rotation per method and angle, as a text table.
+
+    Args:
+        report: From :func:`run`.
+
+    Returns:
+        The table.
+    """
+    methods = {n: m for n, m in report["methods"].items() if "shift" in m}
+    if not methods:
+        return ""
+    angles = list(next(iter(methods.values()))["shift"])
+    header = f"{'ECE under rotation':<24}" + "".join(f"{a + 'deg':>9}" for a in angles)
+    rows = [header] + [f"{n:<24}" + "".join(f"{m['shift'][a]['ece']:>9.4f}" for a in angles)
+                       for n, m in methods.items()]
+    return "\n".join(rows)
