@@ -24,6 +24,8 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from lowrank_laplace import calibration
+from lowrank_laplace.calibration import METHODS
 from lowrank_laplace.directional import directional_from_factor
 from lowrank_laplace.factor import FactorEngine
 from lowrank_laplace.spectrum import gram_eigh
@@ -197,8 +199,6 @@ def calibrate(args: argparse.Namespace) -> dict:
     Raises:
         CLIError: For invalid options.
     """
-    from lowrank_laplace import calibration
-
     try:
         angles = [float(a) for a in args.angles.split(",") if a.strip()]
     except ValueError as err:
@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cal = sub.add_parser("calibrate", help="train, fit Laplace posteriors, report calibration")
     cal.add_argument("--dataset", default="mnist", help="mnist (default) or digits")
-    cal.add_argument("--epochs", type=int, default=3)
+    cal.add_argument("--epochs", type=int, default=5)
     cal.add_argument("--checkpoint", default=None, help="load the CNN's state_dict from here")
     cal.add_argument("--save-checkpoint", default=None, help="save the trained CNN here")
     cal.add_argument("--n-train", type=int, default=0, help="cap on training points (0: all)")
@@ -256,8 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--prior", default="marglik", help="marglik (default) or gridsearch")
     cal.add_argument("--angles", default="0,15,30,60,90,120,180",
                      help="rotation angles for the shift evaluation")
-    cal.add_argument("--methods", default="map,lowrank_ggn_all,lowrank_ggn_last_layer,"
-                     "kron_all,diag_all", help="comma-separated methods")
+    cal.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
     cal.add_argument("--device", default="cpu")
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--out", type=Path, default=Path("results"), help="output directory")
