@@ -24,7 +24,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from lowrank_laplace import calibration
+from lowrank_laplace import calibration, plots
 from lowrank_laplace.calibration import METHODS
 from lowrank_laplace.directional import directional_from_factor
 from lowrank_laplace.factor import FactorEngine
@@ -164,27 +164,27 @@ def _device(name: str) -> torch.device:
 
 
 def _write(report: dict, out: Path) -> None:
+    """Write ``spectrum.json``, the spectrum plot and the SNR plot."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / "spectrum.json").write_text(json.dumps(report, indent=2))
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for name, entry in report["cases"].items():
-            ax.semilogy(entry["eigenvalues"], label=name)
-        ax.set_xlabel("index k")
-        ax.set_ylabel("GGN eigenvalue")
-        ax.set_title("Mini-batch GGN spectrum")
-        ax.legend()
+        cases = report["cases"]
+        evals = {n: torch.tensor(c["eigenvalues"]) for n, c in cases.items()}
+        plots.close(plots.spectrum(evals, path=out / "spectrum.png"))
+        fig, axes = plots.plt.subplots(1, 2, figsize=(9, 3.5), sharey=True)
+        for (key, label), ax in zip([("gamma_snr", "gradient SNR"),
+                                     ("lambda_snr", "curvature SNR")], axes):
+            for name, c in cases.items():
+                ax.semilogy(range(1, len(c[key]) + 1), c[key], "o-", ms=3, label=name)
+            ax.set_xlabel("eigenvector k (descending eigenvalue)")
+            ax.set_title(label)
+        axes[0].legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / "spectrum.png", dpi=120)
-        plt.close(fig)
+        fig.savefig(out / "snr.png", dpi=110)
+        plots.close(fig)
     except OSError as err:
         raise CLIError(f"cannot write to output directory {str(out)!r}: {err.strerror}") from err
-    print(f"wrote {out / 'spectrum.json'} and {out / 'spectrum.png'}")
+    print(f"wrote {out / 'spectrum.json'}, {out / 'spectrum.png'} and {out / 'snr.png'}")
 
 
 def calibrate(args: argparse.Namespace) -> dict:

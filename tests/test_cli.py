@@ -27,6 +27,7 @@ def test_spectrum_writes_report(tmp_path, capsys):
         assert 0 < entry["top_k_kept_fraction"] <= 1 + 1e-6
         assert len(entry["gamma_snr"]) == len(entry["lambda_snr"]) == 3
     assert (tmp_path / "spectrum.png").stat().st_size > 1000
+    assert (tmp_path / "snr.png").stat().st_size > 1000
 
 
 @pytest.mark.parametrize("args, message", [
