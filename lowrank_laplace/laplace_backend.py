@@ -67,6 +67,19 @@ def resolve_memory_budget(budget: Union[int, float, None], device: torch.device)
     return int(budget)
 
 
+def _resolve_group(process_group: Any):
+    """The process group to merge across, or ``None`` for a single process."""
+    import torch.distributed as dist
+
+    if isinstance(process_group, str) and process_group == "default":
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        process_group = dist.group.WORLD
+    if process_group is None or dist.get_world_size(process_group) == 1:
+        return None
+    return process_group
+
+
 class LowRankGGNLaplace(ParametricLaplace):
     r"""Full-network Laplace with the GGN's exact leading eigenspace as curvature.
 
@@ -195,9 +208,19 @@ class LowRankGGNLaplace(ParametricLaplace):
             )
 
     def fit(
-        self, train_loader: DataLoader, override: bool = True, progress_bar: bool = False
+        self, train_loader: DataLoader, override: bool = True, progress_bar: bool = False,
+        process_group: Any = "default",
     ) -> None:
         """Fit the low-rank GGN over the whole loader by streaming merges.
+
+        Data-parallel: when ``torch.distributed`` is initialised (or a group is
+        passed), every process streams the shard its loader yields into a local
+        factor; the factors are then all-gathered and merged in rank order, so every
+        process ends with the same posterior, and ``n_data`` is the number of
+        samples seen by all processes together. Launch e.g. with
+        ``torchrun --nproc_per_node=2 script.py`` (gloo on CPU, nccl on GPU) and give
+        each process a disjoint shard (a ``DistributedSampler`` pads shards with
+        repeated samples unless the data set divides evenly).
 
         Args:
             train_loader: Yields ``(X, y)`` batches; ``train_loader.dataset`` gives
@@ -205,6 +228,9 @@ class LowRankGGNLaplace(ParametricLaplace):
             override: Must be ``True`` (a truncated eigendecomposition cannot be
                 updated with new data and stay exact).
             progress_bar: Show a tqdm progress bar over batches.
+            process_group: ``torch.distributed`` group to merge across; the
+                default uses the default group if ``torch.distributed`` is
+                initialised, ``None`` fits on this process alone.
 
         Raises:
             ValueError: For ``override=False``, a loader without ``dataset``, an
@@ -224,7 +250,8 @@ class LowRankGGNLaplace(ParametricLaplace):
         loss_func, factor = self._loss_and_factor()
         merge = StreamingMerge(self.rank, self.oversampling)
         generator = torch.Generator().manual_seed(self.seed)
-        loss, micro = 0.0, None
+        group = _resolve_group(process_group)
+        loss, micro, seen = 0.0, None, 0
         with FactorEngine(module, loss_func, eval_mode=True) as engine:
             for data in tqdm.tqdm(train_loader, disable=not progress_bar,
                                   desc="[lowrank_ggn: merging GGN factors]"):
@@ -241,8 +268,18 @@ class LowRankGGNLaplace(ParametricLaplace):
                     merge.add_factor(batch, scale=factor * scale)
                     loss = loss + factor * batch.loss
                     self.n_outputs = batch.outputs.shape[-1]
+                seen += len(y)
         if micro is None:
             raise ValueError("train_loader yielded no batches: nothing to fit.")
+        if group is not None:
+            import torch.distributed as dist
+
+            merge.merge_across(group)
+            totals = torch.stack([torch.as_tensor(loss, dtype=self._dtype, device=self._device),
+                                  torch.tensor(float(seen), dtype=self._dtype,
+                                               device=self._device)])
+            dist.all_reduce(totals, group=group)
+            loss, num_data = totals[0], int(totals[1])
         U, lam, trace, residual = merge.result()
         self.H = (U, lam)
         self.trace = trace

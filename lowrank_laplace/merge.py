@@ -113,6 +113,42 @@ class StreamingMerge:
         self.eigenvalues = evals
         self.num_merges += 1
 
+    def merge_across(self, group) -> None:
+        """Merge the factors of all processes of a ``torch.distributed`` group.
+
+        Every process all-gathers the small factors (``D x (rank + oversampling)``,
+        zero-padded), traces and diagonals, and merges them in rank order, so every
+        process ends with the same result. Exact whenever the total rank fits.
+
+        Args:
+            group: The process group (e.g. ``torch.distributed.group.WORLD``).
+
+        Raises:
+            RuntimeError: If no process merged anything.
+        """
+        import torch.distributed as dist
+
+        world = dist.get_world_size(group)
+        U, lam = self.eigenvectors, self.eigenvalues
+        if U is None:
+            raise RuntimeError("merge_across needs a local factor on every process.")
+        dim, keep = U.shape[0], self._keep
+        padded_U = U.new_zeros(dim, keep)
+        padded_lam = lam.new_zeros(keep)
+        padded_U[:, : lam.numel()] = U
+        padded_lam[: lam.numel()] = lam
+        local = [padded_U, padded_lam, self.trace.reshape(1), self.diagonal,
+                 torch.tensor([lam.numel()], device=U.device)]
+        gathered = []
+        for tensor in local:
+            parts = [torch.empty_like(tensor) for _ in range(world)]
+            dist.all_gather(parts, tensor.contiguous(), group=group)
+            gathered.append(parts)
+        self.eigenvectors = self.eigenvalues = self.trace = self.diagonal = None
+        for Ui, li, ti, di, ki in zip(*gathered):
+            k = int(ki)
+            self.add_lowrank(Ui[:, :k], li[:k], ti[0], di)
+
     def result(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """The leading ``rank`` eigenpairs, the exact trace and the residual diagonal.
 
