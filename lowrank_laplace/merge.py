@@ -22,7 +22,7 @@ Shape glossary:
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -113,7 +113,7 @@ class StreamingMerge:
         self.eigenvalues = evals
         self.num_merges += 1
 
-    def merge_across(self, group) -> None:
+    def merge_across(self, group: Any) -> None:
         """Merge the factors of all processes of a ``torch.distributed`` group.
 
         Every process all-gathers the small factors (``D x (rank + oversampling)``,
