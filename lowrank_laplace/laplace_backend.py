@@ -253,8 +253,9 @@ class LowRankGGNLaplace(ParametricLaplace):
         group = _resolve_group(process_group)
         loss, micro, seen = 0.0, None, 0
         with FactorEngine(module, loss_func, eval_mode=True) as engine:
-            for data in tqdm.tqdm(train_loader, disable=not progress_bar,
-                                  desc="[lowrank_ggn: merging GGN factors]"):
+            pbar = tqdm.tqdm(train_loader, disable=not progress_bar,
+                             desc="[lowrank_ggn: merging GGN factors]")
+            for data in pbar:
                 if isinstance(data, MutableMapping):
                     raise ValueError("lowrank_ggn supports (X, y) batches, not dict inputs.")
                 X, y = data
@@ -269,6 +270,9 @@ class LowRankGGNLaplace(ParametricLaplace):
                     loss = loss + factor * batch.loss
                     self.n_outputs = batch.outputs.shape[-1]
                 seen += len(y)
+                if progress_bar:
+                    kept = float(merge.eigenvalues[: self.rank].sum() / merge.trace)
+                    pbar.set_postfix(kept_trace=f"{kept:.3f}")
         if micro is None:
             raise ValueError("train_loader yielded no batches: nothing to fit.")
         if group is not None:
