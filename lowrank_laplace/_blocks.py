@@ -208,9 +208,10 @@ class KronBlock:
             Tensor of shape ``(M, K)``.
         """
         out_dim, in_dim = self.s.shape[2], self.z.shape[1]
-        xz = x.T.reshape(-1, out_dim, in_dim) @ self.z.T  # (K, out, N)
-        # per sample: (V, out) @ (out, K)
-        res = self.s.permute(1, 0, 2) @ xz.permute(2, 1, 0)  # (N, V, K)
+        # per output unit o: z (N, in) @ X_o (in, K); X = x viewed as (out, in, K)
+        zx = self.z @ x.reshape(out_dim, in_dim, -1)  # (out, N, K)
+        # per sample n: s_n (V, out) @ zx_n (out, K)
+        res = self.s.transpose(0, 1) @ zx.transpose(0, 1)  # (N, V, K)
         return res.transpose(0, 1).reshape(self.num_rows, -1)
 
     def matmul(self, y: Tensor) -> Tensor:
@@ -224,8 +225,9 @@ class KronBlock:
         """
         v, n = self.s.shape[:2]
         acc = self.s.permute(1, 2, 0) @ y.reshape(v, n, -1).transpose(0, 1)  # (N, out, K)
-        out = acc.permute(2, 1, 0) @ self.z  # (K, out, in)
-        return out.reshape(out.shape[0], -1).T
+        # per output unit o: z^T (in, N) @ acc_o (N, K), already in (out, in, K) layout
+        out = self.z.T @ acc.transpose(0, 1)  # (out, in, K)
+        return out.reshape(-1, y.shape[1])
 
     def weighted_gram(self, weight: Weight) -> Tensor:
         """Return ``B diag(w) B^T``, shape ``(M, M)``.

@@ -203,6 +203,23 @@ class GGNFactor:
         """
         return torch.cat([b.matmul(y) for b in self._blocks(group)], dim=0)
 
+    def matmul_add_(self, out: Tensor, y: Tensor, group: int = 0) -> Tensor:
+        """Accumulate ``out += V y`` in place, one parameter slice at a time.
+
+        Avoids materialising ``V y`` next to ``out`` (both ``D x K``).
+
+        Args:
+            out: Tensor of shape ``(D, K)``, updated in place.
+            y: Tensor of shape ``(M, K)``.
+            group: Group index.
+
+        Returns:
+            ``out``.
+        """
+        for block, part in zip(self._blocks(group), self._split(out, group)):
+            part.add_(block.matmul(y))
+        return out
+
     def matvec(self, x: Tensor, group: int = 0) -> Tensor:
         """Return the GGN-vector products ``G x = V (V^T x)``.
 

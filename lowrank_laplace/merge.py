@@ -82,8 +82,11 @@ class StreamingMerge:
             [torch.cat([torch.diag(lam), cross], 1), torch.cat([cross.T, gram], 1)], 0
         )
         evals, q = _top_eigh(small, self._keep)
-        new = U @ (lam.sqrt()[:, None] * q[:r]) + factor.matmul(q[r:], group) * (scale**0.5)
-        self.eigenvectors = new / evals.sqrt()
+        # U_new = (U diag(lam)^1/2 Q_top + sqrt(scale) V Q_bot) diag(evals)^-1/2, with the
+        # scalings folded into the small matrices and V Q_bot added in place
+        inv = evals.rsqrt()[None, :]
+        new = U @ (lam.sqrt()[:, None] * q[:r] * inv)
+        self.eigenvectors = factor.matmul_add_(new, q[r:] * (scale**0.5) * inv, group)
         self.eigenvalues = evals
         self.num_merges += 1
 
@@ -169,9 +172,14 @@ class StreamingMerge:
 
 
 def _top_eigh(mat: Tensor, keep: int) -> Tuple[Tensor, Tensor]:
-    """Leading eigenpairs of a symmetric PSD matrix, numerically zero ones dropped."""
-    evals, evecs = torch.linalg.eigh(mat)
-    evals, evecs = evals.flip(0), evecs.flip(1)
+    """Leading eigenpairs of a symmetric PSD matrix, numerically zero ones dropped.
+
+    The small eigenproblem is solved in float64 (cheap at this size, and the kept
+    basis is rotated by its eigenvectors at every merge, so their orthogonality
+    matters) and cast back.
+    """
+    evals, evecs = torch.linalg.eigh(mat.double())
+    evals, evecs = evals.flip(0).to(mat.dtype), evecs.flip(1).to(mat.dtype)
     tol = evals[0].clamp(min=0) * mat.shape[0] * torch.finfo(mat.dtype).eps
     num = int(min(keep, int((evals > tol).sum())))
     num = max(num, 1)
