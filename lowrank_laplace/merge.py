@@ -27,6 +27,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
+from lowrank_laplace._linalg import eigh
 from lowrank_laplace.factor import GGNFactor
 
 
@@ -178,7 +179,7 @@ def _top_eigh(mat: Tensor, keep: int) -> Tuple[Tensor, Tensor]:
     basis is rotated by its eigenvectors at every merge, so their orthogonality
     matters) and cast back.
     """
-    evals, evecs = torch.linalg.eigh(mat.double())
+    evals, evecs = eigh(mat.double())
     evals, evecs = evals.flip(0).to(mat.dtype), evecs.flip(1).to(mat.dtype)
     tol = evals[0].clamp(min=0) * mat.shape[0] * torch.finfo(mat.dtype).eps
     num = int(min(keep, int((evals > tol).sum())))

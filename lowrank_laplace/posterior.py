@@ -27,6 +27,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lowrank_laplace._linalg import eigh
+
 
 class LowRankPrecision:
     r"""The matrix :math:`P = U \mathrm{diag}(\ell) U^\top + \mathrm{diag}(d)`.
@@ -139,7 +141,7 @@ class LowRankPrecision:
             if self._sqrt_parts is None:
                 d_sqrt = self.d.sqrt()
                 Q, R = torch.linalg.qr((self.U * self.ell.sqrt()) / d_sqrt[:, None])
-                s, Y = torch.linalg.eigh(R @ R.T)
+                s, Y = eigh(R @ R.T)
                 QY = Q @ Y
                 self._sqrt_parts = (d_sqrt, QY, 1 / (1 + s.clamp(min=0)).sqrt() - 1)
             d_sqrt, QY, coeff = self._sqrt_parts

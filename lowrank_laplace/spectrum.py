@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from lowrank_laplace._linalg import eigh
 from lowrank_laplace.factor import FactorEngine, GGNFactor
 
 
@@ -184,7 +185,7 @@ def gram_eigh(
     if solver != "eigh" and top_k < num_cols - 1:
         return (*_arpack(factor, group, int(top_k), solver == "matrix_free"), None)
     gram = factor.gram(group)
-    evals, evecs = torch.linalg.eigh(gram)
+    evals, evecs = eigh(gram)
     evals, evecs = evals.flip(0), evecs.flip(1)
     nonzero = evals > nonzero_tolerance(evals, num_cols)
     evals, evecs = evals[nonzero], evecs[:, nonzero]
