@@ -248,7 +248,7 @@ class LowRankGGNLaplace(ParametricLaplace):
         module, to_inputs, params = self._curvature_target()
         self.mean = parameters_to_vector(params).detach()
         loss_func, factor = self._loss_and_factor()
-        merge = StreamingMerge(self.rank, self.oversampling)
+        merge = StreamingMerge(self.rank, self.oversampling, self.diagonal_correction)
         generator = torch.Generator().manual_seed(self.seed)
         group = _resolve_group(process_group)
         loss, micro, seen = 0.0, None, 0
@@ -287,7 +287,7 @@ class LowRankGGNLaplace(ParametricLaplace):
         U, lam, trace, residual = merge.result()
         self.H = (U, lam)
         self.trace = trace
-        self.residual_diagonal = residual if self.diagonal_correction else None
+        self.residual_diagonal = residual
         self.loss = loss
         self.n_data = num_data
 

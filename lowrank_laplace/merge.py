@@ -38,12 +38,14 @@ class StreamingMerge:
         rank: Number of eigenpairs kept in the end (``r >= 1``).
         oversampling: Extra eigenpairs kept while streaming (``p >= 0``), which
             makes the truncation more accurate when the total rank exceeds ``r``.
+        track_diagonal: Also accumulate the exact diagonal of the sum (for the
+            residual diagonal of :meth:`result`).
 
     Raises:
         ValueError: For ``rank < 1`` or negative oversampling.
     """
 
-    def __init__(self, rank: int, oversampling: int = 0):
+    def __init__(self, rank: int, oversampling: int = 0, track_diagonal: bool = False):
         if isinstance(rank, bool) or int(rank) != rank or rank < 1:
             raise ValueError(f"rank must be a positive integer, got {rank!r}.")
         if isinstance(oversampling, bool) or int(oversampling) != oversampling or oversampling < 0:
@@ -53,6 +55,7 @@ class StreamingMerge:
         self.eigenvectors: Optional[Tensor] = None  # (D, k)
         self.eigenvalues: Optional[Tensor] = None  # (k,)
         self.trace: Optional[Tensor] = None
+        self.track_diagonal = track_diagonal
         self.diagonal: Optional[Tensor] = None  # exact diagonal of the merged sum
         self.num_merges = 0
 
@@ -69,7 +72,8 @@ class StreamingMerge:
             scale: Non-negative factor applied to the batch's GGN.
         """
         gram = factor.gram(group) * scale
-        self._add_trace_and_diagonal(gram.diagonal().sum(), factor.diag(group) * scale)
+        diagonal = factor.diag(group) * scale if self.track_diagonal else None
+        self._add_trace_and_diagonal(gram.diagonal().sum(), diagonal)
         if self.eigenvectors is None:
             evals, q = _top_eigh(gram, self._keep)
             self.eigenvectors = factor.matmul(q, group) * (scale**0.5) / evals.sqrt()
@@ -93,17 +97,19 @@ class StreamingMerge:
 
     def _add_trace_and_diagonal(self, trace: Tensor, diagonal: Tensor) -> None:
         self.trace = trace if self.trace is None else self.trace + trace
-        self.diagonal = diagonal if self.diagonal is None else self.diagonal + diagonal
+        if diagonal is not None:
+            self.diagonal = diagonal if self.diagonal is None else self.diagonal + diagonal
 
     def add_lowrank(self, eigenvectors: Tensor, eigenvalues: Tensor, trace: Tensor,
-                    diagonal: Tensor) -> None:
+                    diagonal: Optional[Tensor] = None) -> None:
         """Merge another truncated eigendecomposition (e.g. from another process).
 
         Args:
             eigenvectors: Orthonormal vectors, shape ``(D, k)``.
             eigenvalues: Positive eigenvalues, shape ``(k,)``.
             trace: The exact trace of the other curvature.
-            diagonal: The exact diagonal of the other curvature, shape ``(D,)``.
+            diagonal: The exact diagonal of the other curvature, shape ``(D,)``
+                (needed when tracking the diagonal).
         """
         self._add_trace_and_diagonal(trace, diagonal)
         if self.eigenvectors is None:
@@ -141,7 +147,8 @@ class StreamingMerge:
         padded_lam = lam.new_zeros(keep)
         padded_U[:, : lam.numel()] = U
         padded_lam[: lam.numel()] = lam
-        local = [padded_U, padded_lam, self.trace.reshape(1), self.diagonal,
+        diagonal = self.diagonal if self.track_diagonal else U.new_zeros(dim)
+        local = [padded_U, padded_lam, self.trace.reshape(1), diagonal,
                  torch.tensor([lam.numel()], device=U.device)]
         gathered = []
         for tensor in local:
@@ -151,7 +158,7 @@ class StreamingMerge:
         self.eigenvectors = self.eigenvalues = self.trace = self.diagonal = None
         for Ui, li, ti, di, ki in zip(*gathered):
             k = int(ki)
-            self.add_lowrank(Ui[:, :k], li[:k], ti[0], di)
+            self.add_lowrank(Ui[:, :k], li[:k], ti[0], di if self.track_diagonal else None)
 
     def result(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """The leading ``rank`` eigenpairs, the exact trace and the residual diagonal.
@@ -159,7 +166,8 @@ class StreamingMerge:
         Returns:
             ``(eigenvectors (D, k), eigenvalues (k,), trace, residual (D,))`` with
             ``k <= rank`` and ``residual = diag(H) - diag(U diag(lambda) U^T)``, the
-            diagonal of the dropped curvature (non-negative up to rounding).
+            diagonal of the dropped curvature (clamped at zero against rounding;
+            ``None`` unless the diagonal is tracked).
 
         Raises:
             RuntimeError: If nothing was merged.
@@ -168,7 +176,9 @@ class StreamingMerge:
             raise RuntimeError("Nothing was merged: the data loader was empty.")
         k = min(self.rank, self.eigenvalues.numel())
         U, lam = self.eigenvectors[:, :k], self.eigenvalues[:k]
-        residual = (self.diagonal - (U**2) @ lam).clamp(min=0)
+        residual = None
+        if self.track_diagonal:
+            residual = (self.diagonal - (U**2) @ lam).clamp(min=0)
         return U, lam, self.trace, residual
 
 
