@@ -273,6 +273,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     Returns:
         The exit code.
     """
+    import matplotlib
+
+    matplotlib.use("Agg")  # plots are written to files, never shown
     args = build_parser().parse_args(argv)
     try:
         args.func(args)

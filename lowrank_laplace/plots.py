@@ -1,6 +1,8 @@
-"""Plots for calibration, curvature spectra and predictive uncertainty (matplotlib, Agg).
+"""Plots for calibration, curvature spectra and predictive uncertainty (matplotlib).
 
-Every function returns the figure and, given ``path``, saves it as PNG.
+Every function returns the figure and, given ``path``, saves it as PNG. The module
+leaves matplotlib's backend alone (figures show inline in notebooks); the
+``lowrank-laplace`` command selects the non-interactive Agg backend itself.
 """
 
 from __future__ import annotations
@@ -8,12 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Union
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from torch import Tensor  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
+from torch import Tensor
 
 PathLike = Union[str, Path, None]
 
