@@ -130,6 +130,18 @@ class DenseBlock:
         """
         return self.rows.T @ y
 
+    def matmul_add_(self, out: Tensor, y: Tensor) -> Tensor:
+        """Accumulate ``out += B^T y`` in place.
+
+        Args:
+            out: Tensor of shape ``(d, K)``.
+            y: Tensor of shape ``(M, K)``.
+
+        Returns:
+            ``out``.
+        """
+        return out.addmm_(self.rows.T, y)
+
 
 class KronBlock:
     """Linear-layer weight block with rows ``vec(s_{vn} z_n^T)`` (row-major, ``(v, n)``).
@@ -223,11 +235,28 @@ class KronBlock:
         Returns:
             Tensor of shape ``(out * in, K)``.
         """
+        out = y.new_zeros(self.s.shape[2] * self.z.shape[1], y.shape[1])
+        return self.matmul_add_(out, y)
+
+    def matmul_add_(self, out: Tensor, y: Tensor) -> Tensor:
+        """Accumulate ``out += B^T y`` in place, without expanding ``B``.
+
+        Args:
+            out: Tensor of shape ``(out * in, K)`` (contiguous).
+            y: Tensor of shape ``(M, K)``.
+
+        Returns:
+            ``out``.
+        """
         v, n = self.s.shape[:2]
+        out_dim, in_dim = self.s.shape[2], self.z.shape[1]
         acc = self.s.permute(1, 2, 0) @ y.reshape(v, n, -1).transpose(0, 1)  # (N, out, K)
-        # per output unit o: z^T (in, N) @ acc_o (N, K), already in (out, in, K) layout
-        out = self.z.T @ acc.transpose(0, 1)  # (out, in, K)
-        return out.reshape(-1, y.shape[1])
+        # per output unit o: z^T (in, N) @ acc_o (N, K) added into the (out, in, K) view;
+        # in place it is ~3x faster than forming the product and adding (3c3d fc1)
+        out.view(out_dim, in_dim, -1).baddbmm_(
+            self.z.T.expand(out_dim, in_dim, n), acc.transpose(0, 1)
+        )
+        return out
 
     def weighted_gram(self, weight: Weight) -> Tensor:
         """Return ``B diag(w) B^T``, shape ``(M, M)``.

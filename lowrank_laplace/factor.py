@@ -217,7 +217,7 @@ class GGNFactor:
             ``out``.
         """
         for block, part in zip(self._blocks(group), self._split(out, group)):
-            part.add_(block.matmul(y))
+            block.matmul_add_(part, y)
         return out
 
     def matvec(self, x: Tensor, group: int = 0) -> Tensor:

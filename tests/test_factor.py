@@ -113,6 +113,10 @@ def test_linear_gram_without_expansion():
     x, y = torch.randn(15, 2, dtype=torch.float64), torch.randn(12, 2, dtype=torch.float64)
     torch.testing.assert_close(kron.t_matmul(x), dense.t_matmul(x), **TOL)
     torch.testing.assert_close(kron.matmul(y), dense.matmul(y), **TOL)
+    start = torch.randn(15, 2, dtype=torch.float64)
+    for block in (kron, dense):
+        torch.testing.assert_close(block.matmul_add_(start.clone(), y), start + dense.matmul(y),
+                                   **TOL)
     other = KronBlock(torch.randn(1, 4, 5, dtype=torch.float64), z)
     torch.testing.assert_close(kron.cross(other), dense.cross(other), **TOL)
     torch.testing.assert_close(kron.cross(DenseBlock(other.to_dense())), dense.cross(other), **TOL)
