@@ -39,6 +39,8 @@ import gc
 import importlib
 import json
 import math
+import os
+import resource
 import subprocess
 import sys
 import time
@@ -107,6 +109,27 @@ _verdict = _harness.verdict
 worker_env = _harness.worker_env
 other_cpu_load = _harness.other_cpu_load
 machine_info = _harness.machine_info
+
+
+def _cpu_busy_seconds() -> tuple[float | None, float]:
+    """Return the busy CPU time of the whole system and of this process.
+
+    Their difference over the timed call is the CPU time that *other* processes
+    took from the benchmark (recorded as ``cpu_others_during_percent``).
+
+    Returns:
+        System-wide busy (non-idle) CPU seconds summed over cores (``None`` if
+        psutil is missing), and the CPU seconds (user + system) of this process.
+    """
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    own = usage.ru_utime + usage.ru_stime
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover
+        return None, own
+    t = psutil.cpu_times()
+    idle = t.idle + getattr(t, "iowait", 0.0)
+    return sum(t) - idle, own
 
 
 ###############################################################################
@@ -463,11 +486,19 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     except ImportError:  # pragma: no cover
         pass
 
+    sys_before, own_before = _cpu_busy_seconds()
     _sync(device)
     start = time.perf_counter()
     evals, evecs = call()
     _sync(device)
     record["time_s"] = time.perf_counter() - start
+    sys_after, own_after = _cpu_busy_seconds()
+    if sys_before is not None:
+        # CPU used by *other* processes during the call, in % of all cores
+        others = (sys_after - sys_before) - (own_after - own_before)
+        capacity = record["time_s"] * (os.cpu_count() or 1)
+        record["cpu_others_during_percent"] = max(0.0, 100 * others / capacity)
+    record["cpu_own_during_s"] = own_after - own_before
 
     rss_after = _maxrss_bytes()
     record["rss_peak_bytes"] = rss_after
@@ -658,6 +689,9 @@ def run_config(
     record["time_s"] = _harness.median(record["times_s"])
     for key in ("peak_delta_bytes", "peak_bytes"):
         record[key] = max(r[key] for r in ok)
+    during = [r.get("cpu_others_during_percent") for r in ok]
+    during = [d for d in during if d is not None]
+    record["cpu_others_during_percent"] = max(during) if during else None
     busy = [r.get("cpu_busy_before_percent") for r in runs]
     busy = [b for b in busy if b is not None]
     record["cpu_busy_before_percent"] = max(busy) if busy else None
@@ -839,6 +873,25 @@ def summarize(
             f"before {n_busy}/{len(busy)} runs; timings may be distorted."
         )
     summary["max_cpu_busy_before_percent"] = max(busy) if busy else None
+    # CPU accounting has 10 ms granularity: judge only calls of >= 0.5 s
+    during = {
+        (r["method"], r["k"]): r["cpu_others_during_percent"]
+        for r in records
+        if r.get("cpu_others_during_percent") is not None and r["time_s"] >= 0.5
+    }
+    contended = {key: v for key, v in during.items() if v > BUSY_WARN_PERCENT}
+    if contended:
+        worst = ", ".join(
+            f"{m} k={k} ({v:.0f}%)"
+            for (m, k), v in sorted(contended.items(), key=lambda kv: -kv[1])[:6]
+        )
+        print(
+            f"  WARNING: other processes used > {BUSY_WARN_PERCENT:g}% of the CPU "
+            f"during {len(contended)}/{len(during)} timed calls; worst: {worst}"
+        )
+    summary["contended_runs"] = [
+        {"method": m, "k": k, "cpu_others_during_percent": v} for (m, k), v in contended.items()
+    ]
 
     kmax = max(ks)
     ref = _ok(records, REFERENCE, kmax)
@@ -1050,6 +1103,9 @@ def driver_main(args: argparse.Namespace):
                     )
                     if "num_products" in record:
                         msg += f", {record['num_products']} GGNVPs"
+                    others = record.get("cpu_others_during_percent")
+                    if others is not None and others > BUSY_WARN_PERCENT:
+                        msg += f" [other processes: {others:.0f}% CPU]"
                 else:
                     msg = f"{record.get('status', '?').upper()}: {record.get('reason')}"
                 print(f"  [{problem} N={N}] {method:<16} k={k:<3} {msg}", flush=True)
