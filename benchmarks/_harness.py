@@ -286,6 +286,55 @@ def other_cpu_load(interval: float = 0.5) -> float | None:
     return psutil.cpu_percent(interval=interval)
 
 
+def system_busy_cpu_seconds() -> float | None:
+    """Busy CPU seconds of the whole machine since boot, summed over cores.
+
+    Counts user, nice, system, irq and softirq time; guest time is already part
+    of user time and steal time belongs to the hypervisor, so both are left out.
+
+    Returns:
+        The CPU seconds, ``None`` without psutil.
+    """
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover
+        return None
+    t = psutil.cpu_times()
+    return sum(getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq"))
+
+
+def own_cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
+    """User plus system CPU seconds of this process (all threads) or its children.
+
+    Args:
+        who: ``resource.RUSAGE_SELF`` or ``resource.RUSAGE_CHILDREN`` (reaped
+            children only).
+
+    Returns:
+        The CPU seconds.
+    """
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
+def other_cpu_percent(busy_s: float | None, own_s: float, wall_s: float) -> float | None:
+    """CPU share that other processes used during a time span.
+
+    Args:
+        busy_s: Increase of :func:`system_busy_cpu_seconds` over the span.
+        own_s: Increase of the own (or children's) CPU seconds over the span.
+        wall_s: Length of the span in seconds.
+
+    Returns:
+        Percent of all cores (``None`` if ``busy_s`` is ``None`` or the span is
+        empty). CPU accounting has a granularity of about 10 ms, so values of short
+        spans are noisy.
+    """
+    if busy_s is None or wall_s <= 0:
+        return None
+    return max(0.0, 100.0 * (busy_s - own_s) / (wall_s * (os.cpu_count() or 1)))
+
+
 def wait_for_idle_cpu(max_wait_s: float) -> float | None:
     """Wait up to ``max_wait_s`` seconds for the CPU to become (almost) idle.
 

@@ -33,6 +33,13 @@ allocation failures) are recorded per phase. Each phase has its own time limit
 (``--timeout``); if a worker times out or is killed during a predictive, the
 remaining phases are rerun in a new worker (which refits, untimed for the table).
 
+On a shared machine, ``--wait-for``/``--wait-idle`` delay each worker until other
+processes leave the CPU, the CPU time other processes used during each worker is
+recorded, and ``--retry-busy`` repeats a disturbed method (keeping the least
+disturbed run). ``--resume`` reuses the records of an interrupted run (``--rerun``
+selects methods to run again) and ``--replot`` redraws figures and tables from the
+JSON files. The worker records a fingerprint of the ``lowrank_laplace`` sources.
+
 Peak memory per phase is the RSS high-water mark of the worker during the phase
 (reset before each phase via ``/proc/self/clear_refs``; on CUDA the peak of
 allocated device memory). Tables and targets use the peak *above* the memory
@@ -48,7 +55,8 @@ Targets (printed with PASS/FAIL):
   ``3c3d`` < 2 GiB.
 
 Examples:
-    Smoke test (mlp, 128 training points, rank 20, about a minute)::
+    Smoke test (mlp, 128 training points, rank 20, about a minute; written to
+    ``benchmarks/results/quick``)::
 
         python benchmarks/bench_laplace.py --quick
 
@@ -56,6 +64,11 @@ Examples:
 
         python benchmarks/bench_laplace.py --problems 3c3d \\
             --wait-for bench_eigh.py pytest --wait-idle 900
+
+    Continue an interrupted run, with a shorter limit for a slow peer::
+
+        python benchmarks/bench_laplace.py --problems 2c2d --resume \\
+            --method-timeout diag_default=600
 
 Results are written to ``<out>/laplace_<problem>.json`` and
 ``<out>/laplace_<problem>.png``.
@@ -70,6 +83,7 @@ import json
 import math
 import os
 import queue
+import resource
 import signal
 import subprocess
 import sys
@@ -157,9 +171,6 @@ TARGET_GLM_MEMORY_PROBLEM = "3c3d"
 #: Time limit of a worker's start (imports, model and data), at least ``--timeout``.
 SETUP_TIMEOUT_S = 300.0
 
-#: Short status labels in narrow bars.
-SHORT_STATUS = {"oom": "OOM", "timeout": "TO", "skipped": "SK", "error": "ERR", "killed": "KIL"}
-
 # ``full`` needs about this many D x D float32 matrices (curvature, posterior
 # precision and its Cholesky factor / inverse).
 FULL_NUM_MATRICES = 3
@@ -178,6 +189,37 @@ def _emit(record: dict[str, Any]):
     """
     sys.stdout.flush()
     print(RESULT_MARKER + json.dumps(record), flush=True)
+
+
+def library_fingerprint() -> dict[str, Any]:
+    """Identify the state of the ``lowrank_laplace`` sources (they may change between runs).
+
+    Returns:
+        ``git_head`` of the repository (if available) and ``sources_sha1``, a hash
+        over the package's ``*.py`` files (including uncommitted changes).
+    """
+    import hashlib
+
+    info: dict[str, Any] = {}
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        if head.returncode == 0:
+            info["git_head"] = head.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    digest = hashlib.sha1()
+    for path in sorted((REPO_ROOT / "lowrank_laplace").glob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    info["sources_sha1"] = digest.hexdigest()
+    return info
 
 
 def _set_memory_cap(limit_bytes: int, device: torch.device) -> dict[str, Any]:
@@ -233,6 +275,7 @@ def _measure(phase: str, fn: Callable[[], Any], device: torch.device) -> tuple[d
     rss_before = _harness.current_rss_bytes()
 
     out = None
+    busy0, own0 = _harness.system_busy_cpu_seconds(), _harness.own_cpu_seconds()
     _harness.sync(device)
     start = time.perf_counter()
     try:
@@ -245,6 +288,11 @@ def _measure(phase: str, fn: Callable[[], Any], device: torch.device) -> tuple[d
         record["status"] = "oom" if _harness.is_oom(exc) else "error"
         record["reason"] = f"{type(exc).__name__}: {exc}"[:2000]
         record["traceback"] = traceback.format_exc()[-4000:]
+    busy1, own1 = _harness.system_busy_cpu_seconds(), _harness.own_cpu_seconds()
+    if busy0 is not None and busy1 is not None:
+        record["other_cpu_percent_during_phase"] = _harness.other_cpu_percent(
+            busy1 - busy0, own1 - own0, time.perf_counter() - start
+        )
 
     rss_peak = _harness.peak_rss_bytes()
     record["rss_before_bytes"] = rss_before
@@ -397,6 +445,7 @@ def run_worker(args: argparse.Namespace):
         import lowrank_laplace  # noqa: F401 (registers hessian_structure="lowrank_ggn")
 
         kwargs = _laplace_kwargs(args.method, args)
+        setup["lowrank_laplace"] = library_fingerprint()
         setup["laplace_kwargs"] = {k: getattr(v, "__name__", v) for k, v in kwargs.items()}
     _harness.preimport((*_harness.DEFAULT_PREIMPORTS, "curvlinops", "laplace"))
     _emit(setup)
@@ -474,34 +523,6 @@ def worker_main(args: argparse.Namespace):
 ###############################################################################
 #                                  Driver                                     #
 ###############################################################################
-
-
-def _cpu_busy_seconds() -> float | None:
-    """Non-idle CPU seconds of the whole machine since boot.
-
-    Returns:
-        Sum over all cores, ``None`` without psutil.
-    """
-    try:
-        import psutil
-    except ImportError:  # pragma: no cover
-        return None
-    t = psutil.cpu_times()
-    # guest times are part of user time; steal time is the hypervisor's, not ours
-    fields = ("user", "nice", "system", "irq", "softirq")
-    return sum(getattr(t, f, 0.0) for f in fields)
-
-
-def _children_cpu_seconds() -> float:
-    """User plus system CPU seconds of all reaped child processes.
-
-    Returns:
-        The CPU seconds.
-    """
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
 
 
 def _reader(stream, q: queue.Queue, tail: deque | None = None):
@@ -587,7 +608,8 @@ def run_worker_process(
     records: dict[str, dict] = {}
     failure = None
 
-    busy0, children0 = _cpu_busy_seconds(), _children_cpu_seconds()
+    busy0 = _harness.system_busy_cpu_seconds()
+    children0 = _harness.own_cpu_seconds(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.Popen(
         cmd,
@@ -651,11 +673,11 @@ def run_worker_process(
     wall = time.perf_counter() - start
 
     info: dict[str, Any] = {"subprocess_wall_s": wall}
-    busy1 = _cpu_busy_seconds()
+    busy1 = _harness.system_busy_cpu_seconds()
     if busy0 is not None and busy1 is not None:
-        other = (busy1 - busy0) - (_children_cpu_seconds() - children0)
-        ncpu = os.cpu_count() or 1
-        info["other_cpu_percent_during"] = max(0.0, 100.0 * other / (wall * ncpu))
+        info["other_cpu_percent_during"] = _harness.other_cpu_percent(
+            busy1 - busy0, _harness.own_cpu_seconds(resource.RUSAGE_CHILDREN) - children0, wall
+        )
     failed = failure is not None or any(r.get("status") != "ok" for r in records.values())
     if failed and stderr_tail:
         info["stderr_tail"] = "".join(stderr_tail)[-2000:]
@@ -1065,11 +1087,30 @@ def summarize(problem: str, records: Sequence[dict], args: argparse.Namespace) -
         if w.get("other_cpu_percent_during") is not None
     ]
     summary["max_other_cpu_percent_during"] = max((v for _, v in loads), default=None)
-    noisy = [m for m, v in loads if v > BUSY_WARN_PERCENT]
+    # per timed phase (CPU accounting has ~10 ms granularity: phases >= 0.5 s only)
+    phase_loads = {
+        f"{r['method']} {p}": pr["other_cpu_percent_during_phase"]
+        for r in records
+        for p, pr in r["phases"].items()
+        if pr.get("status") == "ok"
+        and pr.get("time_s", 0.0) >= 0.5
+        and pr.get("other_cpu_percent_during_phase") is not None
+    }
+    summary["max_other_cpu_percent_during_timed_phases"] = max(phase_loads.values(), default=None)
+    noisy = {k: v for k, v in phase_loads.items() if v > BUSY_WARN_PERCENT}
     if noisy:
+        worst = ", ".join(
+            f"{k} ({v:.0f}%)" for k, v in sorted(noisy.items(), key=lambda kv: -kv[1])
+        )
         print(
             f"\n  WARNING: other processes used more than {BUSY_WARN_PERCENT:g}% of the CPU "
-            f"during the runs of {sorted(set(noisy))}; their timings may be distorted."
+            f"during timed phases: {worst}; these timings may be distorted."
+        )
+    elif any(v > BUSY_WARN_PERCENT for _, v in loads):
+        busy = sorted({m for m, v in loads if v > BUSY_WARN_PERCENT})
+        print(
+            f"\n  Note: other processes used more than {BUSY_WARN_PERCENT:g}% of the CPU "
+            f"during the workers of {busy} (not necessarily during timed phases)."
         )
 
     targets = check_targets(problem, records)
@@ -1119,20 +1160,23 @@ def plot(problem: str, records: Sequence[dict], path: Path, info: dict[str, Any]
         for i, (r, v) in enumerate(zip(entries, values)):
             c = color or colors[kinds[methods[i]]]
             if r is None:  # phase does not apply (Lanczos has no predictive)
-                ax.text(i + offset, low, "n/a", ha="center", va="bottom", fontsize=7)
+                if log:
+                    ax.text(i + offset, low, "n/a", ha="center", va="bottom", fontsize=7)
                 continue
             if v is not None:
                 ax.bar(i + offset, v, width, color=c, label=label)
                 label = None
-                if width > 0.5:
+                if log:
                     ax.text(i + offset, v, f"{v:.3g}", ha="center", va="bottom", fontsize=7)
                 continue
-            # failed or skipped: hatched bar (a timeout's bar shows its lower bound)
             status = str(r.get("status"))
-            bound = r.get("time_to_failure_s") if log else None
-            h = bound if bound else (top if log else 0.15 * top)
-            ax.bar(i + offset, h, width, color="none", edgecolor="tab:red", hatch="//")
-            text = status.upper() if width > 0.5 else SHORT_STATUS.get(status, status[:3])
+            if not log:  # memory panel: a red cross per failed or skipped phase
+                ax.plot(i + offset, 0.02 * top, "x", color="tab:red", ms=5)
+                continue
+            # failed or skipped: hatched bar up to the time of the failure (if known)
+            bound = r.get("time_to_failure_s")
+            ax.bar(i + offset, bound or top, width, color="none", edgecolor="tab:red", hatch="//")
+            text = status.upper() + (f" after {bound:.4g} s" if bound else "")
             ax.text(
                 i + offset,
                 low,
@@ -1140,7 +1184,7 @@ def plot(problem: str, records: Sequence[dict], path: Path, info: dict[str, Any]
                 rotation=90,
                 ha="center",
                 va="bottom",
-                fontsize=7 if width > 0.5 else 6,
+                fontsize=7,
                 color="tab:red",
             )
 
@@ -1164,6 +1208,7 @@ def plot(problem: str, records: Sequence[dict], path: Path, info: dict[str, Any]
             phase,
             log=False,
         )
+    ax.plot([], [], "x", color="tab:red", label="failed/skipped")
     ax.axhline(TARGET_GLM_MEMORY_BYTES / GiB, color="k", ls="--", lw=1, label="2 GiB")
     ax.set_title("peak memory above the state before the phase [GiB]", fontsize=9)
     ax.legend(fontsize=7)
@@ -1297,6 +1342,7 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
     info = _harness.machine_info(
         args.device, (*_harness.DEFAULT_PACKAGES, "laplace-torch", "asdfghjkl")
     )
+    info["lowrank_laplace_sources"] = library_fingerprint()
     print(
         f"Machine: {info['cpu_name']} ({info['cpu_count']} CPUs, "
         f"{info['cpu_count_usable']} usable), torch {info['torch']}, "
@@ -1305,6 +1351,23 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
     )
 
     summaries = {}
+    if args.replot:
+        for problem in args.problems:
+            json_path = out / f"laplace_{problem}.json"
+            if not json_path.exists():
+                print(f"--replot: no {json_path}")
+                continue
+            payload = json.loads(json_path.read_text())
+            for key in ("n_train", "batch_size", "n_test", "rank", "nn_samples"):
+                setattr(args, key, payload[key])
+            records = payload["records"]
+            summaries[problem] = summarize(problem, records, args)
+            payload["summary"] = summaries[problem]
+            json_path.write_text(json.dumps(payload, indent=2))
+            png_path = out / f"laplace_{problem}.png"
+            plot(problem, records, png_path, payload.get("machine", info), args)
+            print(f"\nWrote {json_path} and {png_path}", flush=True)
+        return summaries
     for problem in args.problems:
         print(
             f"\n### Problem {problem}: methods = {args.methods}, timeout {args.timeout:g} s "
@@ -1315,7 +1378,7 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
         previous = _previous_records(json_path, args) if args.resume else {}
         records: list[dict[str, Any]] = []
         for method in args.methods:
-            if method in previous:
+            if method in previous and method not in args.rerun:
                 records.append(previous[method])
                 print(_progress(problem, records[-1]) + " (from previous run)", flush=True)
                 continue
@@ -1376,7 +1439,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="Address-space cap (RLIMIT_AS) of CPU workers in GiB, lowered to what the "
         "machine can back; 0: no cap.",
     )
-    parser.add_argument("--out", default=str(HERE / "results"), help="Output directory.")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="Output directory (default: benchmarks/results, for --quick "
+        "benchmarks/results/quick so that a smoke test keeps the full mlp results).",
+    )
     parser.add_argument("--seed", type=int, default=0, help="Random seed.")
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads in workers (0: usable cores)."
@@ -1426,6 +1494,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "run with the same settings (e.g. after an interrupted run).",
     )
     parser.add_argument(
+        "--rerun",
+        nargs="*",
+        default=[],
+        choices=list(METHODS),
+        metavar="METHOD",
+        help="With --resume: run these methods again even if a previous record exists.",
+    )
+    parser.add_argument(
+        "--replot",
+        action="store_true",
+        help="Run nothing: print the summaries and redraw the figures of the existing "
+        "<out>/laplace_<problem>.json files.",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="Smoke test: mlp, n-train 128, n-test 32, rank 20, 5 NN samples, timeout "
@@ -1444,6 +1526,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if name not in METHODS or not value:
             parser.error(f"--method-timeout expects METHOD=SECONDS, got {item!r}.")
         args.method_timeouts[name] = float(value)
+    if args.out is None:
+        args.out = str(HERE / "results" / "quick") if args.quick else str(HERE / "results")
     if args.quick:
         args.problems = ["mlp"]
         args.n_train, args.n_test, args.rank, args.nn_samples = 128, 32, 20, 5
