@@ -115,21 +115,16 @@ def _cpu_busy_seconds() -> tuple[float | None, float]:
     """Return the busy CPU time of the whole system and of this process.
 
     Their difference over the timed call is the CPU time that *other* processes
-    took from the benchmark (recorded as ``cpu_others_during_percent``).
+    took from the benchmark (recorded as ``cpu_others_during_percent``). The
+    system-wide count is :func:`_harness.system_busy_cpu_seconds` (which excludes
+    steal time and does not count guest time twice).
 
     Returns:
-        System-wide busy (non-idle) CPU seconds summed over cores (``None`` if
-        psutil is missing), and the CPU seconds (user + system) of this process.
+        System-wide busy CPU seconds summed over cores (``None`` where unavailable),
+        and the CPU seconds (user + system) of this process.
     """
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    own = usage.ru_utime + usage.ru_stime
-    try:
-        import psutil
-    except ImportError:  # pragma: no cover
-        return None, own
-    t = psutil.cpu_times()
-    idle = t.idle + getattr(t, "iowait", 0.0)
-    return sum(t) - idle, own
+    return _harness.system_busy_cpu_seconds(), usage.ru_utime + usage.ru_stime
 
 
 ###############################################################################

@@ -54,8 +54,8 @@ class LowRankPrecision:
         """Dimension ``D``."""
         return self.U.shape[0]
 
-    def _w_over_d(self) -> Tensor:
-        """``P_0^{-1} W``, shape ``(D, r)``."""
+    def w_over_d(self) -> Tensor:
+        """``P_0^{-1} W`` (``D x r``), to contract with Jacobians."""
         W = self.U * self.ell.sqrt()
         return W / self.d if self.isotropic else W / self.d[:, None]
 
@@ -64,7 +64,7 @@ class LowRankPrecision:
         """Lower Cholesky factor of ``K = I + W^T P_0^{-1} W``, shape ``(r, r)``."""
         if self._chol is None:
             W = self.U * self.ell.sqrt()
-            K = W.T @ self._w_over_d()
+            K = W.T @ self.w_over_d()
             K = K + torch.eye(K.shape[0], dtype=K.dtype, device=K.device)
             self._chol = torch.linalg.cholesky(K)
         return self._chol
@@ -105,7 +105,7 @@ class LowRankPrecision:
             coeff = 1 / (self.ell + self.d) - 1 / self.d
             out = x2 / self.d + self.U @ (coeff[:, None] * (self.U.T @ x2))
         else:
-            wd = self._w_over_d()
+            wd = self.w_over_d()
             inner = torch.cholesky_solve(wd.T @ x2, self.capacitance_cholesky)
             out = x2 / self.d[:, None] - wd @ inner
         return out if x.ndim == 2 else out[:, 0]
@@ -164,7 +164,3 @@ class LowRankPrecision:
         half = torch.linalg.solve_triangular(chol, flat, upper=False)
         half = half.T.reshape(jdw.shape)
         return jdj - half @ half.transpose(-1, -2)
-
-    def w_over_d(self) -> Tensor:
-        """``P_0^{-1} W`` (``D x r``), to contract with Jacobians."""
-        return self._w_over_d()
