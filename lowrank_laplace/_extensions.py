@@ -8,6 +8,13 @@
   once per vector (measured ~10x slower on DeepOBS 3c3d).
 * ``nn.AdaptiveAvgPool{1,2,3}d``, for which BackPACK ships derivatives but no
   ``SqrtGGN`` mapping.
+* ``nn.CrossEntropyLoss`` (exact, ``(N, C)`` logits): a loss-Hessian factor with
+  ``C - 1`` columns instead of ``C``. The Hessian ``diag(p) - p p^T`` has rank
+  ``C - 1`` (its null vector is ``sqrt(p)``), so BackPACK's square root
+  ``diag(sqrt(p)) (I - sqrt(p) sqrt(p)^T)`` wastes one backpropagated vector per
+  sample; rotating it by a Householder reflection that maps ``sqrt(p)`` to the last
+  axis and dropping that column gives the same ``V V^T`` with ``C - 1`` columns
+  (half the columns for binary problems).
 
 Shape glossary:
     V: vectors per sample (C exact, mc_samples for MC, 1 for gradients).
@@ -28,9 +35,11 @@ from backpack.extensions import BatchGrad, SqrtGGNExact, SqrtGGNMC
 from backpack.extensions.firstorder.batch_grad.conv1d import BatchGradConv1d
 from backpack.extensions.firstorder.batch_grad.conv2d import BatchGradConv2d
 from backpack.extensions.firstorder.batch_grad.linear import BatchGradLinear
+from backpack.extensions.secondorder.hbp import LossHessianStrategy
 from backpack.extensions.secondorder.sqrt_ggn.base import SqrtGGNBaseModule
 from backpack.extensions.secondorder.sqrt_ggn.convnd import SqrtGGNConv1d, SqrtGGNConv2d
 from backpack.extensions.secondorder.sqrt_ggn.linear import SqrtGGNLinear
+from backpack.extensions.secondorder.sqrt_ggn.losses import SqrtGGNCrossEntropyLoss
 from backpack.utils.subsampling import subsample
 from torch import Tensor, nn
 from torch.nn.functional import pad
@@ -152,6 +161,66 @@ def _batch_grad(base, weight_fn):
     return _BatchGrad
 
 
+def reduced_cross_entropy_sqrt(logits: Tensor, reduction: str) -> Tensor:
+    """A ``C - 1``-column square root of the cross-entropy Hessian w.r.t. the logits.
+
+    With ``t = sqrt(softmax(logits))`` and the Householder reflection
+    ``H = I - 2 u u^T / (u^T u)``, ``u = t + e_C`` (``H t = -e_C``), the first
+    ``C - 1`` columns of ``H`` are an orthonormal basis of ``t``'s complement and
+    ``S = diag(t) H[:, :C-1]`` satisfies ``S S^T = diag(p) - p p^T``.
+
+    Args:
+        logits: Shape ``(N, C)`` with ``C >= 2``.
+        reduction: The loss's reduction (``"mean"`` divides by ``sqrt(N)``).
+
+    Returns:
+        Backpropagated vectors in BackPACK's layout, shape ``(C - 1, N, C)``.
+    """
+    num, classes = logits.shape
+    t = logits.detach().softmax(1).sqrt()
+    u = t.clone()
+    u[:, -1] += 1
+    coef = 2 / (u * u).sum(1)  # (N,)
+    eye = torch.eye(classes - 1, classes, dtype=t.dtype, device=t.device)
+    house = eye[:, None, :] - (coef[:, None] * u[:, : classes - 1]).T[:, :, None] * u[None]
+    sqrt_h = t[None] * house  # (C - 1, N, C)
+    if reduction == "mean":
+        sqrt_h = sqrt_h / num**0.5
+    return sqrt_h
+
+
+class _SqrtGGNCrossEntropy(SqrtGGNCrossEntropyLoss):
+    def backpropagate(self, ext, module, grad_inp, grad_out, backproped):  # noqa: D102
+        logits = module.input0
+        if (ext.get_loss_hessian_strategy() != LossHessianStrategy.EXACT
+                or logits.ndim != 2 or logits.shape[1] < 2):
+            return super().backpropagate(ext, module, grad_inp, grad_out, backproped)
+        sqrt_h = reduced_cross_entropy_sqrt(
+            subsample(logits, subsampling=ext.get_subsampling()), "sum"
+        )
+        # BackPACK normalises a mean loss by the full batch size
+        return sqrt_h / logits.shape[0] ** 0.5 if module.reduction == "mean" else sqrt_h
+
+
+def factor_columns(loss_func: nn.Module, output_shape: tuple, mc_samples: int) -> int:
+    """Columns of ``V`` per sample produced by :func:`sqrt_ggn_extension`.
+
+    Args:
+        loss_func: The loss module.
+        output_shape: Shape of the model outputs of a batch, ``(N, C, ...)``.
+        mc_samples: ``0`` for the exact GGN, else the Monte-Carlo samples.
+
+    Returns:
+        ``mc_samples``, ``C - 1`` for exact cross-entropy on ``(N, C)`` logits, or
+        the number of outputs ``C``.
+    """
+    if mc_samples:
+        return mc_samples
+    if isinstance(loss_func, nn.CrossEntropyLoss) and len(output_shape) == 2:
+        return max(1, output_shape[1] - 1)
+    return output_shape[1]
+
+
 _EXTRA_SQRT_GGN = {
     nn.AdaptiveAvgPool1d: AdaptiveAvgPool1dDerivatives,
     nn.AdaptiveAvgPool2d: AdaptiveAvgPool2dDerivatives,
@@ -174,6 +243,7 @@ def sqrt_ggn_extension(mc_samples: int, subsampling: Optional[List[int]]):
     else:
         ext = SqrtGGNExact(subsampling=subsampling)
     ext.set_module_extension(nn.Linear, _SqrtGGNLinear(), overwrite=True)
+    ext.set_module_extension(nn.CrossEntropyLoss, _SqrtGGNCrossEntropy(), overwrite=True)
     ext.set_module_extension(nn.Conv1d, _sqrt_ggn_conv(SqrtGGNConv1d)(), overwrite=True)
     ext.set_module_extension(nn.Conv2d, _sqrt_ggn_conv(SqrtGGNConv2d)(), overwrite=True)
     for layer, derivatives in _EXTRA_SQRT_GGN.items():

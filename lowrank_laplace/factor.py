@@ -44,6 +44,7 @@ from lowrank_laplace import _checks
 from lowrank_laplace._blocks import Block, DenseBlock, KronBlock, Weight
 from lowrank_laplace._extensions import (
     batch_grad_extension,
+    factor_columns,
     sqrt_ggn_extension,
     supported_modules,
 )
@@ -60,7 +61,8 @@ class GGNFactor:
             Gram matrices were requested).
         grams: Gram matrices ``V^T V`` per group accumulated during the backward
             pass (``None`` entries where not requested).
-        num_vectors: Vectors per sample (``C`` exact, ``mc_samples`` for MC).
+        num_vectors: Vectors per sample (``C`` exact, ``C - 1`` for exact
+            cross-entropy, ``mc_samples`` for MC).
         num_curv_samples: Number of samples in the curvature (``N_S``).
         sample_scale: ``G_n = sample_scale * sum_c v_{nc} v_{nc}^T`` is the
             per-sample GGN of the sample's own loss ``l_n`` (``N_S`` for mean,
@@ -355,7 +357,7 @@ class FactorEngine:
         Args:
             inputs: A batch of inputs (only the first sample is used).
             num_vectors: Vectors per sample (``mc_samples`` for MC); ``None`` uses
-                the number of model outputs ``C`` (exact GGN).
+                the exact GGN's (``C``, or ``C - 1`` for cross-entropy).
 
         Returns:
             Estimated bytes per sample.
@@ -375,7 +377,8 @@ class FactorEngine:
             for h in handles:
                 h.remove()
         self.num_outputs = outputs.shape[-1]
-        num_vectors = outputs.shape[-1] if num_vectors is None else num_vectors
+        if num_vectors is None:
+            num_vectors = factor_columns(self.loss_func, outputs.shape, 0)
         itemsize = torch.finfo(inputs.dtype).bits // 8 if inputs.is_floating_point() else 4
         return itemsize * num_vectors * (dense + 2 * max(feature_sizes))
 
@@ -517,7 +520,7 @@ class FactorEngine:
                 f"BackPACK produced no GGN factor for parameters {names}: they do not "
                 "influence the loss through supported layers."
             )
-        num_vectors = mc_samples if mc_samples else outputs.shape[1]
+        num_vectors = factor_columns(self.loss_func, outputs.shape, mc_samples)
         return GGNFactor(
             groups=groups,
             shapes=[p.shape for p in self._copy_params],
