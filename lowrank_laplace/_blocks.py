@@ -251,11 +251,17 @@ class KronBlock:
         v, n = self.s.shape[:2]
         out_dim, in_dim = self.s.shape[2], self.z.shape[1]
         acc = self.s.permute(1, 2, 0) @ y.reshape(v, n, -1).transpose(0, 1)  # (N, out, K)
-        # per output unit o: z^T (in, N) @ acc_o (N, K) added into the (out, in, K) view;
-        # in place it is ~3x faster than forming the product and adding (3c3d fc1)
-        out.view(out_dim, in_dim, -1).baddbmm_(
-            self.z.T.expand(out_dim, in_dim, n), acc.transpose(0, 1)
-        )
+        view = out.view(out_dim, in_dim, -1)
+        if n < 512:
+            # per output unit o: z^T (in, N) @ acc_o (N, K) added into the (out, in, K)
+            # view; in place it is ~3x faster than forming the product and adding
+            view.baddbmm_(self.z.T.expand(out_dim, in_dim, n), acc.transpose(0, 1))
+            return out
+        # many samples: one wide product per slab of 16 output units (~1.5x faster)
+        for start in range(0, out_dim, 16):
+            slab = acc[:, start : start + 16].reshape(n, -1)
+            prod = (self.z.T @ slab).view(in_dim, -1, view.shape[2])
+            view[start : start + 16].add_(prod.transpose(0, 1))
         return out
 
     def weighted_gram(self, weight: Weight) -> Tensor:
@@ -293,3 +299,25 @@ class KronBlock:
 
 
 Block = Union[DenseBlock, KronBlock]
+
+
+def cat_blocks(blocks: list, alphas: list, num_vectors: int) -> Block:
+    """Concatenate blocks of the same parameter along the sample axis, scaled.
+
+    The result keeps the row order ``(v, n)`` over the concatenated samples and
+    stays factored when every block is a :class:`KronBlock`.
+
+    Args:
+        blocks: Blocks over the same parameter, each with ``num_vectors * N_i`` rows.
+        alphas: One scalar factor per block.
+        num_vectors: Vectors per sample ``V``.
+
+    Returns:
+        A block with ``num_vectors * sum(N_i)`` rows.
+    """
+    if all(isinstance(b, KronBlock) for b in blocks):
+        s = torch.cat([b.s if a == 1 else b.s * a for b, a in zip(blocks, alphas)], dim=1)
+        return KronBlock(s, torch.cat([b.z for b in blocks], dim=0))
+    rows = [b.to_dense() if a == 1 else b.to_dense() * a for b, a in zip(blocks, alphas)]
+    rows = [r.reshape(num_vectors, -1, r.shape[1]) for r in rows]
+    return DenseBlock(torch.cat(rows, dim=1).reshape(-1, rows[0].shape[2]))

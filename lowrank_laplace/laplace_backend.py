@@ -31,8 +31,9 @@ from torch import Tensor, nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
+from lowrank_laplace._extensions import factor_columns
 from lowrank_laplace.factor import FactorEngine
-from lowrank_laplace.merge import StreamingMerge
+from lowrank_laplace.merge import StreamingMerge, concat_factors
 from lowrank_laplace.posterior import LowRankPrecision
 from lowrank_laplace.predictive import batched_glm_moments, glm_moments
 
@@ -251,7 +252,15 @@ class LowRankGGNLaplace(ParametricLaplace):
         merge = StreamingMerge(self.rank, self.oversampling, self.diagonal_correction)
         generator = torch.Generator().manual_seed(self.seed)
         group = _resolve_group(process_group)
-        loss, micro, seen = 0.0, None, 0
+        loss, plan, seen = 0.0, None, 0
+        pending, pending_scales = [], []
+
+        def flush():
+            if pending:
+                merge.add_factor(concat_factors(pending, pending_scales), scale=factor)
+                pending.clear()
+                pending_scales.clear()
+
         with FactorEngine(module, loss_func, eval_mode=True) as engine:
             pbar = tqdm.tqdm(train_loader, disable=not progress_bar,
                              desc="[lowrank_ggn: merging GGN factors]")
@@ -260,19 +269,28 @@ class LowRankGGNLaplace(ParametricLaplace):
                     raise ValueError("lowrank_ggn supports (X, y) batches, not dict inputs.")
                 X, y = data
                 X, y = to_inputs(X.to(self._device)), y.to(self._device)
-                if micro is None:
-                    micro = self._micro_batch_size(engine, X, self.mc_samples or None, True)
+                if plan is None:
+                    local = num_data
+                    if hasattr(train_loader, "__len__"):
+                        local = min(num_data, len(train_loader) * len(y))
+                    plan = self._merge_plan(engine, X, self.mc_samples, len(y), local)
+                micro, chunk = plan
                 self._check_targets(y)
                 for Xc, yc in zip(torch.split(X, micro), torch.split(y, micro)):
                     sub, scale = self._subsample(len(yc), generator)
                     batch = engine.compute(Xc, yc, mc_samples=self.mc_samples, subsampling=sub)
-                    merge.add_factor(batch, scale=factor * scale)
                     loss = loss + factor * batch.loss
                     self.n_outputs = batch.outputs.shape[-1]
+                    pending.append(batch)
+                    pending_scales.append(scale)
+                    if sum(f.num_curv_samples for f in pending) >= chunk:
+                        flush()
                 seen += len(y)
-                if progress_bar:
+                if progress_bar and merge.eigenvalues is not None:
                     kept = float(merge.eigenvalues[: self.rank].sum() / merge.trace)
                     pbar.set_postfix(kept_trace=f"{kept:.3f}")
+            flush()
+        micro = None if plan is None else plan[0]
         if micro is None:
             raise ValueError("train_loader yielded no batches: nothing to fit.")
         if group is not None:
@@ -291,15 +309,12 @@ class LowRankGGNLaplace(ParametricLaplace):
         self.loss = loss
         self.n_data = num_data
 
-    def _micro_batch_size(self, engine: FactorEngine, X: Tensor, num_vectors,
-                          merging: bool = False) -> int:
-        """Samples per backward pass.
+    def _micro_batch_size(self, engine: FactorEngine, X: Tensor,
+                          num_vectors: Optional[int]) -> int:
+        """Samples per backward pass: what fits the memory budget (and ``micro_batch_size``).
 
-        At most what fits the memory budget. When merging, also at most the size
-        that balances the two costs that depend on it: the Gram matrix of a
-        micro-batch (``2 b C^2 D_dense`` flop per sample, growing with ``b``) and
-        the rotation of the kept basis (``2 D k^2 / b`` per sample, shrinking):
-        ``b* = (k / C) sqrt(D / D_dense)`` with ``k = rank + oversampling``.
+        Raises:
+            ValueError: If one sample does not fit the budget.
         """
         per_sample = engine.bytes_per_sample(X, num_vectors)
         budget = resolve_memory_budget(self.memory_budget, X.device)
@@ -311,14 +326,44 @@ class LowRankGGNLaplace(ParametricLaplace):
             )
         size = max(1, budget // per_sample)
         if self.micro_batch_size is not None:
-            return min(size, self.micro_batch_size)
-        dense = engine.dense_param_count()
-        if merging and dense > 0:
-            vectors = num_vectors or engine.num_outputs
-            keep = self.rank + self.oversampling
-            total = sum(p.numel() for p in engine.model.parameters() if p.requires_grad)
-            size = min(size, max(8, round(keep / vectors * (total / dense) ** 0.5)))
+            size = min(size, self.micro_batch_size)
         return size
+
+    def _merge_plan(self, engine: FactorEngine, X: Tensor, mc_samples: int,
+                    batch_size: int, num_data: int) -> Tuple[int, int]:
+        """Samples per backward pass and samples per merge.
+
+        A merge of ``M`` columns into the ``D x k`` basis (``k = rank +
+        oversampling``) costs, besides the products with ``V`` that every column
+        pays once, a few memory passes over the basis (``~ D k``), an
+        eigendecomposition of size ``k + M`` (``~ (k + M)^3``) and the Gram matrix
+        of the merged columns (``~ M^2 D_gram``, with ``D_gram`` the expanded
+        parameters plus ``out + in`` per factored linear weight). The merge size
+        minimises their sum over the ``num_data`` samples this process streams
+        (in Gram multiply-adds, measured on CPU: the float64 eigh costs ~28 (k + M)^3,
+        the basis passes ~180 D k), within the memory budget; it may span several
+        backward passes and loader batches.
+        """
+        cap = self._micro_batch_size(engine, X, mc_samples or None)
+        cols = factor_columns(engine.loss_func, (1, engine.num_outputs), mc_samples)
+        keep = self.rank + self.oversampling
+        dim = sum(p.numel() for p in engine.model.parameters() if p.requires_grad)
+        gram_dim = engine.dense_param_count()
+
+        def cost(samples: int) -> float:
+            m = samples * cols
+            return (28.0 * (keep + m) ** 3 + 180.0 * dim * keep + m * m * gram_dim) / m
+
+        def total(samples: int) -> float:  # all merges over the data, remainder included
+            full, rest = divmod(num_data, samples)
+            return full * samples * cost(samples) + (rest * cost(rest) if rest else 0.0)
+
+        # merges spanning several batches hold their factors and one concatenated copy
+        limit = cap if cap <= batch_size else max(batch_size, cap // 2)
+        candidates = {min(limit, num_data, max(1, round(2 ** (e / 4)))) for e in range(80)}
+        candidates |= {-(-num_data // parts) for parts in range(1, 9)} & set(range(1, limit + 1))
+        chunk = min(sorted(candidates), key=total)
+        return min(chunk, cap), chunk
 
     def _subsample(self, n: int, generator: torch.Generator):
         if self.subsample_fraction is None or self.subsample_fraction == 1:
