@@ -203,7 +203,8 @@ class GGNFactor:
         Returns:
             Tensor of shape ``(D, K)``.
         """
-        return torch.cat([b.matmul(y) for b in self._blocks(group)], dim=0)
+        out = y.new_zeros(self.group_dim(group), y.shape[1])
+        return self.matmul_add_(out, y, group)
 
     def matmul_add_(self, out: Tensor, y: Tensor, group: int = 0) -> Tensor:
         """Accumulate ``out += V y`` in place, one parameter slice at a time.

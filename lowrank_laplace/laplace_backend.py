@@ -81,6 +81,50 @@ def _resolve_group(process_group: Any):
     return process_group
 
 
+class _PrivateRNG:
+    """Runs code on a private, seeded stream of the global RNG (BackPACK's MC draws).
+
+    Each ``with`` block continues the private stream and restores the caller's
+    global state on exit, so the fit neither depends on nor advances it (the
+    loader's shuffling still uses the caller's RNG).
+    """
+
+    def __init__(self, seed: int, device: torch.device):
+        self.seed = seed
+        self.device = device if device.type == "cuda" else None
+        self.state: Optional[Tuple[Tensor, Optional[Tensor]]] = None
+
+    def _get(self) -> Tuple[Tensor, Optional[Tensor]]:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device is not None else None
+        return torch.get_rng_state(), cuda
+
+    def _set(self, state: Tuple[Tensor, Optional[Tensor]]) -> None:
+        torch.set_rng_state(state[0])
+        if self.device is not None:
+            torch.cuda.set_rng_state(state[1], self.device)
+
+    def __enter__(self) -> None:
+        self.saved = self._get()
+        if self.state is None:  # seed only the generators of the fit's device
+            torch.random.default_generator.manual_seed(self.seed)
+            if self.device is not None:
+                index = self.device.index if self.device.index is not None else \
+                    torch.cuda.current_device()
+                torch.cuda.default_generators[index].manual_seed(self.seed)
+        else:
+            self._set(self.state)
+
+    def __exit__(self, *exc) -> None:
+        self.state = self._get()
+        self._set(self.saved)
+
+
+def _rank(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(group)
+
+
 class LowRankGGNLaplace(ParametricLaplace):
     r"""Full-network Laplace with the GGN's exact leading eigenspace as curvature.
 
@@ -119,7 +163,9 @@ class LowRankGGNLaplace(ParametricLaplace):
             ``r = diag(H) - diag(U diag(lambda) U^T)`` (free: the GGN diagonal comes
             from the same factors). Without it (default) the dropped directions see
             only the prior, and a scalar prior keeps ``O(r)`` closed forms.
-        seed: Seed for curvature sub-sampling.
+        seed: Seed for curvature sub-sampling and the Monte-Carlo draws of
+            ``mc_samples`` (offset by the process rank when fitting data-parallel);
+            the fit leaves the global random state untouched.
     """
 
     _key = ("all", "lowrank_ggn")
@@ -250,8 +296,9 @@ class LowRankGGNLaplace(ParametricLaplace):
         self.mean = parameters_to_vector(params).detach()
         loss_func, factor = self._loss_and_factor()
         merge = StreamingMerge(self.rank, self.oversampling, self.diagonal_correction)
-        generator = torch.Generator().manual_seed(self.seed)
         group = _resolve_group(process_group)
+        offset = 0 if group is None else _rank(group)
+        generator = torch.Generator().manual_seed(self.seed + offset)
         loss, plan, seen = 0.0, None, 0
         pending, pending_scales = [], []
 
@@ -261,6 +308,7 @@ class LowRankGGNLaplace(ParametricLaplace):
                 pending.clear()
                 pending_scales.clear()
 
+        rng = _PrivateRNG(self.seed + offset, self._device)  # MC draws
         with FactorEngine(module, loss_func, eval_mode=True) as engine:
             pbar = tqdm.tqdm(train_loader, disable=not progress_bar,
                              desc="[lowrank_ggn: merging GGN factors]")
@@ -278,7 +326,9 @@ class LowRankGGNLaplace(ParametricLaplace):
                 self._check_targets(y)
                 for Xc, yc in zip(torch.split(X, micro), torch.split(y, micro)):
                     sub, scale = self._subsample(len(yc), generator)
-                    batch = engine.compute(Xc, yc, mc_samples=self.mc_samples, subsampling=sub)
+                    with rng:
+                        batch = engine.compute(Xc, yc, mc_samples=self.mc_samples,
+                                               subsampling=sub)
                     loss = loss + factor * batch.loss
                     self.n_outputs = batch.outputs.shape[-1]
                     pending.append(batch)

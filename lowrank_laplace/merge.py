@@ -32,7 +32,7 @@ Shape glossary:
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -70,10 +70,14 @@ class StreamingMerge:
         self.oversampling = int(oversampling)
         self.lazy = lazy
         self.tau = 0.1  # singular-value band [tau, 1/tau] of the basis coordinates
+        self.max_deferred = 16  # columns of deferred corrections before applying them
         self._basis: Optional[Tensor] = None  # (D, k): eigenvectors U = basis @ coords
         self._coords: Optional[Tensor] = None  # (k, k) or None for the identity
         self._shared = False  # the basis was handed out: copy before updating in place
-        self.num_lazy_corrections = 0
+        # deferred rank-m corrections: the basis is B + sum_i X_i Y_i^T
+        self._deferred: List[Tuple[Tensor, Tensor]] = []
+        self.num_lazy_corrections = 0  # directions reset in lazy updates
+        self.num_deferred = 0  # corrections whose update of the basis was deferred
         self.eigenvalues: Optional[Tensor] = None  # (k,)
         self.trace: Optional[Tensor] = None
         self.track_diagonal = track_diagonal
@@ -89,6 +93,7 @@ class StreamingMerge:
         """The kept orthonormal eigenvectors, shape ``(D, k)`` (``None`` before a merge)."""
         if self._basis is None:
             return None
+        self._flush()
         if self._coords is not None:
             self._orthonormalize()
         self._shared = True
@@ -120,13 +125,13 @@ class StreamingMerge:
         lam = self.eigenvalues.double()
         evals, q = eigh((inner * lam) @ inner.T)
         evals, q = evals.flip(0), q.flip(1)
-        self._basis = basis @ (to_orth @ q).to(basis.dtype)
+        self._basis = _rotate(basis, (to_orth @ q).to(basis.dtype), in_place=not self._shared)
         self._coords = None
         self.eigenvalues = evals.clamp(min=torch.finfo(basis.dtype).tiny).to(basis.dtype)
 
     @eigenvectors.setter
     def eigenvectors(self, value: Optional[Tensor]) -> None:
-        self._basis, self._coords, self._shared = value, None, False
+        self._basis, self._coords, self._shared, self._deferred = value, None, False, []
 
     def add_factor(self, factor: GGNFactor, group: int = 0, scale: float = 1.0) -> None:
         """Merge ``scale * V V^T`` of one group of a batch factor.
@@ -155,6 +160,8 @@ class StreamingMerge:
         basis, coords, lam = self._basis, self._coords, self.eigenvalues
         r = lam.numel()
         proj = factor.t_matmul(basis, group).T  # B^T V, (r, M)
+        for X, Y in self._deferred:
+            proj = proj + Y @ factor.t_matmul(X, group).T
         if coords is not None:
             proj = coords.T @ proj  # U^T V
         cross = proj * (scale**0.5) * lam.sqrt()[:, None]
@@ -171,7 +178,8 @@ class StreamingMerge:
         self.eigenvalues = evals
         if self._lazy_update(P, C, factor, group):
             return
-        new = basis @ P
+        self._flush()
+        new = _rotate(self._basis, P, in_place=not self._shared)
         self._basis, self._coords, self._shared = factor.matmul_add_(new, C, group), None, False
 
     def _lazy_update(self, P: Tensor, C: Tensor, factor: GGNFactor, group: int) -> bool:
@@ -187,6 +195,8 @@ class StreamingMerge:
             return False
         L, S, Qt = torch.linalg.svd(P.double())
         bad = (S < self.tau) | (S > 1 / self.tau)
+        if bad.any():  # hysteresis: reset every drifting direction, not just the worst
+            bad = (S < self.tau**0.5) | (S > self.tau**-0.5)
         m = int(bad.sum())
         if 2 * m > r:
             return False
@@ -195,12 +205,34 @@ class StreamingMerge:
         coords = (L * S_kept) @ Qt
         coords_inv = (Qt.T / S_kept) @ L.T
         if m:
-            Lm = L[:, bad]
-            basis.addmm_(basis @ Lm.to(basis.dtype), ((S[bad] - 1)[:, None] * Lm.T).to(basis.dtype))
-        factor.matmul_add_(basis, (C.double() @ coords_inv).to(basis.dtype), group)
-        self._basis, self._coords, self._shared = basis, coords.to(basis.dtype), False
+            # (B + sum X Y^T) E = B + (B L_m) diag(S_m - 1) L_m^T + sum X (E^T Y)^T: one
+            # read of B now; the update of B is deferred and applied for several merges
+            # at once, except for growing directions (S > 1/tau), whose large factors
+            # would cancel against B in the cross terms of later merges
+            Lm, dtype = L[:, bad], basis.dtype
+            Ym = Lm * (S[bad] - 1)
+            self._deferred = [(X, Y + (Lm @ (Ym.T @ Y.double())).to(dtype))
+                              for X, Y in self._deferred]
+            self._deferred.append(((Lm.T.to(dtype) @ basis.T).T, Ym.to(dtype)))
+            self.num_deferred += 1
+        self._basis, self._shared = basis, False
+        deferred = sum(X.shape[1] for X, _ in self._deferred)
+        if deferred > self.max_deferred or bool((S > 1 / self.tau).any()):
+            self._flush()
+        factor.matmul_add_(self._basis, (C.double() @ coords_inv).to(basis.dtype), group)
+        self._coords = coords.to(basis.dtype)
         self.num_lazy_corrections += m
         return True
+
+    def _flush(self) -> None:
+        """Apply the deferred corrections: ``B <- B + sum_i X_i Y_i^T``."""
+        if not self._deferred:
+            return
+        if self._shared:
+            self._basis, self._shared = self._basis.clone(), False
+        for X, Y in self._deferred:
+            self._basis.addmm_(X, Y.T)
+        self._deferred = []
 
     def _add_trace_and_diagonal(self, trace: Tensor, diagonal: Tensor) -> None:
         self.trace = trace if self.trace is None else self.trace + trace
@@ -287,6 +319,15 @@ class StreamingMerge:
         if self.track_diagonal:
             residual = (self.diagonal - (U**2) @ lam).clamp(min=0)
         return U, lam, self.trace, residual
+
+
+def _rotate(basis: Tensor, mat: Tensor, in_place: bool, rows: int = 2**16) -> Tensor:
+    """``basis @ mat`` for a square ``mat``, in place by row chunks (no ``D x k`` copy)."""
+    if not in_place or mat.shape[0] != mat.shape[1]:
+        return basis @ mat
+    for chunk in basis.split(rows):
+        chunk.copy_(chunk @ mat)
+    return basis
 
 
 def concat_factors(factors: Sequence[GGNFactor], scales: Sequence[float]) -> GGNFactor:

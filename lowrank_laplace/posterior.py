@@ -29,6 +29,8 @@ from torch import Tensor
 
 from lowrank_laplace._linalg import eigh
 
+_ROWS = 2**18  # rows per chunk of D x r products with a diagonal
+
 
 class LowRankPrecision:
     r"""The matrix :math:`P = U \mathrm{diag}(\ell) U^\top + \mathrm{diag}(d)`.
@@ -63,8 +65,15 @@ class LowRankPrecision:
     def capacitance_cholesky(self) -> Tensor:
         """Lower Cholesky factor of ``K = I + W^T P_0^{-1} W``, shape ``(r, r)``."""
         if self._chol is None:
-            W = self.U * self.ell.sqrt()
-            K = W.T @ self.w_over_d()
+            s = self.ell.sqrt()
+            if self.isotropic:
+                K = torch.diag(self.ell / self.d)
+            else:  # U^T diag(1/d) U over row chunks: no D x r temporary
+                K = sum(
+                    (U / d[:, None]).T @ U
+                    for U, d in zip(self.U.split(_ROWS), self.d.split(_ROWS))
+                )
+                K = s[:, None] * K * s[None, :]
             K = K + torch.eye(K.shape[0], dtype=K.dtype, device=K.device)
             self._chol = torch.linalg.cholesky(K)
         return self._chol

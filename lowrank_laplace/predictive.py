@@ -65,7 +65,7 @@ def glm_moments(
     """
     factor = jacobian_factor(engine, inputs)
     num_out, num_in = factor.num_vectors, factor.num_samples
-    jdw = factor.t_matmul(precision.w_over_d()) / 2**0.5  # (C*B, r), rows (c, n)
+    jdw = _jacobian_w_over_d(factor, precision, weights) / 2**0.5  # (C*B, r), rows (c, n)
     jdw = jdw.reshape(num_out, num_in, -1).transpose(0, 1)  # (B, C, r)
     if joint:
         jdj = factor.weighted_gram(weights) / 2  # rows/cols ordered (c, n)
@@ -76,6 +76,22 @@ def glm_moments(
         jdj = factor.sample_gram(weights) / 2  # (B, C, C)
         f_var = precision.functional_variance(jdj, jdw)
     return factor.outputs, f_var
+
+
+def _jacobian_w_over_d(factor: GGNFactor, precision: LowRankPrecision,
+                       weights: List[Weight]) -> Tensor:
+    """``V^T P_0^{-1} W`` one parameter at a time, without a ``D x r`` temporary.
+
+    A scalar prior variance of a parameter scales the product's columns afterwards;
+    a per-entry one needs that parameter's ``d x r`` slice of ``P_0^{-1} U``.
+    """
+    jdw = 0
+    for block, U, w in zip(factor._blocks(0), factor._split(precision.U, 0), weights):
+        if isinstance(w, Tensor) and w.numel() > 1:
+            jdw = jdw + block.t_matmul(U * w[:, None])
+        else:
+            jdw = jdw + block.t_matmul(U) * w
+    return jdw * precision.ell.sqrt()
 
 
 def batched_glm_moments(

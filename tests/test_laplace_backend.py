@@ -234,8 +234,7 @@ def test_mc_and_subsampling_are_unbiased_on_average():
     acc = {"mc": 0, "sub": 0}
     reps = 200
     for seed in range(reps):
-        torch.manual_seed(seed)
-        la = LowRankGGNLaplace(model, likelihood, rank=1000, mc_samples=1)
+        la = LowRankGGNLaplace(model, likelihood, rank=1000, mc_samples=1, seed=seed)
         la.fit(loader)
         acc["mc"] = acc["mc"] + dense_H(la) / reps
         la = LowRankGGNLaplace(model, likelihood, rank=1000, subsample_fraction=0.5, seed=seed)
@@ -244,6 +243,23 @@ def test_mc_and_subsampling_are_unbiased_on_average():
     scale = full.H.abs().max()
     for H in acc.values():  # Monte-Carlo error ~ 1/sqrt(reps)
         assert (H - full.H).abs().max() / scale < 0.15
+
+
+def test_mc_draws_follow_the_seed_option_not_the_global_rng():
+    model, likelihood, X, y, loader = make_problem("cnn-classification", shuffle=True)
+    fits = {}
+    for name, seed in [("a", 3), ("b", 3), ("c", 4)]:
+        torch.manual_seed(100)  # same global state before every fit
+        la = LowRankGGNLaplace(model, likelihood, rank=1000, mc_samples=2, seed=seed)
+        before = torch.get_rng_state()
+        la.fit(loader)
+        after_fit = torch.get_rng_state()
+        torch.set_rng_state(before)
+        list(loader)  # only the loader's shuffling may consume the global RNG
+        assert torch.equal(after_fit, torch.get_rng_state())
+        fits[name] = dense_H(la)
+    torch.testing.assert_close(fits["a"], fits["b"], rtol=1e-12, atol=1e-12)
+    assert (fits["a"] - fits["c"]).abs().max() > 1e-3 * fits["a"].abs().max()
 
 
 def test_last_layer_equals_full_ll_laplace():
