@@ -19,7 +19,6 @@ and the GLM predictive by :mod:`lowrank_laplace.predictive` without materialisin
 
 from __future__ import annotations
 
-import os
 from collections.abc import MutableMapping
 from typing import Any, List, Optional, Tuple, Union
 
@@ -32,99 +31,19 @@ from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
 from lowrank_laplace._extensions import factor_columns
+from lowrank_laplace._fitting import (
+    PrivateRNG,
+    merge_size,
+    process_rank,
+    resolve_memory_budget,
+    resolve_process_group,
+)
 from lowrank_laplace.factor import FactorEngine
 from lowrank_laplace.merge import StreamingMerge, concat_factors
 from lowrank_laplace.posterior import LowRankPrecision
 from lowrank_laplace.predictive import batched_glm_moments, glm_moments
 
 DEFAULT_RANK = 100
-DEFAULT_MEMORY_BUDGET = 2**30
-
-
-def resolve_memory_budget(budget: Union[int, float, None], device: torch.device) -> int:
-    """Turn a memory budget into bytes.
-
-    Args:
-        budget: Bytes (``int >= 1``), a fraction in ``(0, 1]`` of the currently free
-            memory of ``device``, or ``None`` for 1 GiB.
-        device: Where ``V`` lives.
-
-    Returns:
-        The budget in bytes.
-
-    Raises:
-        ValueError: For a non-positive budget or a fraction above 1.
-    """
-    if budget is None:
-        return DEFAULT_MEMORY_BUDGET
-    if budget <= 0:
-        raise ValueError(f"memory_budget must be positive, got {budget}.")
-    if isinstance(budget, float) and budget <= 1:
-        if device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
-        else:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return int(budget * free)
-    return int(budget)
-
-
-def _resolve_group(process_group: Any):
-    """The process group to merge across, or ``None`` for a single process."""
-    import torch.distributed as dist
-
-    if isinstance(process_group, str) and process_group == "default":
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        process_group = dist.group.WORLD
-    if process_group is None or dist.get_world_size(process_group) == 1:
-        return None
-    return process_group
-
-
-class _PrivateRNG:
-    """Runs code on a private, seeded stream of the global RNG (BackPACK's MC draws).
-
-    Each ``with`` block continues the private stream and restores the caller's
-    global state on exit, so the fit neither depends on nor advances it (the
-    loader's shuffling still uses the caller's RNG).
-    """
-
-    def __init__(self, seed: int, device: torch.device):
-        self.seed = seed
-        self.device = device if device.type == "cuda" else None
-        self.state: Optional[Tuple[Tensor, Optional[Tensor]]] = None
-
-    def _get(self) -> Tuple[Tensor, Optional[Tensor]]:
-        cuda = torch.cuda.get_rng_state(self.device) if self.device is not None else None
-        return torch.get_rng_state(), cuda
-
-    def _set(self, state: Tuple[Tensor, Optional[Tensor]]) -> None:
-        torch.set_rng_state(state[0])
-        if self.device is not None:
-            torch.cuda.set_rng_state(state[1], self.device)
-
-    def __enter__(self) -> None:
-        self.saved = self._get()
-        if self.state is None:  # seed only the generators of the fit's device
-            torch.random.default_generator.manual_seed(self.seed)
-            if self.device is not None:
-                index = self.device.index if self.device.index is not None else \
-                    torch.cuda.current_device()
-                torch.cuda.default_generators[index].manual_seed(self.seed)
-        else:
-            self._set(self.state)
-
-    def __exit__(self, *exc) -> None:
-        self.state = self._get()
-        self._set(self.saved)
-
-
-def _rank(group) -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank(group)
-
-
 class LowRankGGNLaplace(ParametricLaplace):
     r"""Full-network Laplace with the GGN's exact leading eigenspace as curvature.
 
@@ -296,8 +215,8 @@ class LowRankGGNLaplace(ParametricLaplace):
         self.mean = parameters_to_vector(params).detach()
         loss_func, factor = self._loss_and_factor()
         merge = StreamingMerge(self.rank, self.oversampling, self.diagonal_correction)
-        group = _resolve_group(process_group)
-        offset = 0 if group is None else _rank(group)
+        group = resolve_process_group(process_group)
+        offset = 0 if group is None else process_rank(group)
         generator = torch.Generator().manual_seed(self.seed + offset)
         loss, plan, seen = 0.0, None, 0
         pending, pending_scales = [], []
@@ -308,7 +227,7 @@ class LowRankGGNLaplace(ParametricLaplace):
                 pending.clear()
                 pending_scales.clear()
 
-        rng = _PrivateRNG(self.seed + offset, self._device)  # MC draws
+        rng = PrivateRNG(self.seed + offset, self._device)  # MC draws
         with FactorEngine(module, loss_func, eval_mode=True) as engine:
             pbar = tqdm.tqdm(train_loader, disable=not progress_bar,
                              desc="[lowrank_ggn: merging GGN factors]")
@@ -383,36 +302,18 @@ class LowRankGGNLaplace(ParametricLaplace):
                     batch_size: int, num_data: int) -> Tuple[int, int]:
         """Samples per backward pass and samples per merge.
 
-        A merge of ``M`` columns into the ``D x k`` basis (``k = rank +
-        oversampling``) costs, besides the products with ``V`` that every column
-        pays once, a few memory passes over the basis (``~ D k``), an
-        eigendecomposition of size ``k + M`` (``~ (k + M)^3``) and the Gram matrix
-        of the merged columns (``~ M^2 D_gram``, with ``D_gram`` the expanded
-        parameters plus ``out + in`` per factored linear weight). The merge size
-        minimises their sum over the ``num_data`` samples this process streams
-        (in Gram multiply-adds, measured on CPU: the float64 eigh costs ~28 (k + M)^3,
-        the basis passes ~180 D k), within the memory budget; it may span several
-        backward passes and loader batches.
+        The merge size comes from :func:`~lowrank_laplace._fitting.merge_size`;
+        merges spanning several batches hold their factors and one concatenated
+        copy, so they are limited to half the memory budget.
         """
         cap = self._micro_batch_size(engine, X, mc_samples or None)
         cols = factor_columns(engine.loss_func, (1, engine.num_outputs), mc_samples)
-        keep = self.rank + self.oversampling
-        dim = sum(p.numel() for p in engine.model.parameters() if p.requires_grad)
-        gram_dim = engine.dense_param_count()
-
-        def cost(samples: int) -> float:
-            m = samples * cols
-            return (28.0 * (keep + m) ** 3 + 180.0 * dim * keep + m * m * gram_dim) / m
-
-        def total(samples: int) -> float:  # all merges over the data, remainder included
-            full, rest = divmod(num_data, samples)
-            return full * samples * cost(samples) + (rest * cost(rest) if rest else 0.0)
-
-        # merges spanning several batches hold their factors and one concatenated copy
-        limit = cap if cap <= batch_size else max(batch_size, cap // 2)
-        candidates = {min(limit, num_data, max(1, round(2 ** (e / 4)))) for e in range(80)}
-        candidates |= {-(-num_data // parts) for parts in range(1, 9)} & set(range(1, limit + 1))
-        chunk = min(sorted(candidates), key=total)
+        chunk = merge_size(
+            columns_per_sample=cols, keep=self.rank + self.oversampling,
+            dim=sum(p.numel() for p in engine.model.parameters() if p.requires_grad),
+            gram_dim=engine.dense_param_count(), num_data=num_data,
+            limit=cap if cap <= batch_size else max(batch_size, cap // 2),
+        )
         return min(chunk, cap), chunk
 
     def _subsample(self, n: int, generator: torch.Generator):

@@ -254,12 +254,17 @@ class StreamingMerge:
         if self.eigenvectors is None:
             self.eigenvectors, self.eigenvalues = eigenvectors, eigenvalues
             return
-        W = torch.cat(
-            [self.eigenvectors * self.eigenvalues.sqrt(), eigenvectors * eigenvalues.sqrt()], 1
-        )
-        evals, q = _top_eigh(W.T @ W, self._keep)
-        self.eigenvectors = (W @ q) / evals.sqrt()
-        self.eigenvalues = evals
+        # both bases are orthonormal: only the cross Gram U_1^T U_2 is needed
+        U, lam = self.eigenvectors, self.eigenvalues
+        r = lam.numel()
+        cross = (U.T @ eigenvectors) * lam.sqrt()[:, None] * eigenvalues.sqrt()[None, :]
+        small = torch.cat([torch.cat([torch.diag(lam), cross], 1),
+                           torch.cat([cross.T, torch.diag(eigenvalues)], 1)], 0)
+        evals, q = _top_eigh(small, self._keep)
+        inv = evals.rsqrt()[None, :]
+        new = U @ (lam.sqrt()[:, None] * q[:r] * inv)
+        new.addmm_(eigenvectors, eigenvalues.sqrt()[:, None] * q[r:] * inv)
+        self.eigenvectors, self.eigenvalues = new, evals
         self.num_merges += 1
 
     def merge_across(self, group: Any) -> None:

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from lowrank_laplace._extensions import reduced_cross_entropy_sqrt
+from lowrank_laplace._fitting import merge_size
 from lowrank_laplace.factor import FactorEngine
 from lowrank_laplace.merge import StreamingMerge, concat_factors
 
@@ -142,3 +143,16 @@ def test_cross_entropy_factor_has_one_column_less(reduction):
     eye = torch.eye(factor.group_dim(), dtype=torch.float64)
     G = ggn(model, loss_func, X, y, subsampling=[0, 2, 5])
     torch.testing.assert_close(factor.matmul(factor.t_matmul(eye)), G, **TOL)
+
+
+def test_merge_size_cost_model():
+    # conv-heavy exact (3c3d-like): a few dozen samples per merge
+    conv = merge_size(columns_per_sample=9, keep=120, dim=895_210, gram_dim=173_000,
+                      num_data=1024, limit=150)
+    assert 16 <= conv <= 64
+    # linear-heavy MC (2c2d-like): the whole data set in one merge
+    assert merge_size(1, 120, 3_274_634, 57_000, num_data=1024, limit=2000) == 1024
+    # never above the memory limit or the data, at least one sample
+    assert merge_size(1, 120, 3_274_634, 57_000, num_data=1024, limit=300) <= 300
+    assert merge_size(9, 120, 10**6, 10**5, num_data=5, limit=100) <= 5
+    assert merge_size(9, 120, 10**6, 10**9, num_data=100, limit=0) == 1

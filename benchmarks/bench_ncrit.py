@@ -1,0 +1,253 @@
+"""Critical batch sizes N_crit: the largest mini-batch that fits a memory budget.
+
+For each task (GGN eigenvalues, top eigenpair, damped Newton step), curvature
+structure (full network, per-layer blocks), GGN approximation (exact, MC with one
+sample) and curvature data (the whole mini-batch ``mb``, or a sub-sample ``sub`` of
+one eighth of it), a driver bisects the batch size. Every probe runs in its own
+process: it builds the model and a random batch of size ``N``, runs the task once at
+``N = 2`` (lazy imports, allocator arenas), then caps its address space
+(``RLIMIT_AS``) at what it holds plus ``--budget-gib`` and runs the task at ``N``.
+A probe succeeds unless the task fails to allocate (or exceeds ``--timeout``).
+
+The ViViT paper reports N_crit of the damped Newton step for DeepOBS ``3c3d``
+(its table "Memory performance for computing damped Newton steps"); those numbers
+are printed beside ours. They were measured on the paper's machines, whose memory
+differs from the budget used here, so compare trends (exact vs MC, mb vs sub, full
+vs blocks), not absolute values. The paper's eigenvalue and eigenpair N_crit are
+plots only.
+
+Examples:
+    Quick run (mlp, a few configurations)::
+
+        python benchmarks/bench_ncrit.py --problem mlp --tasks eigvals --budget-gib 0.25
+
+    Full table on 3c3d (about 20 minutes on 2 cores)::
+
+        python benchmarks/bench_ncrit.py --problem 3c3d --budget-gib 1
+
+Results go to ``<out>/ncrit_<problem>.json`` and ``<out>/ncrit_<problem>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _harness  # noqa: E402
+import _problems  # noqa: E402
+
+TASKS = ("eigvals", "eigpair", "newton")
+STRUCTURES = ("full", "blocks")
+APPROXIMATIONS = ("exact", "mc")
+DATA = ("mb", "sub")
+SUBSAMPLE_FRACTION = 8  # "sub": curvature from N // 8 samples
+MARKER = "__NCRIT_PROBE__"
+
+#: ViViT paper, damped Newton step, DeepOBS 3c3d: (structure, device) -> approx -> (mb, sub)
+PAPER_NEWTON_3C3D = {
+    ("full", "GPU"): {"exact": (208, 727), "mc": (1055, 1816)},
+    ("full", "CPU"): {"exact": (667, 2215), "mc": (3473, 5632)},
+    ("blocks", "GPU"): {"exact": (349, 795), "mc": (1659, 2112)},
+    ("blocks", "CPU"): {"exact": (1046, 2423), "mc": (4997, 6838)},
+}
+
+
+def run_task(task: str, structure: str, approx: str, data: str, problem: str, N: int):
+    """Run one task on a fresh random batch of size ``N``.
+
+    Args:
+        task: One of :data:`TASKS`.
+        structure: ``"full"`` or ``"blocks"`` (one parameter group per layer).
+        approx: ``"exact"`` or ``"mc"``.
+        data: ``"mb"`` or ``"sub"``.
+        problem: Problem name.
+        N: Batch size.
+
+    Returns:
+        A function that runs the task (data already built).
+    """
+    import lowrank_laplace as ll
+
+    model, loss_func, X, y = _problems.make_problem(problem, N)
+    kwargs: dict[str, Any] = {"mc_samples": 1 if approx == "mc" else 0}
+    if data == "sub":
+        kwargs["subsampling"] = list(range(max(1, N // SUBSAMPLE_FRACTION)))
+    if structure == "blocks":
+        kwargs["param_groups"] = ll.layerwise_param_groups(model)
+
+    def call():
+        if task == "eigvals":
+            return ll.ggn_eigvals(model, loss_func, X, y, **kwargs)
+        if task == "eigpair":
+            return ll.ggn_eigh(model, loss_func, X, y, top_k=1, **kwargs)
+        return ll.damped_newton_step(model, loss_func, X, y, damping=1.0, **kwargs)
+
+    return call
+
+
+def probe_main(args: argparse.Namespace) -> None:
+    """Worker: run one configuration at batch size ``args.probe`` under the budget."""
+    config = dict(zip(("task", "structure", "approx", "data"), args.config.split(",")))
+    run_task(**config, problem=args.problem, N=2)()  # warm-up: lazy imports, arenas
+    call = run_task(**config, problem=args.problem, N=args.probe)
+    held = _harness._proc_status_bytes("VmSize") or 0
+    _harness.limit_address_space(held + int(args.budget_gib * _harness.GiB))
+    start = time.perf_counter()
+    try:
+        call()
+        status = "ok"
+    except Exception as exc:  # noqa: BLE001 - recorded, not raised
+        status = "oom" if _harness.is_oom(exc) else f"error: {type(exc).__name__}: {exc}"
+    print(MARKER + json.dumps({"status": status, "seconds": time.perf_counter() - start}))
+
+
+def probe(config: str, N: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Run one probe in a subprocess.
+
+    Returns:
+        ``{"N", "status", "seconds"}`` with status ``ok``, ``oom``, ``timeout``,
+        ``killed`` or ``error: ...``.
+    """
+    cmd = [sys.executable, __file__, "--problem", args.problem, "--budget-gib",
+           str(args.budget_gib), "--config", config, "--probe", str(N)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+                              env=_harness.worker_env(args))
+    except subprocess.TimeoutExpired:
+        return {"N": N, "status": "timeout", "seconds": args.timeout}
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARKER):
+            return {"N": N, **json.loads(line[len(MARKER):])}
+    status, _ = _harness.classify_exit(proc.returncode)
+    return {"N": N, "status": status, "seconds": None, "stderr": proc.stderr[-500:]}
+
+
+def critical_batch_size(config: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Grow ``N`` geometrically until a probe fails, then bisect to ``--rtol``.
+
+    Returns:
+        ``{"config", "n_crit", "probes", "capped"}``; ``n_crit`` is the largest
+        successful ``N`` (``0`` if ``N = 1`` fails); ``capped`` if ``--n-max`` succeeded.
+    """
+    probes, lo, hi = [], 0, None
+    N = args.n_start
+    while hi is None:
+        result = probe(config, N, args)
+        probes.append(result)
+        if result["status"] != "ok":
+            hi = N
+        else:
+            lo = N
+            if N >= args.n_max:
+                return {"config": config, "n_crit": lo, "probes": probes, "capped": True}
+            N = min(args.n_max, 2 * N)
+    while hi - lo > max(1, int(args.rtol * lo)):
+        N = (lo + hi) // 2
+        result = probe(config, N, args)
+        probes.append(result)
+        lo, hi = (N, hi) if result["status"] == "ok" else (lo, N)
+    failures = {p["status"] for p in probes if p["status"] != "ok"}
+    return {"config": config, "n_crit": lo, "probes": probes, "capped": False,
+            "failures": sorted(failures)}
+
+
+def plot(records: Sequence[dict], path: Path, title: str) -> None:
+    """Bar chart of N_crit per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r["config"].replace(",", "\n") for r in records]
+    fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(records)), 4))
+    ax.bar(range(len(records)), [r["n_crit"] for r in records], color="tab:blue")
+    ax.set_xticks(range(len(records)), labels, fontsize=6)
+    ax.set_yscale("log")
+    ax.set_ylabel(r"$N_{\mathrm{crit}}$")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def table(records: Sequence[dict], problem: str) -> str:
+    """Markdown table of N_crit, with the paper's Newton-step values for 3c3d."""
+    by = {r["config"]: r for r in records}
+    lines = ["| task | structure | GGN | N_crit mb | N_crit sub | paper CPU (mb, sub) "
+             "| paper GPU (mb, sub) |", "|---|---|---|---|---|---|---|"]
+    for task, structure, approx in itertools.product(TASKS, STRUCTURES, APPROXIMATIONS):
+        cells = []
+        for data in DATA:
+            r = by.get(f"{task},{structure},{approx},{data}")
+            cells.append("-" if r is None else f"{r['n_crit']}{'+' if r['capped'] else ''}")
+        paper = ["-", "-"]
+        if task == "newton" and problem == "3c3d":
+            paper = [str(PAPER_NEWTON_3C3D[(structure, dev)][approx]) for dev in ("CPU", "GPU")]
+        if any(c != "-" for c in cells):
+            lines.append(f"| {task} | {structure} | {approx} | {' | '.join(cells)} | "
+                         f"{' | '.join(paper)} |")
+    return "\n".join(lines)
+
+
+def driver_main(args: argparse.Namespace) -> None:
+    """Bisect every requested configuration and write JSON, PNG and a table."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    configs = [",".join(c) for c in itertools.product(args.tasks, args.structures,
+                                                      args.approximations, args.data)]
+    records = []
+    for config in configs:
+        start = time.perf_counter()
+        record = critical_batch_size(config, args)
+        record["wall_s"] = time.perf_counter() - start
+        records.append(record)
+        print(f"  {config:<28} N_crit = {record['n_crit']}{'+' if record['capped'] else ''}"
+              f"  ({len(record['probes'])} probes, {record['wall_s']:.0f} s)", flush=True)
+    payload = {
+        "problem": args.problem, "budget_gib": args.budget_gib, "rtol": args.rtol,
+        "subsample_fraction": 1 / SUBSAMPLE_FRACTION, "n_max": args.n_max,
+        "machine": _harness.machine_info("cpu"), "records": records,
+    }
+    (out / f"ncrit_{args.problem}.json").write_text(json.dumps(payload, indent=1))
+    plot(records, out / f"ncrit_{args.problem}.png",
+         f"{args.problem}: largest batch within {args.budget_gib:g} GiB (address space)")
+    print(table(records, args.problem))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse command line arguments."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--problem", default="3c3d", choices=_problems.PROBLEMS)
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--structures", nargs="+", default=list(STRUCTURES), choices=STRUCTURES)
+    parser.add_argument("--approximations", nargs="+", default=list(APPROXIMATIONS),
+                        choices=APPROXIMATIONS)
+    parser.add_argument("--data", nargs="+", default=list(DATA), choices=DATA)
+    parser.add_argument("--budget-gib", type=float, default=1.0,
+                        help="Memory a probe may allocate beyond its set-up state [GiB].")
+    parser.add_argument("--n-start", type=int, default=16, help="First batch size tried.")
+    parser.add_argument("--n-max", type=int, default=8192, help="Largest batch size tried.")
+    parser.add_argument("--rtol", type=float, default=0.05, help="Bisection tolerance.")
+    parser.add_argument("--timeout", type=float, default=600.0, help="Seconds per probe.")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--blas-threads", type=int, default=1)
+    parser.add_argument("--omp-wait-policy", default="PASSIVE")
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--probe", type=int, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()
+    if ARGS.probe is not None:
+        probe_main(ARGS)
+    else:
+        driver_main(ARGS)
