@@ -6,8 +6,9 @@ sample) and curvature data (the whole mini-batch ``mb``, or a sub-sample ``sub``
 one eighth of it), a driver bisects the batch size. Every probe runs in its own
 process: it builds the model and a random batch of size ``N``, runs the task once at
 ``N = 2`` (lazy imports, allocator arenas), then caps its address space
-(``RLIMIT_AS``) at what it holds plus ``--budget-gib`` and runs the task at ``N``.
-A probe succeeds unless the task fails to allocate (or exceeds ``--timeout``).
+(``RLIMIT_AS``) at what it holds plus ``--budget-gib`` and runs the task at ``N``
+(with ``--device cuda``: caps PyTorch's share of device memory the same way). A
+probe succeeds unless the task fails to allocate (or exceeds ``--timeout``).
 
 The ViViT paper reports N_crit of the damped Newton step for DeepOBS ``3c3d``
 (its table "Memory performance for computing damped Newton steps"); those numbers
@@ -60,7 +61,8 @@ PAPER_NEWTON_3C3D = {
 }
 
 
-def run_task(task: str, structure: str, approx: str, data: str, problem: str, N: int):
+def run_task(task: str, structure: str, approx: str, data: str, problem: str, N: int,
+             device: str = "cpu"):
     """Run one task on a fresh random batch of size ``N``.
 
     Args:
@@ -70,13 +72,14 @@ def run_task(task: str, structure: str, approx: str, data: str, problem: str, N:
         data: ``"mb"`` or ``"sub"``.
         problem: Problem name.
         N: Batch size.
+        device: ``"cpu"`` or ``"cuda"``.
 
     Returns:
         A function that runs the task (data already built).
     """
     import lowrank_laplace as ll
 
-    model, loss_func, X, y = _problems.make_problem(problem, N)
+    model, loss_func, X, y = _problems.make_problem(problem, N, device=device)
     kwargs: dict[str, Any] = {"mc_samples": 1 if approx == "mc" else 0}
     if data == "sub":
         kwargs["subsampling"] = list(range(max(1, N // SUBSAMPLE_FRACTION)))
@@ -96,13 +99,24 @@ def run_task(task: str, structure: str, approx: str, data: str, problem: str, N:
 def probe_main(args: argparse.Namespace) -> None:
     """Worker: run one configuration at batch size ``args.probe`` under the budget."""
     config = dict(zip(("task", "structure", "approx", "data"), args.config.split(",")))
-    run_task(**config, problem=args.problem, N=2)()  # warm-up: lazy imports, arenas
-    call = run_task(**config, problem=args.problem, N=args.probe)
-    held = _harness._proc_status_bytes("VmSize") or 0
-    _harness.limit_address_space(held + int(args.budget_gib * _harness.GiB))
+    run_task(**config, problem=args.problem, N=2, device=args.device)()  # warm-up
+    call = run_task(**config, problem=args.problem, N=args.probe, device=args.device)
+    budget = int(args.budget_gib * _harness.GiB)
+    if args.device == "cuda":  # RLIMIT_AS does not apply to device memory
+        import torch
+
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        held = torch.cuda.memory_allocated()
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (held + budget) / total))
+    else:
+        held = _harness._proc_status_bytes("VmSize") or 0
+        _harness.limit_address_space(held + budget)
     start = time.perf_counter()
     try:
         call()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
         status = "ok"
     except Exception as exc:  # noqa: BLE001 - recorded, not raised
         status = "oom" if _harness.is_oom(exc) else f"error: {type(exc).__name__}: {exc}"
@@ -117,7 +131,7 @@ def probe(config: str, N: int, args: argparse.Namespace) -> dict[str, Any]:
         ``killed`` or ``error: ...``.
     """
     cmd = [sys.executable, __file__, "--problem", args.problem, "--budget-gib",
-           str(args.budget_gib), "--config", config, "--probe", str(N)]
+           str(args.budget_gib), "--config", config, "--probe", str(N), "--device", args.device]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                               env=_harness.worker_env(args))
@@ -214,7 +228,8 @@ def driver_main(args: argparse.Namespace) -> None:
     payload = {
         "problem": args.problem, "budget_gib": args.budget_gib, "rtol": args.rtol,
         "subsample_fraction": 1 / SUBSAMPLE_FRACTION, "n_max": args.n_max,
-        "machine": _harness.machine_info("cpu"), "records": records,
+        "device": args.device, "machine": _harness.machine_info(args.device),
+        "records": records,
     }
     (out / f"ncrit_{args.problem}.json").write_text(json.dumps(payload, indent=1))
     plot(records, out / f"ncrit_{args.problem}.png",
@@ -226,6 +241,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse command line arguments."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--problem", default="3c3d", choices=_problems.PROBLEMS)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda caps the caching allocator's share of device memory.")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     parser.add_argument("--structures", nargs="+", default=list(STRUCTURES), choices=STRUCTURES)
     parser.add_argument("--approximations", nargs="+", default=list(APPROXIMATIONS),

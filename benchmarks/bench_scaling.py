@@ -39,10 +39,10 @@ import _problems  # noqa: E402
 def _worker(rank: int, world: int, port: int, out: str, args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
+    from laplace import Laplace
     from torch.utils.data import DataLoader, TensorDataset
 
     import lowrank_laplace  # noqa: F401 - registers the structure
-    from laplace import Laplace
 
     torch.set_num_threads(max(1, args.cores // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
