@@ -272,3 +272,58 @@ def check_finite(loss: Tensor) -> None:
             f"The loss is not finite ({loss.item()}): check inputs, targets and "
             "parameters for NaN/inf."
         )
+
+
+def checked_forward(model: nn.Module, inputs: Tensor) -> Tensor:
+    """Forward pass that verifies every operation is a module BackPACK sees.
+
+    Args:
+        model: The (extended copy of the) network.
+        inputs: Inputs.
+
+    Returns:
+        The model output.
+
+    Raises:
+        NotImplementedError: If a module receives a tensor that no earlier module
+            produced (a functional operation such as ``torch.relu`` or ``x.view``
+            sits in between), or a module is called twice.
+    """
+    produced = {id(inputs)}
+    keep_alive = [inputs]
+    called = set()
+    problems = []
+    names = {m: n for n, m in model.named_modules()}
+
+    def hook(module, inp, out):
+        if module in called:
+            problems.append(f"module {names[module]!r} is called more than once")
+        called.add(module)
+        for t in inp:
+            if isinstance(t, Tensor) and id(t) not in produced and not problems:
+                problems.append(
+                    f"the input of {names[module]!r} ({type(module).__name__}) is not "
+                    "the output of another module"
+                )
+        outs = out if isinstance(out, tuple) else (out,)
+        for t in outs:
+            produced.add(id(t))
+            keep_alive.append(t)
+
+    leaves = [m for m in model.modules() if not list(m.children())]
+    handles = [m.register_forward_hook(hook) for m in leaves]
+    try:
+        outputs = model(inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    if id(outputs) not in produced and not problems:
+        problems.append("the model output is not the output of a module")
+    if problems:
+        raise NotImplementedError(
+            "BackPACK can only backpropagate through nn.Module layers, but "
+            f"{problems[0]}: the forward pass applies a functional operation (e.g. "
+            "torch.relu, x.view, x + y). Use modules instead (nn.ReLU, nn.Flatten, "
+            "backpack.custom_module.branching.Parallel/SumModule for residuals)."
+        )
+    return outputs
