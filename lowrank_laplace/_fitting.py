@@ -100,6 +100,10 @@ def process_rank(group) -> int:
     return dist.get_rank(group)
 
 
+#: Fixed cost of one merge (small operations, ~5 ms on CPU) in Gram multiply-adds.
+OVERHEAD = 7.5e8
+
+
 def merge_size(columns_per_sample: int, keep: int, dim: int, gram_dim: int, num_data: int,
                limit: int) -> int:
     """Samples per streaming merge, from a cost model of the merge.
@@ -110,8 +114,8 @@ def merge_size(columns_per_sample: int, keep: int, dim: int, gram_dim: int, num_
     the merged columns (``~ M^2 D_gram``, with ``D_gram`` the expanded parameters plus
     ``out + in`` per factored linear weight). Weighted in Gram multiply-adds as
     measured on CPU (the float64 eigh costs ~28 ``(k + M)^3``, the basis passes ~180
-    ``D k``), the size minimises their sum over the ``num_data`` samples, remainder
-    merge included.
+    ``D k``, and a merge has a fixed overhead of ~5 ms of small operations), the size
+    minimises their sum over the ``num_data`` samples, remainder merge included.
 
     Args:
         columns_per_sample: Columns of ``V`` per sample.
@@ -126,7 +130,7 @@ def merge_size(columns_per_sample: int, keep: int, dim: int, gram_dim: int, num_
     """
     def cost(samples: int) -> float:  # per column
         m = samples * columns_per_sample
-        return (28.0 * (keep + m) ** 3 + 180.0 * dim * keep + m * m * gram_dim) / m
+        return (28.0 * (keep + m) ** 3 + 180.0 * dim * keep + m * m * gram_dim + OVERHEAD) / m
 
     def total(samples: int) -> float:
         full, rest = divmod(num_data, samples)

@@ -88,6 +88,9 @@ class LowRankGGNLaplace(ParametricLaplace):
     """
 
     _key = ("all", "lowrank_ggn")
+    #: Up to this many parameters (typically a last layer) the fit sums the GGN
+    #: densely and eigendecomposes it once: exact, and faster than streaming.
+    _dense_max_dim = 2048
 
     def __init__(
         self,
@@ -214,7 +217,8 @@ class LowRankGGNLaplace(ParametricLaplace):
         module, to_inputs, params = self._curvature_target()
         self.mean = parameters_to_vector(params).detach()
         loss_func, factor = self._loss_and_factor()
-        merge = StreamingMerge(self.rank, self.oversampling, self.diagonal_correction)
+        merge = StreamingMerge(self.rank, self.oversampling, self.diagonal_correction,
+                               dense_max_dim=self._dense_max_dim)
         group = resolve_process_group(process_group)
         offset = 0 if group is None else process_rank(group)
         generator = torch.Generator().manual_seed(self.seed + offset)

@@ -51,6 +51,9 @@ class StreamingMerge:
             makes the truncation more accurate when the total rank exceeds ``r``.
         track_diagonal: Also accumulate the exact diagonal of the sum (for the
             residual diagonal of :meth:`result`).
+        dense_max_dim: Accumulate ``H`` as a dense ``D x D`` matrix (exact, no
+            truncation while streaming; one eigendecomposition at the end) when the
+            group has at most this many parameters (e.g. a last layer); ``0`` never.
         lazy: Keep the eigenvectors as a basis times small coordinates and update
             the basis by rank-``M`` (plus rare rank-``m``) corrections (default);
             ``False`` rotates the ``D x k`` basis explicitly at every merge (the
@@ -61,7 +64,7 @@ class StreamingMerge:
     """
 
     def __init__(self, rank: int, oversampling: int = 0, track_diagonal: bool = False,
-                 lazy: bool = True):
+                 lazy: bool = True, dense_max_dim: int = 0):
         if isinstance(rank, bool) or int(rank) != rank or rank < 1:
             raise ValueError(f"rank must be a positive integer, got {rank!r}.")
         if isinstance(oversampling, bool) or int(oversampling) != oversampling or oversampling < 0:
@@ -69,6 +72,8 @@ class StreamingMerge:
         self.rank = int(rank)
         self.oversampling = int(oversampling)
         self.lazy = lazy
+        self.dense_max_dim = int(dense_max_dim)
+        self._dense: Optional[Tensor] = None  # (D, D) sum in dense mode
         self.tau = 0.1  # singular-value band [tau, 1/tau] of the basis coordinates
         self.max_deferred = 16  # columns of deferred corrections before applying them
         self._basis: Optional[Tensor] = None  # (D, k): eigenvectors U = basis @ coords
@@ -91,6 +96,7 @@ class StreamingMerge:
     @property
     def eigenvectors(self) -> Optional[Tensor]:
         """The kept orthonormal eigenvectors, shape ``(D, k)`` (``None`` before a merge)."""
+        self._finalize_dense()
         if self._basis is None:
             return None
         self._flush()
@@ -152,6 +158,14 @@ class StreamingMerge:
         diagonal = factor.diag(group) * scale if self.track_diagonal else None
         self._add_trace_and_diagonal(gram.diagonal().sum(), diagonal)
         self.num_merges += 1
+        dim = factor.group_dim(group)
+        if self._dense is not None or (self._basis is None and dim <= self.dense_max_dim):
+            V = factor.matmul(torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device),
+                              group)
+            if self._dense is None:
+                self._dense = V.new_zeros(dim, dim)
+            self._dense.addmm_(V, V.T, alpha=scale)
+            return
         if self._basis is None:
             evals, q = _top_eigh(gram, self._keep)
             self.eigenvectors = factor.matmul(q * (scale**0.5 / evals.sqrt()), group)
@@ -224,6 +238,16 @@ class StreamingMerge:
         self.num_lazy_corrections += m
         return True
 
+    def _finalize_dense(self) -> None:
+        """Dense mode: replace the accumulated ``D x D`` sum by its top eigenpairs."""
+        if self._dense is None:
+            return
+        H, self._dense = self._dense, None
+        if self.track_diagonal:
+            self.diagonal = H.diagonal().clone()
+        evals, evecs = _top_eigh(H, self._keep)
+        self.eigenvectors, self.eigenvalues = evecs, evals
+
     def _flush(self) -> None:
         """Apply the deferred corrections: ``B <- B + sum_i X_i Y_i^T``."""
         if not self._deferred:
@@ -282,6 +306,13 @@ class StreamingMerge:
         """
         import torch.distributed as dist
 
+        if self._dense is not None:  # dense mode: the exact sum over processes
+            dist.all_reduce(self._dense, group=group)
+            trace = self.trace.reshape(1).clone()
+            dist.all_reduce(trace, group=group)
+            self.trace = trace[0]
+            self._finalize_dense()
+            return
         world = dist.get_world_size(group)
         U, lam = self.eigenvectors, self.eigenvalues
         if U is None:

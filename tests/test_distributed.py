@@ -2,6 +2,7 @@
 
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -19,7 +20,8 @@ def _problem():
     return model, X, y
 
 
-def _worker(rank, world, port, out, rank_kw):
+def _worker(rank, world, port, out, rank_kw, dense_max_dim):
+    LowRankGGNLaplace._dense_max_dim = dense_max_dim  # fresh process: its own class
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
@@ -41,10 +43,12 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_two_processes_equal_single_process(tmp_path):
+@pytest.mark.parametrize("dense_max_dim", [0, 2048], ids=["streaming", "dense"])
+def test_two_processes_equal_single_process(tmp_path, monkeypatch, dense_max_dim):
     out = str(tmp_path / "result")
     kw = dict(rank=1000, diagonal_correction=True)
-    mp.spawn(_worker, args=(2, _free_port(), out, kw), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, _free_port(), out, kw, dense_max_dim), nprocs=2, join=True)
+    monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", dense_max_dim)
     model, X, y = _problem()
     single = LowRankGGNLaplace(model, "classification", **kw)
     single.fit(DataLoader(TensorDataset(X, y), batch_size=4), process_group=None)

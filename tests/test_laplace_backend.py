@@ -16,6 +16,14 @@ from lowrank_laplace import LowRankGGNLaplace, LowRankGGNLLLaplace
 TOL = dict(rtol=1e-5, atol=1e-8)
 
 
+@pytest.fixture(autouse=True)
+def streaming(request, monkeypatch):
+    """The toy models here are small enough for the dense path; test streaming unless
+    a test is marked ``dense``."""
+    if "dense" not in request.keywords:
+        monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", 0)
+
+
 def _mlp(out):
     return nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, out))
 
@@ -262,7 +270,8 @@ def test_mc_draws_follow_the_seed_option_not_the_global_rng():
     assert (fits["a"] - fits["c"]).abs().max() > 1e-3 * fits["a"].abs().max()
 
 
-def test_last_layer_equals_full_ll_laplace():
+@pytest.mark.parametrize("mode", ["streaming", pytest.param("dense", marks=pytest.mark.dense)])
+def test_last_layer_equals_full_ll_laplace(mode):
     model, likelihood, X, y, loader = make_problem("cnn-classification")
     ours = Laplace(model, likelihood, subset_of_weights="last_layer", hessian_structure="lowrank_ggn",
                    rank=1000)
@@ -415,3 +424,26 @@ def test_diagonal_correction_vanishes_at_full_rank():
     assert la.residual_diagonal.abs().max() < 1e-10 * full.H.abs().max()
     torch.testing.assert_close(la.log_marginal_likelihood(), full.log_marginal_likelihood(), **TOL)
     torch.testing.assert_close(la(X[:4]), full(X[:4]), **TOL)
+
+
+@pytest.mark.dense
+@pytest.mark.parametrize("name", ["mlp-classification", "cnn-regression"])
+def test_dense_path_for_small_models(name):
+    """Up to _dense_max_dim parameters the GGN is summed densely: exact, also truncated."""
+    model, likelihood, X, y, loader = make_problem(name)
+    full = fit_reference(FullLaplace(model, likelihood), loader)
+    la = LowRankGGNLaplace(model, likelihood, rank=1000, diagonal_correction=True)
+    la.fit(loader)
+    torch.testing.assert_close(dense_H(la), full.H, rtol=1e-7, atol=1e-10)
+    torch.testing.assert_close(la.trace, torch.trace(full.H), **TOL)
+    torch.testing.assert_close(la.log_marginal_likelihood(), full.log_marginal_likelihood(), **TOL)
+    # truncated: exactly the dense top 3, and the exact residual diagonal
+    top = LowRankGGNLaplace(model, likelihood, rank=3, diagonal_correction=True)
+    top.fit(loader)
+    evals, evecs = torch.linalg.eigh(full.H)
+    U, lam = evecs.flip(1)[:, :3], evals.flip(0)[:3]
+    torch.testing.assert_close(top.H[1], lam, rtol=1e-9, atol=0)
+    torch.testing.assert_close(dense_H(top), U @ torch.diag(lam) @ U.T, rtol=1e-7, atol=1e-10)
+    torch.testing.assert_close(top.residual_diagonal,
+                               (torch.diagonal(full.H) - (U**2) @ lam).clamp(min=0),
+                               rtol=1e-7, atol=1e-10)

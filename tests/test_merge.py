@@ -71,6 +71,9 @@ def test_lazy_merge_stays_orthonormal_in_float32():
         def __init__(self, V):
             self.V = V
 
+        def group_dim(self, group=0):
+            return self.V.shape[0]
+
         def gram(self, group=0):
             return self.V.T @ self.V
 
@@ -156,3 +159,21 @@ def test_merge_size_cost_model():
     assert merge_size(1, 120, 3_274_634, 57_000, num_data=1024, limit=300) <= 300
     assert merge_size(9, 120, 10**6, 10**5, num_data=5, limit=100) <= 5
     assert merge_size(9, 120, 10**6, 10**9, num_data=100, limit=0) == 1
+
+
+@pytest.mark.parametrize("arch", ["mlp", "cnn"])
+def test_dense_mode_is_the_exact_truncation(arch):
+    model, loss_func, X, y, factors = _factors(arch, batches=4, n=3)
+    G = ggn(model, loss_func, X, y)
+    merge = StreamingMerge(rank=3, oversampling=1, track_diagonal=True, dense_max_dim=10**6)
+    for i, f in enumerate(factors):
+        merge.add_factor(f, scale=2.0)
+    U, lam, trace, residual = merge.result()
+    evals, evecs = _dense_top(2 * G, 3)
+    torch.testing.assert_close(lam, evals, **TOL)
+    torch.testing.assert_close(U @ torch.diag(lam) @ U.T, evecs @ torch.diag(evals) @ evecs.T,
+                               **TOL)
+    torch.testing.assert_close(trace, 2 * torch.trace(G), **TOL)
+    torch.testing.assert_close(residual, (2 * G.diagonal() - (evecs**2) @ evals).clamp(min=0),
+                               **TOL)
+    assert merge.num_merges == 4
