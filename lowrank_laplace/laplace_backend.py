@@ -263,8 +263,7 @@ class LowRankGGNLaplace(ParametricLaplace):
                     kept = float(merge.eigenvalues[: self.rank].sum() / merge.trace)
                     pbar.set_postfix(kept_trace=f"{kept:.3f}")
             flush()
-        micro = None if plan is None else plan[0]
-        if micro is None:
+        if plan is None:
             raise ValueError("train_loader yielded no batches: nothing to fit.")
         if group is not None:
             import torch.distributed as dist

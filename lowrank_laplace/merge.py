@@ -142,59 +142,73 @@ class StreamingMerge:
     def add_factor(self, factor: GGNFactor, group: int = 0, scale: float = 1.0) -> None:
         """Merge ``scale * V V^T`` of one group of a batch factor.
 
-        The kept eigenvectors are stored as ``U = B R`` with a ``(D, k)`` basis ``B``
-        and small coordinates ``R``; a merge ``U' = U A + V C`` (``A = R``-part, ``k x
-        k``) then updates ``B`` by ``V C R'^{-1}`` plus a rank-``m`` correction for the
-        ``m`` directions whose coordinates degenerate, instead of rotating all of ``B``
-        by a ``k x k`` matrix (the dominant cost of a merge otherwise). ``R'`` keeps
-        singular values in ``[tau, 1/tau]`` so ``B`` stays well conditioned.
+        Small groups are summed densely (``dense_max_dim``); otherwise the factor is
+        merged into the kept eigendecomposition (lazily, see the module docstring
+        and :meth:`_lazy_update`).
 
         Args:
             factor: Batch factor with kept blocks.
             group: Group index.
             scale: Non-negative factor applied to the batch's GGN.
         """
-        gram = factor.gram(group) * scale
-        diagonal = factor.diag(group) * scale if self.track_diagonal else None
-        self._add_trace_and_diagonal(gram.diagonal().sum(), diagonal)
         self.num_merges += 1
         dim = factor.group_dim(group)
         if self._dense is not None or (self._basis is None and dim <= self.dense_max_dim):
-            V = factor.matmul(torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device),
-                              group)
+            trace = factor.trace(group) * scale  # the diagonal comes from the dense sum
+            self._add_trace_and_diagonal(trace, None)
+            eye = torch.eye(factor.num_columns, dtype=trace.dtype, device=trace.device)
+            V = factor.matmul(eye, group)
             if self._dense is None:
                 self._dense = V.new_zeros(dim, dim)
             self._dense.addmm_(V, V.T, alpha=scale)
             return
+        gram = factor.gram(group) * scale
+        diagonal = factor.diag(group) * scale if self.track_diagonal else None
+        self._add_trace_and_diagonal(gram.diagonal().sum(), diagonal)
         if self._basis is None:
             evals, q = _top_eigh(gram, self._keep)
             self.eigenvectors = factor.matmul(q * (scale**0.5 / evals.sqrt()), group)
             self.eigenvalues = evals
             return
         basis, coords, lam = self._basis, self._coords, self.eigenvalues
-        r = lam.numel()
         proj = factor.t_matmul(basis, group).T  # B^T V, (r, M)
         for X, Y in self._deferred:
             proj = proj + Y @ factor.t_matmul(X, group).T
         if coords is not None:
             proj = coords.T @ proj  # U^T V
-        cross = proj * (scale**0.5) * lam.sqrt()[:, None]
-        small = torch.cat(
-            [torch.cat([torch.diag(lam), cross], 1), torch.cat([cross.T, gram], 1)], 0
-        )
-        evals, q = _top_eigh(small, self._keep)
-        # U' = U A + sqrt(scale) V Q_bot diag(evals)^-1/2 = B P + V C
-        inv = evals.rsqrt()[None, :]
-        P = lam.sqrt()[:, None] * q[:r] * inv
+        # Z = sqrt(scale) V: U' = U P + Z C' = B (R P) + V (sqrt(scale) C')
+        evals, P, C = self._merge_eigh(lam, proj * scale**0.5, gram)
+        C = C * scale**0.5
         if coords is not None:
             P = coords @ P
-        C = q[r:] * (scale**0.5) * inv
         self.eigenvalues = evals
         if self._lazy_update(P, C, factor, group):
             return
         self._flush()
         new = _rotate(self._basis, P, in_place=not self._shared)
         self._basis, self._coords, self._shared = factor.matmul_add_(new, C, group), None, False
+
+    def _merge_eigh(self, lam: Tensor, cross: Tensor, gram: Tensor
+                    ) -> Tuple[Tensor, Tensor, Tensor]:
+        """Merge ``U diag(lam) U^T`` with ``Z Z^T`` in the space of ``[U, Z]``.
+
+        Args:
+            lam: Kept eigenvalues, shape ``(r,)`` (``U`` orthonormal).
+            cross: ``U^T Z``, shape ``(r, M)``.
+            gram: ``Z^T Z``, shape ``(M, M)``.
+
+        Returns:
+            The new leading eigenvalues and coefficients ``A`` ``(r, k)``, ``C``
+            ``(M, k)`` with new orthonormal eigenvectors ``U A + Z C``.
+        """
+        r, root = lam.numel(), lam.sqrt()
+        cross = cross * root[:, None]  # diag(lam)^1/2 U^T Z
+        small = torch.cat(
+            [torch.cat([torch.diag(lam), cross], 1), torch.cat([cross.T, gram], 1)], 0
+        )
+        evals, q = _top_eigh(small, self._keep)
+        inv = evals.rsqrt()[None, :]
+        return evals, root[:, None] * q[:r] * inv, q[r:] * inv
 
     def _lazy_update(self, P: Tensor, C: Tensor, factor: GGNFactor, group: int) -> bool:
         """``B' R' = B P + V C`` with ``B' = B E + V C R'^{-1}``, ``E = I +`` rank ``m``.
@@ -280,14 +294,10 @@ class StreamingMerge:
             return
         # both bases are orthonormal: only the cross Gram U_1^T U_2 is needed
         U, lam = self.eigenvectors, self.eigenvalues
-        r = lam.numel()
-        cross = (U.T @ eigenvectors) * lam.sqrt()[:, None] * eigenvalues.sqrt()[None, :]
-        small = torch.cat([torch.cat([torch.diag(lam), cross], 1),
-                           torch.cat([cross.T, torch.diag(eigenvalues)], 1)], 0)
-        evals, q = _top_eigh(small, self._keep)
-        inv = evals.rsqrt()[None, :]
-        new = U @ (lam.sqrt()[:, None] * q[:r] * inv)
-        new.addmm_(eigenvectors, eigenvalues.sqrt()[:, None] * q[r:] * inv)
+        W2 = eigenvalues.sqrt()  # the other factor is U_2 diag(W2)
+        evals, A, B = self._merge_eigh(lam, (U.T @ eigenvectors) * W2, torch.diag(eigenvalues))
+        new = U @ A
+        new.addmm_(eigenvectors, W2[:, None] * B)
         self.eigenvectors, self.eigenvalues = new, evals
         self.num_merges += 1
 
@@ -400,8 +410,8 @@ def concat_factors(factors: Sequence[GGNFactor], scales: Sequence[float]) -> GGN
 def _top_eigh(mat: Tensor, keep: int) -> Tuple[Tensor, Tensor]:
     """Leading eigenpairs of a symmetric PSD matrix, numerically zero ones dropped.
 
-    The small eigenproblem is solved in float64 (cheap at this size, and the kept
-    basis is rotated by its eigenvectors at every merge, so their orthogonality
+    The small eigenproblem is solved in float64 (cheap at this size, and every
+    merge builds the new eigenvectors from its eigenvectors, so their orthogonality
     matters) and cast back.
     """
     evals, evecs = eigh(mat.double())
