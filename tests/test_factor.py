@@ -131,6 +131,16 @@ def test_linear_gram_without_expansion():
     torch.testing.assert_close(dense.sample_gram(3, w), blocks, **TOL)
 
 
+
+@pytest.mark.parametrize("num_rows", [5, 191, 192, 250])
+def test_dense_gram_blocked_symmetric(num_rows):
+    """The blocked Gram (upper block triangle mirrored) equals the plain product."""
+    torch.manual_seed(0)
+    rows = torch.randn(num_rows, 37, dtype=torch.float64)
+    gram = DenseBlock(rows).gram()
+    torch.testing.assert_close(gram, rows @ rows.T, **TOL)
+    assert torch.equal(gram, gram.T)
+
 def _hook_count(model):
     return sum(
         len(m._forward_hooks) + len(m._backward_hooks) + len(m._forward_pre_hooks)
