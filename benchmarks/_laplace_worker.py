@@ -1,0 +1,423 @@
+"""Worker side of ``bench_laplace.py``: one method's phases in a fresh process.
+
+``bench_laplace.py --worker`` runs :func:`worker_main`, which builds the problem,
+then times and memory-measures the ``fit``, ``glm`` and ``nn`` phases of one
+method and prints one JSON record per phase (prefixed by :data:`RESULT_MARKER`)
+for the driver to collect. Also holds the method specifications
+(:data:`METHODS`) and phase names shared with the driver and the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+_problems = importlib.import_module("_problems")
+_harness = importlib.import_module("_harness")
+NUM_CLASSES = _problems.NUM_CLASSES
+make_problem = _problems.make_problem
+GiB = _harness.GiB
+
+#: Method name -> specification. ``kind`` is ``'ours'``, ``'laplace'`` (laplace-torch
+#: peer) or ``'lanczos'``; ``backend`` is ``'backpack'`` or ``None`` (laplace-torch's
+#: default backend).
+METHODS: dict[str, dict[str, Any]] = {
+    "lowrank_exact": {"kind": "ours", "mc_samples": 0, "label": "lowrank_ggn exact"},
+    "lowrank_mc": {"kind": "ours", "mc_samples": 1, "label": "lowrank_ggn MC(1)"},
+    "diag_backpack": {
+        "kind": "laplace",
+        "structure": "diag",
+        "backend": "backpack",
+        "label": "diag BackPackGGN",
+    },
+    "diag_default": {
+        "kind": "laplace",
+        "structure": "diag",
+        "backend": None,
+        "label": "diag default backend",
+    },
+    "kron_backpack": {
+        "kind": "laplace",
+        "structure": "kron",
+        "backend": "backpack",
+        "label": "kron BackPackGGN",
+    },
+    "kron_default": {
+        "kind": "laplace",
+        "structure": "kron",
+        "backend": None,
+        "label": "kron default backend",
+    },
+    "full_backpack": {
+        "kind": "laplace",
+        "structure": "full",
+        "backend": "backpack",
+        "label": "full BackPackGGN",
+    },
+    "full_default": {
+        "kind": "laplace",
+        "structure": "full",
+        "backend": None,
+        "label": "full default backend",
+    },
+    "lanczos": {"kind": "lanczos", "label": "eigsh on curvlinops GGN"},
+}
+PHASES: tuple[str, ...] = ("fit", "glm", "nn")
+PHASE_LABELS = {"fit": "fit", "glm": "GLM probit predictive", "nn": "NN MC predictive"}
+RESULT_MARKER = "__BENCH_LAPLACE_PHASE__"
+
+
+def _emit(record: dict[str, Any]):
+    """Print a phase record as one JSON line on stdout.
+
+    Args:
+        record: The record.
+    """
+    sys.stdout.flush()
+    print(RESULT_MARKER + json.dumps(record), flush=True)
+
+
+def library_fingerprint() -> dict[str, Any]:
+    """Identify the state of the ``lowrank_laplace`` sources (they may change between runs).
+
+    Returns:
+        ``git_head`` of the repository (if available) and ``sources_sha1``, a hash
+        over the package's ``*.py`` files (including uncommitted changes).
+    """
+    import hashlib
+
+    info: dict[str, Any] = {}
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        if head.returncode == 0:
+            info["git_head"] = head.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    digest = hashlib.sha1()
+    for path in sorted((REPO_ROOT / "lowrank_laplace").glob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    info["sources_sha1"] = digest.hexdigest()
+    return info
+
+
+def _set_memory_cap(limit_bytes: int, device: torch.device) -> dict[str, Any]:
+    """Cap the worker's address space, at most to what the machine can back.
+
+    Args:
+        limit_bytes: Requested cap (``<= 0``: no cap).
+        device: Device of the run (no cap on CUDA, whose driver needs huge virtual
+            address ranges).
+
+    Returns:
+        ``mem_limit_bytes`` (the cap in effect or ``None``) and, if the cap was
+        lowered to the available memory, ``mem_limit_requested_bytes``.
+    """
+    info: dict[str, Any] = {"mem_limit_bytes": None}
+    if device.type == "cuda" or limit_bytes <= 0:
+        return info
+    cap = limit_bytes
+    try:
+        import psutil
+
+        # address space in use plus the physical memory still available
+        backed = psutil.virtual_memory().available + psutil.Process().memory_info().vms
+        if backed < cap:
+            info["mem_limit_requested_bytes"] = cap
+            cap = backed
+    except ImportError:  # pragma: no cover
+        pass
+    info["mem_limit_bytes"] = _harness.limit_address_space(cap)
+    return info
+
+
+def _measure(phase: str, fn: Callable[[], Any], device: torch.device) -> tuple[dict, Any]:
+    """Time one phase and measure its peak memory; record failures.
+
+    Args:
+        phase: Phase name.
+        fn: The phase (no arguments).
+        device: Device of the run.
+
+    Returns:
+        The phase record (``status``, ``time_s``, ``peak_bytes``,
+        ``peak_delta_bytes``, ... ; for failures ``reason``, ``traceback`` and the
+        time until the failure) and the output of ``fn`` (``None`` on failure).
+    """
+    gc.collect()
+    record: dict[str, Any] = {"phase": phase}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        cuda_before = torch.cuda.memory_allocated(device)
+    record["peak_reset"] = _harness.reset_peak_rss()
+    rss_before = _harness.current_rss_bytes()
+
+    out = None
+    busy0, own0 = _harness.system_busy_cpu_seconds(), _harness.own_cpu_seconds()
+    _harness.sync(device)
+    start = time.perf_counter()
+    try:
+        out = fn()
+        _harness.sync(device)
+        record["time_s"] = time.perf_counter() - start
+        record["status"] = "ok"
+    except Exception as exc:  # noqa: BLE001 (every failure is a result)
+        record["time_to_failure_s"] = time.perf_counter() - start
+        record["status"] = "oom" if _harness.is_oom(exc) else "error"
+        record["reason"] = f"{type(exc).__name__}: {exc}"[:2000]
+        record["traceback"] = traceback.format_exc()[-4000:]
+    busy1, own1 = _harness.system_busy_cpu_seconds(), _harness.own_cpu_seconds()
+    if busy0 is not None and busy1 is not None:
+        record["other_cpu_percent_during_phase"] = _harness.other_cpu_percent(
+            busy1 - busy0, own1 - own0, time.perf_counter() - start
+        )
+
+    rss_peak = _harness.peak_rss_bytes()
+    record["rss_before_bytes"] = rss_before
+    record["rss_peak_bytes"] = rss_peak
+    record["rss_peak_delta_bytes"] = max(0, rss_peak - rss_before)
+    if device.type == "cuda":
+        cuda_peak = torch.cuda.max_memory_allocated(device)
+        record["cuda_peak_bytes"] = cuda_peak
+        record["cuda_before_bytes"] = cuda_before
+        record["peak_bytes"] = cuda_peak
+        record["peak_delta_bytes"] = max(0, cuda_peak - cuda_before)
+    else:
+        record["peak_bytes"] = rss_peak
+        record["peak_delta_bytes"] = record["rss_peak_delta_bytes"]
+    if record["status"] != "ok":
+        gc.collect()  # release what the failed phase left behind
+    return record, out
+
+
+def _check_probs(probs: Any, n_test: int, C: int) -> list[str]:
+    """Check predictive probabilities (untimed).
+
+    Args:
+        probs: Output of the predictive.
+        n_test: Number of test points.
+        C: Number of classes.
+
+    Returns:
+        Descriptions of problems (empty if the output is plausible).
+    """
+    if not isinstance(probs, torch.Tensor):
+        return [f"predictive returned {type(probs).__name__}, expected a tensor"]
+    problems = []
+    if tuple(probs.shape) != (n_test, C):
+        problems.append(f"shape {tuple(probs.shape)} != {(n_test, C)}")
+    if not torch.isfinite(probs).all():
+        problems.append("non-finite probabilities")
+    else:
+        err = (probs.sum(-1) - 1).abs().max().item()
+        if err > 1e-3:
+            problems.append(f"probabilities do not sum to 1 (max error {err:.2e})")
+    return problems
+
+
+def _laplace_kwargs(method: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments of ``laplace.Laplace`` for a method.
+
+    Args:
+        method: Method name (kind ``'ours'`` or ``'laplace'``).
+        args: Parsed command line arguments of the worker.
+
+    Returns:
+        The keyword arguments besides model and likelihood.
+    """
+    spec = METHODS[method]
+    kwargs: dict[str, Any] = {"subset_of_weights": "all"}
+    if spec["kind"] == "ours":
+        kwargs.update(
+            hessian_structure="lowrank_ggn", rank=args.rank, mc_samples=spec["mc_samples"]
+        )
+    else:
+        kwargs["hessian_structure"] = spec["structure"]
+        if spec["backend"] == "backpack":
+            from laplace.curvature import BackPackGGN
+
+            kwargs["backend"] = BackPackGGN
+    return kwargs
+
+
+def _lanczos_fit(
+    model: nn.Module, batches: list, n_train: int, rank: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Top eigenpairs of the full-data GGN with ``eigsh`` on curvlinops' operator.
+
+    Args:
+        model: The network.
+        batches: Training data as a list of ``(X, y)`` batches.
+        n_train: Number of training points.
+        rank: Number of leading eigenpairs.
+
+    Returns:
+        Eigenvalues (descending), eigenvectors ``(D, rank)`` and the number of
+        GGN-vector products.
+    """
+    import numpy as np
+    from curvlinops import GGNLinearOperator
+    from scipy.sparse.linalg import LinearOperator, eigsh
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    op = GGNLinearOperator(
+        model,
+        nn.CrossEntropyLoss(reduction="sum"),
+        params,
+        batches,
+        check_deterministic=False,
+        num_data=n_train,
+    ).to_scipy(dtype=np.float32)
+    matvec = _harness.CountingMatvec(op.matvec)
+    counted = LinearOperator(op.shape, matvec=matvec, dtype=op.dtype)
+    evals, evecs = eigsh(counted, k=rank, which="LA")
+    order = np.argsort(evals)[::-1].copy()
+    return (
+        torch.from_numpy(evals[order].copy()),
+        torch.from_numpy(evecs[:, order].copy()),
+        matvec.count,
+    )
+
+
+def run_worker(args: argparse.Namespace):
+    """Run the phases of one method and print a JSON record after each.
+
+    The first record is ``phase='setup'`` (problem size, memory cap); then ``fit``
+    and the requested predictive phases follow. A failed fit ends the worker.
+
+    Args:
+        args: Parsed command line arguments of the worker.
+    """
+    from torch.utils.data import DataLoader, TensorDataset
+
+    device = torch.device(args.device)
+    setup: dict[str, Any] = {"phase": "setup", "status": "ok"}
+    setup.update(_set_memory_cap(int(args.mem_limit_gib * GiB), device))
+    threads = args.threads or _harness.num_cores()
+    torch.set_num_threads(threads)
+    torch.manual_seed(args.seed)
+
+    spec = METHODS[args.method]
+    model, _, X, y = make_problem(
+        args.problem, args.n_train + args.n_test, seed=args.seed, device=device
+    )
+    X_train, y_train = X[: args.n_train], y[: args.n_train]
+    X_test = X[args.n_train :]
+    train_loader = DataLoader(
+        TensorDataset(X_train, y_train), batch_size=args.batch_size, shuffle=False
+    )
+    D = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    C = NUM_CLASSES[args.problem]
+    setup.update({"D": D, "C": C, "threads": threads, "device": str(device)})
+
+    if spec["kind"] == "lanczos":
+        import curvlinops  # noqa: F401
+
+        batches = list(train_loader)
+    else:
+        import laplace
+        import laplace.curvature  # noqa: F401
+
+        if str(REPO_ROOT) not in sys.path:
+            sys.path.append(str(REPO_ROOT))
+        import lowrank_laplace  # noqa: F401 (registers hessian_structure="lowrank_ggn")
+
+        kwargs = _laplace_kwargs(args.method, args)
+        setup["lowrank_laplace"] = library_fingerprint()
+        setup["laplace_kwargs"] = {k: getattr(v, "__name__", v) for k, v in kwargs.items()}
+    _harness.preimport((*_harness.DEFAULT_PREIMPORTS, "curvlinops", "laplace"))
+    _emit(setup)
+
+    # fit
+    if spec["kind"] == "lanczos":
+        record, out = _measure(
+            "fit", lambda: _lanczos_fit(model, batches, args.n_train, args.rank), device
+        )
+        if out is not None:
+            evals, evecs, count = out
+            record["num_matvecs"] = count
+            record["eigenvalues"] = evals.double().tolist()
+            record["eigenvectors_shape"] = list(evecs.shape)
+        _emit(record)
+        return
+
+    def fit():
+        torch.manual_seed(args.seed)
+        la = laplace.Laplace(model, "classification", **kwargs)
+        la.fit(train_loader)
+        return la
+
+    record, la = _measure("fit", fit, device)
+    if la is not None:
+        if spec["kind"] == "ours":
+            record["kept_fraction"] = float(la.kept_fraction)
+            record["trace"] = float(la.trace)
+            evals = la.H[1].detach().double().cpu().sort(descending=True).values
+            record["eigenvalues"] = evals.tolist()
+        record["H_type"] = type(la.H).__name__
+    _emit(record)
+    if la is None:
+        return
+
+    # predictives
+    predictives = {
+        "glm": lambda: la(X_test, pred_type="glm", link_approx="probit"),
+        "nn": lambda: la(X_test, pred_type="nn", link_approx="mc", n_samples=args.nn_samples),
+    }
+    for phase in args.phases:
+        if phase == "fit":
+            continue
+        torch.manual_seed(args.seed)
+        record, probs = _measure(phase, lambda p=phase: predictives[p]().detach(), device)
+        if probs is not None:
+            problems = _check_probs(probs, args.n_test, C)
+            if problems:
+                record["warnings"] = problems
+        if phase == "nn":
+            record["n_samples"] = args.nn_samples
+        del probs
+        _emit(record)
+
+
+def worker_main(args: argparse.Namespace):
+    """Run the worker; report a setup failure as a JSON record.
+
+    Args:
+        args: Parsed command line arguments of the worker.
+    """
+    try:
+        run_worker(args)
+    except Exception as exc:  # noqa: BLE001 (report every failure)
+        _emit(
+            {
+                "phase": "setup",
+                "status": "oom" if _harness.is_oom(exc) else "error",
+                "reason": f"{type(exc).__name__}: {exc}"[:2000],
+                "traceback": traceback.format_exc()[-4000:],
+            }
+        )
