@@ -194,20 +194,21 @@ class LowRankGGNLaplace(ParametricLaplace):
         Args:
             train_loader: Yields ``(X, y)`` batches; ``train_loader.dataset`` gives
                 the number of data points.
-            override: Must be ``True`` (a truncated eigendecomposition cannot be
-                updated with new data and stay exact).
+            override: ``False`` keeps the current curvature, loss and ``n_data`` and
+                adds this loader's (laplace-torch's online updates): the two
+                truncated eigendecompositions are merged like two batches, so the
+                result is exact whenever the total rank fits ``rank``. The mean moves
+                to the model's current parameters, as in laplace-torch.
             progress_bar: Show a tqdm progress bar over batches.
             process_group: ``torch.distributed`` group to merge across; the
                 default uses the default group if ``torch.distributed`` is
                 initialised, ``None`` fits on this process alone.
 
         Raises:
-            ValueError: For ``override=False``, a loader without ``dataset``, an
-                empty loader, dict inputs, mismatched targets, or a memory budget
+            ValueError: For a loader without ``dataset``, an empty loader, dict inputs, mismatched targets, or a memory budget
                 too small for one sample.
         """
-        if not override:
-            raise ValueError("lowrank_ggn Laplace does not support override=False.")
+        previous = None if override or self.H is None else self._fitted_state()
         dataset = getattr(train_loader, "dataset", None)
         if dataset is None:
             raise ValueError("train_loader needs a .dataset to know the number of data points.")
@@ -275,11 +276,34 @@ class LowRankGGNLaplace(ParametricLaplace):
             dist.all_reduce(totals, group=group)
             loss, num_data = totals[0], int(totals[1])
         U, lam, trace, residual = merge.result()
+        if previous is not None:
+            U, lam, trace, residual = self._merge_fitted(previous, (U, lam, trace, residual))
+            loss, num_data = previous[4] + loss, previous[5] + num_data
         self.H = (U, lam)
         self.trace = trace
         self.residual_diagonal = residual
         self.loss = loss
         self.n_data = num_data
+
+    def _fitted_state(self) -> tuple:
+        """``(U, lam, trace, residual, loss, n_data)`` of the current fit."""
+        if self.diagonal_correction and self.residual_diagonal is None:
+            raise ValueError(
+                "override=False with diagonal_correction=True needs the residual diagonal "
+                "of the previous fit, which this object does not hold: refit with "
+                "override=True."
+            )
+        U, lam = self.H
+        return U, lam, self.trace, self.residual_diagonal, self.loss, self.n_data
+
+    def _merge_fitted(self, first: tuple, second: tuple) -> Tuple[Tensor, Tensor, Tensor,
+                                                                   Optional[Tensor]]:
+        """Merge two fits' ``(U, lam, trace, residual)`` into one (``override=False``)."""
+        both = StreamingMerge(self.rank, self.oversampling, self.diagonal_correction)
+        for U, lam, trace, residual in (first[:4], second[:4]):
+            diagonal = residual + (U**2) @ lam if self.diagonal_correction else None
+            both.add_lowrank(U, lam, trace, diagonal)
+        return both.result()
 
     def _micro_batch_size(self, engine: FactorEngine, X: Tensor,
                           num_vectors: Optional[int]) -> int:

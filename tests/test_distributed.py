@@ -20,15 +20,19 @@ def _problem():
     return model, X, y
 
 
-def _worker(rank, world, port, out, rank_kw, dense_max_dim):
+def _worker(rank, world, port, out, rank_kw, dense_max_dim, online):
     LowRankGGNLaplace._dense_max_dim = dense_max_dim  # fresh process: its own class
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
         model, X, y = _problem()
-        shard = TensorDataset(X[rank::world], y[rank::world])
+        Xs, ys = X[rank::world], y[rank::world]
         la = LowRankGGNLaplace(model, "classification", **rank_kw)
-        la.fit(DataLoader(shard, batch_size=4))
+        if online:  # two updates: fit(first 6 of the shard), fit(the rest, override=False)
+            la.fit(DataLoader(TensorDataset(Xs[:6], ys[:6]), batch_size=4))
+            la.fit(DataLoader(TensorDataset(Xs[6:], ys[6:]), batch_size=4), override=False)
+        else:
+            la.fit(DataLoader(TensorDataset(Xs, ys), batch_size=4))
         U, lam = la.H
         torch.save({"H": U @ torch.diag(lam) @ U.T, "lam": lam, "n_data": la.n_data,
                     "marglik": la.log_marginal_likelihood().detach(), "trace": la.trace,
@@ -43,11 +47,13 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("dense_max_dim", [0, 2048], ids=["streaming", "dense"])
-def test_two_processes_equal_single_process(tmp_path, monkeypatch, dense_max_dim):
+@pytest.mark.parametrize("dense_max_dim, online", [(0, False), (2048, False), (0, True)],
+                         ids=["streaming", "dense", "streaming-online"])
+def test_two_processes_equal_single_process(tmp_path, monkeypatch, dense_max_dim, online):
     out = str(tmp_path / "result")
     kw = dict(rank=1000, diagonal_correction=True)
-    mp.spawn(_worker, args=(2, _free_port(), out, kw, dense_max_dim), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, _free_port(), out, kw, dense_max_dim, online), nprocs=2,
+             join=True)
     monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", dense_max_dim)
     model, X, y = _problem()
     single = LowRankGGNLaplace(model, "classification", **kw)

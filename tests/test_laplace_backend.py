@@ -334,6 +334,79 @@ def test_state_dict_round_trip_and_mismatch():
         other.load_state_dict(state)
 
 
+
+def _halves(X, y, cut=14, batch_size=5):
+    first = DataLoader(TensorDataset(X[:cut], y[:cut]), batch_size=batch_size)
+    second = DataLoader(TensorDataset(X[cut:], y[cut:]), batch_size=batch_size)
+    return first, second
+
+
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("name", ["mlp-classification", "cnn-regression"])
+def test_online_update_equals_full_laplace_online(name, dense, monkeypatch):
+    """fit(A); move the parameters; fit(B, override=False) as laplace-torch's FullLaplace."""
+    if dense:
+        monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", 2048)
+    model, likelihood, X, y, _ = make_problem(name)
+    first, second = _halves(X, y)
+    ours = Laplace(model, likelihood, subset_of_weights="all", hessian_structure="lowrank_ggn",
+                   rank=1000, prior_precision=0.7)
+    full = FullLaplace(model, likelihood, prior_precision=0.7)
+    ours.fit(first)
+    fit_reference(full, first)
+    with torch.no_grad():  # an online learner moves on before the next update
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    ours.fit(second, override=False)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        full.fit(second, override=False)
+    finally:
+        torch.set_default_dtype(old)
+    assert ours.n_data == full.n_data == len(X)
+    scale = full.H.abs().max()
+    torch.testing.assert_close(dense_H(ours), full.H, rtol=1e-5, atol=1e-8 * scale)
+    torch.testing.assert_close(ours.mean, full.mean, **TOL)
+    torch.testing.assert_close(ours.loss, torch.as_tensor(full.loss, dtype=torch.float64), **TOL)
+    torch.testing.assert_close(ours.log_marginal_likelihood(), full.log_marginal_likelihood(),
+                               **TOL)
+    torch.testing.assert_close(ours(X[:4], pred_type="glm"), full(X[:4], pred_type="glm"), **TOL)
+
+
+def test_online_update_truncated_merges_the_two_fits():
+    """Truncated: the top-r of the two rank-r fits' sum, with the exact residual diagonal."""
+    model, likelihood, X, y, _ = make_problem("cnn-regression", n=40)
+    first, second = _halves(X, y, cut=22)
+    kwargs = dict(rank=4, oversampling=3, diagonal_correction=True)
+    parts = [LowRankGGNLaplace(model, likelihood, **kwargs) for _ in range(2)]
+    parts[0].fit(first)
+    parts[1].fit(second)
+    online = LowRankGGNLaplace(model, likelihood, **kwargs)
+    online.fit(first)
+    online.fit(second, override=False)
+    both = sum(dense_H(la) for la in parts)
+    evals, evecs = torch.linalg.eigh(both)
+    top = evecs[:, -4:] @ torch.diag(evals[-4:]) @ evecs[:, -4:].T
+    torch.testing.assert_close(dense_H(online), top, rtol=1e-6, atol=1e-9 * evals[-1])
+    torch.testing.assert_close(online.trace, parts[0].trace + parts[1].trace, **TOL)
+    full = fit_reference(FullLaplace(model, likelihood), DataLoader(TensorDataset(X, y)))
+    U, lam = online.H
+    torch.testing.assert_close(online.residual_diagonal,
+                               (full.H.diagonal() - (U**2) @ lam).clamp(min=0),
+                               rtol=1e-6, atol=1e-9 * evals[-1])
+    torch.testing.assert_close(online.loss, parts[0].loss + parts[1].loss, **TOL)
+
+
+def test_override_false_on_a_fresh_object_is_a_plain_fit():
+    model, likelihood, X, y, loader = make_problem("mlp-classification")
+    plain = LowRankGGNLaplace(model, likelihood, rank=5)
+    plain.fit(loader)
+    fresh = LowRankGGNLaplace(model, likelihood, rank=5)
+    fresh.fit(loader, override=False)
+    torch.testing.assert_close(dense_H(fresh), dense_H(plain), **TOL)
+    assert fresh.n_data == plain.n_data == len(X)
+
 def test_errors():
     model, likelihood, X, y, loader = make_problem("mlp-classification")
     la = LowRankGGNLaplace(model, likelihood)
@@ -343,8 +416,9 @@ def test_errors():
         la.fit(DataLoader(TensorDataset(X[:0], y[:0]), batch_size=4))
     with pytest.raises(ValueError, match="needs a .dataset"):
         la.fit([(X, y)])
-    with pytest.raises(ValueError, match="override=False"):
-        la.fit(loader, override=False)
+    last = LowRankGGNLLLaplace(model, likelihood)
+    with pytest.raises(ValueError, match="override=False"):  # as laplace-torch's LLLaplace
+        last.fit(loader, override=False)
     with pytest.raises(ValueError, match="integer class targets"):
         la.fit(DataLoader(TensorDataset(X, y.double()), batch_size=4))
     reg = LowRankGGNLaplace(model, "regression")
