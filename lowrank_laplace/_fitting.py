@@ -1,4 +1,4 @@
-"""Support for fitting: memory budget, process groups, private RNG, merge size.
+"""Support for fitting: memory budget, batch and merge sizes, process groups, RNG.
 
 Shape glossary:
     D: parameters; k: kept eigenpairs (rank + oversampling); M: columns of a merge.
@@ -7,10 +7,15 @@ Shape glossary:
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
+
+from lowrank_laplace._extensions import factor_columns
+
+if TYPE_CHECKING:
+    from lowrank_laplace.factor import FactorEngine
 
 DEFAULT_MEMORY_BUDGET = 2**30
 
@@ -140,3 +145,83 @@ def merge_size(columns_per_sample: int, keep: int, dim: int, gram_dim: int, num_
     candidates = {min(upper, max(1, round(2 ** (e / 4)))) for e in range(80)}
     candidates |= {-(-num_data // parts) for parts in range(1, 9)} & set(range(1, upper + 1))
     return min(sorted(candidates), key=total)
+
+
+def micro_batch_size(engine: "FactorEngine", X: Tensor, num_vectors: Optional[int],
+                     budget: Union[int, float, None], cap: Optional[int]) -> int:
+    """Samples per backward pass: what fits the memory budget (and the user's cap).
+
+    Args:
+        engine: The engine that will compute ``V``.
+        X: A batch of inputs (for the per-sample size of ``V``).
+        num_vectors: Columns per sample (``None``: the loss's exact factor).
+        budget: ``memory_budget`` as given by the user.
+        cap: ``micro_batch_size`` as given by the user, or ``None``.
+
+    Returns:
+        The number of samples.
+
+    Raises:
+        ValueError: If one sample does not fit the budget.
+    """
+    per_sample = engine.bytes_per_sample(X, num_vectors)
+    budget = resolve_memory_budget(budget, X.device)
+    if per_sample > budget:
+        raise ValueError(
+            f"memory_budget={budget:,} bytes is too small for one sample (about "
+            f"{per_sample:,} bytes of V): raise memory_budget, use mc_samples=1, or "
+            "subset_of_weights='last_layer'."
+        )
+    size = max(1, budget // per_sample)
+    return size if cap is None else min(size, cap)
+
+
+def merge_plan(engine: "FactorEngine", X: Tensor, mc_samples: int, batch_size: int,
+               num_data: int, keep: int, budget: Union[int, float, None],
+               cap: Optional[int]) -> Tuple[int, int]:
+    """Samples per backward pass and samples per merge.
+
+    The merge size comes from :func:`merge_size`; merges spanning several batches
+    hold their factors and one concatenated copy, so they are limited to half the
+    memory budget.
+
+    Args:
+        engine: The engine that will compute ``V``.
+        X: The first batch of inputs.
+        mc_samples: ``0`` (exact) or the Monte-Carlo samples per data point.
+        batch_size: Samples of the loader's batches.
+        num_data: Samples this process streams.
+        keep: Eigenpairs kept while streaming (rank + oversampling).
+        budget: ``memory_budget`` as given by the user.
+        cap: ``micro_batch_size`` as given by the user, or ``None``.
+
+    Returns:
+        ``(micro-batch size, merge size)`` in samples.
+    """
+    limit = micro_batch_size(engine, X, mc_samples or None, budget, cap)
+    cols = factor_columns(engine.loss_func, (1, engine.num_outputs), mc_samples)
+    chunk = merge_size(
+        columns_per_sample=cols, keep=keep,
+        dim=sum(p.numel() for p in engine.model.parameters() if p.requires_grad),
+        gram_dim=engine.dense_param_count(), num_data=num_data,
+        limit=limit if limit <= batch_size else max(batch_size, limit // 2),
+    )
+    return min(chunk, limit), chunk
+
+
+def subsample_indices(n: int, fraction: Optional[float], generator: torch.Generator
+                      ) -> Tuple[Optional[List[int]], float]:
+    """Random curvature sub-sample of a micro-batch and the factor that unbiases it.
+
+    Args:
+        n: Samples in the micro-batch.
+        fraction: ``subsample_fraction`` (``None`` or 1: all samples).
+        generator: The fit's private generator.
+
+    Returns:
+        ``(indices or None, n / len(indices))``.
+    """
+    if fraction is None or fraction == 1:
+        return None, 1.0
+    k = max(1, round(fraction * n))
+    return torch.randperm(n, generator=generator)[:k].tolist(), n / k

@@ -30,13 +30,14 @@ from torch import Tensor, nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
-from lowrank_laplace._extensions import factor_columns
 from lowrank_laplace._fitting import (
     PrivateRNG,
-    merge_size,
+    merge_plan,
+    micro_batch_size,
     process_rank,
     resolve_memory_budget,
     resolve_process_group,
+    subsample_indices,
 )
 from lowrank_laplace.factor import FactorEngine
 from lowrank_laplace.merge import StreamingMerge, concat_factors
@@ -205,8 +206,8 @@ class LowRankGGNLaplace(ParametricLaplace):
                 initialised, ``None`` fits on this process alone.
 
         Raises:
-            ValueError: For a loader without ``dataset``, an empty loader, dict inputs, mismatched targets, or a memory budget
-                too small for one sample.
+            ValueError: For a loader without ``dataset``, an empty loader, dict inputs,
+                mismatched targets, or a memory budget too small for one sample.
         """
         previous = None if override or self.H is None else self._fitted_state()
         dataset = getattr(train_loader, "dataset", None)
@@ -245,11 +246,13 @@ class LowRankGGNLaplace(ParametricLaplace):
                     local = num_data
                     if hasattr(train_loader, "__len__"):
                         local = min(num_data, len(train_loader) * len(y))
-                    plan = self._merge_plan(engine, X, self.mc_samples, len(y), local)
+                    plan = merge_plan(engine, X, self.mc_samples, len(y), local,
+                                      keep=self.rank + self.oversampling,
+                                      budget=self.memory_budget, cap=self.micro_batch_size)
                 micro, chunk = plan
                 self._check_targets(y)
                 for Xc, yc in zip(torch.split(X, micro), torch.split(y, micro)):
-                    sub, scale = self._subsample(len(yc), generator)
+                    sub, scale = subsample_indices(len(yc), self.subsample_fraction, generator)
                     with rng:
                         batch = engine.compute(Xc, yc, mc_samples=self.mc_samples,
                                                subsampling=sub)
@@ -305,51 +308,6 @@ class LowRankGGNLaplace(ParametricLaplace):
             both.add_lowrank(U, lam, trace, diagonal)
         return both.result()
 
-    def _micro_batch_size(self, engine: FactorEngine, X: Tensor,
-                          num_vectors: Optional[int]) -> int:
-        """Samples per backward pass: what fits the memory budget (and ``micro_batch_size``).
-
-        Raises:
-            ValueError: If one sample does not fit the budget.
-        """
-        per_sample = engine.bytes_per_sample(X, num_vectors)
-        budget = resolve_memory_budget(self.memory_budget, X.device)
-        if per_sample > budget:
-            raise ValueError(
-                f"memory_budget={budget:,} bytes is too small for one sample (about "
-                f"{per_sample:,} bytes of V): raise memory_budget, use mc_samples=1, or "
-                "subset_of_weights='last_layer'."
-            )
-        size = max(1, budget // per_sample)
-        if self.micro_batch_size is not None:
-            size = min(size, self.micro_batch_size)
-        return size
-
-    def _merge_plan(self, engine: FactorEngine, X: Tensor, mc_samples: int,
-                    batch_size: int, num_data: int) -> Tuple[int, int]:
-        """Samples per backward pass and samples per merge.
-
-        The merge size comes from :func:`~lowrank_laplace._fitting.merge_size`;
-        merges spanning several batches hold their factors and one concatenated
-        copy, so they are limited to half the memory budget.
-        """
-        cap = self._micro_batch_size(engine, X, mc_samples or None)
-        cols = factor_columns(engine.loss_func, (1, engine.num_outputs), mc_samples)
-        chunk = merge_size(
-            columns_per_sample=cols, keep=self.rank + self.oversampling,
-            dim=sum(p.numel() for p in engine.model.parameters() if p.requires_grad),
-            gram_dim=engine.dense_param_count(), num_data=num_data,
-            limit=cap if cap <= batch_size else max(batch_size, cap // 2),
-        )
-        return min(chunk, cap), chunk
-
-    def _subsample(self, n: int, generator: torch.Generator):
-        if self.subsample_fraction is None or self.subsample_fraction == 1:
-            return None, 1.0
-        k = max(1, round(self.subsample_fraction * n))
-        idx = torch.randperm(n, generator=generator)[:k].tolist()
-        return idx, n / k
-
     # --------------------------------------------------------------- posterior
     @property
     def kept_fraction(self) -> Tensor:
@@ -375,6 +333,50 @@ class LowRankGGNLaplace(ParametricLaplace):
         if self.residual_diagonal is not None:
             prior = prior + self._H_factor * self.residual_diagonal
         return prior
+
+    @property
+    def posterior_variance(self) -> Tensor:
+        """Marginal posterior variances ``diag(P^{-1})``, shape ``(D,)``, in ``O(D r)``."""
+        return self._precision().inverse_diagonal()
+
+    @property
+    def posterior_covariance(self) -> Tensor:
+        """The dense posterior covariance ``P^{-1}``, shape ``(D, D)`` (small models).
+
+        Raises:
+            ValueError: If the ``D x D`` matrix exceeds ``memory_budget``.
+        """
+        eye = self._dense_identity("posterior_covariance")
+        cov = self._precision().solve(eye)
+        return (cov + cov.T) / 2
+
+    @property
+    def posterior_scale(self) -> Tensor:
+        """A dense square root ``S`` of the covariance, ``S S^T = P^{-1}``, ``(D, D)``.
+
+        The map that :meth:`sample` applies to standard normal noise (symmetric for
+        a scalar prior without diagonal correction; not triangular, unlike
+        laplace-torch's full Cholesky factor).
+
+        Raises:
+            ValueError: If the ``D x D`` matrix exceeds ``memory_budget``.
+        """
+        return self._precision().sqrt_inv_matmul(self._dense_identity("posterior_scale"))
+
+    def _dense_identity(self, what: str) -> Tensor:
+        """``I_D`` for a dense ``D x D`` result, after checking it fits ``memory_budget``."""
+        self._check_H_init()
+        dim = self.n_params
+        need = 2 * dim * dim * (torch.finfo(self._dtype).bits // 8)  # identity and result
+        budget = resolve_memory_budget(self.memory_budget, self._device)
+        if need > budget:
+            raise ValueError(
+                f"{what} is a dense {dim:,} x {dim:,} matrix ({need / 2**30:.1f} GiB with "
+                f"its workspace), over memory_budget={budget:,} bytes: use "
+                "posterior_variance (its diagonal), functional_variance / "
+                "functional_covariance (outputs) or sample(), or raise memory_budget."
+            )
+        return torch.eye(dim, dtype=self._dtype, device=self._device)
 
     def _precision(self) -> LowRankPrecision:
         self._check_H_init()
@@ -481,7 +483,8 @@ class LowRankGGNLaplace(ParametricLaplace):
             if joint:
                 f_mu, f_var = glm_moments(engine, X, precision, weights, joint=True)
                 return f_mu.flatten(), f_var
-            micro = self._micro_batch_size(engine, X, None)
+            micro = micro_batch_size(engine, X, None, self.memory_budget,
+                                         self.micro_batch_size)
             f_mu, f_var = batched_glm_moments(engine, X, precision, weights, micro)
         if diagonal_output:
             f_var = torch.diagonal(f_var, dim1=-2, dim2=-1)

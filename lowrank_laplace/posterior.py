@@ -86,6 +86,24 @@ class LowRankPrecision:
         chol = self.capacitance_cholesky
         return torch.log(self.d).sum() + 2 * torch.log(chol.diagonal()).sum()
 
+    def inverse_diagonal(self) -> Tensor:
+        """``diag(P^{-1})`` by the Woodbury identity, ``O(D r)`` (no ``D x D`` matrix).
+
+        Returns:
+            Tensor of shape ``(D,)``.
+        """
+        if self.isotropic:
+            coeff = 1 / (self.ell + self.d) - 1 / self.d
+            return (self.U**2) @ coeff + 1 / self.d
+        # P^{-1} = P_0^{-1} - A K^{-1} A^T with A = P_0^{-1} W, K = L L^T: the diagonal
+        # subtracts the squared column norms of L^{-1} A^T, over row chunks
+        chol, root = self.capacitance_cholesky, self.ell.sqrt()
+        parts = []
+        for U, d in zip(self.U.split(_ROWS), self.d.split(_ROWS)):
+            half = torch.linalg.solve_triangular(chol, ((U * root) / d[:, None]).T, upper=False)
+            parts.append(1 / d - (half**2).sum(0))
+        return torch.cat(parts)
+
     def matmul(self, x: Tensor) -> Tensor:
         """``P x``.
 

@@ -100,9 +100,7 @@ def test_hessian_equals_full_laplace(pair):
     torch.testing.assert_close(ours.kept_fraction, torch.ones((), dtype=torch.float64), **TOL)
 
 
-@pytest.mark.parametrize("prior", ["scalar", "layer", "diag"])
-def test_marglik_logdet_equal_full_laplace(pair, prior):
-    ours, full, _ = pair
+def _set_prior(ours, full, prior):
     torch.manual_seed(3)
     if prior == "scalar":
         p = torch.tensor(0.7, dtype=torch.float64)
@@ -115,6 +113,12 @@ def test_marglik_logdet_equal_full_laplace(pair, prior):
         la.prior_precision = p
         if la.likelihood == "regression":
             la.sigma_noise = sigma
+
+
+@pytest.mark.parametrize("prior", ["scalar", "layer", "diag"])
+def test_marglik_logdet_equal_full_laplace(pair, prior):
+    ours, full, _ = pair
+    _set_prior(ours, full, prior)
     torch.testing.assert_close(ours.log_det_posterior_precision,
                                full.log_det_posterior_precision, **TOL)
     torch.testing.assert_close(ours.log_marginal_likelihood(), full.log_marginal_likelihood(), **TOL)
@@ -122,6 +126,30 @@ def test_marglik_logdet_equal_full_laplace(pair, prior):
     torch.testing.assert_close(ours.square_norm(ours.mean + delta),
                                full.square_norm(full.mean + delta), **TOL)
 
+
+
+@pytest.mark.parametrize("prior", ["scalar", "layer", "diag"])
+def test_posterior_covariance_variance_scale_equal_full_laplace(pair, prior):
+    ours, full, _ = pair
+    _set_prior(ours, full, prior)
+    cov = full.posterior_covariance
+    tol = dict(rtol=1e-5, atol=1e-8 * cov.abs().max())
+    torch.testing.assert_close(ours.posterior_covariance, cov, **tol)
+    torch.testing.assert_close(ours.posterior_variance, cov.diagonal(), **tol)
+    scale = ours.posterior_scale
+    torch.testing.assert_close(scale @ scale.T, cov, **tol)
+    eye = torch.eye(ours.n_params, dtype=torch.float64)
+    torch.testing.assert_close(scale, ours.sample_from_noise(eye).T - ours.mean[:, None])
+
+
+def test_dense_posterior_matrices_respect_the_memory_budget():
+    model, likelihood, X, y, loader = make_problem("mlp-classification")
+    la = LowRankGGNLaplace(model, likelihood, rank=5, memory_budget=50_000)
+    la.fit(loader)
+    assert la.posterior_variance.shape == (la.n_params,)  # O(D r): always available
+    for name in ("posterior_covariance", "posterior_scale"):
+        with pytest.raises(ValueError, match=f"{name} is a dense 77 x 77 matrix.*posterior_var"):
+            getattr(la, name)
 
 def test_marglik_gradients_equal_full_laplace():
     ours, full, _ = fit_pair("mlp-regression")
@@ -234,6 +262,11 @@ def test_truncated_rank_against_dense_top_r():
     # the trace is exact, so the kept fraction is exact too
     torch.testing.assert_close(la.trace, torch.trace(full.H), **TOL)
     torch.testing.assert_close(la.kept_fraction, lam.sum() / torch.trace(full.H), **TOL)
+    # posterior of the truncated curvature (scalar prior): covariance and its diagonal
+    la.prior_precision = 0.4
+    cov = torch.linalg.inv(U @ torch.diag(lam) @ U.T + 0.4 * torch.eye(la.n_params).double())
+    torch.testing.assert_close(la.posterior_covariance, cov, **TOL)
+    torch.testing.assert_close(la.posterior_variance, cov.diagonal(), **TOL)
 
 
 def test_mc_and_subsampling_are_unbiased_on_average():
@@ -488,6 +521,9 @@ def test_diagonal_correction_against_dense_reference():
             eye = torch.eye(la.n_params, dtype=torch.float64)
             S = (la.sample_from_noise(eye) - la.mean).T
             torch.testing.assert_close(S @ S.T, cov, rtol=1e-5, atol=1e-8 * cov.abs().max())
+            torch.testing.assert_close(la.posterior_covariance, cov, rtol=1e-5,
+                                       atol=1e-8 * cov.abs().max())
+            torch.testing.assert_close(la.posterior_variance, cov.diagonal(), **TOL)
 
 
 def test_diagonal_correction_vanishes_at_full_rank():
