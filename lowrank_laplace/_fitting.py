@@ -224,4 +224,5 @@ def subsample_indices(n: int, fraction: Optional[float], generator: torch.Genera
     if fraction is None or fraction == 1:
         return None, 1.0
     k = max(1, round(fraction * n))
-    return torch.randperm(n, generator=generator)[:k].tolist(), n / k
+    # the generator lives on the CPU whatever torch.set_default_device says
+    return torch.randperm(n, generator=generator, device="cpu")[:k].tolist(), n / k
