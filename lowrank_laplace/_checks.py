@@ -132,7 +132,7 @@ def check_targets(loss_func: nn.Module, outputs: Tensor, targets: Tensor) -> Non
                 f"shape (N,) = {tuple(outputs.shape[:1])}, got dtype {targets.dtype} "
                 f"and shape {tuple(targets.shape)}."
             )
-        if targets.min() < 0 or targets.max() >= outputs.shape[1]:
+        if bool(((targets < 0) | (targets >= outputs.shape[1])).any()):  # one device sync
             raise ValueError(
                 f"Class indices must lie in [0, {outputs.shape[1]}), got values in "
                 f"[{int(targets.min())}, {int(targets.max())}]."

@@ -222,10 +222,15 @@ class StreamingMerge:
         if not self.lazy or P.shape[1] != r:
             return False
         L, S, Qt = torch.linalg.svd(P.double())
-        bad = (S < self.tau) | (S > 1 / self.tau)
-        if bad.any():  # hysteresis: reset every drifting direction, not just the worst
-            bad = (S < self.tau**0.5) | (S > self.tau**-0.5)
-        m = int(bad.sum())
+        drift = (S < self.tau) | (S > 1 / self.tau)
+        # hysteresis: once one direction drifts out, reset every direction outside the
+        # narrower band; the three counts cross to the host in one read
+        wide = (S < self.tau**0.5) | (S > self.tau**-0.5)
+        num_drift, num_wide, growing = torch.stack(
+            [drift.sum(), wide.sum(), (S > 1 / self.tau).sum()]
+        ).tolist()
+        bad = wide if num_drift else drift
+        m = num_wide if num_drift else 0
         if 2 * m > r:
             return False
         basis = self._basis.clone() if self._shared else self._basis
@@ -245,7 +250,7 @@ class StreamingMerge:
             self.num_deferred += 1
         self._basis, self._shared = basis, False
         deferred = sum(X.shape[1] for X, _ in self._deferred)
-        if deferred > self.max_deferred or bool((S > 1 / self.tau).any()):
+        if deferred > self.max_deferred or growing:
             self._flush()
         factor.matmul_add_(self._basis, (C.double() @ coords_inv).to(basis.dtype), group)
         self._coords = coords.to(basis.dtype)

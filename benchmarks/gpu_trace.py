@@ -1,0 +1,158 @@
+"""Host-device traffic of a ``lowrank_ggn`` fit, from a ``torch.profiler`` trace.
+
+Issue 5 asks for no host-device copies in the fit's hot loop. This script fits
+``Laplace(..., hessian_structure="lowrank_ggn")`` on a DeepOBS problem with the data
+already on the device (so the loader moves nothing), once untimed to warm up and
+once under ``torch.profiler``, and counts per fit:
+
+- memory copies between host and device (the CUDA activities ``Memcpy HtoD`` /
+  ``Memcpy DtoH``; their count and total time),
+- synchronising scalar reads (``aten::_local_scalar_dense``, behind ``.item()``,
+  ``int(t)``, ``bool(t)``): each waits for the device, but moves a few bytes,
+- the numbers of batches and merges, to judge whether anything scales with them.
+
+On a machine without CUDA it runs the same fit on the CPU (a smoke test: there are
+no copies to count) so that the script is tested where CI runs. Writes
+``<out>/gpu_trace_<problem>.json`` (and, with ``--chrome``, a Chrome trace).
+
+Example (on a GPU machine, see ``benchmarks/gpu_check.sh``)::
+
+    python benchmarks/gpu_trace.py --device cuda --problem 3c3d --n-train 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.data import DataLoader, TensorDataset
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+if str(HERE.parent) not in sys.path:
+    sys.path.insert(0, str(HERE.parent))
+
+_problems = importlib.import_module("_problems")
+
+#: Substrings of profiler event names, by what they count.
+PATTERNS = {
+    "memcpy_htod": ("Memcpy HtoD",),
+    "memcpy_dtoh": ("Memcpy DtoH",),
+    "scalar_reads": ("aten::_local_scalar_dense",),
+    "copies_to_or_from_host": ("aten::_to_copy",),  # also dtype casts on one device
+}
+
+
+def count_events(prof: Any) -> dict[str, dict[str, float]]:
+    """Count profiler events by :data:`PATTERNS`.
+
+    Args:
+        prof: A finished ``torch.profiler.profile``.
+
+    Returns:
+        For every pattern key: ``count`` and total ``time_ms`` (device time for CUDA
+        activities, CPU time otherwise).
+    """
+    counts: Counter = Counter()
+    times: Counter = Counter()
+    for event in prof.events():
+        for key, patterns in PATTERNS.items():
+            if any(p in event.name for p in patterns):
+                counts[key] += 1
+                device_us = getattr(event, "device_time_total", 0.0) or 0.0
+                times[key] += (device_us or event.cpu_time_total) / 1e3
+    return {k: {"count": int(counts[k]), "time_ms": round(times[k], 3)} for k in PATTERNS}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Warm up, time and profile one fit; return the record."""
+    import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
+    from laplace import Laplace
+
+    device = torch.device(args.device if torch.cuda.is_available() else "cpu")
+    model, _, X, y = _problems.make_problem(args.problem, args.n_train, device=device)
+    X, y = X.to(device), y.to(device)
+    loader = DataLoader(TensorDataset(X, y), batch_size=args.batch_size)
+    warm = DataLoader(TensorDataset(X[: args.batch_size], y[: args.batch_size]),
+                      batch_size=args.batch_size)
+
+    def fit(data):
+        la = Laplace(model, "classification", subset_of_weights="all",
+                     hessian_structure="lowrank_ggn", rank=args.rank,
+                     mc_samples=args.mc_samples)
+        la.fit(data)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return la
+
+    fit(warm)
+    start = time.perf_counter()
+    la = fit(loader)
+    seconds = time.perf_counter() - start
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        fit(loader)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.chrome:
+        prof.export_chrome_trace(str(out / f"gpu_trace_{args.problem}.trace.json"))
+    record = {
+        "problem": args.problem,
+        "device": str(device),
+        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                        else "cpu"),
+        "torch": torch.__version__,
+        "n_train": args.n_train,
+        "batch_size": args.batch_size,
+        "rank": args.rank,
+        "mc_samples": args.mc_samples,
+        "fit_s": round(seconds, 3),
+        "batches": len(loader),
+        "kept_fraction": float(la.kept_fraction),
+        "events": count_events(prof),
+    }
+    return record
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse the command line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--problem", default="3c3d", choices=_problems.PROBLEMS)
+    parser.add_argument("--device", default="cuda", help="cuda (falls back to cpu)")
+    parser.add_argument("--n-train", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--rank", type=int, default=100)
+    parser.add_argument("--mc-samples", type=int, default=0)
+    parser.add_argument("--chrome", action="store_true", help="also write a Chrome trace")
+    parser.add_argument("--out", default=str(HERE / "results"))
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict[str, Any]:
+    """Run and print/write the record."""
+    args = parse_args(argv)
+    record = run(args)
+    path = Path(args.out) / f"gpu_trace_{args.problem}.json"
+    path.write_text(json.dumps(record, indent=2))
+    ev = record["events"]
+    print(f"{record['problem']} on {record['device_name']}: fit {record['fit_s']} s, "
+          f"{record['batches']} batches; Memcpy HtoD {ev['memcpy_htod']['count']} "
+          f"({ev['memcpy_htod']['time_ms']} ms), DtoH {ev['memcpy_dtoh']['count']} "
+          f"({ev['memcpy_dtoh']['time_ms']} ms), scalar reads "
+          f"{ev['scalar_reads']['count']}; wrote {path}")
+    return record
+
+
+if __name__ == "__main__":
+    main()
