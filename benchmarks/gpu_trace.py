@@ -75,8 +75,9 @@ def count_events(prof: Any) -> dict[str, dict[str, float]]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Warm up, time and profile one fit; return the record."""
-    import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
     from laplace import Laplace
+
+    import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
 
     device = torch.device(args.device if torch.cuda.is_available() else "cpu")
     model, _, X, y = _problems.make_problem(args.problem, args.n_train, device=device)
