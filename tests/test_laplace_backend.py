@@ -431,6 +431,22 @@ def test_online_update_truncated_merges_the_two_fits():
     torch.testing.assert_close(online.loss, parts[0].loss + parts[1].loss, **TOL)
 
 
+
+def test_online_update_continues_from_a_loaded_state():
+    model, likelihood, X, y, _ = make_problem("mlp-regression")
+    first, second = _halves(X, y)
+    kwargs = dict(rank=4, diagonal_correction=True)
+    la = LowRankGGNLaplace(model, likelihood, **kwargs)
+    la.fit(first)
+    restored = LowRankGGNLaplace(model, likelihood, **kwargs)
+    restored.load_state_dict(la.state_dict())
+    for obj in (la, restored):
+        obj.fit(second, override=False)
+    torch.testing.assert_close(dense_H(restored), dense_H(la), rtol=0, atol=0)
+    torch.testing.assert_close(restored.residual_diagonal, la.residual_diagonal, rtol=0, atol=0)
+    assert restored.n_data == la.n_data == len(X)
+    torch.testing.assert_close(restored.log_marginal_likelihood(), la.log_marginal_likelihood())
+
 def test_override_false_on_a_fresh_object_is_a_plain_fit():
     model, likelihood, X, y, loader = make_problem("mlp-classification")
     plain = LowRankGGNLaplace(model, likelihood, rank=5)
