@@ -38,7 +38,8 @@ def test_spectrum_writes_report(tmp_path, capsys):
 def test_user_errors_are_one_line(args, message, capsys):
     assert main(TINY + args) == 2
     err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1 and err.startswith("lowrank-laplace: error")
+    assert message in err and len(err.splitlines()) == 1
+    assert err.startswith("lowrank-laplace: error")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

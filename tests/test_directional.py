@@ -96,14 +96,16 @@ def test_inverse_matvec_full_and_block_diagonal(case):
     x = torch.randn(D, 2, dtype=G.dtype)
     delta = 0.3
     out = ll.ggn_inverse_matvec(model, loss_func, X, y, x, damping=delta)
-    torch.testing.assert_close(out, torch.linalg.solve(G + delta * torch.eye(D, dtype=G.dtype), x), **TOL)
+    eye = torch.eye(D, dtype=G.dtype)
+    torch.testing.assert_close(out, torch.linalg.solve(G + delta * eye, x), **TOL)
     params = list(model.parameters())
     groups = [{"params": [p]} for p in params]
     out = ll.ggn_inverse_matvec(model, loss_func, X, y, x[:, 0], damping=delta, param_groups=groups)
     sizes = [p.numel() for p in params]
-    blocks = [G[a : a + s, a : a + s] for a, s in zip(torch.tensor([0] + sizes).cumsum(0).tolist(), sizes)]
+    starts = torch.tensor([0] + sizes).cumsum(0).tolist()
+    blocks = [G[a : a + s, a : a + s] for a, s in zip(starts, sizes)]
     B = torch.block_diag(*blocks)
-    torch.testing.assert_close(out, torch.linalg.solve(B + delta * torch.eye(D, dtype=G.dtype), x[:, 0]), **TOL)
+    torch.testing.assert_close(out, torch.linalg.solve(B + delta * eye, x[:, 0]), **TOL)
 
 
 def test_newton_and_inverse_errors():

@@ -87,7 +87,8 @@ def pair(request):
 
 def test_factory_returns_our_classes():
     model, likelihood, *_ = make_problem("mlp-classification")
-    assert isinstance(Laplace(model, likelihood, hessian_structure="lowrank_ggn"), LowRankGGNLaplace)
+    la = Laplace(model, likelihood, hessian_structure="lowrank_ggn")
+    assert isinstance(la, LowRankGGNLaplace)
     la = Laplace(model, likelihood, subset_of_weights="last_layer", hessian_structure="lowrank_ggn")
     assert isinstance(la, LowRankGGNLLLaplace)
 
@@ -121,7 +122,8 @@ def test_marglik_logdet_equal_full_laplace(pair, prior):
     _set_prior(ours, full, prior)
     torch.testing.assert_close(ours.log_det_posterior_precision,
                                full.log_det_posterior_precision, **TOL)
-    torch.testing.assert_close(ours.log_marginal_likelihood(), full.log_marginal_likelihood(), **TOL)
+    torch.testing.assert_close(ours.log_marginal_likelihood(), full.log_marginal_likelihood(),
+                               **TOL)
     delta = torch.randn(ours.n_params, dtype=torch.float64)
     torch.testing.assert_close(ours.square_norm(ours.mean + delta),
                                full.square_norm(full.mean + delta), **TOL)
@@ -185,7 +187,8 @@ def test_functional_variance_from_jacobians(pair):
     ours, full, X = pair
     Js, _ = full.backend.jacobians(X[:4])
     torch.testing.assert_close(ours.functional_variance(Js), full.functional_variance(Js), **TOL)
-    torch.testing.assert_close(ours.functional_covariance(Js), full.functional_covariance(Js), **TOL)
+    torch.testing.assert_close(ours.functional_covariance(Js), full.functional_covariance(Js),
+                               **TOL)
 
 
 @pytest.mark.parametrize("method", ["marglik", "gridsearch"])
@@ -306,15 +309,16 @@ def test_mc_draws_follow_the_seed_option_not_the_global_rng():
 @pytest.mark.parametrize("mode", ["streaming", pytest.param("dense", marks=pytest.mark.dense)])
 def test_last_layer_equals_full_ll_laplace(mode):
     model, likelihood, X, y, loader = make_problem("cnn-classification")
-    ours = Laplace(model, likelihood, subset_of_weights="last_layer", hessian_structure="lowrank_ggn",
-                   rank=1000)
+    ours = Laplace(model, likelihood, subset_of_weights="last_layer",
+                   hessian_structure="lowrank_ggn", rank=1000)
     full = FullLLLaplace(model, likelihood)
     ours.fit(loader)
     fit_reference(full, loader)
     torch.testing.assert_close(dense_H(ours), full.H, rtol=1e-5, atol=1e-10)
     for la in (ours, full):
         la.prior_precision = 0.6
-    torch.testing.assert_close(ours.log_marginal_likelihood(), full.log_marginal_likelihood(), **TOL)
+    torch.testing.assert_close(ours.log_marginal_likelihood(), full.log_marginal_likelihood(),
+                               **TOL)
     torch.testing.assert_close(ours(X[:4]), full(X[:4]), **TOL)
 
 

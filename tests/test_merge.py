@@ -90,7 +90,7 @@ def test_lazy_merge_stays_orthonormal_in_float32():
             return out.addmm_(self.V, y)
 
     basis = torch.linalg.qr(torch.randn(dim, 40))[0]
-    for step in range(60):
+    for _step in range(60):
         scales = torch.logspace(0, -3, 40) * torch.rand(40)
         V = basis @ (scales[:, None] * torch.randn(40, 7)) + 1e-4 * torch.randn(dim, 7)
         lazy.add_factor(Factor(V))
@@ -166,7 +166,7 @@ def test_dense_mode_is_the_exact_truncation(arch):
     model, loss_func, X, y, factors = _factors(arch, batches=4, n=3)
     G = ggn(model, loss_func, X, y)
     merge = StreamingMerge(rank=3, oversampling=1, track_diagonal=True, dense_max_dim=10**6)
-    for i, f in enumerate(factors):
+    for _i, f in enumerate(factors):
         merge.add_factor(f, scale=2.0)
     U, lam, trace, residual = merge.result()
     evals, evecs = _dense_top(2 * G, 3)
