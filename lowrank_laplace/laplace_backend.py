@@ -64,8 +64,11 @@ class LowRankGGNLaplace(ParametricLaplace):
             Jacobians instead of the engine).
         dict_key_x: laplace-torch's key for dict inputs (not supported by the engine).
         dict_key_y: laplace-torch's key for dict targets.
-        backend: laplace-torch curvature backend for inherited Jacobian paths.
-        backend_kwargs: Its keyword arguments.
+        backend: laplace-torch curvature backend for inherited Jacobian paths; an
+            empirical-Fisher backend (``*EF``) raises, since the curvature is always
+            the GGN.
+        backend_kwargs: Its keyword arguments (``stochastic=True`` needs
+            ``mc_samples >= 1``).
         asdl_fisher_kwargs: Ignored (laplace-torch compatibility).
         rank: Number of leading GGN eigenpairs kept (default 100). Exact whenever
             the GGN's rank over the whole training set fits.
@@ -125,6 +128,23 @@ class LowRankGGNLaplace(ParametricLaplace):
             dict_key_x=dict_key_x, dict_key_y=dict_key_y, backend=backend,
             backend_kwargs=backend_kwargs,
         )
+        if not isinstance(self, LLLaplace):  # the last-layer class checks after its options
+            self._check_backend()
+
+    def _check_backend(self) -> None:
+        """Refuse laplace-torch backend settings that ask for another curvature."""
+        name = self._backend_cls.__name__
+        if name.endswith("EF"):
+            raise ValueError(
+                "hessian_structure='lowrank_ggn' computes the exact (or Monte-Carlo) GGN "
+                f"with its own engine; backend={name} asks for the empirical Fisher, "
+                "which it does not provide. Leave backend out or pass a GGN backend."
+            )
+        if self._backend_kwargs.get("stochastic") and not self.mc_samples:
+            raise ValueError(
+                "backend_kwargs={'stochastic': True} asks for a Monte-Carlo GGN: pass "
+                "mc_samples=1 (the lowrank_ggn option) instead."
+            )
 
     def _set_options(self, rank, oversampling, mc_samples, subsample_fraction, memory_budget,
                      micro_batch_size, diagonal_correction, seed) -> None:
@@ -538,6 +558,7 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
         super().__init__(model, likelihood, *args, **kwargs)
         self._set_options(rank, oversampling, mc_samples, subsample_fraction, memory_budget,
                           micro_batch_size, diagonal_correction, seed)
+        self._check_backend()
 
     def _curvature_target(self):
         last = self.model.last_layer

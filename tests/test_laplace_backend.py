@@ -472,6 +472,16 @@ def test_errors():
     last = LowRankGGNLLLaplace(model, likelihood)
     with pytest.raises(ValueError, match="override=False"):  # as laplace-torch's LLLaplace
         last.fit(loader, override=False)
+    from laplace.curvature import BackPackEF, BackPackGGN, CurvlinopsEF
+
+    for cls in (LowRankGGNLaplace, LowRankGGNLLLaplace):
+        for ef in (BackPackEF, CurvlinopsEF):
+            with pytest.raises(ValueError, match=f"backend={ef.__name__} asks for the empir"):
+                cls(model, likelihood, backend=ef)
+        with pytest.raises(ValueError, match="pass mc_samples=1"):
+            cls(model, likelihood, backend=BackPackGGN, backend_kwargs={"stochastic": True})
+        cls(model, likelihood, backend=BackPackGGN, backend_kwargs={"stochastic": True},
+            mc_samples=1)  # consistent: accepted
     with pytest.raises(ValueError, match="integer class targets"):
         la.fit(DataLoader(TensorDataset(X, y.double()), batch_size=4))
     reg = LowRankGGNLaplace(model, "regression")
