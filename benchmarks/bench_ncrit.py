@@ -1,6 +1,7 @@
 """Critical batch sizes N_crit: the largest mini-batch that fits a memory budget.
 
-For each task (GGN eigenvalues, top eigenpair, damped Newton step), curvature
+For each task (GGN eigenvalues, top eigenpair, top eigenpair with
+``low_memory=True``, damped Newton step), curvature
 structure (full network, per-layer blocks), GGN approximation (exact, MC with one
 sample) and curvature data (the whole mini-batch ``mb``, or a sub-sample ``sub`` of
 one eighth of it), a driver bisects the batch size. Every probe runs in its own
@@ -45,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness  # noqa: E402
 import _problems  # noqa: E402
 
-TASKS = ("eigvals", "eigpair", "newton")
+TASKS = ("eigvals", "eigpair", "eigpair_lowmem", "newton")
 STRUCTURES = ("full", "blocks")
 APPROXIMATIONS = ("exact", "mc")
 DATA = ("mb", "sub")
@@ -91,6 +92,8 @@ def run_task(task: str, structure: str, approx: str, data: str, problem: str, N:
             return ll.ggn_eigvals(model, loss_func, X, y, **kwargs)
         if task == "eigpair":
             return ll.ggn_eigh(model, loss_func, X, y, top_k=1, **kwargs)
+        if task == "eigpair_lowmem":
+            return ll.ggn_eigh(model, loss_func, X, y, top_k=1, low_memory=True, **kwargs)
         return ll.damped_newton_step(model, loss_func, X, y, damping=1.0, **kwargs)
 
     return call

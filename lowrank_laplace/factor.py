@@ -73,6 +73,8 @@ class GGNFactor:
         reduction: The loss reduction, ``'mean'`` or ``'sum'``.
         loss: The mini-batch loss (detached).
         outputs: The model outputs on the batch (detached), shape ``(N, C)``.
+        projected: ``V y`` restricted to each parameter for the matrices ``y`` given
+            to :meth:`FactorEngine.compute` as ``project`` (``(d, K)`` per index).
     """
 
     groups: List[List[int]]
@@ -88,6 +90,7 @@ class GGNFactor:
     grams: List[Optional[Tensor]] = field(default_factory=list)
     grad: Dict[int, Tensor] = field(default_factory=dict)
     batch_grads: Dict[int, Block] = field(default_factory=dict)
+    projected: Dict[int, Tensor] = field(default_factory=dict)
 
     @property
     def num_columns(self) -> int:
@@ -104,6 +107,24 @@ class GGNFactor:
             The dimension of the group's parameter space.
         """
         return sum(self.shapes[i].numel() for i in self.groups[group])
+
+    def projected_flat(self, group: int = 0) -> Tensor:
+        """``V y`` of a group from the projection pass, flat over its parameters.
+
+        Args:
+            group: Group index.
+
+        Returns:
+            Tensor of shape ``(D, K)``.
+
+        Raises:
+            RuntimeError: If the group was not projected.
+        """
+        try:
+            return torch.cat([self.projected[i] for i in self.groups[group]], dim=0)
+        except KeyError as err:
+            raise RuntimeError("This group was not projected (see compute(project=...)).") \
+                from err
 
     def _split(self, x: Tensor, group: int) -> List[Tensor]:
         sizes = [self.shapes[i].numel() for i in self.groups[group]]
@@ -421,6 +442,7 @@ class FactorEngine:
         keep_blocks: bool = True,
         compute_grams: bool = False,
         batch_grad: bool = False,
+        project: Optional[Sequence[Optional[Tensor]]] = None,
     ) -> GGNFactor:
         """Run one backward pass and collect ``V`` (and gradients).
 
@@ -436,25 +458,32 @@ class FactorEngine:
                 products). ``False`` frees each block inside the backward pass.
             compute_grams: Accumulate each group's Gram matrix during the pass.
             batch_grad: Also compute per-sample gradients (BackPACK ``BatchGrad``).
+            project: One matrix ``y`` (``(M, K)``) or ``None`` per group: ``V y`` is
+                formed block by block inside the backward pass (``factor.projected``),
+                so with ``keep_blocks=False`` no more than one block of ``V`` is
+                alive at a time.
 
         Returns:
             The factor.
 
         Raises:
             RuntimeError: If the engine was closed.
-            ValueError: If neither blocks nor Gram matrices are requested, or
-                ``targets`` is ``None`` for a loss other than MSE.
+            ValueError: If neither blocks, Gram matrices nor projections are
+                requested, or ``targets`` is ``None`` for a loss other than MSE.
         """
         if self._closed:
             raise RuntimeError("The engine is closed: create a new FactorEngine.")
-        if not (keep_blocks or compute_grams):
-            raise ValueError("Request keep_blocks and/or compute_grams.")
+        if not (keep_blocks or compute_grams or project is not None):
+            raise ValueError("Request keep_blocks, compute_grams and/or project.")
         if targets is None and not isinstance(self.loss_func, nn.MSELoss):
             raise ValueError("targets=None is only allowed for MSELoss.")
         n = _checks.check_batch(inputs, inputs if targets is None else targets)
         mc_samples = _checks.check_mc_samples(mc_samples)
         subsampling = _checks.check_subsampling(subsampling, n)
         groups = _checks.resolve_param_groups(self.model, param_groups)
+        if project is not None and len(project) != len(groups):
+            raise ValueError(f"project needs one entry per group ({len(groups)}), "
+                             f"got {len(project)}.")
         self._sync(groups)
         if self._handles is None:
             self._extend(inputs)
@@ -467,6 +496,7 @@ class FactorEngine:
         grams: List[Optional[Tensor]] = [None] * len(groups)
         kept: Dict[int, Block] = {}
         batch_grads: Dict[int, Block] = {}
+        projected: Dict[int, Tensor] = {}
 
         ext = sqrt_ggn_extension(mc_samples, subsampling)
         exts = [ext, batch_grad_extension()] if batch_grad else [ext]
@@ -487,6 +517,8 @@ class FactorEngine:
                     grams[g] = gram if grams[g] is None else grams[g] + gram
                 if keep_blocks:
                     kept[i] = block
+                if project is not None and project[group_of[i]] is not None:
+                    projected[i] = block.matmul(project[group_of[i]])
                 if batch_grad:
                     batch_grads[i] = _as_block(param.grad_batch, lead=1)
                     del param.grad_batch
@@ -514,7 +546,10 @@ class FactorEngine:
             p = self._copy_params[i]
             grad[i] = (p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
             p.grad = None
-        missing = [i for i in group_of if keep_blocks and i not in kept]
+        wanted = {i for i in group_of if keep_blocks} | {
+            i for i in group_of if project is not None and project[group_of[i]] is not None
+        }
+        missing = [i for i in wanted if i not in kept and i not in projected]
         if missing:
             names = [n for n, p in self._copy.named_parameters() if self._index[id(p)] in missing]
             raise RuntimeError(
@@ -536,6 +571,7 @@ class FactorEngine:
             grams=grams if compute_grams else [],
             grad=grad,
             batch_grads=batch_grads,
+            projected=projected,
         )
 
 

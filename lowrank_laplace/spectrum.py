@@ -284,6 +284,7 @@ def ggn_eigh(
     threshold: Optional[float] = None,
     indices: Optional[Sequence[int]] = None,
     solver: str = "auto",
+    low_memory: bool = False,
 ) -> Union[LowRankGGN, List[LowRankGGN]]:
     """Eigenpairs of a mini-batch GGN from ``V`` computed in one backward pass.
 
@@ -291,6 +292,13 @@ def ggn_eigh(
     GGNs, ``'sum'``: their sum). With ``subsampling`` it is the GGN of the loss on
     those samples only (same reduction); with ``mc_samples=M`` the loss Hessian is
     replaced by a Monte-Carlo estimate from ``M`` sampled outputs per sample.
+
+    ``low_memory=True`` trades a second backward pass for memory: the first pass
+    keeps only the Gram matrices (each block of ``V`` is freed as soon as its Gram
+    contribution is added, as in :func:`ggn_eigvals`), the second recomputes the
+    blocks and maps the selected Gram eigenvectors to parameter space block by
+    block. Peak memory is then about one layer's block instead of all of ``V`` (for
+    the Monte-Carlo GGN the second pass replays the first pass's random draws).
 
     Args:
         model: The network (left unchanged; no hooks remain).
@@ -305,19 +313,57 @@ def ggn_eigh(
         threshold: Keep only eigenvalues ``>= threshold``.
         indices: Keep these positions of the descending nonzero spectrum instead.
         solver: ``'auto'``, ``'eigh'``, ``'arpack'`` or ``'matrix_free'`` (see
-            :func:`gram_eigh`).
+            :func:`gram_eigh`; ``'matrix_free'`` needs all of ``V`` and cannot be
+            combined with ``low_memory``).
+        low_memory: Two backward passes, never holding all of ``V`` (see above).
 
     Returns:
         A :class:`LowRankGGN`, or a list with one per group when ``param_groups``
         is given.
+
+    Raises:
+        ValueError: For ``low_memory=True`` with ``solver='matrix_free'``.
     """
+    if not low_memory:
+        with FactorEngine(model, loss_func) as engine:
+            factor = engine.compute(inputs, targets, mc_samples, subsampling, param_groups)
+        results = [
+            lowrank_ggn(factor, g, top_k, threshold, indices, solver)
+            for g in range(len(factor.groups))
+        ]
+        return results if param_groups is not None else results[0]
+    if solver == "matrix_free":
+        raise ValueError("solver='matrix_free' needs all of V: use low_memory=False.")
+    devices = [inputs.device] if inputs.device.type == "cuda" else []
     with FactorEngine(model, loss_func) as engine:
-        factor = engine.compute(inputs, targets, mc_samples, subsampling, param_groups)
+        state = _rng_state(devices)
+        grams = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
+                               keep_blocks=False, compute_grams=True)
+        selected = [gram_eigh(grams, g, top_k, threshold, indices, solver)
+                    for g in range(len(grams.groups))]
+        with torch.random.fork_rng(devices=devices):  # replay the same MC draws
+            _set_rng_state(state, devices)
+            projected = engine.compute(
+                inputs, targets, mc_samples, subsampling, param_groups, keep_blocks=False,
+                project=[gvecs / evals.sqrt() for evals, gvecs, _ in selected],
+            )
     results = [
-        lowrank_ggn(factor, g, top_k, threshold, indices, solver)
-        for g in range(len(factor.groups))
+        LowRankGGN(eigenvalues=evals, eigenvectors=projected.projected_flat(g),
+                   trace=grams.trace(g), all_eigenvalues=all_evals,
+                   shapes=[grams.shapes[i] for i in grams.groups[g]])
+        for g, (evals, _, all_evals) in enumerate(selected)
     ]
     return results if param_groups is not None else results[0]
+
+
+def _rng_state(devices: List[torch.device]) -> Tuple[Tensor, List[Tensor]]:
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+
+
+def _set_rng_state(state: Tuple[Tensor, List[Tensor]], devices: List[torch.device]) -> None:
+    torch.set_rng_state(state[0])
+    for d, s in zip(devices, state[1]):
+        torch.cuda.set_rng_state(s, d)
 
 
 def ggn_eigvals(

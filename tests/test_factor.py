@@ -42,6 +42,22 @@ def test_stagewise_gram_equals_kept(case):
         lean.matmul(torch.eye(lean.num_columns, dtype=torch.float64))
 
 
+def test_projection_pass_equals_products_with_kept_blocks(case):
+    model, loss_func, X, y = case
+    params = list(model.parameters())
+    groups = [{"params": params[:2]}, {"params": params[2:]}]
+    with FactorEngine(model, loss_func) as engine:
+        full = engine.compute(X, y, param_groups=groups)
+        Y = torch.randn(full.num_columns, 3, dtype=torch.float64)
+        lean = engine.compute(X, y, param_groups=groups, keep_blocks=False, project=[Y, None])
+        with pytest.raises(ValueError, match="one entry per group"):
+            engine.compute(X, y, param_groups=groups, project=[Y])
+    assert lean.blocks == {}
+    torch.testing.assert_close(lean.projected_flat(0), full.matmul(Y, 0), **TOL)
+    with pytest.raises(RuntimeError, match="not projected"):
+        lean.projected_flat(1)
+
+
 @pytest.mark.parametrize("loss", ["ce-mean", "ce-sum", "mse-mean", "mse-sum"])
 @pytest.mark.parametrize("arch", ["mlp", "cnn"])
 def test_subsampling_equals_dense_ggn_of_subset(arch, loss):
