@@ -167,5 +167,5 @@ def test_closed_engine(mlp):
         engine.compute(X, y)
     with pytest.raises(RuntimeError, match="engine is closed"):
         engine.compute(X, y)
-    with pytest.raises(ValueError, match="keep_blocks and/or compute_grams"):
+    with pytest.raises(ValueError, match="keep_blocks, compute_grams and/or project"):
         ll.FactorEngine(model, loss).compute(X, y, keep_blocks=False)
