@@ -18,7 +18,8 @@ from lowrank_laplace.directional import (
     newton_step_from_factor,
     snr,
 )
-from lowrank_laplace.factor import FactorEngine, GGNFactor
+from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.factor import GGNFactor
 from lowrank_laplace.laplace_backend import LowRankGGNLaplace, LowRankGGNLLLaplace
 from lowrank_laplace.merge import StreamingMerge
 from lowrank_laplace.posterior import LowRankPrecision

@@ -15,7 +15,7 @@ from torch import Tensor
 from lowrank_laplace._extensions import factor_columns
 
 if TYPE_CHECKING:
-    from lowrank_laplace.factor import FactorEngine
+    from lowrank_laplace.engine import FactorEngine
 
 DEFAULT_MEMORY_BUDGET = 2**30
 

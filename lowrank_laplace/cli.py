@@ -27,7 +27,7 @@ from torch import nn
 from lowrank_laplace import calibration, plots
 from lowrank_laplace.calibration import METHODS
 from lowrank_laplace.directional import directional_from_factor
-from lowrank_laplace.factor import FactorEngine
+from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.spectrum import gram_eigh
 
 

@@ -22,7 +22,8 @@ from typing import List, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from lowrank_laplace.factor import FactorEngine, GGNFactor
+from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.factor import GGNFactor
 from lowrank_laplace.spectrum import gram_eigh, to_parameter_space
 
 

@@ -39,7 +39,7 @@ from lowrank_laplace._fitting import (
     resolve_process_group,
     subsample_indices,
 )
-from lowrank_laplace.factor import FactorEngine
+from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.merge import StreamingMerge, concat_factors
 from lowrank_laplace.posterior import LowRankPrecision
 from lowrank_laplace.predictive import batched_glm_moments, glm_moments

@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from lowrank_laplace._blocks import Weight
-from lowrank_laplace.factor import FactorEngine, GGNFactor
+from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.factor import GGNFactor
 from lowrank_laplace.posterior import LowRankPrecision
 
 

@@ -19,7 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from lowrank_laplace._linalg import eigh
-from lowrank_laplace.factor import FactorEngine, GGNFactor
+from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.factor import GGNFactor
 
 
 @dataclass

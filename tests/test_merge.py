@@ -6,7 +6,7 @@ from torch import nn
 
 from lowrank_laplace._extensions import reduced_cross_entropy_sqrt
 from lowrank_laplace._fitting import merge_size
-from lowrank_laplace.factor import FactorEngine
+from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.merge import StreamingMerge, concat_factors
 
 from .conftest import make_case
