@@ -293,3 +293,12 @@ class GGNFactor:
         return sum(
             self.blocks[i].cross(self.batch_grads[i]) for i in self.groups[group]
         )
+
+
+def __getattr__(name: str):
+    """Keep ``from lowrank_laplace.factor import FactorEngine`` working (it moved)."""
+    if name == "FactorEngine":
+        from lowrank_laplace.engine import FactorEngine
+
+        return FactorEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

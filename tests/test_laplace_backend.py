@@ -520,6 +520,10 @@ def test_exported_names():
     assert ll.LowRankGGNLaplace is LowRankGGNLaplace
     assert LowRankGGNLaplace._key == ("all", "lowrank_ggn")
     assert LowRankGGNLLLaplace._key == ("last_layer", "lowrank_ggn")
+    from lowrank_laplace.engine import FactorEngine
+    from lowrank_laplace.factor import FactorEngine as moved  # old import path still works
+
+    assert moved is FactorEngine is ll.FactorEngine
 
 
 def test_diagonal_correction_against_dense_reference():
