@@ -1,7 +1,7 @@
 """Critical batch sizes N_crit: the largest mini-batch that fits a memory budget.
 
-For each task (GGN eigenvalues, top eigenpair, top eigenpair with
-``low_memory=True``, damped Newton step), curvature
+For each task (GGN eigenvalues, top eigenpair, damped Newton step; the last two
+also with ``low_memory=True``), curvature
 structure (full network, per-layer blocks), GGN approximation (exact, MC with one
 sample) and curvature data (the whole mini-batch ``mb``, or a sub-sample ``sub`` of
 one eighth of it), a driver bisects the batch size. Every probe runs in its own
@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness  # noqa: E402
 import _problems  # noqa: E402
 
-TASKS = ("eigvals", "eigpair", "eigpair_lowmem", "newton")
+TASKS = ("eigvals", "eigpair", "eigpair_lowmem", "newton", "newton_lowmem")
 STRUCTURES = ("full", "blocks")
 APPROXIMATIONS = ("exact", "mc")
 DATA = ("mb", "sub")
@@ -94,7 +94,9 @@ def run_task(task: str, structure: str, approx: str, data: str, problem: str, N:
             return ll.ggn_eigh(model, loss_func, X, y, top_k=1, **kwargs)
         if task == "eigpair_lowmem":
             return ll.ggn_eigh(model, loss_func, X, y, top_k=1, low_memory=True, **kwargs)
-        return ll.damped_newton_step(model, loss_func, X, y, damping=1.0, **kwargs)
+        low_memory = task == "newton_lowmem"
+        return ll.damped_newton_step(model, loss_func, X, y, damping=1.0,
+                                     low_memory=low_memory, **kwargs)
 
     return call
 
@@ -206,7 +208,7 @@ def table(records: Sequence[dict], problem: str) -> str:
             r = by.get(f"{task},{structure},{approx},{data}")
             cells.append("-" if r is None else f"{r['n_crit']}{'+' if r['capped'] else ''}")
         paper = ["-", "-"]
-        if task == "newton" and problem == "3c3d":
+        if task.startswith("newton") and problem == "3c3d":
             paper = [str(PAPER_NEWTON_3C3D[(structure, dev)][approx]) for dev in ("CPU", "GPU")]
         if any(c != "-" for c in cells):
             lines.append(f"| {task} | {structure} | {approx} | {' | '.join(cells)} | "

@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.engine import FactorEngine, RNGReplay
 from lowrank_laplace.factor import GGNFactor
 from lowrank_laplace.spectrum import gram_eigh, to_parameter_space
 
@@ -205,11 +205,17 @@ def damped_newton_step(
     mc_samples: int = 0,
     subsampling: Optional[Sequence[int]] = None,
     param_groups: Optional[List[dict]] = None,
+    low_memory: bool = False,
 ) -> Tensor:
     """Damped Newton step in the GGN's nonzero eigenspace, from one backward pass.
 
     ``step = sum_k -gamma_k / (lambda_k + damping) e_k`` with ``gamma_k = e_k^T g``.
     With ``param_groups`` each group gets its own (block-diagonal) step.
+
+    ``low_memory=True`` never holds all of ``V``: a plain backward pass gives the
+    gradient ``g``, a second pass (with BackPACK) accumulates the Gram matrix and
+    ``V^T g`` block by block, and a third forms the step ``V y`` block by block
+    (random draws are replayed, so the result is the same as in one pass).
 
     Args:
         model: The network (left unchanged).
@@ -221,18 +227,44 @@ def damped_newton_step(
         mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte-Carlo.
         subsampling: Indices of the samples used for the curvature.
         param_groups: Optimizer-style groups for a block-diagonal GGN.
+        low_memory: Three backward passes instead of one, holding at most one
+            layer's block of ``V`` at a time (see above).
 
     Returns:
         Flat step, shape ``(D,)``: over ``model.parameters()`` with
         ``requires_grad`` or, with ``param_groups``, the groups concatenated.
+
+    Raises:
+        ValueError: If ``damping`` is negative.
     """
+    if not low_memory:
+        with FactorEngine(model, loss_func) as engine:
+            factor = engine.compute(inputs, targets, mc_samples, subsampling, param_groups)
+        steps = [
+            newton_step_from_factor(factor, damping, g, top_k)
+            for g in range(len(factor.groups))
+        ]
+        return torch.cat(steps)
+    if damping < 0:
+        raise ValueError(f"damping must be non-negative, got {damping}.")
+    replay = RNGReplay(inputs.device)
     with FactorEngine(model, loss_func) as engine:
-        factor = engine.compute(inputs, targets, mc_samples, subsampling, param_groups)
-    steps = [
-        newton_step_from_factor(factor, damping, g, top_k)
-        for g in range(len(factor.groups))
-    ]
-    return torch.cat(steps)
+        grads = engine.gradient(inputs, targets, param_groups)
+        replay.restart()  # the Gram pass sees the gradient pass's dropout masks
+        first = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
+                               keep_blocks=False, compute_grams=True,
+                               t_project=[g[:, None] for g in grads])
+        replay.mark()
+        coefficients = []
+        for g in range(len(first.groups)):
+            evals, gvecs, _ = gram_eigh(first, g, top_k)
+            vtg = first.t_projected[g][:, 0]
+            # sum_k c_k e_k = V Q c / sqrt(lambda), c = -gamma / (lambda + delta)
+            coefficients.append(gvecs @ (-(gvecs.T @ vtg) / (evals * (evals + damping))))
+        with replay:
+            second = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
+                                    keep_blocks=False, project=[c[:, None] for c in coefficients])
+    return torch.cat([second.projected_flat(g)[:, 0] for g in range(len(first.groups))])
 
 
 def ggn_inverse_matvec(

@@ -68,8 +68,13 @@ class FactorEngine:
         self._index = {id(p): i for i, p in enumerate(self._copy_params)}
 
     def _extend(self, inputs: Tensor) -> None:
-        """Check the forward pass on one sample, then install BackPACK's hooks."""
-        with torch.no_grad():
+        """Check the forward pass on one sample, then install BackPACK's hooks.
+
+        The check draws no random numbers from the caller's generators (dropout in
+        train mode), so every pass sees the same draws whether or not it extends.
+        """
+        devices = [inputs.device] if inputs.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
             _checks.checked_forward(self._copy, inputs[:1])
         num_handles = len(CTX.hook_handles)
         extend(self._copy)
@@ -156,6 +161,37 @@ class FactorEngine:
         for src, dst in zip(self.model.modules(), self._copy.modules()):
             dst.training = False if self.eval_mode else src.training
 
+    def gradient(self, inputs: Tensor, targets: Optional[Tensor],
+                 param_groups: Optional[List[dict]] = None) -> List[Tensor]:
+        """The mini-batch gradient per group from a plain backward pass (no BackPACK).
+
+        Args:
+            inputs: Inputs, shape ``(N, ...)``.
+            targets: Targets (``None`` for ``MSELoss`` uses zeros).
+            param_groups: Optimizer-style groups; ``None`` is one group.
+
+        Returns:
+            One flat gradient per group, shape ``(D_g,)``.
+        """
+        if self._closed:
+            raise RuntimeError("The engine is closed: create a new FactorEngine.")
+        groups = _checks.resolve_param_groups(self.model, param_groups)
+        self._sync(groups)
+        with torch.enable_grad():
+            outputs = self._copy(inputs)
+            if targets is None:
+                targets = torch.zeros_like(outputs.detach())
+            _checks.check_targets(self.loss_func, outputs, targets)
+            loss = self._loss(outputs, targets)
+            _checks.check_finite(loss)
+            params = [self._copy_params[i] for g in groups for i in g]
+            with warnings.catch_warnings():  # BackPACK's hooks are installed but idle
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+        flat = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        sizes = [sum(self._copy_params[i].numel() for i in g) for g in groups]
+        return list(torch.cat([g.flatten() for g in flat]).split(sizes))
+
     def compute(
         self,
         inputs: Tensor,
@@ -167,6 +203,7 @@ class FactorEngine:
         compute_grams: bool = False,
         batch_grad: bool = False,
         project: Optional[Sequence[Optional[Tensor]]] = None,
+        t_project: Optional[Sequence[Optional[Tensor]]] = None,
     ) -> GGNFactor:
         """Run one backward pass and collect ``V`` (and gradients).
 
@@ -186,6 +223,9 @@ class FactorEngine:
                 formed block by block inside the backward pass (``factor.projected``),
                 so with ``keep_blocks=False`` no more than one block of ``V`` is
                 alive at a time.
+            t_project: One matrix ``x`` (``(D_g, K)``, flat over the group's
+                parameters) or ``None`` per group: ``V^T x`` is accumulated block by
+                block inside the backward pass (``factor.t_projected``).
 
         Returns:
             The factor.
@@ -197,7 +237,7 @@ class FactorEngine:
         """
         if self._closed:
             raise RuntimeError("The engine is closed: create a new FactorEngine.")
-        if not (keep_blocks or compute_grams or project is not None):
+        if not (keep_blocks or compute_grams or project is not None or t_project is not None):
             raise ValueError("Request keep_blocks, compute_grams and/or project.")
         if targets is None and not isinstance(self.loss_func, nn.MSELoss):
             raise ValueError("targets=None is only allowed for MSELoss.")
@@ -205,9 +245,15 @@ class FactorEngine:
         mc_samples = _checks.check_mc_samples(mc_samples)
         subsampling = _checks.check_subsampling(subsampling, n)
         groups = _checks.resolve_param_groups(self.model, param_groups)
-        if project is not None and len(project) != len(groups):
-            raise ValueError(f"project needs one entry per group ({len(groups)}), "
-                             f"got {len(project)}.")
+        for name, value in (("project", project), ("t_project", t_project)):
+            if value is not None and len(value) != len(groups):
+                raise ValueError(f"{name} needs one entry per group ({len(groups)}), "
+                                 f"got {len(value)}.")
+        t_parts: Dict[int, Tensor] = {}  # t_project split per parameter
+        for g, members in enumerate(groups):
+            if t_project is not None and t_project[g] is not None:
+                sizes = [self._copy_params[i].numel() for i in members]
+                t_parts.update(zip(members, t_project[g].split(sizes)))
         self._sync(groups)
         if self._handles is None:
             self._extend(inputs)
@@ -221,6 +267,8 @@ class FactorEngine:
         kept: Dict[int, Block] = {}
         batch_grads: Dict[int, Block] = {}
         projected: Dict[int, Tensor] = {}
+        t_projected: Dict[int, Tensor] = {}
+        t_done: set = set()
 
         ext = sqrt_ggn_extension(mc_samples, subsampling)
         exts = [ext, batch_grad_extension()] if batch_grad else [ext]
@@ -243,6 +291,11 @@ class FactorEngine:
                     kept[i] = block
                 if project is not None and project[group_of[i]] is not None:
                     projected[i] = block.matmul(project[group_of[i]])
+                if i in t_parts:
+                    g = group_of[i]
+                    part = block.t_matmul(t_parts[i])
+                    t_projected[g] = part if g not in t_projected else t_projected[g] + part
+                    t_done.add(i)
                 if batch_grad:
                     batch_grads[i] = _as_block(param.grad_batch, lead=1)
                     del param.grad_batch
@@ -274,6 +327,7 @@ class FactorEngine:
             i for i in group_of if project is not None and project[group_of[i]] is not None
         }
         missing = [i for i in wanted if i not in kept and i not in projected]
+        missing += [i for i in t_parts if i not in t_done]
         if missing:
             names = [n for n, p in self._copy.named_parameters() if self._index[id(p)] in missing]
             raise RuntimeError(
@@ -296,6 +350,7 @@ class FactorEngine:
             grad=grad,
             batch_grads=batch_grads,
             projected=projected,
+            t_projected=t_projected,
         )
 
 
@@ -314,3 +369,46 @@ def _as_block(value, lead: int) -> Block:
     if isinstance(value, (DenseBlock, KronBlock)):
         return value
     return DenseBlock(value.detach().reshape(math.prod(value.shape[:lead]), -1))
+
+
+class RNGReplay:
+    """Replay the random draws of an engine pass (MC samples, dropout) in later passes.
+
+    Created before the first pass, it saves the global RNG state (and that of a CUDA
+    device); :meth:`mark` records the state after the first pass. Every ``with``
+    block restores the saved state, so the pass inside draws the same numbers, and
+    on exit the caller's RNG is left as after the first pass only.
+
+    Args:
+        device: The device of the inputs (its generator is replayed too if CUDA).
+    """
+
+    def __init__(self, device: torch.device):
+        self.devices = [device] if device.type == "cuda" else []
+        self.start = self._get()
+        self.after_first = None
+
+    def _get(self):
+        return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices]
+
+    def _set(self, state) -> None:
+        torch.set_rng_state(state[0])
+        for d, s in zip(self.devices, state[1]):
+            torch.cuda.set_rng_state(s, d)
+
+    def mark(self) -> None:
+        """Record the state after the first pass."""
+        self.after_first = self._get()
+
+    def restart(self) -> None:
+        """Set the RNG back to the saved state (before a pass that counts as first)."""
+        self._set(self.start)
+
+    def __enter__(self) -> "RNGReplay":
+        if self.after_first is None:
+            self.mark()
+        self._set(self.start)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._set(self.after_first)

@@ -56,6 +56,8 @@ class GGNFactor:
         outputs: The model outputs on the batch (detached), shape ``(N, C)``.
         projected: ``V y`` restricted to each parameter for the matrices ``y`` given
             to :meth:`FactorEngine.compute` as ``project`` (``(d, K)`` per index).
+        t_projected: ``V^T x`` per group for the matrices ``x`` given as
+            ``t_project`` (``(M, K)`` per group index).
     """
 
     groups: List[List[int]]
@@ -72,6 +74,7 @@ class GGNFactor:
     grad: Dict[int, Tensor] = field(default_factory=dict)
     batch_grads: Dict[int, Block] = field(default_factory=dict)
     projected: Dict[int, Tensor] = field(default_factory=dict)
+    t_projected: Dict[int, Tensor] = field(default_factory=dict)
 
     @property
     def num_columns(self) -> int:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from lowrank_laplace._linalg import eigh
-from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.engine import FactorEngine, RNGReplay
 from lowrank_laplace.factor import GGNFactor
 
 
@@ -335,15 +335,14 @@ def ggn_eigh(
         return results if param_groups is not None else results[0]
     if solver == "matrix_free":
         raise ValueError("solver='matrix_free' needs all of V: use low_memory=False.")
-    devices = [inputs.device] if inputs.device.type == "cuda" else []
+    replay = RNGReplay(inputs.device)
     with FactorEngine(model, loss_func) as engine:
-        state = _rng_state(devices)
         grams = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
                                keep_blocks=False, compute_grams=True)
+        replay.mark()
         selected = [gram_eigh(grams, g, top_k, threshold, indices, solver)
                     for g in range(len(grams.groups))]
-        with torch.random.fork_rng(devices=devices):  # replay the same MC draws
-            _set_rng_state(state, devices)
+        with replay:  # the same MC draws (and dropout masks) as the first pass
             projected = engine.compute(
                 inputs, targets, mc_samples, subsampling, param_groups, keep_blocks=False,
                 project=[gvecs / evals.sqrt() for evals, gvecs, _ in selected],
@@ -356,15 +355,6 @@ def ggn_eigh(
     ]
     return results if param_groups is not None else results[0]
 
-
-def _rng_state(devices: List[torch.device]) -> Tuple[Tensor, List[Tensor]]:
-    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
-
-
-def _set_rng_state(state: Tuple[Tensor, List[Tensor]], devices: List[torch.device]) -> None:
-    torch.set_rng_state(state[0])
-    for d, s in zip(devices, state[1]):
-        torch.cuda.set_rng_state(s, d)
 
 
 def ggn_eigvals(

@@ -55,11 +55,13 @@ def test_snr_needs_two_samples():
         ll.snr(torch.ones(1, 3))
 
 
+@pytest.mark.parametrize("low_memory", [False, True], ids=["one-pass", "low-memory"])
 @pytest.mark.parametrize("top_k", [None, 2])
-def test_damped_newton_step(case, top_k):
+def test_damped_newton_step(case, top_k, low_memory):
     model, loss_func, X, y = case
     damping = 0.5
-    step = ll.damped_newton_step(model, loss_func, X, y, damping=damping, top_k=top_k)
+    step = ll.damped_newton_step(model, loss_func, X, y, damping=damping, top_k=top_k,
+                                 low_memory=low_memory)
     G = ref.ggn(model, loss_func, X, y)
     g = ref.gradient(model, loss_func, X, y)
     evals, evecs = torch.linalg.eigh(G)
@@ -89,6 +91,29 @@ def test_newton_step_block_diagonal():
     torch.testing.assert_close(step, torch.cat(parts), **TOL)
 
 
+
+def test_low_memory_newton_step_replays_draws():
+    """Dropout in train mode, MC draws, sub-sampling and groups: the three passes give
+    the one-pass step, and the caller's RNG advances as by one pass."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 3, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Dropout(0.3),
+        torch.nn.Linear(48, 4),
+    ).double()
+    X, y = torch.randn(10, 1, 6, 6, dtype=torch.float64), torch.randint(0, 4, (10,))
+    loss_func = torch.nn.CrossEntropyLoss()
+    groups = [{"params": list(model[0].parameters())}, {"params": list(model[4].parameters())}]
+    for kwargs in (dict(mc_samples=2), dict(subsampling=[0, 3, 5], param_groups=groups),
+                   dict(mc_samples=1, top_k=3)):
+        torch.manual_seed(5)
+        one = ll.damped_newton_step(model, loss_func, X, y, damping=0.5, **kwargs)
+        after_one = torch.get_rng_state()
+        torch.manual_seed(5)
+        three = ll.damped_newton_step(model, loss_func, X, y, damping=0.5, low_memory=True,
+                                      **kwargs)
+        assert torch.equal(torch.get_rng_state(), after_one)
+        torch.testing.assert_close(three, one, rtol=1e-10, atol=1e-12 * one.abs().max())
+
 def test_inverse_matvec_full_and_block_diagonal(case):
     model, loss_func, X, y = case
     G = ref.ggn(model, loss_func, X, y)
@@ -110,8 +135,9 @@ def test_inverse_matvec_full_and_block_diagonal(case):
 
 def test_newton_and_inverse_errors():
     model, loss_func, X, y = make_case("mlp", "ce-mean")
-    with pytest.raises(ValueError, match="damping must be non-negative"):
-        ll.damped_newton_step(model, loss_func, X, y, damping=-1.0)
+    for low_memory in (False, True):
+        with pytest.raises(ValueError, match="damping must be non-negative"):
+            ll.damped_newton_step(model, loss_func, X, y, damping=-1.0, low_memory=low_memory)
     D = sum(p.numel() for p in model.parameters())
     with pytest.raises(ValueError, match="damping must be positive"):
         ll.ggn_inverse_matvec(model, loss_func, X, y, torch.ones(D, dtype=X.dtype), damping=0.0)

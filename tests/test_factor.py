@@ -52,8 +52,16 @@ def test_projection_pass_equals_products_with_kept_blocks(case):
         lean = engine.compute(X, y, param_groups=groups, keep_blocks=False, project=[Y, None])
         with pytest.raises(ValueError, match="one entry per group"):
             engine.compute(X, y, param_groups=groups, project=[Y])
+        grads = engine.gradient(X, y, param_groups=groups)
+        x = torch.randn(full.group_dim(1), 2, dtype=torch.float64)
+        transposed = engine.compute(X, y, param_groups=groups, keep_blocks=False,
+                                    t_project=[None, x])
     assert lean.blocks == {}
     torch.testing.assert_close(lean.projected_flat(0), full.matmul(Y, 0), **TOL)
+    for g in range(2):
+        torch.testing.assert_close(grads[g], full.grad_flat(g), **TOL)
+    torch.testing.assert_close(transposed.t_projected[1], full.t_matmul(x, 1), **TOL)
+    assert 0 not in transposed.t_projected
     with pytest.raises(RuntimeError, match="not projected"):
         lean.projected_flat(1)
 
