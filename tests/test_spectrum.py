@@ -181,6 +181,16 @@ def test_results_follow_device_and_dtype(device, dtype):
     step = ll.damped_newton_step(model, loss_func, X, y)
     for t in (res.eigenvalues, res.eigenvectors, res.trace, dd.gammas, dd.lambdas, step):
         assert t.device.type == device and t.dtype == dtype
+    # the low-memory modes replay the device's MC draws: same results as one pass
+    torch.manual_seed(1)
+    mc = ll.ggn_eigh(model, loss_func, X, y, top_k=3, mc_samples=1)
+    mc_step = ll.damped_newton_step(model, loss_func, X, y, mc_samples=1)
+    torch.manual_seed(1)
+    low = ll.ggn_eigh(model, loss_func, X, y, top_k=3, mc_samples=1, low_memory=True)
+    low_step = ll.damped_newton_step(model, loss_func, X, y, mc_samples=1, low_memory=True)
+    assert low.eigenvectors.device.type == device and low_step.dtype == dtype
+    torch.testing.assert_close(low.eigenvalues, mc.eigenvalues)
+    torch.testing.assert_close(low_step, mc_step)
     cpu = ll.ggn_eigh(model.cpu().double(), loss_func, X.cpu().double(), y.cpu(), top_k=3)
     tol = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else TOL  # float32 rounding
     torch.testing.assert_close(res.eigenvalues.cpu().double(), cpu.eigenvalues, **tol)
