@@ -22,6 +22,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from lowrank_laplace import _checks
 from lowrank_laplace.engine import FactorEngine, RNGReplay
 from lowrank_laplace.factor import GGNFactor
 from lowrank_laplace.spectrum import gram_eigh, to_parameter_space
@@ -277,12 +278,15 @@ def ggn_inverse_matvec(
     mc_samples: int = 0,
     subsampling: Optional[Sequence[int]] = None,
     param_groups: Optional[List[dict]] = None,
+    low_memory: bool = False,
 ) -> Tensor:
     r"""Damped inverse GGN-vector products :math:`(G + \delta I)^{-1} x`.
 
     Uses the matrix inversion lemma with the ``M x M`` damped Gram matrix. With
     ``param_groups`` the GGN is block-diagonal and each block is inverted on its
-    own.
+    own. ``low_memory=True`` never holds all of ``V``: one pass accumulates the Gram
+    matrix and ``V^T x`` block by block, a second forms ``V`` times the small solve
+    block by block (random draws replayed).
 
     Args:
         model: The network (left unchanged).
@@ -295,19 +299,41 @@ def ggn_inverse_matvec(
         mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte-Carlo.
         subsampling: Indices of the samples used for the curvature.
         param_groups: Optimizer-style groups for a block-diagonal GGN.
+        low_memory: Two backward passes, never holding all of ``V`` (see above).
 
     Returns:
         Tensor of the same shape as ``vec``.
 
     Raises:
-        ValueError: If ``vec`` has the wrong length.
+        ValueError: If ``vec`` has the wrong length or ``damping <= 0``.
     """
-    with FactorEngine(model, loss_func) as engine:
-        factor = engine.compute(inputs, targets, mc_samples, subsampling, param_groups)
-    dims = [factor.group_dim(g) for g in range(len(factor.groups))]
+    if not damping > 0:
+        raise ValueError(f"damping must be positive, got {damping}.")
+    groups = _checks.resolve_param_groups(model, param_groups)
+    params = list(model.parameters())
+    dims = [sum(params[i].numel() for i in g) for g in groups]
     if vec.shape[0] != sum(dims):
         raise ValueError(f"vec has {vec.shape[0]} entries, the groups have {sum(dims)}.")
     x = vec if vec.ndim == 2 else vec[:, None]
-    parts = torch.split(x, dims, dim=0)
-    out = torch.cat([factor.inverse_matvec(p, damping, g) for g, p in enumerate(parts)])
+    parts = list(torch.split(x, dims, dim=0))
+    if not low_memory:
+        with FactorEngine(model, loss_func) as engine:
+            factor = engine.compute(inputs, targets, mc_samples, subsampling, param_groups)
+        out = torch.cat([factor.inverse_matvec(p, damping, g) for g, p in enumerate(parts)])
+        return out if vec.ndim == 2 else out[:, 0]
+    replay = RNGReplay(inputs.device)
+    with FactorEngine(model, loss_func) as engine:
+        first = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
+                               keep_blocks=False, compute_grams=True, t_project=parts)
+        replay.mark()
+        inner = []
+        for g in range(len(groups)):
+            gram = first.gram(g)
+            eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+            chol = torch.linalg.cholesky(gram + damping * eye)
+            inner.append(torch.cholesky_solve(first.t_projected[g], chol))
+        with replay:
+            second = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
+                                    keep_blocks=False, project=inner)
+    out = torch.cat([(p - second.projected_flat(g)) / damping for g, p in enumerate(parts)])
     return out if vec.ndim == 2 else out[:, 0]

@@ -93,8 +93,8 @@ def test_newton_step_block_diagonal():
 
 
 def test_low_memory_newton_step_replays_draws():
-    """Dropout in train mode, MC draws, sub-sampling and groups: the three passes give
-    the one-pass step, and the caller's RNG advances as by one pass."""
+    """Dropout in train mode, MC draws, sub-sampling and groups: the low-memory passes
+    give the one-pass step and inverse products; the caller's RNG advances as by one pass."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(1, 3, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Dropout(0.3),
@@ -113,19 +113,30 @@ def test_low_memory_newton_step_replays_draws():
                                       **kwargs)
         assert torch.equal(torch.get_rng_state(), after_one)
         torch.testing.assert_close(three, one, rtol=1e-10, atol=1e-12 * one.abs().max())
+        vec = torch.randn(one.shape[0], 2, dtype=torch.float64)
+        extra = {k: v for k, v in kwargs.items() if k != "top_k"}
+        torch.manual_seed(5)
+        inv = ll.ggn_inverse_matvec(model, loss_func, X, y, vec, damping=0.5, **extra)
+        torch.manual_seed(5)
+        inv2 = ll.ggn_inverse_matvec(model, loss_func, X, y, vec, damping=0.5, low_memory=True,
+                                     **extra)
+        torch.testing.assert_close(inv2, inv, rtol=1e-10, atol=1e-12 * inv.abs().max())
 
-def test_inverse_matvec_full_and_block_diagonal(case):
+@pytest.mark.parametrize("low_memory", [False, True], ids=["one-pass", "low-memory"])
+def test_inverse_matvec_full_and_block_diagonal(case, low_memory):
     model, loss_func, X, y = case
     G = ref.ggn(model, loss_func, X, y)
     D = G.shape[0]
     x = torch.randn(D, 2, dtype=G.dtype)
     delta = 0.3
-    out = ll.ggn_inverse_matvec(model, loss_func, X, y, x, damping=delta)
+    out = ll.ggn_inverse_matvec(model, loss_func, X, y, x, damping=delta,
+                                low_memory=low_memory)
     eye = torch.eye(D, dtype=G.dtype)
     torch.testing.assert_close(out, torch.linalg.solve(G + delta * eye, x), **TOL)
     params = list(model.parameters())
     groups = [{"params": [p]} for p in params]
-    out = ll.ggn_inverse_matvec(model, loss_func, X, y, x[:, 0], damping=delta, param_groups=groups)
+    out = ll.ggn_inverse_matvec(model, loss_func, X, y, x[:, 0], damping=delta, param_groups=groups,
+                                low_memory=low_memory)
     sizes = [p.numel() for p in params]
     starts = torch.tensor([0] + sizes).cumsum(0).tolist()
     blocks = [G[a : a + s, a : a + s] for a, s in zip(starts, sizes)]
@@ -139,7 +150,10 @@ def test_newton_and_inverse_errors():
         with pytest.raises(ValueError, match="damping must be non-negative"):
             ll.damped_newton_step(model, loss_func, X, y, damping=-1.0, low_memory=low_memory)
     D = sum(p.numel() for p in model.parameters())
-    with pytest.raises(ValueError, match="damping must be positive"):
-        ll.ggn_inverse_matvec(model, loss_func, X, y, torch.ones(D, dtype=X.dtype), damping=0.0)
-    with pytest.raises(ValueError, match="vec has 3 entries"):
-        ll.ggn_inverse_matvec(model, loss_func, X, y, torch.ones(3, dtype=X.dtype), damping=1.0)
+    for low_memory in (False, True):
+        with pytest.raises(ValueError, match="damping must be positive"):
+            ll.ggn_inverse_matvec(model, loss_func, X, y, torch.ones(D, dtype=X.dtype),
+                                  damping=0.0, low_memory=low_memory)
+        with pytest.raises(ValueError, match="vec has 3 entries"):
+            ll.ggn_inverse_matvec(model, loss_func, X, y, torch.ones(3, dtype=X.dtype),
+                                  damping=1.0, low_memory=low_memory)
