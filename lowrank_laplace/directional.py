@@ -100,9 +100,21 @@ def directional_from_factor(
     Raises:
         ValueError: If the factor has no per-sample gradients.
     """
-    if not factor.batch_grads:
+    evals, gvecs = _directional_eigh(factor, group, top_k, threshold, indices)
+    return _directional(factor, group, evals, gvecs,
+                        to_parameter_space(factor, evals, gvecs, group))
+
+
+def _directional_eigh(factor: GGNFactor, group: int, top_k, threshold, indices):
+    if not (factor.batch_grads or group in factor.t_batch_grads):
         raise ValueError("The factor has no per-sample gradients: compute it with batch_grad=True.")
     evals, gvecs, _ = gram_eigh(factor, group, top_k, threshold, indices)
+    return evals, gvecs
+
+
+def _directional(factor: GGNFactor, group: int, evals: Tensor, gvecs: Tensor,
+                 eigenvectors: Tensor) -> DirectionalDerivatives:
+    """Slopes and curvatures from the selected Gram eigenpairs of one group."""
     # BackPACK's column order is (vector, sample)
     sq = gvecs.reshape(factor.num_vectors, factor.num_curv_samples, -1).pow(2).sum(0)
     lambdas = factor.sample_scale * evals * sq
@@ -113,7 +125,7 @@ def directional_from_factor(
         gammas=gammas,
         lambdas=lambdas,
         eigenvalues=evals,
-        eigenvectors=to_parameter_space(factor, evals, gvecs, group),
+        eigenvectors=eigenvectors,
         reduction=factor.reduction,
     )
 
@@ -130,6 +142,7 @@ def directional_derivatives(
     *,
     threshold: Optional[float] = None,
     indices: Optional[Sequence[int]] = None,
+    low_memory: bool = False,
 ) -> Union[DirectionalDerivatives, List[DirectionalDerivatives]]:
     """Per-sample slopes and curvatures along the GGN's eigenvectors, one backward pass.
 
@@ -137,6 +150,11 @@ def directional_derivatives(
     eigenvectors and ``lambdas`` use the curvature approximation chosen by
     ``mc_samples`` and ``subsampling`` (``lambdas`` then has one row per
     curvature sample; for MC they are MC estimates of the per-sample curvature).
+
+    ``low_memory=True`` never holds all of ``V`` or of the per-sample gradients: one
+    pass accumulates the Gram matrix and ``V^T [g_1, ..., g_N]`` block by block, a
+    second maps the selected eigenvectors to parameter space block by block (random
+    draws replayed).
 
     Args:
         model: The network (left unchanged).
@@ -149,17 +167,37 @@ def directional_derivatives(
         param_groups: Optimizer-style groups for a block-diagonal GGN.
         threshold: Keep only eigenvalues ``>= threshold``.
         indices: Keep these positions of the descending nonzero spectrum instead.
+        low_memory: Two backward passes, never holding all of ``V`` (see above).
 
     Returns:
         :class:`DirectionalDerivatives` (a list, one per group, with ``param_groups``).
     """
+    if not low_memory:
+        with FactorEngine(model, loss_func) as engine:
+            factor = engine.compute(
+                inputs, targets, mc_samples, subsampling, param_groups, batch_grad=True
+            )
+        results = [
+            directional_from_factor(factor, g, top_k, threshold, indices)
+            for g in range(len(factor.groups))
+        ]
+        return results if param_groups is not None else results[0]
+    replay = RNGReplay(inputs.device)
     with FactorEngine(model, loss_func) as engine:
-        factor = engine.compute(
-            inputs, targets, mc_samples, subsampling, param_groups, batch_grad=True
-        )
+        first = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
+                               keep_blocks=False, compute_grams=True, batch_grad=True,
+                               cross_batch_grads=True)
+        replay.mark()
+        selected = [_directional_eigh(first, g, top_k, threshold, indices)
+                    for g in range(len(first.groups))]
+        with replay:
+            second = engine.compute(
+                inputs, targets, mc_samples, subsampling, param_groups, keep_blocks=False,
+                project=[gvecs / evals.sqrt() for evals, gvecs in selected],
+            )
     results = [
-        directional_from_factor(factor, g, top_k, threshold, indices)
-        for g in range(len(factor.groups))
+        _directional(first, g, evals, gvecs, second.projected_flat(g))
+        for g, (evals, gvecs) in enumerate(selected)
     ]
     return results if param_groups is not None else results[0]
 

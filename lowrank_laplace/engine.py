@@ -204,6 +204,7 @@ class FactorEngine:
         batch_grad: bool = False,
         project: Optional[Sequence[Optional[Tensor]]] = None,
         t_project: Optional[Sequence[Optional[Tensor]]] = None,
+        cross_batch_grads: bool = False,
     ) -> GGNFactor:
         """Run one backward pass and collect ``V`` (and gradients).
 
@@ -226,6 +227,9 @@ class FactorEngine:
             t_project: One matrix ``x`` (``(D_g, K)``, flat over the group's
                 parameters) or ``None`` per group: ``V^T x`` is accumulated block by
                 block inside the backward pass (``factor.t_projected``).
+            cross_batch_grads: With ``batch_grad``: accumulate ``V^T [g_1, ..., g_N]``
+                per group block by block (``factor.t_batch_grads``) instead of
+                keeping the per-sample gradients.
 
         Returns:
             The factor.
@@ -239,6 +243,8 @@ class FactorEngine:
             raise RuntimeError("The engine is closed: create a new FactorEngine.")
         if not (keep_blocks or compute_grams or project is not None or t_project is not None):
             raise ValueError("Request keep_blocks, compute_grams and/or project.")
+        if cross_batch_grads and not batch_grad:
+            raise ValueError("cross_batch_grads needs batch_grad=True.")
         if targets is None and not isinstance(self.loss_func, nn.MSELoss):
             raise ValueError("targets=None is only allowed for MSELoss.")
         n = _checks.check_batch(inputs, inputs if targets is None else targets)
@@ -269,6 +275,7 @@ class FactorEngine:
         projected: Dict[int, Tensor] = {}
         t_projected: Dict[int, Tensor] = {}
         t_done: set = set()
+        t_batch: Dict[int, Tensor] = {}
 
         ext = sqrt_ggn_extension(mc_samples, subsampling)
         exts = [ext, batch_grad_extension()] if batch_grad else [ext]
@@ -297,8 +304,14 @@ class FactorEngine:
                     t_projected[g] = part if g not in t_projected else t_projected[g] + part
                     t_done.add(i)
                 if batch_grad:
-                    batch_grads[i] = _as_block(param.grad_batch, lead=1)
+                    grads_i = _as_block(param.grad_batch, lead=1)
                     del param.grad_batch
+                    if cross_batch_grads:
+                        g = group_of[i]
+                        part = block.cross(grads_i)
+                        t_batch[g] = part if g not in t_batch else t_batch[g] + part
+                    else:
+                        batch_grads[i] = grads_i
 
         with torch.enable_grad():
             outputs = self._copy(inputs)
@@ -351,6 +364,7 @@ class FactorEngine:
             batch_grads=batch_grads,
             projected=projected,
             t_projected=t_projected,
+            t_batch_grads=t_batch,
         )
 
 

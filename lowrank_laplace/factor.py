@@ -58,6 +58,8 @@ class GGNFactor:
             to :meth:`FactorEngine.compute` as ``project`` (``(d, K)`` per index).
         t_projected: ``V^T x`` per group for the matrices ``x`` given as
             ``t_project`` (``(M, K)`` per group index).
+        t_batch_grads: ``V^T [g_1, ..., g_N]`` per group accumulated in the pass
+            (``cross_batch_grads``), shape ``(M, N)``.
     """
 
     groups: List[List[int]]
@@ -75,6 +77,7 @@ class GGNFactor:
     batch_grads: Dict[int, Block] = field(default_factory=dict)
     projected: Dict[int, Tensor] = field(default_factory=dict)
     t_projected: Dict[int, Tensor] = field(default_factory=dict)
+    t_batch_grads: Dict[int, Tensor] = field(default_factory=dict)
 
     @property
     def num_columns(self) -> int:
@@ -293,6 +296,8 @@ class GGNFactor:
         Returns:
             Tensor of shape ``(M, N)``.
         """
+        if group in self.t_batch_grads:
+            return self.t_batch_grads[group]
         return sum(
             self.blocks[i].cross(self.batch_grads[i]) for i in self.groups[group]
         )

@@ -10,9 +10,10 @@ from tests.conftest import make_case
 TOL = dict(rtol=1e-5, atol=1e-8)
 
 
-def test_directional_derivatives_brute_force(case):
+@pytest.mark.parametrize("low_memory", [False, True], ids=["one-pass", "low-memory"])
+def test_directional_derivatives_brute_force(case, low_memory):
     model, loss_func, X, y = case
-    dd = ll.directional_derivatives(model, loss_func, X, y, top_k=3)
+    dd = ll.directional_derivatives(model, loss_func, X, y, top_k=3, low_memory=low_memory)
     U = dd.eigenvectors
     g_n = ref.per_sample_grads(model, loss_func, X, y)
     G_n = ref.per_sample_ggns(model, loss_func, X, y)
@@ -31,10 +32,12 @@ def test_directional_derivatives_brute_force(case):
     torch.testing.assert_close(dd.lambda_snr, dd.lambdas.mean(0) ** 2 / var, **TOL)
 
 
-def test_directional_derivatives_subsampling_and_groups():
+@pytest.mark.parametrize("low_memory", [False, True], ids=["one-pass", "low-memory"])
+def test_directional_derivatives_subsampling_and_groups(low_memory):
     model, loss_func, X, y = make_case("cnn", "ce-mean", n=6)
     sub = [1, 2, 5]
-    dd = ll.directional_derivatives(model, loss_func, X, y, top_k=2, subsampling=sub)
+    dd = ll.directional_derivatives(model, loss_func, X, y, top_k=2, subsampling=sub,
+                                    low_memory=low_memory)
     assert dd.gammas.shape == (6, 2) and dd.lambdas.shape == (3, 2)
     G_n = ref.per_sample_ggns(model, loss_func, X, y, subsampling=sub)
     U = dd.eigenvectors
@@ -43,7 +46,8 @@ def test_directional_derivatives_subsampling_and_groups():
 
     params = list(model.parameters())
     groups = [{"params": params[:2]}, {"params": params[2:]}]
-    dds = ll.directional_derivatives(model, loss_func, X, y, top_k=2, param_groups=groups)
+    dds = ll.directional_derivatives(model, loss_func, X, y, top_k=2, param_groups=groups,
+                                     low_memory=low_memory)
     d = sum(p.numel() for p in params[:2])
     g_n = ref.per_sample_grads(model, loss_func, X, y)
     torch.testing.assert_close(dds[0].gammas, g_n[:, :d] @ dds[0].eigenvectors, **TOL)
@@ -94,7 +98,8 @@ def test_newton_step_block_diagonal():
 
 def test_low_memory_newton_step_replays_draws():
     """Dropout in train mode, MC draws, sub-sampling and groups: the low-memory passes
-    give the one-pass step and inverse products; the caller's RNG advances as by one pass."""
+    give the one-pass step, inverse products and directional derivatives; the caller's
+    RNG advances as by one pass."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(1, 3, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Dropout(0.3),
@@ -121,6 +126,14 @@ def test_low_memory_newton_step_replays_draws():
         inv2 = ll.ggn_inverse_matvec(model, loss_func, X, y, vec, damping=0.5, low_memory=True,
                                      **extra)
         torch.testing.assert_close(inv2, inv, rtol=1e-10, atol=1e-12 * inv.abs().max())
+        torch.manual_seed(5)
+        dd = ll.directional_derivatives(model, loss_func, X, y, **kwargs)
+        torch.manual_seed(5)
+        dd2 = ll.directional_derivatives(model, loss_func, X, y, low_memory=True, **kwargs)
+        for a, b in zip(*(r if isinstance(r, list) else [r] for r in (dd, dd2))):
+            for name in ("gammas", "lambdas", "eigenvalues", "eigenvectors"):
+                torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=1e-10,
+                                           atol=1e-12 * getattr(a, name).abs().max())
 
 @pytest.mark.parametrize("low_memory", [False, True], ids=["one-pass", "low-memory"])
 def test_inverse_matvec_full_and_block_diagonal(case, low_memory):

@@ -52,6 +52,8 @@ def test_projection_pass_equals_products_with_kept_blocks(case):
         lean = engine.compute(X, y, param_groups=groups, keep_blocks=False, project=[Y, None])
         with pytest.raises(ValueError, match="one entry per group"):
             engine.compute(X, y, param_groups=groups, project=[Y])
+        with pytest.raises(ValueError, match="cross_batch_grads needs batch_grad=True"):
+            engine.compute(X, y, cross_batch_grads=True)
         grads = engine.gradient(X, y, param_groups=groups)
         x = torch.randn(full.group_dim(1), 2, dtype=torch.float64)
         transposed = engine.compute(X, y, param_groups=groups, keep_blocks=False,
