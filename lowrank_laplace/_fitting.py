@@ -148,7 +148,8 @@ def merge_size(columns_per_sample: int, keep: int, dim: int, gram_dim: int, num_
 
 
 def micro_batch_size(engine: "FactorEngine", X: Tensor, num_vectors: Optional[int],
-                     budget: Union[int, float, None], cap: Optional[int]) -> int:
+                     budget: Union[int, float, None], cap: Optional[int],
+                     one_block: bool = False) -> int:
     """Samples per backward pass: what fits the memory budget (and the user's cap).
 
     Args:
@@ -157,6 +158,7 @@ def micro_batch_size(engine: "FactorEngine", X: Tensor, num_vectors: Optional[in
         num_vectors: Columns per sample (``None``: the loss's exact factor).
         budget: ``memory_budget`` as given by the user.
         cap: ``micro_batch_size`` as given by the user, or ``None``.
+        one_block: Passes that hold one block of ``V`` at a time (``low_memory``).
 
     Returns:
         The number of samples.
@@ -164,7 +166,7 @@ def micro_batch_size(engine: "FactorEngine", X: Tensor, num_vectors: Optional[in
     Raises:
         ValueError: If one sample does not fit the budget.
     """
-    per_sample = engine.bytes_per_sample(X, num_vectors)
+    per_sample = engine.bytes_per_sample(X, num_vectors, one_block=one_block)
     budget = resolve_memory_budget(budget, X.device)
     if per_sample > budget:
         raise ValueError(
@@ -178,7 +180,7 @@ def micro_batch_size(engine: "FactorEngine", X: Tensor, num_vectors: Optional[in
 
 def merge_plan(engine: "FactorEngine", X: Tensor, mc_samples: int, batch_size: int,
                num_data: int, keep: int, budget: Union[int, float, None],
-               cap: Optional[int]) -> Tuple[int, int]:
+               cap: Optional[int], low_memory: bool = False) -> Tuple[int, int]:
     """Samples per backward pass and samples per merge.
 
     The merge size comes from :func:`merge_size`; merges spanning several batches
@@ -194,18 +196,22 @@ def merge_plan(engine: "FactorEngine", X: Tensor, mc_samples: int, batch_size: i
         keep: Eigenpairs kept while streaming (rank + oversampling).
         budget: ``memory_budget`` as given by the user.
         cap: ``micro_batch_size`` as given by the user, or ``None``.
+        low_memory: Every micro-batch is one merge computed by passes that hold one
+            block of ``V`` at a time (no concatenated copies).
 
     Returns:
         ``(micro-batch size, merge size)`` in samples.
     """
-    limit = micro_batch_size(engine, X, mc_samples or None, budget, cap)
+    limit = micro_batch_size(engine, X, mc_samples or None, budget, cap, one_block=low_memory)
     cols = factor_columns(engine.loss_func, (1, engine.num_outputs), mc_samples)
     chunk = merge_size(
         columns_per_sample=cols, keep=keep,
         dim=sum(p.numel() for p in engine.model.parameters() if p.requires_grad),
         gram_dim=engine.dense_param_count(), num_data=num_data,
-        limit=limit if limit <= batch_size else max(batch_size, limit // 2),
+        limit=limit if (low_memory or limit <= batch_size) else max(batch_size, limit // 2),
     )
+    if low_memory:
+        return chunk, chunk
     return min(chunk, limit), chunk
 
 
@@ -226,3 +232,83 @@ def subsample_indices(n: int, fraction: Optional[float], generator: torch.Genera
     k = max(1, round(fraction * n))
     # the generator lives on the CPU whatever torch.set_default_device says
     return torch.randperm(n, generator=generator, device="cpu")[:k].tolist(), n / k
+
+
+class RecomputedFactor:
+    """A micro-batch's GGN factor for low-memory fits, recomputed instead of kept.
+
+    Stands in for :class:`~lowrank_laplace.factor.GGNFactor` (one group) in
+    :meth:`~lowrank_laplace.merge.StreamingMerge.add_factor`. Construction runs one
+    backward pass that accumulates, block by block, the Gram matrix, the diagonal
+    (if tracked) and the products ``V^T x`` with the merge's current basis and
+    deferred corrections (:meth:`~lowrank_laplace.merge.StreamingMerge.projection_targets`);
+    each ``V y`` product (:meth:`matmul_add_`) recomputes ``V`` in another pass with
+    the same random draws. No more than one layer's block of ``V`` is alive at a time.
+
+    Args:
+        engine: The fit's engine.
+        inputs: The micro-batch's inputs.
+        targets: Its targets.
+        mc_samples: ``0`` (exact) or MC samples per data point.
+        subsampling: Curvature sample indices or ``None``.
+        targets_x: The matrices ``x`` whose ``V^T x`` the merge will ask for.
+        diagonal: Also accumulate the GGN diagonal.
+    """
+
+    def __init__(self, engine: "FactorEngine", inputs: Tensor, targets: Tensor,
+                 mc_samples: int, subsampling: Optional[List[int]],
+                 targets_x: List[Tensor], diagonal: bool):
+        from lowrank_laplace.engine import RNGReplay
+
+        self._engine = engine
+        self._args = (inputs, targets, mc_samples, subsampling)
+        self._replay = RNGReplay(inputs.device)
+        first = engine.compute(*self._args, keep_blocks=False, compute_grams=True,
+                               compute_diag=diagonal,
+                               t_project=[list(targets_x)] if targets_x else None)
+        self._replay.mark()
+        products = first.t_projected.get(0, [])
+        self._products = [(x, p) for x, p in zip(targets_x, products)]
+        self.first = first
+        self.loss, self.outputs = first.loss, first.outputs
+        self.num_columns = first.num_columns
+        self.num_curv_samples = first.num_curv_samples
+
+    def group_dim(self, group: int = 0) -> int:
+        """Parameters ``D``."""
+        return self.first.group_dim(group)
+
+    def gram(self, group: int = 0) -> Tensor:
+        """``V^T V`` from the first pass."""
+        return self.first.gram(group)
+
+    def diag(self, group: int = 0) -> Tensor:
+        """The GGN diagonal from the first pass."""
+        return self.first.diag(group)
+
+    def trace(self, group: int = 0) -> Tensor:
+        """The exact trace."""
+        return self.first.trace(group)
+
+    def t_matmul(self, x: Tensor, group: int = 0) -> Tensor:
+        """``V^T x`` for one of the matrices given before the first pass.
+
+        Raises:
+            RuntimeError: For any other matrix.
+        """
+        for target, product in self._products:
+            if target is x:
+                return product
+        raise RuntimeError("RecomputedFactor: V^T x is only available for the merge's "
+                           "projection targets given before the pass.")
+
+    def matmul_add_(self, out: Tensor, y: Tensor, group: int = 0) -> Tensor:
+        """``out += V y`` by another backward pass (same random draws)."""
+        with self._replay:
+            self._engine.compute(*self._args, keep_blocks=False, project_into=[(out, y)])
+        return out
+
+    def matmul(self, y: Tensor, group: int = 0) -> Tensor:
+        """``V y`` by another backward pass."""
+        out = y.new_zeros(self.group_dim(group), y.shape[1])
+        return self.matmul_add_(out, y, group)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from backpack import backpack, extend
@@ -81,24 +81,29 @@ class FactorEngine:
         extend(self._loss)
         self._handles = CTX.hook_handles[num_handles:]
 
-    def dense_param_count(self) -> int:
+    def dense_param_count(self, largest: bool = False) -> int:
         """Entries of ``V``'s rows that are stored explicitly, per column.
 
         Trainable parameters count fully, except ``nn.Linear`` weights, which are
         kept factored (``out + in`` numbers per column).
 
+        Args:
+            largest: Count only the largest single parameter's block (what a pass
+                that frees every block after its layer holds at once).
+
         Returns:
             The count.
         """
-        dense = 0
+        sizes = [0]
         for module in self._copy.modules():
             for name, p in module.named_parameters(recurse=False):
                 if p.requires_grad:
                     factored = isinstance(module, nn.Linear) and name == "weight"
-                    dense += sum(p.shape) if factored else p.numel()
-        return dense
+                    sizes.append(sum(p.shape) if factored else p.numel())
+        return max(sizes) if largest else sum(sizes)
 
-    def bytes_per_sample(self, inputs: Tensor, num_vectors: Optional[int] = None) -> int:
+    def bytes_per_sample(self, inputs: Tensor, num_vectors: Optional[int] = None,
+                         one_block: bool = False) -> int:
         """Estimate the memory one sample adds to a computation of ``V``.
 
         Counts the expanded blocks (``num_vectors`` vectors over every trainable
@@ -109,11 +114,12 @@ class FactorEngine:
             inputs: A batch of inputs (only the first sample is used).
             num_vectors: Vectors per sample (``mc_samples`` for MC); ``None`` uses
                 the exact GGN's (``C``, or ``C - 1`` for cross-entropy).
+            one_block: Count only the largest block (passes that keep no blocks).
 
         Returns:
             Estimated bytes per sample.
         """
-        dense, feature_sizes = self.dense_param_count(), [0]
+        dense, feature_sizes = self.dense_param_count(largest=one_block), [0]
 
         def hook(module, inp, out):
             if isinstance(out, Tensor):
@@ -205,6 +211,8 @@ class FactorEngine:
         project: Optional[Sequence[Optional[Tensor]]] = None,
         t_project: Optional[Sequence[Optional[Tensor]]] = None,
         cross_batch_grads: bool = False,
+        compute_diag: bool = False,
+        project_into: Optional[Sequence[Optional[Tuple[Tensor, Tensor]]]] = None,
     ) -> GGNFactor:
         """Run one backward pass and collect ``V`` (and gradients).
 
@@ -225,11 +233,16 @@ class FactorEngine:
                 so with ``keep_blocks=False`` no more than one block of ``V`` is
                 alive at a time.
             t_project: One matrix ``x`` (``(D_g, K)``, flat over the group's
-                parameters) or ``None`` per group: ``V^T x`` is accumulated block by
-                block inside the backward pass (``factor.t_projected``).
+                parameters), a list of such matrices, or ``None`` per group: ``V^T x``
+                is accumulated block by block inside the backward pass
+                (``factor.t_projected``, a list where a list was given).
             cross_batch_grads: With ``batch_grad``: accumulate ``V^T [g_1, ..., g_N]``
                 per group block by block (``factor.t_batch_grads``) instead of
                 keeping the per-sample gradients.
+            compute_diag: Accumulate the GGN diagonal per parameter block by block
+                (``factor.diag``) without keeping the blocks.
+            project_into: One pair ``(out, y)`` (``(D_g, K)``, ``(M, K)``) or ``None``
+                per group: ``out += V y`` in place, block by block.
 
         Returns:
             The factor.
@@ -241,7 +254,8 @@ class FactorEngine:
         """
         if self._closed:
             raise RuntimeError("The engine is closed: create a new FactorEngine.")
-        if not (keep_blocks or compute_grams or project is not None or t_project is not None):
+        if not (keep_blocks or compute_grams or project is not None or t_project is not None
+                or project_into is not None):
             raise ValueError("Request keep_blocks, compute_grams and/or project.")
         if cross_batch_grads and not batch_grad:
             raise ValueError("cross_batch_grads needs batch_grad=True.")
@@ -251,15 +265,25 @@ class FactorEngine:
         mc_samples = _checks.check_mc_samples(mc_samples)
         subsampling = _checks.check_subsampling(subsampling, n)
         groups = _checks.resolve_param_groups(self.model, param_groups)
-        for name, value in (("project", project), ("t_project", t_project)):
+        for name, value in (("project", project), ("t_project", t_project),
+                            ("project_into", project_into)):
             if value is not None and len(value) != len(groups):
                 raise ValueError(f"{name} needs one entry per group ({len(groups)}), "
                                  f"got {len(value)}.")
-        t_parts: Dict[int, Tensor] = {}  # t_project split per parameter
+        t_parts: Dict[int, List[Tensor]] = {}  # t_project split per parameter
+        t_listed: Dict[int, bool] = {}  # group's t_project given as a list
+        into: Dict[int, Tuple[Tensor, Tensor]] = {}  # project_into: (out part, y)
         for g, members in enumerate(groups):
+            sizes = [self._copy_params[i].numel() for i in members]
             if t_project is not None and t_project[g] is not None:
-                sizes = [self._copy_params[i].numel() for i in members]
-                t_parts.update(zip(members, t_project[g].split(sizes)))
+                mats = t_project[g]
+                t_listed[g] = not isinstance(mats, Tensor)
+                splits = [m.split(sizes) for m in (mats if t_listed[g] else [mats])]
+                for j, i in enumerate(members):
+                    t_parts[i] = [parts[j] for parts in splits]
+            if project_into is not None and project_into[g] is not None:
+                out, y = project_into[g]
+                into.update((i, (part, y)) for i, part in zip(members, out.split(sizes)))
         self._sync(groups)
         if self._handles is None:
             self._extend(inputs)
@@ -273,9 +297,10 @@ class FactorEngine:
         kept: Dict[int, Block] = {}
         batch_grads: Dict[int, Block] = {}
         projected: Dict[int, Tensor] = {}
-        t_projected: Dict[int, Tensor] = {}
+        t_projected: Dict[int, List[Tensor]] = {}
         t_done: set = set()
         t_batch: Dict[int, Tensor] = {}
+        diagonals: Dict[int, Tensor] = {}
 
         ext = sqrt_ggn_extension(mc_samples, subsampling)
         exts = [ext, batch_grad_extension()] if batch_grad else [ext]
@@ -298,10 +323,16 @@ class FactorEngine:
                     kept[i] = block
                 if project is not None and project[group_of[i]] is not None:
                     projected[i] = block.matmul(project[group_of[i]])
+                if compute_diag:
+                    diagonals[i] = block.diag_outer()
+                if i in into:
+                    block.matmul_add_(*into[i])
+                    t_done.add(("into", i))
                 if i in t_parts:
                     g = group_of[i]
-                    part = block.t_matmul(t_parts[i])
-                    t_projected[g] = part if g not in t_projected else t_projected[g] + part
+                    parts = [block.t_matmul(x) for x in t_parts[i]]
+                    acc = t_projected.get(g)
+                    t_projected[g] = parts if acc is None else [a + b for a, b in zip(acc, parts)]
                     t_done.add(i)
                 if batch_grad:
                     grads_i = _as_block(param.grad_batch, lead=1)
@@ -341,6 +372,7 @@ class FactorEngine:
         }
         missing = [i for i in wanted if i not in kept and i not in projected]
         missing += [i for i in t_parts if i not in t_done]
+        missing += [i for i in into if ("into", i) not in t_done]
         if missing:
             names = [n for n, p in self._copy.named_parameters() if self._index[id(p)] in missing]
             raise RuntimeError(
@@ -363,8 +395,9 @@ class FactorEngine:
             grad=grad,
             batch_grads=batch_grads,
             projected=projected,
-            t_projected=t_projected,
+            t_projected={g: v if t_listed[g] else v[0] for g, v in t_projected.items()},
             t_batch_grads=t_batch,
+            diagonals=diagonals,
         )
 
 

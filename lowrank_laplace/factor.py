@@ -60,6 +60,8 @@ class GGNFactor:
             ``t_project`` (``(M, K)`` per group index).
         t_batch_grads: ``V^T [g_1, ..., g_N]`` per group accumulated in the pass
             (``cross_batch_grads``), shape ``(M, N)``.
+        diagonals: GGN diagonal per parameter index accumulated in the pass
+            (``compute_diag``).
     """
 
     groups: List[List[int]]
@@ -78,6 +80,7 @@ class GGNFactor:
     projected: Dict[int, Tensor] = field(default_factory=dict)
     t_projected: Dict[int, Tensor] = field(default_factory=dict)
     t_batch_grads: Dict[int, Tensor] = field(default_factory=dict)
+    diagonals: Dict[int, Tensor] = field(default_factory=dict)
 
     @property
     def num_columns(self) -> int:
@@ -186,6 +189,8 @@ class GGNFactor:
         Returns:
             The GGN diagonal (linear-layer blocks stay factored).
         """
+        if self.diagonals and all(i in self.diagonals for i in self.groups[group]):
+            return torch.cat([self.diagonals[i] for i in self.groups[group]])
         return torch.cat([b.diag_outer() for b in self._blocks(group)])
 
     def t_matmul(self, x: Tensor, group: int = 0) -> Tensor:

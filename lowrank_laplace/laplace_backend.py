@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 
 from lowrank_laplace._fitting import (
     PrivateRNG,
+    RecomputedFactor,
     merge_plan,
     micro_batch_size,
     process_rank,
@@ -89,6 +90,11 @@ class LowRankGGNLaplace(ParametricLaplace):
         seed: Seed for curvature sub-sampling and the Monte-Carlo draws of
             ``mc_samples`` (offset by the process rank when fitting data-parallel);
             the fit leaves the global random state untouched.
+        low_memory: Never hold a micro-batch's whole ``V``: each micro-batch is one
+            merge computed by two backward passes (Gram matrix, diagonal and
+            products with the basis; then the basis update ``V C``), each holding one
+            layer's block at a time, so ``memory_budget`` buys larger micro-batches
+            for ~1.5x the backward cost. Ignored below the dense-path size.
     """
 
     _key = ("all", "lowrank_ggn")
@@ -119,9 +125,10 @@ class LowRankGGNLaplace(ParametricLaplace):
         micro_batch_size: Optional[int] = None,
         diagonal_correction: bool = False,
         seed: int = 0,
+        low_memory: bool = False,
     ):
         self._set_options(rank, oversampling, mc_samples, subsample_fraction, memory_budget,
-                          micro_batch_size, diagonal_correction, seed)
+                          micro_batch_size, diagonal_correction, seed, low_memory)
         super().__init__(
             model, likelihood, sigma_noise=sigma_noise, prior_precision=prior_precision,
             prior_mean=prior_mean, temperature=temperature, enable_backprop=enable_backprop,
@@ -147,7 +154,7 @@ class LowRankGGNLaplace(ParametricLaplace):
             )
 
     def _set_options(self, rank, oversampling, mc_samples, subsample_fraction, memory_budget,
-                     micro_batch_size, diagonal_correction, seed) -> None:
+                     micro_batch_size, diagonal_correction, seed, low_memory=False) -> None:
         StreamingMerge(rank, oversampling or 0)  # validates rank and oversampling
         if isinstance(mc_samples, bool) or int(mc_samples) != mc_samples or mc_samples < 0:
             raise ValueError(f"mc_samples must be 0 or a positive integer, got {mc_samples!r}.")
@@ -167,6 +174,7 @@ class LowRankGGNLaplace(ParametricLaplace):
         self.memory_budget = memory_budget
         self.micro_batch_size = micro_batch_size
         self.diagonal_correction = bool(diagonal_correction)
+        self.low_memory = bool(low_memory)
         self.residual_diagonal: Optional[Tensor] = None
         self.seed = seed
         self.trace: Optional[Tensor] = None
@@ -238,6 +246,7 @@ class LowRankGGNLaplace(ParametricLaplace):
             raise ValueError("train_loader is empty: nothing to fit.")
         module, to_inputs, params = self._curvature_target()
         self.mean = parameters_to_vector(params).detach()
+        low_memory = self.low_memory and self.mean.numel() > self._dense_max_dim
         loss_func, factor = self._loss_and_factor()
         merge = StreamingMerge(self.rank, self.oversampling, self.diagonal_correction,
                                dense_max_dim=self._dense_max_dim)
@@ -268,11 +277,21 @@ class LowRankGGNLaplace(ParametricLaplace):
                         local = min(num_data, len(train_loader) * len(y))
                     plan = merge_plan(engine, X, self.mc_samples, len(y), local,
                                       keep=self.rank + self.oversampling,
-                                      budget=self.memory_budget, cap=self.micro_batch_size)
+                                      budget=self.memory_budget, cap=self.micro_batch_size,
+                                      low_memory=low_memory)
                 micro, chunk = plan
                 self._check_targets(y)
                 for Xc, yc in zip(torch.split(X, micro), torch.split(y, micro)):
                     sub, scale = subsample_indices(len(yc), self.subsample_fraction, generator)
+                    if low_memory:  # one merge per micro-batch, V recomputed (see option)
+                        with rng:
+                            batch = RecomputedFactor(engine, Xc, yc, self.mc_samples, sub,
+                                                     merge.projection_targets(),
+                                                     self.diagonal_correction)
+                            merge.add_factor(batch, scale=factor * scale)
+                        loss = loss + factor * batch.loss
+                        self.n_outputs = batch.outputs.shape[-1]
+                        continue
                     with rng:
                         batch = engine.compute(Xc, yc, mc_samples=self.mc_samples,
                                                subsampling=sub)
@@ -543,7 +562,7 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
 
     Same options as :class:`LowRankGGNLaplace` (``rank``, ``oversampling``,
     ``mc_samples``, ``subsample_fraction``, ``memory_budget``, ``micro_batch_size``,
-    ``diagonal_correction``, ``seed``) plus
+    ``diagonal_correction``, ``seed``, ``low_memory``) plus
     laplace-torch's last-layer arguments (``last_layer_name``, ``feature_reduction``).
     """
 
@@ -554,10 +573,10 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
                  subsample_fraction: Optional[float] = None,
                  memory_budget: Union[int, float, None] = None,
                  micro_batch_size: Optional[int] = None, diagonal_correction: bool = False,
-                 seed: int = 0, **kwargs):
+                 seed: int = 0, low_memory: bool = False, **kwargs):
         super().__init__(model, likelihood, *args, **kwargs)
         self._set_options(rank, oversampling, mc_samples, subsample_fraction, memory_budget,
-                          micro_batch_size, diagonal_correction, seed)
+                          micro_batch_size, diagonal_correction, seed, low_memory)
         self._check_backend()
 
     def _curvature_target(self):

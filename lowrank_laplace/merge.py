@@ -188,6 +188,17 @@ class StreamingMerge:
         new = _rotate(self._basis, P, in_place=not self._shared)
         self._basis, self._coords, self._shared = factor.matmul_add_(new, C, group), None, False
 
+    def projection_targets(self) -> List[Tensor]:
+        """The ``D x K`` matrices whose products ``V^T x`` the next merge needs.
+
+        The basis and the deferred corrections, in that order (empty before the first
+        merge); a low-memory fit computes these products in the backward pass that
+        yields the Gram matrix (see :class:`~lowrank_laplace._fitting.RecomputedFactor`).
+        """
+        if self._basis is None or self._dense is not None:
+            return []
+        return [self._basis] + [X for X, _ in self._deferred]
+
     def _merge_eigh(self, lam: Tensor, cross: Tensor, gram: Tensor
                     ) -> Tuple[Tensor, Tensor, Tensor]:
         """Merge ``U diag(lam) U^T`` with ``Z Z^T`` in the space of ``[U, Z]``.

@@ -272,6 +272,65 @@ def test_truncated_rank_against_dense_top_r():
     torch.testing.assert_close(la.posterior_variance, cov.diagonal(), **TOL)
 
 
+
+@pytest.mark.parametrize("name", ["cnn-classification", "cnn-regression", "mlp-classification"])
+def test_low_memory_fit_equals_full_laplace(name):
+    """Two passes per micro-batch (Gram and products, then V C) and no kept V: exact."""
+    model, likelihood, X, y, loader = make_problem(name)
+    full = fit_reference(FullLaplace(model, likelihood), loader)
+    for kwargs in (dict(), dict(micro_batch_size=3, diagonal_correction=True)):
+        la = LowRankGGNLaplace(model, likelihood, rank=1000, low_memory=True, **kwargs)
+        la.fit(loader)
+        scale = full.H.abs().max()
+        torch.testing.assert_close(dense_H(la), full.H, rtol=1e-5, atol=1e-8 * scale)
+        torch.testing.assert_close(la.log_marginal_likelihood(), full.log_marginal_likelihood(),
+                                   **TOL)
+        torch.testing.assert_close(la(X[:3]), full(X[:3]), **TOL)
+
+
+def test_low_memory_fit_replays_mc_and_subsampling_draws():
+    model, likelihood, X, y, loader = make_problem("cnn-classification")
+    kwargs = dict(rank=1000, micro_batch_size=4, mc_samples=2, subsample_fraction=0.5)
+    low = LowRankGGNLaplace(model, likelihood, low_memory=True, **kwargs)
+    low.fit(loader)
+    std = LowRankGGNLaplace(model, likelihood, **kwargs)
+    std.fit(loader)
+    torch.testing.assert_close(dense_H(low), dense_H(std), rtol=1e-6,
+                               atol=1e-10 * dense_H(std).abs().max())
+
+
+def test_low_memory_fit_truncated_against_dense_top_r():
+    model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
+    full = fit_reference(FullLaplace(model, likelihood), loader)
+    evals, evecs = torch.linalg.eigh(full.H)
+    evals, evecs = evals.flip(0), evecs.flip(1)
+    la = LowRankGGNLaplace(model, likelihood, rank=6, oversampling=10, low_memory=True,
+                           diagonal_correction=True)
+    la.fit(loader)
+    U, lam = la.H
+    torch.testing.assert_close(lam, evals[:6], rtol=1e-3, atol=0)
+    assert overlap(U, evecs[:, :6]) > 0.999
+    torch.testing.assert_close(la.trace, torch.trace(full.H), **TOL)
+    residual = (full.H.diagonal() - (U**2) @ lam).clamp(min=0)
+    torch.testing.assert_close(la.residual_diagonal, residual, rtol=1e-6, atol=1e-9 * evals[0])
+
+
+def test_recomputed_factor_only_projects_its_targets():
+    from lowrank_laplace._fitting import RecomputedFactor
+    from lowrank_laplace.engine import FactorEngine
+
+    model, likelihood, X, y, _ = make_problem("mlp-classification")
+    basis = torch.randn(sum(p.numel() for p in model.parameters()), 4, dtype=torch.float64)
+    with FactorEngine(model, nn.CrossEntropyLoss(reduction="sum")) as engine:
+        factor = RecomputedFactor(engine, X[:5], y[:5], 0, None, [basis], diagonal=True)
+        kept = engine.compute(X[:5], y[:5])
+        torch.testing.assert_close(factor.t_matmul(basis), kept.t_matmul(basis), **TOL)
+        torch.testing.assert_close(factor.diag(), kept.diag(), **TOL)
+        coeff = torch.randn(factor.num_columns, 2, dtype=torch.float64)
+        torch.testing.assert_close(factor.matmul(coeff), kept.matmul(coeff), **TOL)
+        with pytest.raises(RuntimeError, match="only available for the merge's projection"):
+            factor.t_matmul(basis.clone())
+
 def test_mc_and_subsampling_are_unbiased_on_average():
     model, likelihood, X, y, loader = make_problem("mlp-classification", n=20, batch_size=20)
     full = fit_reference(FullLaplace(model, likelihood), loader)
