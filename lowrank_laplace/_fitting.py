@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from lowrank_laplace._extensions import factor_columns
+from lowrank_laplace.merge import concat_factors
 
 if TYPE_CHECKING:
     from lowrank_laplace.engine import FactorEngine
@@ -312,3 +313,84 @@ class RecomputedFactor:
         """``V y`` by another backward pass."""
         out = y.new_zeros(self.group_dim(group), y.shape[1])
         return self.matmul_add_(out, y, group)
+
+
+class BatchStreamer:
+    """Streams loader batches into a :class:`~lowrank_laplace.merge.StreamingMerge`.
+
+    Splits every batch into micro-batches that fit the memory budget, draws the
+    curvature sub-samples and Monte-Carlo samples from private streams, and merges
+    groups of micro-batch factors of the size the cost model picks (or, with
+    ``low_memory``, every micro-batch on its own through a
+    :class:`RecomputedFactor`).
+
+    Args:
+        engine: The fit's engine.
+        merge: The merge that receives the factors.
+        scale: Factor applied to every batch's GGN (the likelihood's Hessian scale).
+        seed: Seed of the private streams (sub-sampling and MC draws).
+        device: The fit's device.
+        mc_samples: ``0`` (exact) or MC samples per data point.
+        subsample_fraction: Curvature sub-sampling fraction or ``None``.
+        memory_budget: ``memory_budget`` as given by the user.
+        micro_batch_size: ``micro_batch_size`` as given by the user.
+        keep: Eigenpairs kept while streaming (rank + oversampling).
+        diagonal: Track the GGN diagonal (needed only with ``low_memory``).
+        low_memory: Merge every micro-batch from recomputing passes.
+    """
+
+    def __init__(self, engine: "FactorEngine", merge: Any, *, scale: float, seed: int,
+                 device: torch.device, mc_samples: int, subsample_fraction: Optional[float],
+                 memory_budget: Union[int, float, None], micro_batch_size: Optional[int],
+                 keep: int, diagonal: bool, low_memory: bool):
+        self.engine, self.merge, self.scale = engine, merge, scale
+        self.mc_samples, self.fraction = mc_samples, subsample_fraction
+        self.budget, self.cap, self.keep = memory_budget, micro_batch_size, keep
+        self.diagonal, self.low_memory = diagonal, low_memory
+        self.generator = torch.Generator().manual_seed(seed)  # sub-sampling
+        self.rng = PrivateRNG(seed, device)  # MC draws
+        self.plan: Optional[Tuple[int, int]] = None
+        self.n_outputs: Optional[int] = None
+        self.pending: list = []
+        self.pending_scales: List[float] = []
+
+    def add(self, X: Tensor, y: Tensor, num_data: int) -> Tensor:
+        """Stream one batch; returns its scaled loss.
+
+        Args:
+            X: Inputs of the batch (on the fit's device).
+            y: Targets.
+            num_data: Samples this process streams (for the merge plan).
+        """
+        if self.plan is None:
+            self.plan = merge_plan(self.engine, X, self.mc_samples, len(y), num_data,
+                                   keep=self.keep, budget=self.budget, cap=self.cap,
+                                   low_memory=self.low_memory)
+        micro, chunk = self.plan
+        loss = 0.0
+        for Xc, yc in zip(torch.split(X, micro), torch.split(y, micro)):
+            sub, sub_scale = subsample_indices(len(yc), self.fraction, self.generator)
+            with self.rng:
+                if self.low_memory:  # one merge per micro-batch, V recomputed
+                    batch = RecomputedFactor(self.engine, Xc, yc, self.mc_samples, sub,
+                                             self.merge.projection_targets(), self.diagonal)
+                    self.merge.add_factor(batch, scale=self.scale * sub_scale)
+                else:
+                    batch = self.engine.compute(Xc, yc, mc_samples=self.mc_samples,
+                                                subsampling=sub)
+            loss = loss + self.scale * batch.loss
+            self.n_outputs = batch.outputs.shape[-1]
+            if not self.low_memory:
+                self.pending.append(batch)
+                self.pending_scales.append(sub_scale)
+                if sum(f.num_curv_samples for f in self.pending) >= chunk:
+                    self.flush()
+        return loss
+
+    def flush(self) -> None:
+        """Merge the pending micro-batch factors as one."""
+        if self.pending:
+            self.merge.add_factor(concat_factors(self.pending, self.pending_scales),
+                                  scale=self.scale)
+            self.pending.clear()
+            self.pending_scales.clear()

@@ -31,17 +31,14 @@ from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
 from lowrank_laplace._fitting import (
-    PrivateRNG,
-    RecomputedFactor,
-    merge_plan,
+    BatchStreamer,
     micro_batch_size,
     process_rank,
     resolve_memory_budget,
     resolve_process_group,
-    subsample_indices,
 )
 from lowrank_laplace.engine import FactorEngine
-from lowrank_laplace.merge import StreamingMerge, concat_factors
+from lowrank_laplace.merge import StreamingMerge
 from lowrank_laplace.posterior import LowRankPrecision
 from lowrank_laplace.predictive import batched_glm_moments, glm_moments
 
@@ -246,24 +243,20 @@ class LowRankGGNLaplace(ParametricLaplace):
             raise ValueError("train_loader is empty: nothing to fit.")
         module, to_inputs, params = self._curvature_target()
         self.mean = parameters_to_vector(params).detach()
-        low_memory = self.low_memory and self.mean.numel() > self._dense_max_dim
         loss_func, factor = self._loss_and_factor()
         merge = StreamingMerge(self.rank, self.oversampling, self.diagonal_correction,
                                dense_max_dim=self._dense_max_dim)
         group = resolve_process_group(process_group)
         offset = 0 if group is None else process_rank(group)
-        generator = torch.Generator().manual_seed(self.seed + offset)
-        loss, plan, seen = 0.0, None, 0
-        pending, pending_scales = [], []
-
-        def flush():
-            if pending:
-                merge.add_factor(concat_factors(pending, pending_scales), scale=factor)
-                pending.clear()
-                pending_scales.clear()
-
-        rng = PrivateRNG(self.seed + offset, self._device)  # MC draws
+        loss, seen = 0.0, 0
         with FactorEngine(module, loss_func, eval_mode=True) as engine:
+            stream = BatchStreamer(
+                engine, merge, scale=factor, seed=self.seed + offset, device=self._device,
+                mc_samples=self.mc_samples, subsample_fraction=self.subsample_fraction,
+                memory_budget=self.memory_budget, micro_batch_size=self.micro_batch_size,
+                keep=self.rank + self.oversampling, diagonal=self.diagonal_correction,
+                low_memory=self.low_memory and self.mean.numel() > self._dense_max_dim,
+            )
             pbar = tqdm.tqdm(train_loader, disable=not progress_bar,
                              desc="[lowrank_ggn: merging GGN factors]")
             for data in pbar:
@@ -271,41 +264,18 @@ class LowRankGGNLaplace(ParametricLaplace):
                     raise ValueError("lowrank_ggn supports (X, y) batches, not dict inputs.")
                 X, y = data
                 X, y = to_inputs(X.to(self._device)), y.to(self._device)
-                if plan is None:
-                    local = num_data
-                    if hasattr(train_loader, "__len__"):
-                        local = min(num_data, len(train_loader) * len(y))
-                    plan = merge_plan(engine, X, self.mc_samples, len(y), local,
-                                      keep=self.rank + self.oversampling,
-                                      budget=self.memory_budget, cap=self.micro_batch_size,
-                                      low_memory=low_memory)
-                micro, chunk = plan
                 self._check_targets(y)
-                for Xc, yc in zip(torch.split(X, micro), torch.split(y, micro)):
-                    sub, scale = subsample_indices(len(yc), self.subsample_fraction, generator)
-                    if low_memory:  # one merge per micro-batch, V recomputed (see option)
-                        with rng:
-                            batch = RecomputedFactor(engine, Xc, yc, self.mc_samples, sub,
-                                                     merge.projection_targets(),
-                                                     self.diagonal_correction)
-                            merge.add_factor(batch, scale=factor * scale)
-                        loss = loss + factor * batch.loss
-                        self.n_outputs = batch.outputs.shape[-1]
-                        continue
-                    with rng:
-                        batch = engine.compute(Xc, yc, mc_samples=self.mc_samples,
-                                               subsampling=sub)
-                    loss = loss + factor * batch.loss
-                    self.n_outputs = batch.outputs.shape[-1]
-                    pending.append(batch)
-                    pending_scales.append(scale)
-                    if sum(f.num_curv_samples for f in pending) >= chunk:
-                        flush()
+                local = num_data
+                if hasattr(train_loader, "__len__"):
+                    local = min(num_data, len(train_loader) * len(y))
+                loss = loss + stream.add(X, y, local)
                 seen += len(y)
                 if progress_bar and merge.eigenvalues is not None:
                     kept = float(merge.eigenvalues[: self.rank].sum() / merge.trace)
                     pbar.set_postfix(kept_trace=f"{kept:.3f}")
-            flush()
+            stream.flush()
+        plan = stream.plan
+        self.n_outputs = stream.n_outputs
         if plan is None:
             raise ValueError("train_loader yielded no batches: nothing to fit.")
         if group is not None:
