@@ -41,6 +41,12 @@ GiB = _harness.GiB
 METHODS: dict[str, dict[str, Any]] = {
     "lowrank_exact": {"kind": "ours", "mc_samples": 0, "label": "lowrank_ggn exact"},
     "lowrank_mc": {"kind": "ours", "mc_samples": 1, "label": "lowrank_ggn MC(1)"},
+    "lowrank_exact_lowmem": {
+        "kind": "ours",
+        "mc_samples": 0,
+        "low_memory": True,
+        "label": "lowrank_ggn exact, low_memory",
+    },
     "diag_backpack": {
         "kind": "laplace",
         "structure": "diag",
@@ -254,7 +260,8 @@ def _laplace_kwargs(method: str, args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"subset_of_weights": "all"}
     if spec["kind"] == "ours":
         kwargs.update(
-            hessian_structure="lowrank_ggn", rank=args.rank, mc_samples=spec["mc_samples"]
+            hessian_structure="lowrank_ggn", rank=args.rank, mc_samples=spec["mc_samples"],
+            low_memory=spec.get("low_memory", False),
         )
     else:
         kwargs["hessian_structure"] = spec["structure"]

@@ -8,6 +8,8 @@ points (default 128):
   library, registered with laplace-torch's ``Laplace`` factory by ``import
   lowrank_laplace``) with rank ``--rank`` on the exact GGN (``mc_samples=0``) or a
   1-sample Monte-Carlo GGN (``mc_samples=1``). Also records ``la.kept_fraction``.
+- ``lowrank_exact_lowmem``: the exact fit with ``low_memory=True`` (two passes per
+  micro-batch, never a whole micro-batch's ``V``).
 - ``{diag,kron,full}_backpack``: laplace-torch with ``backend=BackPackGGN``,
 - ``{diag,kron,full}_default``: laplace-torch with its default backend (no
   ``backend`` argument; ``CurvlinopsGGN`` in laplace-torch 0.3). ``full`` is
