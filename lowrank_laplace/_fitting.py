@@ -7,16 +7,14 @@ Shape glossary:
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from lowrank_laplace._extensions import factor_columns
+from lowrank_laplace.engine import FactorEngine, RNGReplay, rng_state, set_rng_state
 from lowrank_laplace.merge import concat_factors
-
-if TYPE_CHECKING:
-    from lowrank_laplace.engine import FactorEngine
 
 DEFAULT_MEMORY_BUDGET = 2**30
 
@@ -71,32 +69,23 @@ class PrivateRNG:
 
     def __init__(self, seed: int, device: torch.device):
         self.seed = seed
-        self.device = device if device.type == "cuda" else None
+        self.device = device
         self.state: Optional[Tuple[Tensor, Optional[Tensor]]] = None
 
-    def _get(self) -> Tuple[Tensor, Optional[Tensor]]:
-        cuda = torch.cuda.get_rng_state(self.device) if self.device is not None else None
-        return torch.get_rng_state(), cuda
-
-    def _set(self, state: Tuple[Tensor, Optional[Tensor]]) -> None:
-        torch.set_rng_state(state[0])
-        if self.device is not None:
-            torch.cuda.set_rng_state(state[1], self.device)
-
     def __enter__(self) -> None:
-        self.saved = self._get()
+        self.saved = rng_state(self.device)
         if self.state is None:  # seed only the generators of the fit's device
             torch.random.default_generator.manual_seed(self.seed)
-            if self.device is not None:
+            if self.device.type == "cuda":
                 index = self.device.index if self.device.index is not None else \
                     torch.cuda.current_device()
                 torch.cuda.default_generators[index].manual_seed(self.seed)
         else:
-            self._set(self.state)
+            set_rng_state(self.state, self.device)
 
     def __exit__(self, *exc) -> None:
-        self.state = self._get()
-        self._set(self.saved)
+        self.state = rng_state(self.device)
+        set_rng_state(self.saved, self.device)
 
 
 def process_rank(group) -> int:
@@ -148,7 +137,7 @@ def merge_size(columns_per_sample: int, keep: int, dim: int, gram_dim: int, num_
     return min(sorted(candidates), key=total)
 
 
-def micro_batch_size(engine: "FactorEngine", X: Tensor, num_vectors: Optional[int],
+def micro_batch_size(engine: FactorEngine, X: Tensor, num_vectors: Optional[int],
                      budget: Union[int, float, None], cap: Optional[int],
                      one_block: bool = False) -> int:
     """Samples per backward pass: what fits the memory budget (and the user's cap).
@@ -179,7 +168,7 @@ def micro_batch_size(engine: "FactorEngine", X: Tensor, num_vectors: Optional[in
     return size if cap is None else min(size, cap)
 
 
-def merge_plan(engine: "FactorEngine", X: Tensor, mc_samples: int, batch_size: int,
+def merge_plan(engine: FactorEngine, X: Tensor, mc_samples: int, batch_size: int,
                num_data: int, keep: int, budget: Union[int, float, None],
                cap: Optional[int], low_memory: bool = False) -> Tuple[int, int]:
     """Samples per backward pass and samples per merge.
@@ -256,11 +245,9 @@ class RecomputedFactor:
         diagonal: Also accumulate the GGN diagonal.
     """
 
-    def __init__(self, engine: "FactorEngine", inputs: Tensor, targets: Tensor,
+    def __init__(self, engine: FactorEngine, inputs: Tensor, targets: Tensor,
                  mc_samples: int, subsampling: Optional[List[int]],
                  targets_x: List[Tensor], diagonal: bool):
-        from lowrank_laplace.engine import RNGReplay
-
         self._engine = engine
         self._args = (inputs, targets, mc_samples, subsampling)
         self._replay = RNGReplay(inputs.device)
@@ -339,7 +326,7 @@ class BatchStreamer:
         low_memory: Merge every micro-batch from recomputing passes.
     """
 
-    def __init__(self, engine: "FactorEngine", merge: Any, *, scale: float, seed: int,
+    def __init__(self, engine: FactorEngine, merge: Any, *, scale: float, seed: int,
                  device: torch.device, mc_samples: int, subsample_fraction: Optional[float],
                  memory_budget: Union[int, float, None], micro_batch_size: Optional[int],
                  keep: int, diagonal: bool, low_memory: bool):

@@ -167,6 +167,20 @@ class FactorEngine:
         for src, dst in zip(self.model.modules(), self._copy.modules()):
             dst.training = False if self.eval_mode else src.training
 
+    def _forward_loss(self, inputs: Tensor, targets: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        """Forward pass of the private copy and its checked, finite loss.
+
+        ``targets=None`` (MSE only) uses zeros: the GGN of MSELoss does not depend on
+        the targets.
+        """
+        outputs = self._copy(inputs)
+        if targets is None:
+            targets = torch.zeros_like(outputs.detach())
+        _checks.check_targets(self.loss_func, outputs, targets)
+        loss = self._loss(outputs, targets)
+        _checks.check_finite(loss)
+        return outputs, loss
+
     def gradient(self, inputs: Tensor, targets: Optional[Tensor],
                  param_groups: Optional[List[dict]] = None) -> List[Tensor]:
         """The mini-batch gradient per group from a plain backward pass (no BackPACK).
@@ -184,12 +198,7 @@ class FactorEngine:
         groups = _checks.resolve_param_groups(self.model, param_groups)
         self._sync(groups)
         with torch.enable_grad():
-            outputs = self._copy(inputs)
-            if targets is None:
-                targets = torch.zeros_like(outputs.detach())
-            _checks.check_targets(self.loss_func, outputs, targets)
-            loss = self._loss(outputs, targets)
-            _checks.check_finite(loss)
+            _, loss = self._forward_loss(inputs, targets)
             params = [self._copy_params[i] for g in groups for i in g]
             with warnings.catch_warnings():  # BackPACK's hooks are installed but idle
                 warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -345,12 +354,7 @@ class FactorEngine:
                         batch_grads[i] = grads_i
 
         with torch.enable_grad():
-            outputs = self._copy(inputs)
-            if targets is None:  # the GGN of MSELoss does not depend on the targets
-                targets = torch.zeros_like(outputs.detach())
-            _checks.check_targets(self.loss_func, outputs, targets)
-            loss = self._loss(outputs, targets)
-            _checks.check_finite(loss)
+            outputs, loss = self._forward_loss(inputs, targets)
             # BackPACK builds helper layers (e.g. for AvgPool) in the default dtype
             default_dtype = torch.get_default_dtype()
             torch.set_default_dtype(outputs.dtype)
@@ -431,31 +435,36 @@ class RNGReplay:
     """
 
     def __init__(self, device: torch.device):
-        self.devices = [device] if device.type == "cuda" else []
-        self.start = self._get()
+        self.device = device
+        self.start = rng_state(device)
         self.after_first = None
-
-    def _get(self):
-        return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices]
-
-    def _set(self, state) -> None:
-        torch.set_rng_state(state[0])
-        for d, s in zip(self.devices, state[1]):
-            torch.cuda.set_rng_state(s, d)
 
     def mark(self) -> None:
         """Record the state after the first pass."""
-        self.after_first = self._get()
+        self.after_first = rng_state(self.device)
 
     def restart(self) -> None:
         """Set the RNG back to the saved state (before a pass that counts as first)."""
-        self._set(self.start)
+        set_rng_state(self.start, self.device)
 
     def __enter__(self) -> "RNGReplay":
         if self.after_first is None:
             self.mark()
-        self._set(self.start)
+        set_rng_state(self.start, self.device)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._set(self.after_first)
+        set_rng_state(self.after_first, self.device)
+
+
+def rng_state(device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
+    """The global CPU generator's state and, for a CUDA device, that device's."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def set_rng_state(state: Tuple[Tensor, Optional[Tensor]], device: torch.device) -> None:
+    """Restore a state from :func:`rng_state`."""
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
