@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from lowrank_laplace import _checks
 from lowrank_laplace.engine import FactorEngine, RNGReplay
-from lowrank_laplace.factor import GGNFactor
+from lowrank_laplace.factor import GGNFactor, damped_gram_solve
 from lowrank_laplace.spectrum import gram_eigh, to_parameter_space
 
 
@@ -229,9 +229,19 @@ def newton_step_from_factor(
         raise ValueError(f"damping must be non-negative, got {damping}.")
     evals, gvecs, _ = gram_eigh(factor, group, top_k)
     vtg = factor.t_matmul(factor.grad_flat(group)[:, None], group)[:, 0]
+    return factor.matmul(_newton_gram_coefficients(evals, gvecs, vtg, damping)[:, None],
+                         group)[:, 0]
+
+
+def _newton_gram_coefficients(evals: Tensor, gvecs: Tensor, vtg: Tensor,
+                              damping: float) -> Tensor:
+    """``y`` with ``V y = -sum_k gamma_k / (lambda_k + delta) e_k`` (``M``-vector).
+
+    ``gamma_k = e_k^T g = g_k^T V^T g / sqrt(lambda_k)`` and ``e_k = V g_k /
+    sqrt(lambda_k)``, so ``y = -G diag(1 / (lambda (lambda + delta))) G^T V^T g``.
+    """
     gammas = (gvecs.T @ vtg) / evals.sqrt()
-    coeffs = -gammas / (evals + damping) / evals.sqrt()
-    return factor.matmul((gvecs @ coeffs)[:, None], group)[:, 0]
+    return gvecs @ (-gammas / (evals + damping) / evals.sqrt())
 
 
 def damped_newton_step(
@@ -298,8 +308,7 @@ def damped_newton_step(
         for g in range(len(first.groups)):
             evals, gvecs, _ = gram_eigh(first, g, top_k)
             vtg = first.t_projected[g][:, 0]
-            # sum_k c_k e_k = V Q c / sqrt(lambda), c = -gamma / (lambda + delta)
-            coefficients.append(gvecs @ (-(gvecs.T @ vtg) / (evals * (evals + damping))))
+            coefficients.append(_newton_gram_coefficients(evals, gvecs, vtg, damping))
         with replay:
             second = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
                                     keep_blocks=False, project=[c[:, None] for c in coefficients])
@@ -364,12 +373,8 @@ def ggn_inverse_matvec(
         first = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
                                keep_blocks=False, compute_grams=True, t_project=parts)
         replay.mark()
-        inner = []
-        for g in range(len(groups)):
-            gram = first.gram(g)
-            eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-            chol = torch.linalg.cholesky(gram + damping * eye)
-            inner.append(torch.cholesky_solve(first.t_projected[g], chol))
+        inner = [damped_gram_solve(first.gram(g), first.t_projected[g], damping)
+                 for g in range(len(groups))]
         with replay:
             second = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
                                     keep_blocks=False, project=inner)

@@ -267,10 +267,7 @@ class GGNFactor:
         """
         if not damping > 0:
             raise ValueError(f"damping must be positive, got {damping}.")
-        gram = self.gram(group)
-        eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-        chol = torch.linalg.cholesky(gram + damping * eye)
-        inner = torch.cholesky_solve(self.t_matmul(x, group), chol)
+        inner = damped_gram_solve(self.gram(group), self.t_matmul(x, group), damping)
         return (x - self.matmul(inner, group)) / damping
 
     def grad_dtype(self) -> torch.dtype:
@@ -306,6 +303,21 @@ class GGNFactor:
         return sum(
             self.blocks[i].cross(self.batch_grads[i]) for i in self.groups[group]
         )
+
+
+def damped_gram_solve(gram: Tensor, rhs: Tensor, damping: float) -> Tensor:
+    """``(delta I + V^T V)^{-1} rhs`` by a Cholesky factor of the damped Gram matrix.
+
+    Args:
+        gram: ``V^T V``, shape ``(M, M)``.
+        rhs: Shape ``(M, K)``.
+        damping: ``delta > 0``.
+
+    Returns:
+        Tensor of shape ``(M, K)``.
+    """
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    return torch.cholesky_solve(rhs, torch.linalg.cholesky(gram + damping * eye))
 
 
 def __getattr__(name: str):
