@@ -59,7 +59,6 @@ POWER_MAX_ITER = 100
 POWER_TOL = 1e-3
 
 # Shared helpers (see _harness.py)
-_CountingMatvec = _harness.CountingMatvec
 _num_cores = _harness.num_cores
 _maxrss_bytes = _harness.maxrss_bytes
 _sync = _harness.sync
@@ -274,28 +273,7 @@ def eigsh_curvlinops(
         Eigenvalues ``(k,)`` in descending order, eigenvectors ``(D, k)`` and the
         number of GGN-vector products used.
     """
-    import numpy as np
-    from curvlinops import GGNLinearOperator
-    from scipy.sparse.linalg import LinearOperator, eigsh
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    op = GGNLinearOperator(
-        model,
-        loss_func,
-        params,
-        [(X, y)],
-        check_deterministic=False,
-        num_data=X.shape[0],
-    ).to_scipy(dtype=np.float32)
-    matvec = _CountingMatvec(op.matvec)
-    counted = LinearOperator(op.shape, matvec=matvec, dtype=op.dtype)
-    evals, evecs = eigsh(counted, k=k, which="LA")
-    order = np.argsort(evals)[::-1].copy()
-    return (
-        torch.from_numpy(evals[order].copy()),
-        torch.from_numpy(evecs[:, order].copy()),
-        matvec.count,
-    )
+    return _harness.ggn_eigsh(model, loss_func, [(X, y)], X.shape[0], k)
 
 
 ###############################################################################

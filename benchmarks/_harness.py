@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 
 GiB = 2**30
 # Warn about competing processes if the CPU was busier than this before a run.
@@ -230,6 +231,44 @@ class CountingMatvec:
         """
         self.count += 1 if x.ndim == 1 else x.shape[1]
         return self.f(x)
+
+
+def ggn_eigsh(
+    model: nn.Module, loss_func: nn.Module, batches: list, num_data: int, k: int
+) -> tuple[Tensor, Tensor, int]:
+    """Top-k eigenpairs of a GGN by SciPy's ``eigsh`` on curvlinops' GGN operator.
+
+    The operator (deterministic check off) is exported with
+    ``to_scipy(dtype=float32)``; its products are counted.
+
+    Args:
+        model: The network (its trainable parameters).
+        loss_func: Loss function (its reduction defines the GGN's scale).
+        batches: ``(X, y)`` batches the GGN sums over.
+        num_data: Number of data points in ``batches``.
+        k: Number of leading eigenpairs.
+
+    Returns:
+        Eigenvalues ``(k,)`` in descending order, eigenvectors ``(D, k)`` and the
+        number of GGN-vector products.
+    """
+    import numpy as np
+    from curvlinops import GGNLinearOperator
+    from scipy.sparse.linalg import LinearOperator, eigsh
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    op = GGNLinearOperator(
+        model, loss_func, params, batches, check_deterministic=False, num_data=num_data
+    ).to_scipy(dtype=np.float32)
+    matvec = CountingMatvec(op.matvec)
+    counted = LinearOperator(op.shape, matvec=matvec, dtype=op.dtype)
+    evals, evecs = eigsh(counted, k=k, which="LA")
+    order = np.argsort(evals)[::-1].copy()
+    return (
+        torch.from_numpy(evals[order].copy()),
+        torch.from_numpy(evecs[:, order].copy()),
+        matvec.count,
+    )
 
 
 ###############################################################################

@@ -287,28 +287,8 @@ def _lanczos_fit(
         Eigenvalues (descending), eigenvectors ``(D, rank)`` and the number of
         GGN-vector products.
     """
-    import numpy as np
-    from curvlinops import GGNLinearOperator
-    from scipy.sparse.linalg import LinearOperator, eigsh
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    op = GGNLinearOperator(
-        model,
-        nn.CrossEntropyLoss(reduction="sum"),
-        params,
-        batches,
-        check_deterministic=False,
-        num_data=n_train,
-    ).to_scipy(dtype=np.float32)
-    matvec = _harness.CountingMatvec(op.matvec)
-    counted = LinearOperator(op.shape, matvec=matvec, dtype=op.dtype)
-    evals, evecs = eigsh(counted, k=rank, which="LA")
-    order = np.argsort(evals)[::-1].copy()
-    return (
-        torch.from_numpy(evals[order].copy()),
-        torch.from_numpy(evecs[:, order].copy()),
-        matvec.count,
-    )
+    return _harness.ggn_eigsh(model, nn.CrossEntropyLoss(reduction="sum"), batches, n_train,
+                              rank)
 
 
 def run_worker(args: argparse.Namespace):
