@@ -108,6 +108,7 @@ def test_low_memory_newton_step_replays_draws():
     X, y = torch.randn(10, 1, 6, 6, dtype=torch.float64), torch.randint(0, 4, (10,))
     loss_func = torch.nn.CrossEntropyLoss()
     groups = [{"params": list(model[0].parameters())}, {"params": list(model[4].parameters())}]
+    before = [p.detach().clone() for p in model.parameters()]
     for kwargs in (dict(mc_samples=2), dict(subsampling=[0, 3, 5], param_groups=groups),
                    dict(mc_samples=1, top_k=3)):
         torch.manual_seed(5)
@@ -134,6 +135,10 @@ def test_low_memory_newton_step_replays_draws():
             for name in ("gammas", "lambdas", "eigenvalues", "eigenvectors"):
                 torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=1e-10,
                                            atol=1e-12 * getattr(a, name).abs().max())
+    # the user's model comes back as it was: mode, parameters, no hooks
+    assert model.training and all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert sum(len(m._forward_hooks) + len(m._backward_hooks) + len(m._forward_pre_hooks)
+               for m in model.modules()) == 0
 
 @pytest.mark.parametrize("low_memory", [False, True], ids=["one-pass", "low-memory"])
 def test_inverse_matvec_full_and_block_diagonal(case, low_memory):

@@ -401,6 +401,7 @@ def test_nn_predictive_and_model_left_as_it_was():
     model, likelihood, X, y, loader = make_problem("mlp-classification")
     model.train()
     before = [p.detach().clone() for p in model.parameters()]
+    LowRankGGNLaplace(model, likelihood, rank=3, low_memory=True).fit(loader)  # 2 passes
     la = LowRankGGNLaplace(model, likelihood, rank=1000)
     la.fit(loader)
     probs = la(X[:4], pred_type="glm")
