@@ -458,13 +458,25 @@ class RNGReplay:
 
 
 def rng_state(device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
-    """The global CPU generator's state and, for a CUDA device, that device's."""
+    """The global CPU generator's state and, for a CUDA device, that device's.
+
+    Args:
+        device: The device whose generator is saved besides the CPU's.
+
+    Returns:
+        ``(cpu_state, cuda_state or None)``.
+    """
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return torch.get_rng_state(), cuda
 
 
 def set_rng_state(state: Tuple[Tensor, Optional[Tensor]], device: torch.device) -> None:
-    """Restore a state from :func:`rng_state`."""
+    """Restore a state from :func:`rng_state`.
+
+    Args:
+        state: ``(cpu_state, cuda_state or None)``.
+        device: The device the CUDA state belongs to.
+    """
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
