@@ -15,11 +15,14 @@ the top-k keep, per-direction gradient and curvature SNRs, and the run time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import sys
 import time
+import warnings
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -33,6 +36,104 @@ from lowrank_laplace.spectrum import gram_eigh
 
 class CLIError(Exception):
     """An error the user can fix; reported as one line, exit code 2."""
+
+
+# Third-party warnings that every run would print and that say nothing about the user's
+# job: (category, message regex). Filtered inside the command only (``quiet_warnings``),
+# so that library users keep their own warning settings.
+HARMLESS_WARNINGS = (
+    # laplace-torch warns on every Laplace(...) that the default link approximation is
+    # probit; the command always passes link_approx explicitly
+    (UserWarning, r"By default `link_approx` is `probit`"),
+    # torch warns when BackPACK's / laplace-torch's full backward hooks fire on a
+    # network whose inputs do not require gradients (always so here)
+    (UserWarning, r"Full backward hook is firing when gradients are computed"),
+    # laplace-torch's optional asdl backend scripts a function when it is imported
+    (FutureWarning, r"`torch\.jit\.script` is deprecated"),
+)
+
+
+@contextlib.contextmanager
+def quiet_warnings() -> Iterator[None]:
+    """Hide :data:`HARMLESS_WARNINGS` inside the block; other warnings still show.
+
+    Yields:
+        Nothing; the previous warning filters are restored on exit.
+    """
+    with warnings.catch_warnings():
+        for category, message in HARMLESS_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        yield
+
+
+def _number(kind: type, minimum: Optional[float] = None, what: str = "") -> Callable[[str], float]:
+    """An argparse ``type`` that parses ``kind`` and checks ``value >= minimum``.
+
+    Args:
+        kind: ``int`` or ``float``.
+        minimum: Smallest accepted value (``None``: any finite value).
+        what: Description for the message, e.g. ``'a positive integer'``.
+
+    Returns:
+        The parser function; it raises ``argparse.ArgumentTypeError`` (exit code 2).
+    """
+    noun = what or (f"{'an integer' if kind is int else 'a number'}"
+                    + ("" if minimum is None else f" >= {minimum:g}"))
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+        if not math.isfinite(value) or (minimum is not None and value < minimum):
+            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in some messages
+    return parse
+
+
+POSITIVE = _number(int, 1, "a positive integer")
+NONNEGATIVE = _number(int, 0, "an integer >= 0")
+
+
+def _angles(text: str) -> List[float]:
+    """Parse ``--angles``: comma-separated finite numbers (degrees).
+
+    Args:
+        text: The option's value.
+
+    Returns:
+        The angles.
+
+    Raises:
+        ArgumentTypeError: For anything else (exit code 2).
+    """
+    try:
+        angles = [float(a) for a in text.split(",") if a.strip()]
+    except ValueError:
+        angles = []
+    if not angles or not all(math.isfinite(a) for a in angles):
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+    return angles
+
+
+def _writable(out: Path) -> None:
+    """Create ``out`` and check that files can be written there, before any work.
+
+    Args:
+        out: The output directory.
+
+    Raises:
+        CLIError: If it cannot be created or written to.
+    """
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise CLIError(f"cannot write to output directory {str(out)!r}: {err.strerror}") from err
 
 
 def _digits(seed: int):
@@ -95,16 +196,23 @@ def spectrum(args: argparse.Namespace) -> dict:
     device = _device(args.device)
     if args.dataset != "digits":
         raise CLIError(f"unknown dataset {args.dataset!r}: the spectrum demo uses 'digits'")
-    torch.manual_seed(args.seed)
+    make_model(args.model)  # an unknown architecture fails here, before any work
     X, y = _digits(args.seed)
     if not 8 <= args.batch_size <= len(y):
         raise CLIError(f"--batch-size must lie in [8, {len(y)}]")
+    sub = list(range(max(args.batch_size // 8, 2)))
+    if args.top_k > len(sub):
+        # the sub-sampled Monte-Carlo case has one GGN direction per sub-sampled point
+        raise CLIError(f"--top-k must be at most {len(sub)} (the sub-sample of "
+                       f"--batch-size {args.batch_size}), got {args.top_k}")
+    if args.out is not None:
+        _writable(args.out)
+    torch.manual_seed(args.seed)
     model = make_model(args.model).to(device)
     _train(model, X, y, args.epochs, device)
     model.eval()
     loss_func = nn.CrossEntropyLoss()
     Xb, yb = X[: args.batch_size].to(device), y[: args.batch_size].to(device)
-    sub = list(range(max(args.batch_size // 8, 2)))
     cases = {
         "exact, full batch": dict(mc_samples=0, subsampling=None),
         "exact, sub-sampled": dict(mc_samples=0, subsampling=sub),
@@ -170,18 +278,9 @@ def _write(report: dict, out: Path) -> None:
         (out / "spectrum.json").write_text(json.dumps(report, indent=2))
         cases = report["cases"]
         evals = {n: torch.tensor(c["eigenvalues"]) for n, c in cases.items()}
-        plots.close(plots.spectrum(evals, path=out / "spectrum.png"))
-        fig, axes = plots.plt.subplots(1, 2, figsize=(9, 3.5), sharey=True)
-        for (key, label), ax in zip([("gamma_snr", "gradient SNR"),
-                                     ("lambda_snr", "curvature SNR")], axes):
-            for name, c in cases.items():
-                ax.semilogy(range(1, len(c[key]) + 1), c[key], "o-", ms=3, label=name)
-            ax.set_xlabel("eigenvector k (descending eigenvalue)")
-            ax.set_title(label)
-        axes[0].legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "snr.png", dpi=110)
-        plots.close(fig)
+        plots.close(plots.spectrum(evals, title="Mini-batch GGN spectrum",
+                                   path=out / "spectrum.png"))
+        plots.close(plots.snr_curves(cases, path=out / "snr.png"))
     except OSError as err:
         raise CLIError(f"cannot write to output directory {str(out)!r}: {err.strerror}") from err
     print(f"wrote {out / 'spectrum.json'}, {out / 'spectrum.png'} and {out / 'snr.png'}")
@@ -199,19 +298,15 @@ def calibrate(args: argparse.Namespace) -> dict:
     Raises:
         CLIError: For invalid options.
     """
-    try:
-        angles = [float(a) for a in args.angles.split(",") if a.strip()]
-    except ValueError as err:
-        raise CLIError(f"--angles must be comma-separated numbers, got {args.angles!r}") from err
     config = calibration.CalibrationConfig(
         dataset=args.dataset, epochs=args.epochs, checkpoint=args.checkpoint,
         save_checkpoint=args.save_checkpoint, n_train=args.n_train, n_test=args.n_test,
         batch_size=args.batch_size, rank=args.rank, mc_samples=args.mc_samples,
-        prior=args.prior, angles=angles, methods=args.methods.split(","), device=args.device,
-        seed=args.seed, out=str(args.out),
+        prior=args.prior, angles=args.angles, methods=args.methods.split(","),
+        device=args.device, seed=args.seed, out=str(args.out),
     )
     try:
-        report = calibration.run(config)
+        report = calibration.run(config, log=_progress)
     except calibration.UserError as err:
         raise CLIError(str(err)) from err
     print(calibration.format_table(report))
@@ -221,44 +316,82 @@ def calibrate(args: argparse.Namespace) -> dict:
     return report
 
 
+def _progress(message: str) -> None:
+    """Print a progress line to stderr (the report goes to stdout)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (``prog: error: ...``), exit code 2."""
+
+    def error(self, message: str):
+        """Report a usage error in one line and exit with code 2.
+
+        Args:
+            message: What is wrong.
+        """
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """Build the argument parser.
+    """Build the argument parser; ``--help`` shows every option's default.
 
     Returns:
         The parser.
     """
-    parser = argparse.ArgumentParser(
-        prog="lowrank-laplace",
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = _Parser(
+        prog="lowrank-laplace", formatter_class=fmt,
         description="Low-rank GGN curvature and Laplace posteriors for PyTorch networks.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    spec = sub.add_parser("spectrum", help="print the mini-batch GGN spectrum (4 cases)")
-    spec.add_argument("--dataset", default="digits", help="data set (default: digits)")
-    spec.add_argument("--model", default="cnn", help="'cnn' (default) or 'mlp'")
-    spec.add_argument("--batch-size", type=int, default=128)
-    spec.add_argument("--top-k", type=int, default=10)
-    spec.add_argument("--epochs", type=int, default=2, help="training epochs before")
-    spec.add_argument("--device", default="cpu")
-    spec.add_argument("--seed", type=int, default=0)
-    spec.add_argument("--out", type=Path, default=None, help="write JSON + PNG here")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    spec = sub.add_parser(
+        "spectrum", formatter_class=fmt, help="print the mini-batch GGN spectrum (4 cases)",
+        description="Train a small network on scikit-learn's digits, then print the "
+        "mini-batch GGN spectrum for four cases (exact or Monte-Carlo loss Hessian, full or "
+        "sub-sampled batch); with --out also write spectrum.json, spectrum.png and snr.png.")
+    spec.add_argument("--dataset", default="digits", help="data set (only digits)")
+    spec.add_argument("--model", default="cnn", help="architecture: cnn or mlp")
+    spec.add_argument("--batch-size", type=POSITIVE, default=128,
+                      help="mini-batch size N (8 to 1797); the sub-sample is N/8")
+    spec.add_argument("--top-k", type=POSITIVE, default=10,
+                      help="leading directions for the kept trace and SNRs (at most N/8)")
+    spec.add_argument("--epochs", type=NONNEGATIVE, default=2,
+                      help="training epochs before the spectrum")
+    spec.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    spec.add_argument("--seed", type=NONNEGATIVE, default=0, help="random seed")
+    spec.add_argument("--out", type=Path, default=None,
+                      help="directory for spectrum.json, spectrum.png and snr.png "
+                      "(if not given, only print)")
     spec.set_defaults(func=spectrum)
 
-    cal = sub.add_parser("calibrate", help="train, fit Laplace posteriors, report calibration")
-    cal.add_argument("--dataset", default="mnist", help="mnist (default) or digits")
-    cal.add_argument("--epochs", type=int, default=5)
+    cal = sub.add_parser(
+        "calibrate", formatter_class=fmt,
+        help="train, fit Laplace posteriors, report calibration",
+        description="Train (or load) a small CNN, fit Laplace posteriors, tune their prior "
+        "precision and report calibration, rotation shift and OOD detection; writes "
+        "calibration.json and PNG plots to --out.")
+    cal.add_argument("--dataset", default="mnist", help="mnist or digits")
+    cal.add_argument("--epochs", type=NONNEGATIVE, default=5, help="training epochs")
     cal.add_argument("--checkpoint", default=None, help="load the CNN's state_dict from here")
     cal.add_argument("--save-checkpoint", default=None, help="save the trained CNN here")
-    cal.add_argument("--n-train", type=int, default=0, help="cap on training points (0: all)")
-    cal.add_argument("--n-test", type=int, default=0, help="cap on test points (0: all)")
-    cal.add_argument("--batch-size", type=int, default=128)
-    cal.add_argument("--rank", type=int, default=100, help="rank of lowrank_ggn posteriors")
-    cal.add_argument("--mc-samples", type=int, default=0, help="0: exact GGN; M: MC GGN")
-    cal.add_argument("--prior", default="marglik", help="marglik (default) or gridsearch")
-    cal.add_argument("--angles", default="0,15,30,60,90,120,180",
-                     help="rotation angles for the shift evaluation")
+    cal.add_argument("--n-train", type=NONNEGATIVE, default=0,
+                     help="cap on training points, 0 for all")
+    cal.add_argument("--n-test", type=NONNEGATIVE, default=0,
+                     help="cap on test points, 0 for all")
+    cal.add_argument("--batch-size", type=POSITIVE, default=128,
+                     help="batch size for training, fitting and prediction")
+    cal.add_argument("--rank", type=POSITIVE, default=100,
+                     help="rank of the lowrank_ggn posteriors")
+    cal.add_argument("--mc-samples", type=NONNEGATIVE, default=0,
+                     help="0: exact GGN; M: Monte-Carlo GGN with M samples")
+    cal.add_argument("--prior", default="marglik",
+                     help="prior precision tuning: marglik or gridsearch")
+    cal.add_argument("--angles", type=_angles, default="0,15,30,60,90,120,180",
+                     help="rotation angles in degrees for the shift evaluation")
     cal.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
-    cal.add_argument("--device", default="cpu")
-    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    cal.add_argument("--seed", type=NONNEGATIVE, default=0, help="random seed")
     cal.add_argument("--out", type=Path, default=Path("results"), help="output directory")
     cal.set_defaults(func=calibrate)
     return parser
@@ -276,9 +409,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     import matplotlib
 
     matplotlib.use("Agg")  # plots are written to files, never shown
-    args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # --help (0) or a usage error (2), already reported
+        return exit_.code if isinstance(exit_.code, int) else 2
+    try:
+        with quiet_warnings():
+            args.func(args)
     except CLIError as err:
         print(f"lowrank-laplace: error: {err}", file=sys.stderr)
         return 2

@@ -3,11 +3,13 @@
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
-from lowrank_laplace.cli import main
+from lowrank_laplace import calibration, cli
+from lowrank_laplace.cli import build_parser, main
 
 TINY = ["spectrum", "--epochs", "0", "--batch-size", "24", "--top-k", "3", "--model", "mlp"]
 
@@ -28,6 +30,135 @@ def test_spectrum_writes_report(tmp_path, capsys):
         assert len(entry["gamma_snr"]) == len(entry["lambda_snr"]) == 3
     assert (tmp_path / "spectrum.png").stat().st_size > 1000
     assert (tmp_path / "snr.png").stat().st_size > 1000
+
+
+def test_spectrum_without_out_prints_only(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(TINY) == 0
+    assert "exact, full batch" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+
+
+def _numeric_options():
+    """(sub-command, option, nonsense value) for every numeric option of the command."""
+    cases = []
+    for name, sub in build_parser()._subparsers._group_actions[0].choices.items():
+        for action in sub._actions:
+            if action.type in (cli.POSITIVE, cli.NONNEGATIVE):
+                bad = ["-1", "abc", "1.5", "nan"] + (["0"] if action.type is cli.POSITIVE else [])
+                cases += [(name, action.option_strings[0], v) for v in bad]
+            elif action.dest == "angles":
+                cases += [(name, "--angles", v) for v in ("0,abc", "nan", "0,inf", ",")]
+    return cases
+
+
+NUMERIC = _numeric_options()
+
+
+def test_numeric_options_are_all_checked():
+    options = {(sub, opt) for sub, opt, _ in NUMERIC}
+    assert {("spectrum", "--batch-size"), ("spectrum", "--top-k"), ("spectrum", "--epochs"),
+            ("spectrum", "--seed"), ("calibrate", "--epochs"), ("calibrate", "--n-train"),
+            ("calibrate", "--n-test"), ("calibrate", "--batch-size"), ("calibrate", "--rank"),
+            ("calibrate", "--mc-samples"), ("calibrate", "--seed"),
+            ("calibrate", "--angles")} <= options
+    # no option that takes a number is left as a plain int/float
+    for sub in build_parser()._subparsers._group_actions[0].choices.values():
+        assert not [a.dest for a in sub._actions if a.type in (int, float)]
+
+
+@pytest.mark.parametrize("command, option, value", NUMERIC,
+                         ids=[f"{c}{o}={v}" for c, o, v in NUMERIC])
+def test_numeric_nonsense_exits_2_before_any_work(command, option, value, capsys, monkeypatch,
+                                                  tmp_path):
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the options were checked")
+
+    monkeypatch.setattr(cli, "_digits", no_work)
+    monkeypatch.setattr(calibration, "run", no_work)
+    assert main([command, f"{option}={value}", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"lowrank-laplace {command}: error")
+    assert option in err and repr(value) in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_numeric_nonsense_exits_2_as_a_command():
+    proc = subprocess.run([sys.executable, "-m", "lowrank_laplace", "calibrate", "--rank", "0"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "lowrank-laplace calibrate: error: argument --rank: expected a positive integer, "
+        "got '0' (see lowrank-laplace calibrate --help)"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("rank", 0), ("epochs", -1), ("n_train", -5), ("batch_size", 0), ("mc_samples", -1),
+    ("n_test", 2.5), ("seed", -3), ("angles", [0.0, float("nan")]), ("angles", []),
+])
+def test_calibration_config_checked_before_any_work(field, value, tmp_path):
+    config = calibration.CalibrationConfig(dataset="digits", out=str(tmp_path / "out"))
+    setattr(config, field, value)
+    with pytest.raises(calibration.UserError, match=field):
+        calibration.run(config)
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_shows_every_default(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # no line breaks inside long defaults
+    parser = build_parser()
+    for name, sub in parser._subparsers._group_actions[0].choices.items():
+        text = " ".join(sub.format_help().split())
+        options = [a for a in sub._actions if a.dest != "help"]
+        assert text.count("(default: ") == len(options), name
+        for action in options:
+            assert f"(default: {action.default})" in text, (name, action.dest)
+
+
+def test_spectrum_out_checked_before_computing(tmp_path, capsys, monkeypatch):
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained before checking --out")
+
+    monkeypatch.setattr(cli, "_train", no_training)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(TINY + ["--out", str(blocker / "sub")]) == 2
+    assert "cannot write to output directory" in capsys.readouterr().err
+
+
+def test_spectrum_top_k_beyond_the_subsample(capsys):
+    assert main(TINY[:-2] + ["--top-k", "4"]) == 2  # N = 24: sub-sample of 3
+    assert "--top-k must be at most 3" in capsys.readouterr().err
+
+
+def test_command_output_has_no_warnings(tmp_path):
+    # a fresh process: import-time warnings count too
+    proc = subprocess.run([sys.executable, "-W", "default", "-m", "lowrank_laplace"] + TINY
+                          + ["--out", str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    assert "Warning" not in proc.stdout
+
+
+def test_library_import_keeps_warning_filters():
+    # third-party packages add their own filters when imported; ours adds none
+    code = ("import warnings, torch, numpy, scipy, sklearn, backpack, torchmetrics\n"
+            "import matplotlib.pyplot, laplace\n"
+            "before = list(warnings.filters)\n"
+            "import lowrank_laplace, lowrank_laplace.cli, lowrank_laplace.calibration\n"
+            "assert warnings.filters == before, [f for f in warnings.filters if f not in before]\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_command_restores_warning_filters(tmp_path):
+    before = list(warnings.filters)
+    assert main(TINY) == 0
+    assert warnings.filters == before
+    with cli.quiet_warnings():
+        with pytest.warns(UserWarning, match="unrelated"):  # other warnings still show
+            warnings.warn("unrelated", UserWarning, stacklevel=1)
+    assert warnings.filters == before
 
 
 @pytest.mark.parametrize("args, message", [
@@ -68,9 +199,18 @@ SCHEMA_ID = {"accuracy", "nll", "ece", "mce", "brier", "confidence"}
 
 def test_calibrate_end_to_end(tmp_path, capsys):
     ckpt = tmp_path / "cnn.pt"
-    assert main(CAL + ["--out", str(tmp_path), "--save-checkpoint", str(ckpt)]) == 0
-    out = capsys.readouterr().out
-    assert "lowrank_ggn_all" in out and "ECE under rotation" in out
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(CAL + ["--out", str(tmp_path), "--save-checkpoint", str(ckpt)]) == 0
+    # the known third-party warnings are filtered: a clean table and short progress
+    assert [str(w.message) for w in caught] == []
+    captured = capsys.readouterr()
+    out, err = captured.out, captured.err
+    assert out.startswith("method ") and "lowrank_ggn_all" in out and "ECE under rotation" in out
+    assert "training epoch 1/1" in err and "[6/6] diag_all" in err
+    assert len(err.splitlines()) <= 10 and "Warning" not in err
+    for plot in ("shift_ece.png", "shift_accuracy.png"):
+        assert (tmp_path / plot).stat().st_size > 2000
     report = json.loads((tmp_path / "calibration.json").read_text())
     from lowrank_laplace.calibration import METHODS
 
@@ -98,7 +238,7 @@ def test_calibrate_end_to_end(tmp_path, capsys):
     (["--checkpoint", "/nonexistent/cnn.pt"], "does not exist"),
     (["--methods", "map,swag"], "unknown method 'swag'"),
     (["--prior", "cv"], "unknown prior tuning 'cv'"),
-    (["--angles", "0,abc"], "--angles must be comma-separated numbers"),
+    (["--angles", "0,abc"], "argument --angles: expected comma-separated numbers"),
 ])
 def test_calibrate_user_errors(args, message, capsys, tmp_path):
     assert main(CAL + ["--out", str(tmp_path)] + args) == 2
