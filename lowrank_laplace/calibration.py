@@ -17,13 +17,13 @@ out-of-distribution detection. The report's schema::
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 import torch
-import tqdm
 from torch import Tensor, nn
 
 from lowrank_laplace import datasets, metrics, plots
@@ -34,6 +34,15 @@ METHODS = ("map", "lowrank_ggn_all", "lowrank_ggn_all_diag", "lowrank_ggn_last_l
 
 class UserError(Exception):
     """A problem the user can fix (bad option, missing file); reported in one line."""
+
+
+# numeric options and their smallest valid value, checked before any work
+_MINIMUM = {"epochs": 0, "n_train": 0, "n_test": 0, "batch_size": 1, "rank": 1,
+            "mc_samples": 0, "seed": 0}
+
+
+def _silent(message: str) -> None:
+    """The default progress log of :func:`run`: prints nothing."""
 
 
 @dataclass
@@ -107,9 +116,16 @@ def validate(config: CalibrationConfig) -> torch.device:
         The torch device.
 
     Raises:
-        UserError: For an unknown dataset, method or prior method, a missing
-            checkpoint, CUDA asked for but absent, or an unwritable output directory.
+        UserError: For a negative count (a zero batch size or rank), a non-finite
+            angle, an unknown dataset, method or prior method, a missing checkpoint,
+            CUDA asked for but absent, or an unwritable output directory.
     """
+    for name, minimum in _MINIMUM.items():
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise UserError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if not config.angles or not all(math.isfinite(float(a)) for a in config.angles):
+        raise UserError(f"angles must be finite numbers, got {config.angles!r}")
     if config.dataset not in datasets.IMAGE_DATASETS:
         raise UserError(f"unknown dataset {config.dataset!r}: choose one of "
                         f"{', '.join(datasets.IMAGE_DATASETS)}")
@@ -133,7 +149,8 @@ def validate(config: CalibrationConfig) -> torch.device:
     return torch.device(config.device)
 
 
-def _train_or_load(config: CalibrationConfig, split: datasets.Split, device) -> nn.Module:
+def _train_or_load(config: CalibrationConfig, split: datasets.Split, device,
+                   log: Callable[[str], None]) -> nn.Module:
     model = make_cnn(config.dataset).to(device)
     if config.checkpoint is not None:
         state = torch.load(config.checkpoint, map_location=device, weights_only=True)
@@ -142,15 +159,21 @@ def _train_or_load(config: CalibrationConfig, split: datasets.Split, device) -> 
         except (RuntimeError, KeyError, TypeError) as err:
             raise UserError(f"checkpoint {config.checkpoint!r} does not fit the "
                             f"{config.dataset} CNN (another architecture?)") from err
+        log(f"loaded the {config.dataset} CNN from {config.checkpoint}")
         return model.eval()
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
     loss_func = nn.CrossEntropyLoss()
     loader = split.loaders(config.batch_size, config.seed)["train"]
-    for _ in tqdm.trange(config.epochs, desc="training", disable=None, leave=False):
+    for epoch in range(config.epochs):
+        start, total, count = time.perf_counter(), 0.0, 0
         for X, y in loader:
             opt.zero_grad()
-            loss_func(model(X.to(device)), y.to(device)).backward()
+            loss = loss_func(model(X.to(device)), y.to(device))
+            loss.backward()
             opt.step()
+            total, count = total + float(loss.detach()) * len(y), count + len(y)
+        log(f"training epoch {epoch + 1}/{config.epochs}: loss {total / max(count, 1):.4f} "
+            f"({time.perf_counter() - start:.1f} s)")
     if config.save_checkpoint is not None:
         torch.save(model.state_dict(), config.save_checkpoint)
     return model.eval()
@@ -230,11 +253,12 @@ def evaluate(predict, split: datasets.Split, ood: Tensor, config: CalibrationCon
     return entry, probs
 
 
-def run(config: CalibrationConfig) -> dict:
+def run(config: CalibrationConfig, log: Callable[[str], None] = _silent) -> dict:
     """Run the study and write ``calibration.json`` plus PNG plots to ``config.out``.
 
     Args:
         config: The options.
+        log: Receives one short progress line per step (default: nothing).
 
     Returns:
         The report (see the module docstring for its schema).
@@ -247,13 +271,14 @@ def run(config: CalibrationConfig) -> dict:
     size = split.train[0].shape[-1]
     ood = datasets.ood_images(len(split.test[1]), size, seed=config.seed)
     loaders = split.loaders(config.batch_size, config.seed)
-    model = _train_or_load(config, split, device)
+    log(f"{config.dataset}: {len(split.train[1])} training, {len(split.test[1])} test points")
+    model = _train_or_load(config, split, device, log)
     report = {"methods": {}, "config": asdict(config) | {
         "n_train_used": len(split.train[1]), "n_test_used": len(split.test[1]),
         "num_params": sum(p.numel() for p in model.parameters()),
         "ood": "grayscale crops of scikit-learn's sample photographs"}}
     out = Path(config.out)
-    for name in tqdm.tqdm(config.methods, desc="methods", disable=None):
+    for i, name in enumerate(config.methods, 1):
         try:
             start = time.perf_counter()
             la = None if name == "map" else _fit_laplace(name, model, config, loaders)
@@ -261,16 +286,21 @@ def run(config: CalibrationConfig) -> dict:
             entry, probs = evaluate(_predictor(name, model, la), split, ood, config, device)
         except (RuntimeError, MemoryError, ValueError, NotImplementedError) as err:
             report["methods"][name] = {"error": f"{type(err).__name__}: {err}"}
+            log(f"[{i}/{len(config.methods)}] {name}: could not run ({type(err).__name__})")
             continue
         entry["fit_s"] = fit_s
         report["methods"][name] = entry
+        log(f"[{i}/{len(config.methods)}] {name}: fit {fit_s:.1f} s, "
+            f"predict {entry['predict_s']:.1f} s")
         fig = plots.reliability_diagram(probs, split.test[1], title=name,
                                         path=out / f"reliability_{name}.png")
         plots.close(fig)
     shifts = {n: m["shift"] for n, m in report["methods"].items() if "shift" in m}
     if shifts:
-        plots.close(plots.shift_curves(shifts, "ece", path=out / "shift_ece.png"))
-        plots.close(plots.shift_curves(shifts, "accuracy", path=out / "shift_accuracy.png"))
+        for metric in ("ece", "accuracy"):
+            plots.close(plots.shift_curves(
+                shifts, metric, path=out / f"shift_{metric}.png",
+                title=f"{plots.metric_name(metric)} under rotation ({config.dataset} test set)"))
     (out / "calibration.json").write_text(json.dumps(report, indent=2))
     return report
 
