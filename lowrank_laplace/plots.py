@@ -12,6 +12,7 @@ from typing import Callable, Dict, Optional, Sequence, Union
 
 import matplotlib.pyplot as plt
 import torch
+from matplotlib.ticker import MaxNLocator
 from torch import Tensor
 
 PathLike = Union[str, Path, None]
@@ -28,11 +29,16 @@ def reliability_diagram(probs: Tensor, targets: Tensor, n_bins: int = 15,
                         title: str = "", path: PathLike = None):
     """Accuracy per confidence bin against the diagonal of perfect calibration.
 
+    The bars show each bin's accuracy at the bin's centre; the line joins the points
+    (mean confidence, accuracy) of the non-empty bins, so its distance from the
+    diagonal is the bin's calibration error. The title carries the ECE (same bins) and
+    a lower panel shows how the predictions spread over the bins.
+
     Args:
         probs: Predictive probabilities, shape ``(N, C)``.
         targets: Class indices, shape ``(N,)``.
         n_bins: Number of equal-width confidence bins.
-        title: Axes title.
+        title: Title (the ECE is appended).
         path: Where to save the PNG (optional).
 
     Returns:
@@ -49,20 +55,28 @@ def reliability_diagram(probs: Tensor, targets: Tensor, n_bins: int = 15,
     acc.index_add_(0, idx, correct)
     avg_conf.index_add_(0, idx, conf)
     nonempty = count > 0
+    bin_acc = (acc / count.clamp_min(1))[nonempty]
+    bin_conf = (avg_conf / count.clamp_min(1))[nonempty]
+    ece = float((count[nonempty] / count.sum() * (bin_acc - bin_conf).abs()).sum())
     fig, (ax, hist) = plt.subplots(2, 1, figsize=(4.5, 5.5), sharex=True,
                                    gridspec_kw={"height_ratios": [3, 1]})
     centers = (edges[:-1] + edges[1:]) / 2
-    ax.bar(centers[nonempty], (acc / count.clamp_min(1))[nonempty], width=1 / n_bins,
-           edgecolor="k", alpha=0.7, label="accuracy")
-    ax.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")
-    ax.plot((avg_conf / count.clamp_min(1))[nonempty], (acc / count.clamp_min(1))[nonempty],
-            "o-", color="C3", ms=3, label="per-bin confidence")
-    ax.set_ylabel("accuracy")
-    ax.set_title(title)
-    ax.legend(loc="upper left", fontsize=8)
+    # matplotlib gets numpy arrays (tensors trigger NumPy's __array_wrap__ deprecation)
+    centers, count, nonempty = centers.numpy(), count.numpy(), nonempty.numpy()
+    bin_acc, bin_conf = bin_acc.numpy(), bin_conf.numpy()
+    ax.bar(centers[nonempty], bin_acc, width=1 / n_bins, edgecolor="k", alpha=0.7,
+           label="Accuracy per bin")
+    ax.plot([0, 1], [0, 1], "k--", lw=1, label="Perfect calibration")
+    ax.plot(bin_conf, bin_acc, "o-", color="C3", ms=3, label="Accuracy vs. mean confidence")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("Accuracy")
+    fig.suptitle(f"{title + ': ' if title else ''}ECE = {ece:.4f}")
+    # the legend sits between the title and the axes, never over the bars
+    ax.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=1, fontsize=7, frameon=False)
     hist.bar(centers, count / count.sum(), width=1 / n_bins, edgecolor="k", alpha=0.7)
-    hist.set_xlabel("confidence")
-    hist.set_ylabel("fraction")
+    hist.set_xlabel("Confidence")
+    hist.set_ylabel("Fraction of points")
     return _finish(fig, path)
 
 
@@ -81,8 +95,8 @@ def confidence_histograms(confidences: Dict[str, Tensor], title: str = "",
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for name, conf in confidences.items():
         ax.hist(conf.cpu().numpy(), bins=20, range=(0, 1), alpha=0.5, label=name, density=True)
-    ax.set_xlabel("confidence")
-    ax.set_ylabel("density")
+    ax.set_xlabel("Confidence")
+    ax.set_ylabel("Density")
     ax.set_title(title)
     ax.legend()
     return _finish(fig, path)
@@ -103,12 +117,12 @@ def spectrum(eigenvalues: Dict[str, Tensor], title: str = "GGN spectrum",
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
     for name, evals in eigenvalues.items():
         evals = evals.detach().cpu()
-        left.semilogy(evals.numpy(), label=name)
+        left.semilogy(range(1, len(evals) + 1), evals.numpy(), label=name)
         right.hist(torch.log10(evals.clamp_min(1e-30)).numpy(), bins=30, alpha=0.5, label=name)
-    left.set_xlabel("index k")
-    left.set_ylabel("eigenvalue")
+    left.set_xlabel("Index k (descending)")
+    left.set_ylabel("Eigenvalue")
     right.set_xlabel("log10 eigenvalue")
-    right.set_ylabel("count")
+    right.set_ylabel("Count")
     left.legend(fontsize=8)
     fig.suptitle(title)
     return _finish(fig, path)
@@ -176,26 +190,69 @@ def uncertainty_map(predict: Callable[[Tensor], Tensor], X: Tensor, y: Tensor,
     return _finish(fig, path)
 
 
+_METRIC_NAMES = {"ece": "ECE", "nll": "NLL", "mce": "MCE", "accuracy": "Accuracy",
+                 "brier": "Brier score", "confidence": "Confidence"}
+
+
+def metric_name(metric: str) -> str:
+    """The display name of a metric key, e.g. ``'ece'`` -> ``'ECE'``.
+
+    Args:
+        metric: A key of :func:`lowrank_laplace.metrics.classification_metrics`.
+
+    Returns:
+        The name for axis labels and titles.
+    """
+    return _METRIC_NAMES.get(metric, metric.capitalize())
+
+
 def shift_curves(results: Dict[str, Dict[str, Dict[str, float]]], metric: str = "ece",
-                 path: PathLike = None):
+                 title: Optional[str] = None, path: PathLike = None):
     """A metric against the rotation angle, one line per method.
 
     Args:
         results: ``{method: {angle: {metric: value}}}`` (angles as strings).
         metric: Which metric to plot.
+        title: Axes title (default: ``'<metric> under rotation'``).
         path: Where to save the PNG (optional).
 
     Returns:
         The matplotlib figure.
     """
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for name, by_angle in results.items():
+    name = metric_name(metric)
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    for method, by_angle in results.items():
         angles = sorted(by_angle, key=float)
         ax.plot([float(a) for a in angles], [by_angle[a][metric] for a in angles], "o-",
-                label=name)
-    ax.set_xlabel("rotation angle [deg]")
-    ax.set_ylabel(metric)
-    ax.legend(fontsize=8)
+                ms=3, label=method)
+    ax.set_xlabel("Rotation angle [deg]")
+    ax.set_ylabel(name)
+    ax.set_title(f"{name} under rotation" if title is None else title)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)
+    return _finish(fig, path)
+
+
+def snr_curves(cases: Dict[str, Dict[str, Sequence[float]]], path: PathLike = None):
+    """Gradient and curvature SNRs per eigen-direction, one line per case.
+
+    Args:
+        cases: ``{case: {"gamma_snr": [...], "lambda_snr": [...]}}`` (descending
+            eigenvalue order, as in the ``spectrum`` command's report).
+        path: Where to save the PNG (optional).
+
+    Returns:
+        The matplotlib figure.
+    """
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5), sharey=True)
+    for (key, label), ax in zip([("gamma_snr", "Gradient SNR"),
+                                 ("lambda_snr", "Curvature SNR")], axes):
+        for name, case in cases.items():
+            ax.semilogy(range(1, len(case[key]) + 1), case[key], "o-", ms=3, label=name)
+        ax.set_xlabel("Eigenvector k (descending eigenvalue)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(label)
+    axes[0].set_ylabel("SNR (squared mean / variance)")
+    axes[0].legend(fontsize=7)
     return _finish(fig, path)
 
 

@@ -63,3 +63,50 @@ def test_plots_write_png(tmp_path):
         fig = make(tmp_path / name)
         plots.close(fig)
         assert (tmp_path / name).stat().st_size > 2000
+
+
+def _labels(fig):
+    return [t for ax in fig.axes for t in (ax.get_xlabel(), ax.get_ylabel()) if t]
+
+
+def test_reliability_diagram_labels_and_ece():
+    from lowrank_laplace import metrics
+
+    torch.manual_seed(0)
+    logits = 3 * torch.randn(400, 10)
+    y = torch.where(torch.rand(400) < 0.7, logits.argmax(1), torch.randint(0, 10, (400,)))
+    probs = torch.softmax(logits, 1)
+    fig = plots.reliability_diagram(probs, y, title="map")
+    title = fig._suptitle.get_text()
+    assert title.startswith("map: ECE = ")
+    # the ECE in the title is the metric the report gives (same 15 bins)
+    assert float(title.split("= ")[1]) == pytest.approx(metrics.ece(probs, y), abs=1e-4)
+    top = fig.axes[0]
+    legend = [t.get_text() for t in top.get_legend().get_texts()]
+    assert "Accuracy vs. mean confidence" in legend
+    assert not any("per-bin confidence" in t for t in legend)
+    # the legend lies above the axes, off the bars
+    fig.canvas.draw()
+    box = top.get_legend().get_window_extent()
+    assert box.y0 >= top.get_window_extent().y1 - 1
+    assert all(label[0].isupper() for label in _labels(fig))
+    plots.close(fig)
+
+
+def test_shift_plot_titled_and_labelled():
+    results = {"map": {"0": {"ece": 0.1}, "30": {"ece": 0.2}},
+               "lowrank": {"0": {"ece": 0.05}, "30": {"ece": 0.1}}}
+    fig = plots.shift_curves(results, "ece")
+    ax = fig.axes[0]
+    assert ax.get_title() == "ECE under rotation" and ax.get_ylabel() == "ECE"
+    assert all(label[0].isupper() for label in _labels(fig))
+    plots.close(fig)
+    fig = plots.shift_curves(results, "ece", title="ECE (digits)")
+    assert fig.axes[0].get_title() == "ECE (digits)"
+    plots.close(fig)
+    for make in (lambda: plots.spectrum({"x": torch.rand(5).sort(descending=True)[0]}),
+                 lambda: plots.snr_curves({"c": {"gamma_snr": [1, 2], "lambda_snr": [3, 4]}}),
+                 lambda: plots.confidence_histograms({"a": torch.rand(10)})):
+        fig = make()
+        assert all(label[0].isupper() or label.startswith("log10") for label in _labels(fig))
+        plots.close(fig)
