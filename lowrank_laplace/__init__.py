@@ -7,6 +7,8 @@ The mini-batch engine (ViViT): the GGN ``G = V V^T`` with ``V`` computed by Back
 in one backward pass; its nonzero spectrum lives in the small Gram matrix ``V^T V``.
 """
 
+import warnings as _warnings
+
 from lowrank_laplace._checks import layerwise_param_groups
 from lowrank_laplace._extensions import supported_modules
 from lowrank_laplace.directional import (
@@ -20,7 +22,14 @@ from lowrank_laplace.directional import (
 )
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.factor import GGNFactor
-from lowrank_laplace.laplace_backend import LowRankGGNLaplace, LowRankGGNLLLaplace
+
+with _warnings.catch_warnings():
+    # importing laplace-torch imports its optional asdl backend, which calls the
+    # deprecated torch.jit.script: nothing a user can act on. Hidden during this import
+    # only; the user's warning filters are the same before and after.
+    _warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated",
+                             category=FutureWarning)
+    from lowrank_laplace.laplace_backend import LowRankGGNLaplace, LowRankGGNLLLaplace
 from lowrank_laplace.merge import StreamingMerge
 from lowrank_laplace.posterior import LowRankPrecision
 from lowrank_laplace.spectrum import (
