@@ -510,11 +510,14 @@ def machine_info(device: str, packages: Sequence[str] = DEFAULT_PACKAGES) -> dic
         packages: Distributions whose versions are recorded (if installed).
 
     Returns:
-        Dictionary with CPU count, memory, device name and package versions.
+        Dictionary with the date (UTC), CPU count, memory, device name and package
+        versions.
     """
+    import datetime
     import importlib.metadata
 
     info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
         "cpu_count": os.cpu_count(),
         "cpu_count_usable": num_cores(),
         "platform": platform.platform(),
