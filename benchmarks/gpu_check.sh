@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The GPU checks of the scale issue in one call of a device machine (about 5 minutes).
+# The GPU checks in one call on a GPU machine (about 5 minutes): CUDA tests, the
+# host-device traffic of a fit, the Laplace benchmark on the device.
 #
-# The GPU image has PyTorch but not BackPACK, laplace-torch or curvlinops, and nothing
-# can be downloaded there, so their pure-Python wheels travel with the working tree.
+# A bare GPU image may have PyTorch but not BackPACK, laplace-torch or curvlinops, and
+# no network, so their pure-Python wheels travel with the working tree.
 #
-#   Here (CPU machine, with pip):  bash benchmarks/gpu_check.sh prepare
+#   On a CPU machine with pip:  bash benchmarks/gpu_check.sh prepare
 #       downloads the wheels into .whl/ (ignored by git, ~0.6 MB).
-#   There (device tool):           run(command="bash benchmarks/gpu_check.sh run",
-#                                      carry=[".whl"], timeout_s=540)
+#   On the GPU machine, with .whl/ copied along ($OUT: output folder, /tmp/gpu_check):
+#                               bash benchmarks/gpu_check.sh run
 #       installs them into /tmp/site and writes into $OUT (at most 8 files):
 #       card.txt (GPU, driver, torch), pytest_cuda.log (the CUDA-parametrised tests),
 #       gpu_trace_3c3d.json (host-device copies and scalar reads during a fit, see

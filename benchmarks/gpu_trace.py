@@ -1,6 +1,6 @@
 """Host-device traffic of a ``lowrank_ggn`` fit, from a ``torch.profiler`` trace.
 
-Issue 5 asks for no host-device copies in the fit's hot loop. This script fits
+The fit's hot loop should make no host-device copies. This script fits
 ``Laplace(..., hessian_structure="lowrank_ggn")`` on a DeepOBS problem with the data
 already on the device (so the loader moves nothing), once untimed to warm up and
 once under ``torch.profiler``, and counts per fit:
