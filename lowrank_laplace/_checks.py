@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import MutableMapping
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -9,6 +11,43 @@ from torch import Tensor, nn
 
 SUPPORTED_LOSSES = (nn.CrossEntropyLoss, nn.MSELoss)
 _BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def check_batchnorm_mode(model: nn.Module, allow_train: bool) -> None:
+    """Refuse BatchNorm in training mode unless the passes run in eval mode.
+
+    Args:
+        model: The network.
+        allow_train: The engine evaluates in eval mode (laplace-torch's fits).
+
+    Raises:
+        ValueError: For a BatchNorm layer in training mode.
+    """
+    if allow_train:
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, _BATCHNORMS) and module.training:
+            raise ValueError(
+                f"Layer {name or type(model).__name__!r} ({type(module).__name__}) is in "
+                "training mode, which couples the samples of a batch: call model.eval() "
+                "first."
+            )
+
+
+def shared_parameters(model: nn.Module) -> List[List[str]]:
+    """Names under which each parameter used by several modules is registered.
+
+    Args:
+        model: The network.
+
+    Returns:
+        One list of names per shared (tied) parameter.
+    """
+    owners: Dict[int, List[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append(f"{name}.{pname}" if name else pname)
+    return [names for names in owners.values() if len(names) > 1]
 
 
 def check_loss_func(loss_func: nn.Module) -> None:
@@ -40,55 +79,13 @@ def check_loss_func(loss_func: nn.Module) -> None:
             )
 
 
-def check_model(
-    model: nn.Module, supported: Sequence[type], allow_train_batchnorm: bool = False
-) -> None:
-    """Check that BackPACK can backpropagate the GGN factor through every layer.
-
-    Args:
-        model: The network.
-        supported: Module classes with a BackPACK ``SqrtGGN`` extension.
-        allow_train_batchnorm: Accept BatchNorm in training mode (the caller
-            evaluates in eval mode).
-
-    Raises:
-        NotImplementedError: Naming the first unsupported layer and a workaround.
-        ValueError: For a BatchNorm layer in training mode.
-    """
-    from backpack.utils.module_classification import is_no_op
-
-    for name, module in model.named_modules():
-        name = name or type(model).__name__
-        children = list(module.children())
-        if isinstance(module, _BATCHNORMS) and module.training and not allow_train_batchnorm:
-            raise ValueError(
-                f"Layer {name!r} ({type(module).__name__}) is in training mode, which "
-                "couples the samples of a batch: call model.eval() first."
-            )
-        if children:
-            own_params = list(module.parameters(recurse=False))
-            if own_params and not isinstance(module, tuple(supported)):
-                raise NotImplementedError(
-                    f"Module {name!r} ({type(module).__name__}) owns parameters but "
-                    "is not a layer BackPACK supports."
-                )
-            continue
-        if isinstance(module, tuple(supported)) or is_no_op(module):
-            continue
-        raise NotImplementedError(
-            f"Layer {name!r} ({type(module).__name__}) is not supported by BackPACK's "
-            "GGN factor extension. Replace it with a supported layer, or compute the "
-            "curvature of the layers after it only (e.g. laplace-torch's "
-            "subset_of_weights='last_layer' on the features it produces)."
-        )
-
-
-def check_batch(inputs: Tensor, targets: Tensor) -> int:
+def check_batch(inputs: Any, targets: Optional[Tensor]) -> int:
     """Check a mini-batch and return its size.
 
     Args:
-        inputs: Inputs, shape ``(N, ...)``.
-        targets: Targets, shape ``(N, ...)``.
+        inputs: Inputs, shape ``(N, ...)``, or a dict batch (``MutableMapping``)
+            passed whole to the model.
+        targets: Targets, shape ``(N, ...)``, or ``None`` (MSE without targets).
 
     Returns:
         The batch size ``N``.
@@ -97,16 +94,94 @@ def check_batch(inputs: Tensor, targets: Tensor) -> int:
         TypeError: If inputs or targets are not tensors.
         ValueError: If the batch is empty or the batch sizes differ.
     """
-    if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor):
-        raise TypeError("inputs and targets must be torch.Tensor objects.")
-    if inputs.ndim == 0 or inputs.shape[0] == 0:
+    if isinstance(inputs, MutableMapping):
+        if targets is None and not any(isinstance(v, Tensor) and v.ndim
+                                       for v in inputs.values()):
+            raise ValueError("A dict batch needs at least one tensor with a batch axis.")
+    elif not isinstance(inputs, Tensor):
+        raise TypeError(
+            "inputs must be a torch.Tensor or a dict batch (MutableMapping), got "
+            f"{type(inputs).__name__}."
+        )
+    elif inputs.ndim == 0 or inputs.shape[0] == 0:
         raise ValueError("Empty batch: inputs must have shape (N, ...) with N >= 1.")
-    if targets.ndim == 0 or targets.shape[0] != inputs.shape[0]:
+    if targets is not None and not isinstance(targets, Tensor):
+        raise TypeError("targets must be a torch.Tensor.")
+    n = batch_size(inputs) if targets is None else (targets.shape[0] if targets.ndim else 0)
+    if n == 0:
+        raise ValueError("Empty batch: the batch must hold at least one sample.")
+    if isinstance(inputs, Tensor) and (targets is not None and (
+            targets.ndim == 0 or targets.shape[0] != inputs.shape[0])):
         raise ValueError(
             f"inputs have {inputs.shape[0]} samples but targets have shape "
             f"{tuple(targets.shape)}: the first dimensions must match."
         )
-    return inputs.shape[0]
+    return n
+
+
+def batch_size(inputs: Any) -> int:
+    """Number of samples of a tensor or dict batch.
+
+    Args:
+        inputs: A tensor ``(N, ...)`` or a dict batch (its first tensor with a
+            batch axis gives ``N``).
+
+    Returns:
+        ``N``.
+    """
+    if isinstance(inputs, Tensor):
+        return inputs.shape[0] if inputs.ndim else 0
+    sizes = [v.shape[0] for v in inputs.values() if isinstance(v, Tensor) and v.ndim]
+    return sizes[0] if sizes else 0
+
+
+def take(inputs: Any, index: Any, n: Optional[int] = None) -> Any:
+    """Select samples of a tensor or dict batch.
+
+    Args:
+        inputs: A tensor ``(N, ...)`` or a dict batch.
+        index: A slice or index tensor/list along the batch axis.
+        n: The batch size (entries of a dict with another leading size are kept
+            whole); ``None`` uses :func:`batch_size`.
+
+    Returns:
+        The selected samples, of the same type as ``inputs``.
+    """
+    if isinstance(inputs, Tensor):
+        return inputs[index]
+    n = batch_size(inputs) if n is None else n
+    out = copy.copy(inputs)
+    for key, value in inputs.items():
+        if isinstance(value, Tensor) and value.ndim and value.shape[0] == n:
+            out[key] = value[index]
+    return out
+
+
+def batch_device(inputs: Any) -> torch.device:
+    """The device of a tensor or dict batch (its first tensor; CPU if none)."""
+    if isinstance(inputs, Tensor):
+        return inputs.device
+    for value in inputs.values():
+        if isinstance(value, Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
+def check_outputs(outputs: Any) -> None:
+    """Check that the model returned a ``(N, C)`` tensor.
+
+    Args:
+        outputs: The model output.
+
+    Raises:
+        ValueError: Otherwise, with the way out.
+    """
+    if not isinstance(outputs, Tensor) or outputs.ndim != 2:
+        shape = tuple(outputs.shape) if isinstance(outputs, Tensor) else type(outputs).__name__
+        raise ValueError(
+            f"The model output must have shape (N, C) (a tensor), got {shape}; add an "
+            "nn.Flatten layer, or wrap the model so that it returns the logits."
+        )
 
 
 def check_targets(loss_func: nn.Module, outputs: Tensor, targets: Tensor) -> None:
@@ -272,58 +347,3 @@ def check_finite(loss: Tensor) -> None:
             f"The loss is not finite ({loss.item()}): check inputs, targets and "
             "parameters for NaN/inf."
         )
-
-
-def checked_forward(model: nn.Module, inputs: Tensor) -> Tensor:
-    """Forward pass that verifies every operation is a module BackPACK sees.
-
-    Args:
-        model: The (extended copy of the) network.
-        inputs: Inputs.
-
-    Returns:
-        The model output.
-
-    Raises:
-        NotImplementedError: If a module receives a tensor that no earlier module
-            produced (a functional operation such as ``torch.relu`` or ``x.view``
-            sits in between), or a module is called twice.
-    """
-    produced = {id(inputs)}
-    keep_alive = [inputs]
-    called = set()
-    problems = []
-    names = {m: n for n, m in model.named_modules()}
-
-    def hook(module, inp, out):
-        if module in called:
-            problems.append(f"module {names[module]!r} is called more than once")
-        called.add(module)
-        for t in inp:
-            if isinstance(t, Tensor) and id(t) not in produced and not problems:
-                problems.append(
-                    f"the input of {names[module]!r} ({type(module).__name__}) is not "
-                    "the output of another module"
-                )
-        outs = out if isinstance(out, tuple) else (out,)
-        for t in outs:
-            produced.add(id(t))
-            keep_alive.append(t)
-
-    leaves = [m for m in model.modules() if not list(m.children())]
-    handles = [m.register_forward_hook(hook) for m in leaves]
-    try:
-        outputs = model(inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    if id(outputs) not in produced and not problems:
-        problems.append("the model output is not the output of a module")
-    if problems:
-        raise NotImplementedError(
-            "BackPACK can only backpropagate through nn.Module layers, but "
-            f"{problems[0]}: the forward pass applies a functional operation (e.g. "
-            "torch.relu, x.view, x + y). Use modules instead (nn.ReLU, nn.Flatten, "
-            "backpack.custom_module.branching.Parallel/SumModule for residuals)."
-        )
-    return outputs

@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from torch.nn.functional import pad
 
 from lowrank_laplace._blocks import DenseBlock, KronBlock
+from lowrank_laplace.factor import factor_columns, reduced_cross_entropy_sqrt  # noqa: F401
 
 
 def _linear_weight(module: nn.Linear, mat: Tensor, subsampling) -> Optional[KronBlock]:
@@ -161,34 +162,6 @@ def _batch_grad(base, weight_fn):
     return _BatchGrad
 
 
-def reduced_cross_entropy_sqrt(logits: Tensor, reduction: str) -> Tensor:
-    """A ``C - 1``-column square root of the cross-entropy Hessian w.r.t. the logits.
-
-    With ``t = sqrt(softmax(logits))`` and the Householder reflection
-    ``H = I - 2 u u^T / (u^T u)``, ``u = t + e_C`` (``H t = -e_C``), the first
-    ``C - 1`` columns of ``H`` are an orthonormal basis of ``t``'s complement and
-    ``S = diag(t) H[:, :C-1]`` satisfies ``S S^T = diag(p) - p p^T``.
-
-    Args:
-        logits: Shape ``(N, C)`` with ``C >= 2``.
-        reduction: The loss's reduction (``"mean"`` divides by ``sqrt(N)``).
-
-    Returns:
-        Backpropagated vectors in BackPACK's layout, shape ``(C - 1, N, C)``.
-    """
-    num, classes = logits.shape
-    t = logits.detach().softmax(1).sqrt()
-    u = t.clone()
-    u[:, -1] += 1
-    coef = 2 / (u * u).sum(1)  # (N,)
-    eye = torch.eye(classes - 1, classes, dtype=t.dtype, device=t.device)
-    house = eye[:, None, :] - (coef[:, None] * u[:, : classes - 1]).T[:, :, None] * u[None]
-    sqrt_h = t[None] * house  # (C - 1, N, C)
-    if reduction == "mean":
-        sqrt_h = sqrt_h / num**0.5
-    return sqrt_h
-
-
 class _SqrtGGNCrossEntropy(SqrtGGNCrossEntropyLoss):
     def backpropagate(self, ext, module, grad_inp, grad_out, backproped):  # noqa: D102
         logits = module.input0
@@ -200,25 +173,6 @@ class _SqrtGGNCrossEntropy(SqrtGGNCrossEntropyLoss):
         )
         # BackPACK normalises a mean loss by the full batch size
         return sqrt_h / logits.shape[0] ** 0.5 if module.reduction == "mean" else sqrt_h
-
-
-def factor_columns(loss_func: nn.Module, output_shape: tuple, mc_samples: int) -> int:
-    """Columns of ``V`` per sample produced by :func:`sqrt_ggn_extension`.
-
-    Args:
-        loss_func: The loss module.
-        output_shape: Shape of the model outputs of a batch, ``(N, C, ...)``.
-        mc_samples: ``0`` for the exact GGN, else the Monte-Carlo samples.
-
-    Returns:
-        ``mc_samples``, ``C - 1`` for exact cross-entropy on ``(N, C)`` logits, or
-        the number of outputs ``C``.
-    """
-    if mc_samples:
-        return mc_samples
-    if isinstance(loss_func, nn.CrossEntropyLoss) and len(output_shape) == 2:
-        return max(1, output_shape[1] - 1)
-    return output_shape[1]
 
 
 _EXTRA_SQRT_GGN = {

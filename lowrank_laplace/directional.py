@@ -59,6 +59,7 @@ class DirectionalDerivatives:
         eigenvectors: GGN eigenvectors ``e_k``, ``(D, K)``.
         reduction: The loss reduction; for ``'mean'`` the column means of
             ``gammas`` and ``lambdas`` are ``e_k^T g`` and ``lambda_k``.
+        backend: The backend that computed ``V`` (``'backpack'`` or ``'functorch'``).
     """
 
     gammas: Tensor
@@ -66,6 +67,7 @@ class DirectionalDerivatives:
     eigenvalues: Tensor
     eigenvectors: Tensor
     reduction: str
+    backend: str = ""
 
     @property
     def gamma_snr(self) -> Tensor:
@@ -127,6 +129,7 @@ def _directional(factor: GGNFactor, group: int, evals: Tensor, gvecs: Tensor,
         eigenvalues=evals,
         eigenvectors=eigenvectors,
         reduction=factor.reduction,
+        backend=factor.backend,
     )
 
 
@@ -143,6 +146,7 @@ def directional_derivatives(
     threshold: Optional[float] = None,
     indices: Optional[Sequence[int]] = None,
     low_memory: bool = False,
+    backend: str = "auto",
 ) -> Union[DirectionalDerivatives, List[DirectionalDerivatives]]:
     """Per-sample slopes and curvatures along the GGN's eigenvectors, one backward pass.
 
@@ -168,12 +172,14 @@ def directional_derivatives(
         threshold: Keep only eigenvalues ``>= threshold``.
         indices: Keep these positions of the descending nonzero spectrum instead.
         low_memory: Two backward passes, never holding all of ``V`` (see above).
+        backend: ``'auto'``, ``'backpack'`` or ``'functorch'`` (see
+            :mod:`lowrank_laplace.engine`); the result's ``backend`` says which ran.
 
     Returns:
         :class:`DirectionalDerivatives` (a list, one per group, with ``param_groups``).
     """
     if not low_memory:
-        with FactorEngine(model, loss_func) as engine:
+        with FactorEngine(model, loss_func, backend=backend) as engine:
             factor = engine.compute(
                 inputs, targets, mc_samples, subsampling, param_groups, batch_grad=True
             )
@@ -183,7 +189,7 @@ def directional_derivatives(
         ]
         return results if param_groups is not None else results[0]
     replay = RNGReplay(inputs.device)
-    with FactorEngine(model, loss_func) as engine:
+    with FactorEngine(model, loss_func, backend=backend) as engine:
         first = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
                                keep_blocks=False, compute_grams=True, batch_grad=True,
                                cross_batch_grads=True)
@@ -255,6 +261,8 @@ def damped_newton_step(
     subsampling: Optional[Sequence[int]] = None,
     param_groups: Optional[List[dict]] = None,
     low_memory: bool = False,
+    *,
+    backend: str = "auto",
 ) -> Tensor:
     """Damped Newton step in the GGN's nonzero eigenspace, from one backward pass.
 
@@ -278,6 +286,8 @@ def damped_newton_step(
         param_groups: Optimizer-style groups for a block-diagonal GGN.
         low_memory: Three backward passes instead of one, holding at most one
             layer's block of ``V`` at a time (see above).
+        backend: ``'auto'``, ``'backpack'`` or ``'functorch'`` (see
+            :mod:`lowrank_laplace.engine`).
 
     Returns:
         Flat step, shape ``(D,)``: over ``model.parameters()`` with
@@ -287,7 +297,7 @@ def damped_newton_step(
         ValueError: If ``damping`` is negative.
     """
     if not low_memory:
-        with FactorEngine(model, loss_func) as engine:
+        with FactorEngine(model, loss_func, backend=backend) as engine:
             factor = engine.compute(inputs, targets, mc_samples, subsampling, param_groups)
         steps = [
             newton_step_from_factor(factor, damping, g, top_k)
@@ -297,7 +307,7 @@ def damped_newton_step(
     if damping < 0:
         raise ValueError(f"damping must be non-negative, got {damping}.")
     replay = RNGReplay(inputs.device)
-    with FactorEngine(model, loss_func) as engine:
+    with FactorEngine(model, loss_func, backend=backend) as engine:
         grads = engine.gradient(inputs, targets, param_groups)
         replay.restart()  # the Gram pass sees the gradient pass's dropout masks
         first = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
@@ -326,6 +336,8 @@ def ggn_inverse_matvec(
     subsampling: Optional[Sequence[int]] = None,
     param_groups: Optional[List[dict]] = None,
     low_memory: bool = False,
+    *,
+    backend: str = "auto",
 ) -> Tensor:
     r"""Damped inverse GGN-vector products :math:`(G + \delta I)^{-1} x`.
 
@@ -347,29 +359,38 @@ def ggn_inverse_matvec(
         subsampling: Indices of the samples used for the curvature.
         param_groups: Optimizer-style groups for a block-diagonal GGN.
         low_memory: Two backward passes, never holding all of ``V`` (see above).
+        backend: ``'auto'``, ``'backpack'`` or ``'functorch'`` (see
+            :mod:`lowrank_laplace.engine`).
 
     Returns:
         Tensor of the same shape as ``vec``.
 
     Raises:
-        ValueError: If ``vec`` has the wrong length or ``damping <= 0``.
+        ValueError: If ``vec`` is not a ``(D,)`` or ``(D, K)`` tensor of the
+            parameters' dtype, or ``damping <= 0``.
     """
     if not damping > 0:
         raise ValueError(f"damping must be positive, got {damping}.")
     groups = _checks.resolve_param_groups(model, param_groups)
     params = list(model.parameters())
+    if not isinstance(vec, Tensor) or vec.ndim not in (1, 2):
+        raise ValueError("vec must be a tensor of shape (D,) or (D, K), got "
+                         f"{tuple(vec.shape) if isinstance(vec, Tensor) else type(vec).__name__}.")
+    if vec.dtype != params[groups[0][0]].dtype:
+        raise ValueError(f"vec has dtype {vec.dtype}, the model's parameters "
+                         f"{params[groups[0][0]].dtype}.")
     dims = [sum(params[i].numel() for i in g) for g in groups]
     if vec.shape[0] != sum(dims):
         raise ValueError(f"vec has {vec.shape[0]} entries, the groups have {sum(dims)}.")
     x = vec if vec.ndim == 2 else vec[:, None]
     parts = list(torch.split(x, dims, dim=0))
     if not low_memory:
-        with FactorEngine(model, loss_func) as engine:
+        with FactorEngine(model, loss_func, backend=backend) as engine:
             factor = engine.compute(inputs, targets, mc_samples, subsampling, param_groups)
         out = torch.cat([factor.inverse_matvec(p, damping, g) for g, p in enumerate(parts)])
         return out if vec.ndim == 2 else out[:, 0]
     replay = RNGReplay(inputs.device)
-    with FactorEngine(model, loss_func) as engine:
+    with FactorEngine(model, loss_func, backend=backend) as engine:
         first = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
                                keep_blocks=False, compute_grams=True, t_project=parts)
         replay.mark()

@@ -35,6 +35,7 @@ class LowRankGGN:
         all_eigenvalues: Every nonzero eigenvalue in descending order (``None``
             when an iterative solver only computed the selected ones).
         shapes: Shapes of the group's parameters, to split the flat vectors.
+        backend: The backend that computed ``V`` (``'backpack'`` or ``'functorch'``).
     """
 
     eigenvalues: Tensor
@@ -42,11 +43,18 @@ class LowRankGGN:
     trace: Tensor
     all_eigenvalues: Optional[Tensor]
     shapes: List[torch.Size]
+    backend: str = ""
 
     @property
     def kept_fraction(self) -> Tensor:
-        """Fraction of the GGN trace (total curvature) that the selection keeps."""
-        return self.eigenvalues.sum() / self.trace
+        """Fraction of the GGN trace (total curvature) that the selection keeps.
+
+        A zero GGN has nothing to drop: its kept fraction is 1.
+        """
+        trace = torch.as_tensor(self.trace)
+        if not bool(trace > 0):
+            return torch.ones((), dtype=trace.dtype, device=trace.device)
+        return self.eigenvalues.sum() / trace
 
     def eigenvectors_per_param(self) -> List[Tensor]:
         """Eigenvectors split per parameter.
@@ -179,6 +187,10 @@ def gram_eigh(
     if solver in ("arpack", "matrix_free") and not only_top:
         raise ValueError(f"solver={solver!r} computes top_k eigenpairs only: pass top_k.")
     num_cols = factor.num_columns
+    if not bool(factor.trace(group) > 0):  # a zero GGN has no nonzero eigenpairs
+        dtype, device = factor.grad_dtype(), factor.grad_device()
+        empty = torch.zeros(0, dtype=dtype, device=device)
+        return empty, torch.zeros(num_cols, 0, dtype=dtype, device=device), empty
     if solver == "auto":
         on_cpu = factor.grad_device().type == "cpu"
         small_k = only_top and top_k < num_cols / 4
@@ -269,6 +281,7 @@ def lowrank_ggn(
         trace=factor.trace(group),
         all_eigenvalues=all_evals,
         shapes=[factor.shapes[i] for i in factor.groups[group]],
+        backend=factor.backend,
     )
 
 
@@ -286,6 +299,7 @@ def ggn_eigh(
     indices: Optional[Sequence[int]] = None,
     solver: str = "auto",
     low_memory: bool = False,
+    backend: str = "auto",
 ) -> Union[LowRankGGN, List[LowRankGGN]]:
     """Eigenpairs of a mini-batch GGN from ``V`` computed in one backward pass.
 
@@ -317,6 +331,9 @@ def ggn_eigh(
             :func:`gram_eigh`; ``'matrix_free'`` needs all of ``V`` and cannot be
             combined with ``low_memory``).
         low_memory: Two backward passes, never holding all of ``V`` (see above).
+        backend: ``'auto'``, ``'backpack'`` or ``'functorch'``: which engine computes
+            ``V`` (see :mod:`lowrank_laplace.engine`); the result's ``backend`` says
+            which one ran.
 
     Returns:
         A :class:`LowRankGGN`, or a list with one per group when ``param_groups``
@@ -326,7 +343,7 @@ def ggn_eigh(
         ValueError: For ``low_memory=True`` with ``solver='matrix_free'``.
     """
     if not low_memory:
-        with FactorEngine(model, loss_func) as engine:
+        with FactorEngine(model, loss_func, backend=backend) as engine:
             factor = engine.compute(inputs, targets, mc_samples, subsampling, param_groups)
         results = [
             lowrank_ggn(factor, g, top_k, threshold, indices, solver)
@@ -336,7 +353,7 @@ def ggn_eigh(
     if solver == "matrix_free":
         raise ValueError("solver='matrix_free' needs all of V: use low_memory=False.")
     replay = RNGReplay(inputs.device)
-    with FactorEngine(model, loss_func) as engine:
+    with FactorEngine(model, loss_func, backend=backend) as engine:
         grams = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
                                keep_blocks=False, compute_grams=True)
         replay.mark()
@@ -350,7 +367,7 @@ def ggn_eigh(
     results = [
         LowRankGGN(eigenvalues=evals, eigenvectors=projected.projected_flat(g),
                    trace=grams.trace(g), all_eigenvalues=all_evals,
-                   shapes=[grams.shapes[i] for i in grams.groups[g]])
+                   shapes=[grams.shapes[i] for i in grams.groups[g]], backend=grams.backend)
         for g, (evals, _, all_evals) in enumerate(selected)
     ]
     return results if param_groups is not None else results[0]
@@ -365,6 +382,8 @@ def ggn_eigvals(
     mc_samples: int = 0,
     subsampling: Optional[Sequence[int]] = None,
     param_groups: Optional[List[dict]] = None,
+    *,
+    backend: str = "auto",
 ) -> Union[Tensor, List[Tensor]]:
     """All nonzero GGN eigenvalues, with every block of ``V`` freed during backward.
 
@@ -379,11 +398,12 @@ def ggn_eigvals(
         mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte-Carlo.
         subsampling: Indices of the samples used for the curvature.
         param_groups: Optimizer-style groups for a block-diagonal GGN.
+        backend: ``'auto'``, ``'backpack'`` or ``'functorch'`` (see :func:`ggn_eigh`).
 
     Returns:
         Descending nonzero eigenvalues (one tensor per group if ``param_groups``).
     """
-    with FactorEngine(model, loss_func) as engine:
+    with FactorEngine(model, loss_func, backend=backend) as engine:
         factor = engine.compute(
             inputs, targets, mc_samples, subsampling, param_groups,
             keep_blocks=False, compute_grams=True,

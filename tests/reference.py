@@ -16,14 +16,28 @@ def _group_params(model: nn.Module, group: Optional[Sequence[int]]):
     return [named[i][0] for i in group], {n: p.detach() for n, p in named}
 
 
+def _aliases(model: nn.Module):
+    """Canonical parameter name -> its names under every distinct owning module."""
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    aliases = {n: [] for n in canonical.values()}
+    for prefix, module in model.named_modules():
+        for n, p in module.named_parameters(recurse=False):
+            aliases[canonical[id(p)]].append(f"{prefix}.{n}" if prefix else n)
+    return aliases
+
+
 def jacobian(model: nn.Module, X: Tensor, group=None) -> Tensor:
     """Jacobian of the outputs w.r.t. a group's parameters, shape (N, C, D)."""
     names, values = _group_params(model, group)
 
+    aliases = _aliases(model)
+
     def f(*theta):
         params = dict(values)
         params.update(zip(names, theta))
-        return functional_call(model, params, (X,))
+        # every (module, attribute) once: a module registered twice is swapped once
+        full = {alias: params[name] for name, group in aliases.items() for alias in group}
+        return functional_call(model, full, (X,), tie_weights=False)
 
     jacs = jacrev(f, argnums=tuple(range(len(names))))(*[values[n] for n in names])
     N, C = jacs[0].shape[:2]

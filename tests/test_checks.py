@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 import lowrank_laplace as ll
+from tests import reference as ref
 from tests.conftest import make_case
 
 
@@ -37,8 +38,41 @@ def test_weighted_cross_entropy(mlp):
 def test_unsupported_layer_named():
     model = nn.Sequential(nn.Linear(3, 4), nn.GELU(), nn.Linear(4, 2)).double()
     X, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
-    with pytest.raises(NotImplementedError, match=r"Layer '1' \(GELU\).*last_layer"):
+    with pytest.raises(NotImplementedError, match=r"Layer '1' \(GELU\).*functorch"):
+        ll.ggn_eigh(model, nn.CrossEntropyLoss(), X, y, backend="backpack")
+    auto = ll.ggn_eigh(model, nn.CrossEntropyLoss(), X, y, top_k=None)
+    assert auto.backend == "functorch"
+    with ll.FactorEngine(model, nn.CrossEntropyLoss()) as engine:
+        assert engine.backend == "functorch" and "GELU" in engine.backpack_problem
+
+
+def test_unknown_backend(mlp):
+    model, loss, X, y = mlp
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ll.ggn_eigh(model, loss, X, y, backend="jax")
+
+
+def test_functorch_failure_names_module():
+    class ViaNumpy(nn.Module):
+        def forward(self, x):
+            return torch.from_numpy(x.detach().numpy() * 2) + x  # leaves torch
+
+    model = nn.Sequential(nn.Linear(3, 2), ViaNumpy())
+    X, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    with pytest.raises(NotImplementedError, match=r"module '1'.*last_layer"):
         ll.ggn_eigh(model, nn.CrossEntropyLoss(), X, y)
+
+
+def test_data_dependent_control_flow_runs_sample_by_sample():
+    class Branchy(nn.Module):
+        def forward(self, x):
+            return x if x.sum() > 0 else -x  # vmap cannot batch this branch
+
+    model = nn.Sequential(nn.Linear(3, 2), Branchy()).double()
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+    res = ll.ggn_eigh(model, nn.CrossEntropyLoss(), X, y, top_k=None)
+    G = ref.ggn(model, nn.CrossEntropyLoss(), X, y)
+    torch.testing.assert_close(res.trace, torch.trace(G), rtol=1e-5, atol=1e-8)
 
 
 def test_functional_operation_detected():
@@ -52,7 +86,8 @@ def test_functional_operation_detected():
 
     X, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
     with pytest.raises(NotImplementedError, match="input of 'b'.*functional operation"):
-        ll.ggn_eigh(Net(), nn.CrossEntropyLoss(), X, y)
+        ll.ggn_eigh(Net(), nn.CrossEntropyLoss(), X, y, backend="backpack")
+    assert ll.ggn_eigh(Net(), nn.CrossEntropyLoss(), X, y).backend == "functorch"
 
 
 def test_batchnorm_in_train_mode():
@@ -94,7 +129,7 @@ def test_empty_batch(mlp):
 
 def test_non_tensor_inputs(mlp):
     model, loss, X, y = mlp
-    with pytest.raises(TypeError, match="must be torch.Tensor"):
+    with pytest.raises(TypeError, match="must be a torch.Tensor or a dict batch"):
         ll.ggn_eigh(model, loss, X.tolist(), y)
 
 
@@ -157,8 +192,19 @@ def test_module_called_twice():
     lin = nn.Linear(3, 3)
     model = nn.Sequential(lin, nn.Tanh(), lin)
     X, y = torch.randn(4, 3), torch.randint(0, 3, (4,))
-    with pytest.raises(NotImplementedError, match="called more than once"):
-        ll.ggn_eigh(model, nn.CrossEntropyLoss(), X, y)
+    with pytest.raises(NotImplementedError, match="tied parameter.*functorch"):
+        ll.ggn_eigh(model, nn.CrossEntropyLoss(), X, y, backend="backpack")
+
+    class Twice(nn.Module):  # one module, registered once, called twice
+        def __init__(self):
+            super().__init__()
+            self.lin, self.act = nn.Linear(3, 3), nn.Tanh()
+
+        def forward(self, x):
+            return self.lin(self.act(self.lin(x)))
+
+    with pytest.raises(NotImplementedError, match="owns parameters|called more than once"):
+        ll.ggn_eigh(Twice(), nn.CrossEntropyLoss(), X, y, backend="backpack")
 
 
 def test_closed_engine(mlp):

@@ -201,7 +201,8 @@ def test_model_left_as_it_was(train):
     torch.func.jacrev(lambda p: torch.func.functional_call(model, p, (X,)))(params)
     from backpack.context import CTX
 
-    assert all(h not in CTX.hook_handles for h in engine._handles)
+    assert engine.backend == "backpack"
+    assert all(h not in CTX.hook_handles for h in engine._impl._handles)
 
 
 def test_engine_follows_parameter_updates():
@@ -240,7 +241,7 @@ def test_unsupported_module_with_children_and_params():
             return self.inner(x) * self.extra
 
     with pytest.raises(NotImplementedError, match="owns parameters"):
-        FactorEngine(nn.Sequential(Odd(), nn.Linear(2, 2)), nn.MSELoss())
+        FactorEngine(nn.Sequential(Odd(), nn.Linear(2, 2)), nn.MSELoss(), backend="backpack")
 
 
 @pytest.mark.parametrize("kernel, dilation, padding, stride", [
