@@ -28,8 +28,17 @@ from torch import Tensor, nn
 
 from lowrank_laplace import datasets, metrics, plots
 
-METHODS = ("map", "lowrank_ggn_all", "lowrank_ggn_all_diag", "lowrank_ggn_last_layer",
-           "kron_all", "diag_all")
+#: Laplace methods: name -> laplace-torch's (subset_of_weights, hessian_structure). A
+#: ``lowrank_ggn`` name ending in ``_diag`` adds the diagonal correction.
+LAPLACE_METHODS = {
+    "lowrank_ggn_all": ("all", "lowrank_ggn"),
+    "lowrank_ggn_all_diag": ("all", "lowrank_ggn"),
+    "lowrank_ggn_last_layer": ("last_layer", "lowrank_ggn"),
+    "kron_all": ("all", "kron"),
+    "diag_all": ("all", "diag"),
+}
+#: Every method of the study, in report order (``map``: the trained network alone).
+METHODS = ("map",) + tuple(LAPLACE_METHODS)
 
 
 class UserError(Exception):
@@ -184,13 +193,7 @@ def _fit_laplace(name: str, model: nn.Module, config: CalibrationConfig, loaders
 
     import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
 
-    subset, structure = {
-        "lowrank_ggn_all": ("all", "lowrank_ggn"),
-        "lowrank_ggn_all_diag": ("all", "lowrank_ggn"),
-        "lowrank_ggn_last_layer": ("last_layer", "lowrank_ggn"),
-        "kron_all": ("all", "kron"),
-        "diag_all": ("all", "diag"),
-    }[name]
+    subset, structure = LAPLACE_METHODS[name]
     if structure == "lowrank_ggn":
         kwargs = dict(rank=config.rank, mc_samples=config.mc_samples,
                       diagonal_correction=name.endswith("_diag"))
@@ -305,26 +308,37 @@ def run(config: CalibrationConfig, log: Callable[[str], None] = _silent) -> dict
     return report
 
 
+#: Columns of the printed table: header, how to read the value from a method's report
+#: entry, and its number format. Add a metric here to print it.
+TABLE_COLUMNS: Tuple[Tuple[str, Callable[[dict], float], str], ...] = tuple(
+    (name, (lambda m, name=name: m["in_distribution"][name]), ".4f")
+    for name in ("accuracy", "nll", "ece", "mce", "brier", "confidence")
+) + (
+    ("OOD AUROC", lambda m: m["ood_auroc"], ".4f"),
+    ("fit [s]", lambda m: m["fit_s"], ".2f"),
+    ("pred [s]", lambda m: m["predict_s"], ".2f"),
+)
+
+
 def format_table(report: dict) -> str:
-    """The report as a text table.
+    """The report as a text table: a row per method, a column per :data:`TABLE_COLUMNS` entry.
 
     Args:
         report: From :func:`run`.
 
     Returns:
-        A table with one row per method.
+        The table.
     """
-    cols = ("accuracy", "nll", "ece", "mce", "brier", "confidence")
-    header = f"{'method':<24}" + "".join(f"{c:>11}" for c in cols) + \
-        f"{'OOD AUROC':>11}{'fit [s]':>9}{'pred [s]':>9}"
+    widths = [max(len(header) + 2, 9) for header, _, _ in TABLE_COLUMNS]
+    header = f"{'method':<24}" + "".join(
+        f"{h:>{w}}" for (h, _, _), w in zip(TABLE_COLUMNS, widths))
     lines = [header, "-" * len(header)]
     for name, m in report["methods"].items():
         if "error" in m:
             lines.append(f"{name:<24}  could not run: {m['error'][:70]}")
             continue
-        ind = m["in_distribution"]
-        lines.append(f"{name:<24}" + "".join(f"{ind[c]:>11.4f}" for c in cols)
-                     + f"{m['ood_auroc']:>11.4f}{m['fit_s']:>9.2f}{m['predict_s']:>9.2f}")
+        lines.append(f"{name:<24}" + "".join(f"{get(m):>{w}{fmt}}" for (_, get, fmt), w
+                                             in zip(TABLE_COLUMNS, widths)))
     return "\n".join(lines)
 
 

@@ -1,0 +1,27 @@
+"""Text output of the calibration study (no training: a hand-made report)."""
+
+from lowrank_laplace import calibration
+
+ENTRY = {"in_distribution": {"accuracy": 0.9, "nll": 0.3, "ece": 0.02, "mce": 0.1,
+                             "brier": 0.15, "confidence": 0.88},
+         "shift": {"0": {"ece": 0.02}, "45": {"ece": 0.11}},
+         "ood_auroc": 0.8, "fit_s": 1.5, "predict_s": 0.25}
+
+
+def test_format_table_has_a_column_per_entry_and_reports_errors():
+    report = {"methods": {"map": ENTRY, "kron_all": {"error": "RuntimeError: out of memory"}}}
+    lines = calibration.format_table(report).splitlines()
+    for header, _, _ in calibration.TABLE_COLUMNS:
+        assert header in lines[0]
+    assert set(lines[1]) == {"-"} and len(lines[1]) == len(lines[0]) == len(lines[2])
+    assert lines[2].split() == ["map", "0.9000", "0.3000", "0.0200", "0.1000", "0.1500",
+                                "0.8800", "0.8000", "1.50", "0.25"]
+    assert lines[3].startswith("kron_all") and "could not run: RuntimeError" in lines[3]
+
+
+def test_format_shift_and_methods_table():
+    text = calibration.format_shift({"methods": {"map": ENTRY}})
+    assert text.splitlines()[0].split()[-2:] == ["0deg", "45deg"]
+    assert text.splitlines()[1].split() == ["map", "0.0200", "0.1100"]
+    assert calibration.METHODS[0] == "map"
+    assert set(calibration.METHODS[1:]) == set(calibration.LAPLACE_METHODS)
