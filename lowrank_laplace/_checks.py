@@ -157,6 +157,25 @@ def take(inputs: Any, index: Any, n: Optional[int] = None) -> Any:
     return out
 
 
+def to_device(inputs: Any, device: torch.device) -> Any:
+    """Move a tensor or the tensors of a dict batch to a device.
+
+    Args:
+        inputs: A tensor or a dict batch.
+        device: The target device.
+
+    Returns:
+        The moved batch, of the same type.
+    """
+    if isinstance(inputs, Tensor):
+        return inputs.to(device)
+    out = copy.copy(inputs)
+    for key, value in inputs.items():
+        if isinstance(value, Tensor):
+            out[key] = value.to(device)
+    return out
+
+
 def batch_device(inputs: Any) -> torch.device:
     """The device of a tensor or dict batch (its first tensor; CPU if none)."""
     if isinstance(inputs, Tensor):

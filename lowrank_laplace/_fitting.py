@@ -12,8 +12,9 @@ from typing import Any, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from lowrank_laplace._extensions import factor_columns
+from lowrank_laplace._checks import batch_device, take
 from lowrank_laplace.engine import FactorEngine, RNGReplay, rng_state, set_rng_state
+from lowrank_laplace.factor import factor_columns
 from lowrank_laplace.merge import concat_factors
 
 DEFAULT_MEMORY_BUDGET = 2**30
@@ -157,7 +158,7 @@ def micro_batch_size(engine: FactorEngine, X: Tensor, num_vectors: Optional[int]
         ValueError: If one sample does not fit the budget.
     """
     per_sample = engine.bytes_per_sample(X, num_vectors, one_block=one_block)
-    budget = resolve_memory_budget(budget, X.device)
+    budget = resolve_memory_budget(budget, batch_device(X))
     if per_sample > budget:
         raise ValueError(
             f"memory_budget={budget:,} bytes is too small for one sample (about "
@@ -250,7 +251,7 @@ class RecomputedFactor:
                  targets_x: List[Tensor], diagonal: bool):
         self._engine = engine
         self._args = (inputs, targets, mc_samples, subsampling)
-        self._replay = RNGReplay(inputs.device)
+        self._replay = RNGReplay(batch_device(inputs))
         first = engine.compute(*self._args, keep_blocks=False, compute_grams=True,
                                compute_diag=diagonal,
                                t_project=[list(targets_x)] if targets_x else None)
@@ -355,7 +356,8 @@ class BatchStreamer:
                                    low_memory=self.low_memory)
         micro, chunk = self.plan
         loss = 0.0
-        for Xc, yc in zip(torch.split(X, micro), torch.split(y, micro)):
+        for start in range(0, len(y), micro):  # tensor or dict batches
+            Xc, yc = take(X, slice(start, start + micro), len(y)), y[start:start + micro]
             sub, sub_scale = subsample_indices(len(yc), self.fraction, self.generator)
             with self.rng:
                 if self.low_memory:  # one merge per micro-batch, V recomputed

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
+from lowrank_laplace._checks import to_device
 from lowrank_laplace._fitting import (
     BatchStreamer,
     micro_batch_size,
@@ -37,7 +38,7 @@ from lowrank_laplace._fitting import (
     resolve_memory_budget,
     resolve_process_group,
 )
-from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.engine import FactorEngine, check_backend
 from lowrank_laplace.merge import StreamingMerge
 from lowrank_laplace.posterior import LowRankPrecision
 from lowrank_laplace.predictive import batched_glm_moments, glm_moments
@@ -60,8 +61,9 @@ class LowRankGGNLaplace(ParametricLaplace):
         temperature: Posterior temperature.
         enable_backprop: Backpropagate through the predictive (uses laplace-torch's
             Jacobians instead of the engine).
-        dict_key_x: laplace-torch's key for dict inputs (not supported by the engine).
-        dict_key_y: laplace-torch's key for dict targets.
+        dict_key_x: laplace-torch's key for dict inputs (dict batches are passed
+            whole to the model, as in laplace-torch).
+        dict_key_y: The key of the targets in dict batches.
         backend: laplace-torch curvature backend for inherited Jacobian paths; an
             empirical-Fisher backend (``*EF``) raises, since the curvature is always
             the GGN.
@@ -92,6 +94,12 @@ class LowRankGGNLaplace(ParametricLaplace):
             products with the basis; then the basis update ``V C``), each holding one
             layer's block at a time, so ``memory_budget`` buys larger micro-batches
             for ~1.5x the backward cost. Ignored below the dense-path size.
+        factor_backend: What computes the GGN factor ``V`` (laplace-torch's
+            ``backend`` names its own curvature class, hence another name):
+            ``"backpack"`` (one BackPACK backward pass; models of modules it knows),
+            ``"functorch"`` (vmapped torch.func products; any differentiable model:
+            attention, LayerNorm, LSTM, tied weights, dict batches) or ``"auto"``
+            (BackPACK where it applies). ``factor_backend_used`` tells which ran.
     """
 
     _key = ("all", "lowrank_ggn")
@@ -123,9 +131,12 @@ class LowRankGGNLaplace(ParametricLaplace):
         diagonal_correction: bool = False,
         seed: int = 0,
         low_memory: bool = False,
+        factor_backend: str = "auto",
     ):
         self._set_options(rank, oversampling, mc_samples, subsample_fraction, memory_budget,
                           micro_batch_size, diagonal_correction, seed, low_memory)
+        self.factor_backend = check_backend(factor_backend)
+        self.factor_backend_used: Optional[str] = None
         super().__init__(
             model, likelihood, sigma_noise=sigma_noise, prior_precision=prior_precision,
             prior_mean=prior_mean, temperature=temperature, enable_backprop=enable_backprop,
@@ -249,7 +260,8 @@ class LowRankGGNLaplace(ParametricLaplace):
         group = resolve_process_group(process_group)
         offset = 0 if group is None else process_rank(group)
         loss, seen = 0.0, 0
-        with FactorEngine(module, loss_func, eval_mode=True) as engine:
+        with FactorEngine(module, loss_func, eval_mode=True,
+                          backend=self.factor_backend) as engine:
             stream = BatchStreamer(
                 engine, merge, scale=factor, seed=self.seed + offset, device=self._device,
                 mc_samples=self.mc_samples, subsample_fraction=self.subsample_fraction,
@@ -260,10 +272,11 @@ class LowRankGGNLaplace(ParametricLaplace):
             pbar = tqdm.tqdm(train_loader, disable=not progress_bar,
                              desc="[lowrank_ggn: merging GGN factors]")
             for data in pbar:
-                if isinstance(data, MutableMapping):
-                    raise ValueError("lowrank_ggn supports (X, y) batches, not dict inputs.")
-                X, y = data
-                X, y = to_inputs(X.to(self._device)), y.to(self._device)
+                if isinstance(data, MutableMapping):  # the whole dict goes to the model
+                    X, y = data, data[self.dict_key_y]
+                else:
+                    X, y = data
+                X, y = to_inputs(to_device(X, self._device)), y.to(self._device)
                 self._check_targets(y)
                 local = num_data
                 if hasattr(train_loader, "__len__"):
@@ -274,6 +287,7 @@ class LowRankGGNLaplace(ParametricLaplace):
                     kept = float(merge.eigenvalues[: self.rank].sum() / merge.trace)
                     pbar.set_postfix(kept_trace=f"{kept:.3f}")
             stream.flush()
+            backend_used = engine.backend
         plan = stream.plan
         self.n_outputs = stream.n_outputs
         if plan is None:
@@ -292,6 +306,7 @@ class LowRankGGNLaplace(ParametricLaplace):
             U, lam, trace, residual = self._merge_fitted(previous, (U, lam, trace, residual))
             loss, num_data = previous[4] + loss, previous[5] + num_data
         self.H = (U, lam)
+        self.factor_backend_used = backend_used
         self.trace = trace
         self.residual_diagonal = residual
         self.loss = loss
@@ -483,12 +498,13 @@ class LowRankGGNLaplace(ParametricLaplace):
         joint: bool = False,
         diagonal_output: bool = False,
     ) -> Tuple[Tensor, Tensor]:
-        if self.enable_backprop or isinstance(X, MutableMapping):
+        if self.enable_backprop:
             return super()._glm_predictive_distribution(X, joint, diagonal_output)
         precision, weights = self._precision(), self._prior_variance_weights()
-        X = X.to(self._device)
+        X = to_device(X, self._device)
         # V = sqrt(2) J^T from the MSE-sum engine; eval mode as in laplace-torch's fit
-        with FactorEngine(self.model, nn.MSELoss(reduction="sum"), eval_mode=True) as engine:
+        with FactorEngine(self.model, nn.MSELoss(reduction="sum"), eval_mode=True,
+                          backend=self.factor_backend) as engine:
             if joint:
                 f_mu, f_var = glm_moments(engine, X, precision, weights, joint=True)
                 return f_mu.flatten(), f_var
@@ -543,10 +559,13 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
                  subsample_fraction: Optional[float] = None,
                  memory_budget: Union[int, float, None] = None,
                  micro_batch_size: Optional[int] = None, diagonal_correction: bool = False,
-                 seed: int = 0, low_memory: bool = False, **kwargs):
+                 seed: int = 0, low_memory: bool = False, factor_backend: str = "auto",
+                 **kwargs):
         super().__init__(model, likelihood, *args, **kwargs)
         self._set_options(rank, oversampling, mc_samples, subsample_fraction, memory_budget,
                           micro_batch_size, diagonal_correction, seed, low_memory)
+        self.factor_backend = check_backend(factor_backend)
+        self.factor_backend_used: Optional[str] = None
         self._check_backend()
 
     def _curvature_target(self):
