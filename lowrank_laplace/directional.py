@@ -188,7 +188,7 @@ def directional_derivatives(
             for g in range(len(factor.groups))
         ]
         return results if param_groups is not None else results[0]
-    replay = RNGReplay(inputs.device)
+    replay = RNGReplay(_checks.batch_device(inputs))
     with FactorEngine(model, loss_func, backend=backend) as engine:
         first = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
                                keep_blocks=False, compute_grams=True, batch_grad=True,
@@ -306,7 +306,7 @@ def damped_newton_step(
         return torch.cat(steps)
     if damping < 0:
         raise ValueError(f"damping must be non-negative, got {damping}.")
-    replay = RNGReplay(inputs.device)
+    replay = RNGReplay(_checks.batch_device(inputs))
     with FactorEngine(model, loss_func, backend=backend) as engine:
         grads = engine.gradient(inputs, targets, param_groups)
         replay.restart()  # the Gram pass sees the gradient pass's dropout masks
@@ -389,7 +389,7 @@ def ggn_inverse_matvec(
             factor = engine.compute(inputs, targets, mc_samples, subsampling, param_groups)
         out = torch.cat([factor.inverse_matvec(p, damping, g) for g, p in enumerate(parts)])
         return out if vec.ndim == 2 else out[:, 0]
-    replay = RNGReplay(inputs.device)
+    replay = RNGReplay(_checks.batch_device(inputs))
     with FactorEngine(model, loss_func, backend=backend) as engine:
         first = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
                                keep_blocks=False, compute_grams=True, t_project=parts)

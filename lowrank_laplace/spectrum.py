@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from lowrank_laplace import _checks
 from lowrank_laplace._linalg import eigh
 from lowrank_laplace.engine import FactorEngine, RNGReplay
 from lowrank_laplace.factor import GGNFactor
@@ -352,7 +353,7 @@ def ggn_eigh(
         return results if param_groups is not None else results[0]
     if solver == "matrix_free":
         raise ValueError("solver='matrix_free' needs all of V: use low_memory=False.")
-    replay = RNGReplay(inputs.device)
+    replay = RNGReplay(_checks.batch_device(inputs))
     with FactorEngine(model, loss_func, backend=backend) as engine:
         grams = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
                                keep_blocks=False, compute_grams=True)

@@ -275,6 +275,8 @@ def test_dict_batch_equals_tuple_batch():
     from_dict = ll.ggn_eigh(model, loss_func, batch, y, top_k=None)
     from_tensor = ll.ggn_eigh(model.inner, loss_func, X, y, top_k=None)
     assert from_dict.backend == "functorch"
+    low = ll.ggn_eigh(model, loss_func, batch, y, top_k=3, low_memory=True)
+    torch.testing.assert_close(low.eigenvalues, from_tensor.eigenvalues[:3], **TOL)
     torch.testing.assert_close(from_dict.eigenvalues, from_tensor.eigenvalues, **TOL)
     torch.testing.assert_close(from_dict.eigenvectors.abs(), from_tensor.eigenvectors.abs(),
                                rtol=1e-5, atol=1e-7)

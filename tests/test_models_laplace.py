@@ -11,7 +11,7 @@ import lowrank_laplace as ll
 from tests.test_models import Transformer, zoo_case
 
 TOL = dict(rtol=1e-5, atol=1e-8)
-KW = dict(subset_of_weights="all", hessian_structure="lowrank_ggn", rank=1000, residual="none")
+KW = dict(subset_of_weights="all", hessian_structure="lowrank_ggn", rank=1000)
 
 
 @pytest.fixture
