@@ -19,6 +19,8 @@ and the GLM predictive by :mod:`lowrank_laplace.predictive` without materialisin
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import MutableMapping
 from typing import Any, List, Optional, Tuple, Union
 
@@ -42,8 +44,28 @@ from lowrank_laplace.engine import FactorEngine, check_backend
 from lowrank_laplace.merge import StreamingMerge
 from lowrank_laplace.posterior import LowRankPrecision
 from lowrank_laplace.predictive import batched_glm_moments, glm_moments
+from lowrank_laplace.residual import DEFAULT_RESIDUAL, Residual, check_residual
 
 DEFAULT_RANK = 100
+
+
+def _resolve_residual(residual: str, diagonal_correction: Optional[bool]) -> str:
+    """The residual model, honouring the deprecated ``diagonal_correction`` flag."""
+    check_residual(residual)
+    if diagonal_correction is None:
+        return residual
+    alias = "diagonal" if diagonal_correction else "none"
+    warnings.warn(
+        f"diagonal_correction={diagonal_correction!r} is deprecated: pass "
+        f"residual={alias!r} instead.", FutureWarning, stacklevel=4,
+    )
+    if residual not in (DEFAULT_RESIDUAL, alias):
+        raise ValueError(
+            f"diagonal_correction={diagonal_correction!r} (residual={alias!r}) contradicts "
+            f"residual={residual!r}: pass residual alone."
+        )
+    return alias
+
 class LowRankGGNLaplace(ParametricLaplace):
     r"""Full-network Laplace with the GGN's exact leading eigenspace as curvature.
 
@@ -81,11 +103,17 @@ class LowRankGGNLaplace(ParametricLaplace):
             may take; batches are split automatically. Default 1 GiB.
         micro_batch_size: Upper bound on samples per backward pass; ``None``
             chooses it from the memory budget and a cost model of the merge.
-        diagonal_correction: Keep the exact diagonal of the curvature the rank
-            truncation drops, ``P = U diag(ell) U^T + diag(p0 + h r)`` with
-            ``r = diag(H) - diag(U diag(lambda) U^T)`` (free: the GGN diagonal comes
-            from the same factors). Without it (default) the dropped directions see
-            only the prior, and a scalar prior keeps ``O(r)`` closed forms.
+        residual: Model of the curvature the rank truncation drops (see
+            :mod:`lowrank_laplace.residual`): ``"spectral"`` (default: a power-law
+            tail continuing the kept spectrum, holding the exact dropped trace, in
+            random directions of the complement), ``"isotropic"`` (its mean
+            eigenvalue in every dropped direction), ``"diagonal"`` (the exact
+            diagonal of the dropped curvature, ``P = U diag(ell) U^T + diag(p0 + h r)``
+            with ``r = diag(H) - diag(U diag(lambda) U^T)``; the fit tracks the GGN
+            diagonal) or ``"none"`` (the dropped directions see only the prior). All
+            but ``"diagonal"`` keep ``O(r)`` closed forms for a scalar prior.
+        diagonal_correction: Deprecated alias: ``True`` means
+            ``residual="diagonal"``, ``False`` means ``residual="none"``.
         seed: Seed for curvature sub-sampling and the Monte-Carlo draws of
             ``mc_samples`` (offset by the process rank when fitting data-parallel);
             the fit leaves the global random state untouched.
@@ -128,13 +156,14 @@ class LowRankGGNLaplace(ParametricLaplace):
         subsample_fraction: Optional[float] = None,
         memory_budget: Union[int, float, None] = None,
         micro_batch_size: Optional[int] = None,
-        diagonal_correction: bool = False,
+        residual: str = DEFAULT_RESIDUAL,
+        diagonal_correction: Optional[bool] = None,
         seed: int = 0,
         low_memory: bool = False,
         factor_backend: str = "auto",
     ):
         self._set_options(rank, oversampling, mc_samples, subsample_fraction, memory_budget,
-                          micro_batch_size, diagonal_correction, seed, low_memory)
+                          micro_batch_size, residual, diagonal_correction, seed, low_memory)
         self.factor_backend = check_backend(factor_backend)
         self.factor_backend_used: Optional[str] = None
         super().__init__(
@@ -162,8 +191,10 @@ class LowRankGGNLaplace(ParametricLaplace):
             )
 
     def _set_options(self, rank, oversampling, mc_samples, subsample_fraction, memory_budget,
-                     micro_batch_size, diagonal_correction, seed, low_memory=False) -> None:
+                     micro_batch_size, residual, diagonal_correction, seed,
+                     low_memory=False) -> None:
         StreamingMerge(rank, oversampling or 0)  # validates rank and oversampling
+        self.residual = _resolve_residual(residual, diagonal_correction)
         if isinstance(mc_samples, bool) or int(mc_samples) != mc_samples or mc_samples < 0:
             raise ValueError(f"mc_samples must be 0 or a positive integer, got {mc_samples!r}.")
         if subsample_fraction is not None and not 0 < subsample_fraction <= 1:
@@ -181,11 +212,45 @@ class LowRankGGNLaplace(ParametricLaplace):
             )
         self.memory_budget = memory_budget
         self.micro_batch_size = micro_batch_size
-        self.diagonal_correction = bool(diagonal_correction)
         self.low_memory = bool(low_memory)
         self.residual_diagonal: Optional[Tensor] = None
         self.seed = seed
         self.trace: Optional[Tensor] = None
+        self.rank_bound: Optional[int] = None
+        self._residual_model: Optional[Residual] = None
+
+    @property
+    def residual(self) -> str:
+        """The residual model (see :mod:`lowrank_laplace.residual`).
+
+        May be changed after a fit to compare models without refitting, except to
+        ``"diagonal"``, whose residual diagonal only a fit with it keeps.
+        """
+        return self._residual
+
+    @residual.setter
+    def residual(self, value: str) -> None:
+        check_residual(value)
+        fitted = getattr(self, "H", None) is not None
+        if value == "diagonal" and fitted and getattr(self, "residual_diagonal", None) is None:
+            raise ValueError(
+                "residual='diagonal' needs the residual diagonal, which this fit did not "
+                "keep: refit with residual='diagonal'."
+            )
+        self._residual = value
+        self._residual_model = None
+
+    @property
+    def diagonal_correction(self) -> bool:
+        """Whether the fit tracks the residual diagonal (``residual="diagonal"``)."""
+        return self.residual == "diagonal"
+
+    def _columns_per_sample(self) -> int:
+        """Columns of ``V`` per curvature sample: the GGN's rank per data point."""
+        if self.mc_samples:
+            return self.mc_samples
+        outputs = self.n_outputs or 1
+        return outputs if self.likelihood == "regression" else max(outputs - 1, 1)
 
     def _init_H(self) -> None:
         self.H: Optional[Tuple[Tensor, Tensor]] = None
@@ -311,12 +376,15 @@ class LowRankGGNLaplace(ParametricLaplace):
         self.residual_diagonal = residual
         self.loss = loss
         self.n_data = num_data
+        samples = math.ceil(num_data * (self.subsample_fraction or 1.0))
+        self.rank_bound = min(self.n_params, samples * self._columns_per_sample())
+        self._residual_model = None
 
     def _fitted_state(self) -> tuple:
         """``(U, lam, trace, residual, loss, n_data)`` of the current fit."""
         if self.diagonal_correction and self.residual_diagonal is None:
             raise ValueError(
-                "override=False with diagonal_correction=True needs the residual diagonal "
+                "override=False with residual='diagonal' needs the residual diagonal "
                 "of the previous fit, which this object does not hold: refit with "
                 "override=True."
             )
@@ -341,22 +409,33 @@ class LowRankGGNLaplace(ParametricLaplace):
 
     @property
     def posterior_precision(self) -> Tuple[Tuple[Tensor, Tensor], Tensor]:
-        """``((U, ell), d)`` with ``P = U diag(ell) U^T + diag(d)``.
+        """``((U, ell), d)`` with ``P = U diag(ell) U^T + diag(d)``, ``d`` of shape ``(D,)``.
 
-        ``d`` is the prior precision diagonal, plus the scaled residual diagonal with
-        ``diagonal_correction``.
+        The matrix whose inverse is the posterior covariance: the scaled kept
+        eigenvalues and the prior precision diagonal, both shifted by the residual
+        model (see :mod:`lowrank_laplace.residual`).
         """
-        self._check_H_init()
-        return (self.H[0], self._H_factor * self.H[1]), self._diagonal_term(full=True)
+        precision = self._precision()
+        d = precision.d
+        if d.numel() == 1:
+            d = d.expand(self.n_params).clone()
+        return (precision.U, precision.ell), d
 
-    def _diagonal_term(self, full: bool = False) -> Tensor:
-        """``p0`` (scalar when isotropic, unless ``full``) plus ``h r`` if corrected."""
+    def _prior_term(self) -> Tensor:
+        """The prior precision: a scalar tensor when isotropic, else its ``(D,)`` diagonal."""
         prior = torch.as_tensor(self.prior_precision, device=self._device, dtype=self._dtype)
-        if prior.numel() != 1 or full or self.residual_diagonal is not None:
-            prior = self.prior_precision_diag
-        if self.residual_diagonal is not None:
-            prior = prior + self._H_factor * self.residual_diagonal
-        return prior
+        return prior.reshape(()) if prior.numel() == 1 else self.prior_precision_diag
+
+    @property
+    def residual_model(self) -> Residual:
+        """The fitted :class:`~lowrank_laplace.residual.Residual` (the dropped curvature)."""
+        self._check_H_init()
+        if self._residual_model is None:
+            self._residual_model = Residual.from_fit(
+                self.residual, self.H[1], self.trace, self.n_params,
+                self.rank_bound or self.n_params, self.residual_diagonal,
+            )
+        return self._residual_model
 
     @property
     def posterior_variance(self) -> Tensor:
@@ -404,7 +483,8 @@ class LowRankGGNLaplace(ParametricLaplace):
 
     def _precision(self) -> LowRankPrecision:
         self._check_H_init()
-        return LowRankPrecision(self.H[0], self._H_factor * self.H[1], self._diagonal_term())
+        return self.residual_model.precision(self.H[0], self.H[1], self._H_factor,
+                                             self._prior_term())
 
     @property
     def log_det_posterior_precision(self) -> Tensor:
@@ -480,17 +560,18 @@ class LowRankGGNLaplace(ParametricLaplace):
         return self.sample_from_noise(eps)
 
     # -------------------------------------------------------------- predictive
-    def _prior_variance_weights(self) -> List[Union[float, Tensor]]:
-        """``diag(d)^{-1}`` per parameter (scalars where ``d`` is constant on it)."""
-        prior = torch.as_tensor(self.prior_precision, device=self._device, dtype=self._dtype)
+    def _prior_variance_weights(self, precision: LowRankPrecision) -> List[Union[float, Tensor]]:
+        """``diag(d)^{-1}`` of ``precision`` per parameter (scalars where ``d`` is constant)."""
         params = self._curvature_target()[2]
-        if self.residual_diagonal is None:
-            if prior.numel() == 1:
-                return [1 / prior.reshape(())] * len(params)
-            if prior.numel() == len(params) and prior.numel() != self.n_params:
-                return [1 / p for p in prior]
+        if precision.isotropic:
+            return [1 / precision.d] * len(params)
+        prior = torch.as_tensor(self.prior_precision, device=self._device, dtype=self._dtype)
         sizes = [p.numel() for p in params]
-        return list(torch.split(1 / self._diagonal_term(full=True), sizes))
+        inverse = list(torch.split(1 / precision.d, sizes))
+        if (self.residual != "diagonal" and prior.numel() == len(params)
+                and prior.numel() != self.n_params):
+            return [w[0] for w in inverse]  # per-layer priors: one scalar per parameter
+        return inverse
 
     def _glm_predictive_distribution(
         self,
@@ -500,7 +581,8 @@ class LowRankGGNLaplace(ParametricLaplace):
     ) -> Tuple[Tensor, Tensor]:
         if self.enable_backprop:
             return super()._glm_predictive_distribution(X, joint, diagonal_output)
-        precision, weights = self._precision(), self._prior_variance_weights()
+        precision = self._precision()
+        weights = self._prior_variance_weights(precision)
         X = to_device(X, self._device)
         # V = sqrt(2) J^T from the MSE-sum engine; eval mode as in laplace-torch's fit
         with FactorEngine(self.model, nn.MSELoss(reduction="sum"), eval_mode=True,
@@ -520,7 +602,8 @@ class LowRankGGNLaplace(ParametricLaplace):
         """laplace-torch's state plus the exact GGN trace and the rank options."""
         state = super().state_dict()
         state.update(trace=self.trace, rank=self.rank, mc_samples=self.mc_samples,
-                     residual_diagonal=self.residual_diagonal)
+                     residual_diagonal=self.residual_diagonal, residual=self.residual,
+                     rank_bound=self.rank_bound)
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -541,6 +624,15 @@ class LowRankGGNLaplace(ParametricLaplace):
             )
         self.trace = state_dict.get("trace")
         self.residual_diagonal = state_dict.get("residual_diagonal")
+        self.rank_bound = state_dict.get("rank_bound")
+        saved = state_dict.get("residual", "diagonal" if self.residual_diagonal is not None
+                               else "none")
+        if saved != self.residual:
+            raise ValueError(
+                f"The state was fitted with residual={saved!r} but this object uses "
+                f"residual={self.residual!r}: construct it with residual={saved!r}."
+            )
+        self._residual_model = None
 
 
 class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
@@ -548,7 +640,7 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
 
     Same options as :class:`LowRankGGNLaplace` (``rank``, ``oversampling``,
     ``mc_samples``, ``subsample_fraction``, ``memory_budget``, ``micro_batch_size``,
-    ``diagonal_correction``, ``seed``, ``low_memory``) plus
+    ``residual``, ``seed``, ``low_memory``) plus
     laplace-torch's last-layer arguments (``last_layer_name``, ``feature_reduction``).
     """
 
@@ -558,12 +650,13 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
                  oversampling: Optional[int] = None, mc_samples: int = 0,
                  subsample_fraction: Optional[float] = None,
                  memory_budget: Union[int, float, None] = None,
-                 micro_batch_size: Optional[int] = None, diagonal_correction: bool = False,
+                 micro_batch_size: Optional[int] = None, residual: str = DEFAULT_RESIDUAL,
+                 diagonal_correction: Optional[bool] = None,
                  seed: int = 0, low_memory: bool = False, factor_backend: str = "auto",
                  **kwargs):
         super().__init__(model, likelihood, *args, **kwargs)
         self._set_options(rank, oversampling, mc_samples, subsample_fraction, memory_budget,
-                          micro_batch_size, diagonal_correction, seed, low_memory)
+                          micro_batch_size, residual, diagonal_correction, seed, low_memory)
         self.factor_backend = check_backend(factor_backend)
         self.factor_backend_used: Optional[str] = None
         self._check_backend()

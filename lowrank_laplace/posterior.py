@@ -39,10 +39,15 @@ class LowRankPrecision:
         eigenvectors: Orthonormal ``U``, shape ``(D, r)``.
         eigenvalues: ``ell > 0``, shape ``(r,)`` (already scaled by ``1/sigma^2/T``).
         prior_precision: ``d`` as a scalar tensor (isotropic) or shape ``(D,)``.
+        logdet_offset: Added to :meth:`logdet` (a residual model whose
+            log-determinant is not that of this matrix, see
+            :mod:`lowrank_laplace.residual`); ``None`` for none.
     """
 
-    def __init__(self, eigenvectors: Tensor, eigenvalues: Tensor, prior_precision: Tensor):
+    def __init__(self, eigenvectors: Tensor, eigenvalues: Tensor, prior_precision: Tensor,
+                 logdet_offset: Optional[Tensor] = None):
         self.U = eigenvectors
+        self.logdet_offset = logdet_offset
         self.ell = eigenvalues
         prior_precision = torch.as_tensor(prior_precision, dtype=eigenvectors.dtype,
                                           device=eigenvectors.device)
@@ -79,12 +84,14 @@ class LowRankPrecision:
         return self._chol
 
     def logdet(self) -> Tensor:
-        """``log det P`` by the matrix determinant lemma."""
+        """``log det P`` by the matrix determinant lemma (plus ``logdet_offset``)."""
         if self.isotropic:
             r = self.ell.numel()
-            return torch.log(self.ell + self.d).sum() + (self.dim - r) * torch.log(self.d)
-        chol = self.capacitance_cholesky
-        return torch.log(self.d).sum() + 2 * torch.log(chol.diagonal()).sum()
+            out = torch.log(self.ell + self.d).sum() + (self.dim - r) * torch.log(self.d)
+        else:
+            chol = self.capacitance_cholesky
+            out = torch.log(self.d).sum() + 2 * torch.log(chol.diagonal()).sum()
+        return out if self.logdet_offset is None else out + self.logdet_offset
 
     def inverse_diagonal(self) -> Tensor:
         """``diag(P^{-1})`` by the Woodbury identity, ``O(D r)`` (no ``D x D`` matrix).

@@ -51,7 +51,7 @@ def _free_port():
                          ids=["streaming", "dense", "streaming-online"])
 def test_two_processes_equal_single_process(tmp_path, monkeypatch, dense_max_dim, online):
     out = str(tmp_path / "result")
-    kw = dict(rank=1000, diagonal_correction=True)
+    kw = dict(rank=1000, residual="diagonal")
     mp.spawn(_worker, args=(2, _free_port(), out, kw, dense_max_dim, online), nprocs=2,
              join=True)
     monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", dense_max_dim)

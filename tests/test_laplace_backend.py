@@ -256,7 +256,7 @@ def test_truncated_rank_against_dense_top_r():
     evals, evecs = torch.linalg.eigh(full.H)
     evals, evecs = evals.flip(0), evecs.flip(1)
     r = 6
-    la = LowRankGGNLaplace(model, likelihood, rank=r, oversampling=10)
+    la = LowRankGGNLaplace(model, likelihood, rank=r, oversampling=10, residual="none")
     la.fit(loader)
     U, lam = la.H
     assert lam.shape == (r,)
@@ -278,7 +278,7 @@ def test_low_memory_fit_equals_full_laplace(name):
     """Two passes per micro-batch (Gram and products, then V C) and no kept V: exact."""
     model, likelihood, X, y, loader = make_problem(name)
     full = fit_reference(FullLaplace(model, likelihood), loader)
-    for kwargs in (dict(), dict(micro_batch_size=3, diagonal_correction=True)):
+    for kwargs in (dict(), dict(micro_batch_size=3, residual="diagonal")):
         la = LowRankGGNLaplace(model, likelihood, rank=1000, low_memory=True, **kwargs)
         la.fit(loader)
         scale = full.H.abs().max()
@@ -305,7 +305,7 @@ def test_low_memory_fit_truncated_against_dense_top_r():
     evals, evecs = torch.linalg.eigh(full.H)
     evals, evecs = evals.flip(0), evecs.flip(1)
     la = LowRankGGNLaplace(model, likelihood, rank=6, oversampling=10, low_memory=True,
-                           diagonal_correction=True)
+                           residual="diagonal")
     la.fit(loader)
     U, lam = la.H
     torch.testing.assert_close(lam, evals[:6], rtol=1e-3, atol=0)
@@ -475,7 +475,7 @@ def test_online_update_truncated_merges_the_two_fits():
     """Truncated: the top-r of the two rank-r fits' sum, with the exact residual diagonal."""
     model, likelihood, X, y, _ = make_problem("cnn-regression", n=40)
     first, second = _halves(X, y, cut=22)
-    kwargs = dict(rank=4, oversampling=3, diagonal_correction=True)
+    kwargs = dict(rank=4, oversampling=3, residual="diagonal")
     parts = [LowRankGGNLaplace(model, likelihood, **kwargs) for _ in range(2)]
     parts[0].fit(first)
     parts[1].fit(second)
@@ -499,7 +499,7 @@ def test_online_update_truncated_merges_the_two_fits():
 def test_online_update_continues_from_a_loaded_state():
     model, likelihood, X, y, _ = make_problem("mlp-regression")
     first, second = _halves(X, y)
-    kwargs = dict(rank=4, diagonal_correction=True)
+    kwargs = dict(rank=4, residual="diagonal")
     la = LowRankGGNLaplace(model, likelihood, **kwargs)
     la.fit(first)
     restored = LowRankGGNLaplace(model, likelihood, **kwargs)
@@ -589,7 +589,7 @@ def test_exported_names():
 def test_diagonal_correction_against_dense_reference():
     model, likelihood, X, y, loader = make_problem("cnn-regression", n=40, batch_size=16)
     full = fit_reference(FullLaplace(model, likelihood), loader)
-    la = LowRankGGNLaplace(model, likelihood, rank=5, oversampling=40, diagonal_correction=True)
+    la = LowRankGGNLaplace(model, likelihood, rank=5, oversampling=40, residual="diagonal")
     la.fit(loader)
     U, lam = la.H
     residual = full.H.diagonal() - (U**2) @ lam
@@ -622,7 +622,7 @@ def test_diagonal_correction_against_dense_reference():
 
 def test_diagonal_correction_vanishes_at_full_rank():
     model, likelihood, X, y, loader = make_problem("mlp-classification")
-    la = LowRankGGNLaplace(model, likelihood, rank=1000, diagonal_correction=True)
+    la = LowRankGGNLaplace(model, likelihood, rank=1000, residual="diagonal")
     la.fit(loader)
     full = fit_reference(FullLaplace(model, likelihood), loader)
     assert la.residual_diagonal.abs().max() < 1e-10 * full.H.abs().max()
@@ -636,13 +636,13 @@ def test_dense_path_for_small_models(name):
     """Up to _dense_max_dim parameters the GGN is summed densely: exact, also truncated."""
     model, likelihood, X, y, loader = make_problem(name)
     full = fit_reference(FullLaplace(model, likelihood), loader)
-    la = LowRankGGNLaplace(model, likelihood, rank=1000, diagonal_correction=True)
+    la = LowRankGGNLaplace(model, likelihood, rank=1000, residual="diagonal")
     la.fit(loader)
     torch.testing.assert_close(dense_H(la), full.H, rtol=1e-7, atol=1e-10)
     torch.testing.assert_close(la.trace, torch.trace(full.H), **TOL)
     torch.testing.assert_close(la.log_marginal_likelihood(), full.log_marginal_likelihood(), **TOL)
     # truncated: exactly the dense top 3, and the exact residual diagonal
-    top = LowRankGGNLaplace(model, likelihood, rank=3, diagonal_correction=True)
+    top = LowRankGGNLaplace(model, likelihood, rank=3, residual="diagonal")
     top.fit(loader)
     evals, evecs = torch.linalg.eigh(full.H)
     U, lam = evecs.flip(1)[:, :3], evals.flip(0)[:3]

@@ -1,0 +1,229 @@
+"""Residual models of the truncated curvature against dense float64 references."""
+
+import math
+
+import pytest
+import torch
+from laplace import FullLaplace
+from scipy.optimize import brentq
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lowrank_laplace import LowRankGGNLaplace
+from lowrank_laplace.residual import Residual, power_law_tail
+from tests.test_laplace_backend import fit_reference, make_problem
+
+TOL = dict(rtol=1e-6, atol=1e-9)
+
+
+def reference_tail(anchor, mass, start, count):
+    """The power-law tail by a scalar root finder (independent of the bisection)."""
+    i = torch.arange(start + 1, start + count + 1, dtype=torch.float64) / start
+    alpha = brentq(lambda a: float((anchor * i ** (-a)).sum()) - mass, 0.0, 200.0, xtol=1e-14)
+    return anchor * i ** (-alpha)
+
+
+def test_power_law_tail():
+    tail = power_law_tail(2.0, 5.0, 10, 300)
+    torch.testing.assert_close(tail, reference_tail(2.0, 5.0, 10, 300), rtol=1e-8, atol=0)
+    assert float(tail.sum()) == pytest.approx(5.0, rel=1e-10)
+    assert (tail[1:] <= tail[:-1]).all() and tail[0] < 2.0
+    # a mass the flat continuation cannot reach is spread evenly; nothing to spread: zeros
+    torch.testing.assert_close(power_law_tail(1.0, 50.0, 3, 10), torch.full((10,), 5.0,
+                                                                             dtype=torch.float64))
+    assert power_law_tail(1.0, 0.0, 3, 4).abs().max() == 0
+    assert power_law_tail(1.0, 1.0, 3, 0).numel() == 0
+
+
+def _fit(residual, prior_kind="scalar", name="mlp-classification", rank=6):
+    model, likelihood, X, y, loader = make_problem(name, n=40, batch_size=16)
+    full = fit_reference(FullLaplace(model, likelihood), loader)
+    la = LowRankGGNLaplace(model, likelihood, rank=rank, oversampling=30, residual=residual)
+    la.fit(loader)
+    if prior_kind == "scalar":
+        prior = torch.tensor(0.7, dtype=torch.float64)
+    elif prior_kind == "layer":
+        prior = torch.rand(len(list(model.parameters())), dtype=torch.float64) + 0.3
+    else:
+        prior = torch.rand(la.n_params, dtype=torch.float64) + 0.3
+    la.prior_precision = prior
+    full.prior_precision = prior
+    return la, full, X
+
+
+def reference_posterior(la, full):
+    """Dense ``(covariance, log det P)`` of the residual model, built from the definitions."""
+    U, lam = la.H
+    D, r = U.shape
+    h = 1 / la.sigma_noise**2 / la.temperature
+    d = full.prior_precision_diag
+    mass = float(full.H.trace() - lam.sum())
+    kept = h * U @ torch.diag(lam) @ U.T
+    eye = torch.eye(D, dtype=torch.float64)
+    if la.residual == "none":
+        P = kept + torch.diag(d)
+        return torch.linalg.inv(P), torch.logdet(P)
+    if la.residual == "isotropic":
+        P = kept + h * mass / (D - r) * (eye - U @ U.T) + torch.diag(d)
+        return torch.linalg.inv(P), torch.logdet(P)
+    # spectral: power-law tail over the rank bound, random directions in the complement
+    count = la.rank_bound - r
+    tail = h * reference_tail(float(lam[-1]), mass, r, count)
+    delta = d.mean()
+    zeros = D - r - count
+    v = ((1 / (tail + delta)).sum() + zeros / delta) / (D - r)
+    tail_logdet = torch.log(tail + delta).sum() + zeros * torch.log(delta)
+    rho = 1 / v - delta
+    P = kept - rho * U @ U.T + torch.diag(d + rho)  # = U(hl+d)U^T + (rho+d)(I-UU^T) if scalar
+    logdet = torch.logdet(P) + tail_logdet - (D - r) * torch.log(rho + delta)
+    return torch.linalg.inv(P), logdet
+
+
+CASES = [("isotropic", "scalar"), ("isotropic", "param"), ("spectral", "scalar"),
+         ("spectral", "layer"), ("spectral", "param"), ("none", "scalar")]
+
+
+@pytest.mark.parametrize("residual,prior_kind", CASES)
+def test_residual_models_against_dense_reference(residual, prior_kind):
+    la, full, X = _fit(residual, prior_kind)
+    assert 0 < la.rank_bound <= la.n_params
+    for sigma in (1.0, 0.6):
+        la.sigma_noise = full.sigma_noise = sigma
+        cov, logdet = reference_posterior(la, full)
+        torch.testing.assert_close(la.log_det_posterior_precision, logdet, **TOL)
+        expected = (full.log_likelihood
+                    - 0.5 * (logdet - full.log_det_prior_precision + full.scatter))
+        torch.testing.assert_close(la.log_marginal_likelihood(), expected, **TOL)
+        torch.testing.assert_close(la.posterior_covariance, cov, rtol=1e-6,
+                                   atol=1e-9 * cov.abs().max())
+        torch.testing.assert_close(la.posterior_variance, cov.diagonal(), **TOL)
+        eye = torch.eye(la.n_params, dtype=torch.float64)
+        S = (la.sample_from_noise(eye) - la.mean).T
+        torch.testing.assert_close(S @ S.T, cov, rtol=1e-6, atol=1e-9 * cov.abs().max())
+        Js, f_mu = full.backend.jacobians(X[:5])
+        f_mu_ours, f_var = la._glm_predictive_distribution(X[:5])
+        torch.testing.assert_close(f_mu_ours, f_mu, **TOL)
+        torch.testing.assert_close(f_var, Js @ cov @ Js.transpose(1, 2), **TOL)
+        torch.testing.assert_close(la.functional_variance(Js), Js @ cov @ Js.transpose(1, 2),
+                                   **TOL)
+        _, joint = la._glm_predictive_distribution(X[:3], joint=True)
+        J3 = Js[:3].reshape(-1, la.n_params)
+        torch.testing.assert_close(joint, J3 @ cov @ J3.T, **TOL)
+
+
+@pytest.mark.parametrize("residual", ["isotropic", "spectral"])
+def test_marglik_gradients_against_dense_reference(residual):
+    """Gradients in the prior precision and in sigma_noise (regression)."""
+    model, likelihood, X, y, loader = make_problem("mlp-regression", n=40, batch_size=16)
+    full = fit_reference(FullLaplace(model, likelihood), loader)
+    la = LowRankGGNLaplace(model, likelihood, rank=5, oversampling=30, residual=residual)
+    la.fit(loader)
+    for la_ in (la, full):
+        la_.prior_precision = 0.9
+    log_prior = torch.tensor(math.log(0.9), dtype=torch.float64, requires_grad=True)
+    log_sigma = torch.tensor(math.log(0.8), dtype=torch.float64, requires_grad=True)
+    ours = la.log_marginal_likelihood(log_prior.exp(), log_sigma.exp())
+    grads = torch.autograd.grad(ours, (log_prior, log_sigma))
+
+    def reference(lp, ls):
+        full.prior_precision, full.sigma_noise = lp.exp(), ls.exp()
+        la.prior_precision, la.sigma_noise = lp.exp(), ls.exp()
+        _, logdet = reference_posterior(la, full)
+        return full.log_likelihood - 0.5 * (logdet - full.log_det_prior_precision
+                                            + full.scatter)
+
+    lp = log_prior.detach().clone().requires_grad_()
+    ls = log_sigma.detach().clone().requires_grad_()
+    value = reference(lp, ls)
+    torch.testing.assert_close(ours.detach(), value.detach(), **TOL)
+    for g, e in zip(grads, torch.autograd.grad(value, (lp, ls))):
+        torch.testing.assert_close(g, e, **TOL)
+
+
+@pytest.mark.parametrize("residual", ["spectral", "isotropic", "diagonal", "none"])
+def test_full_rank_equals_full_laplace_for_every_residual(residual):
+    model, likelihood, X, y, loader = make_problem("cnn-classification")
+    full = fit_reference(FullLaplace(model, likelihood), loader)
+    la = LowRankGGNLaplace(model, likelihood, rank=1000, residual=residual)
+    la.fit(loader)
+    torch.testing.assert_close(la.log_marginal_likelihood(), full.log_marginal_likelihood(),
+                               rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(la(X[:4]), full(X[:4]), rtol=1e-6, atol=1e-8)
+
+
+def test_residual_switch_after_fit_and_state_dict():
+    la, full, X = _fit("spectral")
+    spectral = la.log_marginal_likelihood()
+    la.residual = "isotropic"
+    _, logdet = reference_posterior(la, full)
+    torch.testing.assert_close(la.log_det_posterior_precision, logdet, **TOL)
+    la.residual = "spectral"
+    torch.testing.assert_close(la.log_marginal_likelihood(), spectral, **TOL)
+    with pytest.raises(ValueError, match="refit with residual='diagonal'"):
+        la.residual = "diagonal"
+    # state_dict round trip keeps the rank bound and the model
+    model, likelihood, *_ = make_problem("mlp-classification", n=40, batch_size=16)
+    other = LowRankGGNLaplace(model, likelihood, rank=6, residual="spectral")
+    other.load_state_dict(la.state_dict())
+    other.prior_precision = la.prior_precision
+    torch.testing.assert_close(other.log_marginal_likelihood(), spectral, **TOL)
+    torch.testing.assert_close(other(X[:3]), la(X[:3]), **TOL)
+    wrong = LowRankGGNLaplace(model, likelihood, rank=6, residual="none")
+    with pytest.raises(ValueError, match="residual='spectral'"):
+        wrong.load_state_dict(la.state_dict())
+
+
+def test_bad_residual_options():
+    model = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="residual must be one of"):
+        LowRankGGNLaplace(model, "classification", residual="tail")
+    with pytest.warns(FutureWarning, match="residual='diagonal'"):
+        la = LowRankGGNLaplace(model, "classification", diagonal_correction=True)
+    assert la.residual == "diagonal" and la.diagonal_correction
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="contradicts"):
+        LowRankGGNLaplace(model, "classification", residual="isotropic",
+                          diagonal_correction=True)
+    with pytest.raises(ValueError, match="needs the residual diagonal"):
+        Residual.from_fit("diagonal", torch.ones(2), torch.tensor(3.0), 5, 5)
+
+
+def test_online_update_keeps_the_rank_bound_growing():
+    model, likelihood, X, y, _ = make_problem("mlp-classification", n=40)
+    la = LowRankGGNLaplace(model, likelihood, rank=4)
+    la.fit(DataLoader(TensorDataset(X[:3], y[:3]), batch_size=3))
+    assert la.rank_bound == 3 * 2  # 3 samples, C - 1 = 2 columns each
+    la.fit(DataLoader(TensorDataset(X[3:8], y[3:8]), batch_size=5), override=False)
+    assert la.n_data == 8 and la.rank_bound == 16
+
+
+def _digits_problem(hidden=16, n_train=500, epochs=60):
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    X = torch.tensor(data.data / 16.0, dtype=torch.float64)[:n_train]
+    y = torch.tensor(data.target)[:n_train]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, 10)).double()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(epochs):
+        for idx in torch.randperm(n_train).split(100):
+            opt.zero_grad()
+            decay = sum((p**2).sum() for p in model.parameters()) / (2 * n_train)
+            (nn.functional.cross_entropy(model(X[idx]), y[idx]) + decay).backward()
+            opt.step()
+    return model, DataLoader(TensorDataset(X, y), batch_size=100)
+
+
+def test_default_marglik_prior_tracks_the_full_ggn_on_real_data():
+    """Real data (sklearn digits), default residual, rank 5% of D: prior within 25%."""
+    model, loader = _digits_problem()
+    full = fit_reference(FullLaplace(model, "classification"), loader)
+    full.optimize_prior_precision(method="marglik", n_steps=300, lr=0.1)
+    results = {}
+    for residual in ("spectral", "none"):
+        la = LowRankGGNLaplace(model, "classification", rank=60, residual=residual)
+        la.fit(loader)
+        la.optimize_prior_precision(method="marglik", n_steps=300, lr=0.1)
+        results[residual] = float(la.prior_precision / full.prior_precision)
+    assert abs(results["spectral"] - 1) < 0.25, results
+    assert abs(results["none"] - 1) > abs(results["spectral"] - 1), results
