@@ -157,6 +157,40 @@ def take(inputs: Any, index: Any, n: Optional[int] = None) -> Any:
     return out
 
 
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(budget: Any) -> Any:
+    """Turn a memory size with a unit (``"1GB"``, ``"512 MiB"``) into bytes.
+
+    Args:
+        budget: A string with a unit, or anything else (returned unchanged).
+
+    Returns:
+        Bytes as ``int`` for a string, else ``budget``.
+
+    Raises:
+        ValueError: For a string that is not a number with a unit.
+    """
+    if not isinstance(budget, str):
+        if budget is not None and (isinstance(budget, bool)
+                                   or not isinstance(budget, (int, float))):
+            raise ValueError(f"memory_budget must be bytes, a fraction or e.g. '2GiB', "
+                             f"got {budget!r}.")
+        return budget
+    text = budget.strip().lower().replace(" ", "")
+    number = text.rstrip("kmgtib")
+    unit = text[len(number):] or "b"
+    try:
+        return int(float(number) * _UNITS[unit])
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"memory_budget {budget!r} is not a size: use bytes (int), a fraction of "
+            "free memory (float in (0, 1]) or a string such as '512MB' or '2GiB'."
+        ) from None
+
+
 def to_device(inputs: Any, device: torch.device) -> Any:
     """Move a tensor or the tensors of a dict batch to a device.
 
@@ -226,6 +260,12 @@ def check_targets(loss_func: nn.Module, outputs: Tensor, targets: Tensor) -> Non
                 f"shape (N,) = {tuple(outputs.shape[:1])}, got dtype {targets.dtype} "
                 f"and shape {tuple(targets.shape)}."
             )
+        ignore = loss_func.ignore_index
+        if bool((targets == ignore).any()):
+            raise ValueError(
+                f"targets contain ignore_index={ignore}: the loss skips those samples, "
+                "which the GGN engine does not support; drop them from the batch."
+            )
         if bool(((targets < 0) | (targets >= outputs.shape[1])).any()):  # one device sync
             raise ValueError(
                 f"Class indices must lie in [0, {outputs.shape[1]}), got values in "
@@ -255,6 +295,10 @@ def check_subsampling(subsampling: Optional[Sequence[int]], n: int) -> Optional[
     """
     if subsampling is None:
         return None
+    if isinstance(subsampling, Tensor):
+        subsampling = subsampling.tolist()
+    if any(isinstance(i, bool) or int(i) != i for i in subsampling):
+        raise ValueError(f"subsampling must hold integer sample indices, got {subsampling!r}.")
     indices = [int(i) for i in subsampling]
     if not indices:
         raise ValueError("subsampling is empty: pass None to use the full batch.")
@@ -308,6 +352,12 @@ def resolve_param_groups(
     """
     params = list(model.parameters())
     position = {id(p): i for i, p in enumerate(params)}
+    if param_groups is not None and not isinstance(param_groups, (list, tuple)):
+        raise ValueError("param_groups must be a list of dicts with key 'params'.")
+    if param_groups is not None and len(param_groups) == 0:
+        raise ValueError(
+            "param_groups is empty: pass None for one group of all trainable parameters."
+        )
     if param_groups is None:
         group = [i for i, p in enumerate(params) if p.requires_grad]
         if not group:

@@ -12,7 +12,7 @@ from typing import Any, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from lowrank_laplace._checks import batch_device, take
+from lowrank_laplace._checks import batch_device, parse_memory, take
 from lowrank_laplace.engine import FactorEngine, RNGReplay, rng_state, set_rng_state
 from lowrank_laplace.factor import factor_columns
 from lowrank_laplace.merge import concat_factors
@@ -25,7 +25,8 @@ def resolve_memory_budget(budget: Union[int, float, None], device: torch.device)
 
     Args:
         budget: Bytes (``int >= 1``), a fraction in ``(0, 1]`` of the currently free
-            memory of ``device``, or ``None`` for 1 GiB.
+            memory of ``device``, a size with a unit (``"512MB"``, ``"2GiB"``), or
+            ``None`` for 1 GiB.
         device: Where ``V`` lives.
 
     Returns:
@@ -34,6 +35,7 @@ def resolve_memory_budget(budget: Union[int, float, None], device: torch.device)
     Raises:
         ValueError: For a non-positive budget or a fraction above 1.
     """
+    budget = parse_memory(budget)
     if budget is None:
         return DEFAULT_MEMORY_BUDGET
     if budget <= 0:

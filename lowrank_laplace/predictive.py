@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from lowrank_laplace._blocks import Weight
-from lowrank_laplace._checks import batch_size, take
+from lowrank_laplace._checks import check_batch, take
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.factor import GGNFactor
 from lowrank_laplace.posterior import LowRankPrecision
@@ -116,7 +116,7 @@ def batched_glm_moments(
         ``f_mu`` of shape ``(B, C)`` and ``f_var`` of shape ``(B, C, C)``.
     """
     mus, variances = [], []
-    num = batch_size(inputs)
+    num = check_batch(inputs, None)
     for start in range(0, num, micro_batch_size):  # tensor or dict batches
         chunk = take(inputs, slice(start, start + micro_batch_size), num)
         mu, var = glm_moments(engine, chunk, precision, weights)

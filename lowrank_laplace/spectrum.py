@@ -125,6 +125,8 @@ def select(
         if top_k is not None or threshold is not None:
             raise ValueError("Pass either indices or top_k/threshold, not both.")
         idx = [int(i) for i in indices]
+        if len(set(idx)) != len(idx):
+            raise ValueError(f"indices contains duplicates: {list(indices)!r}.")
         if any(i < 0 or i >= num for i in idx):
             raise ValueError(f"indices must lie in [0, {num}) (number of nonzero eigenvalues).")
         return torch.tensor(idx, dtype=torch.long)

@@ -215,3 +215,105 @@ def test_closed_engine(mlp):
         engine.compute(X, y)
     with pytest.raises(ValueError, match="keep_blocks, compute_grams and/or project"):
         ll.FactorEngine(model, loss).compute(X, y, keep_blocks=False)
+
+
+def test_ignore_index_refused(mlp):
+    model, _, X, y = mlp
+    y = y.clone()
+    y[0] = 1
+    with pytest.raises(ValueError, match="ignore_index=1"):
+        ll.ggn_eigh(model, nn.CrossEntropyLoss(ignore_index=1), X, y)
+    y[0] = -100  # the default ignore_index
+    with pytest.raises(ValueError, match="ignore_index=-100"):
+        ll.ggn_eigh(model, nn.CrossEntropyLoss(), X, y)
+
+
+@pytest.mark.parametrize("backend", ["backpack", "functorch"])
+def test_zero_ggn_gives_an_empty_spectrum(backend):
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.zeros(5, dtype=torch.long)
+    loss = nn.CrossEntropyLoss()  # one output: the loss is constant, the GGN zero
+    for low_memory in (False, True):
+        res = ll.ggn_eigh(model, loss, X, y, top_k=3, low_memory=low_memory, backend=backend)
+        assert res.eigenvalues.numel() == 0 and res.eigenvectors.shape == (21, 0)
+        assert float(res.kept_fraction) == 1.0
+        dd = ll.directional_derivatives(model, loss, X, y, low_memory=low_memory,
+                                        backend=backend)
+        assert dd.gammas.shape == (5, 0) and dd.lambdas.shape == (5, 0)
+        step = ll.damped_newton_step(model, loss, X, y, low_memory=low_memory,
+                                     backend=backend)
+        assert torch.equal(step, torch.zeros_like(step))
+    assert ll.ggn_eigvals(model, loss, X, y, backend=backend).numel() == 0
+
+
+@pytest.mark.parametrize("vec, msg", [
+    (lambda d: torch.randn(d, 2, 2, dtype=torch.float64), r"shape \(D,\) or \(D, K\)"),
+    (lambda d: [0.0] * d, r"shape \(D,\) or \(D, K\), got list"),
+    (lambda d: torch.randn(d), "dtype torch.float32"),
+])
+def test_inverse_matvec_vector_checks(mlp, vec, msg):
+    model, loss, X, y = mlp
+    dim = sum(p.numel() for p in model.parameters())
+    with pytest.raises(ValueError, match=msg):
+        ll.ggn_inverse_matvec(model, loss, X, y, vec(dim), damping=1.0)
+
+
+def test_empty_param_groups_fractional_subsampling_duplicate_indices(mlp):
+    model, loss, X, y = mlp
+    with pytest.raises(ValueError, match="param_groups is empty"):
+        ll.ggn_eigh(model, loss, X, y, param_groups=[])
+    with pytest.raises(ValueError, match="integer sample indices"):
+        ll.ggn_eigh(model, loss, X, y, subsampling=[0.5])
+    with pytest.raises(ValueError, match="indices contains duplicates"):
+        ll.ggn_eigh(model, loss, X, y, top_k=None, indices=[1, 1])
+
+
+def test_memory_budget_units():
+    from lowrank_laplace._fitting import resolve_memory_budget
+
+    cpu = torch.device("cpu")
+    assert resolve_memory_budget("1GB", cpu) == 10**9
+    assert resolve_memory_budget("512 MiB", cpu) == 2**29
+    with pytest.raises(ValueError, match="not a size"):
+        resolve_memory_budget("lots", cpu)
+    with pytest.raises(ValueError, match="must be bytes"):
+        resolve_memory_budget([1], cpu)
+
+
+def test_adaptive_pooling_with_unequal_windows():
+    model = nn.Sequential(nn.Conv2d(1, 2, 2), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+                          nn.Linear(8, 3)).double()
+    X, y = torch.randn(4, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
+    loss = nn.CrossEntropyLoss()
+    with pytest.raises(NotImplementedError, match=r"does not divide.*functorch"):
+        ll.ggn_eigh(model, loss, X, y, backend="backpack")
+    res = ll.ggn_eigh(model, loss, X, y, top_k=None)  # auto: 5 x 5 -> 2 x 2 via functorch
+    assert res.backend == "functorch"
+    torch.testing.assert_close(res.trace, torch.trace(ref.ggn(model, loss, X, y)))
+
+
+def test_predict_on_an_empty_batch():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = nn.Sequential(nn.Linear(3, 2)).double()
+    X, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
+    la = ll.LowRankGGNLaplace(model, "classification")
+    la.fit(DataLoader(TensorDataset(X, y), batch_size=3))
+    with pytest.raises(ValueError, match="Empty batch"):
+        la(X[:0], pred_type="glm")
+
+
+def test_user_hooks_do_not_fire_in_internal_passes(mlp):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model, loss, X, y = mlp
+    calls = []
+    handles = [model.register_forward_hook(lambda *a: calls.append("model")),
+               model[0].register_forward_pre_hook(lambda *a: calls.append("layer"))]
+    for backend in ("backpack", "functorch"):
+        ll.ggn_eigh(model, loss, X, y, low_memory=True, backend=backend)
+        la = ll.LowRankGGNLaplace(model, "classification", factor_backend=backend)
+        la.fit(DataLoader(TensorDataset(X, y), batch_size=3))
+        la(X, pred_type="glm")
+    assert calls == []
+    assert all(len(h.hooks_dict_ref()) == 1 for h in handles)
