@@ -37,6 +37,8 @@ LAPLACE_METHODS = {
     "kron_all": ("all", "kron"),
     "diag_all": ("all", "diag"),
 }
+_DISPLAY_NAMES = {"mnist": "MNIST", "digits": "scikit-learn digits"}
+
 #: Every method of the study, in report order (``map``: the trained network alone).
 METHODS = ("map",) + tuple(LAPLACE_METHODS)
 
@@ -303,7 +305,8 @@ def run(config: CalibrationConfig, log: Callable[[str], None] = _silent) -> dict
         for metric in ("ece", "accuracy"):
             plots.close(plots.shift_curves(
                 shifts, metric, path=out / f"shift_{metric}.png",
-                title=f"{plots.metric_name(metric)} under rotation ({config.dataset} test set)"))
+                title=f"{plots.metric_name(metric)} under rotation "
+                f"({_DISPLAY_NAMES.get(config.dataset, config.dataset)} test set)"))
     (out / "calibration.json").write_text(json.dumps(report, indent=2))
     return report
 
