@@ -39,6 +39,8 @@ def test_every_record_is_shown_once_and_names_its_origin():
         for source in record["sources"]:
             assert (ROOT / source).is_file(), (table_id, source)
             raw = json.loads((ROOT / source).read_text())
+            # raw runs carry their date (newer runs inside the machine record)
+            assert raw.get("date") or raw["machine"].get("date"), source
             if isinstance(record["machine"], dict):  # copied from the raw run's record
                 assert record["machine"]["cpu_name"] == raw["machine"]["cpu_name"]
                 assert record["versions"]["torch"] == raw["machine"]["torch"]
