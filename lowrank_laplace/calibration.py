@@ -129,7 +129,8 @@ def validate(config: CalibrationConfig) -> torch.device:
     Raises:
         UserError: For a negative count (a zero batch size or rank), a non-finite
             angle, an unknown dataset, method or prior method, a missing checkpoint,
-            CUDA asked for but absent, or an unwritable output directory.
+            a checkpoint to save into a missing folder, CUDA asked for but absent, or an
+            unwritable output directory.
     """
     for name, minimum in _MINIMUM.items():
         value = getattr(config, name)
@@ -147,6 +148,9 @@ def validate(config: CalibrationConfig) -> torch.device:
         raise UserError(f"unknown prior tuning {config.prior!r}: use marglik or gridsearch")
     if config.checkpoint is not None and not Path(config.checkpoint).is_file():
         raise UserError(f"checkpoint {config.checkpoint!r} does not exist")
+    if config.save_checkpoint is not None and not Path(config.save_checkpoint).parent.is_dir():
+        raise UserError(f"cannot save the checkpoint to {config.save_checkpoint!r}: its "
+                        "folder does not exist")
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for, but CUDA is not available")
     out = Path(config.out)

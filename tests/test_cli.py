@@ -238,6 +238,7 @@ def test_calibrate_end_to_end(tmp_path, capsys):
     (["--checkpoint", "/nonexistent/cnn.pt"], "does not exist"),
     (["--methods", "map,swag"], "unknown method 'swag'"),
     (["--prior", "cv"], "unknown prior tuning 'cv'"),
+    (["--save-checkpoint", "/nonexistent/cnn.pt"], "its folder does not exist"),
     (["--angles", "0,abc"], "argument --angles: expected comma-separated numbers"),
 ])
 def test_calibrate_user_errors(args, message, capsys, tmp_path):
