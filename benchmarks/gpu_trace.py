@@ -42,6 +42,7 @@ if str(HERE.parent) not in sys.path:
     sys.path.insert(0, str(HERE.parent))
 
 _problems = importlib.import_module("_problems")
+_harness = importlib.import_module("_harness")
 
 #: Substrings of profiler event names, by what they count.
 PATTERNS = {
@@ -122,6 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "batches": len(loader),
         "kept_fraction": float(la.kept_fraction),
         "events": count_events(prof),
+        "machine": _harness.machine_info(str(device)),  # date, CPU/GPU, package versions
     }
     return record
 
