@@ -32,6 +32,7 @@ from backpack.utils.module_classification import is_no_op
 from torch import Tensor, nn
 
 from lowrank_laplace import _checks
+from lowrank_laplace._backpack_convert import convert
 from lowrank_laplace._blocks import Block, DenseBlock, KronBlock
 from lowrank_laplace._engine_base import Collector, EngineBase
 from lowrank_laplace._extensions import (
@@ -190,11 +191,46 @@ class BackpackEngine(EngineBase):
         self._sync()
         devices = [inputs.device] if inputs.device.type == "cuda" else []
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            checked_forward(self._copy, inputs[:1])
+            try:
+                checked_forward(self._copy, inputs[:1])
+            except NotImplementedError as err:
+                self._net = self._converted(inputs[:1], err)
         num_handles = len(CTX.hook_handles)
-        extend(self._copy)
+        for module in self._net.modules():  # containers are traced through, not hooked
+            if not list(module.children()):
+                extend(module)
         extend(self._loss)
         self._handles = CTX.hook_handles[num_handles:]
+
+    def _converted(self, sample: Tensor, problem: NotImplementedError) -> nn.Module:
+        """The model rewritten into BackPACK modules, checked on one sample.
+
+        Args:
+            sample: One input sample, ``(1, ...)``.
+            problem: Why the model itself does not work.
+
+        Returns:
+            The converted network (sharing the private copy's parameters).
+
+        Raises:
+            NotImplementedError: ``problem``, if the conversion fails or computes
+                another function.
+        """
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the converter warns about leftovers
+                net = convert(self._copy)
+            for module in net.modules():  # modules the converter added
+                module.training = False if self.eval_mode else self._copy.training
+            check_model(net, supported_modules())
+            same = torch.allclose(checked_forward(net, sample), self._copy(sample))
+        except Exception:  # noqa: BLE001 - the converter's own errors are not the point
+            same = False
+        if not same:
+            raise NotImplementedError(
+                f"{problem} (BackPACK's torch.fx converter could not rewrite it either)"
+            ) from problem
+        return net
 
     def dense_param_count(self, largest: bool = False) -> int:
         """Entries of ``V``'s rows that are stored explicitly, per column.

@@ -147,6 +147,7 @@ class EngineBase:
         self.model = model
         self.loss_func = loss_func
         self._copy = private_copy(model)
+        self._net = self._copy  # what the passes call (a backend may rewrite it)
         self._loss = copy.deepcopy(loss_func)
         self.num_outputs: Optional[int] = None  # model outputs, known after a forward pass
         self._closed = False
@@ -274,7 +275,7 @@ class EngineBase:
         ``targets=None`` (MSE only) uses zeros: the GGN of MSELoss does not depend on
         the targets.
         """
-        outputs = self._copy(inputs)
+        outputs = self._net(inputs)
         _checks.check_outputs(outputs)
         if targets is None:
             targets = torch.zeros_like(outputs.detach())

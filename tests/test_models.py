@@ -201,10 +201,26 @@ def test_zoo_spectrum_directional_newton(name, loss):
     torch.testing.assert_close(inv, torch.linalg.solve(G + damping * eye, x), **TOL)
 
 
+#: Models BackPACK takes (class-based ones after its torch.fx conversion).
+BACKPACK = ("frozen", "class_cnn", "residual", "resnet_block")
+
+
 def test_auto_backend_choice():
     chosen = {name: ll.ggn_eigh(*zoo_case(name), top_k=2).backend for name in ZOO}
-    assert chosen["frozen"] == "backpack"
-    assert all(chosen[n] == "functorch" for n in ZOO if n != "frozen")
+    assert chosen == {n: "backpack" if n in BACKPACK else "functorch" for n in ZOO}
+
+
+@pytest.mark.parametrize("name", BACKPACK)
+def test_both_backends_agree_on_converted_models(name):
+    model, loss_func, X, y = zoo_case(name)
+    factors = {}
+    for backend in ("backpack", "functorch"):
+        with ll.FactorEngine(model, loss_func, backend=backend) as engine:
+            factors[backend] = engine.compute(X, y, batch_grad=True)
+    a, b = factors["backpack"], factors["functorch"]
+    torch.testing.assert_close(b.gram(), a.gram(), **TOL)
+    torch.testing.assert_close(b.grad_flat(), a.grad_flat(), **TOL)
+    torch.testing.assert_close(b.t_matmul_batch_grads(), a.t_matmul_batch_grads(), **TOL)
 
 
 @pytest.mark.parametrize("name", ["tied", "tied_modules", "tied_params"])

@@ -1,0 +1,98 @@
+"""Rewrites a model's forward pass into modules BackPACK knows (torch.fx).
+
+BackPACK backpropagates ``V`` through modules only. Its converter
+(``backpack.custom_module.graph_utils.convert_module_to_backpack``, what
+``extend(model, use_converter=True)`` runs) turns additions (residual connections)
+into ``SumModule``, multiplications by scalars into ``ScaleModule``, ``flatten``
+into ``nn.Flatten`` and copies modules that are called twice. Before it, this
+module turns the functional operations of class-based models into their modules:
+``torch.relu`` / ``F.relu`` / ``x.relu()``, ``tanh``, ``sigmoid``, ``F.max_pool2d`` /
+``F.avg_pool2d`` and ``x.view(x.size(0), -1)`` / ``reshape`` (a flatten). The
+caller checks that the converted network computes the same outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import torch
+import torch.nn.functional as F
+from backpack.custom_module.graph_utils import BackpackTracer, convert_module_to_backpack
+from torch import nn
+from torch.fx import GraphModule, Node
+
+_ACTIVATIONS: Dict[object, Callable[[], nn.Module]] = {
+    torch.relu: nn.ReLU, F.relu: nn.ReLU, "relu": nn.ReLU,
+    torch.tanh: nn.Tanh, F.tanh: nn.Tanh, "tanh": nn.Tanh,
+    torch.sigmoid: nn.Sigmoid, F.sigmoid: nn.Sigmoid, "sigmoid": nn.Sigmoid,
+}
+_POOLS = {F.max_pool2d: nn.MaxPool2d, F.avg_pool2d: nn.AvgPool2d,
+          F.max_pool1d: nn.MaxPool1d, F.avg_pool1d: nn.AvgPool1d}
+_POOL_ARGS = {
+    nn.MaxPool2d: ("kernel_size", "stride", "padding", "dilation", "ceil_mode"),
+    nn.MaxPool1d: ("kernel_size", "stride", "padding", "dilation", "ceil_mode"),
+    nn.AvgPool2d: ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad"),
+    nn.AvgPool1d: ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad"),
+}
+
+
+def _module_for(node: Node):
+    """The module replacing a functional node and its input, or ``None``."""
+    if node.op not in ("call_function", "call_method"):
+        return None
+    # keyword arguments at their defaults change nothing
+    extra = {k: v for k, v in node.kwargs.items()
+             if not (k in ("inplace", "return_indices") and v is False)}
+    if node.target in _ACTIVATIONS and len(node.args) == 1 and not extra:
+        return _ACTIVATIONS[node.target](), node.args[0]
+    if node.op == "call_function" and node.target in _POOLS:
+        cls = _POOLS[node.target]
+        names = _POOL_ARGS[cls]
+        if len(node.args) - 1 > len(names) or any(k not in names for k in extra):
+            return None
+        kwargs = dict(zip(names, node.args[1:]))
+        kwargs.update(extra)
+        return cls(**kwargs), node.args[0]
+    if node.op == "call_method" and node.target in ("view", "reshape") \
+            and len(node.args) == 3 and node.args[2] == -1:
+        size = node.args[1]
+        if (isinstance(size, Node) and size.op == "call_method" and size.target == "size"
+                and size.args == (node.args[0], 0)):
+            return nn.Flatten(), node.args[0]
+    return None
+
+
+def _functional_to_modules(model: nn.Module) -> GraphModule:
+    """Trace the model and replace functional activations, pools and flattens."""
+    graph = BackpackTracer().trace(model)
+    root = GraphModule(model, graph)
+    count = 0
+    for node in list(graph.nodes):
+        found = _module_for(node)
+        if found is None:
+            continue
+        module, source = found
+        name = f"_converted_{count}"
+        count += 1
+        root.add_submodule(name, module)
+        with graph.inserting_after(node):
+            new = graph.call_module(name, (source,))
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+    graph.eliminate_dead_code()
+    graph.lint()
+    return GraphModule(root, graph)
+
+
+def convert(model: nn.Module) -> GraphModule:
+    """A network of BackPACK modules computing the same function as ``model``.
+
+    Parameters and buffers are shared with ``model`` (no copies).
+
+    Args:
+        model: The (private copy of the) network.
+
+    Returns:
+        The converted network.
+    """
+    return convert_module_to_backpack(_functional_to_modules(model), debug=False)
