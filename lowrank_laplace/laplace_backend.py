@@ -561,13 +561,19 @@ class LowRankGGNLaplace(ParametricLaplace):
 
     # -------------------------------------------------------------- predictive
     def _prior_variance_weights(self, precision: LowRankPrecision) -> List[Union[float, Tensor]]:
-        """``diag(d)^{-1}`` of ``precision`` per parameter (scalars where ``d`` is constant)."""
+        """``diag(d)^{-1}`` of ``precision`` per parameter (scalars where ``d`` is constant).
+
+        In float64 whatever the model's dtype: the GLM variance subtracts products
+        scaled by these weights from each other, and a float32 ``1 / d`` rounded
+        differently from the capacitance's ``d`` would not cancel.
+        """
         params = self._curvature_target()[2]
+        d = precision.d.to(torch.float64)
         if precision.isotropic:
-            return [1 / precision.d] * len(params)
+            return [1 / d] * len(params)
         prior = torch.as_tensor(self.prior_precision, device=self._device, dtype=self._dtype)
         sizes = [p.numel() for p in params]
-        inverse = list(torch.split(1 / precision.d, sizes))
+        inverse = list(torch.split(1 / d, sizes))
         if (self.residual != "diagonal" and prior.numel() == len(params)
                 and prior.numel() != self.n_params):
             return [w[0] for w in inverse]  # per-layer priors: one scalar per parameter

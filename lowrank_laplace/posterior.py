@@ -54,6 +54,7 @@ class LowRankPrecision:
         self.isotropic = prior_precision.numel() == 1
         self.d = prior_precision.reshape(()) if self.isotropic else prior_precision
         self._chol: Optional[Tensor] = None
+        self._wide_chol: Optional[Tensor] = None
         self._sqrt_parts = None
 
     @property
@@ -82,6 +83,29 @@ class LowRankPrecision:
             K = K + torch.eye(K.shape[0], dtype=K.dtype, device=K.device)
             self._chol = torch.linalg.cholesky(K)
         return self._chol
+
+    @property
+    def wide_capacitance_cholesky(self) -> Tensor:
+        """Float64 Cholesky factor of ``K = I + W^T P_0^{-1} W`` from the actual ``U^T U``.
+
+        For float32 / float16 posteriors: the capacitance of :attr:`capacitance_cholesky`
+        assumes ``U^T U = I``, which rounding breaks by ~1e-7, enough to swamp the
+        small complement ``J (I - U U^T) J^T`` of a test point's Jacobian. Formed over
+        row chunks, each cast to float64 on its own (no ``D x r`` float64 copy).
+        """
+        if self._wide_chol is None:
+            wide = torch.float64
+            d = self.d.to(wide)
+            K = 0
+            for rows, U in enumerate(self.U.split(_ROWS)):
+                U = U.to(wide)
+                scale = d if self.isotropic else d[rows * _ROWS: rows * _ROWS + U.shape[0], None]
+                K = K + (U / scale).T @ U
+            s = self.ell.to(wide).sqrt()
+            K = s[:, None] * K * s[None, :]
+            K = K + torch.eye(K.shape[0], dtype=wide, device=K.device)
+            self._wide_chol = torch.linalg.cholesky(K)
+        return self._wide_chol
 
     def logdet(self) -> Tensor:
         """``log det P`` by the matrix determinant lemma (plus ``logdet_offset``)."""
@@ -185,15 +209,20 @@ class LowRankPrecision:
     def functional_variance(self, jdj: Tensor, jdw: Tensor) -> Tensor:
         r"""``J P^{-1} J^T`` from ``J P_0^{-1} J^T`` and ``J P_0^{-1} W``.
 
+        The difference cancels when ``J`` lies mostly in ``span(U)``: given float64
+        products of a lower-precision posterior, it is formed in float64 with
+        :attr:`wide_capacitance_cholesky` (no orthonormality assumed).
+
         Args:
             jdj: ``J P_0^{-1} J^T``, shape ``(..., C, C)``.
             jdw: ``J P_0^{-1} W`` with :math:`W = U\mathrm{diag}(\ell)^{1/2}`,
                 shape ``(..., C, r)``.
 
         Returns:
-            Tensor of shape ``(..., C, C)``.
+            Tensor of shape ``(..., C, C)``, in the dtype of ``jdw``.
         """
-        chol = self.capacitance_cholesky
+        wide = jdw.dtype == torch.float64 and self.U.dtype != torch.float64
+        chol = self.wide_capacitance_cholesky if wide else self.capacitance_cholesky
         flat = jdw.reshape(-1, jdw.shape[-1]).T  # (r, ...C)
         half = torch.linalg.solve_triangular(chol, flat, upper=False)
         half = half.T.reshape(jdw.shape)

@@ -23,11 +23,14 @@ from typing import List, Tuple
 import torch
 from torch import Tensor
 
-from lowrank_laplace._blocks import Weight
+from lowrank_laplace._blocks import Block, DenseBlock, KronBlock, Weight
 from lowrank_laplace._checks import check_batch, take
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.factor import GGNFactor
 from lowrank_laplace.posterior import LowRankPrecision
+
+_WIDE = torch.float64  # dtype of the small products (see _small_products)
+_WIDE_CHUNK = 2**22  # float64 entries of P_0^{-1} U widened at a time (32 MiB)
 
 
 def jacobian_factor(engine: FactorEngine, inputs: Tensor) -> GGNFactor:
@@ -67,33 +70,56 @@ def glm_moments(
     """
     factor = jacobian_factor(engine, inputs)
     num_out, num_in = factor.num_vectors, factor.num_samples
-    jdw = _jacobian_w_over_d(factor, precision, weights) / 2**0.5  # (C*B, r), rows (c, n)
-    jdw = jdw.reshape(num_out, num_in, -1).transpose(0, 1)  # (B, C, r)
-    if joint:
-        jdj = factor.weighted_gram(weights) / 2  # rows/cols ordered (c, n)
+    jdj, jdw = _small_products(factor, precision, weights, joint)
+    jdw = jdw.reshape(num_out, num_in, -1).transpose(0, 1)  # (B, C, r), rows were (c, n)
+    if joint:  # rows/cols ordered (c, n) -> (n, c)
         jdj = jdj.reshape(num_out, num_in, num_out, num_in).permute(1, 0, 3, 2)
         jdj = jdj.reshape(num_in * num_out, num_in * num_out)
         f_var = precision.functional_variance(jdj, jdw.reshape(num_in * num_out, -1))
     else:
-        jdj = factor.sample_gram(weights) / 2  # (B, C, C)
         f_var = precision.functional_variance(jdj, jdw)
-    return factor.outputs, f_var
+    return factor.outputs, f_var.to(factor.outputs.dtype)
 
 
-def _jacobian_w_over_d(factor: GGNFactor, precision: LowRankPrecision,
-                       weights: List[Weight]) -> Tensor:
-    """``V^T P_0^{-1} W`` one parameter at a time, without a ``D x r`` temporary.
+def _widened(block: Block) -> Block:
+    """A float64 copy of one block of ``V``."""
+    if isinstance(block, KronBlock):
+        return KronBlock(block.s.to(_WIDE), block.z.to(_WIDE))
+    return DenseBlock(block.to_dense().to(_WIDE))
 
+
+def _small_products(factor: GGNFactor, precision: LowRankPrecision, weights: List[Weight],
+                    joint: bool) -> Tuple[Tensor, Tensor]:
+    """``J P_0^{-1} J^T`` and ``J P_0^{-1} W`` in float64, one parameter at a time.
+
+    ``V = sqrt(2) J^T``. Each block is widened to float64 on its own, so the
+    predictive variance, a difference of these products that cancels when ``J``
+    lies mostly in the kept subspace, keeps float64 accuracy for a float32 model.
     A scalar prior variance of a parameter scales the product's columns afterwards;
-    a per-entry one needs that parameter's ``d x r`` slice of ``P_0^{-1} U``.
+    a per-entry one needs that parameter's ``d x r`` slice of ``P_0^{-1} U``, taken
+    in column chunks so no large float64 copy is made.
+
+    Returns:
+        ``jdj``: ``(B, C, C)`` per input, or ``(C B, C B)`` ordered ``(c, n)`` with
+        ``joint``; ``jdw``: ``(C B, r)`` ordered ``(c, n)``.
     """
-    jdw = 0
+    jdj, jdw = 0, 0
     for block, U, w in zip(factor._blocks(0), factor._split(precision.U, 0), weights):
-        if isinstance(w, Tensor) and w.numel() > 1:
-            jdw = jdw + block.t_matmul(U * w[:, None])
+        block = _widened(block)
+        w = w.to(_WIDE) if isinstance(w, Tensor) else w
+        if joint:
+            jdj = jdj + block.weighted_gram(w)
         else:
-            jdw = jdw + block.t_matmul(U) * w
-    return jdw * precision.ell.sqrt()
+            jdj = jdj + block.sample_gram(factor.num_vectors, w)
+        per_entry = isinstance(w, Tensor) and w.numel() > 1
+        step = max(1, _WIDE_CHUNK // max(U.shape[0], 1))
+        parts = []
+        for cols in U.split(step, dim=1):
+            cols = cols.to(_WIDE)
+            parts.append(block.t_matmul(cols * w[:, None] if per_entry else cols))
+        product = torch.cat(parts, dim=1)
+        jdw = jdw + (product if per_entry else product * w)
+    return jdj / 2, jdw * precision.ell.to(_WIDE).sqrt() / 2**0.5
 
 
 def batched_glm_moments(

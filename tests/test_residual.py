@@ -1,5 +1,6 @@
 """Residual models of the truncated curvature against dense float64 references."""
 
+import copy
 import math
 
 import pytest
@@ -227,3 +228,53 @@ def test_default_marglik_prior_tracks_the_full_ggn_on_real_data():
         results[residual] = float(la.prior_precision / full.prior_precision)
     assert abs(results["spectral"] - 1) < 0.25, results
     assert abs(results["none"] - 1) > abs(results["spectral"] - 1), results
+
+
+def _float32_copy(la64, model64, X, y, likelihood):
+    """The same fitted posterior in float32 (a float32 model and float32 factors)."""
+    model32 = copy.deepcopy(model64).float()
+    la32 = LowRankGGNLaplace(model32, likelihood, sigma_noise=la64.sigma_noise,
+                             residual=la64.residual)
+    la32.fit(DataLoader(TensorDataset(X.float(), y.float() if y.is_floating_point() else y),
+                        batch_size=50))
+    U, lam = la64.H
+    la32.H = (U.float(), lam.float())
+    la32.trace, la32.rank_bound = la64.trace.float(), la64.rank_bound
+    la32.residual = la64.residual  # drops the cached residual model
+    return la32
+
+
+@pytest.mark.parametrize("likelihood", ["regression", "classification"])
+def test_float32_glm_predictive_matches_float64(likelihood):
+    """The GLM variance cancels when J lies in the kept subspace; float32 keeps 1e-3."""
+    torch.manual_seed(0)
+    X = torch.rand(150, 1, dtype=torch.float64) * 8 - 4
+    out = 1 if likelihood == "regression" else 3
+    model = nn.Sequential(nn.Linear(1, 50), nn.Tanh(), nn.Linear(50, 50), nn.Tanh(),
+                          nn.Linear(50, out)).double()
+    if likelihood == "regression":
+        y = torch.sin(X) + 0.3 * torch.randn_like(X)
+        loss = lambda: ((model(X) - y) ** 2).mean()  # noqa: E731
+    else:
+        y = (X[:, 0] > -1).long() + (X[:, 0] > 1.5).long()
+        loss = lambda: nn.functional.cross_entropy(model(X), y)  # noqa: E731
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(1000):
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+    la64 = LowRankGGNLaplace(model, likelihood, sigma_noise=0.3 if out == 1 else 1.0)
+    la64.fit(DataLoader(TensorDataset(X, y), batch_size=50))
+    la32 = _float32_copy(la64, model, X, y, likelihood)
+    Xt = torch.linspace(-6, 6, 40, dtype=torch.float64)[:, None]
+    for prior in (1e-3, 1e-2, 1e-1, 1.0, 10.0, 1e2, 1e3):
+        la64.prior_precision = la32.prior_precision = prior
+        _, v64 = la64._glm_predictive_distribution(Xt)
+        _, v32 = la32._glm_predictive_distribution(Xt.float())
+        assert v32.dtype == torch.float32
+        torch.testing.assert_close(v32.double(), v64, rtol=1e-3, atol=1e-3 * v64.abs().max())
+        if likelihood == "classification":
+            for link in ("probit", "bridge", "bridge_norm"):
+                p64 = la64(Xt, link_approx=link)
+                p32 = la32(Xt.float(), link_approx=link)
+                torch.testing.assert_close(p32.double(), p64, rtol=1e-3, atol=1e-5)
