@@ -32,6 +32,7 @@ with _warnings.catch_warnings():
     from lowrank_laplace.laplace_backend import LowRankGGNLaplace, LowRankGGNLLLaplace
 from lowrank_laplace.merge import StreamingMerge
 from lowrank_laplace.posterior import LowRankPrecision
+from lowrank_laplace.residual import Residual
 from lowrank_laplace.spectrum import (
     LowRankGGN,
     ggn_eigh,
@@ -48,6 +49,7 @@ __all__ = [
     "LowRankGGNLLLaplace",
     "LowRankGGNLaplace",
     "LowRankPrecision",
+    "Residual",
     "StreamingMerge",
     "damped_newton_step",
     "directional_derivatives",
