@@ -320,3 +320,26 @@ def test_user_model_left_as_it_was(backend):
     assert all(p.grad is None for p in model.parameters())
     for k, v in model.state_dict().items():
         assert torch.equal(v, state[k]), k
+
+
+@pytest.mark.slow
+def test_torchvision_resnet18_top_eigenvalues_against_lanczos():
+    """resnet18 (eval mode) through BackPACK's converter vs curvlinops' GGN and eigsh."""
+    import numpy as np
+    import torchvision
+    from curvlinops import GGNLinearOperator
+    from scipy.sparse.linalg import eigsh
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    X, y = torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,))
+    loss_func = nn.CrossEntropyLoss()
+    res = ll.ggn_eigh(model, loss_func, X, y, top_k=2, low_memory=True)
+    assert res.backend == "backpack"
+    params = [p for p in model.parameters() if p.requires_grad]
+    op = GGNLinearOperator(model, loss_func, params, [(X, y)], check_deterministic=False)
+    expected = np.sort(eigsh(op.to_scipy(), k=2, which="LA", return_eigenvectors=False,
+                             tol=1e-3))[::-1]
+    # float32 model; Lanczos Ritz values to a relative 1e-3 (kept cheap for CI)
+    torch.testing.assert_close(res.eigenvalues, torch.from_numpy(expected.copy()).float(),
+                               rtol=2e-3, atol=0)
