@@ -37,8 +37,10 @@ from lowrank_laplace._blocks import DenseBlock
 from lowrank_laplace._engine_base import Collector, EngineBase
 from lowrank_laplace.factor import factor_columns, reduced_cross_entropy_sqrt
 
-#: Bytes the vmapped products of one chunk may take (intermediates included).
-CHUNK_BUDGET = 2**28
+#: Bytes the vmapped products of one chunk may take (intermediates included). Larger
+#: chunks amortise vmap's overhead: on DeepOBS 3c3d (N = 32, 2 CPU cores) the Gram pass
+#: took 8.3 s with 256 MiB chunks (5 samples) and 5.1 s with 1 GiB (BackPACK: 1.5 s).
+CHUNK_BUDGET = 2**30
 
 
 class FuncEngine(EngineBase):
