@@ -32,16 +32,36 @@ from lowrank_laplace import datasets, metrics, plots
 #: and further options of ``Laplace(...)`` (``lowrank_ggn`` also gets ``rank`` and
 #: ``mc_samples`` from the config).
 LAPLACE_METHODS = {
-    "lowrank_ggn_all": ("all", "lowrank_ggn", {"residual": "none"}),
+    "lowrank_ggn_all": ("all", "lowrank_ggn", {}),
+    "lowrank_ggn_all_isotropic": ("all", "lowrank_ggn", {"residual": "isotropic"}),
     "lowrank_ggn_all_diag": ("all", "lowrank_ggn", {"residual": "diagonal"}),
-    "lowrank_ggn_last_layer": ("last_layer", "lowrank_ggn", {"residual": "none"}),
+    "lowrank_ggn_all_none": ("all", "lowrank_ggn", {"residual": "none"}),
+    "lowrank_ggn_last_layer": ("last_layer", "lowrank_ggn", {}),
+    "full_last_layer": ("last_layer", "full", {}),
+    "full_all": ("all", "full", {}),
     "kron_all": ("all", "kron", {}),
     "diag_all": ("all", "diag", {}),
 }
+#: Methods whose dense D x D posterior only fits the small network of these data sets.
+_SMALL_ONLY = {"full_all": ("digits",)}
+#: Residual models that can share one fit (switched afterwards): all but "diagonal".
+_SHARED_RESIDUALS = ("spectral", "isotropic", "none")
 _DISPLAY_NAMES = {"mnist": "MNIST", "digits": "scikit-learn digits"}
 
 #: Every method of the study, in report order (``map``: the trained network alone).
 METHODS = ("map",) + tuple(LAPLACE_METHODS)
+
+
+def default_methods(dataset: str) -> List[str]:
+    """Every method that fits the data set's network (``full_all`` only on small ones).
+
+    Args:
+        dataset: ``'mnist'`` or ``'digits'``.
+
+    Returns:
+        Method names in report order.
+    """
+    return [m for m in METHODS if dataset in _SMALL_ONLY.get(m, (dataset,))]
 
 
 class UserError(Exception):
@@ -71,16 +91,21 @@ class CalibrationConfig:
         batch_size: Batch size for training, fitting and prediction.
         rank: Rank of the ``lowrank_ggn`` posteriors.
         mc_samples: ``0`` exact GGN, ``M >= 1`` Monte-Carlo GGN for ``lowrank_ggn``.
+        weight_decay: Precision ``delta`` of the Gaussian prior the MAP network is
+            trained under: the training loss is the mean cross-entropy plus
+            ``delta / (2 N) ||theta||^2`` (Laplace Redux protocol), so the MAP is the
+            mode of the posterior the Laplace methods approximate.
         prior: ``'marglik'`` or ``'gridsearch'`` (on the validation split).
         angles: Rotation angles for the dataset-shift evaluation.
-        methods: Methods to run, a subset of :data:`METHODS`.
+        methods: Methods to run, a subset of :data:`METHODS` (``None``:
+            :func:`default_methods` of the data set).
         device: ``'cpu'`` or ``'cuda'``.
         seed: Seed for data split, initialisation and training.
         out: Output directory for the JSON report and PNG plots.
     """
 
     dataset: str = "mnist"
-    epochs: int = 5
+    epochs: int = 30
     checkpoint: Optional[str] = None
     save_checkpoint: Optional[str] = None
     n_train: int = 0
@@ -88,9 +113,10 @@ class CalibrationConfig:
     batch_size: int = 128
     rank: int = 100
     mc_samples: int = 0
+    weight_decay: float = 1.0
     prior: str = "marglik"
     angles: List[float] = field(default_factory=lambda: [0, 15, 30, 60, 90, 120, 180])
-    methods: List[str] = field(default_factory=lambda: list(METHODS))
+    methods: Optional[List[str]] = None
     device: str = "cpu"
     seed: int = 0
     out: str = "results"
@@ -137,6 +163,12 @@ def validate(config: CalibrationConfig) -> torch.device:
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise UserError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if not (isinstance(config.weight_decay, (int, float)) and math.isfinite(config.weight_decay)
+            and config.weight_decay >= 0):
+        raise UserError(f"weight_decay must be a finite number >= 0, got "
+                        f"{config.weight_decay!r}")
+    if config.methods is None:
+        config.methods = default_methods(config.dataset)
     if not config.angles or not all(math.isfinite(float(a)) for a in config.angles):
         raise UserError(f"angles must be finite numbers, got {config.angles!r}")
     if config.dataset not in datasets.IMAGE_DATASETS:
@@ -180,12 +212,14 @@ def _train_or_load(config: CalibrationConfig, split: datasets.Split, device,
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
     loss_func = nn.CrossEntropyLoss()
     loader = split.loaders(config.batch_size, config.seed)["train"]
+    decay = config.weight_decay / (2 * len(split.train[1]))  # Gaussian prior, mean loss
     for epoch in range(config.epochs):
         start, total, count = time.perf_counter(), 0.0, 0
         for X, y in loader:
             opt.zero_grad()
             loss = loss_func(model(X.to(device)), y.to(device))
-            loss.backward()
+            penalty = decay * sum((p**2).sum() for p in model.parameters())
+            (loss + penalty).backward()
             opt.step()
             total, count = total + float(loss.detach()) * len(y), count + len(y)
         log(f"training epoch {epoch + 1}/{config.epochs}: loss {total / max(count, 1):.4f} "
@@ -195,12 +229,23 @@ def _train_or_load(config: CalibrationConfig, split: datasets.Split, device,
     return model.eval()
 
 
-def _fit_laplace(name: str, model: nn.Module, config: CalibrationConfig, loaders) -> object:
+def _fit_laplace(name: str, model: nn.Module, config: CalibrationConfig, loaders,
+                 fitted: dict) -> object:
+    """Fit (or reuse: residual models other than ``diagonal`` share one fit) and tune."""
     from laplace import Laplace
 
     import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
 
     subset, structure, options = LAPLACE_METHODS[name]
+    if subset == "all" and structure == "full" and config.dataset not in _SMALL_ONLY["full_all"]:
+        raise ValueError("full_all needs a dense D x D posterior: run it with --dataset digits")
+    residual = options.get("residual", "spectral")
+    key = (subset, structure, residual if residual not in _SHARED_RESIDUALS else "shared")
+    if key in fitted:
+        la = fitted[key]
+        la.residual = residual
+        _tune_prior(la, config, loaders)
+        return la
     if structure == "lowrank_ggn":
         kwargs = dict(rank=config.rank, mc_samples=config.mc_samples, **options)
     else:
@@ -213,12 +258,31 @@ def _fit_laplace(name: str, model: nn.Module, config: CalibrationConfig, loaders
     la = Laplace(model, "classification", subset_of_weights=subset, hessian_structure=structure,
                  **kwargs)
     la.fit(loaders["train"])
+    fitted[key] = la
+    _tune_prior(la, config, loaders)
+    return la
+
+
+def _tune_prior(la, config: CalibrationConfig, loaders) -> None:
+    """Tune a scalar prior precision by marglik or by grid search on the validation split."""
+    la.prior_precision = 1.0
     if config.prior == "marglik":
         la.optimize_prior_precision(method="marglik")
     else:
         la.optimize_prior_precision(method="gridsearch", val_loader=loaders["val"],
                                     pred_type="glm", link_approx="probit", grid_size=20)
-    return la
+
+
+def _posterior_info(la) -> dict:
+    """Tuned prior precision and, for ``lowrank_ggn``, rank, kept trace and residual model."""
+    if la is None:
+        return {}
+    prior = torch.as_tensor(la.prior_precision)
+    info = {"prior_precision": float(prior.mean())}
+    if hasattr(la, "kept_fraction"):
+        info.update(rank=int(la.H[1].numel()), kept_fraction=float(la.kept_fraction),
+                    residual=la.residual)
+    return info
 
 
 def _predictor(name: str, model: nn.Module, la) -> Callable[[Tensor], Tensor]:
@@ -287,10 +351,11 @@ def run(config: CalibrationConfig, log: Callable[[str], None] = _silent) -> dict
         "num_params": sum(p.numel() for p in model.parameters()),
         "ood": "grayscale crops of scikit-learn's sample photographs"}}
     out = Path(config.out)
+    fitted: dict = {}
     for i, name in enumerate(config.methods, 1):
         try:
             start = time.perf_counter()
-            la = None if name == "map" else _fit_laplace(name, model, config, loaders)
+            la = None if name == "map" else _fit_laplace(name, model, config, loaders, fitted)
             fit_s = time.perf_counter() - start
             entry, probs = evaluate(_predictor(name, model, la), split, ood, config, device)
         except (RuntimeError, MemoryError, ValueError, NotImplementedError) as err:
@@ -298,6 +363,7 @@ def run(config: CalibrationConfig, log: Callable[[str], None] = _silent) -> dict
             log(f"[{i}/{len(config.methods)}] {name}: could not run ({type(err).__name__})")
             continue
         entry["fit_s"] = fit_s
+        entry["posterior"] = _posterior_info(la)
         report["methods"][name] = entry
         log(f"[{i}/{len(config.methods)}] {name}: fit {fit_s:.1f} s, "
             f"predict {entry['predict_s']:.1f} s")
@@ -322,6 +388,8 @@ TABLE_COLUMNS: Tuple[Tuple[str, Callable[[dict], float], str], ...] = tuple(
     for name in ("accuracy", "nll", "ece", "mce", "brier", "confidence")
 ) + (
     ("OOD AUROC", lambda m: m["ood_auroc"], ".4f"),
+    ("prior", lambda m: m.get("posterior", {}).get("prior_precision", math.nan), ".3g"),
+    ("kept", lambda m: m.get("posterior", {}).get("kept_fraction", math.nan), ".3f"),
     ("fit [s]", lambda m: m["fit_s"], ".2f"),
     ("pred [s]", lambda m: m["predict_s"], ".2f"),
 )
@@ -346,6 +414,29 @@ def format_table(report: dict) -> str:
             continue
         lines.append(f"{name:<24}" + "".join(f"{get(m):>{w}{fmt}}" for (_, get, fmt), w
                                              in zip(TABLE_COLUMNS, widths)))
+    return "\n".join(lines)
+
+
+def format_notes(report: dict) -> str:
+    """How to read the table: the low-rank posteriors' rank, kept trace and residual model.
+
+    Args:
+        report: From :func:`run`.
+
+    Returns:
+        A few lines of text.
+    """
+    lines = ["prior: tuned prior precision; kept: share of the exact GGN trace the rank keeps."]
+    for name, m in report["methods"].items():
+        info = m.get("posterior", {})
+        if "residual" in info:
+            lines.append(f"{name}: rank {info['rank']}, kept {info['kept_fraction']:.3f}, "
+                         f"residual={info['residual']!r}")
+    if any(n.startswith("full") for n in report["methods"]):
+        lines.append("full_*: laplace-torch's exact full-GGN posterior, the reference the "
+                     "low-rank ones approximate.")
+    lines.append("lowrank_ggn_all (residual='spectral', the default) is the product; "
+                 "_isotropic and _none reuse its fit, so their fit time is prior tuning only.")
     return "\n".join(lines)
 
 

@@ -302,7 +302,8 @@ def calibrate(args: argparse.Namespace) -> dict:
         dataset=args.dataset, epochs=args.epochs, checkpoint=args.checkpoint,
         save_checkpoint=args.save_checkpoint, n_train=args.n_train, n_test=args.n_test,
         batch_size=args.batch_size, rank=args.rank, mc_samples=args.mc_samples,
-        prior=args.prior, angles=args.angles, methods=args.methods.split(","),
+        weight_decay=args.weight_decay, prior=args.prior, angles=args.angles,
+        methods=args.methods.split(",") if args.methods else None,
         device=args.device, seed=args.seed, out=str(args.out),
     )
     try:
@@ -310,6 +311,7 @@ def calibrate(args: argparse.Namespace) -> dict:
     except calibration.UserError as err:
         raise CLIError(str(err)) from err
     print(calibration.format_table(report))
+    print(calibration.format_notes(report))
     print()
     print(calibration.format_shift(report))
     print(f"\nwrote {args.out / 'calibration.json'} and reliability diagrams to {args.out}")
@@ -372,7 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
         "precision and report calibration, rotation shift and OOD detection; writes "
         "calibration.json and PNG plots to --out.")
     cal.add_argument("--dataset", default="mnist", help="mnist or digits")
-    cal.add_argument("--epochs", type=NONNEGATIVE, default=5, help="training epochs")
+    cal.add_argument("--epochs", type=NONNEGATIVE, default=30, help="training epochs")
+    cal.add_argument("--weight-decay", type=_number(float, 0), default=1.0,
+                     help="precision of the Gaussian prior the MAP network is trained under "
+                     "(L2 term delta/(2N) ||theta||^2 on the mean loss)")
     cal.add_argument("--checkpoint", default=None, help="load the CNN's state_dict from here")
     cal.add_argument("--save-checkpoint", default=None, help="save the trained CNN here")
     cal.add_argument("--n-train", type=NONNEGATIVE, default=0,
@@ -389,7 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prior precision tuning: marglik or gridsearch")
     cal.add_argument("--angles", type=_angles, default="0,15,30,60,90,120,180",
                      help="rotation angles in degrees for the shift evaluation")
-    cal.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
+    cal.add_argument("--methods", default="",
+                     help="comma-separated methods (default: all of " + ",".join(METHODS)
+                     + "; full_all on --dataset digits only)")
     cal.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     cal.add_argument("--seed", type=NONNEGATIVE, default=0, help="random seed")
     cal.add_argument("--out", type=Path, default=Path("results"), help="output directory")

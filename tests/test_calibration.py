@@ -15,7 +15,7 @@ def test_format_table_has_a_column_per_entry_and_reports_errors():
         assert header in lines[0]
     assert set(lines[1]) == {"-"} and len(lines[1]) == len(lines[0]) == len(lines[2])
     assert lines[2].split() == ["map", "0.9000", "0.3000", "0.0200", "0.1000", "0.1500",
-                                "0.8800", "0.8000", "1.50", "0.25"]
+                                "0.8800", "0.8000", "nan", "nan", "1.50", "0.25"]
     assert lines[3].startswith("kron_all") and "could not run: RuntimeError" in lines[3]
 
 
@@ -25,3 +25,15 @@ def test_format_shift_and_methods_table():
     assert text.splitlines()[1].split() == ["map", "0.0200", "0.1100"]
     assert calibration.METHODS[0] == "map"
     assert set(calibration.METHODS[1:]) == set(calibration.LAPLACE_METHODS)
+
+
+def test_default_methods_and_notes():
+    assert "full_all" in calibration.default_methods("digits")
+    assert "full_all" not in calibration.default_methods("mnist")
+    entry = dict(ENTRY, posterior={"prior_precision": 2.5, "rank": 100, "kept_fraction": 0.9,
+                                   "residual": "spectral"})
+    report = {"methods": {"lowrank_ggn_all": entry, "full_last_layer": ENTRY}}
+    assert "2.5" in calibration.format_table(report).splitlines()[2]
+    notes = calibration.format_notes(report)
+    assert "lowrank_ggn_all: rank 100, kept 0.900, residual='spectral'" in notes
+    assert "full_*" in notes

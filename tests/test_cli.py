@@ -207,16 +207,28 @@ def test_calibrate_end_to_end(tmp_path, capsys):
     captured = capsys.readouterr()
     out, err = captured.out, captured.err
     assert out.startswith("method ") and "lowrank_ggn_all" in out and "ECE under rotation" in out
-    assert "training epoch 1/1" in err and "[6/6] diag_all" in err
-    assert len(err.splitlines()) <= 10 and "Warning" not in err
+    from lowrank_laplace.calibration import default_methods
+
+    count = len(default_methods("digits"))
+    assert "training epoch 1/1" in err and f"[{count}/{count}] diag_all" in err
+    assert len(err.splitlines()) <= count + 4 and "Warning" not in err
+    assert "residual='spectral'" in out and "full_*" in out
     for plot in ("shift_ece.png", "shift_accuracy.png"):
         assert (tmp_path / plot).stat().st_size > 2000
     report = json.loads((tmp_path / "calibration.json").read_text())
     from lowrank_laplace.calibration import METHODS
 
-    assert set(report["methods"]) == set(METHODS)
+    assert set(report["methods"]) == set(METHODS)  # full_all included on digits
     for name, m in report["methods"].items():
         assert "error" not in m, (name, m)
+        if name != "map":
+            assert m["posterior"]["prior_precision"] > 0
+        if name.startswith("lowrank_ggn"):
+            info = m["posterior"]
+            assert 0 < info["kept_fraction"] <= 1 + 1e-6 and info["rank"] <= 20
+            assert info["residual"] == {"all": "spectral", "isotropic": "isotropic",
+                                        "diag": "diagonal", "none": "none",
+                                        "layer": "spectral"}[name.rsplit("_", 1)[1]]
         assert set(m["in_distribution"]) == SCHEMA_ID
         assert set(m["shift"]) == {"0", "45"}
         assert set(m["shift"]["45"]) == {"accuracy", "nll", "ece"}
