@@ -81,6 +81,21 @@ class FuncEngine(EngineBase):
     def _check_model(self, model: nn.Module, eval_mode: bool) -> None:
         _checks.check_batchnorm_mode(model, eval_mode)
 
+    def dense_param_count(self, largest: bool = False) -> int:
+        """Entries of ``V``'s rows stored per column (factored linear weights: out + in).
+
+        Args:
+            largest: Count only the largest single parameter's block.
+
+        Returns:
+            The count.
+        """
+        sizes = [0]
+        for name, p in zip(self._names, self.model.parameters()):
+            if p.requires_grad:
+                sizes.append(sum(p.shape) if name in self._factored else p.numel())
+        return max(sizes) if largest else sum(sizes)
+
     def _vector_entries(self, feature_sizes: List[int], one_block: bool) -> int:
         # all of V is held (no factored layers), plus the products' intermediates
         return self.dense_param_count() + sum(feature_sizes)
