@@ -197,6 +197,10 @@ class BackpackEngine(EngineBase):
                 self._net = self._converted(inputs[:1], err)
         num_handles = len(CTX.hook_handles)
         for module in self._net.modules():  # containers are traced through, not hooked
+            # a user model extended elsewhere (e.g. by laplace-torch's BackPACK backend)
+            # carries the flag into the copy, whose hooks were dropped: extend anew
+            if hasattr(module, "_backpack_extend"):
+                del module._backpack_extend
             if not list(module.children()):
                 extend(module)
         extend(self._loss)

@@ -74,8 +74,10 @@ class Collector:
         cross_batch_grads: Accumulate ``V^T [g_1, ..., g_N]`` instead of keeping them.
     """
 
-    def __init__(self, groups, keep_blocks, compute_grams, project, t_parts, into,
-                 compute_diag, batch_grad, cross_batch_grads):
+    def __init__(self, groups: List[List[int]], keep_blocks: bool, compute_grams: bool,
+                 project: Optional[Sequence[Optional[Tensor]]],
+                 t_parts: Dict[int, List[Tensor]], into: Dict[int, Tuple[Tensor, Tensor]],
+                 compute_diag: bool, batch_grad: bool, cross_batch_grads: bool):
         self.groups = groups
         self.group_of = {i: g for g, members in enumerate(groups) for i in members}
         self.keep_blocks, self.compute_grams, self.project = keep_blocks, compute_grams, project

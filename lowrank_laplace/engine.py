@@ -171,7 +171,7 @@ class FactorEngine:
         """
         return self._engine(inputs, targets).gradient(inputs, targets, param_groups)
 
-    def compute(self, inputs: Any, targets: Any, *args, **kwargs) -> GGNFactor:
+    def compute(self, inputs: Any, targets: Any, *args: Any, **kwargs: Any) -> GGNFactor:
         """One pass collecting ``V`` (see :meth:`EngineBase.compute` for the options).
 
         Args:

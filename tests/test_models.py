@@ -343,3 +343,15 @@ def test_torchvision_resnet18_top_eigenvalues_against_lanczos():
     # float32 model; Lanczos Ritz values to a relative 1e-3 (kept cheap for CI)
     torch.testing.assert_close(res.eigenvalues, torch.from_numpy(expected.copy()).float(),
                                rtol=2e-3, atol=0)
+
+
+def test_model_extended_elsewhere_by_backpack():
+    """A user model that laplace-torch's BackPACK backend (or extend) already hooked."""
+    from backpack import extend
+
+    model, loss_func, X, y = zoo_case("frozen")
+    G = ref.ggn(model, loss_func, X, y)  # torch.func refuses BackPACK's hooked modules
+    extend(model)
+    for backend in ("backpack", "functorch"):
+        res = ll.ggn_eigh(model, loss_func, X, y, top_k=None, backend=backend)
+        torch.testing.assert_close(res.trace, torch.trace(G), **TOL)
