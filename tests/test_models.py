@@ -332,7 +332,7 @@ def test_torchvision_resnet18_top_eigenvalues_against_lanczos():
 
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10).eval()
-    X, y = torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,))
+    X, y = torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,))
     loss_func = nn.CrossEntropyLoss()
     res = ll.ggn_eigh(model, loss_func, X, y, top_k=2, low_memory=True)
     assert res.backend == "backpack"
