@@ -61,6 +61,17 @@ def tiny_resnet():
     return model.eval()
 
 
+def tiny_wide_resnet():
+    """Stem and one torchvision Bottleneck of Wide-ResNet width (``base_width=128``)."""
+    from torchvision.models.resnet import Bottleneck
+
+    down = nn.Sequential(nn.Conv2d(2, 8, 1, bias=False), nn.BatchNorm2d(8))
+    return nn.Sequential(
+        nn.Conv2d(1, 2, 3, padding=1), Bottleneck(2, 2, downsample=down, base_width=128),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3),
+    ).eval()
+
+
 class Transformer(nn.Module):
     """Embedding, one encoder layer with a padding mask, mean pooling, linear head."""
 
@@ -90,6 +101,18 @@ class LSTMClassifier(nn.Module):
     def forward(self, x):
         out, _ = self.lstm(x)
         return self.head(out[:, -1])
+
+
+class GRUClassifier(nn.Module):
+    """GRU over a sequence, last output to a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(2, 3, batch_first=True)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
 
 
 class Tied(nn.Module):
@@ -141,10 +164,12 @@ ZOO = {
     "class_cnn": (ClassCNN, lambda n: torch.randn(n, 1, 6, 6)),
     "residual": (Residual, lambda n: torch.randn(n, 1, 4, 4)),
     "resnet_block": (tiny_resnet, lambda n: torch.randn(n, 1, 6, 6)),
+    "wide_resnet_block": (tiny_wide_resnet, lambda n: torch.randn(n, 1, 5, 5)),
     "layernorm_gelu": (layernorm_mlp, lambda n: torch.randn(n, 4)),
     "transformer": (Transformer, lambda n: torch.cat(
         [torch.randint(1, 7, (n, 3)), torch.randint(0, 7, (n, 2))], dim=1)),
     "lstm": (LSTMClassifier, lambda n: torch.randn(n, 4, 2)),
+    "gru": (GRUClassifier, lambda n: torch.randn(n, 4, 2)),
     "tied": (Tied, lambda n: torch.randn(n, 4)),
     "tied_modules": (TiedModules, lambda n: torch.randn(n, 3)),
     "tied_params": (tied_params, lambda n: torch.randn(n, 3)),
@@ -202,7 +227,7 @@ def test_zoo_spectrum_directional_newton(name, loss):
 
 
 #: Models BackPACK takes (class-based ones after its torch.fx conversion).
-BACKPACK = ("frozen", "class_cnn", "residual", "resnet_block")
+BACKPACK = ("frozen", "class_cnn", "residual", "resnet_block", "wide_resnet_block")
 
 
 def test_auto_backend_choice():
