@@ -49,6 +49,20 @@ from lowrank_laplace.residual import DEFAULT_RESIDUAL, Residual, check_residual
 DEFAULT_RANK = 100
 
 
+def _check_positive(name: str, value) -> None:
+    """Refuse a non-positive or non-finite hyperparameter where it is set."""
+    values = torch.as_tensor(value).detach()
+    if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+        ok = bool(torch.isfinite(values).all() and (values > 0).all()) if values.numel() else False
+    else:
+        ok = bool((values > 0).all()) if values.numel() else False
+    if not ok:
+        raise ValueError(
+            f"{name} must be positive and finite, got {value!r}: a zero or negative "
+            f"{name} has no Gaussian posterior."
+        )
+
+
 def _resolve_residual(residual: str, diagonal_correction: Optional[bool]) -> str:
     """The residual model, honouring the deprecated ``diagonal_correction`` flag."""
     check_residual(residual)
@@ -174,6 +188,41 @@ class LowRankGGNLaplace(ParametricLaplace):
         )
         if not isinstance(self, LLLaplace):  # the last-layer class checks after its options
             self._check_backend()
+
+    def _expected_dim(self) -> Optional[int]:
+        """Number of Laplace parameters a loaded state must have (``None``: unknown yet)."""
+        return self.n_params
+
+    # ---------------------------------------------------------- hyperparameters
+    @property
+    def prior_precision(self) -> Tensor:
+        """laplace-torch's prior precision (scalar, per layer or per parameter), ``> 0``."""
+        return ParametricLaplace.prior_precision.fget(self)
+
+    @prior_precision.setter
+    def prior_precision(self, value) -> None:
+        _check_positive("prior_precision", value)
+        ParametricLaplace.prior_precision.fset(self, value)
+
+    @property
+    def sigma_noise(self) -> Tensor:
+        """laplace-torch's observation noise (regression), ``> 0``."""
+        return ParametricLaplace.sigma_noise.fget(self)
+
+    @sigma_noise.setter
+    def sigma_noise(self, value) -> None:
+        _check_positive("sigma_noise", value)
+        ParametricLaplace.sigma_noise.fset(self, value)
+
+    @property
+    def temperature(self) -> float:
+        """Posterior temperature ``T > 0`` (the curvature is scaled by ``1/T``)."""
+        return self._temperature
+
+    @temperature.setter
+    def temperature(self, value) -> None:
+        _check_positive("temperature", value)
+        self._temperature = value
 
     def _check_backend(self) -> None:
         """Refuse laplace-torch backend settings that ask for another curvature."""
@@ -318,7 +367,8 @@ class LowRankGGNLaplace(ParametricLaplace):
         if num_data == 0:
             raise ValueError("train_loader is empty: nothing to fit.")
         module, to_inputs, params = self._curvature_target()
-        self.mean = parameters_to_vector(params).detach()
+        # nothing of self changes until the fit completes (a loader may raise halfway)
+        mean = parameters_to_vector(params).detach()
         loss_func, factor = self._loss_and_factor()
         merge = StreamingMerge(self.rank, self.oversampling, self.diagonal_correction,
                                dense_max_dim=self._dense_max_dim)
@@ -332,7 +382,7 @@ class LowRankGGNLaplace(ParametricLaplace):
                 mc_samples=self.mc_samples, subsample_fraction=self.subsample_fraction,
                 memory_budget=self.memory_budget, micro_batch_size=self.micro_batch_size,
                 keep=self.rank + self.oversampling, diagonal=self.diagonal_correction,
-                low_memory=self.low_memory and self.mean.numel() > self._dense_max_dim,
+                low_memory=self.low_memory and mean.numel() > self._dense_max_dim,
             )
             pbar = tqdm.tqdm(train_loader, disable=not progress_bar,
                              desc="[lowrank_ggn: merging GGN factors]")
@@ -354,7 +404,6 @@ class LowRankGGNLaplace(ParametricLaplace):
             stream.flush()
             backend_used = engine.backend
         plan = stream.plan
-        self.n_outputs = stream.n_outputs
         if plan is None:
             raise ValueError("train_loader yielded no batches: nothing to fit.")
         if group is not None:
@@ -370,6 +419,8 @@ class LowRankGGNLaplace(ParametricLaplace):
         if previous is not None:
             U, lam, trace, residual = self._merge_fitted(previous, (U, lam, trace, residual))
             loss, num_data = previous[4] + loss, previous[5] + num_data
+        self.mean = mean
+        self.n_outputs = stream.n_outputs
         self.H = (U, lam)
         self.factor_backend_used = backend_used
         self.trace = trace
@@ -623,10 +674,11 @@ class LowRankGGNLaplace(ParametricLaplace):
         """
         super().load_state_dict(state_dict)
         U = self.H[0]
-        if U.shape[0] != self.n_params:
+        expected = self._expected_dim()
+        if expected is not None and U.shape[0] != expected:
             raise ValueError(
                 f"The saved eigenvectors have {U.shape[0]} rows but the model has "
-                f"{self.n_params} Laplace parameters."
+                f"{expected} Laplace parameters."
             )
         self.trace = state_dict.get("trace")
         self.residual_diagonal = state_dict.get("residual_diagonal")
@@ -666,6 +718,10 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
         self.factor_backend = check_backend(factor_backend)
         self.factor_backend_used: Optional[str] = None
         self._check_backend()
+
+    def _expected_dim(self) -> Optional[int]:
+        last = getattr(self.model, "last_layer", None)
+        return None if last is None else sum(p.numel() for p in last.parameters())
 
     def _curvature_target(self):
         last = self.model.last_layer

@@ -651,3 +651,61 @@ def test_dense_path_for_small_models(name):
     torch.testing.assert_close(top.residual_diagonal,
                                (torch.diagonal(full.H) - (U**2) @ lam).clamp(min=0),
                                rtol=1e-7, atol=1e-10)
+
+
+def test_last_layer_state_dict_into_a_fresh_object():
+    """As laplace-torch's own serialisation test: the new object finds its last layer."""
+    model, likelihood, X, y, loader = make_problem("mlp-classification")
+    la = Laplace(model, likelihood, subset_of_weights="last_layer",
+                 hessian_structure="lowrank_ggn")
+    la.fit(loader)
+    fresh = Laplace(model, likelihood, subset_of_weights="last_layer",
+                    hessian_structure="lowrank_ggn")
+    fresh.load_state_dict(la.state_dict())
+    assert fresh.n_params == la.n_params
+    torch.testing.assert_close(fresh(X[:4]), la(X[:4]), **TOL)
+    torch.testing.assert_close(fresh.log_marginal_likelihood(), la.log_marginal_likelihood(),
+                               **TOL)
+
+
+class _FailingLoader:
+    """Yields its first batch, then raises (a broken data pipeline)."""
+
+    def __init__(self, loader):
+        self.loader, self.dataset = loader, loader.dataset
+
+    def __iter__(self):
+        batches = iter(self.loader)
+        yield next(batches)
+        raise RuntimeError("disk gone")
+
+
+def test_fit_is_transactional():
+    model, likelihood, X, y, loader = make_problem("mlp-classification")
+    la = LowRankGGNLaplace(model, likelihood, rank=5)
+    la.fit(loader)
+    before = (la.mean.clone(), la.H[0].clone(), la.H[1].clone(), la.n_data, la.loss, la.trace)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1)
+    with pytest.raises(RuntimeError, match="disk gone"):
+        la.fit(_FailingLoader(loader))
+    after = (la.mean, la.H[0], la.H[1], la.n_data, la.loss, la.trace)
+    for b, a in zip(before, after):
+        assert torch.equal(torch.as_tensor(b), torch.as_tensor(a))
+
+
+@pytest.mark.parametrize("name, value", [("prior_precision", -1.0), ("prior_precision", 0.0),
+                                         ("prior_precision", float("nan")),
+                                         ("sigma_noise", 0.0), ("sigma_noise", -2.0),
+                                         ("temperature", 0.0), ("temperature", float("inf"))])
+def test_nonpositive_hyperparameters_are_refused_where_set(name, value):
+    model = _mlp(3).double()
+    with pytest.raises(ValueError, match=f"{name} must be positive and finite"):
+        LowRankGGNLaplace(model, "regression", **{name: value})
+    la = LowRankGGNLaplace(model, "regression")
+    with pytest.raises(ValueError, match=f"{name} must be positive and finite"):
+        setattr(la, name, value)
+    if name == "prior_precision":  # per-parameter vectors too
+        with pytest.raises(ValueError, match="prior_precision must be positive"):
+            la.prior_precision = torch.tensor([1.0, -1.0, 1.0, 1.0, 1.0, 1.0])
