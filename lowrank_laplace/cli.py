@@ -395,8 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--angles", type=_angles, default="0,15,30,60,90,120,180",
                      help="rotation angles in degrees for the shift evaluation")
     cal.add_argument("--methods", default="",
-                     help="comma-separated methods (default: all of " + ",".join(METHODS)
-                     + "; full_all on --dataset digits only)")
+                     help="comma-separated methods; empty: all of " + ",".join(METHODS)
+                     + " (full_all on --dataset digits only)")
     cal.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     cal.add_argument("--seed", type=NONNEGATIVE, default=0, help="random seed")
     cal.add_argument("--out", type=Path, default=Path("results"), help="output directory")
