@@ -606,6 +606,7 @@ class LowRankGGNLaplace(ParametricLaplace):
         Returns:
             Samples, shape ``(n_samples, D)``.
         """
+        self._check_H_init()  # before n_params is used: a last layer is found by fit
         eps = torch.randn(self.n_params, n_samples, device=self._device, dtype=self._dtype,
                           generator=generator)
         return self.sample_from_noise(eps)

@@ -709,3 +709,11 @@ def test_nonpositive_hyperparameters_are_refused_where_set(name, value):
     if name == "prior_precision":  # per-parameter vectors too
         with pytest.raises(ValueError, match="prior_precision must be positive"):
             la.prior_precision = torch.tensor([1.0, -1.0, 1.0, 1.0, 1.0, 1.0])
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_sample_before_fit_says_fit_first(subset):
+    model, likelihood, *_ = make_problem("mlp-classification")
+    la = Laplace(model, likelihood, subset_of_weights=subset, hessian_structure="lowrank_ggn")
+    with pytest.raises((ValueError, AttributeError), match="fit"):
+        la.sample(3)
