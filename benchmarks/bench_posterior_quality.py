@@ -1,0 +1,245 @@
+"""Posterior quality of the truncated lowrank_ggn posterior against the full GGN's.
+
+On small real problems where laplace-torch's ``FullLaplace`` (exact GGN) fits, every
+residual model of ``lowrank_ggn`` is fitted at several ranks; each posterior's scalar
+prior precision is tuned by the marginal likelihood, then test NLL, ECE and Brier score
+(classification) or Gaussian NLL (regression) of the GLM predictive are recorded next
+to the full posterior, laplace-torch's ``kron`` and ``diag`` and the MAP network. The
+MAP networks are trained under the Gaussian prior (precision 1) that Laplace assumes.
+Quality is not timed: one process runs everything.
+
+    python benchmarks/bench_posterior_quality.py --out benchmarks/results/quality
+
+writes ``posterior_quality.json`` (with date, machine and versions) and
+``posterior_quality.png`` (NLL and prior-precision ratio against rank per problem).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+from _harness import machine_info
+from laplace import Laplace
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
+from lowrank_laplace import metrics
+
+RESIDUALS = ("spectral", "isotropic", "diagonal", "none")
+
+
+def problem(name: str):
+    """``(X_train, y_train, X_test, y_test, likelihood, hidden)`` of an offline data set."""
+    from sklearn import datasets as skd
+
+    if name == "digits":
+        data = skd.load_digits()
+        X, y, likelihood, hidden = data.data / 16.0, data.target, "classification", [50]
+    elif name == "breast_cancer":
+        data = skd.load_breast_cancer()
+        X, y, likelihood, hidden = data.data, data.target, "classification", [50]
+        X = (X - X.mean(0)) / X.std(0)
+    else:
+        data = skd.load_diabetes()
+        X, y, likelihood, hidden = data.data, data.target, "regression", [50, 50]
+        X = (X - X.mean(0)) / X.std(0)
+        y = (y - y.mean()) / y.std()
+    X = torch.tensor(X, dtype=torch.float64)
+    y = torch.tensor(y)
+    y = y.long() if likelihood == "classification" else y[:, None].double()
+    perm = torch.randperm(len(X), generator=torch.Generator().manual_seed(0))
+    cut = int(0.75 * len(X))
+    return X[perm[:cut]], y[perm[:cut]], X[perm[cut:]], y[perm[cut:]], likelihood, hidden
+
+
+def train_map(X, y, likelihood, hidden, epochs: int, weight_decay: float = 1.0) -> nn.Module:
+    """An MLP trained to the MAP under a Gaussian prior of precision ``weight_decay``."""
+    torch.manual_seed(0)
+    out = int(y.max()) + 1 if likelihood == "classification" else 1
+    dims = [X.shape[1]] + hidden + [out]
+    layers = []
+    for a, b in zip(dims[:-1], dims[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    model = nn.Sequential(*layers[:-1]).double()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    n = len(X)
+    for _ in range(epochs):
+        for idx in torch.randperm(n).split(64):
+            opt.zero_grad()
+            f = model(X[idx])
+            if likelihood == "classification":
+                loss = nn.functional.cross_entropy(f, y[idx])
+            else:
+                loss = 0.5 * ((f - y[idx]) ** 2).mean()
+            decay = weight_decay / (2 * n) * sum((p**2).sum() for p in model.parameters())
+            (loss + decay).backward()
+            opt.step()
+    return model.eval()
+
+
+def scores(la, model, X, y, likelihood, sigma: float) -> dict:
+    """Test metrics of the GLM predictive (``la=None``: the MAP network)."""
+    with torch.no_grad():
+        if likelihood == "classification":
+            probs = torch.softmax(model(X), -1) if la is None else la(X, link_approx="probit")
+            m = metrics.classification_metrics(probs.float(), y)
+            return {k: m[k] for k in ("nll", "ece", "brier", "accuracy")}
+        if la is None:
+            mu, var = model(X), torch.zeros_like(y)
+        else:
+            mu, var = la(X)
+            var = var.reshape(mu.shape)
+        var = var + sigma**2
+        nll = 0.5 * (torch.log(2 * math.pi * var) + (y - mu) ** 2 / var).mean()
+        return {"nll": float(nll), "rmse": float(((y - mu) ** 2).mean().sqrt())}
+
+
+def tuned(la) -> float:
+    """Scalar marglik prior precision (laplace-torch's Adam on log delta, 300 steps)."""
+    if la.__class__.__name__ == "FullLaplace":
+        return tuned_full(la)
+    la.optimize_prior_precision(method="marglik", n_steps=300, lr=0.1)
+    return float(la.prior_precision)
+
+
+def tuned_full(la) -> float:
+    """The same objective for the dense GGN from its eigenvalues, computed once.
+
+    laplace-torch's ``FullLaplace`` re-factors the ``D x D`` precision at every step;
+    with ``H``'s eigenvalues ``lambda`` the log-determinant is
+    ``sum log(h lambda + delta)``, so 300 steps cost ``O(300 D)`` instead.
+    """
+    lam = torch.linalg.eigvalsh(la.H).clamp(min=0) * la._H_factor
+    sq = float(((la.mean - la.prior_mean) ** 2).sum())
+    D = lam.numel()
+    log_delta = torch.zeros((), dtype=lam.dtype, requires_grad=True)
+    opt = torch.optim.Adam([log_delta], lr=0.1)
+    for _ in range(300):
+        opt.zero_grad()
+        delta = log_delta.exp()
+        # -(marglik) up to constants: 0.5 (log det(H + delta) - D log delta + delta |theta|^2)
+        loss = 0.5 * (torch.log(lam + delta).sum() - D * log_delta + delta * sq)
+        loss.backward()
+        opt.step()
+    la.prior_precision = float(log_delta.exp())
+    return float(la.prior_precision)
+
+
+def run_problem(name: str, ranks, epochs: int) -> dict:
+    X, y, Xt, yt, likelihood, hidden = problem(name)
+    model = train_map(X, y, likelihood, hidden, epochs)
+    loader = DataLoader(TensorDataset(X, y), batch_size=128)
+    sigma = 1.0
+    if likelihood == "regression":
+        with torch.no_grad():
+            sigma = float(((model(X) - y) ** 2).mean().sqrt())
+    D = sum(p.numel() for p in model.parameters())
+    record = {"D": D, "n_train": len(X), "n_test": len(Xt), "likelihood": likelihood,
+              "sigma_noise": sigma, "map": scores(None, model, Xt, y=yt, likelihood=likelihood,
+                                                  sigma=sigma), "peers": {}, "lowrank": []}
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # laplace-torch's curvlinops builds eye() in it
+    try:
+        from laplace.curvature import BackPackGGN  # curvlinops' dense GGN is D matvecs
+
+        for structure in ("full", "kron", "diag"):
+            la = Laplace(model, likelihood, subset_of_weights="all", hessian_structure=structure,
+                         sigma_noise=sigma, backend=BackPackGGN)
+            la.fit(loader)
+            prior = tuned(la)
+            record["peers"][structure] = {"prior_precision": prior,
+                                          **scores(la, model, Xt, yt, likelihood, sigma)}
+    finally:
+        torch.set_default_dtype(old)
+    full_prior = record["peers"]["full"]["prior_precision"]
+    for rank in ranks:
+        shared = None
+        for residual in RESIDUALS:
+            if residual == "diagonal" or shared is None:
+                la = Laplace(model, likelihood, subset_of_weights="all",
+                             hessian_structure="lowrank_ggn", sigma_noise=sigma, rank=rank,
+                             residual=residual)
+                la.fit(loader)
+                if residual != "diagonal":
+                    shared = la
+            else:
+                la = shared
+                la.residual = residual
+            prior = tuned(la)
+            record["lowrank"].append({
+                "rank": rank, "residual": residual, "kept_fraction": float(la.kept_fraction),
+                "prior_precision": prior, "prior_ratio": prior / full_prior,
+                **scores(la, model, Xt, yt, likelihood, sigma)})
+        print(f"{name}: rank {rank} done", flush=True)
+    return record
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["problems"])
+    fig, axes = plt.subplots(2, len(names), figsize=(4.6 * len(names), 7), squeeze=False)
+    for col, name in enumerate(names):
+        rec = report["problems"][name]
+        for residual in RESIDUALS:
+            rows = [r for r in rec["lowrank"] if r["residual"] == residual]
+            ranks = [r["rank"] for r in rows]
+            axes[0, col].plot(ranks, [r["nll"] for r in rows], "o-", label=residual)
+            axes[1, col].plot(ranks, [r["prior_ratio"] for r in rows], "o-", label=residual)
+        for label, value, style in (("full GGN", rec["peers"]["full"]["nll"], "k--"),
+                                    ("kron", rec["peers"]["kron"]["nll"], "k:"),
+                                    ("diag", rec["peers"]["diag"]["nll"], "k-."),
+                                    ("MAP", rec["map"]["nll"], "r:")):
+            axes[0, col].axhline(value, color=style[0], linestyle=style[1:], label=label,
+                                 linewidth=1)
+        axes[1, col].axhline(1.0, color="k", linestyle="--", linewidth=1, label="full GGN")
+        axes[1, col].axhspan(0.75, 1.25, color="0.9")
+        for row in range(2):
+            axes[row, col].set_xscale("log")
+            axes[row, col].set_xlabel("Rank")
+        axes[0, col].set_title(f"{name} (D = {rec['D']:,})")
+        axes[0, col].set_ylabel("Test NLL")
+        axes[1, col].set_ylabel("Marglik prior / full GGN's")
+        axes[1, col].set_yscale("log")
+    axes[0, -1].legend(fontsize=8)
+    axes[1, -1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/quality"))
+    parser.add_argument("--problems", default="digits,breast_cancer,diabetes")
+    parser.add_argument("--ranks", default="10,37,100,200,400")
+    parser.add_argument("--epochs", type=int, default=300)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    ranks = [int(r) for r in args.ranks.split(",")]
+    report = {"machine": machine_info("cpu"), "ranks": ranks, "problems": {}}
+    for name in args.problems.split(","):
+        report["problems"][name] = run_problem(name, ranks, args.epochs)
+    (args.out / "posterior_quality.json").write_text(json.dumps(report, indent=2))
+    plot(report, args.out / "posterior_quality.png")
+    for name, rec in report["problems"].items():
+        full = rec["peers"]["full"]
+        print(f"\n{name} (D={rec['D']}): MAP NLL {rec['map']['nll']:.4f}; full GGN NLL "
+              f"{full['nll']:.4f}, prior {full['prior_precision']:.3g}; kron NLL "
+              f"{rec['peers']['kron']['nll']:.4f}")
+        for r in rec["lowrank"]:
+            print(f"  rank {r['rank']:>4} {r['residual']:<10} kept {r['kept_fraction']:.3f} "
+                  f"NLL {r['nll']:.4f} ({r['nll'] / full['nll'] - 1:+.1%}) "
+                  f"prior x{r['prior_ratio']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
