@@ -16,6 +16,7 @@ Shape glossary:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
@@ -208,6 +209,18 @@ def directional_derivatives(
     return results if param_groups is not None else results[0]
 
 
+def _check_damping(damping, positive: bool = False) -> None:
+    """Refuse a NaN, infinite or negative (``positive``: non-positive) damping."""
+    try:
+        value = math.nan if isinstance(damping, (str, bytes)) else float(damping)
+    except (TypeError, ValueError, RuntimeError):
+        value = math.nan
+    if isinstance(damping, bool) or not math.isfinite(value) or value < 0 or (
+            positive and value == 0):
+        kind = "positive" if positive else "non-negative"
+        raise ValueError(f"damping must be a finite {kind} number, got {damping!r}.")
+
+
 def newton_step_from_factor(
     factor: GGNFactor,
     damping: float,
@@ -231,8 +244,7 @@ def newton_step_from_factor(
     Raises:
         ValueError: If ``damping`` is negative.
     """
-    if damping < 0:
-        raise ValueError(f"damping must be non-negative, got {damping}.")
+    _check_damping(damping)
     evals, gvecs, _ = gram_eigh(factor, group, top_k)
     vtg = factor.t_matmul(factor.grad_flat(group)[:, None], group)[:, 0]
     return factor.matmul(_newton_gram_coefficients(evals, gvecs, vtg, damping)[:, None],
@@ -294,8 +306,9 @@ def damped_newton_step(
         ``requires_grad`` or, with ``param_groups``, the groups concatenated.
 
     Raises:
-        ValueError: If ``damping`` is negative.
+        ValueError: If ``damping`` is negative, NaN or infinite.
     """
+    _check_damping(damping)  # before any backward pass
     if not low_memory:
         with FactorEngine(model, loss_func, backend=backend) as engine:
             factor = engine.compute(inputs, targets, mc_samples, subsampling, param_groups)
@@ -304,8 +317,6 @@ def damped_newton_step(
             for g in range(len(factor.groups))
         ]
         return torch.cat(steps)
-    if damping < 0:
-        raise ValueError(f"damping must be non-negative, got {damping}.")
     replay = RNGReplay(_checks.batch_device(inputs))
     with FactorEngine(model, loss_func, backend=backend) as engine:
         grads = engine.gradient(inputs, targets, param_groups)
@@ -369,8 +380,7 @@ def ggn_inverse_matvec(
         ValueError: If ``vec`` is not a ``(D,)`` or ``(D, K)`` tensor of the
             parameters' dtype, or ``damping <= 0``.
     """
-    if not damping > 0:
-        raise ValueError(f"damping must be positive, got {damping}.")
+    _check_damping(damping, positive=True)
     groups = _checks.resolve_param_groups(model, param_groups)
     params = list(model.parameters())
     if not isinstance(vec, Tensor) or vec.ndim not in (1, 2):

@@ -175,3 +175,17 @@ def test_newton_and_inverse_errors():
         with pytest.raises(ValueError, match="vec has 3 entries"):
             ll.ggn_inverse_matvec(model, loss_func, X, y, torch.ones(3, dtype=X.dtype),
                                   damping=1.0, low_memory=low_memory)
+
+
+@pytest.mark.parametrize("damping", [float("nan"), float("inf"), -1.0, "0.5"])
+def test_bad_damping_is_refused_before_work(damping):
+    model, loss_func, X, y = make_case("mlp", "ce-mean")
+    for low_memory in (False, True):
+        with pytest.raises(ValueError, match="damping must be a finite non-negative"):
+            ll.damped_newton_step(model, loss_func, X, y, damping=damping,
+                                  low_memory=low_memory)
+    vec = torch.ones(sum(p.numel() for p in model.parameters()), dtype=X.dtype)
+    with pytest.raises(ValueError, match="damping must be a finite positive"):
+        ll.ggn_inverse_matvec(model, loss_func, X, y, vec, damping=damping)
+    with pytest.raises(ValueError, match="damping must be a finite positive"):
+        ll.ggn_inverse_matvec(model, loss_func, X, y, vec, damping=0.0)
