@@ -165,11 +165,11 @@ def test_inverse_matvec_full_and_block_diagonal(case, low_memory):
 def test_newton_and_inverse_errors():
     model, loss_func, X, y = make_case("mlp", "ce-mean")
     for low_memory in (False, True):
-        with pytest.raises(ValueError, match="damping must be non-negative"):
+        with pytest.raises(ValueError, match="damping must be a finite non-negative"):
             ll.damped_newton_step(model, loss_func, X, y, damping=-1.0, low_memory=low_memory)
     D = sum(p.numel() for p in model.parameters())
     for low_memory in (False, True):
-        with pytest.raises(ValueError, match="damping must be positive"):
+        with pytest.raises(ValueError, match="damping must be a finite positive"):
             ll.ggn_inverse_matvec(model, loss_func, X, y, torch.ones(D, dtype=X.dtype),
                                   damping=0.0, low_memory=low_memory)
         with pytest.raises(ValueError, match="vec has 3 entries"):
