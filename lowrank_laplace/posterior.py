@@ -71,17 +71,7 @@ class LowRankPrecision:
     def capacitance_cholesky(self) -> Tensor:
         """Lower Cholesky factor of ``K = I + W^T P_0^{-1} W``, shape ``(r, r)``."""
         if self._chol is None:
-            s = self.ell.sqrt()
-            if self.isotropic:
-                K = torch.diag(self.ell / self.d)
-            else:  # U^T diag(1/d) U over row chunks: no D x r temporary
-                K = sum(
-                    (U / d[:, None]).T @ U
-                    for U, d in zip(self.U.split(_ROWS), self.d.split(_ROWS))
-                )
-                K = s[:, None] * K * s[None, :]
-            K = K + torch.eye(K.shape[0], dtype=K.dtype, device=K.device)
-            self._chol = torch.linalg.cholesky(K)
+            self._chol = self._capacitance_cholesky(self.U.dtype, orthonormal=self.isotropic)
         return self._chol
 
     @property
@@ -89,23 +79,30 @@ class LowRankPrecision:
         """Float64 Cholesky factor of ``K = I + W^T P_0^{-1} W`` from the actual ``U^T U``.
 
         For float32 / float16 posteriors: the capacitance of :attr:`capacitance_cholesky`
-        assumes ``U^T U = I``, which rounding breaks by ~1e-7, enough to swamp the
-        small complement ``J (I - U U^T) J^T`` of a test point's Jacobian. Formed over
-        row chunks, each cast to float64 on its own (no ``D x r`` float64 copy).
+        assumes ``U^T U = I`` for a scalar prior, which rounding breaks by ~1e-7, enough
+        to swamp the small complement ``J (I - U U^T) J^T`` of a test point's Jacobian.
+        Formed over row chunks, each cast to float64 on its own (no ``D x r`` float64
+        copy).
         """
         if self._wide_chol is None:
-            wide = torch.float64
-            d = self.d.to(wide)
-            K = 0
-            for rows, U in enumerate(self.U.split(_ROWS)):
-                U = U.to(wide)
-                scale = d if self.isotropic else d[rows * _ROWS: rows * _ROWS + U.shape[0], None]
-                K = K + (U / scale).T @ U
-            s = self.ell.to(wide).sqrt()
-            K = s[:, None] * K * s[None, :]
-            K = K + torch.eye(K.shape[0], dtype=wide, device=K.device)
-            self._wide_chol = torch.linalg.cholesky(K)
+            self._wide_chol = self._capacitance_cholesky(torch.float64, orthonormal=False)
         return self._wide_chol
+
+    def _capacitance_cholesky(self, dtype: torch.dtype, orthonormal: bool) -> Tensor:
+        """Cholesky factor of ``K`` in ``dtype``; ``orthonormal`` takes ``U^T U = I``."""
+        ell, d = self.ell.to(dtype), self.d.to(dtype)
+        if orthonormal:  # scalar prior: K = I + diag(ell / d)
+            K = torch.diag(ell / d)
+        else:  # U^T diag(1/d) U over row chunks: no D x r temporary
+            K = 0
+            for i, U in enumerate(self.U.split(_ROWS)):
+                U = U.to(dtype)
+                rows = d if self.isotropic else d[i * _ROWS: i * _ROWS + U.shape[0], None]
+                K = K + (U / rows).T @ U
+            s = ell.sqrt()
+            K = s[:, None] * K * s[None, :]
+        K = K + torch.eye(K.shape[0], dtype=K.dtype, device=K.device)
+        return torch.linalg.cholesky(K)
 
     def logdet(self) -> Tensor:
         """``log det P`` by the matrix determinant lemma (plus ``logdet_offset``)."""
