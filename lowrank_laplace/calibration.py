@@ -61,7 +61,12 @@ def default_methods(dataset: str) -> List[str]:
     Returns:
         Method names in report order.
     """
-    return [m for m in METHODS if dataset in _SMALL_ONLY.get(m, (dataset,))]
+    return [m for m in METHODS if _fits(m, dataset)]
+
+
+def _fits(method: str, dataset: str) -> bool:
+    """Whether a method's posterior fits the data set's network (see ``_SMALL_ONLY``)."""
+    return dataset in _SMALL_ONLY.get(method, (dataset,))
 
 
 class UserError(Exception):
@@ -71,6 +76,21 @@ class UserError(Exception):
 # numeric options and their smallest valid value, checked before any work
 _MINIMUM = {"epochs": 0, "n_train": 0, "n_test": 0, "batch_size": 1, "rank": 1,
             "mc_samples": 0, "seed": 0}
+
+
+def make_writable_dir(out: Path) -> None:
+    """Create ``out`` and check that a file can be written there (before any work).
+
+    Args:
+        out: The output directory.
+
+    Raises:
+        OSError: If it cannot be created or written to.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    probe = out / ".write_test"
+    probe.write_text("")
+    probe.unlink()
 
 
 def _silent(message: str) -> None:
@@ -186,14 +206,11 @@ def validate(config: CalibrationConfig) -> torch.device:
                         "folder does not exist")
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for, but CUDA is not available")
-    out = Path(config.out)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_test"
-        probe.write_text("")
-        probe.unlink()
+        make_writable_dir(Path(config.out))
     except OSError as err:
-        raise UserError(f"output directory {str(out)!r} is not writable: {err.strerror}") from err
+        raise UserError(f"output directory {str(config.out)!r} is not writable: "
+                        f"{err.strerror}") from err
     return torch.device(config.device)
 
 
@@ -237,8 +254,9 @@ def _fit_laplace(name: str, model: nn.Module, config: CalibrationConfig, loaders
     import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
 
     subset, structure, options = LAPLACE_METHODS[name]
-    if subset == "all" and structure == "full" and config.dataset not in _SMALL_ONLY["full_all"]:
-        raise ValueError("full_all needs a dense D x D posterior: run it with --dataset digits")
+    if not _fits(name, config.dataset):
+        raise ValueError(f"{name} needs a dense D x D posterior: run it with --dataset "
+                         f"{' or '.join(_SMALL_ONLY[name])}")
     residual = options.get("residual", "spectral")
     key = (subset, structure, residual if residual not in _SHARED_RESIDUALS else "shared")
     if key in fitted:
@@ -264,8 +282,11 @@ def _fit_laplace(name: str, model: nn.Module, config: CalibrationConfig, loaders
 
 
 def _tune_prior(la, config: CalibrationConfig, loaders) -> None:
-    """Tune a scalar prior precision by marglik or by grid search on the validation split."""
-    la.prior_precision = 1.0
+    """Tune a scalar prior precision by marglik or by grid search on the validation split.
+
+    Both start afresh (marglik from 1, the grid from its own values), so a shared fit
+    tuned for an earlier residual model does not bias the next.
+    """
     if config.prior == "marglik":
         la.optimize_prior_precision(method="marglik")
     else:

@@ -128,10 +128,7 @@ def _writable(out: Path) -> None:
         CLIError: If it cannot be created or written to.
     """
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_test"
-        probe.write_text("")
-        probe.unlink()
+        calibration.make_writable_dir(out)
     except OSError as err:
         raise CLIError(f"cannot write to output directory {str(out)!r}: {err.strerror}") from err
 
