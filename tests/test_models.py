@@ -300,15 +300,18 @@ def test_functorch_low_memory_replays_mc_draws():
     torch.testing.assert_close(two.eigenvectors, one.eigenvectors, **TOL)
 
 
+class DictModel(nn.Module):
+    """A Hugging-Face-style model: it takes the whole batch dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Transformer()
+
+    def forward(self, batch):
+        return self.inner(batch["input_ids"])
+
+
 def test_dict_batch_equals_tuple_batch():
-    class DictModel(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = Transformer()
-
-        def forward(self, batch):
-            return self.inner(batch["input_ids"])
-
     torch.manual_seed(0)
     model = DictModel().double()
     _, loss_func, X, y = zoo_case("transformer")

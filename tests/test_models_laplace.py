@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lowrank_laplace as ll
-from tests.test_models import Transformer, zoo_case
+from tests.test_models import DictModel, zoo_case
 
 TOL = dict(rtol=1e-5, atol=1e-8)
 KW = dict(subset_of_weights="all", hessian_structure="lowrank_ggn", rank=1000)
@@ -79,16 +79,6 @@ def test_factor_backends_agree_and_are_visible():
     with pytest.raises(ValueError, match="backend must be one of"):
         Laplace(model, "classification", factor_backend="x", **KW)
 
-
-class DictModel(nn.Module):
-    """A Hugging-Face-style model: it takes the whole batch dict."""
-
-    def __init__(self):
-        super().__init__()
-        self.inner = Transformer()
-
-    def forward(self, batch):
-        return self.inner(batch["input_ids"])
 
 
 def test_dict_batches_equal_tuple_batches():
