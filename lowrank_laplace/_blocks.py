@@ -50,6 +50,10 @@ class DenseBlock:
         """Number of rows ``M``."""
         return self.rows.shape[0]
 
+    def to(self, dtype: torch.dtype) -> "DenseBlock":
+        """Return the block in ``dtype`` (itself if it already is)."""
+        return self if self.rows.dtype == dtype else DenseBlock(self.rows.to(dtype))
+
     def scale_(self, alpha: float) -> "DenseBlock":
         """Scale the block in place.
 
@@ -192,6 +196,12 @@ class KronBlock:
 
     def _flat_s(self) -> Tensor:
         return self.s.reshape(self.num_rows, self.s.shape[2])
+
+    def to(self, dtype: torch.dtype) -> "KronBlock":
+        """Return the block in ``dtype``, still factored (itself if it already is)."""
+        if self.s.dtype == dtype and self.z.dtype == dtype:
+            return self
+        return KronBlock(self.s.to(dtype), self.z.to(dtype))
 
     def scale_(self, alpha: float) -> "KronBlock":
         """Scale the block in place.

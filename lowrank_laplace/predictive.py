@@ -23,7 +23,7 @@ from typing import List, Tuple
 import torch
 from torch import Tensor
 
-from lowrank_laplace._blocks import Block, DenseBlock, KronBlock, Weight
+from lowrank_laplace._blocks import Weight
 from lowrank_laplace._checks import check_batch, take
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.factor import GGNFactor
@@ -81,13 +81,6 @@ def glm_moments(
     return factor.outputs, f_var.to(factor.outputs.dtype)
 
 
-def _widened(block: Block) -> Block:
-    """A float64 copy of one block of ``V``."""
-    if isinstance(block, KronBlock):
-        return KronBlock(block.s.to(_WIDE), block.z.to(_WIDE))
-    return DenseBlock(block.to_dense().to(_WIDE))
-
-
 def _small_products(factor: GGNFactor, precision: LowRankPrecision, weights: List[Weight],
                     joint: bool) -> Tuple[Tensor, Tensor]:
     """``J P_0^{-1} J^T`` and ``J P_0^{-1} W`` in float64, one parameter at a time.
@@ -105,7 +98,7 @@ def _small_products(factor: GGNFactor, precision: LowRankPrecision, weights: Lis
     """
     jdj, jdw = 0, 0
     for block, U, w in zip(factor._blocks(0), factor._split(precision.U, 0), weights):
-        block = _widened(block)
+        block = block.to(_WIDE)
         w = w.to(_WIDE) if isinstance(w, Tensor) else w
         if joint:
             jdj = jdj + block.weighted_gram(w)

@@ -255,3 +255,14 @@ def test_unfold_input_matches_torch(kernel, dilation, padding, stride):
     x = torch.randn(3, 2, 9, 10, dtype=torch.float64)
     expected = torch.nn.functional.unfold(x, kernel, dilation, padding, stride)
     torch.testing.assert_close(unfold_input(x, kernel, dilation, padding, stride), expected)
+
+
+def test_blocks_change_dtype_and_stay_factored():
+    torch.manual_seed(0)
+    dense = DenseBlock(torch.randn(6, 5, dtype=torch.float32))
+    kron = KronBlock(torch.randn(2, 3, 4, dtype=torch.float32), torch.randn(3, 5))
+    for block in (dense, kron):
+        wide = block.to(torch.float64)
+        assert type(wide) is type(block) and block.to(torch.float32) is block
+        assert wide.to_dense().dtype == torch.float64
+        torch.testing.assert_close(wide.to_dense(), block.to_dense().double())
