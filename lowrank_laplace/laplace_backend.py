@@ -52,11 +52,7 @@ DEFAULT_RANK = 100
 def _check_positive(name: str, value) -> None:
     """Refuse a non-positive or non-finite hyperparameter where it is set."""
     values = torch.as_tensor(value).detach()
-    if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
-        ok = bool(torch.isfinite(values).all() and (values > 0).all()) if values.numel() else False
-    else:
-        ok = bool((values > 0).all()) if values.numel() else False
-    if not ok:
+    if not (values.numel() and bool(torch.isfinite(values).all() and (values > 0).all())):
         raise ValueError(
             f"{name} must be positive and finite, got {value!r}: a zero or negative "
             f"{name} has no Gaussian posterior."
