@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
-from lowrank_laplace._checks import to_device
+from lowrank_laplace._checks import take, to_device
 from lowrank_laplace._fitting import (
     BatchStreamer,
     micro_batch_size,
@@ -43,8 +43,13 @@ from lowrank_laplace._fitting import (
 from lowrank_laplace.engine import FactorEngine, check_backend
 from lowrank_laplace.merge import StreamingMerge
 from lowrank_laplace.posterior import LowRankPrecision
-from lowrank_laplace.predictive import batched_glm_moments, glm_moments
-from lowrank_laplace.residual import DEFAULT_RESIDUAL, Residual, check_residual
+from lowrank_laplace.predictive import batched_glm_moments, glm_moments, jacobian_energies
+from lowrank_laplace.residual import (
+    DEFAULT_RESIDUAL,
+    Residual,
+    check_residual,
+    jacobian_exponent,
+)
 
 DEFAULT_RANK = 100
 
@@ -131,7 +136,8 @@ class LowRankGGNLaplace(ParametricLaplace):
             merge computed by two backward passes (Gram matrix, diagonal and
             products with the basis; then the basis update ``V C``), each holding one
             layer's block at a time, so ``memory_budget`` buys larger micro-batches
-            for ~1.5x the backward cost. Ignored below the dense-path size.
+            for ~1.5x the backward cost. Ignored when the fit sums densely
+            (``fit_path == "dense"``).
         factor_backend: What computes the GGN factor ``V`` (laplace-torch's
             ``backend`` names its own curvature class, hence another name):
             ``"backpack"`` (one BackPACK backward pass; models of modules it knows),
@@ -141,9 +147,16 @@ class LowRankGGNLaplace(ParametricLaplace):
     """
 
     _key = ("all", "lowrank_ggn")
-    #: Up to this many parameters (typically a last layer) the fit sums the GGN
-    #: densely and eigendecomposes it once: exact, and faster than streaming.
+    #: Training inputs (the first the loader yields) on which the fit measures the
+    #: kept eigenvectors' Jacobian energies for the spectral residual's weights.
+    _probe_size = 256
+    #: The fit sums the GGN densely and eigendecomposes it once (exact) when the
+    #: ``D x D`` matrix fits ``memory_budget`` and a cost model finds it cheaper than
+    #: streaming merges, and also, up to this many parameters (typically a last
+    #: layer), whenever streaming would truncate; ``0`` always streams.
     _dense_max_dim = 2048
+    #: ``"dense"`` or ``"streaming"``: the path the last fit took.
+    fit_path: Optional[str] = None
 
     def __init__(
         self,
@@ -258,6 +271,7 @@ class LowRankGGNLaplace(ParametricLaplace):
         self.memory_budget = memory_budget
         self.micro_batch_size = micro_batch_size
         self.low_memory = bool(low_memory)
+        self._jacobian_exponent = 0.0
         self.residual_diagonal: Optional[Tensor] = None
         self.seed = seed
         self.trace: Optional[Tensor] = None
@@ -370,7 +384,7 @@ class LowRankGGNLaplace(ParametricLaplace):
                                dense_max_dim=self._dense_max_dim)
         group = resolve_process_group(process_group)
         offset = 0 if group is None else process_rank(group)
-        loss, seen = 0.0, 0
+        loss, seen, probe, probed = 0.0, 0, [], 0
         with FactorEngine(module, loss_func, eval_mode=True,
                           backend=self.factor_backend) as engine:
             stream = BatchStreamer(
@@ -378,7 +392,7 @@ class LowRankGGNLaplace(ParametricLaplace):
                 mc_samples=self.mc_samples, subsample_fraction=self.subsample_fraction,
                 memory_budget=self.memory_budget, micro_batch_size=self.micro_batch_size,
                 keep=self.rank + self.oversampling, diagonal=self.diagonal_correction,
-                low_memory=self.low_memory and mean.numel() > self._dense_max_dim,
+                low_memory=self.low_memory, process_group=group,
             )
             pbar = tqdm.tqdm(train_loader, disable=not progress_bar,
                              desc="[lowrank_ggn: merging GGN factors]")
@@ -389,6 +403,9 @@ class LowRankGGNLaplace(ParametricLaplace):
                     X, y = data
                 X, y = to_inputs(to_device(X, self._device)), y.to(self._device)
                 self._check_targets(y)
+                if probed < self._probe_size:  # inputs for the spectral residual's weights
+                    probe.append(take(X, slice(0, self._probe_size - probed), len(y)))
+                    probed += min(len(y), self._probe_size - probed)
                 local = num_data
                 if hasattr(train_loader, "__len__"):
                     local = min(num_data, len(train_loader) * len(y))
@@ -415,16 +432,58 @@ class LowRankGGNLaplace(ParametricLaplace):
         if previous is not None:
             U, lam, trace, residual = self._merge_fitted(previous, (U, lam, trace, residual))
             loss, num_data = previous[4] + loss, previous[5] + num_data
+        exponent = self._fit_jacobian_exponent(module, probe, U, lam, group)
         self.mean = mean
         self.n_outputs = stream.n_outputs
         self.H = (U, lam)
         self.factor_backend_used = backend_used
+        self.fit_path = stream.path
         self.trace = trace
         self.residual_diagonal = residual
         self.loss = loss
         self.n_data = num_data
         samples = math.ceil(num_data * (self.subsample_fraction or 1.0))
         self.rank_bound = min(self.n_params, samples * self._columns_per_sample())
+        self._jacobian_exponent = exponent
+        self._residual_model = None
+
+    def _fit_jacobian_exponent(self, module: nn.Module, probe: List[Any], U: Tensor,
+                               lam: Tensor, group: Any) -> float:
+        """``beta`` of the spectral residual from the kept eigenvectors' Jacobian energies.
+
+        One extra backward pass (MSE-sum engine) per probe micro-batch; summed over
+        processes when fitting data-parallel, so every process gets the same value.
+        """
+        if U.shape[1] in (0, U.shape[0]):  # nothing kept, or nothing dropped
+            return 0.0
+        with FactorEngine(module, nn.MSELoss(reduction="sum"), eval_mode=True,
+                          backend=self.factor_backend) as engine:
+            micro = micro_batch_size(engine, probe[0], None, self.memory_budget,
+                                     self.micro_batch_size)
+            energy = jacobian_energies(engine, probe, U, micro)
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(energy, group=group)
+        return jacobian_exponent(lam, energy)
+
+    @property
+    def jacobian_exponent(self) -> float:
+        """Exponent ``beta`` weighting the spectral residual's tail (see the residual module).
+
+        Fitted: the kept eigenvectors' Jacobian energies on the first
+        ``_probe_size`` training inputs against their eigenvalues. Settable (``0``:
+        the plain mean over random directions; ``1``: the training curvature's
+        weighting).
+        """
+        return self._jacobian_exponent
+
+    @jacobian_exponent.setter
+    def jacobian_exponent(self, value: float) -> None:
+        value = float(value)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"jacobian_exponent must be finite and >= 0, got {value}.")
+        self._jacobian_exponent = value
         self._residual_model = None
 
     def _fitted_state(self) -> tuple:
@@ -481,6 +540,7 @@ class LowRankGGNLaplace(ParametricLaplace):
             self._residual_model = Residual.from_fit(
                 self.residual, self.H[1], self.trace, self.n_params,
                 self.rank_bound or self.n_params, self.residual_diagonal,
+                self._jacobian_exponent,
             )
         return self._residual_model
 
@@ -657,7 +717,7 @@ class LowRankGGNLaplace(ParametricLaplace):
         state = super().state_dict()
         state.update(trace=self.trace, rank=self.rank, mc_samples=self.mc_samples,
                      residual_diagonal=self.residual_diagonal, residual=self.residual,
-                     rank_bound=self.rank_bound)
+                     rank_bound=self.rank_bound, jacobian_exponent=self._jacobian_exponent)
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -680,6 +740,7 @@ class LowRankGGNLaplace(ParametricLaplace):
         self.trace = state_dict.get("trace")
         self.residual_diagonal = state_dict.get("residual_diagonal")
         self.rank_bound = state_dict.get("rank_bound")
+        self._jacobian_exponent = float(state_dict.get("jacobian_exponent", 0.0))
         saved = state_dict.get("residual", "diagonal" if self.residual_diagonal is not None
                                else "none")
         if saved != self.residual:

@@ -142,3 +142,29 @@ def batched_glm_moments(
         mus.append(mu)
         variances.append(var)
     return torch.cat(mus), torch.cat(variances)
+
+
+def jacobian_energies(engine: FactorEngine, batches: List, U: Tensor,
+                      micro_batch_size: int) -> Tensor:
+    r"""Jacobian energies :math:`e_k = \sum_n \|J_n u_k\|^2` of the columns of ``U``.
+
+    The spectral residual model measures with them how an input's Jacobian spreads
+    over the GGN's eigen-directions (see :func:`~lowrank_laplace.residual.jacobian_exponent`).
+
+    Args:
+        engine: Engine built with ``nn.MSELoss(reduction="sum")`` on the model.
+        batches: Input batches (tensors or dicts), summed over.
+        U: Orthonormal directions, shape ``(D, r)``.
+        micro_batch_size: Inputs per backward pass.
+
+    Returns:
+        Tensor of shape ``(r,)``.
+    """
+    energy = U.new_zeros(U.shape[1])
+    for inputs in batches:
+        num = check_batch(inputs, None)
+        for start in range(0, num, micro_batch_size):
+            factor = jacobian_factor(engine, take(inputs, slice(start, start + micro_batch_size),
+                                                  num))
+            energy += (factor.t_matmul(U) ** 2).sum(0) / 2  # V = sqrt(2) J^T
+    return energy

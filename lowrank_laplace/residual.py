@@ -13,13 +13,24 @@ likelihood towards weak priors. The models, each one consistent posterior:
     :math:`\tilde\lambda_i = \lambda_r (i / r)^{-\alpha}` for
     :math:`i = r+1 \dots n`, with :math:`\alpha` fixed by the exact mass
     :math:`\sum_i \tilde\lambda_i = T` and :math:`n` the GGN's rank bound
-    (``min(D, N x columns per sample)``); their eigenvectors are unknown, so they
-    are taken uniformly at random in the complement of ``U``. Every member of that
-    family has the same :math:`\log\det P` (used by the marginal likelihood), and
-    the family's covariance is the kept part plus the complement with the mean
-    variance :math:`v = \mathrm{mean}_i\, 1 / (h \tilde\lambda_i + \delta)` (used by
-    the predictive, samples and weight variances). For a scalar prior this is
-    exact; per-layer / per-parameter priors evaluate the tail at their mean.
+    (``min(D, N x columns per sample)``). Their eigenvectors are unknown, so they are
+    taken at random in the complement of ``U``: every member of that family has the
+    same :math:`\log\det P` (used by the marginal likelihood; exact for a scalar
+    prior, per-layer / per-parameter priors evaluate the tail at their mean). The
+    covariance is the kept part plus the complement with one variance
+    :math:`v = \sum_i w_i / (h \tilde\lambda_i + \delta) / \sum_i w_i`, the
+    tail's variances weighted by how much of an input's Jacobian falls in each
+    direction. That weight is measured on the kept eigenpairs and extrapolated: the
+    fit computes the Jacobian energies :math:`e_k = \sum_n \|J_n u_k\|^2` of the
+    kept eigenvectors on a probe of training inputs, fits
+    :math:`e_k \propto \lambda_k^\beta` (least squares in log-log, clamped to
+    :math:`0 \le \beta \le 1`) and takes :math:`w_i = \tilde\lambda_i^\beta`.
+    :math:`\beta = 0` is the plain mean over random directions (every direction
+    equally likely to be seen), :math:`\beta = 1` the weighting of the training
+    set's own curvature, under which the model reproduces the training points'
+    curvature-weighted predictive variance. The random-direction mean (``beta=0``) is
+    much too wide at ranks of a few percent of ``D``, because inputs' Jacobians load
+    on the large tail eigenvalues, not on the prior-only directions.
 ``"isotropic"``
     :math:`R \approx \rho (I - U U^\top)` with :math:`\rho = T / (D - r)`, the mean
     dropped eigenvalue (probabilistic PCA's noise term).
@@ -112,6 +123,34 @@ def power_law_tail(anchor: float, mass: float, start: int, count: int) -> Tensor
     return anchor * torch.exp(-hi * log_ratio)
 
 
+def jacobian_exponent(eigenvalues: Tensor, energies: Tensor) -> float:
+    r"""The exponent :math:`\beta` of :math:`e_k \propto \lambda_k^\beta`, clamped to ``[0, 1]``.
+
+    Least squares of :math:`\log e_k` on :math:`\log \lambda_k` with an intercept,
+    over the pairs where both are positive (eigenvalues above ``1e-12`` of the
+    largest). Fewer than two such pairs, or eigenvalues that are all equal, give 0.
+
+    Args:
+        eigenvalues: Kept GGN eigenvalues ``lambda``, shape ``(r,)``.
+        energies: Jacobian energies ``e_k = sum_n ||J_n u_k||^2`` of the kept
+            eigenvectors, shape ``(r,)``.
+
+    Returns:
+        ``beta`` as a float.
+    """
+    lam = eigenvalues.detach().to(torch.float64).cpu()
+    energy = energies.detach().to(torch.float64).cpu()
+    if lam.numel() == 0:
+        return 0.0
+    valid = (lam > 1e-12 * lam.max().clamp(min=0)) & (energy > 0) & (lam > 0)
+    x, y = lam[valid].log(), energy[valid].log()
+    if x.numel() < 2 or float(x.max() - x.min()) < 1e-9:
+        return 0.0
+    x = x - x.mean()
+    beta = float((x * (y - y.mean())).sum() / (x * x).sum())
+    return min(max(beta, 0.0), 1.0)
+
+
 @dataclass
 class Residual:
     """What a residual model needs of a fit, on the GGN's own scale (before ``1/sigma^2/T``).
@@ -122,6 +161,7 @@ class Residual:
         mass: The exact dropped curvature ``tr(H) - sum(lambda)`` (``>= 0``).
         diagonal: Residual diagonal, shape ``(D,)`` (``"diagonal"`` only).
         tail: Modelled dropped eigenvalues, shape ``(n - r,)`` (``"spectral"`` only).
+        exponent: Jacobian-weighting exponent ``beta`` of the spectral covariance.
     """
 
     model: str
@@ -129,10 +169,12 @@ class Residual:
     mass: float
     diagonal: Optional[Tensor] = None
     tail: Optional[Tensor] = None
+    exponent: float = 0.0
 
     @classmethod
     def from_fit(cls, model: str, eigenvalues: Tensor, trace: Tensor, dim: int,
-                 rank_bound: int, diagonal: Optional[Tensor] = None) -> "Residual":
+                 rank_bound: int, diagonal: Optional[Tensor] = None,
+                 exponent: float = 0.0) -> "Residual":
         """Build the model's quantities from a fit.
 
         Args:
@@ -142,6 +184,8 @@ class Residual:
             dim: Number of parameters ``D``.
             rank_bound: Upper bound on the rank of ``H`` (e.g. ``N (C - 1)``).
             diagonal: The residual diagonal (needed by ``"diagonal"``).
+            exponent: The spectral model's Jacobian-weighting exponent ``beta``
+                (see :func:`jacobian_exponent`).
 
         Returns:
             The residual.
@@ -164,7 +208,8 @@ class Residual:
                 count = dim - rank
             anchor = float(eigenvalues[-1]) if rank else 0.0
             tail = power_law_tail(anchor, mass, max(rank, 1), count)
-        return cls(model, dim, mass, diagonal if model == "diagonal" else None, tail)
+        return cls(model, dim, mass, diagonal if model == "diagonal" else None, tail,
+                   float(exponent))
 
     def precision(self, eigenvectors: Tensor, eigenvalues: Tensor, scale: Tensor,
                   prior: Tensor) -> LowRankPrecision:
@@ -196,8 +241,13 @@ class Residual:
             delta = prior if prior.numel() == 1 else prior.mean()
             tail = scale * self.tail.to(device=ell.device, dtype=ell.dtype)
             zeros = num - tail.numel()
-            # 1 / mean(1 / (t + delta)) - delta = delta m / (1 - m), m = mean(t / (t + delta))
-            frac = (tail / (tail + delta)).sum() / num
+            # 1 / v - delta = delta m / (1 - m) with m the weighted mean of t / (t + delta)
+            if self.exponent > 0 and tail.numel() and float(self.tail[0]) > 0:
+                weight = (self.tail / self.tail[0]) ** self.exponent  # zeros weigh 0
+                weight = weight.to(device=ell.device, dtype=ell.dtype)
+                frac = (weight * tail / (tail + delta)).sum() / weight.sum()
+            else:  # uniform over every dropped direction, the rank bound's zeros too
+                frac = (tail / (tail + delta)).sum() / num
             rho = delta * frac / (1 - frac)
             tail_logdet = torch.log(tail + delta).sum() + zeros * torch.log(delta)
             offset = tail_logdet - num * torch.log(rho + delta)
