@@ -1,0 +1,126 @@
+"""The fit's choice between a dense GGN sum and streaming merges (``fit_path``)."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lowrank_laplace import LowRankGGNLaplace, LowRankGGNLLLaplace
+from lowrank_laplace._fitting import choose_dense, dense_bytes, dense_cost, streaming_cost
+
+GiB = 2**30
+
+
+def _problem(n=40, out=4, seed=0, batch_size=8):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, out)).double()
+    X = torch.randn(n, 5, dtype=torch.float64)
+    y = torch.randint(0, out, (n,))
+    return model, DataLoader(TensorDataset(X, y), batch_size=batch_size)
+
+
+def _fit(model, loader, dense_max_dim, monkeypatch, cls=LowRankGGNLaplace, **kwargs):
+    monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", dense_max_dim)
+    la = cls(model, "classification", **kwargs)
+    la.fit(loader)
+    return la
+
+
+def _dense_H(la):
+    U, lam = la.H
+    return U @ torch.diag(lam) @ U.T
+
+
+def test_dense_bytes_count_the_sum_and_its_float64_eigendecomposition():
+    assert dense_bytes(1000, 4) == 1000 * 1000 * (4 + 24)
+
+
+def test_a_budget_too_small_for_the_dense_matrix_streams():
+    kwargs = dict(dim=500, columns_per_sample=9, keep=120, gram_dim=500, num_data=1000,
+                  samples_per_merge=20, itemsize=4, dense_max_dim=2048)
+    assert choose_dense(budget=dense_bytes(500, 4), **kwargs)
+    assert not choose_dense(budget=dense_bytes(500, 4) - 1, **kwargs)
+
+
+def test_zero_dense_max_dim_always_streams():
+    assert not choose_dense(10, 1, 5, 10, 100, 10, GiB, 8, dense_max_dim=0)
+
+
+def test_small_problems_that_streaming_would_truncate_stay_dense():
+    # streaming is cheaper here (few samples, large D^3), but would truncate
+    args = dict(dim=2000, columns_per_sample=9, keep=120, gram_dim=400, num_data=50,
+                samples_per_merge=25, budget=GiB, itemsize=4)
+    assert dense_cost(2000, 450) > streaming_cost(9, 120, 2000, 400, 50, 25)
+    assert choose_dense(dense_max_dim=2048, **args)
+    assert not choose_dense(dense_max_dim=1000, **args)
+    assert not choose_dense(dense_max_dim=None, **args)
+
+
+def test_exact_streaming_is_taken_when_cheaper():
+    # total rank 5 * 9 = 45 fits the 120 kept eigenpairs: streaming is exact too
+    assert not choose_dense(2000, 9, 120, 400, 5, 5, GiB, 4, dense_max_dim=2048)
+
+
+def test_large_dim_is_dense_only_when_the_cost_model_says_so():
+    # many samples into a few thousand parameters: one D x D sum beats ~1,000 merges
+    many = dict(dim=3000, columns_per_sample=1, keep=1000, gram_dim=3000,
+                num_data=20000, samples_per_merge=20, budget=GiB, itemsize=4,
+                dense_max_dim=1)
+    assert dense_cost(3000, 20000) < streaming_cost(1, 1000, 3000, 3000, 20000, 20)
+    assert choose_dense(**many)
+    # the digits MLP (6,310 weights, 1,400 samples, 9 columns each): streaming
+    assert not choose_dense(6310, 9, 120, 384, 1400, 23, GiB, 4, dense_max_dim=2048)
+
+
+def test_fit_path_is_visible_and_both_paths_agree_when_the_rank_fits(monkeypatch):
+    """Total rank 40 * 3 = 120 <= keep: dense and streaming are both exact."""
+    model, loader = _problem()
+    assert LowRankGGNLaplace(model, "classification").fit_path is None
+    dense = _fit(model, loader, 2048, monkeypatch, rank=200, residual="diagonal")
+    stream = _fit(model, loader, 0, monkeypatch, rank=200, residual="diagonal")
+    assert (dense.fit_path, stream.fit_path) == ("dense", "streaming")
+    torch.testing.assert_close(_dense_H(stream), _dense_H(dense), rtol=1e-7, atol=1e-10)
+    torch.testing.assert_close(stream.H[1], dense.H[1], rtol=1e-7, atol=1e-10)
+    torch.testing.assert_close(stream.trace, dense.trace, rtol=1e-10, atol=0)
+    torch.testing.assert_close(stream.residual_diagonal, dense.residual_diagonal,
+                               rtol=0, atol=1e-9)
+    torch.testing.assert_close(stream.log_marginal_likelihood(),
+                               dense.log_marginal_likelihood(), rtol=1e-7, atol=1e-10)
+
+
+def test_truncated_dense_fit_is_the_exact_top_eigenpairs(monkeypatch):
+    """With the rank below the GGN's, the dense path gives exactly its top eigenpairs."""
+    model, loader = _problem()
+    full = _fit(model, loader, 2048, monkeypatch, rank=200)
+    top = _fit(model, loader, 2048, monkeypatch, rank=5, oversampling=0)
+    assert top.fit_path == "dense"
+    evals, evecs = torch.linalg.eigh(_dense_H(full))
+    U, lam = evecs.flip(1)[:, :5], evals.flip(0)[:5]
+    torch.testing.assert_close(top.H[1], lam, rtol=1e-9, atol=0)
+    torch.testing.assert_close(_dense_H(top), U @ torch.diag(lam) @ U.T, rtol=1e-7,
+                               atol=1e-10)
+
+
+def test_memory_budget_too_small_for_dense_streams_the_fit(monkeypatch):
+    model, loader = _problem()
+    dim = sum(p.numel() for p in model.parameters())
+    small = dense_bytes(dim, 8) - 1  # still holds a micro-batch's V
+    la = _fit(model, loader, 2048, monkeypatch, rank=200, memory_budget=small)
+    ref = _fit(model, loader, 2048, monkeypatch, rank=200)
+    assert (la.fit_path, ref.fit_path) == ("streaming", "dense")
+    torch.testing.assert_close(_dense_H(la), _dense_H(ref), rtol=1e-7, atol=1e-10)
+
+
+def test_low_memory_is_dropped_on_the_dense_path(monkeypatch):
+    model, loader = _problem()
+    la = _fit(model, loader, 2048, monkeypatch, rank=200, low_memory=True)
+    ref = _fit(model, loader, 0, monkeypatch, rank=200, low_memory=True)
+    assert (la.fit_path, ref.fit_path) == ("dense", "streaming")
+    torch.testing.assert_close(_dense_H(la), _dense_H(ref), rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.parametrize("dense_max_dim, path", [(2048, "dense"), (0, "streaming")])
+def test_last_layer_reports_its_path(monkeypatch, dense_max_dim, path):
+    model, loader = _problem()
+    la = _fit(model, loader, dense_max_dim, monkeypatch, cls=LowRankGGNLLLaplace, rank=50)
+    assert la.fit_path == path
