@@ -23,8 +23,8 @@ if str(HERE) not in sys.path:
 _problems = importlib.import_module("_problems")
 _harness = importlib.import_module("_harness")
 _laplace_worker = importlib.import_module("_laplace_worker")
-EXPECTED_NUM_PARAMS = _problems.EXPECTED_NUM_PARAMS
-NUM_CLASSES = _problems.NUM_CLASSES
+EXPECTED_NUM_PARAMS = _laplace_worker.EXPECTED_NUM_PARAMS
+NUM_CLASSES = _laplace_worker.NUM_CLASSES
 GiB = _harness.GiB
 BUSY_WARN_PERCENT = _harness.BUSY_WARN_PERCENT
 PHASES = _laplace_worker.PHASES
@@ -32,6 +32,7 @@ PHASES = _laplace_worker.PHASES
 # Targets
 REFERENCE = "lowrank_exact"
 KRON_PEER = "kron_backpack"
+FULL_PEER = "full_backpack"
 TARGET_EXACT_VS_KRON = 3.0  # exact fit time <= 3x BackPACK-kron fit time
 TARGET_LANCZOS_SPEEDUP = 5.0  # Lanczos fit time >= 5x exact fit time
 TARGET_GLM_MEMORY_BYTES = 2 * GiB  # GLM predictive peak memory on 3c3d
@@ -148,6 +149,22 @@ def check_targets(problem: str, records: Sequence[dict]) -> list[dict[str, Any]]
     else:
         add(name, None, None, "missing or failed run")
 
+    def with_marglik(r):
+        return None if r is None or r.get("marglik_time_s") is None else \
+            r["time_s"] + r["marglik_time_s"]
+
+    full = with_marglik(_ok(records, FULL_PEER, "fit"))
+    ours, kron_total = with_marglik(ref), with_marglik(kron)
+    if ours is not None and (full is not None or kron_total is not None):
+        if full is not None:
+            ratio = ours / full
+            add(f"{REFERENCE} fit+marglik <= {FULL_PEER} fit+marglik", ratio, ratio <= 1.0,
+                f"ratio {ratio:.2f}")
+        if kron_total is not None:
+            ratio = ours / kron_total
+            add(f"{REFERENCE} fit+marglik <= {TARGET_EXACT_VS_KRON:g}x {KRON_PEER} "
+                "fit+marglik", ratio, ratio <= TARGET_EXACT_VS_KRON, f"ratio {ratio:.2f}")
+
     name = f"lowrank_mc fit < {KRON_PEER} fit"
     if mc and kron:
         ratio = mc["time_s"] / kron["time_s"]
@@ -224,6 +241,10 @@ def summarize(problem: str, records: Sequence[dict], args: argparse.Namespace) -
             f"{_fmt_cell(glm, 'peak_bytes', GiB, '{:.2f}'):>10}"
             f"{'-' if kept is None else f'{kept:.3f}':>8}"
         )
+        if fit and fit.get("marglik_time_s") is not None:
+            row += f"  marglik {fit['marglik_time_s']:.3g} s"
+        if fit and fit.get("fit_path"):
+            row += f"  ({fit['fit_path']})"
         print(row)
     print("(kept: fraction of the GGN trace held by the kept eigenpairs)")
 

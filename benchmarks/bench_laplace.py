@@ -15,6 +15,10 @@ points (default 128):
   ``backend`` argument; ``CurvlinopsGGN`` in laplace-torch 0.3). ``full`` is
   skipped (without starting a worker) where the ``D x D`` matrices cannot fit the
   memory cap; the record holds the estimate ``D^2 * 4`` bytes.
+- problems: the synthetic ``3c3d``, ``2c2d`` and ``mlp`` of ``_problems.py``, and
+  ``digits`` (scikit-learn's digits, a 64-50-50-10 tanh MLP of 6,310 weights trained
+  to a MAP first; e.g. ``--n-train 1400 --batch-size 64``). With ``--marglik`` each
+  fit record also holds the time of laplace-torch's marglik prior tuning.
 - ``lanczos``: top-``--rank`` eigenpairs of the same full-data GGN (sum over the
   training points) by ``scipy.sparse.linalg.eigsh(k=rank, which='LA')`` on
   curvlinops' ``GGNLinearOperator`` over all training batches. Fit-equivalent
@@ -106,9 +110,9 @@ _problems = importlib.import_module("_problems")
 _harness = importlib.import_module("_harness")
 _laplace_worker = importlib.import_module("_laplace_worker")
 _laplace_report = importlib.import_module("_laplace_report")
-EXPECTED_NUM_PARAMS = _problems.EXPECTED_NUM_PARAMS
-NUM_CLASSES = _problems.NUM_CLASSES
-PROBLEMS = _problems.PROBLEMS
+EXPECTED_NUM_PARAMS = _laplace_worker.EXPECTED_NUM_PARAMS
+NUM_CLASSES = _laplace_worker.NUM_CLASSES
+PROBLEMS = _laplace_worker.PROBLEMS
 GiB = _harness.GiB
 BUSY_WARN_PERCENT = _harness.BUSY_WARN_PERCENT
 METHODS = _laplace_worker.METHODS
@@ -210,6 +214,8 @@ def run_worker_process(
         f"--threads={args.threads}",
         f"--mem-limit-gib={args.mem_limit_gib}",
     ]
+    if args.marglik:
+        cmd.append("--marglik")
     expected = ["setup", "fit"]
     if METHODS[method]["kind"] != "lanczos":
         expected += [p for p in phases if p != "fit"]
@@ -492,6 +498,7 @@ def _dump(
         "n_test": args.n_test,
         "rank": args.rank,
         "nn_samples": args.nn_samples,
+        "marglik": args.marglik,
         "methods": list(args.methods),
         "timeout_s_per_phase": args.timeout,
         "method_timeouts_s": args.method_timeouts,
@@ -654,6 +661,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "benchmarks/results/quick so that a smoke test keeps the full mlp results).",
     )
     parser.add_argument("--seed", type=int, default=0, help="Random seed.")
+    parser.add_argument(
+        "--marglik",
+        action="store_true",
+        help="After each fit, also time laplace-torch's marglik prior tuning "
+        "(optimize_prior_precision(method='marglik'), default settings).",
+    )
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads in workers (0: usable cores)."
     )
