@@ -369,12 +369,3 @@ def reduced_cross_entropy_sqrt(logits: Tensor, reduction: str) -> Tensor:
     if reduction == "mean":
         sqrt_h = sqrt_h / num**0.5
     return sqrt_h
-
-
-def __getattr__(name: str):
-    """Keep ``from lowrank_laplace.factor import FactorEngine`` working (it moved)."""
-    if name == "FactorEngine":
-        from lowrank_laplace.engine import FactorEngine
-
-        return FactorEngine
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
