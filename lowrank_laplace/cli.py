@@ -27,10 +27,11 @@ from typing import Callable, Iterator, List, Optional
 import torch
 from torch import nn
 
-from lowrank_laplace import calibration, plots
+from lowrank_laplace import calibration, plots, rank_study
 from lowrank_laplace.calibration import METHODS
 from lowrank_laplace.directional import directional_from_factor
 from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.residual import RESIDUALS
 from lowrank_laplace.spectrum import gram_eigh
 
 
@@ -116,6 +117,18 @@ def _angles(text: str) -> List[float]:
     if not angles or not all(math.isfinite(a) for a in angles):
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
     return angles
+
+
+def _ranks(text: str) -> List[int]:
+    """Parse ``--ranks``: comma-separated integers >= 1."""
+    try:
+        ranks = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"ranks must be comma-separated integers, got {text!r}") from err
+    if not ranks or min(ranks) < 1:
+        raise argparse.ArgumentTypeError(f"ranks must be integers >= 1, got {text!r}")
+    return ranks
 
 
 def _writable(out: Path) -> None:
@@ -315,6 +328,35 @@ def calibrate(args: argparse.Namespace) -> dict:
     return report
 
 
+def rank_study_command(args: argparse.Namespace) -> dict:
+    """Run the ``rank-study`` sub-command.
+
+    Args:
+        args: Parsed command-line arguments.
+
+    Returns:
+        The report (also written to ``--out/rank_study.json``).
+
+    Raises:
+        CLIError: For invalid options.
+    """
+    config = rank_study.RankStudyConfig(
+        dataset=args.dataset, epochs=args.epochs, checkpoint=args.checkpoint,
+        save_checkpoint=args.save_checkpoint, n_train=args.n_train, n_test=args.n_test,
+        batch_size=args.batch_size, mc_samples=args.mc_samples,
+        weight_decay=args.weight_decay, prior=args.prior, angles=args.angles,
+        device=args.device, seed=args.seed, out=str(args.out), ranks=args.ranks,
+        residuals=[r for r in args.residuals.split(",") if r],
+    )
+    try:
+        report = rank_study.run(config, log=_progress)
+    except calibration.UserError as err:
+        raise CLIError(str(err)) from err
+    print(rank_study.format_table(report))
+    print(f"\nwrote {args.out / 'rank_study.json'} and {args.out / 'rank_study.png'}")
+    return report
+
+
 def _progress(message: str) -> None:
     """Print a progress line to stderr (the report goes to stdout)."""
     print(message, file=sys.stderr, flush=True)
@@ -370,35 +412,57 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train (or load) a small CNN, fit Laplace posteriors, tune their prior "
         "precision and report calibration, rotation shift and OOD detection; writes "
         "calibration.json and PNG plots to --out.")
-    cal.add_argument("--dataset", default="mnist", help="mnist or digits")
-    cal.add_argument("--epochs", type=NONNEGATIVE, default=30, help="training epochs")
-    cal.add_argument("--weight-decay", type=_number(float, 0), default=1.0,
-                     help="precision of the Gaussian prior the MAP network is trained under "
-                     "(L2 term delta/(2N) ||theta||^2 on the mean loss)")
-    cal.add_argument("--checkpoint", default=None, help="load the CNN's state_dict from here")
-    cal.add_argument("--save-checkpoint", default=None, help="save the trained CNN here")
-    cal.add_argument("--n-train", type=NONNEGATIVE, default=0,
-                     help="cap on training points, 0 for all")
-    cal.add_argument("--n-test", type=NONNEGATIVE, default=0,
-                     help="cap on test points, 0 for all")
-    cal.add_argument("--batch-size", type=POSITIVE, default=128,
-                     help="batch size for training, fitting and prediction")
+    _study_arguments(cal)
     cal.add_argument("--rank", type=POSITIVE, default=100,
                      help="rank of the lowrank_ggn posteriors")
-    cal.add_argument("--mc-samples", type=NONNEGATIVE, default=0,
-                     help="0: exact GGN; M: Monte-Carlo GGN with M samples")
-    cal.add_argument("--prior", default="marglik",
-                     help="prior precision tuning: marglik or gridsearch")
     cal.add_argument("--angles", type=_angles, default="0,15,30,60,90,120,180",
                      help="rotation angles in degrees for the shift evaluation")
     cal.add_argument("--methods", default="",
                      help="comma-separated methods; empty: all of " + ",".join(METHODS)
                      + " (full_all on --dataset digits only)")
-    cal.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    cal.add_argument("--seed", type=NONNEGATIVE, default=0, help="random seed")
-    cal.add_argument("--out", type=Path, default=Path("results"), help="output directory")
     cal.set_defaults(func=calibrate)
+
+    study = sub.add_parser(
+        "rank-study", formatter_class=fmt,
+        help="posterior quality of lowrank_ggn against rank, per residual model",
+        description="Train (or load) the calibration CNN, fit the all-weights lowrank_ggn "
+        "posterior at every rank for every residual model, and write test NLL, ECE and "
+        "Brier score in distribution and under rotation against rank, with MAP, kron, "
+        "diag and (digits) the full GGN as references: rank_study.json and "
+        "rank_study.png in --out.")
+    _study_arguments(study)
+    study.add_argument("--ranks", type=_ranks, default="10,30,100,300,1000",
+                       help="comma-separated ranks")
+    study.add_argument("--residuals", default=",".join(RESIDUALS),
+                       help="comma-separated residual models")
+    study.add_argument("--angles", type=_angles, default="0,60,90",
+                       help="rotation angles in degrees (0 is always scored)")
+    study.set_defaults(func=rank_study_command)
     return parser
+
+
+def _study_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options ``calibrate`` and ``rank-study`` share (data, network, tuning, output)."""
+    parser.add_argument("--dataset", default="mnist", help="mnist or digits")
+    parser.add_argument("--epochs", type=NONNEGATIVE, default=30, help="training epochs")
+    parser.add_argument("--weight-decay", type=_number(float, 0), default=1.0,
+                        help="precision of the Gaussian prior the MAP network is trained under "
+                        "(L2 term delta/(2N) ||theta||^2 on the mean loss)")
+    parser.add_argument("--checkpoint", default=None, help="load the CNN's state_dict from here")
+    parser.add_argument("--save-checkpoint", default=None, help="save the trained CNN here")
+    parser.add_argument("--n-train", type=NONNEGATIVE, default=0,
+                        help="cap on training points, 0 for all")
+    parser.add_argument("--n-test", type=NONNEGATIVE, default=0,
+                        help="cap on test points, 0 for all")
+    parser.add_argument("--batch-size", type=POSITIVE, default=128,
+                        help="batch size for training, fitting and prediction")
+    parser.add_argument("--mc-samples", type=NONNEGATIVE, default=0,
+                        help="0: exact GGN; M: Monte-Carlo GGN with M samples")
+    parser.add_argument("--prior", default="marglik",
+                        help="prior precision tuning: marglik or gridsearch")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    parser.add_argument("--seed", type=NONNEGATIVE, default=0, help="random seed")
+    parser.add_argument("--out", type=Path, default=Path("results"), help="output directory")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -47,6 +47,8 @@ def _numeric_options():
             if action.type in (cli.POSITIVE, cli.NONNEGATIVE):
                 bad = ["-1", "abc", "1.5", "nan"] + (["0"] if action.type is cli.POSITIVE else [])
                 cases += [(name, action.option_strings[0], v) for v in bad]
+            elif action.dest == "ranks":
+                cases += [(name, "--ranks", v) for v in ("0", "abc", "10,-1", ",", "2.5")]
             elif action.dest == "angles":
                 cases += [(name, "--angles", v) for v in ("0,abc", "nan", "0,inf", ",")]
     return cases
@@ -76,6 +78,7 @@ def test_numeric_nonsense_exits_2_before_any_work(command, option, value, capsys
 
     monkeypatch.setattr(cli, "_digits", no_work)
     monkeypatch.setattr(calibration, "run", no_work)
+    monkeypatch.setattr(cli.rank_study, "run", no_work)
     assert main([command, f"{option}={value}", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"lowrank-laplace {command}: error")
