@@ -1,4 +1,6 @@
-"""Text output of the calibration study (no training: a hand-made report)."""
+"""Text output of the calibration study (hand-made reports) and its prior tuning."""
+
+import pytest
 
 from lowrank_laplace import calibration
 
@@ -37,3 +39,25 @@ def test_default_methods_and_notes():
     notes = calibration.format_notes(report)
     assert "lowrank_ggn_all: rank 100, kept 0.900, residual='spectral'" in notes
     assert "full_*" in notes
+
+
+def test_marglik_prior_full_matches_laplace_torch():
+    """The eigenvalue shortcut gives laplace-torch's own marglik prior of a FullLaplace."""
+    import torch
+    from laplace import FullLaplace
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    X, y = torch.randn(60, 4, dtype=torch.float64), torch.randint(0, 3, (60,))
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # curvlinops builds eye() in the default dtype
+    try:
+        la = FullLaplace(model, "classification")
+        la.fit(DataLoader(TensorDataset(X, y), batch_size=20))
+    finally:
+        torch.set_default_dtype(old)
+    ours = calibration.marglik_prior_full(la)
+    la.optimize_prior_precision(method="marglik")
+    assert ours == pytest.approx(float(la.prior_precision), rel=1e-6)
