@@ -121,7 +121,8 @@ class LowRankGGNLaplace(ParametricLaplace):
         residual: Model of the curvature the rank truncation drops (see
             :mod:`lowrank_laplace.residual`): ``"spectral"`` (default: a power-law
             tail continuing the kept spectrum, holding the exact dropped trace, in
-            random directions of the complement), ``"isotropic"`` (its mean
+            random directions of the complement, its variances weighted by where
+            inputs' Jacobians fall; see ``jacobian_exponent``), ``"isotropic"`` (its mean
             eigenvalue in every dropped direction), ``"diagonal"`` (the exact
             diagonal of the dropped curvature, ``P = U diag(ell) U^T + diag(p0 + h r)``
             with ``r = diag(H) - diag(U diag(lambda) U^T)``; the fit tracks the GGN

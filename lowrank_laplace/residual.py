@@ -48,8 +48,9 @@ Why the spectral model is the default: a flat residual overstates
 :math:`\log\det(R + \delta I)` of a decaying tail (by Jensen's inequality), so the
 marginal likelihood of the isotropic and diagonal models overshoots the prior
 precision (sklearn digits MLP, rank 100: +36% and +30% against the full GGN's,
-spectral +11%); their predictive, though, is the closer one at ranks of a few percent
-of ``D``. See the posterior-quality page of the docs.
+spectral +11%); with the Jacobian weighting its predictive is also the closest to the
+full GGN's at the default rank (test NLL +2.6% on digits, +3.1% on a diabetes
+regression MLP). See the posterior-quality page of the docs.
 
 Shape glossary:
     D: parameters; r: kept rank; n: rank bound of the GGN.
