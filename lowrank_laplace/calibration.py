@@ -114,7 +114,10 @@ class CalibrationConfig:
         weight_decay: Precision ``delta`` of the Gaussian prior the MAP network is
             trained under: the training loss is the mean cross-entropy plus
             ``delta / (2 N) ||theta||^2`` (Laplace Redux protocol), so the MAP is the
-            mode of the posterior the Laplace methods approximate.
+            mode of the posterior the Laplace methods approximate. The default 10 is
+            near the evidence's fixed point on the MNIST CNN: trained under it, the
+            marglik prior of every all-weights posterior is 12-27 (trained under 1,
+            marglik picks 4-13, so the MAP was not the mode of the tuned posterior).
         prior: ``'marglik'`` or ``'gridsearch'`` (on the validation split).
         angles: Rotation angles for the dataset-shift evaluation.
         methods: Methods to run, a subset of :data:`METHODS` (``None``:
@@ -133,7 +136,7 @@ class CalibrationConfig:
     batch_size: int = 128
     rank: int = 100
     mc_samples: int = 0
-    weight_decay: float = 1.0
+    weight_decay: float = 10.0
     prior: str = "marglik"
     angles: List[float] = field(default_factory=lambda: [0, 15, 30, 60, 90, 120, 180])
     methods: Optional[List[str]] = None

@@ -445,7 +445,7 @@ def _study_arguments(parser: argparse.ArgumentParser) -> None:
     """The options ``calibrate`` and ``rank-study`` share (data, network, tuning, output)."""
     parser.add_argument("--dataset", default="mnist", help="mnist or digits")
     parser.add_argument("--epochs", type=NONNEGATIVE, default=30, help="training epochs")
-    parser.add_argument("--weight-decay", type=_number(float, 0), default=1.0,
+    parser.add_argument("--weight-decay", type=_number(float, 0), default=10.0,
                         help="precision of the Gaussian prior the MAP network is trained under "
                         "(L2 term delta/(2N) ||theta||^2 on the mean loss)")
     parser.add_argument("--checkpoint", default=None, help="load the CNN's state_dict from here")
