@@ -382,6 +382,22 @@ def evaluate(predict, split: datasets.Split, ood: Tensor, config: CalibrationCon
     return entry, probs
 
 
+def load_split(config: CalibrationConfig) -> datasets.Split:
+    """The study's data split (seeded; ``n_train`` / ``n_test`` caps applied).
+
+    Args:
+        config: The options.
+
+    Returns:
+        The split.
+    """
+    torch.manual_seed(config.seed)
+    split = datasets.image_split(config.dataset, seed=config.seed, max_train=config.n_train)
+    if config.n_test:
+        split.test = (split.test[0][: config.n_test], split.test[1][: config.n_test])
+    return split
+
+
 def run(config: CalibrationConfig, log: Callable[[str], None] = _silent) -> dict:
     """Run the study and write ``calibration.json`` plus PNG plots to ``config.out``.
 
@@ -393,10 +409,7 @@ def run(config: CalibrationConfig, log: Callable[[str], None] = _silent) -> dict
         The report (see the module docstring for its schema).
     """
     device = validate(config)
-    torch.manual_seed(config.seed)
-    split = datasets.image_split(config.dataset, seed=config.seed, max_train=config.n_train)
-    if config.n_test:
-        split.test = (split.test[0][: config.n_test], split.test[1][: config.n_test])
+    split = load_split(config)
     size = split.train[0].shape[-1]
     ood = datasets.ood_images(len(split.test[1]), size, seed=config.seed)
     loaders = split.loaders(config.batch_size, config.seed)

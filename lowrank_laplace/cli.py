@@ -296,6 +296,13 @@ def _write(report: dict, out: Path) -> None:
     print(f"wrote {out / 'spectrum.json'}, {out / 'spectrum.png'} and {out / 'snr.png'}")
 
 
+def _study_options(args: argparse.Namespace) -> dict:
+    """The config fields ``calibrate`` and ``rank-study`` share (see :func:`_study_arguments`)."""
+    names = ("dataset", "epochs", "checkpoint", "save_checkpoint", "n_train", "n_test",
+             "batch_size", "mc_samples", "weight_decay", "prior", "angles", "device", "seed")
+    return {name: getattr(args, name) for name in names} | {"out": str(args.out)}
+
+
 def calibrate(args: argparse.Namespace) -> dict:
     """Run the ``calibrate`` sub-command.
 
@@ -309,13 +316,8 @@ def calibrate(args: argparse.Namespace) -> dict:
         CLIError: For invalid options.
     """
     config = calibration.CalibrationConfig(
-        dataset=args.dataset, epochs=args.epochs, checkpoint=args.checkpoint,
-        save_checkpoint=args.save_checkpoint, n_train=args.n_train, n_test=args.n_test,
-        batch_size=args.batch_size, rank=args.rank, mc_samples=args.mc_samples,
-        weight_decay=args.weight_decay, prior=args.prior, angles=args.angles,
-        methods=args.methods.split(",") if args.methods else None,
-        device=args.device, seed=args.seed, out=str(args.out),
-    )
+        rank=args.rank, methods=args.methods.split(",") if args.methods else None,
+        **_study_options(args))
     try:
         report = calibration.run(config, log=_progress)
     except calibration.UserError as err:
@@ -341,13 +343,8 @@ def rank_study_command(args: argparse.Namespace) -> dict:
         CLIError: For invalid options.
     """
     config = rank_study.RankStudyConfig(
-        dataset=args.dataset, epochs=args.epochs, checkpoint=args.checkpoint,
-        save_checkpoint=args.save_checkpoint, n_train=args.n_train, n_test=args.n_test,
-        batch_size=args.batch_size, mc_samples=args.mc_samples,
-        weight_decay=args.weight_decay, prior=args.prior, angles=args.angles,
-        device=args.device, seed=args.seed, out=str(args.out), ranks=args.ranks,
-        residuals=[r for r in args.residuals.split(",") if r],
-    )
+        ranks=args.ranks, residuals=[r for r in args.residuals.split(",") if r],
+        **_study_options(args))
     try:
         report = rank_study.run(config, log=_progress)
     except calibration.UserError as err:

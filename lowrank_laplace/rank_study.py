@@ -114,10 +114,7 @@ def run(config: RankStudyConfig, log: Callable[[str], None] = calibration._silen
     import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
 
     device = validate(config)
-    torch.manual_seed(config.seed)
-    split = datasets.image_split(config.dataset, seed=config.seed, max_train=config.n_train)
-    if config.n_test:
-        split.test = (split.test[0][: config.n_test], split.test[1][: config.n_test])
+    split = calibration.load_split(config)
     loaders = split.loaders(config.batch_size, config.seed)
     model = calibration._train_or_load(config, split, device, log)
     report = {"config": asdict(config) | {"n_train_used": len(split.train[1]),
