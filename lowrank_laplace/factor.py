@@ -132,7 +132,7 @@ class GGNFactor:
             ) from err
 
     def gram(self, group: int = 0) -> Tensor:
-        """Return the Gram matrix ``V^T V`` of a group, shape ``(M, M)``.
+        """Return the Gram matrix ``V^T V`` of a group, shape ``(M, M)`` (computed once).
 
         Args:
             group: Group index.
@@ -142,7 +142,11 @@ class GGNFactor:
         """
         if len(self.grams) > group and self.grams[group] is not None:
             return self.grams[group]
-        return sum(b.gram() for b in self._blocks(group))
+        gram = sum(b.gram() for b in self._blocks(group))
+        # kept, so the exact trace (its diagonal) and later calls cost nothing more
+        self.grams.extend([None] * (group + 1 - len(self.grams)))
+        self.grams[group] = gram
+        return gram
 
     def trace(self, group: int = 0) -> Tensor:
         """Return the exact GGN trace ``tr(V V^T) = tr(V^T V)`` of a group.

@@ -190,6 +190,8 @@ def gram_eigh(
     if solver in ("arpack", "matrix_free") and not only_top:
         raise ValueError(f"solver={solver!r} computes top_k eigenpairs only: pass top_k.")
     num_cols = factor.num_columns
+    if solver != "matrix_free":  # every other path needs the Gram: its diagonal is the trace
+        factor.gram(group)
     if not bool(factor.trace(group) > 0):  # a zero GGN has no nonzero eigenpairs
         dtype, device = factor.grad_dtype(), factor.grad_device()
         empty = torch.zeros(0, dtype=dtype, device=device)

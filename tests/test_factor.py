@@ -31,6 +31,18 @@ def test_factor_equals_dense_ggn(case):
     torch.testing.assert_close(factor.matvec(x), G @ x, **TOL)
 
 
+def test_gram_computed_once_and_trace_from_it(case):
+    model, loss_func, X, y = case
+    with FactorEngine(model, loss_func) as engine:
+        factor = engine.compute(X, y)
+    G = ref.ggn(model, loss_func, X, y)
+    before = factor.trace()  # from the blocks' row norms
+    gram = factor.gram()
+    assert factor.gram() is gram  # kept: a second call costs nothing
+    torch.testing.assert_close(factor.trace(), before, **TOL)  # now its diagonal
+    torch.testing.assert_close(factor.trace(), torch.trace(G), **TOL)
+
+
 def test_stagewise_gram_equals_kept(case):
     model, loss_func, X, y = case
     with FactorEngine(model, loss_func) as engine:
