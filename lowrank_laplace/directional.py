@@ -209,6 +209,30 @@ def directional_derivatives(
     return results if param_groups is not None else results[0]
 
 
+def _refuse_unreplayable_dropout(model: nn.Module, backend: str, name: str) -> None:
+    """Refuse ``low_memory`` passes whose dropout masks the functorch engine cannot replay.
+
+    The vmapped per-sample products draw their masks differently from the batched
+    passes these low-memory modes combine them with, so the result would mix two
+    networks silently (BackPACK's passes are all batched and replay exactly).
+    """
+    if backend != "functorch":
+        return
+    for where, module in model.named_modules():
+        rate = 0.0
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            rate = module.p
+        elif isinstance(module, nn.MultiheadAttention):
+            rate = module.dropout
+        if module.training and rate > 0:
+            raise ValueError(
+                f"{name}(low_memory=True) with the functorch backend cannot replay the "
+                f"dropout of {where or type(module).__name__!r} (training mode) across "
+                "its passes: call model.eval(), use low_memory=False, or "
+                "backend='backpack'."
+            )
+
+
 def _check_damping(damping, positive: bool = False) -> None:
     """Refuse a NaN, infinite or negative (``positive``: non-positive) damping."""
     try:
@@ -306,7 +330,9 @@ def damped_newton_step(
         ``requires_grad`` or, with ``param_groups``, the groups concatenated.
 
     Raises:
-        ValueError: If ``damping`` is negative, NaN or infinite.
+        ValueError: If ``damping`` is negative, NaN or infinite; with ``low_memory``
+            and the functorch backend, for dropout in training mode (its masks cannot
+            be replayed across the passes).
     """
     _check_damping(damping)  # before any backward pass
     if not low_memory:
@@ -319,6 +345,7 @@ def damped_newton_step(
         return torch.cat(steps)
     replay = RNGReplay(_checks.batch_device(inputs))
     with FactorEngine(model, loss_func, backend=backend) as engine:
+        _refuse_unreplayable_dropout(model, engine.backend, "damped_newton_step")
         grads = engine.gradient(inputs, targets, param_groups)
         replay.restart()  # the Gram pass sees the gradient pass's dropout masks
         first = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
@@ -378,7 +405,8 @@ def ggn_inverse_matvec(
 
     Raises:
         ValueError: If ``vec`` is not a ``(D,)`` or ``(D, K)`` tensor of the
-            parameters' dtype, or ``damping <= 0``.
+            parameters' dtype, or ``damping <= 0``; with ``low_memory`` and the
+            functorch backend, for dropout in training mode.
     """
     _check_damping(damping, positive=True)
     groups = _checks.resolve_param_groups(model, param_groups)
@@ -401,6 +429,7 @@ def ggn_inverse_matvec(
         return out if vec.ndim == 2 else out[:, 0]
     replay = RNGReplay(_checks.batch_device(inputs))
     with FactorEngine(model, loss_func, backend=backend) as engine:
+        _refuse_unreplayable_dropout(model, engine.backend, "ggn_inverse_matvec")
         first = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
                                keep_blocks=False, compute_grams=True, t_project=parts)
         replay.mark()

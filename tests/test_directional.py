@@ -189,3 +189,27 @@ def test_bad_damping_is_refused_before_work(damping):
         ll.ggn_inverse_matvec(model, loss_func, X, y, vec, damping=damping)
     with pytest.raises(ValueError, match="damping must be a finite positive"):
         ll.ggn_inverse_matvec(model, loss_func, X, y, vec, damping=0.0)
+
+
+def test_low_memory_refuses_unreplayable_dropout_under_functorch():
+    """The functorch engine cannot replay train-mode dropout across the low-memory
+    passes of the Newton step and the inverse product: a clear error, not a mixed result;
+    in eval mode (or with BackPACK) the passes agree with the one-pass result."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(6, 3)).double()
+    X, y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+    loss_func = torch.nn.CrossEntropyLoss()
+    vec = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    with pytest.raises(ValueError, match="cannot replay the dropout of '2'"):
+        ll.damped_newton_step(model, loss_func, X, y, damping=0.5, low_memory=True,
+                              backend="functorch")
+    with pytest.raises(ValueError, match="model.eval"):
+        ll.ggn_inverse_matvec(model, loss_func, X, y, vec, damping=0.5, low_memory=True,
+                              backend="functorch")
+    assert model.training  # left as it was
+    model.eval()
+    one = ll.damped_newton_step(model, loss_func, X, y, damping=0.5, backend="functorch")
+    two = ll.damped_newton_step(model, loss_func, X, y, damping=0.5, low_memory=True,
+                                backend="functorch")
+    torch.testing.assert_close(two, one, rtol=1e-10, atol=1e-12 * one.abs().max())
