@@ -18,7 +18,7 @@ Shape glossary:
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Any, Iterator, List, Tuple
 
 import torch
 from torch import Tensor
@@ -135,9 +135,7 @@ def batched_glm_moments(
         ``f_mu`` of shape ``(B, C)`` and ``f_var`` of shape ``(B, C, C)``.
     """
     mus, variances = [], []
-    num = check_batch(inputs, None)
-    for start in range(0, num, micro_batch_size):  # tensor or dict batches
-        chunk = take(inputs, slice(start, start + micro_batch_size), num)
+    for chunk in _micro_batches(inputs, micro_batch_size):
         mu, var = glm_moments(engine, chunk, precision, weights)
         mus.append(mu)
         variances.append(var)
@@ -162,9 +160,14 @@ def jacobian_energies(engine: FactorEngine, batches: List, U: Tensor,
     """
     energy = U.new_zeros(U.shape[1])
     for inputs in batches:
-        num = check_batch(inputs, None)
-        for start in range(0, num, micro_batch_size):
-            factor = jacobian_factor(engine, take(inputs, slice(start, start + micro_batch_size),
-                                                  num))
+        for chunk in _micro_batches(inputs, micro_batch_size):
+            factor = jacobian_factor(engine, chunk)
             energy += (factor.t_matmul(U) ** 2).sum(0) / 2  # V = sqrt(2) J^T
     return energy
+
+
+def _micro_batches(inputs: Any, size: int) -> Iterator[Any]:
+    """Consecutive slices of ``size`` samples of a tensor or dict batch."""
+    num = check_batch(inputs, None)
+    for start in range(0, num, size):
+        yield take(inputs, slice(start, start + size), num)
