@@ -13,18 +13,20 @@ GGN (``--dataset digits``) are the reference lines. The report's schema::
                            "posterior": {...}}},
      "lowrank": [{"rank", "residual", "kept_fraction", "prior_precision",
                   "jacobian_exponent", "fit_s", "scores": {"<angle>": {...}}}, ...]}
+
+``fit_s`` is the fit plus the prior tuning, as in the calibration study (a model that
+reuses its rank's shared fit counts its tuning only).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, List
 
 import torch
-from torch import nn
 
 from lowrank_laplace import calibration, datasets, metrics, plots
 from lowrank_laplace.residual import RESIDUALS
@@ -90,15 +92,13 @@ def _scores(predict: Callable, split: datasets.Split, config: RankStudyConfig,
     return out
 
 
-def _lowrank(model: nn.Module, config: RankStudyConfig, loaders, rank: int,
-             residual: str):
-    from laplace import Laplace
-
-    la = Laplace(model, "classification", subset_of_weights="all",
-                 hessian_structure="lowrank_ggn", rank=rank, mc_samples=config.mc_samples,
-                 residual=residual)
-    la.fit(loaders["train"])
-    return la
+def _method_of(residual: str) -> str:
+    """The calibration study's all-weights ``lowrank_ggn`` method with this residual."""
+    for name, (subset, structure, options) in calibration.LAPLACE_METHODS.items():
+        if (subset, structure) == ("all", "lowrank_ggn") and \
+                options.get("residual", "spectral") == residual:
+            return name
+    raise ValueError(f"no calibration method has residual={residual!r}")
 
 
 def run(config: RankStudyConfig, log: Callable[[str], None] = calibration._silent) -> dict:
@@ -130,18 +130,11 @@ def run(config: RankStudyConfig, log: Callable[[str], None] = calibration._silen
         report["references"][name]["posterior"] = calibration._posterior_info(la)
         log(f"reference {name} done")
     for rank in config.ranks:
-        shared = None
+        at_rank, shared = replace(config, rank=rank), {}  # residual models share fits
         for residual in config.residuals:
             start = time.perf_counter()
-            if residual == "diagonal" or shared is None:
-                la = _lowrank(model, config, loaders, rank, residual)
-                if residual != "diagonal":
-                    shared = la
-            else:
-                la = shared
-                la.residual = residual
+            la = calibration._fit_laplace(_method_of(residual), model, at_rank, loaders, shared)
             fit_s = time.perf_counter() - start
-            calibration._tune_prior(la, config, loaders)
             report["lowrank"].append({
                 "rank": int(la.H[1].numel()), "requested_rank": rank, "residual": residual,
                 "kept_fraction": float(la.kept_fraction),
