@@ -29,6 +29,7 @@ Shape glossary:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import MutableMapping
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -77,6 +78,8 @@ class FuncEngine(EngineBase):
         #: Whether the samples are vmapped (``False``: looped, for models vmap cannot
         #: batch such as ``nn.LSTM``); decided on the first batch.
         self.vectorize = True
+        #: Recurrent layers run without cuDNN under torch.func (see ``_plain_rnn``).
+        self._has_rnn = any(isinstance(m, nn.RNNBase) for m in self._copy.modules())
 
     def _check_model(self, model: nn.Module, eval_mode: bool) -> None:
         _checks.check_batchnorm_mode(model, eval_mode)
@@ -245,7 +248,8 @@ class FuncEngine(EngineBase):
                 handles = [module.register_forward_hook(_shift_hook(name, delta, inputs_of))
                            for name, module in factored.items()]
                 try:
-                    out = functional_call(model, full, (batched,), tie_weights=False)
+                    with _plain_rnn(self._has_rnn):
+                        out = functional_call(model, full, (batched,), tie_weights=False)
                 finally:
                     for h in handles:
                         h.remove()
@@ -344,6 +348,31 @@ class FuncEngine(EngineBase):
                 grads = DenseBlock(per_sample)
             collector.add(i, block, grads if collector.batch_grad else None)
         return outputs, loss, grad
+
+
+@contextlib.contextmanager
+def _plain_rnn(has_rnn: bool):
+    """Run recurrent layers without cuDNN, whose kernels torch.func cannot trace.
+
+    Under ``functional_call`` an ``nn.LSTM`` / ``nn.GRU`` on CUDA re-flattens its
+    weights for cuDNN, which reads the data pointers of torch.func's wrapped tensors
+    and fails. Without cuDNN the layers run PyTorch's own cells, whose derivatives
+    torch.func composes. Only ``torch.backends.cudnn.enabled`` changes, and only for
+    models with recurrent layers; it is restored on exit.
+
+    Args:
+        has_rnn: Whether the model has recurrent layers.
+
+    Yields:
+        Nothing.
+    """
+    before = torch.backends.cudnn.enabled
+    if has_rnn:
+        torch.backends.cudnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.enabled = before
 
 
 def _shift_hook(name: str, delta: Dict[str, Tensor], inputs_of: Dict[str, Tensor]):
