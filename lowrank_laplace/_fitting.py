@@ -27,7 +27,9 @@ def resolve_memory_budget(budget: Union[int, float, None], device: torch.device)
     Args:
         budget: Bytes (``int >= 1``), a fraction in ``(0, 1]`` of the currently free
             memory of ``device``, a size with a unit (``"512MB"``, ``"2GiB"``), or
-            ``None`` for 1 GiB.
+            ``None``: 1 GiB on the CPU, a quarter of the free memory (at least 1 GiB)
+            on a CUDA device, where a 1 GiB budget split e.g. ResNet-18's batches
+            into passes of two samples.
         device: Where ``V`` lives.
 
     Returns:
@@ -38,6 +40,8 @@ def resolve_memory_budget(budget: Union[int, float, None], device: torch.device)
     """
     budget = parse_memory(budget)
     if budget is None:
+        if device.type == "cuda":
+            return max(DEFAULT_MEMORY_BUDGET, torch.cuda.mem_get_info(device)[0] // 4)
         return DEFAULT_MEMORY_BUDGET
     if budget <= 0:
         raise ValueError(f"memory_budget must be positive, got {budget}.")

@@ -115,7 +115,8 @@ class LowRankGGNLaplace(ParametricLaplace):
         subsample_fraction: Curvature from this random fraction of every batch
             (rescaled to stay unbiased); ``None`` uses every sample.
         memory_budget: Bytes (or a fraction of free memory) one micro-batch's ``V``
-            may take; batches are split automatically. Default 1 GiB.
+            may take; batches are split automatically. Default: 1 GiB on the CPU,
+            a quarter of the free device memory (at least 1 GiB) on CUDA.
         micro_batch_size: Upper bound on samples per backward pass; ``None``
             chooses it from the memory budget and a cost model of the merge.
         residual: Model of the curvature the rank truncation drops (see
