@@ -1,0 +1,206 @@
+"""The library on a CUDA device against the same computation on the CPU.
+
+Every test builds its case on the CPU in float64, runs it there, moves a copy to the
+device and compares: engine results of both factor backends (the BackPACK converter,
+torch.func), the low-memory modes' replay of Monte-Carlo draws with the device's
+generator, both fit paths of ``Laplace`` (dense and streaming), its marginal
+likelihood, Jacobian weighting and GLM predictive, dict batches, float32 on the
+device, and the command line. Skipped on machines without CUDA.
+"""
+
+import copy
+
+import pytest
+import torch
+from laplace import Laplace
+from torch.utils.data import DataLoader, TensorDataset
+
+import lowrank_laplace as ll
+from lowrank_laplace import LowRankGGNLaplace
+from tests.test_models import DictModel, zoo_case
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DEVICE = "cuda"
+TOL = dict(rtol=1e-6, atol=1e-9)
+KW = dict(subset_of_weights="all", hessian_structure="lowrank_ggn")
+
+
+def on_device(model, *tensors):
+    """A copy of the model and the tensors on the device."""
+    return (copy.deepcopy(model).to(DEVICE), *(t.to(DEVICE) for t in tensors))
+
+
+def low_rank_matrix(res):
+    """``U diag(lam) U^T`` of a result (unique where eigenvectors are not)."""
+    U = res.eigenvectors.cpu().double()
+    return U @ torch.diag(res.eigenvalues.cpu().double()) @ U.T
+
+
+def snapshot(model):
+    """Parameters, buffers, mode and ``requires_grad`` of a model, on the CPU."""
+    return ({k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+            [m.training for m in model.modules()],
+            [p.requires_grad for p in model.parameters()])
+
+
+def assert_unchanged(model, before):
+    state, modes, grads = snapshot(model)
+    assert modes == before[1] and grads == before[2]
+    for key, value in before[0].items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=0)
+    assert not any(m._forward_hooks or m._backward_hooks or m._forward_pre_hooks
+                   for m in model.modules())
+
+
+ENGINE_CASES = ["class_cnn", "resnet_block", "transformer", "lstm", "tied_params",
+                "layernorm_gelu", "frozen"]
+
+
+@pytest.mark.parametrize("name", ENGINE_CASES)
+def test_cuda_engine_equals_cpu(name):
+    model, loss_func, X, y = zoo_case(name, n=6)
+    cpu = ll.ggn_eigh(model, loss_func, X, y, top_k=None)
+    dd_cpu = ll.directional_derivatives(model, loss_func, X, y, top_k=3)
+    step_cpu = ll.damped_newton_step(model, loss_func, X, y, damping=0.5)
+
+    gm, Xg, yg = on_device(model, X, y)
+    before = snapshot(gm)
+    res = ll.ggn_eigh(gm, loss_func, Xg, yg, top_k=None)
+    assert res.backend == cpu.backend
+    assert res.eigenvalues.device.type == res.eigenvectors.device.type == DEVICE
+    torch.testing.assert_close(res.eigenvalues.cpu(), cpu.eigenvalues, **TOL)
+    torch.testing.assert_close(res.trace.cpu(), cpu.trace, **TOL)
+    G_cpu = low_rank_matrix(cpu)
+    torch.testing.assert_close(low_rank_matrix(res), G_cpu, rtol=1e-6,
+                               atol=1e-9 * G_cpu.abs().max())
+    low = ll.ggn_eigh(gm, loss_func, Xg, yg, top_k=3, low_memory=True)
+    torch.testing.assert_close(low.eigenvalues.cpu(), cpu.eigenvalues[:3], **TOL)
+
+    dd = ll.directional_derivatives(gm, loss_func, Xg, yg, top_k=3)
+    torch.testing.assert_close(dd.lambdas.cpu(), dd_cpu.lambdas, **TOL)
+    torch.testing.assert_close(dd.gammas.abs().cpu(), dd_cpu.gammas.abs(), **TOL)
+    step = ll.damped_newton_step(gm, loss_func, Xg, yg, damping=0.5)
+    assert step.device.type == DEVICE
+    torch.testing.assert_close(step.cpu(), step_cpu, rtol=1e-6, atol=1e-9)
+    x = torch.randn(step.numel(), dtype=torch.float64)
+    inv_cpu = ll.ggn_inverse_matvec(model, loss_func, X, y, x, 0.5)
+    inv = ll.ggn_inverse_matvec(gm, loss_func, Xg, yg, x.to(DEVICE), 0.5)
+    torch.testing.assert_close(inv.cpu(), inv_cpu, rtol=1e-6, atol=1e-9)
+    assert_unchanged(gm, before)
+
+
+@pytest.mark.parametrize("name", ["class_cnn", "layernorm_gelu"])
+def test_cuda_low_memory_replays_monte_carlo_draws(name):
+    """The second pass replays the device generator's draws (both backends)."""
+    model, loss_func, X, y = zoo_case(name, n=6)
+    gm, Xg, yg = on_device(model, X, y)
+    torch.manual_seed(1)
+    one = ll.ggn_eigh(gm, loss_func, Xg, yg, top_k=3, mc_samples=2)
+    one_step = ll.damped_newton_step(gm, loss_func, Xg, yg, mc_samples=2)
+    torch.manual_seed(1)
+    two = ll.ggn_eigh(gm, loss_func, Xg, yg, top_k=3, mc_samples=2, low_memory=True)
+    two_step = ll.damped_newton_step(gm, loss_func, Xg, yg, mc_samples=2, low_memory=True)
+    torch.testing.assert_close(two.eigenvalues, one.eigenvalues, **TOL)
+    torch.testing.assert_close(two_step, one_step, rtol=1e-6, atol=1e-9)
+    assert one.backend == ("backpack" if name == "class_cnn" else "functorch")
+
+
+@pytest.mark.parametrize("name", ["class_cnn", "transformer"])
+def test_cuda_float32_close_to_float64(name):
+    """float32 on the device (convolutions may run in TF32) near the float64 result."""
+    model, loss_func, X, y = zoo_case(name, n=6)
+    ref = ll.ggn_eigh(model, loss_func, X, y, top_k=3)
+    Xf = X.float() if X.is_floating_point() else X
+    gm, Xg, yg = on_device(model.float(), Xf, y)
+    res = ll.ggn_eigh(gm, loss_func, Xg, yg, top_k=3)
+    assert res.eigenvalues.dtype == torch.float32
+    torch.testing.assert_close(res.eigenvalues.cpu().double(), ref.eigenvalues,
+                               rtol=5e-3, atol=1e-6 * ref.eigenvalues[0])
+
+
+def fit_pair(model, X, y, path, monkeypatch, **kwargs):
+    """The same ``Laplace`` fit on the CPU and on the device, on the given path."""
+    monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", 2048 if path == "dense" else 0)
+    fits = []
+    for device in ("cpu", DEVICE):
+        m, Xd, yd = on_device(model, X, y) if device == DEVICE else (model, X, y)
+        la = Laplace(m, "classification", **KW, **kwargs)
+        la.fit(DataLoader(TensorDataset(Xd, yd), batch_size=8))
+        assert la.fit_path == path
+        fits.append(la)
+    return fits
+
+
+@pytest.mark.parametrize("path", ["dense", "streaming"])
+@pytest.mark.parametrize("name", ["class_cnn", "transformer"])
+def test_cuda_laplace_equals_cpu(name, path, monkeypatch):
+    model, _, X, y = zoo_case(name, n=24)
+    cpu, gpu = fit_pair(model, X, y, path, monkeypatch, rank=20)
+    assert gpu.factor_backend_used == cpu.factor_backend_used
+    assert gpu.H[0].device.type == DEVICE
+    torch.testing.assert_close(gpu.H[1].cpu(), cpu.H[1], **TOL)
+    torch.testing.assert_close(gpu.jacobian_exponent, cpu.jacobian_exponent, rtol=1e-6,
+                               atol=1e-9)
+    for la in (cpu, gpu):
+        la.prior_precision = 0.7
+    torch.testing.assert_close(gpu.log_det_posterior_precision.cpu(),
+                               cpu.log_det_posterior_precision, **TOL)
+    torch.testing.assert_close(gpu.log_marginal_likelihood().cpu(),
+                               cpu.log_marginal_likelihood(), **TOL)
+    probs = gpu(X[:5].to(DEVICE), pred_type="glm", link_approx="probit")
+    assert probs.device.type == DEVICE
+    torch.testing.assert_close(probs.cpu(), cpu(X[:5], pred_type="glm", link_approx="probit"),
+                               **TOL)
+    samples = gpu(X[:5].to(DEVICE), pred_type="nn", link_approx="mc", n_samples=7)
+    assert samples.device.type == DEVICE and torch.isfinite(samples).all()
+    for la in (cpu, gpu):
+        la.optimize_prior_precision(method="marglik", n_steps=30)
+    torch.testing.assert_close(gpu.prior_precision.cpu(), cpu.prior_precision, rtol=1e-5,
+                               atol=1e-8)
+
+
+def test_cuda_dict_batches_equal_cpu(monkeypatch):
+    torch.manual_seed(0)
+    model = DictModel().double()
+    _, _, X, y = zoo_case("transformer", n=12)
+    fits = []
+    for device in ("cpu", DEVICE):
+        m = copy.deepcopy(model).to(device)
+        records = [{"input_ids": x, "labels": t} for x, t in zip(X.to(device), y.to(device))]
+        la = Laplace(m, "classification", dict_key_x="input_ids", dict_key_y="labels",
+                     rank=1000, **KW)
+        la.fit(DataLoader(records, batch_size=4))
+        la.prior_precision = 0.7
+        fits.append(la)
+    cpu, gpu = fits
+    torch.testing.assert_close(gpu.log_marginal_likelihood().cpu(),
+                               cpu.log_marginal_likelihood(), **TOL)
+    batch = {"input_ids": X.to(DEVICE), "labels": y.to(DEVICE)}
+    torch.testing.assert_close(gpu(batch, pred_type="glm", link_approx="probit").cpu(),
+                               cpu({"input_ids": X, "labels": y}, pred_type="glm",
+                                   link_approx="probit"), **TOL)
+
+
+def test_cuda_command_line(tmp_path, capsys):
+    from lowrank_laplace.cli import main
+
+    spectrum = ["spectrum", "--epochs", "0", "--batch-size", "24", "--top-k", "3",
+                "--model", "mlp", "--device", "cuda", "--out", str(tmp_path / "spectrum")]
+    assert main(spectrum) == 0
+    calibrate = ["calibrate", "--dataset", "digits", "--epochs", "1", "--n-train", "300",
+                 "--n-test", "80", "--rank", "20", "--angles", "0,45", "--device", "cuda",
+                 "--out", str(tmp_path / "calibrate")]
+    assert main(calibrate) == 0
+    assert "lowrank" in capsys.readouterr().out
+
+
+def test_cuda_default_budget_is_a_quarter_of_free_memory():
+    from lowrank_laplace._fitting import DEFAULT_MEMORY_BUDGET, resolve_memory_budget
+
+    device = torch.device(DEVICE)
+    free = torch.cuda.mem_get_info(device)[0]
+    budget = resolve_memory_budget(None, device)
+    assert budget >= DEFAULT_MEMORY_BUDGET
+    assert abs(budget - max(DEFAULT_MEMORY_BUDGET, free // 4)) <= 2**26
+    assert resolve_memory_budget(None, torch.device("cpu")) == DEFAULT_MEMORY_BUDGET
