@@ -41,7 +41,8 @@ engine within 2x of the BackPACK engine on ``3c3d``.
 The default sizes are for a CPU run of about ten minutes (2 cores): ``eigh`` at
 N = 16 (ResNet-18) and N = 32 (transformer), ``laplace`` on 32 / 8 points
 (ResNet-18) and 256 / 128 points (transformer), ``backends`` at N = 128. On a GPU,
-use e.g. ``--N 128 --n-train 1024 --n-test 128``.
+use ``--device cuda --N 128 --n-train 1024 --n-test 128`` (the issue's sizes; models,
+data and every method's curvature on the GPU, peak memory as CUDA's allocator peak).
 
 Examples:
     Smoke test (tiny sizes, about two minutes)::
@@ -325,7 +326,7 @@ def run_worker(args: argparse.Namespace):
     """
     threads = args.threads or _harness.num_cores()
     torch.set_num_threads(threads)
-    device = torch.device("cpu")
+    device = torch.device(args.device)
     base = {"part": args.part, "model": args.model, "method": args.method}
     setup = {**base, "phase": "setup", "status": "ok", "threads": threads}
     setup.update(_laplace_worker._set_memory_cap(int(args.mem_limit_gib * GiB), device))
@@ -333,6 +334,7 @@ def run_worker(args: argparse.Namespace):
         _attention_for_forward_mode()
     n = args.n_train + args.n_test if args.part == "laplace" else args.N
     model, X, y = make_model(args.model, n, args)
+    model, X, y = model.to(device), X.to(device), y.to(device)
     setup["D"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     setup["N"] = n
     if args.part == "laplace":
@@ -428,7 +430,7 @@ def run_config(part: str, model: str, method: str, args: argparse.Namespace) -> 
            f"--threads={args.threads}", f"--rank={args.rank}",
            f"--batch-size={args.batch_size}", f"--mem-limit-gib={args.mem_limit_gib}",
            f"--vocab={args.vocab}", f"--width={args.width}", f"--layers={args.layers}",
-           f"--seq-len={args.seq_len}"]
+           f"--seq-len={args.seq_len}", f"--device={args.device}"]
     cmd += [f"--{key.replace('_', '-')}={value}" for key, value in size.items()]
     if args.low_memory:
         cmd.append("--low-memory")
@@ -733,8 +735,9 @@ def plot(payload: dict[str, Any], path: Path):
         ax.set_ylabel("time [s]")
         ax.set_title(title, fontsize=9)
     info = payload["machine"]
-    fig.suptitle(f"{info.get('cpu_name')} ({info.get('cpu_count_usable')} cores), "
-                 f"torch {info.get('torch')}; red x: failed", fontsize=9)
+    where = info.get("device_name") if info.get("device") == "cuda" else \
+        f"{info.get('cpu_name')} ({info.get('cpu_count_usable')} cores)"
+    fig.suptitle(f"{where}, torch {info.get('torch')}; red x: failed", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -770,9 +773,10 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
     """
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    info = _harness.machine_info("cpu", PACKAGES)
+    info = _harness.machine_info(args.device, PACKAGES)
     print(f"Machine: {info['cpu_name']} ({info['cpu_count_usable']} usable cores), "
-          f"torch {info['torch']}", flush=True)
+          f"{info['device_name'] if args.device == 'cuda' else 'no GPU'}, torch {info['torch']}",
+          flush=True)
     head = _laplace_worker.library_fingerprint().get("git_head", "?")
     plan = [(part, model, method) for part in args.parts
             for model in (("3c3d",) if part == "backends" else args.models)
@@ -852,6 +856,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="Time limit per worker process in seconds.")
     parser.add_argument("--mem-limit-gib", type=float, default=18.0,
                         help="Address-space cap of a worker (0: none).")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="Device of models, data and curvature.")
     parser.add_argument("--out", default=str(HERE / "results"), help="Output directory.")
     parser.add_argument("--seed", type=int, default=0, help="Random seed.")
     parser.add_argument("--threads", type=int, default=0,

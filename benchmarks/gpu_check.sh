@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks in one call on a GPU machine (about 5 minutes): CUDA tests, the
-# host-device traffic of a fit, the Laplace benchmark on the device.
+# The GPU checks in one call on a GPU machine (under 10 minutes): CUDA tests, top-10
+# eigenpairs of ResNet-18 and a transformer at N = 128, the Laplace benchmark on the
+# device, the host-device traffic of a fit.
 #
 # A bare GPU image may have PyTorch but not BackPACK, laplace-torch or curvlinops, and
 # no network, so their pure-Python wheels travel with the working tree.
@@ -9,11 +10,14 @@
 #       downloads the wheels into .whl/ (ignored by git, ~0.6 MB).
 #   On the GPU machine, with .whl/ copied along ($OUT: output folder, /tmp/gpu_check):
 #                               bash benchmarks/gpu_check.sh run
-#       installs them into /tmp/site and writes into $OUT (at most 8 files):
-#       card.txt (GPU, driver, torch), pytest_cuda.log (the CUDA-parametrised tests),
+#       installs them into /tmp/site and writes into $OUT (8 files):
+#       card.txt (GPU, driver, torch), pytest_cuda.log (tests/test_cuda.py and the
+#       device-parametrised tests), models.log + models.json + models_lowmem.json
+#       (benchmarks/bench_models.py --parts eigh at N = 128, the second with
+#       low_memory=True on ResNet-18), laplace.log + laplace_3c3d.json (fit, GLM and
+#       NN predictive of lowrank_ggn exact/MC vs BackPACK-kron on the GPU) and
 #       gpu_trace_3c3d.json (host-device copies and scalar reads during a fit, see
-#       benchmarks/gpu_trace.py), laplace.log + laplace_3c3d.json/.png (fit, GLM and
-#       NN predictive of lowrank_ggn exact/MC vs BackPACK-kron on the GPU).
+#       benchmarks/gpu_trace.py).
 #
 # SKIP_INSTALL=1 uses the current environment instead of the wheels (to try the
 # script on a CPU machine, where every step falls back to or skips CUDA).
@@ -51,21 +55,38 @@ export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 } > "$OUT/card.txt"
 cat "$OUT/card.txt"
 
-echo "== CUDA-parametrised tests"
-timeout 240 python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_factor.py \
-    tests/test_spectrum.py tests/test_laplace_backend.py tests/test_cli.py \
-    > "$OUT/pytest_cuda.log" 2>&1
+echo "== CUDA tests (tests/test_cuda.py and the device-parametrised tests)"
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+    tests/test_factor.py::test_device_and_dtype_follow_model \
+    tests/test_spectrum.py::test_results_follow_device_and_dtype \
+    tests/test_laplace_backend.py::test_device_and_dtype > "$OUT/pytest_cuda.log" 2>&1
 rc=$?
 tail -2 "$OUT/pytest_cuda.log"
 echo "pytest rc=$rc" | tee -a "$OUT/pytest_cuda.log"
 
-echo "== profiler trace of a 3c3d fit"
-timeout 150 python3 benchmarks/gpu_trace.py --device cuda --problem 3c3d --out "$OUT" 2>&1 \
-    | grep -v -i warn
+echo "== top-10 eigenpairs of ResNet-18 and the transformer at N = 128"
+work=/tmp/gpu_check_work
+mkdir -p "$work"
+timeout 150 python3 benchmarks/bench_models.py --device cuda --parts eigh --N 128 \
+    --timeout 75 --out "$work/models" > "$OUT/models.log" 2>&1
+echo "bench_models rc=$?" | tee -a "$OUT/models.log"
+cp "$work/models/models.json" "$OUT/models.json" 2>/dev/null
+timeout 80 python3 benchmarks/bench_models.py --device cuda --parts eigh --N 128 \
+    --models resnet18 --low-memory --timeout 60 --out "$work/models_lowmem" \
+    >> "$OUT/models.log" 2>&1
+echo "bench_models --low-memory rc=$?" | tee -a "$OUT/models.log"
+cp "$work/models_lowmem/models.json" "$OUT/models_lowmem.json" 2>/dev/null
+grep -E "\[eigh|PASS|FAIL" "$OUT/models.log"
 
 echo "== Laplace benchmark on the device"
-timeout 300 python3 benchmarks/bench_laplace.py --device cuda --problems 3c3d \
-    --methods lowrank_exact lowrank_mc kron_backpack --retry-busy 0 --out "$OUT" \
+timeout 120 python3 benchmarks/bench_laplace.py --device cuda --problems 3c3d \
+    --methods lowrank_exact lowrank_mc kron_backpack --retry-busy 0 --out "$work/laplace" \
     > "$OUT/laplace.log" 2>&1
 echo "bench_laplace rc=$?"
+cp "$work/laplace/laplace_3c3d.json" "$OUT/" 2>/dev/null
 grep -E "PASS|FAIL|\[3c3d\]" "$OUT/laplace.log"
+
+echo "== profiler trace of a 3c3d fit"
+timeout 50 python3 benchmarks/gpu_trace.py --device cuda --problem 3c3d --out "$OUT" 2>&1 \
+    | grep -v -i warn
+ls "$OUT"
