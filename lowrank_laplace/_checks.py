@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import MutableMapping
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -159,6 +160,29 @@ def take(inputs: Any, index: Any, n: Optional[int] = None) -> Any:
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes that can still be allocated on a device.
+
+    Args:
+        device: The device.
+
+    Returns:
+        CUDA: the driver's free memory; CPU: ``MemAvailable`` of ``/proc/meminfo``
+        (free plus reclaimable page cache), or the free physical pages where that
+        file does not exist.
+    """
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def parse_memory(budget: Any) -> Any:

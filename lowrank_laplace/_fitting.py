@@ -7,13 +7,12 @@ Shape glossary:
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from lowrank_laplace._checks import batch_device, parse_memory, take
+from lowrank_laplace._checks import available_memory, batch_device, parse_memory, take
 from lowrank_laplace.engine import FactorEngine, RNGReplay, rng_state, set_rng_state
 from lowrank_laplace.factor import factor_columns
 from lowrank_laplace.merge import concat_factors
@@ -46,11 +45,7 @@ def resolve_memory_budget(budget: Union[int, float, None], device: torch.device)
     if budget <= 0:
         raise ValueError(f"memory_budget must be positive, got {budget}.")
     if isinstance(budget, float) and budget <= 1:
-        if device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
-        else:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return int(budget * free)
+        return int(budget * available_memory(device))
     return int(budget)
 
 

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_map
 
 from lowrank_laplace import _checks
 from lowrank_laplace._blocks import DenseBlock, KronBlock
-from lowrank_laplace._engine_base import Collector, EngineBase
+from lowrank_laplace._engine_base import Collector, EngineBase, rng_state, set_rng_state
 from lowrank_laplace.factor import factor_columns, reduced_cross_entropy_sqrt
 
 #: Bytes the vmapped products of one chunk may take (intermediates included). Larger
@@ -139,19 +139,20 @@ class FuncEngine(EngineBase):
         self._sync()
         params, aliases = self._param_dicts(None)
         try:
-            for vectorize in (True, False):
-                self.vectorize = vectorize
-                stack.clear()
-                try:
-                    with torch.random.fork_rng(devices=[device] if device.type == "cuda"
-                                               else []):
+            # train-mode dropout draws here from a forked generator: the caller's
+            # draws (and so the replay of low-memory passes) do not see the probe
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                for vectorize in (True, False):
+                    self.vectorize = vectorize
+                    stack.clear()
+                    try:
                         self._products(first, y, params, aliases, 0, True, 1, 1, {})
-                    break
-                except Exception:  # noqa: BLE001 - vmap failed: try one sample at a time
-                    if vectorize:
-                        continue
-                    raise
-            self._factored = self._factorable(first, y, params, aliases)
+                        break
+                    except Exception:  # noqa: BLE001 - vmap failed: one sample at a time
+                        if vectorize:
+                            continue
+                        raise
+                self._factored = self._factorable(first, y, params, aliases, device)
         except Exception as err:  # noqa: BLE001 - re-raised with the module named
             where = f"in module {stack[-1]!r} " if stack and stack[-1] else ""
             raise NotImplementedError(
@@ -169,12 +170,15 @@ class FuncEngine(EngineBase):
         self._features = sum(sizes)
 
     def _factorable(self, first: Any, y: Tensor, params: Dict[str, Tensor],
-                    aliases: Dict[str, List[str]]) -> Dict[str, nn.Module]:
+                    aliases: Dict[str, List[str]], device: torch.device
+                    ) -> Dict[str, nn.Module]:
         """Linear weights whose factored blocks equal the expanded ones on a sample.
 
         A weight qualifies if its layer is called once on a ``(1, in)`` input and the
         weight is used nowhere else (checked numerically: a weight reused outside
-        its layer, e.g. tied through ``F.linear``, gives different rows).
+        its layer, e.g. tied through ``F.linear``, gives different rows). Both
+        products draw the same dropout masks. Draws from the global generator: the
+        caller forks it.
         """
         names = {id(p): name for name, p in zip(self._names, self._copy_params)}
         candidates, calls = {}, {}
@@ -196,7 +200,9 @@ class FuncEngine(EngineBase):
         candidates = {n: m for n, m in candidates.items() if calls.get(m) == 1}
         if not candidates:
             return {}
+        state = rng_state(device)
         _, plain, _ = self._products(first, y, params, aliases, 0, True, 1, 1, {})
+        set_rng_state(state, device)
         _, rows, zs = self._products(first, y, params, aliases, 0, True, 1, 1, candidates)
         return {n: m for n, m in candidates.items()
                 if torch.allclose(plain[n].flatten(2),

@@ -178,9 +178,15 @@ def directional_derivatives(
 
     Returns:
         :class:`DirectionalDerivatives` (a list, one per group, with ``param_groups``).
+
+    Raises:
+        MemoryError: If ``V`` (with ``low_memory``, its largest block) would not fit
+            the device's available memory; raised before any backward pass.
     """
     if not low_memory:
         with FactorEngine(model, loss_func, backend=backend) as engine:
+            engine.check_memory(inputs, subsampling, mc_samples, False,
+                                "directional_derivatives")
             factor = engine.compute(
                 inputs, targets, mc_samples, subsampling, param_groups, batch_grad=True
             )
@@ -191,6 +197,7 @@ def directional_derivatives(
         return results if param_groups is not None else results[0]
     replay = RNGReplay(_checks.batch_device(inputs))
     with FactorEngine(model, loss_func, backend=backend) as engine:
+        engine.check_memory(inputs, subsampling, mc_samples, True, "directional_derivatives")
         first = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
                                keep_blocks=False, compute_grams=True, batch_grad=True,
                                cross_batch_grads=True)
@@ -207,30 +214,6 @@ def directional_derivatives(
         for g, (evals, gvecs) in enumerate(selected)
     ]
     return results if param_groups is not None else results[0]
-
-
-def _refuse_unreplayable_dropout(model: nn.Module, backend: str, name: str) -> None:
-    """Refuse ``low_memory`` passes whose dropout masks the functorch engine cannot replay.
-
-    The vmapped per-sample products draw their masks differently from the batched
-    passes these low-memory modes combine them with, so the result would mix two
-    networks silently (BackPACK's passes are all batched and replay exactly).
-    """
-    if backend != "functorch":
-        return
-    for where, module in model.named_modules():
-        rate = 0.0
-        if isinstance(module, nn.modules.dropout._DropoutNd):
-            rate = module.p
-        elif isinstance(module, nn.MultiheadAttention):
-            rate = module.dropout
-        if module.training and rate > 0:
-            raise ValueError(
-                f"{name}(low_memory=True) with the functorch backend cannot replay the "
-                f"dropout of {where or type(module).__name__!r} (training mode) across "
-                "its passes: call model.eval(), use low_memory=False, or "
-                "backend='backpack'."
-            )
 
 
 def _check_damping(damping, positive: bool = False) -> None:
@@ -305,10 +288,12 @@ def damped_newton_step(
     ``step = sum_k -gamma_k / (lambda_k + damping) e_k`` with ``gamma_k = e_k^T g``.
     With ``param_groups`` each group gets its own (block-diagonal) step.
 
-    ``low_memory=True`` never holds all of ``V``: a plain backward pass gives the
-    gradient ``g``, a second pass (with BackPACK) accumulates the Gram matrix and
-    ``V^T g`` block by block, and a third forms the step ``V y`` block by block
-    (random draws are replayed, so the result is the same as in one pass).
+    ``low_memory=True`` never holds all of ``V``: with BackPACK a plain backward
+    pass gives the gradient ``g``, a second pass accumulates the Gram matrix and
+    ``V^T g`` block by block, and a third forms the step ``V y`` block by block; the
+    functorch backend takes ``V^T g`` from the Gram pass's per-sample gradients
+    (two passes). Random draws (Monte-Carlo samples, dropout masks) are replayed, so
+    the result is the same as in one pass.
 
     Args:
         model: The network (left unchanged).
@@ -320,8 +305,8 @@ def damped_newton_step(
         mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte-Carlo.
         subsampling: Indices of the samples used for the curvature.
         param_groups: Optimizer-style groups for a block-diagonal GGN.
-        low_memory: Three backward passes instead of one, holding at most one
-            layer's block of ``V`` at a time (see above).
+        low_memory: Two or three backward passes instead of one, holding at most
+            one layer's block of ``V`` at a time (see above).
         backend: ``'auto'``, ``'backpack'`` or ``'functorch'`` (see
             :mod:`lowrank_laplace.engine`).
 
@@ -330,13 +315,14 @@ def damped_newton_step(
         ``requires_grad`` or, with ``param_groups``, the groups concatenated.
 
     Raises:
-        ValueError: If ``damping`` is negative, NaN or infinite; with ``low_memory``
-            and the functorch backend, for dropout in training mode (its masks cannot
-            be replayed across the passes).
+        ValueError: If ``damping`` is negative, NaN or infinite.
+        MemoryError: If ``V`` (with ``low_memory``, its largest block) would not fit
+            the device's available memory; raised before any backward pass.
     """
     _check_damping(damping)  # before any backward pass
     if not low_memory:
         with FactorEngine(model, loss_func, backend=backend) as engine:
+            engine.check_memory(inputs, subsampling, mc_samples, False, "damped_newton_step")
             factor = engine.compute(inputs, targets, mc_samples, subsampling, param_groups)
         steps = [
             newton_step_from_factor(factor, damping, g, top_k)
@@ -345,18 +331,26 @@ def damped_newton_step(
         return torch.cat(steps)
     replay = RNGReplay(_checks.batch_device(inputs))
     with FactorEngine(model, loss_func, backend=backend) as engine:
-        _refuse_unreplayable_dropout(model, engine.backend, "damped_newton_step")
-        grads = engine.gradient(inputs, targets, param_groups)
-        replay.restart()  # the Gram pass sees the gradient pass's dropout masks
-        first = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
-                               keep_blocks=False, compute_grams=True,
-                               t_project=[g[:, None] for g in grads])
+        engine.check_memory(inputs, subsampling, mc_samples, True, "damped_newton_step")
+        if engine.backend == "functorch":
+            # V^T g from the Gram pass's own per-sample gradients: every dropout mask
+            # is drawn by one vmapped pass, which the step pass replays
+            first = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
+                                   keep_blocks=False, compute_grams=True, batch_grad=True,
+                                   cross_batch_grads=True)
+            vtgs = [first.t_matmul_batch_grads(g).sum(1) for g in range(len(first.groups))]
+        else:
+            grads = engine.gradient(inputs, targets, param_groups)
+            replay.restart()  # the Gram pass sees the gradient pass's dropout masks
+            first = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
+                                   keep_blocks=False, compute_grams=True,
+                                   t_project=[g[:, None] for g in grads])
+            vtgs = [first.t_projected[g][:, 0] for g in range(len(first.groups))]
         replay.mark()
         coefficients = []
         for g in range(len(first.groups)):
             evals, gvecs, _ = gram_eigh(first, g, top_k)
-            vtg = first.t_projected[g][:, 0]
-            coefficients.append(_newton_gram_coefficients(evals, gvecs, vtg, damping))
+            coefficients.append(_newton_gram_coefficients(evals, gvecs, vtgs[g], damping))
         with replay:
             second = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
                                     keep_blocks=False, project=[c[:, None] for c in coefficients])
@@ -405,8 +399,9 @@ def ggn_inverse_matvec(
 
     Raises:
         ValueError: If ``vec`` is not a ``(D,)`` or ``(D, K)`` tensor of the
-            parameters' dtype, or ``damping <= 0``; with ``low_memory`` and the
-            functorch backend, for dropout in training mode.
+            parameters' dtype, or ``damping <= 0``.
+        MemoryError: If ``V`` (with ``low_memory``, its largest block) would not fit
+            the device's available memory; raised before any backward pass.
     """
     _check_damping(damping, positive=True)
     groups = _checks.resolve_param_groups(model, param_groups)
@@ -424,12 +419,13 @@ def ggn_inverse_matvec(
     parts = list(torch.split(x, dims, dim=0))
     if not low_memory:
         with FactorEngine(model, loss_func, backend=backend) as engine:
+            engine.check_memory(inputs, subsampling, mc_samples, False, "ggn_inverse_matvec")
             factor = engine.compute(inputs, targets, mc_samples, subsampling, param_groups)
         out = torch.cat([factor.inverse_matvec(p, damping, g) for g, p in enumerate(parts)])
         return out if vec.ndim == 2 else out[:, 0]
     replay = RNGReplay(_checks.batch_device(inputs))
     with FactorEngine(model, loss_func, backend=backend) as engine:
-        _refuse_unreplayable_dropout(model, engine.backend, "ggn_inverse_matvec")
+        engine.check_memory(inputs, subsampling, mc_samples, True, "ggn_inverse_matvec")
         first = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
                                keep_blocks=False, compute_grams=True, t_project=parts)
         replay.mark()

@@ -157,6 +157,46 @@ class FactorEngine:
         """
         return self._engine(inputs).bytes_per_sample(inputs, num_vectors, one_block)
 
+    def check_memory(self, inputs: Any, subsampling: Optional[List[int]], mc_samples: int,
+                     low_memory: bool, caller: str) -> None:
+        """Refuse, before any backward pass, a ``V`` the device cannot hold.
+
+        The estimate (:meth:`bytes_per_sample` times the curvature samples) counts
+        all of ``V``, or with ``low_memory`` the largest block a pass holds, and is
+        compared with what the device can still allocate.
+
+        Args:
+            inputs: The batch.
+            subsampling: Curvature samples (``None``: all).
+            mc_samples: ``0`` (exact) or Monte-Carlo samples per data point.
+            low_memory: Whether the passes hold one block of ``V`` at a time.
+            caller: The function's name, for the message.
+
+        Raises:
+            MemoryError: If the estimate exceeds the available memory, naming the
+                ways out.
+        """
+        n = _checks.check_batch(inputs, None)
+        n = len(subsampling) if subsampling is not None else n
+        need = n * self.bytes_per_sample(inputs, mc_samples or None, one_block=low_memory)
+        device = _checks.batch_device(inputs)
+        free = _checks.available_memory(device)
+        if need <= free:
+            return
+        gib = 2**30
+        if low_memory:
+            ways = "a smaller batch, subsampling=..."
+        else:
+            lean = n * self.bytes_per_sample(inputs, mc_samples or None, one_block=True)
+            ways = (f"low_memory=True (about {lean / gib:.1f} GiB: one block of V at a "
+                    "time, a second backward pass), a smaller batch, subsampling=...")
+        ways += ", mc_samples=1" if not mc_samples else ", fewer mc_samples"
+        raise MemoryError(
+            f"{caller}: {'the largest block of ' if low_memory else ''}V for {n} samples "
+            f"needs about {need / gib:.1f} GiB, but {device.type} has {free / gib:.1f} GiB "
+            f"available. Ways out: {ways}."
+        )
+
     def gradient(self, inputs: Any, targets: Any,
                  param_groups: Optional[List[dict]] = None) -> list:
         """The mini-batch gradient per group (see :meth:`EngineBase.gradient`).

@@ -346,9 +346,12 @@ def ggn_eigh(
 
     Raises:
         ValueError: For ``low_memory=True`` with ``solver='matrix_free'``.
+        MemoryError: If ``V`` (with ``low_memory``, its largest block) would not fit
+            the device's available memory; raised before any backward pass.
     """
     if not low_memory:
         with FactorEngine(model, loss_func, backend=backend) as engine:
+            engine.check_memory(inputs, subsampling, mc_samples, False, "ggn_eigh")
             factor = engine.compute(inputs, targets, mc_samples, subsampling, param_groups)
         results = [
             lowrank_ggn(factor, g, top_k, threshold, indices, solver)
@@ -359,6 +362,7 @@ def ggn_eigh(
         raise ValueError("solver='matrix_free' needs all of V: use low_memory=False.")
     replay = RNGReplay(_checks.batch_device(inputs))
     with FactorEngine(model, loss_func, backend=backend) as engine:
+        engine.check_memory(inputs, subsampling, mc_samples, True, "ggn_eigh")
         grams = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
                                keep_blocks=False, compute_grams=True)
         replay.mark()
@@ -407,8 +411,13 @@ def ggn_eigvals(
 
     Returns:
         Descending nonzero eigenvalues (one tensor per group if ``param_groups``).
+
+    Raises:
+        MemoryError: If the largest block of ``V`` would not fit the device's
+            available memory; raised before any backward pass.
     """
     with FactorEngine(model, loss_func, backend=backend) as engine:
+        engine.check_memory(inputs, subsampling, mc_samples, True, "ggn_eigvals")
         factor = engine.compute(
             inputs, targets, mc_samples, subsampling, param_groups,
             keep_blocks=False, compute_grams=True,

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import lowrank_laplace as ll
+from lowrank_laplace import _checks
 from tests import reference as ref
 from tests.conftest import make_case
 
@@ -194,3 +195,51 @@ def test_results_follow_device_and_dtype(device, dtype):
     cpu = ll.ggn_eigh(model.cpu().double(), loss_func, X.cpu().double(), y.cpu(), top_k=3)
     tol = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else TOL  # float32 rounding
     torch.testing.assert_close(res.eigenvalues.cpu().double(), cpu.eigenvalues, **tol)
+
+
+def _memory_case():
+    model, loss_func, X, y = make_case("cnn", "ce-mean", n=6)
+    with ll.FactorEngine(model, loss_func) as engine:
+        full = 6 * engine.bytes_per_sample(X)
+        lean = 6 * engine.bytes_per_sample(X, one_block=True)
+    assert lean < full
+    return (model, loss_func, X, y), full, lean
+
+
+def _inverse(model, loss_func, X, y, **kw):
+    x = torch.ones(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    return ll.ggn_inverse_matvec(model, loss_func, X, y, x, 0.1, **kw)
+
+
+MEMORY_CALLS = {
+    "ggn_eigh": lambda *c, **kw: ll.ggn_eigh(*c, top_k=2, **kw).eigenvalues,
+    "directional_derivatives": lambda *c, **kw: ll.directional_derivatives(
+        *c, top_k=2, **kw).lambdas,
+    "damped_newton_step": lambda *c, **kw: ll.damped_newton_step(*c, **kw),
+    "ggn_inverse_matvec": _inverse,
+}
+
+
+@pytest.mark.parametrize("name", list(MEMORY_CALLS))
+def test_v_that_does_not_fit_is_refused_before_any_pass(name, monkeypatch):
+    call = MEMORY_CALLS[name]
+    case, full, lean = _memory_case()
+    expected = call(*case)
+    monkeypatch.setattr(_checks, "available_memory", lambda device: (full + lean) // 2)
+    with pytest.raises(MemoryError, match=rf"{name}: V for 6 samples needs about .* "
+                                          r"low_memory=True \(about"):
+        call(*case)
+    torch.testing.assert_close(call(*case, low_memory=True), expected, rtol=1e-6, atol=1e-9)
+    monkeypatch.setattr(_checks, "available_memory", lambda device: lean // 2)
+    with pytest.raises(MemoryError, match="largest block of V .* a smaller batch"):
+        call(*case, low_memory=True)
+
+
+def test_ggn_eigvals_holds_only_the_largest_block(monkeypatch):
+    case, full, lean = _memory_case()
+    expected = ll.ggn_eigvals(*case)
+    monkeypatch.setattr(_checks, "available_memory", lambda device: (full + lean) // 2)
+    torch.testing.assert_close(ll.ggn_eigvals(*case), expected)
+    monkeypatch.setattr(_checks, "available_memory", lambda device: lean // 2)
+    with pytest.raises(MemoryError, match="ggn_eigvals"):
+        ll.ggn_eigvals(*case)
