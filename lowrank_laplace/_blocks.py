@@ -35,6 +35,12 @@ def _symmetrized(square: Tensor) -> Tensor:
     return (square + square.T) / 2
 
 
+#: Widths ``d`` from which ``B^T y`` is formed as ``(y^T B)^T``: reading the rows of a
+#: wide block along ``d`` was 2.5x faster for a few columns of ``y`` (3c3d's
+#: convolutions, ``M = 1152``, ``d = 110592``, ``K = 10``: 38 vs 95 ms on 2 CPU cores)
+#: and 1.1x for ``K = 120``; below ~4,000 the plain product was as fast or faster.
+_WIDE = 4096
+
 class DenseBlock:
     """Explicit block ``B`` of shape ``(M, d)``.
 
@@ -85,7 +91,7 @@ class DenseBlock:
         """
         rows = self.rows
         num = rows.shape[0]
-        parts = 3 if num >= 192 else 1
+        parts = min(6, num // 64) if num >= 192 else 1  # 6 parts: 7% faster than 3 at M = 1152
         if parts == 1:
             return _symmetrized(rows @ rows.T)
         out = rows.new_empty(num, num)
@@ -160,6 +166,8 @@ class DenseBlock:
         Returns:
             Tensor of shape ``(d, K)``.
         """
+        if self.rows.shape[1] >= _WIDE:
+            return (y.T @ self.rows).T
         return self.rows.T @ y
 
     def matmul_add_(self, out: Tensor, y: Tensor) -> Tensor:
@@ -172,6 +180,8 @@ class DenseBlock:
         Returns:
             ``out``.
         """
+        if self.rows.shape[1] >= _WIDE:
+            return out.add_((y.T @ self.rows).T)
         return out.addmm_(self.rows.T, y)
 
 
