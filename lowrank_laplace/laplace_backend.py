@@ -42,7 +42,7 @@ from lowrank_laplace._fitting import (
 )
 from lowrank_laplace.engine import FactorEngine, check_backend
 from lowrank_laplace.merge import StreamingMerge
-from lowrank_laplace.posterior import LowRankPrecision
+from lowrank_laplace.posterior import GramCache, LowRankPrecision
 from lowrank_laplace.predictive import batched_glm_moments, glm_moments, jacobian_energies
 from lowrank_laplace.residual import (
     DEFAULT_RESIDUAL,
@@ -592,8 +592,10 @@ class LowRankGGNLaplace(ParametricLaplace):
 
     def _precision(self) -> LowRankPrecision:
         self._check_H_init()
+        if getattr(self, "_gram_cache", None) is None:
+            self._gram_cache = GramCache()  # U^T U across predictive calls
         return self.residual_model.precision(self.H[0], self.H[1], self._H_factor,
-                                             self._prior_term())
+                                             self._prior_term(), self._gram_cache)
 
     @property
     def log_det_posterior_precision(self) -> Tensor:

@@ -22,6 +22,7 @@ Shape glossary:
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -30,6 +31,41 @@ from torch import Tensor
 from lowrank_laplace._linalg import eigh
 
 _ROWS = 2**18  # rows per chunk of D x r products with a diagonal
+
+
+def wide_gram(U: Tensor) -> Tensor:
+    """``U^T U`` in float64, over row chunks each cast on its own (no ``D x r`` copy).
+
+    Args:
+        U: Shape ``(D, r)``.
+
+    Returns:
+        Shape ``(r, r)``, float64.
+    """
+    gram = 0
+    for rows in U.split(_ROWS):
+        rows = rows.to(torch.float64)
+        gram = gram + rows.T @ rows
+    return gram
+
+
+class GramCache:
+    """``U^T U`` in float64 (:func:`wide_gram`), recomputed only for a new ``U``.
+
+    A weak reference and the tensor's version counter identify ``U``: a refit (new
+    tensor) or an in-place change (new version) recomputes, and the cache keeps no
+    old basis alive.
+    """
+
+    def __init__(self):
+        self._ref, self._version, self._gram = None, None, None
+
+    def get(self, U: Tensor) -> Tensor:
+        """The float64 Gram matrix of ``U``, shape ``(r, r)``."""
+        if self._ref is None or self._ref() is not U or self._version != U._version:
+            self._gram = wide_gram(U)
+            self._ref, self._version = weakref.ref(U), U._version
+        return self._gram
 
 
 class LowRankPrecision:
@@ -42,11 +78,16 @@ class LowRankPrecision:
         logdet_offset: Added to :meth:`logdet` (a residual model whose
             log-determinant is not that of this matrix, see
             :mod:`lowrank_laplace.residual`); ``None`` for none.
+        gram_cache: A :class:`GramCache` kept across posteriors with the same ``U``
+            (e.g. by the Laplace object between predictive calls): the float64
+            capacitance of an isotropic prior then needs one pass over ``U`` in all.
     """
 
     def __init__(self, eigenvectors: Tensor, eigenvalues: Tensor, prior_precision: Tensor,
-                 logdet_offset: Optional[Tensor] = None):
+                 logdet_offset: Optional[Tensor] = None,
+                 gram_cache: Optional["GramCache"] = None):
         self.U = eigenvectors
+        self.gram_cache = gram_cache
         self.logdet_offset = logdet_offset
         self.ell = eigenvalues
         prior_precision = torch.as_tensor(prior_precision, dtype=eigenvectors.dtype,
@@ -93,6 +134,9 @@ class LowRankPrecision:
         ell, d = self.ell.to(dtype), self.d.to(dtype)
         if orthonormal:  # scalar prior: K = I + diag(ell / d)
             K = torch.diag(ell / d)
+        elif self.isotropic and self.gram_cache is not None:
+            s = ell.sqrt()
+            K = s[:, None] * self.gram_cache.get(self.U).to(dtype) / d * s[None, :]
         else:  # U^T diag(1/d) U over row chunks: no D x r temporary
             K = 0
             for i, U in enumerate(self.U.split(_ROWS)):

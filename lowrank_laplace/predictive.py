@@ -23,7 +23,7 @@ from typing import Any, Iterator, List, Tuple
 import torch
 from torch import Tensor
 
-from lowrank_laplace._blocks import Weight
+from lowrank_laplace._blocks import DenseBlock, Weight
 from lowrank_laplace._checks import check_batch, take
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.factor import GGNFactor
@@ -88,9 +88,9 @@ def _small_products(factor: GGNFactor, precision: LowRankPrecision, weights: Lis
     ``V = sqrt(2) J^T``. Each block is widened to float64 on its own, so the
     predictive variance, a difference of these products that cancels when ``J``
     lies mostly in the kept subspace, keeps float64 accuracy for a float32 model.
-    A scalar prior variance of a parameter scales the product's columns afterwards;
-    a per-entry one needs that parameter's ``d x r`` slice of ``P_0^{-1} U``, taken
-    in column chunks so no large float64 copy is made.
+    A dense block (e.g. a convolution weight) is widened in slices of its ``d``
+    parameters together with the matching contiguous rows of ``U``; a factored
+    linear block whole, against column chunks of ``U``. No large float64 copy is made.
 
     Returns:
         ``jdj``: ``(B, C, C)`` per input, or ``(C B, C B)`` ordered ``(c, n)`` with
@@ -98,21 +98,51 @@ def _small_products(factor: GGNFactor, precision: LowRankPrecision, weights: Lis
     """
     jdj, jdw = 0, 0
     for block, U, w in zip(factor._blocks(0), factor._split(precision.U, 0), weights):
-        block = block.to(_WIDE)
-        w = w.to(_WIDE) if isinstance(w, Tensor) else w
-        if joint:
-            jdj = jdj + block.weighted_gram(w)
+        if isinstance(block, DenseBlock):
+            parts = _dense_slices(block, U, w)
         else:
-            jdj = jdj + block.sample_gram(factor.num_vectors, w)
-        per_entry = isinstance(w, Tensor) and w.numel() > 1
-        step = max(1, _WIDE_CHUNK // max(U.shape[0], 1))
-        parts = []
-        for cols in U.split(step, dim=1):
-            cols = cols.to(_WIDE)
-            parts.append(block.t_matmul(cols * w[:, None] if per_entry else cols))
-        product = torch.cat(parts, dim=1)
-        jdw = jdw + (product if per_entry else product * w)
+            wide = block.to(_WIDE)
+            parts = [(wide, _widened_products(wide, U, w))]
+        for sliced, product in parts:
+            if joint:
+                jdj = jdj + sliced.weighted_gram(product[1])
+            else:
+                jdj = jdj + sliced.sample_gram(factor.num_vectors, product[1])
+            jdw = jdw + product[0]
     return jdj / 2, jdw * precision.ell.to(_WIDE).sqrt() / 2**0.5
+
+
+def _widened_products(block: Any, U: Tensor, w: Weight) -> Tuple[Tensor, Weight]:
+    """``B P_0^{-1} U`` of a float64 block against column chunks of ``U``, and ``w``."""
+    w = w.to(_WIDE) if isinstance(w, Tensor) else w
+    per_entry = isinstance(w, Tensor) and w.numel() > 1
+    step = max(1, _WIDE_CHUNK // max(U.shape[0], 1))
+    parts = []
+    for cols in U.split(step, dim=1):
+        cols = cols.to(_WIDE)
+        parts.append(block.t_matmul(cols * w[:, None] if per_entry else cols))
+    product = torch.cat(parts, dim=1)
+    return (product if per_entry else product * w), w
+
+
+def _dense_slices(block: DenseBlock, U: Tensor, w: Weight
+                  ) -> Iterator[Tuple[DenseBlock, Tuple[Tensor, Weight]]]:
+    """Float64 slices of a dense block with their products ``B_s P_0^{-1} U_s``.
+
+    Slices of ``d`` keep each widened copy of rows and of ``U`` near
+    ``_WIDE_CHUNK`` entries; the rows of ``U`` of a slice are contiguous.
+    """
+    rows = block.rows
+    per_entry = isinstance(w, Tensor) and w.numel() > 1
+    step = max(1, _WIDE_CHUNK // max(rows.shape[0] + U.shape[1], 1))
+    for lo in range(0, rows.shape[1], step):
+        hi = min(lo + step, rows.shape[1])
+        sliced = DenseBlock(rows[:, lo:hi].to(_WIDE))
+        U_s = U[lo:hi].to(_WIDE)
+        w_s = w[lo:hi].to(_WIDE) if per_entry else (
+            w.to(_WIDE) if isinstance(w, Tensor) else w)
+        product = sliced.t_matmul(U_s * w_s[:, None] if per_entry else U_s)
+        yield sliced, (product if per_entry else product * w_s, w_s)
 
 
 def batched_glm_moments(

@@ -64,7 +64,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lowrank_laplace.posterior import LowRankPrecision
+from lowrank_laplace.posterior import GramCache, LowRankPrecision
 
 RESIDUALS = ("spectral", "isotropic", "diagonal", "none")
 DEFAULT_RESIDUAL = "spectral"
@@ -213,7 +213,7 @@ class Residual:
                    float(exponent))
 
     def precision(self, eigenvectors: Tensor, eigenvalues: Tensor, scale: Tensor,
-                  prior: Tensor) -> LowRankPrecision:
+                  prior: Tensor, gram_cache: Optional[GramCache] = None) -> LowRankPrecision:
         r"""The posterior precision with this residual.
 
         Args:
@@ -223,6 +223,8 @@ class Residual:
                 gradients.
             prior: Prior precision ``d``: a scalar tensor or shape ``(D,)``; may carry
                 gradients.
+            gram_cache: Passed on to
+                :class:`~lowrank_laplace.posterior.LowRankPrecision`.
 
         Returns:
             The :class:`~lowrank_laplace.posterior.LowRankPrecision`.
@@ -230,10 +232,10 @@ class Residual:
         ell = scale * eigenvalues
         dim, rank = self.dim, eigenvalues.numel()
         if self.model == "none" or dim == rank:
-            return LowRankPrecision(eigenvectors, ell, prior)
+            return LowRankPrecision(eigenvectors, ell, prior, gram_cache=gram_cache)
         if self.model == "diagonal":
             diag = self.diagonal.to(ell.dtype)
-            return LowRankPrecision(eigenvectors, ell, prior + scale * diag)
+            return LowRankPrecision(eigenvectors, ell, prior + scale * diag, gram_cache=gram_cache)
         num = dim - rank
         if self.model == "isotropic":
             rho = scale * self.mass / num
@@ -253,4 +255,4 @@ class Residual:
             tail_logdet = torch.log(tail + delta).sum() + zeros * torch.log(delta)
             offset = tail_logdet - num * torch.log(rho + delta)
         return LowRankPrecision(eigenvectors, (ell - rho).clamp(min=0), prior + rho,
-                                logdet_offset=offset)
+                                logdet_offset=offset, gram_cache=gram_cache)

@@ -344,3 +344,20 @@ def test_float32_glm_predictive_matches_float64(likelihood):
                 p64 = la64(Xt, link_approx=link)
                 p32 = la32(Xt.float(), link_approx=link)
                 torch.testing.assert_close(p32.double(), p64, rtol=1e-3, atol=1e-5)
+
+
+def test_gram_cache_recomputes_for_a_new_or_changed_basis():
+    from lowrank_laplace.posterior import GramCache, wide_gram
+
+    torch.manual_seed(0)
+    U = torch.linalg.qr(torch.randn(300, 7))[0]  # float32
+    cache = GramCache()
+    first = cache.get(U)
+    assert first.dtype == torch.float64
+    torch.testing.assert_close(first, U.double().T @ U.double(), rtol=1e-12, atol=1e-12)
+    assert cache.get(U) is first  # one pass over U for every later predictive
+    U.mul_(2)  # in place: a new version
+    torch.testing.assert_close(cache.get(U), 4 * first, rtol=1e-12, atol=1e-12)
+    V = torch.randn(300, 7)
+    torch.testing.assert_close(cache.get(V), wide_gram(V), rtol=1e-12, atol=1e-12)
+
