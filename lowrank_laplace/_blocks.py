@@ -35,11 +35,13 @@ def _symmetrized(square: Tensor) -> Tensor:
     return (square + square.T) / 2
 
 
-#: Widths ``d`` from which ``B^T y`` is formed as ``(y^T B)^T``: reading the rows of a
-#: wide block along ``d`` was 2.5x faster for a few columns of ``y`` (3c3d's
-#: convolutions, ``M = 1152``, ``d = 110592``, ``K = 10``: 38 vs 95 ms on 2 CPU cores)
-#: and 1.1x for ``K = 120``; below ~4,000 the plain product was as fast or faster.
+#: ``B^T y`` is formed as ``(y^T B)^T`` for wide blocks (``d >= _WIDE``) with many rows
+#: for few columns of ``y`` (``M >= 8 K``): reading the rows along ``d`` was 2.5x
+#: faster for 3c3d's convolutions (``M = 1152``, ``d = 110592``, ``K = 10``: 38 vs 95
+#: ms on 2 CPU cores). With few rows (a streaming merge of ResNet-18's ``M = 18``
+#: against ``K = 120``) the transposed sum was 4x slower than the plain product.
 _WIDE = 4096
+
 
 class DenseBlock:
     """Explicit block ``B`` of shape ``(M, d)``.
@@ -166,7 +168,7 @@ class DenseBlock:
         Returns:
             Tensor of shape ``(d, K)``.
         """
-        if self.rows.shape[1] >= _WIDE:
+        if self._read_along_d(y):
             return (y.T @ self.rows).T
         return self.rows.T @ y
 
@@ -180,9 +182,13 @@ class DenseBlock:
         Returns:
             ``out``.
         """
-        if self.rows.shape[1] >= _WIDE:
+        if self._read_along_d(y):
             return out.add_((y.T @ self.rows).T)
         return out.addmm_(self.rows.T, y)
+
+    def _read_along_d(self, y: Tensor) -> bool:
+        """Whether ``B^T y`` is faster as ``(y^T B)^T`` (see ``_WIDE``)."""
+        return self.rows.shape[1] >= _WIDE and self.rows.shape[0] >= 8 * y.shape[1]
 
 
 class KronBlock:
