@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
-from lowrank_laplace._checks import take, to_device
+from lowrank_laplace._checks import check_batch, take, to_device
 from lowrank_laplace._fitting import (
     BatchStreamer,
     micro_batch_size,
@@ -152,6 +152,13 @@ class LowRankGGNLaplace(ParametricLaplace):
     #: Training inputs (the first the loader yields) on which the fit measures the
     #: kept eigenvectors' Jacobian energies for the spectral residual's weights.
     _probe_size = 256
+    #: Random output combinations over the whole probe for those energies: each input
+    #: carries ``ceil(_probe_columns / inputs)`` of them instead of its ``C`` outputs
+    #: (an unbiased estimate), or all ``C`` where that is not fewer; ``None`` always
+    #: measures exactly. On the digits MLP and DeepOBS 3c3d (256 inputs, 2 of 10
+    #: outputs each) the fitted exponent moved by under 0.005 (0.652 +- 0.002 vs 0.656;
+    #: 0.935 +- 0.002 vs 0.936) at a fifth of the exact pass's cost.
+    _probe_columns: Optional[int] = 512
     #: The fit sums the GGN densely and eigendecomposes it once (exact) when the
     #: ``D x D`` matrix fits ``memory_budget`` and a cost model finds it cheaper than
     #: streaming merges, and also, up to this many parameters (typically a last
@@ -434,7 +441,8 @@ class LowRankGGNLaplace(ParametricLaplace):
         if previous is not None:
             U, lam, trace, residual = self._merge_fitted(previous, (U, lam, trace, residual))
             loss, num_data = previous[4] + loss, previous[5] + num_data
-        exponent = self._fit_jacobian_exponent(module, probe, U, lam, group)
+        exponent = self._fit_jacobian_exponent(module, probe, U, lam, group, stream.rng,
+                                               stream.n_outputs)
         self.mean = mean
         self.n_outputs = stream.n_outputs
         self.H = (U, lam)
@@ -450,19 +458,26 @@ class LowRankGGNLaplace(ParametricLaplace):
         self._residual_model = None
 
     def _fit_jacobian_exponent(self, module: nn.Module, probe: List[Any], U: Tensor,
-                               lam: Tensor, group: Any) -> float:
+                               lam: Tensor, group: Any, rng: Any, num_outputs: int) -> float:
         """``beta`` of the spectral residual from the kept eigenvectors' Jacobian energies.
 
-        One extra backward pass (MSE-sum engine) per probe micro-batch; summed over
-        processes when fitting data-parallel, so every process gets the same value.
+        One extra backward pass (MSE-sum engine) per probe micro-batch, carrying
+        random output combinations per input (``_probe_columns``; drawn in the fit's
+        private stream ``rng``) or all ``num_outputs``; summed over processes when
+        fitting data-parallel, so every process gets the same value.
         """
         if U.shape[1] in (0, U.shape[0]):  # nothing kept, or nothing dropped
             return 0.0
         with FactorEngine(module, nn.MSELoss(reduction="sum"), eval_mode=True,
                           backend=self.factor_backend) as engine:
-            micro = micro_batch_size(engine, probe[0], None, self.memory_budget,
+            inputs = sum(check_batch(x, None) for x in probe)
+            projections = None if self._probe_columns is None else \
+                -(-self._probe_columns // max(inputs, 1))
+            if projections is not None and projections >= num_outputs:
+                projections = None  # no cheaper than the exact energies
+            micro = micro_batch_size(engine, probe[0], projections, self.memory_budget,
                                      self.micro_batch_size)
-            energy = jacobian_energies(engine, probe, U, micro)
+            energy = jacobian_energies(engine, probe, U, micro, projections, rng)
         if group is not None:
             import torch.distributed as dist
 

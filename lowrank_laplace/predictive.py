@@ -18,7 +18,8 @@ Shape glossary:
 
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Tuple
+import contextlib
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -173,17 +174,27 @@ def batched_glm_moments(
 
 
 def jacobian_energies(engine: FactorEngine, batches: List, U: Tensor,
-                      micro_batch_size: int) -> Tensor:
+                      micro_batch_size: int, projections: Optional[int] = None,
+                      rng: Any = None) -> Tensor:
     r"""Jacobian energies :math:`e_k = \sum_n \|J_n u_k\|^2` of the columns of ``U``.
 
     The spectral residual model measures with them how an input's Jacobian spreads
     over the GGN's eigen-directions (see :func:`~lowrank_laplace.residual.jacobian_exponent`).
+
+    Exact, the backward passes carry all ``C`` output directions of every input. With
+    ``projections = m`` they carry ``m`` random Gaussian combinations of them instead
+    (the Monte-Carlo factor of the squared loss): ``E[\|\xi^T J_n u\|^2] = \|J_n u\|^2``,
+    so the estimate is unbiased at ``m / C`` of the cost.
 
     Args:
         engine: Engine built with ``nn.MSELoss(reduction="sum")`` on the model.
         batches: Input batches (tensors or dicts), summed over.
         U: Orthonormal directions, shape ``(D, r)``.
         micro_batch_size: Inputs per backward pass.
+        projections: ``None`` for the exact energies, else random projections per
+            input.
+        rng: Context manager the random projections are drawn in (e.g. the fit's
+            private stream); ``None`` draws from the global generator.
 
     Returns:
         Tensor of shape ``(r,)``.
@@ -191,8 +202,12 @@ def jacobian_energies(engine: FactorEngine, batches: List, U: Tensor,
     energy = U.new_zeros(U.shape[1])
     for inputs in batches:
         for chunk in _micro_batches(inputs, micro_batch_size):
-            factor = jacobian_factor(engine, chunk)
-            energy += (factor.t_matmul(U) ** 2).sum(0) / 2  # V = sqrt(2) J^T
+            if projections is None:
+                factor = jacobian_factor(engine, chunk)
+            else:
+                with rng if rng is not None else contextlib.nullcontext():
+                    factor = engine.compute(chunk, None, mc_samples=projections)
+            energy += (factor.t_matmul(U) ** 2).sum(0) / 2  # E[V V^T] = 2 J^T J
     return energy
 
 
