@@ -18,6 +18,11 @@
 #       NN predictive of lowrank_ggn exact/MC vs BackPACK-kron on the GPU) and
 #       gpu_trace_3c3d.json (host-device copies and scalar reads during a fit, see
 #       benchmarks/gpu_trace.py).
+#                               bash benchmarks/gpu_check.sh fits
+#       a second call of about 8 minutes: the Laplace fits of ResNet-18 and the
+#       transformer on 1,024 points with the GLM predictive on 128
+#       (models_laplace.log/.json) and the 3c3d Laplace benchmark (laplace.log,
+#       laplace_3c3d.json).
 #
 # SKIP_INSTALL=1 uses the current environment instead of the wheels (to try the
 # script on a CPU machine, where every step falls back to or skips CUDA).
@@ -33,8 +38,8 @@ if [ "$mode" = prepare ]; then
         curvlinops-for-pytorch==3.0.1 asdfghjkl==0.1a5 unfoldNd==0.2.3 einconv==0.1.0
     exit $?
 fi
-if [ "$mode" != run ]; then
-    echo "usage: bash benchmarks/gpu_check.sh prepare|run" >&2
+if [ "$mode" != run ] && [ "$mode" != fits ]; then
+    echo "usage: bash benchmarks/gpu_check.sh prepare|run|fits" >&2
     exit 2
 fi
 
@@ -54,6 +59,23 @@ export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 'cuda', torch.version.cuda, torch.cuda.get_device_name(0) if c else 'no CUDA device')"
 } > "$OUT/card.txt"
 cat "$OUT/card.txt"
+
+if [ "$mode" = fits ]; then  # a second call: the fits at the models' full sizes
+    echo "== Laplace fits of ResNet-18 and the transformer (1,024 / 128 points)"
+    timeout 330 python3 benchmarks/bench_models.py --device cuda --parts laplace \
+        --n-train 1024 --n-test 128 --timeout 80 --out /tmp/gpu_fits \
+        > "$OUT/models_laplace.log" 2>&1
+    echo "bench_models rc=$?"
+    cp /tmp/gpu_fits/models.json "$OUT/models_laplace.json" 2>/dev/null
+    grep -E "\[laplace" "$OUT/models_laplace.log"
+    echo "== Laplace benchmark on 3c3d"
+    timeout 150 python3 benchmarks/bench_laplace.py --device cuda --problems 3c3d \
+        --methods lowrank_exact lowrank_mc kron_backpack --retry-busy 0 --out /tmp/gpu_fits \
+        > "$OUT/laplace.log" 2>&1
+    cp /tmp/gpu_fits/laplace_3c3d.json "$OUT/" 2>/dev/null
+    grep -E "PASS|FAIL|\[3c3d\]" "$OUT/laplace.log"
+    exit 0
+fi
 
 echo "== CUDA tests (tests/test_cuda.py and the device-parametrised tests)"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
