@@ -103,13 +103,13 @@ def _small_products(factor: GGNFactor, precision: LowRankPrecision, weights: Lis
             parts = _dense_slices(block, U, w)
         else:
             wide = block.to(_WIDE)
-            parts = [(wide, _widened_products(wide, U, w))]
-        for sliced, product in parts:
+            parts = [(wide, *_widened_products(wide, U, w))]
+        for wide, product, w_wide in parts:  # (float64 block, B P_0^{-1} U, its weight)
             if joint:
-                jdj = jdj + sliced.weighted_gram(product[1])
+                jdj = jdj + wide.weighted_gram(w_wide)
             else:
-                jdj = jdj + sliced.sample_gram(factor.num_vectors, product[1])
-            jdw = jdw + product[0]
+                jdj = jdj + wide.sample_gram(factor.num_vectors, w_wide)
+            jdw = jdw + product
     return jdj / 2, jdw * precision.ell.to(_WIDE).sqrt() / 2**0.5
 
 
@@ -127,7 +127,7 @@ def _widened_products(block: Any, U: Tensor, w: Weight) -> Tuple[Tensor, Weight]
 
 
 def _dense_slices(block: DenseBlock, U: Tensor, w: Weight
-                  ) -> Iterator[Tuple[DenseBlock, Tuple[Tensor, Weight]]]:
+                  ) -> Iterator[Tuple[DenseBlock, Tensor, Weight]]:
     """Float64 slices of a dense block with their products ``B_s P_0^{-1} U_s``.
 
     Slices of ``d`` keep each widened copy of rows and of ``U`` near
@@ -143,7 +143,7 @@ def _dense_slices(block: DenseBlock, U: Tensor, w: Weight
         w_s = w[lo:hi].to(_WIDE) if per_entry else (
             w.to(_WIDE) if isinstance(w, Tensor) else w)
         product = sliced.t_matmul(U_s * w_s[:, None] if per_entry else U_s)
-        yield sliced, (product if per_entry else product * w_s, w_s)
+        yield sliced, (product if per_entry else product * w_s), w_s
 
 
 def batched_glm_moments(
