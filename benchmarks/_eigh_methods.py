@@ -17,7 +17,6 @@ import os
 import resource
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,7 +61,6 @@ POWER_TOL = 1e-3
 _num_cores = _harness.num_cores
 _maxrss_bytes = _harness.maxrss_bytes
 _sync = _harness.sync
-_is_oom = _harness.is_oom
 _preimport = _harness.preimport
 
 
@@ -500,9 +498,7 @@ def worker_main(args: argparse.Namespace):
             "method": args.method,
             "N": args.N,
             "k": args.k,
-            "status": "oom" if _is_oom(exc) else "error",
-            "reason": f"{type(exc).__name__}: {exc}"[:2000],
-            "traceback": traceback.format_exc()[-4000:],
+            **_harness.failure_record(exc),
         }
     sys.stdout.flush()
     print(RESULT_MARKER + json.dumps(record), flush=True)

@@ -20,6 +20,7 @@ import resource
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -184,6 +185,23 @@ def is_oom(exc: BaseException) -> bool:
     return any(s in msg for s in ("out of memory", "can't allocate memory", "not enough memory"))
 
 
+def failure_record(exc: BaseException) -> dict[str, str]:
+    """The fields a worker reports for a failed call (inside the ``except`` block).
+
+    Args:
+        exc: The exception being handled.
+
+    Returns:
+        ``status`` (``'oom'`` or ``'error'``), ``reason`` (type and message) and the
+        end of the ``traceback``.
+    """
+    return {
+        "status": "oom" if is_oom(exc) else "error",
+        "reason": f"{type(exc).__name__}: {exc}"[:2000],
+        "traceback": traceback.format_exc()[-4000:],
+    }
+
+
 def preimport(names: Iterable[str] = DEFAULT_PREIMPORTS):
     """Import modules that the methods load lazily on their first call.
 
@@ -274,6 +292,18 @@ def ggn_eigsh(
 ###############################################################################
 #                              Driver side                                    #
 ###############################################################################
+
+
+def add_worker_env_arguments(parser: argparse.ArgumentParser):
+    """Add ``--blas-threads`` and ``--omp-wait-policy``, read by :func:`worker_env`.
+
+    Args:
+        parser: The driver's argument parser.
+    """
+    parser.add_argument("--blas-threads", type=int, default=1,
+                        help="OPENBLAS_NUM_THREADS for NumPy/SciPy in workers (0: do not set).")
+    parser.add_argument("--omp-wait-policy", default="PASSIVE",
+                        help="OMP_WAIT_POLICY in workers ('' to inherit).")
 
 
 def worker_env(args: argparse.Namespace) -> dict[str, str]:

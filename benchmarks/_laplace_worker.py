@@ -16,7 +16,6 @@ import json
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -254,9 +253,7 @@ def _measure(phase: str, fn: Callable[[], Any], device: torch.device) -> tuple[d
         record["status"] = "ok"
     except Exception as exc:  # noqa: BLE001 (every failure is a result)
         record["time_to_failure_s"] = time.perf_counter() - start
-        record["status"] = "oom" if _harness.is_oom(exc) else "error"
-        record["reason"] = f"{type(exc).__name__}: {exc}"[:2000]
-        record["traceback"] = traceback.format_exc()[-4000:]
+        record.update(_harness.failure_record(exc))
     busy1, own1 = _harness.system_busy_cpu_seconds(), _harness.own_cpu_seconds()
     if busy0 is not None and busy1 is not None:
         record["other_cpu_percent_during_phase"] = _harness.other_cpu_percent(
@@ -468,11 +465,4 @@ def worker_main(args: argparse.Namespace):
     try:
         run_worker(args)
     except Exception as exc:  # noqa: BLE001 (report every failure)
-        _emit(
-            {
-                "phase": "setup",
-                "status": "oom" if _harness.is_oom(exc) else "error",
-                "reason": f"{type(exc).__name__}: {exc}"[:2000],
-                "traceback": traceback.format_exc()[-4000:],
-            }
-        )
+        _emit({"phase": "setup", **_harness.failure_record(exc)})

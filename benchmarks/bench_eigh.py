@@ -365,12 +365,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=0,
         help="torch threads in workers (0: number of usable cores).",
     )
-    parser.add_argument(
-        "--blas-threads",
-        type=int,
-        default=1,
-        help="OPENBLAS_NUM_THREADS for NumPy/SciPy in workers (0: do not set).",
-    )
+    _harness.add_worker_env_arguments(parser)
     parser.add_argument(
         "--wait-idle",
         type=float,
@@ -383,11 +378,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="Fresh-process runs per configuration (median time is reported).",
-    )
-    parser.add_argument(
-        "--omp-wait-policy",
-        default="PASSIVE",
-        help="OMP_WAIT_POLICY in workers ('' to inherit).",
     )
     parser.add_argument(
         "--no-verify",

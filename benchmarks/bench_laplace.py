@@ -670,15 +670,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads in workers (0: usable cores)."
     )
-    parser.add_argument(
-        "--blas-threads",
-        type=int,
-        default=1,
-        help="OPENBLAS_NUM_THREADS for NumPy/SciPy in workers (0: do not set).",
-    )
-    parser.add_argument(
-        "--omp-wait-policy", default="PASSIVE", help="OMP_WAIT_POLICY in workers ('' to inherit)."
-    )
+    _harness.add_worker_env_arguments(parser)
     parser.add_argument(
         "--wait-for",
         nargs="*",

@@ -67,7 +67,6 @@ import json
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -389,9 +388,7 @@ def worker_main(args: argparse.Namespace):
         run_worker(args)
     except Exception as exc:  # noqa: BLE001 (report every failure)
         _emit({"part": args.part, "model": args.model, "method": args.method,
-               "phase": "setup", "status": "oom" if _harness.is_oom(exc) else "error",
-               "reason": f"{type(exc).__name__}: {exc}"[:2000],
-               "traceback": traceback.format_exc()[-4000:]})
+               "phase": "setup", **_harness.failure_record(exc)})
 
 
 ###############################################################################
@@ -876,10 +873,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="Random seed.")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads in workers (0: number of usable cores).")
-    parser.add_argument("--blas-threads", type=int, default=1,
-                        help="OPENBLAS_NUM_THREADS for NumPy/SciPy in workers (0: do not set).")
-    parser.add_argument("--omp-wait-policy", default="PASSIVE",
-                        help="OMP_WAIT_POLICY in workers ('' to inherit).")
+    _harness.add_worker_env_arguments(parser)
     parser.add_argument("--wait-idle", type=float, default=0.0,
                         help="Before each worker, wait up to this many seconds for other "
                         f"processes to leave the CPU (< {BUSY_WARN_PERCENT:g}%% busy).")

@@ -159,8 +159,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cores", type=int, default=_harness.num_cores())
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    parser.add_argument("--blas-threads", type=int, default=1)
-    parser.add_argument("--omp-wait-policy", default="PASSIVE")
+    _harness.add_worker_env_arguments(parser)
     return parser.parse_args(argv)
 
 
