@@ -79,15 +79,16 @@ class LowRankPrecision:
             log-determinant is not that of this matrix, see
             :mod:`lowrank_laplace.residual`); ``None`` for none.
         gram_cache: A :class:`GramCache` kept across posteriors with the same ``U``
-            (e.g. by the Laplace object between predictive calls): the float64
-            capacitance of an isotropic prior then needs one pass over ``U`` in all.
+            (e.g. by the Laplace object between predictive calls), so the float64
+            capacitance of an isotropic prior needs one pass over ``U`` in all;
+            ``None``: one of this posterior's own.
     """
 
     def __init__(self, eigenvectors: Tensor, eigenvalues: Tensor, prior_precision: Tensor,
                  logdet_offset: Optional[Tensor] = None,
-                 gram_cache: Optional["GramCache"] = None):
+                 gram_cache: Optional[GramCache] = None):
         self.U = eigenvectors
-        self.gram_cache = gram_cache
+        self.gram_cache = gram_cache if gram_cache is not None else GramCache()
         self.logdet_offset = logdet_offset
         self.ell = eigenvalues
         prior_precision = torch.as_tensor(prior_precision, dtype=eigenvectors.dtype,
@@ -134,15 +135,14 @@ class LowRankPrecision:
         ell, d = self.ell.to(dtype), self.d.to(dtype)
         if orthonormal:  # scalar prior: K = I + diag(ell / d)
             K = torch.diag(ell / d)
-        elif self.isotropic and self.gram_cache is not None:
+        elif self.isotropic:  # U^T U / d, U^T U from the (shared) float64 cache
             s = ell.sqrt()
             K = s[:, None] * self.gram_cache.get(self.U).to(dtype) / d * s[None, :]
         else:  # U^T diag(1/d) U over row chunks: no D x r temporary
             K = 0
             for i, U in enumerate(self.U.split(_ROWS)):
                 U = U.to(dtype)
-                rows = d if self.isotropic else d[i * _ROWS: i * _ROWS + U.shape[0], None]
-                K = K + (U / rows).T @ U
+                K = K + (U / d[i * _ROWS: i * _ROWS + U.shape[0], None]).T @ U
             s = ell.sqrt()
             K = s[:, None] * K * s[None, :]
         K = K + torch.eye(K.shape[0], dtype=K.dtype, device=K.device)
