@@ -40,7 +40,7 @@ def resolve_memory_budget(budget: Union[int, float, None], device: torch.device)
     budget = parse_memory(budget)
     if budget is None:
         if device.type == "cuda":
-            return max(DEFAULT_MEMORY_BUDGET, torch.cuda.mem_get_info(device)[0] // 4)
+            return max(DEFAULT_MEMORY_BUDGET, available_memory(device) // 4)
         return DEFAULT_MEMORY_BUDGET
     if budget <= 0:
         raise ValueError(f"memory_budget must be positive, got {budget}.")
