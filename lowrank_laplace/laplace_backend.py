@@ -281,6 +281,7 @@ class LowRankGGNLaplace(ParametricLaplace):
         self.micro_batch_size = micro_batch_size
         self.low_memory = bool(low_memory)
         self._jacobian_exponent = 0.0
+        self._gram_cache = GramCache()  # float64 U^T U, kept across predictive calls
         self.residual_diagonal: Optional[Tensor] = None
         self.seed = seed
         self.trace: Optional[Tensor] = None
@@ -607,8 +608,6 @@ class LowRankGGNLaplace(ParametricLaplace):
 
     def _precision(self) -> LowRankPrecision:
         self._check_H_init()
-        if getattr(self, "_gram_cache", None) is None:
-            self._gram_cache = GramCache()  # U^T U across predictive calls
         return self.residual_model.precision(self.H[0], self.H[1], self._H_factor,
                                              self._prior_term(), self._gram_cache)
 
