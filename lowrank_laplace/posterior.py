@@ -60,6 +60,10 @@ class GramCache:
     def __init__(self):
         self._ref, self._version, self._gram = None, None, None
 
+    def __getstate__(self) -> dict:
+        """Pickle empty: the Gram matrix is derived, and a weak reference cannot be."""
+        return {"_ref": None, "_version": None, "_gram": None}
+
     def get(self, U: Tensor) -> Tensor:
         """The float64 Gram matrix of ``U``, shape ``(r, r)``."""
         if self._ref is None or self._ref() is not U or self._version != U._version:

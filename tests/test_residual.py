@@ -417,3 +417,17 @@ def test_probe_draws_are_private_and_reproducible(monkeypatch):
     assert 0 < exact.jacobian_exponent < 1
     assert first.jacobian_exponent != exact.jacobian_exponent  # the random path ran
     assert first.jacobian_exponent == pytest.approx(exact.jacobian_exponent, abs=0.05)
+
+
+def test_fitted_posterior_pickles_after_a_predictive():
+    """The Gram cache holds a weak reference; it pickles empty and refills."""
+    import pickle
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 3))
+    X, y = torch.randn(40, 3), torch.randint(0, 3, (40,))
+    la = LowRankGGNLaplace(model, "classification", rank=5)
+    la.fit(DataLoader(TensorDataset(X, y), batch_size=10))
+    before = la(X[:4], pred_type="glm", link_approx="probit")
+    again = pickle.loads(pickle.dumps(la))
+    torch.testing.assert_close(again(X[:4], pred_type="glm", link_approx="probit"), before)
