@@ -410,7 +410,8 @@ def test_probe_draws_are_private_and_reproducible(monkeypatch):
     assert torch.equal(torch.random.get_rng_state(), expected)  # nothing more drawn
     second = LowRankGGNLaplace(model, "classification", rank=20)
     second.fit(loader)
-    assert second.jacobian_exponent == first.jacobian_exponent
+    # same draws (numerically: BLAS may round the same sums differently by the 1e-15)
+    assert second.jacobian_exponent == pytest.approx(first.jacobian_exponent, rel=1e-9)
     monkeypatch.setattr(LowRankGGNLaplace, "_probe_columns", None)
     exact = LowRankGGNLaplace(model, "classification", rank=20)
     exact.fit(loader)
