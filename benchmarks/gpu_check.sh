@@ -23,6 +23,9 @@
 #       transformer on 1,024 points with the GLM predictive on 128
 #       (models_laplace.log/.json) and the 3c3d Laplace benchmark (laplace.log,
 #       laplace_3c3d.json).
+#                               bash benchmarks/gpu_check.sh tests
+#       the CUDA tests alone (pytest_cuda.log, about 2 minutes), to run before `fits`
+#       in one call after the library has changed.
 #
 # SKIP_INSTALL=1 uses the current environment instead of the wheels (to try the
 # script on a CPU machine, where every step falls back to or skips CUDA).
@@ -38,8 +41,8 @@ if [ "$mode" = prepare ]; then
         curvlinops-for-pytorch==3.0.1 asdfghjkl==0.1a5 unfoldNd==0.2.3 einconv==0.1.0
     exit $?
 fi
-if [ "$mode" != run ] && [ "$mode" != fits ]; then
-    echo "usage: bash benchmarks/gpu_check.sh prepare|run|fits" >&2
+if [ "$mode" != run ] && [ "$mode" != fits ] && [ "$mode" != tests ]; then
+    echo "usage: bash benchmarks/gpu_check.sh prepare|run|fits|tests" >&2
     exit 2
 fi
 
@@ -62,14 +65,14 @@ cat "$OUT/card.txt"
 
 if [ "$mode" = fits ]; then  # a second call: the fits at the models' full sizes
     echo "== Laplace fits of ResNet-18 and the transformer (1,024 / 128 points)"
-    timeout 330 python3 benchmarks/bench_models.py --device cuda --parts laplace \
+    timeout 300 python3 benchmarks/bench_models.py --device cuda --parts laplace \
         --n-train 1024 --n-test 128 --timeout 80 --out /tmp/gpu_fits \
         > "$OUT/models_laplace.log" 2>&1
     echo "bench_models rc=$?"
     cp /tmp/gpu_fits/models.json "$OUT/models_laplace.json" 2>/dev/null
     grep -E "\[laplace" "$OUT/models_laplace.log"
     echo "== Laplace benchmark on 3c3d"
-    timeout 150 python3 benchmarks/bench_laplace.py --device cuda --problems 3c3d \
+    timeout 130 python3 benchmarks/bench_laplace.py --device cuda --problems 3c3d \
         --methods lowrank_exact lowrank_mc kron_backpack --retry-busy 0 --out /tmp/gpu_fits \
         > "$OUT/laplace.log" 2>&1
     cp /tmp/gpu_fits/laplace_3c3d.json "$OUT/" 2>/dev/null
@@ -85,6 +88,7 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
 rc=$?
 tail -2 "$OUT/pytest_cuda.log"
 echo "pytest rc=$rc" | tee -a "$OUT/pytest_cuda.log"
+[ "$mode" = tests ] && exit 0
 
 echo "== top-10 eigenpairs of ResNet-18 and the transformer at N = 128"
 work=/tmp/gpu_check_work
