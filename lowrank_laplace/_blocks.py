@@ -78,6 +78,20 @@ class DenseBlock:
         """Return ``B`` explicitly, shape ``(M, d)``."""
         return self.rows
 
+    def take_samples(self, start: int, stop: int, num_vectors: int) -> "DenseBlock":
+        """The rows of samples ``start:stop`` (a copy unless one vector per sample).
+
+        Args:
+            start: First sample.
+            stop: One past the last sample.
+            num_vectors: Vectors per sample ``V`` (rows are ordered ``(v, n)``).
+
+        Returns:
+            A block with ``num_vectors * (stop - start)`` rows.
+        """
+        rows = self.rows.reshape(num_vectors, -1, self.rows.shape[1])[:, start:stop]
+        return DenseBlock(rows.reshape(-1, self.rows.shape[1]))
+
     def gram(self) -> Tensor:
         """Return ``B B^T``, shape ``(M, M)``.
 
@@ -230,6 +244,19 @@ class KronBlock:
         """
         self.s = self.s * alpha
         return self
+
+    def take_samples(self, start: int, stop: int, num_vectors: int) -> "KronBlock":
+        """The rows of samples ``start:stop``, still factored (``s`` copied contiguous).
+
+        Args:
+            start: First sample.
+            stop: One past the last sample.
+            num_vectors: Vectors per sample (``s.shape[0]``).
+
+        Returns:
+            A block with ``num_vectors * (stop - start)`` rows.
+        """
+        return KronBlock(self.s[:, start:stop].contiguous(), self.z[start:stop])
 
     def to_dense(self) -> Tensor:
         """Return ``B`` explicitly, shape ``(M, out * in)``."""

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from lowrank_laplace._checks import available_memory, batch_device, parse_memory, take
 from lowrank_laplace.engine import FactorEngine, RNGReplay, rng_state, set_rng_state
-from lowrank_laplace.factor import factor_columns
+from lowrank_laplace.factor import GGNFactor, factor_columns
 from lowrank_laplace.merge import concat_factors
 
 DEFAULT_MEMORY_BUDGET = 2**30
@@ -286,7 +286,9 @@ def merge_plan(engine: FactorEngine, X: Tensor, mc_samples: int, batch_size: int
             block of ``V`` at a time (no concatenated copies).
 
     Returns:
-        ``(micro-batch size, merge size)`` in samples.
+        ``(micro-batch size, merge size)`` in samples. Without ``low_memory`` a
+        micro-batch (one backward pass) may be larger than a merge and is then
+        merged in pieces.
     """
     limit = micro_batch_size(engine, X, mc_samples or None, budget, cap, one_block=low_memory)
     cols = factor_columns(engine.loss_func, (1, engine.num_outputs), mc_samples)
@@ -298,7 +300,9 @@ def merge_plan(engine: FactorEngine, X: Tensor, mc_samples: int, batch_size: int
     )
     if low_memory:
         return chunk, chunk
-    return min(chunk, limit), chunk
+    # a pass may feed several merges (GGNFactor.take_samples): fewer, larger passes
+    # of whole merges, with room for the pending samples and a merge's concatenated copy
+    return min(chunk, limit) * max(1, (limit - 2 * chunk) // max(1, chunk)), chunk
 
 
 def subsample_indices(n: int, fraction: Optional[float], generator: torch.Generator
@@ -472,11 +476,26 @@ class BatchStreamer:
             loss = loss + self.scale * batch.loss
             self.n_outputs = batch.outputs.shape[-1]
             if not self.low_memory:
-                self.pending.append(batch)
-                self.pending_scales.append(sub_scale)
-                if sum(f.num_curv_samples for f in self.pending) >= chunk:
-                    self.flush()
+                self._queue(batch, sub_scale, chunk)
         return loss
+
+    def _queue(self, batch: GGNFactor, sub_scale: float, chunk: int) -> None:
+        """Queue a pass's factor; merge whenever ``chunk`` samples are pending.
+
+        A pass larger than what the pending merge still needs is split by samples
+        (:meth:`~lowrank_laplace.factor.GGNFactor.take_samples`), so every merge but
+        the last has exactly ``chunk`` samples.
+        """
+        start, total = 0, batch.num_curv_samples
+        while start < total:
+            pending = sum(f.num_curv_samples for f in self.pending)
+            stop = min(total, start + chunk - pending)
+            whole = start == 0 and stop == total
+            self.pending.append(batch if whole else batch.take_samples(start, stop))
+            self.pending_scales.append(sub_scale)
+            start = stop
+            if pending + self.pending[-1].num_curv_samples >= chunk:
+                self.flush()
 
     def _choose_path(self, X: Tensor, batch_size: int, num_data: int) -> None:
         """Merge plan, dense or streaming path, and lazy or explicit merges."""

@@ -23,7 +23,7 @@ Shape glossary:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -130,6 +130,30 @@ class GGNFactor:
             raise RuntimeError(
                 "V was not kept for this group (it was computed with keep_blocks=False)."
             ) from err
+
+    def take_samples(self, start: int, stop: int) -> "GGNFactor":
+        """The factor of curvature samples ``start:stop`` (blocks only).
+
+        Lets one backward pass feed several merges: a streaming fit computes ``V`` for
+        as many samples as fit the memory budget and merges them in the pieces its
+        cost model prefers. Gram matrices, gradients and products are not carried
+        over; ``loss`` stays with the whole pass (zero here).
+
+        Args:
+            start: First curvature sample.
+            stop: One past the last one.
+
+        Returns:
+            The factor of ``stop - start`` curvature samples.
+        """
+        blocks = {i: b.take_samples(start, stop, self.num_vectors)
+                  for i, b in self.blocks.items()}
+        return replace(
+            self, blocks=blocks, grams=[], grad={}, batch_grads={}, projected={},
+            t_projected={}, t_batch_grads={}, diagonals={}, outputs=None,
+            num_curv_samples=stop - start, num_samples=stop - start,
+            loss=torch.zeros_like(self.loss),
+        )
 
     def gram(self, group: int = 0) -> Tensor:
         """Return the Gram matrix ``V^T V`` of a group, shape ``(M, M)`` (computed once).

@@ -124,3 +124,32 @@ def test_last_layer_reports_its_path(monkeypatch, dense_max_dim, path):
     model, loader = _problem()
     la = _fit(model, loader, dense_max_dim, monkeypatch, cls=LowRankGGNLLLaplace, rank=50)
     assert la.fit_path == path
+
+
+def test_one_pass_feeds_several_merges_of_the_planned_size(monkeypatch):
+    """Passes of a whole batch (8) split into merges of exactly 3 samples, across batches."""
+    import lowrank_laplace._fitting as fitting
+    from lowrank_laplace import FactorEngine
+    from lowrank_laplace.merge import StreamingMerge
+
+    model, loader = _problem(n=40, out=4, batch_size=8)
+    monkeypatch.setattr(fitting, "merge_size", lambda *args, **kwargs: 3)
+    passes = []
+    compute = FactorEngine.compute
+    monkeypatch.setattr(FactorEngine, "compute",
+                        lambda self, X, *a, **k: passes.append(len(X)) or compute(self, X, *a, **k))
+    la = _fit(model, loader, 0, monkeypatch, rank=4, oversampling=2, residual="diagonal")
+    assert la.fit_path == "streaming"
+    assert passes[:5] == [8] * 5  # one pass per batch (the spectral residual's probe follows)
+
+    # reference: the same merges, each from its own pass over 3 consecutive samples
+    X, y = loader.dataset.tensors
+    merge = StreamingMerge(4, 2, track_diagonal=True, lazy=False)
+    with FactorEngine(model, nn.CrossEntropyLoss(reduction="sum"), eval_mode=True) as engine:
+        for start in range(0, 40, 3):
+            merge.add_factor(engine.compute(X[start:start + 3], y[start:start + 3]))
+    U, lam, trace, residual = merge.result()
+    assert merge.num_merges == 14
+    torch.testing.assert_close(la.H[1], lam, rtol=1e-9, atol=0)
+    torch.testing.assert_close(_dense_H(la), U @ torch.diag(lam) @ U.T, rtol=1e-8, atol=1e-12)
+    torch.testing.assert_close(la.trace, trace, rtol=1e-12, atol=0)

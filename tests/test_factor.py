@@ -278,3 +278,19 @@ def test_blocks_change_dtype_and_stay_factored():
         assert type(wide) is type(block) and block.to(torch.float32) is block
         assert wide.to_dense().dtype == torch.float64
         torch.testing.assert_close(wide.to_dense(), block.to_dense().double())
+
+
+@pytest.mark.parametrize("arch", ["mlp", "cnn"])
+@pytest.mark.parametrize("mc_samples", [0, 1])
+def test_take_samples_is_the_factor_of_those_samples(arch, mc_samples):
+    """Dense (conv) and factored (linear) blocks, several vectors per sample or one."""
+    model, loss_func, X, y = make_case(arch, "ce-sum", n=5)
+    with FactorEngine(model, loss_func) as engine:
+        factor = engine.compute(X, y, mc_samples=mc_samples)
+    V = dense_V(factor).reshape(-1, factor.num_vectors, 5)  # columns ordered (v, n)
+    for start, stop in [(0, 2), (2, 5), (4, 5)]:
+        piece = factor.take_samples(start, stop)
+        assert piece.num_curv_samples == stop - start and piece.grams == []
+        expected = V[:, :, start:stop].reshape(V.shape[0], -1)
+        torch.testing.assert_close(dense_V(piece), expected, **TOL)
+        torch.testing.assert_close(piece.gram(), expected.T @ expected, **TOL)
