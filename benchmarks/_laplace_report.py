@@ -33,7 +33,13 @@ PHASES = _laplace_worker.PHASES
 REFERENCE = "lowrank_exact"
 KRON_PEER = "kron_backpack"
 FULL_PEER = "full_backpack"
-TARGET_EXACT_VS_KRON = 3.0  # exact fit time <= 3x BackPACK-kron fit time
+#: Exact fit time <= this times the BackPACK-kron fit time, per problem (digits: none on
+#: the fit alone, see TARGET_MARGLIK_VS_KRON).
+TARGET_EXACT_VS_KRON = {"3c3d": 2.0, "2c2d": 2.0, "mlp": 2.0}
+#: MC fit time <= this times the BackPACK-kron fit time, per problem (1x elsewhere).
+TARGET_MC_VS_KRON = {"3c3d": 0.5, "2c2d": 0.5, "mlp": 1.0}
+#: Exact fit + marglik prior tuning <= this times kron's (where marglik was timed).
+TARGET_MARGLIK_VS_KRON = 3.0
 TARGET_LANCZOS_SPEEDUP = 5.0  # Lanczos fit time >= 5x exact fit time
 TARGET_GLM_MEMORY_BYTES = 2 * GiB  # GLM predictive peak memory on 3c3d
 TARGET_GLM_MEMORY_PROBLEM = "3c3d"
@@ -142,10 +148,12 @@ def check_targets(problem: str, records: Sequence[dict]) -> list[dict[str, Any]]
     def add(name, value, passed, text):
         targets.append({"name": name, "value": value, "passed": passed, "text": text})
 
-    name = f"{REFERENCE} fit <= {TARGET_EXACT_VS_KRON:g}x {KRON_PEER} fit"
+    bound = TARGET_EXACT_VS_KRON.get(problem)
+    name = (f"{REFERENCE} fit <= {bound:g}x {KRON_PEER} fit" if bound
+            else f"{REFERENCE} fit / {KRON_PEER} fit (informative)")
     if ref and kron:
         ratio = ref["time_s"] / kron["time_s"]
-        add(name, ratio, ratio <= TARGET_EXACT_VS_KRON, f"ratio {ratio:.2f}")
+        add(name, ratio, ratio <= bound if bound else None, f"ratio {ratio:.2f}")
     else:
         add(name, None, None, "missing or failed run")
 
@@ -162,13 +170,14 @@ def check_targets(problem: str, records: Sequence[dict]) -> list[dict[str, Any]]
                 f"ratio {ratio:.2f}")
         if kron_total is not None:
             ratio = ours / kron_total
-            add(f"{REFERENCE} fit+marglik <= {TARGET_EXACT_VS_KRON:g}x {KRON_PEER} "
-                "fit+marglik", ratio, ratio <= TARGET_EXACT_VS_KRON, f"ratio {ratio:.2f}")
+            add(f"{REFERENCE} fit+marglik <= {TARGET_MARGLIK_VS_KRON:g}x {KRON_PEER} "
+                "fit+marglik", ratio, ratio <= TARGET_MARGLIK_VS_KRON, f"ratio {ratio:.2f}")
 
-    name = f"lowrank_mc fit < {KRON_PEER} fit"
+    bound = TARGET_MC_VS_KRON.get(problem, 1.0)
+    name = f"lowrank_mc fit <= {bound:g}x {KRON_PEER} fit"
     if mc and kron:
         ratio = mc["time_s"] / kron["time_s"]
-        add(name, ratio, ratio < 1.0, f"ratio {ratio:.2f}")
+        add(name, ratio, ratio <= bound, f"ratio {ratio:.2f}")
     else:
         add(name, None, None, "missing or failed run")
 

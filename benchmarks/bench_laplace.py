@@ -54,8 +54,9 @@ predictives, the fitted posterior are excluded); the absolute peak is recorded t
 
 Targets (printed with PASS/FAIL):
 
-- ``lowrank_exact`` fit time <= 3x ``kron_backpack`` fit time,
-- ``lowrank_mc`` fit time < ``kron_backpack`` fit time,
+- ``lowrank_exact`` fit time <= 2x ``kron_backpack`` fit time (3c3d, 2c2d, mlp), and
+  with ``--marglik`` fit + marglik tuning <= 3x ``kron_backpack``'s,
+- ``lowrank_mc`` fit time <= 0.5x ``kron_backpack`` fit time (3c3d, 2c2d; 1x else),
 - ``lanczos`` fit time >= 5x ``lowrank_exact`` fit time (same rank),
 - GLM predictive peak memory (above the fitted state) of ``lowrank_exact`` on
   ``3c3d`` < 2 GiB.
@@ -86,12 +87,14 @@ in ``_laplace_report.py``.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import json
 import os
 import queue
 import resource
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -362,6 +365,43 @@ def run_method(problem: str, method: str, args: argparse.Namespace) -> dict[str,
     return best
 
 
+def median_record(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record from repeated runs of a method: the median time of every phase.
+
+    The record is the run whose fit time is the median (its memory, eigenvalues and
+    other fields stay as measured); each phase's ``time_s`` (and the fit's
+    ``marglik_time_s``) becomes the median over the runs in which the phase succeeded,
+    and ``repeat_times_s`` lists them all.
+
+    Args:
+        runs: Records of the same method (one or more).
+
+    Returns:
+        The combined record (the record itself for a single run).
+    """
+    if len(runs) == 1:
+        return runs[0]
+
+    def times(phase: str, key: str = "time_s") -> list[float]:
+        return [r["phases"][phase][key] for r in runs
+                if r["phases"].get(phase, {}).get("status") == "ok"
+                and r["phases"][phase].get(key) is not None]
+
+    fits = times("fit")
+    middle = sorted(fits)[(len(fits) - 1) // 2] if fits else None
+    base = next((r for r in runs if fits and r["phases"]["fit"].get("time_s") == middle),
+                runs[0])
+    record = copy.deepcopy(base)
+    for phase, entry in record["phases"].items():
+        for key in ("time_s", "marglik_time_s"):
+            values = times(phase, key)
+            if entry.get("status") == "ok" and values and key in entry:
+                entry[key] = statistics.median(values)
+                entry[f"repeat_{key}"] = values
+    record["repeats"] = len(runs)
+    return record
+
+
 def run_method_once(problem: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run all phases of one method, restarting the worker after a killed phase.
 
@@ -504,6 +544,7 @@ def _dump(
         "method_timeouts_s": args.method_timeouts,
         "mem_limit_gib": args.mem_limit_gib,
         "retry_busy": args.retry_busy,
+        "repeat": args.repeat,
         "seed": args.seed,
         "threads": args.threads or _harness.num_cores(),
         "worker_env": {
@@ -592,14 +633,23 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
         json_path = out / f"laplace_{problem}.json"
         previous = _previous_records(json_path, args) if args.resume else {}
         records: list[dict[str, Any]] = []
+        todo = []
         for method in args.methods:
             if method in previous and method not in args.rerun:
                 records.append(previous[method])
                 print(_progress(problem, records[-1]) + " (from previous run)", flush=True)
-                continue
-            records.append(run_method(problem, method, args))
-            print(_progress(problem, records[-1]), flush=True)
+            else:
+                todo.append(method)
+        runs: dict[str, list] = {method: [] for method in todo}
+        for repeat in range(args.repeat):  # rounds: a drifting machine hits every method
+            for method in todo:
+                runs[method].append(run_method(problem, method, args))
+                suffix = f" (run {repeat + 1} of {args.repeat})" if args.repeat > 1 else ""
+                print(_progress(problem, runs[method][-1]) + suffix, flush=True)
+        for method in todo:
+            records.append(median_record(runs[method]))
             _dump(json_path, problem, records, info, args)
+        records.sort(key=lambda r: args.methods.index(r["method"]))
         summary = summarize(problem, records, args)
         _dump(json_path, problem, records, info, args, summary)
         png_path = out / f"laplace_{problem}.png"
@@ -699,6 +749,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="Repeat a method up to this many times if other processes used more than "
         f"{BUSY_WARN_PERCENT:g}%% of the CPU during its run (the least disturbed run is "
         "kept).",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="Run every method this many times (fresh processes, in rounds over the "
+        "methods) and record the median time of each phase.",
     )
     parser.add_argument(
         "--resume",
