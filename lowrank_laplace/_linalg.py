@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Tuple
+from contextlib import contextmanager
+from typing import Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+
+@contextmanager
+def cpu_threads(num: Optional[int]) -> Iterator[None]:
+    """Run a block with ``num`` PyTorch CPU threads, restoring the setting afterwards.
+
+    Args:
+        num: Threads for the block; ``None`` or more than the current setting leaves
+            it unchanged.
+    """
+    threads = torch.get_num_threads()
+    if num is None or num >= threads:
+        yield
+        return
+    torch.set_num_threads(num)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def eigh(mat: Tensor) -> Tuple[Tensor, Tensor]:
@@ -24,9 +44,5 @@ def eigh(mat: Tensor) -> Tuple[Tensor, Tensor]:
     """
     if mat.device.type != "cpu":
         return torch.linalg.eigh(mat)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with cpu_threads(1):
         return torch.linalg.eigh(mat)
-    finally:
-        torch.set_num_threads(threads)

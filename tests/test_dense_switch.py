@@ -153,3 +153,42 @@ def test_one_pass_feeds_several_merges_of_the_planned_size(monkeypatch):
     torch.testing.assert_close(la.H[1], lam, rtol=1e-9, atol=0)
     torch.testing.assert_close(_dense_H(la), U @ torch.diag(lam) @ U.T, rtol=1e-8, atol=1e-12)
     torch.testing.assert_close(la.trace, trace, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("policy, threads", [("PASSIVE", 1), ("", 2)])
+def test_small_merges_run_on_one_thread_under_a_passive_openmp_policy(monkeypatch, policy,
+                                                                       threads):
+    from lowrank_laplace.merge import StreamingMerge
+
+    model, loader = _problem(n=40, out=4, batch_size=8)
+    monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    seen = []
+    add_factor = StreamingMerge.add_factor
+    monkeypatch.setattr(StreamingMerge, "add_factor", lambda self, *a, **k: (
+        seen.append(torch.get_num_threads()), add_factor(self, *a, **k))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        la = _fit(model, loader, 0, monkeypatch, rank=4, oversampling=2)
+        assert torch.get_num_threads() == 2  # restored after every merge
+    finally:
+        torch.set_num_threads(before)
+    assert la.fit_path == "streaming" and seen and set(seen) == {threads}
+
+
+def test_cpu_threads_restores_the_setting_and_never_raises_it():
+    from lowrank_laplace._linalg import cpu_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with cpu_threads(1):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with cpu_threads(4), cpu_threads(None):
+            assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError), cpu_threads(1):
+            raise RuntimeError("inside")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
