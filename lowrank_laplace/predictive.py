@@ -24,7 +24,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from lowrank_laplace._blocks import DenseBlock, Weight
+from lowrank_laplace._blocks import DenseBlock, KronBlock, Weight
 from lowrank_laplace._checks import check_batch, take
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.factor import GGNFactor
@@ -113,16 +113,25 @@ def _small_products(factor: GGNFactor, precision: LowRankPrecision, weights: Lis
     return jdj / 2, jdw * precision.ell.to(_WIDE).sqrt() / 2**0.5
 
 
-def _widened_products(block: Any, U: Tensor, w: Weight) -> Tuple[Tensor, Weight]:
-    """``B P_0^{-1} U`` of a float64 block against column chunks of ``U``, and ``w``."""
+def _widened_products(block: KronBlock, U: Tensor, w: Weight) -> Tuple[Tensor, Weight]:
+    """``B P_0^{-1} U`` of a float64 factored block, and ``w`` in float64.
+
+    ``U`` is widened a slice of output units at a time (its rows are ordered
+    ``(out, in)``, so a slice is contiguous), each slice holding all columns of ``U``
+    near ``_WIDE_CHUNK`` entries: chunks of columns instead left one column per
+    product for a 3136 x 1024 weight (10x slower GLM predictive on DeepOBS 2c2d).
+    """
     w = w.to(_WIDE) if isinstance(w, Tensor) else w
     per_entry = isinstance(w, Tensor) and w.numel() > 1
-    step = max(1, _WIDE_CHUNK // max(U.shape[0], 1))
-    parts = []
-    for cols in U.split(step, dim=1):
-        cols = cols.to(_WIDE)
-        parts.append(block.t_matmul(cols * w[:, None] if per_entry else cols))
-    product = torch.cat(parts, dim=1)
+    out_dim, in_dim = block.s.shape[2], block.z.shape[1]
+    step = max(1, _WIDE_CHUNK // max(in_dim * U.shape[1], 1))
+    product = 0
+    for lo in range(0, out_dim, step):
+        hi = min(lo + step, out_dim)
+        rows = slice(lo * in_dim, hi * in_dim)
+        cols = U[rows].to(_WIDE)
+        sub = KronBlock(block.s[:, :, lo:hi], block.z)
+        product = product + sub.t_matmul(cols * w[rows, None] if per_entry else cols)
     return (product if per_entry else product * w), w
 
 

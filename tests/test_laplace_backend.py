@@ -397,6 +397,27 @@ def test_marglik_training_runs_and_improves():
     assert all(math.isfinite(m) for m in margliks)
 
 
+@pytest.mark.parametrize("chunk", [1, 300])
+def test_glm_predictive_in_float64_slices_equals_full_laplace(monkeypatch, chunk):
+    """The float64 products of factored and dense blocks, widened a slice at a time.
+
+    ``chunk=1``: one output unit (factored) or one parameter (dense) per slice;
+    ``300``: several. A per-parameter prior precision takes the per-entry path.
+    """
+    import lowrank_laplace.predictive as predictive
+
+    ours, full, X = fit_pair("mlp-classification")
+    monkeypatch.setattr(predictive, "_WIDE_CHUNK", chunk)
+    prior = torch.linspace(0.5, 2.0, ours.n_params, dtype=torch.float64)
+    for prec in (0.9, prior):
+        ours.prior_precision = full.prior_precision = prec
+        for joint in (False, True):
+            mu_o, var_o = ours._glm_predictive_distribution(X[:5], joint=joint)
+            mu_f, var_f = full._glm_predictive_distribution(X[:5], joint=joint)
+            torch.testing.assert_close(mu_o, mu_f, **TOL)
+            torch.testing.assert_close(var_o, var_f, **TOL)
+
+
 def test_nn_predictive_and_model_left_as_it_was():
     model, likelihood, X, y, loader = make_problem("mlp-classification")
     model.train()
