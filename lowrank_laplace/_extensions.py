@@ -15,6 +15,8 @@
   sample; rotating it by a Householder reflection that maps ``sqrt(p)`` to the last
   axis and dropping that column gives the same ``V V^T`` with ``C - 1`` columns
   (half the columns for binary problems).
+* Elementwise activations (ReLU, tanh, sigmoid, ELU, SELU, leaky ReLU, log-sigmoid)
+  multiply the backpropagated matrices in place where nothing else reads them.
 
 Shape glossary:
     V: vectors per sample (C exact, mc_samples for MC, 1 for gradients).
@@ -36,6 +38,7 @@ from backpack.extensions.firstorder.batch_grad.conv1d import BatchGradConv1d
 from backpack.extensions.firstorder.batch_grad.conv2d import BatchGradConv2d
 from backpack.extensions.firstorder.batch_grad.linear import BatchGradLinear
 from backpack.extensions.secondorder.hbp import LossHessianStrategy
+from backpack.extensions.secondorder.sqrt_ggn import activations
 from backpack.extensions.secondorder.sqrt_ggn.base import SqrtGGNBaseModule
 from backpack.extensions.secondorder.sqrt_ggn.convnd import SqrtGGNConv1d, SqrtGGNConv2d
 from backpack.extensions.secondorder.sqrt_ggn.linear import SqrtGGNLinear
@@ -175,6 +178,50 @@ class _SqrtGGNCrossEntropy(SqrtGGNCrossEntropyLoss):
         return sqrt_h / logits.shape[0] ** 0.5 if module.reduction == "mean" else sqrt_h
 
 
+def _in_place_elementwise(base):
+    """An elementwise activation's extension that multiplies its input in place.
+
+    The backpropagated matrices at an activation are the largest tensors of a
+    convolutional backward pass (DeepOBS 3c3d's first ReLU: 9 x 128 x 64 x 28 x 28
+    floats, 231 MB); multiplying in place instead of into a new tensor lowered the
+    peak of its top-10 eigenpairs by 0.18 GiB. The product is done in place only when
+    nothing else can read the matrix afterwards: it is contiguous (no overlapping
+    views) and no quantity BackPACK still keeps for another tensor shares its storage
+    (a branch point saves one matrix for several inputs). Otherwise, and for lists of
+    matrices, BackPACK's own product runs.
+    """
+
+    class _InPlace(base):
+        def backpropagate(self, ext, module, g_inp, g_out, backproped):  # noqa: D102
+            if (isinstance(backproped, Tensor) and backproped.is_contiguous()
+                    and not backproped.requires_grad and _exclusive(ext, backproped)):
+                df = self.derivatives.df(module, g_inp, g_out,
+                                         subsampling=ext.get_subsampling())
+                return backproped.mul_(df.to(backproped.dtype))
+            return super().backpropagate(ext, module, g_inp, g_out, backproped)
+
+    _InPlace.__name__ = _InPlace.__qualname__ = f"_InPlace{base.__name__}"
+    return _InPlace
+
+
+def _exclusive(ext, mat: Tensor) -> bool:
+    """Whether no quantity the extension still keeps shares ``mat``'s storage."""
+    ptr = mat.untyped_storage().data_ptr()
+    saved = ext.saved_quantities._saved_quantities.values()  # BackPACK keeps it private
+    return all(not isinstance(q, Tensor) or q.untyped_storage().data_ptr() != ptr
+               for q in saved)
+
+
+_IN_PLACE_SQRT_GGN = {
+    nn.ReLU: _in_place_elementwise(activations.SqrtGGNReLU),
+    nn.Tanh: _in_place_elementwise(activations.SqrtGGNTanh),
+    nn.Sigmoid: _in_place_elementwise(activations.SqrtGGNSigmoid),
+    nn.ELU: _in_place_elementwise(activations.SqrtGGNELU),
+    nn.SELU: _in_place_elementwise(activations.SqrtGGNSELU),
+    nn.LeakyReLU: _in_place_elementwise(activations.SqrtGGNLeakyReLU),
+    nn.LogSigmoid: _in_place_elementwise(activations.SqrtGGNLogSigmoid),
+}
+
 _EXTRA_SQRT_GGN = {
     nn.AdaptiveAvgPool1d: AdaptiveAvgPool1dDerivatives,
     nn.AdaptiveAvgPool2d: AdaptiveAvgPool2dDerivatives,
@@ -202,6 +249,8 @@ def sqrt_ggn_extension(mc_samples: int, subsampling: Optional[List[int]]):
     ext.set_module_extension(nn.Conv2d, _sqrt_ggn_conv(SqrtGGNConv2d)(), overwrite=True)
     for layer, derivatives in _EXTRA_SQRT_GGN.items():
         ext.set_module_extension(layer, SqrtGGNBaseModule(derivatives()), overwrite=True)
+    for layer, extension in _IN_PLACE_SQRT_GGN.items():
+        ext.set_module_extension(layer, extension(), overwrite=True)
     return ext
 
 

@@ -294,3 +294,25 @@ def test_take_samples_is_the_factor_of_those_samples(arch, mc_samples):
         expected = V[:, :, start:stop].reshape(V.shape[0], -1)
         torch.testing.assert_close(dense_V(piece), expected, **TOL)
         torch.testing.assert_close(piece.gram(), expected.T @ expected, **TOL)
+
+
+@pytest.mark.parametrize("arch, in_place, shared", [("cnn", True, False),
+                                                    ("residual", None, True)])
+def test_activations_multiply_in_place_only_what_nothing_else_reads(monkeypatch, arch,
+                                                                    in_place, shared):
+    """A branch point saves one matrix for both inputs: that one is multiplied apart."""
+    import lowrank_laplace._extensions as extensions
+
+    calls = []
+    exclusive = extensions._exclusive
+    monkeypatch.setattr(extensions, "_exclusive",
+                        lambda ext, mat: calls.append(exclusive(ext, mat)) or calls[-1])
+    model, loss_func, X, y = make_case(arch, "ce-sum", n=5)
+    with FactorEngine(model, loss_func, backend="backpack") as engine:
+        factor = engine.compute(X, y)
+    V = dense_V(factor)
+    torch.testing.assert_close(V @ V.T, ref.ggn(model, loss_func, X, y), **TOL)
+    assert calls  # every activation asked
+    if in_place is not None:
+        assert in_place in calls
+    assert (False in calls) == shared
