@@ -5,6 +5,8 @@ import torch
 from backpack.custom_module.branching import Parallel, SumModule
 from torch import nn
 
+import lowrank_laplace as ll
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -95,3 +97,24 @@ def case(request):
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
+
+
+def one_pass_and_low_memory(model, loss_func, X, y, mc_samples):
+    """Top-3 ``ggn_eigh`` and ``damped_newton_step`` in one pass and with ``low_memory``.
+
+    Both pairs start from the same global seed, so the low-memory passes must replay
+    the one-pass Monte-Carlo draws.
+
+    Returns:
+        ``[(eigh result, step) in one pass, (eigh result, step) with low_memory]``.
+    """
+    pairs = []
+    for low_memory in (False, True):
+        torch.manual_seed(1)
+        pairs.append((
+            ll.ggn_eigh(model, loss_func, X, y, top_k=3, mc_samples=mc_samples,
+                        low_memory=low_memory),
+            ll.damped_newton_step(model, loss_func, X, y, mc_samples=mc_samples,
+                                  low_memory=low_memory),
+        ))
+    return pairs

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lowrank_laplace as ll
 from lowrank_laplace import LowRankGGNLaplace
+from tests.conftest import one_pass_and_low_memory
 from tests.test_models import DictModel, zoo_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -95,12 +96,7 @@ def test_cuda_low_memory_replays_monte_carlo_draws(name):
     """The second pass replays the device generator's draws (both backends)."""
     model, loss_func, X, y = zoo_case(name, n=6)
     gm, Xg, yg = on_device(model, X, y)
-    torch.manual_seed(1)
-    one = ll.ggn_eigh(gm, loss_func, Xg, yg, top_k=3, mc_samples=2)
-    one_step = ll.damped_newton_step(gm, loss_func, Xg, yg, mc_samples=2)
-    torch.manual_seed(1)
-    two = ll.ggn_eigh(gm, loss_func, Xg, yg, top_k=3, mc_samples=2, low_memory=True)
-    two_step = ll.damped_newton_step(gm, loss_func, Xg, yg, mc_samples=2, low_memory=True)
+    (one, one_step), (two, two_step) = one_pass_and_low_memory(gm, loss_func, Xg, yg, 2)
     torch.testing.assert_close(two.eigenvalues, one.eigenvalues, **TOL)
     torch.testing.assert_close(two_step, one_step, rtol=1e-6, atol=1e-9)
     assert one.backend == ("backpack" if name == "class_cnn" else "functorch")

@@ -6,7 +6,7 @@ import torch
 import lowrank_laplace as ll
 from lowrank_laplace import _checks
 from tests import reference as ref
-from tests.conftest import make_case
+from tests.conftest import make_case, one_pass_and_low_memory
 
 TOL = dict(rtol=1e-5, atol=1e-8)
 
@@ -183,12 +183,7 @@ def test_results_follow_device_and_dtype(device, dtype):
     for t in (res.eigenvalues, res.eigenvectors, res.trace, dd.gammas, dd.lambdas, step):
         assert t.device.type == device and t.dtype == dtype
     # the low-memory modes replay the device's MC draws: same results as one pass
-    torch.manual_seed(1)
-    mc = ll.ggn_eigh(model, loss_func, X, y, top_k=3, mc_samples=1)
-    mc_step = ll.damped_newton_step(model, loss_func, X, y, mc_samples=1)
-    torch.manual_seed(1)
-    low = ll.ggn_eigh(model, loss_func, X, y, top_k=3, mc_samples=1, low_memory=True)
-    low_step = ll.damped_newton_step(model, loss_func, X, y, mc_samples=1, low_memory=True)
+    (mc, mc_step), (low, low_step) = one_pass_and_low_memory(model, loss_func, X, y, 1)
     assert low.eigenvectors.device.type == device and low_step.dtype == dtype
     torch.testing.assert_close(low.eigenvalues, mc.eigenvalues)
     torch.testing.assert_close(low_step, mc_step)
