@@ -33,6 +33,7 @@ with _warnings.catch_warnings():
 from lowrank_laplace.merge import StreamingMerge
 from lowrank_laplace.posterior import LowRankPrecision
 from lowrank_laplace.residual import Residual
+from lowrank_laplace.sketch import SketchMerge
 from lowrank_laplace.spectrum import (
     LowRankGGN,
     ggn_eigh,
@@ -50,6 +51,7 @@ __all__ = [
     "LowRankGGNLaplace",
     "LowRankPrecision",
     "Residual",
+    "SketchMerge",
     "StreamingMerge",
     "damped_newton_step",
     "directional_derivatives",

@@ -155,6 +155,28 @@ def streaming_cost(columns_per_sample: int, keep: int, dim: int, gram_dim: int,
     return cost + 2.0 * keep * num_data * (dim + gram_dim * columns_per_sample)
 
 
+def sketch_cost(columns_per_sample: int, keep: int, dim: int, gram_dim: int,
+                num_data: int) -> float:
+    """Gram multiply-adds of a one-pass sketch (:class:`~lowrank_laplace.sketch.SketchMerge`).
+
+    The products ``V^T Omega`` and ``V (V^T Omega)`` of every sample (as in
+    :func:`streaming_cost`, without the merges), drawing the ``D x l`` test matrix and
+    the final ``l x l`` Gram matrices over ``D``.
+
+    Args:
+        columns_per_sample: Columns of ``V`` per sample.
+        keep: Sketch columns ``l``.
+        dim: Parameters ``D``.
+        gram_dim: ``D_gram`` (see :func:`merge_size`).
+        num_data: Samples streamed.
+
+    Returns:
+        The estimated cost.
+    """
+    return (2.0 * keep * num_data * (dim + gram_dim * columns_per_sample)
+            + 3.0 * dim * keep * keep)
+
+
 def dense_cost(dim: int, num_columns: int) -> float:
     """Gram multiply-adds of summing ``H`` densely and eigendecomposing it once.
 
@@ -178,7 +200,7 @@ def dense_bytes(dim: int, itemsize: int) -> int:
 
 def choose_dense(dim: int, columns_per_sample: int, keep: int, gram_dim: int,
                  num_data: int, samples_per_merge: int, budget: int, itemsize: int,
-                 dense_max_dim: Optional[int]) -> bool:
+                 dense_max_dim: Optional[int], solver: str = "streaming") -> bool:
     """Whether to sum ``H`` densely (exact) instead of streaming truncated merges.
 
     Dense needs the ``D x D`` sum and its eigendecomposition to fit the memory
@@ -198,6 +220,8 @@ def choose_dense(dim: int, columns_per_sample: int, keep: int, gram_dim: int,
         itemsize: Bytes per entry of ``H``.
         dense_max_dim: Largest ``D`` summed densely whatever the cost when streaming
             would truncate; ``0`` never sums densely; ``None``: only the cost decides.
+        solver: ``"streaming"`` merges or a one-pass ``"sketch"``
+            (:func:`sketch_cost`), the alternative the dense sum competes with.
 
     Returns:
         ``True`` for the dense path.
@@ -207,8 +231,11 @@ def choose_dense(dim: int, columns_per_sample: int, keep: int, gram_dim: int,
     truncates = min(dim, num_data * columns_per_sample) > keep
     if truncates and dense_max_dim is not None and dim <= dense_max_dim:
         return True
-    stream = streaming_cost(columns_per_sample, keep, dim, gram_dim, num_data,
-                            samples_per_merge)
+    if solver == "sketch":
+        stream = sketch_cost(columns_per_sample, keep, dim, gram_dim, num_data)
+    else:
+        stream = streaming_cost(columns_per_sample, keep, dim, gram_dim, num_data,
+                                samples_per_merge)
     return dense_cost(dim, num_data * columns_per_sample) < stream
 
 
@@ -278,7 +305,8 @@ def micro_batch_size(engine: FactorEngine, X: Tensor, num_vectors: Optional[int]
 
 def merge_plan(engine: FactorEngine, X: Tensor, mc_samples: int, batch_size: int,
                num_data: int, keep: int, budget: Union[int, float, None],
-               cap: Optional[int], low_memory: bool = False) -> Tuple[int, int]:
+               cap: Optional[int], low_memory: bool = False,
+               solver: str = "streaming") -> Tuple[int, int]:
     """Samples per backward pass and samples per merge.
 
     The merge size comes from :func:`merge_size`; merges spanning several batches
@@ -296,6 +324,7 @@ def merge_plan(engine: FactorEngine, X: Tensor, mc_samples: int, batch_size: int
         cap: ``micro_batch_size`` as given by the user, or ``None``.
         low_memory: Every micro-batch is one merge computed by passes that hold one
             block of ``V`` at a time (no concatenated copies).
+        solver: ``"streaming"`` or ``"sketch"`` (every pass one merge).
 
     Returns:
         ``(micro-batch size, merge size)`` in samples. Without ``low_memory`` a
@@ -303,6 +332,11 @@ def merge_plan(engine: FactorEngine, X: Tensor, mc_samples: int, batch_size: int
         merged in pieces.
     """
     limit = micro_batch_size(engine, X, mc_samples or None, budget, cap, one_block=low_memory)
+    if solver == "sketch":
+        # no eigenproblem per merge: every pass is one merge of at most a loader
+        # batch (merging several batches at once would only add concatenated copies)
+        size = limit if low_memory else min(limit, batch_size)
+        return size, size
     cols = factor_columns(engine.loss_func, (1, engine.num_outputs), mc_samples)
     chunk = merge_size(
         columns_per_sample=cols, keep=keep,
@@ -355,16 +389,18 @@ class RecomputedFactor:
         subsampling: Curvature sample indices or ``None``.
         targets_x: The matrices ``x`` whose ``V^T x`` the merge will ask for.
         diagonal: Also accumulate the GGN diagonal.
+        gram: Accumulate the Gram matrix (a sketch needs only the trace, which then
+            comes from the diagonal).
     """
 
     def __init__(self, engine: FactorEngine, inputs: Tensor, targets: Tensor,
                  mc_samples: int, subsampling: Optional[List[int]],
-                 targets_x: List[Tensor], diagonal: bool):
+                 targets_x: List[Tensor], diagonal: bool, gram: bool = True):
         self._engine = engine
         self._args = (inputs, targets, mc_samples, subsampling)
         self._replay = RNGReplay(batch_device(inputs))
-        first = engine.compute(*self._args, keep_blocks=False, compute_grams=True,
-                               compute_diag=diagonal,
+        first = engine.compute(*self._args, keep_blocks=False, compute_grams=gram,
+                               compute_diag=diagonal or not gram,
                                t_project=[list(targets_x)] if targets_x else None)
         self._replay.mark()
         products = first.t_projected.get(0, [])
@@ -387,8 +423,10 @@ class RecomputedFactor:
         return self.first.diag(group)
 
     def trace(self, group: int = 0) -> Tensor:
-        """The exact trace."""
-        return self.first.trace(group)
+        """The exact trace (from the Gram matrix, else from the diagonal)."""
+        if len(self.first.grams) > group and self.first.grams[group] is not None:
+            return self.first.trace(group)
+        return self.first.diag(group).sum()
 
     def t_matmul(self, x: Tensor, group: int = 0) -> Tensor:
         """``V^T x`` for one of the matrices given before the first pass.
@@ -441,8 +479,9 @@ class BatchStreamer:
             same path (``None``: this process alone).
 
     Attributes:
-        path: ``"dense"`` or ``"streaming"``, chosen at the first batch by
-            :func:`choose_dense` with the merge's ``dense_max_dim`` (``None`` before).
+        path: ``"dense"``, or the merge's solver (``"streaming"`` or ``"sketch"``),
+            chosen at the first batch by :func:`choose_dense` with the merge's
+            ``dense_max_dim`` (``None`` before).
     """
 
     def __init__(self, engine: FactorEngine, merge: Any, *, scale: float, seed: int,
@@ -481,7 +520,8 @@ class BatchStreamer:
             with self.rng:
                 if self.low_memory:  # one merge per micro-batch, V recomputed
                     batch = RecomputedFactor(self.engine, Xc, yc, self.mc_samples, sub,
-                                             self.merge.projection_targets(), self.diagonal)
+                                             self.merge.projection_targets(), self.diagonal,
+                                             gram=self.merge.solver != "sketch")
                     self.merge.add_factor(batch, scale=self.scale * sub_scale)
                 else:
                     batch = self.engine.compute(Xc, yc, mc_samples=self.mc_samples,
@@ -512,9 +552,10 @@ class BatchStreamer:
 
     def _choose_path(self, X: Tensor, batch_size: int, num_data: int) -> None:
         """Merge plan, dense or streaming path, and lazy or explicit merges."""
+        solver = self.merge.solver
         self.plan = merge_plan(self.engine, X, self.mc_samples, batch_size, num_data,
                                keep=self.keep, budget=self.budget, cap=self.cap,
-                               low_memory=self.low_memory)
+                               low_memory=self.low_memory, solver=solver)
         params = [p for p in self.engine.model.parameters() if p.requires_grad]
         dim = sum(p.numel() for p in params)
         cols = factor_columns(self.engine.loss_func, (1, self.engine.num_outputs),
@@ -523,7 +564,7 @@ class BatchStreamer:
         dense = choose_dense(
             dim, cols, self.keep, self.engine.dense_param_count(), samples,
             self.plan[1], resolve_memory_budget(self.budget, batch_device(X)),
-            params[0].element_size(), self.merge.dense_max_dim,
+            params[0].element_size(), self.merge.dense_max_dim, solver,
         )
         if self.group is not None:  # every process sums densely, or none does
             import torch.distributed as dist
@@ -532,11 +573,14 @@ class BatchStreamer:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
             dense = bool(flag.item())
         self.merge.dense_max_dim = dim if dense else 0
-        self.path = "dense" if dense else "streaming"
+        self.path = "dense" if dense else solver
         if dense and self.low_memory:  # the dense sum needs V y products, not passes
             self.low_memory = False
             self.plan = merge_plan(self.engine, X, self.mc_samples, batch_size, num_data,
-                                   keep=self.keep, budget=self.budget, cap=self.cap)
+                                   keep=self.keep, budget=self.budget, cap=self.cap,
+                                   solver=solver)
+        if self.low_memory and solver == "sketch":  # the first pass needs V^T Omega
+            self.merge.prepare(dim, params[0])
         if not dense and dim < LAZY_MIN_DIM_PER_EIGENPAIR * self.keep:
             self.merge.lazy = False
         small = not dense and self.plan[1] * dim * self.keep < SINGLE_THREAD_MERGE_WORK

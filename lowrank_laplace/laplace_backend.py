@@ -50,8 +50,11 @@ from lowrank_laplace.residual import (
     check_residual,
     jacobian_exponent,
 )
+from lowrank_laplace.sketch import SketchMerge
 
 DEFAULT_RANK = 100
+#: The fitting algorithms (see the ``solver`` argument).
+SOLVERS = ("streaming", "sketch")
 
 
 def _check_positive(name: str, value) -> None:
@@ -146,6 +149,16 @@ class LowRankGGNLaplace(ParametricLaplace):
             ``"functorch"`` (vmapped torch.func products; any differentiable model:
             attention, LayerNorm, LSTM, tied weights, dict batches) or ``"auto"``
             (BackPACK where it applies). ``factor_backend_used`` tells which ran.
+        solver: How the batches' factors become the leading eigenpairs:
+            ``"streaming"`` (default: truncated merges, see
+            :class:`~lowrank_laplace.merge.StreamingMerge`) or ``"sketch"`` (opt-in,
+            approximate: a one-pass randomized Nyström sketch with ``rank +
+            oversampling`` columns, :class:`~lowrank_laplace.sketch.SketchMerge`;
+            no eigenproblem per merge, so faster on small and fully-connected
+            models, but its eigenvalues under-estimate the GGN's wherever its rank
+            exceeds the sketch, so it keeps less of the trace). Both are exact when
+            the GGN's rank over the data fits, and neither applies when the fit sums
+            densely (``fit_path == "dense"``).
     """
 
     _key = ("all", "lowrank_ggn")
@@ -164,7 +177,7 @@ class LowRankGGNLaplace(ParametricLaplace):
     #: streaming merges, and also, up to this many parameters (typically a last
     #: layer), whenever streaming would truncate; ``0`` always streams.
     _dense_max_dim = 2048
-    #: ``"dense"`` or ``"streaming"``: the path the last fit took.
+    #: ``"dense"``, ``"streaming"`` or ``"sketch"``: the path the last fit took.
     fit_path: Optional[str] = None
 
     def __init__(
@@ -193,9 +206,11 @@ class LowRankGGNLaplace(ParametricLaplace):
         seed: int = 0,
         low_memory: bool = False,
         factor_backend: str = "auto",
+        solver: str = "streaming",
     ):
         self._set_options(rank, oversampling, mc_samples, subsample_fraction, memory_budget,
-                          micro_batch_size, residual, diagonal_correction, seed, low_memory)
+                          micro_batch_size, residual, diagonal_correction, seed, low_memory,
+                          solver)
         self.factor_backend = check_backend(factor_backend)
         self.factor_backend_used: Optional[str] = None
         super().__init__(
@@ -259,8 +274,11 @@ class LowRankGGNLaplace(ParametricLaplace):
 
     def _set_options(self, rank, oversampling, mc_samples, subsample_fraction, memory_budget,
                      micro_batch_size, residual, diagonal_correction, seed,
-                     low_memory=False) -> None:
+                     low_memory=False, solver="streaming") -> None:
         StreamingMerge(rank, oversampling or 0)  # validates rank and oversampling
+        if solver not in SOLVERS:
+            raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}.")
+        self.solver = solver
         self.residual = _resolve_residual(residual, diagonal_correction)
         if isinstance(mc_samples, bool) or int(mc_samples) != mc_samples or mc_samples < 0:
             raise ValueError(f"mc_samples must be 0 or a positive integer, got {mc_samples!r}.")
@@ -390,8 +408,12 @@ class LowRankGGNLaplace(ParametricLaplace):
         # nothing of self changes until the fit completes (a loader may raise halfway)
         mean = parameters_to_vector(params).detach()
         loss_func, factor = self._loss_and_factor()
-        merge = StreamingMerge(self.rank, self.oversampling, self.diagonal_correction,
-                               dense_max_dim=self._dense_max_dim)
+        if self.solver == "sketch":  # the same test matrix on every process
+            merge = SketchMerge(self.rank, self.oversampling, self.diagonal_correction,
+                                dense_max_dim=self._dense_max_dim, seed=self.seed)
+        else:
+            merge = StreamingMerge(self.rank, self.oversampling, self.diagonal_correction,
+                                   dense_max_dim=self._dense_max_dim)
         group = resolve_process_group(process_group)
         offset = 0 if group is None else process_rank(group)
         loss, seen, probe, probed = 0.0, 0, [], 0
@@ -774,7 +796,7 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
 
     Same options as :class:`LowRankGGNLaplace` (``rank``, ``oversampling``,
     ``mc_samples``, ``subsample_fraction``, ``memory_budget``, ``micro_batch_size``,
-    ``residual``, ``seed``, ``low_memory``) plus
+    ``residual``, ``seed``, ``low_memory``, ``factor_backend``, ``solver``) plus
     laplace-torch's last-layer arguments (``last_layer_name``, ``feature_reduction``).
     """
 
@@ -787,10 +809,11 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
                  micro_batch_size: Optional[int] = None, residual: str = DEFAULT_RESIDUAL,
                  diagonal_correction: Optional[bool] = None,
                  seed: int = 0, low_memory: bool = False, factor_backend: str = "auto",
-                 **kwargs):
+                 solver: str = "streaming", **kwargs):
         super().__init__(model, likelihood, *args, **kwargs)
         self._set_options(rank, oversampling, mc_samples, subsample_fraction, memory_budget,
-                          micro_batch_size, residual, diagonal_correction, seed, low_memory)
+                          micro_batch_size, residual, diagonal_correction, seed, low_memory,
+                          solver)
         self.factor_backend = check_backend(factor_backend)
         self.factor_backend_used: Optional[str] = None
         self._check_backend()

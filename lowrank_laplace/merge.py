@@ -63,6 +63,9 @@ class StreamingMerge:
         ValueError: For ``rank < 1`` or negative oversampling.
     """
 
+    #: The fitting algorithm (:class:`~lowrank_laplace.sketch.SketchMerge`: ``"sketch"``).
+    solver = "streaming"
+
     def __init__(self, rank: int, oversampling: int = 0, track_diagonal: bool = False,
                  lazy: bool = True, dense_max_dim: int = 0):
         if isinstance(rank, bool) or int(rank) != rank or rank < 1:

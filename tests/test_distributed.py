@@ -47,11 +47,19 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("dense_max_dim, online", [(0, False), (2048, False), (0, True)],
-                         ids=["streaming", "dense", "streaming-online"])
-def test_two_processes_equal_single_process(tmp_path, monkeypatch, dense_max_dim, online):
+@pytest.mark.parametrize("dense_max_dim, online, solver",
+                         [(0, False, None), (2048, False, None), (0, True, None),
+                          (0, False, "sketch"), (0, True, "sketch")],
+                         ids=["streaming", "dense", "streaming-online", "sketch-truncated",
+                              "sketch-online"])
+def test_two_processes_equal_single_process(tmp_path, monkeypatch, dense_max_dim, online,
+                                            solver):
+    """Exact fits; and truncated sketches, which add up to the single-process sketch."""
     out = str(tmp_path / "result")
     kw = dict(rank=1000, residual="diagonal")
+    if solver == "sketch":
+        kw = dict(rank=1000 if online else 5, oversampling=3, residual="diagonal",
+                  solver="sketch")
     mp.spawn(_worker, args=(2, _free_port(), out, kw, dense_max_dim, online), nprocs=2,
              join=True)
     monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", dense_max_dim)

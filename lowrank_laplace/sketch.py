@@ -1,0 +1,277 @@
+r"""One-pass randomized Nyström sketch of the GGN over a data set (``solver="sketch"``).
+
+An opt-in alternative to :class:`~lowrank_laplace.merge.StreamingMerge` that trades
+accuracy for speed. With a fixed random test matrix :math:`\Omega` (``D x l``,
+``l = rank + oversampling``) every batch factor only adds to the sketch
+
+.. math::
+    Y = H \Omega = \sum_b V_b (V_b^\top \Omega),
+
+the two products with ``V`` that a streaming merge pays too, but without its
+eigendecomposition of size ``k + M`` per merge and its bookkeeping. After the pass
+the Nyström approximation :math:`\hat H = Y (\Omega^\top Y)^{+} Y^\top` gives the
+eigenpairs, computed stably with a small shift :math:`\nu` (Tropp, Yurtsever, Udell
+and Cevher, 2017, "Fixed-rank approximation of a positive-semidefinite matrix from
+streaming data", Algorithm 3):
+
+.. math::
+    Y_\nu = Y + \nu \Omega, \quad B = \Omega^\top Y_\nu = L L^\top, \quad
+    \hat H_\nu = Y_\nu B^{-1} Y_\nu^\top, \quad \hat H = \hat H_\nu - \nu\,\Pi,
+
+with :math:`\Pi` the projector onto the range of :math:`Y_\nu`; the eigenpairs of
+:math:`\hat H_\nu` come from one ``l x l`` eigenproblem in the orthonormal basis
+:math:`Q = Y_\nu S^{-1/2}`, :math:`S = Y_\nu^\top Y_\nu` (accumulated in float64).
+
+Properties:
+
+- **Exact** whenever the GGN's rank over the data is at most ``l`` (then ``Y``
+  spans its range), like the streaming merge.
+- **Otherwise an under-estimate**: :math:`0 \preceq \hat H \preceq H`; the kept
+  eigenvalues are at most the true ones and the kept trace is lower than the
+  streaming merge's (which tracks the leading eigenspace adaptively). The exact
+  trace, and the exact diagonal if tracked, are still accumulated, so the residual
+  models see the true dropped curvature. In expectation the nuclear-norm error of
+  the rank-``r`` truncation is within ``1 + r / (l - r - 1)`` of the best rank-``r``
+  error (Tropp et al., Theorem 4.1, Gaussian test matrix): a larger oversampling
+  buys accuracy linearly in cost.
+- **Linear in the data**: sketches of several processes (same :math:`\Omega`) simply
+  add, so data-parallel fits all-reduce ``Y`` and equal the single-process sketch.
+
+Shape glossary:
+    D: parameters; l: sketch size (rank + oversampling); M: columns of a batch factor.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from lowrank_laplace._linalg import eigh
+from lowrank_laplace.factor import GGNFactor
+from lowrank_laplace.merge import StreamingMerge, _rotate
+
+#: Rows of the test matrix per CPU generator (the draw does not depend on threads).
+_TEST_ROWS = 2**16
+#: The generator of block ``i`` is seeded with ``seed * _SEED_STRIDE + i``.
+_SEED_STRIDE = 1_000_003
+
+
+class SketchMerge(StreamingMerge):
+    """Accumulates ``H = sum_b V_b V_b^T`` as a one-pass Nyström sketch ``Y = H Omega``.
+
+    Same interface as :class:`~lowrank_laplace.merge.StreamingMerge` (dense mode for
+    small groups included); the eigendecomposition is formed once, when
+    :meth:`result` or :attr:`eigenvectors` is first read.
+
+    Args:
+        rank: Number of eigenpairs kept in the end (``r >= 1``).
+        oversampling: Extra sketch columns (``p >= 0``); the sketch has
+            ``l = r + p`` columns and the truncation to ``r`` improves with ``p``.
+        track_diagonal: Also accumulate the exact diagonal of the sum.
+        dense_max_dim: Sum ``H`` densely (exact) for groups of at most this many
+            parameters (see :class:`~lowrank_laplace.merge.StreamingMerge`).
+        seed: Seed of the test matrix ``Omega`` (drawn on the device of the first
+            factor); processes that merge their sketches need the same seed.
+
+    Raises:
+        ValueError: For ``rank < 1`` or negative oversampling.
+    """
+
+    solver = "sketch"
+
+    def __init__(self, rank: int, oversampling: int = 0, track_diagonal: bool = False,
+                 dense_max_dim: int = 0, seed: int = 0):
+        super().__init__(rank, oversampling, track_diagonal, lazy=False,
+                         dense_max_dim=dense_max_dim)
+        self.seed = int(seed)
+        self._test: Optional[Tensor] = None  # Omega, (D, l)
+        self._sketch: Optional[Tensor] = None  # Y = H Omega, (D, l)
+        self.shift: Optional[float] = None  # nu of the last finalisation
+
+    # ------------------------------------------------------------------ streaming
+    def _test_matrix(self, dim: int, like: Tensor) -> Tensor:
+        """The Gaussian test matrix, columns of unit expected norm, drawn once.
+
+        At most ``D`` columns (more could not be independent). On the CPU, blocks
+        of rows come from generators of their own, filled by several threads; the
+        draw depends only on the seed and the device type.
+        """
+        if self._test is None:
+            cols = min(self._keep, dim)
+            test = torch.empty(dim, cols, dtype=like.dtype, device=like.device)
+            blocks = test.split(_TEST_ROWS) if like.device.type == "cpu" else [test]
+
+            def fill(index: int) -> None:
+                generator = torch.Generator(device=like.device)
+                generator.manual_seed(self.seed * _SEED_STRIDE + index)
+                blocks[index].normal_(generator=generator)
+
+            workers = min(len(blocks), torch.get_num_threads())
+            if workers > 1:
+                with ThreadPoolExecutor(workers) as pool:  # torch releases the GIL
+                    list(pool.map(fill, range(len(blocks))))
+            else:
+                for index in range(len(blocks)):
+                    fill(index)
+            self._test = test.mul_(dim**-0.5)
+        return self._test
+
+    def add_factor(self, factor: GGNFactor, group: int = 0, scale: float = 1.0) -> None:
+        """Add ``scale * V V^T Omega`` of one group of a batch factor to the sketch.
+
+        Small groups are summed densely as in the streaming merge.
+
+        Args:
+            factor: Batch factor (blocks kept, or a low-memory recomputed factor).
+            group: Group index.
+            scale: Non-negative factor applied to the batch's GGN.
+        """
+        dim = factor.group_dim(group)
+        if self._dense is not None or (self._sketch is None and dim <= self.dense_max_dim):
+            super().add_factor(factor, group, scale)
+            return
+        self.num_merges += 1
+        trace = factor.trace(group) * scale
+        diagonal = factor.diag(group) * scale if self.track_diagonal else None
+        self._add_trace_and_diagonal(trace, diagonal)
+        proj = factor.t_matmul(self._test_matrix(dim, trace), group)  # V^T Omega, (M, l)
+        if self._sketch is None:
+            self._sketch = proj.new_zeros(dim, proj.shape[1])
+        factor.matmul_add_(self._sketch, proj * scale, group)
+
+    def projection_targets(self):
+        """The test matrix, whose products ``V^T Omega`` every factor must offer."""
+        if self._dense is not None or self._test is None:
+            return []
+        return [self._test]
+
+    def prepare(self, dim: int, like: Tensor) -> None:
+        """Draw the test matrix before the first factor (low-memory fits need it).
+
+        Args:
+            dim: Parameters ``D`` of the group.
+            like: A tensor with the fit's dtype and device.
+        """
+        if self.dense_max_dim < dim:
+            self._test_matrix(dim, like)
+
+    def add_lowrank(self, eigenvectors: Tensor, eigenvalues: Tensor, trace: Tensor,
+                    diagonal: Optional[Tensor] = None) -> None:
+        """Add the sketch of another eigendecomposition, ``U diag(lambda) U^T Omega``.
+
+        Args:
+            eigenvectors: Orthonormal vectors, shape ``(D, k)``.
+            eigenvalues: Non-negative eigenvalues, shape ``(k,)``.
+            trace: The exact trace of the other curvature.
+            diagonal: Its exact diagonal (needed when tracking the diagonal).
+        """
+        if self._dense is not None or eigenvalues.numel() == 0:
+            raise RuntimeError("add_lowrank needs a sketch, not a dense sum.")
+        self._add_trace_and_diagonal(trace, diagonal)
+        omega = self._test_matrix(eigenvectors.shape[0], eigenvectors)
+        if self._sketch is None:
+            self._sketch = torch.zeros_like(omega)
+        self._sketch.addmm_(eigenvectors, eigenvalues[:, None] * (eigenvectors.T @ omega))
+        self.num_merges += 1
+
+    def merge_across(self, group: Any) -> None:
+        """Sum the sketches, traces and diagonals of all processes of a group.
+
+        Every process drew the same test matrix (same seed and device type), so the
+        summed sketch is the sketch of the whole data set, and every process ends
+        with the same result as a single process would.
+
+        Args:
+            group: The process group (e.g. ``torch.distributed.group.WORLD``).
+
+        Raises:
+            RuntimeError: If some process sketched nothing.
+        """
+        import torch.distributed as dist
+
+        if self._dense is not None:
+            super().merge_across(group)
+            return
+        if self._sketch is None:
+            raise RuntimeError("merge_across needs a local sketch on every process.")
+        dist.all_reduce(self._sketch, group=group)
+        trace = self.trace.reshape(1).clone()
+        dist.all_reduce(trace, group=group)
+        self.trace = trace[0]
+        if self.track_diagonal:
+            dist.all_reduce(self.diagonal, group=group)
+
+    # ---------------------------------------------------------------- finalising
+    @property
+    def eigenvectors(self) -> Optional[Tensor]:
+        """The leading orthonormal eigenvectors of the sketch's approximation."""
+        self._finalize_sketch()
+        return StreamingMerge.eigenvectors.fget(self)
+
+    @eigenvectors.setter
+    def eigenvectors(self, value: Optional[Tensor]) -> None:
+        StreamingMerge.eigenvectors.fset(self, value)
+
+    def _finalize_sketch(self) -> None:
+        """Replace the sketch by the eigenpairs of its Nyström approximation.
+
+        Tropp et al.'s stable evaluation: ``B = Omega^T Y_nu = C^T C`` (Cholesky),
+        ``E = Y_nu C^{-1}`` (so ``H_nu = E E^T``), whose singular pairs give the
+        eigenpairs. ``E`` is conditioned like the square root of the approximation,
+        so its Gram matrix, accumulated in float64, resolves them (``Y_nu``'s own
+        Gram matrix would square ``H``'s condition number instead).
+        """
+        if self._sketch is None:
+            return
+        Y, omega = self._sketch, self._test
+        self._sketch = self._test = None
+        dtype, eps = Y.dtype, torch.finfo(Y.dtype).eps
+        # nu: large enough that B is positive definite despite the rounding of Y.
+        # B is accumulated in float64, so that rounding is at most eps ||Y||_F (the
+        # test columns have about unit norm); Tropp et al.'s sqrt(D) eps ||Y|| covers
+        # working-precision products too, but every Nyström eigenvalue picks up a
+        # share of nu's mass in all D directions: on float32 tests that larger shift
+        # moved the smallest kept eigenvalues by 2%
+        norm = float(torch.linalg.vector_norm(Y))
+        if not math.isfinite(norm):
+            raise RuntimeError("The sketch is not finite: the GGN factors were not.")
+        nu = 2 * eps * norm if norm > 0 else 1.0
+        Y.add_(omega, alpha=nu)  # Y_nu, in place
+        B = (omega.T @ Y).double()
+        gram_o = None
+        for _ in range(8):
+            chol, info = torch.linalg.cholesky_ex((B + B.T) / 2, upper=True)
+            if int(info) == 0:
+                break
+            # rounding beyond the estimate: a larger shift
+            gram_o = (omega.T @ omega).double() if gram_o is None else gram_o
+            Y.add_(omega, alpha=9 * nu)
+            B, nu = B + 9 * nu * gram_o, 10 * nu
+        else:
+            raise RuntimeError("The Nyström core stayed indefinite.")
+        del omega
+        self.shift = nu
+        eye = torch.eye(chol.shape[0], dtype=chol.dtype, device=chol.device)
+        inv = torch.linalg.solve_triangular(chol, eye, upper=True)  # C^{-1}
+        # E = Y_nu C^{-1} explicitly, in place: its Gram matrix has the condition
+        # number of the square root of H, where Y_nu's own would square H's
+        E = _rotate(Y, inv.to(dtype), in_place=True)
+        sigma2, W = _sym_eigh(E.T @ E)
+        lam = sigma2 - nu
+        tol = max(float(lam[0]) * 10 * eps, nu)  # below the shift: rounding
+        num = max(1, min(self.rank, int((lam > tol).sum())))
+        # the left singular vectors E W sigma^-1, in place; the first num are kept
+        W = W / sigma2.clamp(min=nu).sqrt()
+        self.eigenvectors = _rotate(E, W.to(dtype), in_place=True)[:, :num]
+        self.eigenvalues = lam[:num].clamp(min=torch.finfo(dtype).tiny).to(dtype)
+
+
+def _sym_eigh(mat: Tensor) -> Tuple[Tensor, Tensor]:
+    """Descending eigenpairs of the symmetric part of a matrix, in float64."""
+    mat = mat.double()
+    evals, evecs = eigh((mat + mat.T) / 2)
+    return evals.flip(0), evecs.flip(1)

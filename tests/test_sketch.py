@@ -1,0 +1,224 @@
+"""The one-pass Nyström sketch (``solver="sketch"``) against dense references."""
+
+import pytest
+import torch
+from laplace import FullLaplace, Laplace
+from torch import nn
+
+from lowrank_laplace import LowRankGGNLaplace
+from lowrank_laplace._fitting import merge_plan, sketch_cost, streaming_cost
+from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.merge import StreamingMerge
+from lowrank_laplace.sketch import SketchMerge
+
+from .conftest import make_case
+from .reference import ggn
+from .test_laplace_backend import dense_H, fit_reference, make_problem
+
+TOL = dict(rtol=1e-7, atol=1e-9)
+
+
+@pytest.fixture(autouse=True)
+def streaming(monkeypatch):
+    """The toy models are small enough for the dense path, which the sketch keeps."""
+    monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", 0)
+
+
+def _factors(arch, batches, n=4, seed=0, dtype=torch.float64):
+    model, loss_func, X, y = make_case(arch, "ce-sum", n=n * batches, seed=seed, dtype=dtype)
+    with FactorEngine(model, loss_func) as engine:
+        factors = [engine.compute(Xb, yb) for Xb, yb in zip(X.split(n), y.split(n))]
+    return model, loss_func, X, y, factors
+
+
+def _nystrom_top(G, omega, k):
+    """Top-``k`` eigenpairs of ``Y (Omega^T Y)^+ Y^T``, ``Y = G Omega``, densely."""
+    Y = G @ omega
+    approx = Y @ torch.linalg.pinv(omega.T @ Y, hermitian=True) @ Y.T
+    evals, evecs = torch.linalg.eigh((approx + approx.T) / 2)
+    return evals.flip(0)[:k], evecs.flip(1)[:, :k]
+
+
+@pytest.mark.parametrize("arch", ["mlp", "cnn", "conv1d"])
+def test_exact_when_the_rank_fits(arch):
+    """With at least rank(G) sketch columns the eigenpairs are the GGN's."""
+    model, loss_func, X, y, factors = _factors(arch, batches=3)
+    G = ggn(model, loss_func, X, y)
+    total = int(torch.linalg.matrix_rank(G))
+    merge = SketchMerge(rank=total, oversampling=3, track_diagonal=True)
+    for i, f in enumerate(factors):
+        merge.add_factor(f, scale=1.0 + i)
+    scaled = sum((1.0 + i) * ggn(model, loss_func, Xb, yb)
+                 for i, (Xb, yb) in enumerate(zip(X.split(4), y.split(4))))
+    U, lam, trace, residual = merge.result()
+    assert lam.shape == (total,)
+    scale = scaled.abs().max()
+    torch.testing.assert_close(U @ torch.diag(lam) @ U.T, scaled, rtol=0, atol=1e-9 * scale)
+    torch.testing.assert_close(U.T @ U, torch.eye(total, dtype=U.dtype), **TOL)
+    torch.testing.assert_close(trace, torch.trace(scaled), **TOL)
+    torch.testing.assert_close(residual, torch.zeros_like(residual), rtol=0,
+                               atol=1e-9 * scale)
+    assert merge.num_merges == 3
+
+
+@pytest.mark.parametrize("arch", ["mlp", "cnn"])
+def test_truncated_equals_the_dense_nystrom_approximation(arch):
+    """Below the GGN's rank: the top eigenpairs of the dense Nyström approximation
+    with the same test matrix; they never exceed the GGN's own eigenvalues."""
+    model, loss_func, X, y, factors = _factors(arch, batches=6, n=3)
+    G = ggn(model, loss_func, X, y)
+    rank, oversampling = 4, 5
+    merge = SketchMerge(rank, oversampling, track_diagonal=True, seed=3)
+    for f in factors:
+        merge.add_factor(f)
+    omega = merge._test.clone()
+    U, lam, trace, residual = merge.result()
+    evals, evecs = _nystrom_top(G, omega, rank)
+    torch.testing.assert_close(lam, evals, rtol=1e-6, atol=0)
+    torch.testing.assert_close(U @ torch.diag(lam) @ U.T, evecs @ torch.diag(evals) @ evecs.T,
+                               rtol=0, atol=1e-6 * evals[0])
+    exact = torch.linalg.eigvalsh(G).flip(0)[:rank]
+    assert (lam <= exact * (1 + 1e-9)).all()
+    assert lam.sum() < exact.sum()  # a truncating sketch keeps less
+    torch.testing.assert_close(trace, torch.trace(G), **TOL)
+    torch.testing.assert_close(residual, (G.diagonal() - (U**2) @ lam).clamp(min=0), **TOL)
+
+
+def test_error_within_the_expected_bound_on_average():
+    """Tropp et al.'s bound: E ||G - [[G_hat]]_r||_* <= (1 + r/(l - r - 1)) ||G - [[G]]_r||_*
+    for a Gaussian test matrix; averaged over 20 seeds, with a margin for the
+    average's spread."""
+    model, loss_func, X, y, factors = _factors("mlp", batches=8, n=4)
+    G = ggn(model, loss_func, X, y)
+    rank, oversampling = 3, 6
+    exact = torch.linalg.eigvalsh(G).flip(0)
+    best = exact[rank:].clamp(min=0).sum()
+    errors = []
+    for seed in range(20):
+        merge = SketchMerge(rank, oversampling, seed=seed)
+        for f in factors:
+            merge.add_factor(f)
+        U, lam, _, _ = merge.result()
+        errors.append(torch.linalg.svdvals(G - U @ torch.diag(lam) @ U.T).sum())
+    bound = (1 + rank / (rank + oversampling - rank - 1)) * best
+    assert torch.stack(errors).mean() <= 1.2 * bound
+    assert min(errors) >= best * (1 - 1e-9)  # no rank-r matrix beats the truncated SVD
+
+
+def test_float32_close_to_float64_with_the_same_test_matrix():
+    *_, factors64 = _factors("cnn", batches=6, n=3)
+    *_, factors32 = _factors("cnn", batches=6, n=3, dtype=torch.float32)
+    results = []
+    for factors in (factors64, factors32):
+        merge = SketchMerge(4, 5, seed=1)
+        merge._test_matrix(factors[0].group_dim(), torch.zeros(1))  # float32 draw
+        merge._test = merge._test.to(factors[0].grad_dtype())
+        for f in factors:
+            merge.add_factor(f)
+        results.append(merge.result())
+    (U64, l64, t64, _), (U32, l32, t32, _) = results
+    assert U32.dtype == torch.float32
+    torch.testing.assert_close(l32.double(), l64, rtol=1e-3, atol=0)
+    torch.testing.assert_close((U32.T @ U32).double(), torch.eye(4, dtype=torch.float64),
+                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(t32.double(), t64, rtol=1e-5, atol=0)
+
+
+def test_add_lowrank_is_linear():
+    """Adding an eigendecomposition adds its sketch: equal to adding its factor."""
+    *_, factors = _factors("mlp", batches=4)
+    first, second = SketchMerge(4, 3, seed=2), SketchMerge(4, 3, seed=2)
+    exact = StreamingMerge(1000)
+    for f in factors[:2]:
+        first.add_factor(f)
+        exact.add_factor(f)
+    U, lam, trace, _ = exact.result()
+    second.add_lowrank(U, lam, trace)
+    for f in factors[2:]:
+        first.add_factor(f)
+        second.add_factor(f)
+    (U1, l1, t1, _), (U2, l2, t2, _) = first.result(), second.result()
+    torch.testing.assert_close(l1, l2, **TOL)
+    torch.testing.assert_close(U1 @ torch.diag(l1) @ U1.T, U2 @ torch.diag(l2) @ U2.T, **TOL)
+    torch.testing.assert_close(t1, t2, **TOL)
+
+
+def test_test_matrix_depends_on_seed_not_threads():
+    like = torch.zeros(1)
+    threads = torch.get_num_threads()
+    draws = []
+    for num in (1, 2):
+        torch.set_num_threads(num)
+        try:
+            draws.append(SketchMerge(3, 2, seed=5)._test_matrix(200_000, like))
+        finally:
+            torch.set_num_threads(threads)
+    torch.testing.assert_close(draws[0], draws[1], rtol=0, atol=0)
+    other = SketchMerge(3, 2, seed=6)._test_matrix(200_000, like)
+    assert not torch.equal(other, draws[0])
+    assert draws[0].shape == (200_000, 5)
+    assert abs(float(draws[0].square().sum(0).mean()) - 1) < 0.01  # unit columns
+
+
+@pytest.mark.parametrize("name", ["mlp-classification", "cnn-regression"])
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_laplace_with_full_rank_equals_full_laplace(name, low_memory):
+    model, likelihood, X, y, loader = make_problem(name)
+    full = fit_reference(FullLaplace(model, likelihood), loader)
+    la = Laplace(model, likelihood, subset_of_weights="all", hessian_structure="lowrank_ggn",
+                 rank=1000, solver="sketch", low_memory=low_memory, micro_batch_size=5)
+    la.fit(loader)
+    assert la.fit_path == "sketch" and la.solver == "sketch"
+    torch.testing.assert_close(dense_H(la), full.H, rtol=0, atol=1e-8 * full.H.abs().max())
+    torch.testing.assert_close(la.log_marginal_likelihood(), full.log_marginal_likelihood(),
+                               rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(la(X[:3]), full(X[:3]), rtol=1e-5, atol=1e-8)
+
+
+def test_laplace_truncated_keeps_less_than_streaming_and_low_memory_agrees():
+    model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
+    full = fit_reference(FullLaplace(model, likelihood), loader)
+    kw = dict(rank=6, oversampling=10, residual="diagonal")
+    sketch = LowRankGGNLaplace(model, likelihood, solver="sketch", **kw)
+    sketch.fit(loader)
+    low = LowRankGGNLaplace(model, likelihood, solver="sketch", low_memory=True, **kw)
+    low.fit(loader)
+    stream = LowRankGGNLaplace(model, likelihood, **kw)
+    stream.fit(loader)
+    exact = torch.linalg.eigvalsh(full.H).flip(0)[:6]
+    U, lam = sketch.H
+    assert lam.shape == (6,) and (lam <= exact * (1 + 1e-9)).all()
+    assert sketch.kept_fraction <= stream.kept_fraction
+    torch.testing.assert_close(sketch.trace, torch.trace(full.H), **TOL)
+    torch.testing.assert_close(sketch.residual_diagonal,
+                               (full.H.diagonal() - (U**2) @ lam).clamp(min=0), **TOL)
+    # the low-memory passes sketch with the same test matrix
+    torch.testing.assert_close(dense_H(low), dense_H(sketch), rtol=0,
+                               atol=1e-9 * exact[0])
+    torch.testing.assert_close(low.residual_diagonal, sketch.residual_diagonal, **TOL)
+
+
+def test_solver_is_validated_and_kept_in_the_last_layer_class():
+    model, likelihood, X, y, loader = make_problem("mlp-classification")
+    with pytest.raises(ValueError, match="solver must be one of"):
+        LowRankGGNLaplace(model, likelihood, solver="lanczos")
+    la = Laplace(model, likelihood, subset_of_weights="last_layer",
+                 hessian_structure="lowrank_ggn", rank=2, oversampling=1, solver="sketch")
+    la.fit(loader)
+    assert la.solver == "sketch" and la.fit_path == "sketch" and la.H[1].shape == (2,)
+
+
+def test_plan_and_cost_model():
+    """Every pass is one merge of at most a loader batch; the sketch's cost is the
+    streaming cost's products without the merges."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    X = torch.randn(16, 4)
+    with FactorEngine(model, nn.CrossEntropyLoss(reduction="sum")) as engine:
+        plan = merge_plan(engine, X, 0, batch_size=16, num_data=64, keep=10, budget=None,
+                          cap=None, solver="sketch")
+        assert plan == (16, 16)
+        assert merge_plan(engine, X, 0, 16, 64, 10, None, cap=5, solver="sketch") == (5, 5)
+        low = merge_plan(engine, X, 0, 16, 64, 10, None, cap=40, low_memory=True,
+                         solver="sketch")
+        assert low == (40, 40)
+    assert sketch_cost(9, 120, 10**5, 400, 1000) < streaming_cost(9, 120, 10**5, 400, 1000, 30)
