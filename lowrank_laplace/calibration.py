@@ -30,7 +30,7 @@ from lowrank_laplace import datasets, metrics, plots
 
 #: Laplace methods: name -> laplace-torch's ``subset_of_weights``, ``hessian_structure``
 #: and further options of ``Laplace(...)`` (``lowrank_ggn`` also gets ``rank`` and
-#: ``mc_samples`` from the config).
+#: ``mc_samples`` and ``solver`` from the config).
 LAPLACE_METHODS = {
     "lowrank_ggn_all": ("all", "lowrank_ggn", {}),
     "lowrank_ggn_all_isotropic": ("all", "lowrank_ggn", {"residual": "isotropic"}),
@@ -111,6 +111,8 @@ class CalibrationConfig:
         batch_size: Batch size for training, fitting and prediction.
         rank: Rank of the ``lowrank_ggn`` posteriors.
         mc_samples: ``0`` exact GGN, ``M >= 1`` Monte-Carlo GGN for ``lowrank_ggn``.
+        solver: ``lowrank_ggn``'s fitting algorithm, ``'streaming'`` or the opt-in,
+            approximate ``'sketch'``.
         weight_decay: Precision ``delta`` of the Gaussian prior the MAP network is
             trained under: the training loss is the mean cross-entropy plus
             ``delta / (2 N) ||theta||^2`` (Laplace Redux protocol), so the MAP is the
@@ -136,6 +138,7 @@ class CalibrationConfig:
     batch_size: int = 128
     rank: int = 100
     mc_samples: int = 0
+    solver: str = "streaming"
     weight_decay: float = 10.0
     prior: str = "marglik"
     angles: List[float] = field(default_factory=lambda: [0, 15, 30, 60, 90, 120, 180])
@@ -178,7 +181,7 @@ def validate(config: CalibrationConfig) -> torch.device:
 
     Raises:
         UserError: For a negative count (a zero batch size or rank), a non-finite
-            angle, an unknown dataset, method or prior method, a missing checkpoint,
+            angle, an unknown dataset, method, solver or prior method, a missing checkpoint,
             a checkpoint to save into a missing folder, CUDA asked for but absent, or an
             unwritable output directory.
     """
@@ -200,6 +203,8 @@ def validate(config: CalibrationConfig) -> torch.device:
     unknown = [m for m in config.methods if m not in METHODS]
     if unknown:
         raise UserError(f"unknown method {unknown[0]!r}: choose from {', '.join(METHODS)}")
+    if config.solver not in ("streaming", "sketch"):
+        raise UserError(f"unknown solver {config.solver!r}: use streaming or sketch")
     if config.prior not in ("marglik", "gridsearch"):
         raise UserError(f"unknown prior tuning {config.prior!r}: use marglik or gridsearch")
     if config.checkpoint is not None and not Path(config.checkpoint).is_file():
@@ -268,7 +273,8 @@ def _fit_laplace(name: str, model: nn.Module, config: CalibrationConfig, loaders
         _tune_prior(la, config, loaders)
         return la
     if structure == "lowrank_ggn":
-        kwargs = dict(rank=config.rank, mc_samples=config.mc_samples, **options)
+        kwargs = dict(rank=config.rank, mc_samples=config.mc_samples, solver=config.solver,
+                      **options)
     else:
         # laplace-torch's default (curvlinops) GLM predictive computes Jacobians with
         # torch.func; its BackPACK backend is ~30x faster here (47 s vs 1.4 s for 128

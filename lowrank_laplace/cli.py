@@ -299,7 +299,8 @@ def _write(report: dict, out: Path) -> None:
 def _study_options(args: argparse.Namespace) -> dict:
     """The config fields ``calibrate`` and ``rank-study`` share (see :func:`_study_arguments`)."""
     names = ("dataset", "epochs", "checkpoint", "save_checkpoint", "n_train", "n_test",
-             "batch_size", "mc_samples", "weight_decay", "prior", "angles", "device", "seed")
+             "batch_size", "mc_samples", "solver", "weight_decay", "prior", "angles", "device",
+             "seed")
     return {name: getattr(args, name) for name in names} | {"out": str(args.out)}
 
 
@@ -455,6 +456,9 @@ def _study_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batch size for training, fitting and prediction")
     parser.add_argument("--mc-samples", type=NONNEGATIVE, default=0,
                         help="0: exact GGN; M: Monte-Carlo GGN with M samples")
+    parser.add_argument("--solver", default="streaming", choices=("streaming", "sketch"),
+                        help="lowrank_ggn's fit: streaming merges, or the faster, approximate "
+                        "one-pass sketch")
     parser.add_argument("--prior", default="marglik",
                         help="prior precision tuning: marglik or gridsearch")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
