@@ -100,6 +100,18 @@ def make_problem(name: str, N: int, n_train: int, seed: int = 0,
 METHODS: dict[str, dict[str, Any]] = {
     "lowrank_exact": {"kind": "ours", "mc_samples": 0, "label": "lowrank_ggn exact"},
     "lowrank_mc": {"kind": "ours", "mc_samples": 1, "label": "lowrank_ggn MC(1)"},
+    "lowrank_exact_sketch": {
+        "kind": "ours",
+        "mc_samples": 0,
+        "solver": "sketch",
+        "label": "lowrank_ggn exact, sketch",
+    },
+    "lowrank_mc_sketch": {
+        "kind": "ours",
+        "mc_samples": 1,
+        "solver": "sketch",
+        "label": "lowrank_ggn MC(1), sketch",
+    },
     "lowrank_exact_lowmem": {
         "kind": "ours",
         "mc_samples": 0,
@@ -318,7 +330,7 @@ def _laplace_kwargs(method: str, args: argparse.Namespace) -> dict[str, Any]:
     if spec["kind"] == "ours":
         kwargs.update(
             hessian_structure="lowrank_ggn", rank=args.rank, mc_samples=spec["mc_samples"],
-            low_memory=spec.get("low_memory", False),
+            low_memory=spec.get("low_memory", False), solver=spec.get("solver", "streaming"),
         )
     else:
         kwargs["hessian_structure"] = spec["structure"]
