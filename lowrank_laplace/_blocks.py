@@ -155,12 +155,22 @@ class DenseBlock:
         return torch.einsum("vnd,knd->nvk", rows * weight, rows)
 
     def row_sq_norms(self) -> Tensor:
-        """Return the squared norm of every row, shape ``(M,)``."""
-        return (self.rows**2).sum(1)
+        """Return the squared norm of every row, shape ``(M,)``.
+
+        A reduction, not a squared copy of the block (an expanded convolution block
+        is the largest tensor of a pass).
+        """
+        return torch.linalg.vector_norm(self.rows, dim=1).square()
 
     def diag_outer(self) -> Tensor:
-        """Return the diagonal of ``B^T B`` (this parameter's GGN diagonal), ``(d,)``."""
-        return (self.rows**2).sum(0)
+        """Return the diagonal of ``B^T B`` (this parameter's GGN diagonal), ``(d,)``.
+
+        Squares a few rows at a time (no squared copy of the block).
+        """
+        out = self.rows.new_zeros(self.rows.shape[1])
+        for chunk in self.rows.split(64):
+            out.add_((chunk * chunk).sum(0))
+        return out
 
     def t_matmul(self, x: Tensor) -> Tensor:
         """Return ``B x`` (i.e. ``V^T x`` restricted to this parameter).
