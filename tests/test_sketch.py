@@ -209,16 +209,13 @@ def test_solver_is_validated_and_kept_in_the_last_layer_class():
 
 
 def test_plan_and_cost_model():
-    """Every pass is one merge of at most a loader batch; the sketch's cost is the
+    """Every pass is one merge, as large as a streaming pass; the sketch's cost is the
     streaming cost's products without the merges."""
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
     X = torch.randn(16, 4)
     with FactorEngine(model, nn.CrossEntropyLoss(reduction="sum")) as engine:
-        plan = merge_plan(engine, X, 0, batch_size=16, num_data=64, keep=10, budget=None,
-                          cap=None, solver="sketch")
-        assert plan == (16, 16)
-        assert merge_plan(engine, X, 0, 16, 64, 10, None, cap=5, solver="sketch") == (5, 5)
-        low = merge_plan(engine, X, 0, 16, 64, 10, None, cap=40, low_memory=True,
-                         solver="sketch")
-        assert low == (40, 40)
+        for kwargs in (dict(budget=None, cap=None), dict(budget=4000, cap=None),
+                       dict(budget=None, cap=5), dict(budget=None, cap=40, low_memory=True)):
+            micro, chunk = merge_plan(engine, X, 0, 16, 64, 10, solver="sketch", **kwargs)
+            assert micro == chunk == merge_plan(engine, X, 0, 16, 64, 10, **kwargs)[0]
     assert sketch_cost(9, 120, 10**5, 400, 1000) < streaming_cost(9, 120, 10**5, 400, 1000, 30)
