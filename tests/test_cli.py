@@ -98,6 +98,7 @@ def test_numeric_nonsense_exits_2_as_a_command():
 @pytest.mark.parametrize("field, value", [
     ("rank", 0), ("epochs", -1), ("n_train", -5), ("batch_size", 0), ("mc_samples", -1),
     ("n_test", 2.5), ("seed", -3), ("angles", [0.0, float("nan")]), ("angles", []),
+    ("solver", "lanczos"),
 ])
 def test_calibration_config_checked_before_any_work(field, value, tmp_path):
     config = calibration.CalibrationConfig(dataset="digits", out=str(tmp_path / "out"))
@@ -246,6 +247,14 @@ def test_calibrate_end_to_end(tmp_path, capsys):
     assert main(CAL + ["--out", str(out2), "--checkpoint", str(ckpt), "--methods", "map"]) == 0
     again = json.loads((out2 / "calibration.json").read_text())
     assert again["methods"]["map"]["in_distribution"] == m["in_distribution"]
+    # the opt-in sketch solver: same network, a posterior that keeps less of the trace
+    out3 = tmp_path / "sketch"
+    assert main(CAL + ["--out", str(out3), "--checkpoint", str(ckpt), "--methods",
+                       "lowrank_ggn_all", "--solver", "sketch"]) == 0
+    sketch = json.loads((out3 / "calibration.json").read_text())
+    assert sketch["config"]["solver"] == "sketch"
+    kept = sketch["methods"]["lowrank_ggn_all"]["posterior"]["kept_fraction"]
+    assert 0 < kept <= report["methods"]["lowrank_ggn_all"]["posterior"]["kept_fraction"]
 
 
 @pytest.mark.parametrize("args, message", [

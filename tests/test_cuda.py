@@ -156,6 +156,56 @@ def test_cuda_laplace_equals_cpu(name, path, monkeypatch):
                                atol=1e-8)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cuda_sketch_equals_cpu_with_the_same_test_matrix(dtype):
+    """The truncated Nyström sketch on the device (Cholesky, triangular solve and
+    eigendecomposition there) against the CPU's with the CPU's test matrix."""
+    from lowrank_laplace.engine import FactorEngine
+    from lowrank_laplace.sketch import SketchMerge
+
+    model, loss_func, X, y = zoo_case("class_cnn", n=24)
+    model, X = model.to(dtype), X.to(dtype)
+    results, omega = [], None
+    for device in ("cpu", DEVICE):
+        m, Xd, yd = on_device(model, X, y) if device == DEVICE else (model, X, y)
+        merge = SketchMerge(5, 4, track_diagonal=True, seed=0)
+        with FactorEngine(m, loss_func) as engine:
+            for Xb, yb in zip(Xd.split(8), yd.split(8)):
+                factor = engine.compute(Xb, yb)
+                if merge._test is None:
+                    if omega is None:  # the CPU's draw, used on both devices
+                        omega = merge._test_matrix(factor.group_dim(),
+                                                   torch.zeros(1, dtype=dtype))
+                    merge._test = omega.to(device)
+                merge.add_factor(factor)
+        results.append([t.cpu().double() for t in merge.result()])
+    (U1, l1, t1, r1), (U2, l2, t2, r2) = results
+    tol = dict(rtol=1e-6, atol=1e-9) if dtype == torch.float64 else dict(rtol=2e-3, atol=0)
+    torch.testing.assert_close(l2, l1, **tol)
+    torch.testing.assert_close(t2, t1, **tol)
+    torch.testing.assert_close(U2 @ torch.diag(l2) @ U2.T, U1 @ torch.diag(l1) @ U1.T,
+                               rtol=0, atol=tol["rtol"] * l1[0])
+    torch.testing.assert_close(r2, r1, rtol=0, atol=tol["rtol"] * l1[0])
+
+
+def test_cuda_sketch_laplace_at_full_rank_equals_cpu_streaming(monkeypatch):
+    model, _, X, y = zoo_case("class_cnn", n=12)
+    monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", 0)
+    cpu = Laplace(model, "classification", **KW, rank=1000)
+    cpu.fit(DataLoader(TensorDataset(X, y), batch_size=8))
+    m, Xd, yd = on_device(model, X, y)
+    gpu = Laplace(m, "classification", **KW, rank=1000, solver="sketch")
+    gpu.fit(DataLoader(TensorDataset(Xd, yd), batch_size=8))
+    assert gpu.fit_path == "sketch" and gpu.H[0].device.type == DEVICE
+    U, lam = gpu.H
+    H = (U @ torch.diag(lam) @ U.T).cpu()
+    Uc, lc = cpu.H
+    ref = Uc @ torch.diag(lc) @ Uc.T
+    torch.testing.assert_close(H, ref, rtol=0, atol=1e-8 * ref.abs().max())
+    torch.testing.assert_close(gpu.log_marginal_likelihood().cpu(),
+                               cpu.log_marginal_likelihood(), **TOL)
+
+
 def test_cuda_dict_batches_equal_cpu(monkeypatch):
     torch.manual_seed(0)
     model = DictModel().double()
