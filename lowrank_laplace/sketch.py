@@ -19,8 +19,8 @@ streaming data", Algorithm 3):
     \hat H_\nu = Y_\nu B^{-1} Y_\nu^\top, \quad \hat H = \hat H_\nu - \nu\,\Pi,
 
 with :math:`\Pi` the projector onto the range of :math:`Y_\nu`; the eigenpairs of
-:math:`\hat H_\nu` come from one ``l x l`` eigenproblem in the orthonormal basis
-:math:`Q = Y_\nu S^{-1/2}`, :math:`S = Y_\nu^\top Y_\nu` (accumulated in float64).
+:math:`\hat H_\nu = E E^\top`, :math:`E = Y_\nu L^{-\top}`, come from one ``l x l``
+eigenproblem of :math:`E^\top E`.
 
 Properties:
 
@@ -169,9 +169,11 @@ class SketchMerge(StreamingMerge):
             trace: The exact trace of the other curvature.
             diagonal: Its exact diagonal (needed when tracking the diagonal).
         """
-        if self._dense is not None or eigenvalues.numel() == 0:
+        if self._dense is not None:
             raise RuntimeError("add_lowrank needs a sketch, not a dense sum.")
         self._add_trace_and_diagonal(trace, diagonal)
+        if eigenvalues.numel() == 0:
+            return
         omega = self._test_matrix(eigenvectors.shape[0], eigenvectors)
         if self._sketch is None:
             self._sketch = torch.zeros_like(omega)
@@ -222,20 +224,21 @@ class SketchMerge(StreamingMerge):
         Tropp et al.'s stable evaluation: ``B = Omega^T Y_nu = C^T C`` (Cholesky),
         ``E = Y_nu C^{-1}`` (so ``H_nu = E E^T``), whose singular pairs give the
         eigenpairs. ``E`` is conditioned like the square root of the approximation,
-        so its Gram matrix, accumulated in float64, resolves them (``Y_nu``'s own
-        Gram matrix would square ``H``'s condition number instead).
+        so its Gram matrix in working precision resolves them as the streaming
+        merge's Gram matrices do (``Y_nu``'s own Gram matrix would square ``H``'s
+        condition number instead).
         """
         if self._sketch is None:
             return
         Y, omega = self._sketch, self._test
         self._sketch = self._test = None
         dtype, eps = Y.dtype, torch.finfo(Y.dtype).eps
-        # nu: large enough that B is positive definite despite the rounding of Y.
-        # B is accumulated in float64, so that rounding is at most eps ||Y||_F (the
-        # test columns have about unit norm); Tropp et al.'s sqrt(D) eps ||Y|| covers
-        # working-precision products too, but every Nyström eigenvalue picks up a
-        # share of nu's mass in all D directions: on float32 tests that larger shift
-        # moved the smallest kept eigenvalues by 2%
+        # nu: large enough that B is positive definite despite rounding. Tropp et
+        # al.'s sqrt(D) eps ||Y|| bounds the worst case of a working-precision
+        # product, but every Nyström eigenvalue picks up a share of nu's mass in all
+        # D directions: on float32 tests it moved the smallest kept eigenvalues by 2%.
+        # The typical rounding is ~eps ||Y||_F (test columns of about unit norm), and
+        # a Cholesky failure raises nu tenfold
         norm = float(torch.linalg.vector_norm(Y))
         if not math.isfinite(norm):
             raise RuntimeError("The sketch is not finite: the GGN factors were not.")
