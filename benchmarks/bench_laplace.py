@@ -8,6 +8,9 @@ points (default 128):
   library, registered with laplace-torch's ``Laplace`` factory by ``import
   lowrank_laplace``) with rank ``--rank`` on the exact GGN (``mc_samples=0``) or a
   1-sample Monte-Carlo GGN (``mc_samples=1``). Also records ``la.kept_fraction``.
+- ``lowrank_exact_sketch`` / ``lowrank_mc_sketch``: the same fits with the opt-in,
+  approximate ``solver="sketch"`` (one-pass Nyström sketch), graded against the same
+  bounds, with the trace they keep next to streaming's.
 - ``lowrank_exact_lowmem``: the exact fit with ``low_memory=True`` (two passes per
   micro-batch, never a whole micro-batch's ``V``).
 - ``{diag,kron,full}_backpack``: laplace-torch with ``backend=BackPackGGN``,
