@@ -11,7 +11,9 @@ out-of-distribution detection. The report's schema::
                         "shift": {"<angle>": {"accuracy", "nll", "ece"}, ...},
                         "ood_auroc": float, "fit_s": float, "predict_s": float}
                         # or {"error": "why it could not run"}
-     "config": {...}}
+     "config": {...},
+     "machine": {"date", "cpu_name", "cpu_count", "platform", "python", "torch",
+                 "device", "device_name", "version_<package>"}}
 """
 
 from __future__ import annotations
@@ -146,6 +148,43 @@ class CalibrationConfig:
     device: str = "cpu"
     seed: int = 0
     out: str = "results"
+
+
+def machine_record(device: torch.device) -> dict:
+    """When and where a report was made: UTC date, CPU, device and package versions.
+
+    Args:
+        device: The torch device of the run.
+
+    Returns:
+        The record (see the module docstring).
+    """
+    import datetime
+    import importlib.metadata
+    import os
+    import platform
+
+    cpu_name = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu_name = next((line.split(":", 1)[1].strip() for line in f
+                             if line.startswith("model name")), cpu_name)
+    except OSError:
+        pass
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+        "cpu_name": cpu_name, "cpu_count": os.cpu_count(), "platform": platform.platform(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
+        else cpu_name,
+    }
+    for package in ("lowrank_laplace", "laplace-torch", "backpack-for-pytorch"):
+        try:
+            record[f"version_{package}"] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:  # pragma: no cover
+            pass
+    return record
 
 
 def make_cnn(dataset: str) -> nn.Module:
@@ -424,7 +463,8 @@ def run(config: CalibrationConfig, log: Callable[[str], None] = _silent) -> dict
     report = {"methods": {}, "config": asdict(config) | {
         "n_train_used": len(split.train[1]), "n_test_used": len(split.test[1]),
         "num_params": sum(p.numel() for p in model.parameters()),
-        "ood": "grayscale crops of scikit-learn's sample photographs"}}
+        "ood": "grayscale crops of scikit-learn's sample photographs"},
+        "machine": machine_record(device)}
     out = Path(config.out)
     fitted: dict = {}
     for i, name in enumerate(config.methods, 1):

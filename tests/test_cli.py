@@ -239,6 +239,8 @@ def test_calibrate_end_to_end(tmp_path, capsys):
         assert 0 <= m["ood_auroc"] <= 1 and m["fit_s"] >= 0 and m["predict_s"] > 0
         assert (tmp_path / f"reliability_{name}.png").stat().st_size > 2000
     assert report["config"]["n_train_used"] == 300
+    assert report["machine"]["date"].startswith("20")
+    assert report["machine"]["torch"] == torch.__version__
     # rotation by 0 degrees is the identity: shift "0" equals in-distribution
     m = report["methods"]["map"]
     assert m["shift"]["0"]["ece"] == pytest.approx(m["in_distribution"]["ece"])
