@@ -6,7 +6,7 @@ from laplace import FullLaplace, Laplace
 from torch import nn
 
 from lowrank_laplace import LowRankGGNLaplace
-from lowrank_laplace._fitting import merge_plan, sketch_cost, streaming_cost
+from lowrank_laplace._fitting import merge_plan, micro_batch_size, sketch_cost, streaming_cost
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.merge import StreamingMerge
 from lowrank_laplace.sketch import SketchMerge
@@ -209,13 +209,20 @@ def test_solver_is_validated_and_kept_in_the_last_layer_class():
 
 
 def test_plan_and_cost_model():
-    """Every pass is one merge, as large as a streaming pass; the sketch's cost is the
-    streaming cost's products without the merges."""
+    """Passes as large as streaming's, merges of a pass or up to half the budget; the
+    sketch's cost is the streaming cost's products without the merges."""
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
     X = torch.randn(16, 4)
     with FactorEngine(model, nn.CrossEntropyLoss(reduction="sum")) as engine:
         for kwargs in (dict(budget=None, cap=None), dict(budget=4000, cap=None),
                        dict(budget=None, cap=5), dict(budget=None, cap=40, low_memory=True)):
             micro, chunk = merge_plan(engine, X, 0, 16, 64, 10, solver="sketch", **kwargs)
-            assert micro == chunk == merge_plan(engine, X, 0, 16, 64, 10, **kwargs)[0]
+            assert micro == merge_plan(engine, X, 0, 16, 64, 10, **kwargs)[0]
+            limit = micro_batch_size(engine, X, None, kwargs["budget"], kwargs["cap"],
+                                     one_block=kwargs.get("low_memory", False))
+            if kwargs.get("low_memory"):  # every micro-batch is one merge
+                assert chunk == micro
+                continue
+            size = min(micro, 16)  # whole passes, pending factors and their copy fit
+            assert chunk % size == 0 and (chunk == size or 2 * chunk <= limit)
     assert sketch_cost(9, 120, 10**5, 400, 1000) < streaming_cost(9, 120, 10**5, 400, 1000, 30)
