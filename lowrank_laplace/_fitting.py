@@ -114,6 +114,14 @@ EIGH_WEIGHT = 28.0
 #: merges (200 samples, 1.5e8) and the 109,386-weight MLP's (5e8 and more) are faster
 #: on two threads under both.
 SINGLE_THREAD_MERGE_WORK = 2**26
+#: Sketch merges (:class:`~lowrank_laplace.sketch.SketchMerge`) span several passes up
+#: to this many bytes of ``V``: larger products are faster for factored linear layers
+#: (the 109,386-weight MLP's exact fit on 2 CPU cores: 0.66 s in merges of one
+#: 128-sample batch, 0.56 s in one merge of all 1,024 samples, 40 MB of V), while for
+#: expanded convolution blocks merging passes only adds concatenated copies (DeepOBS
+#: 3c3d on an H100 with merges of half its 20 GiB budget: a 13 GiB fit peak against
+#: streaming's 1.8 GiB).
+SKETCH_MERGE_BYTES = 2**28
 #: Below this many parameters per kept eigenpair, a merge rotates the ``D x k`` basis
 #: explicitly (``D k^2``, cheap) instead of the lazy update's ``k x k`` SVD and
 #: bookkeeping (measured on a 6,310-weight MLP at ``k = 120``: 15% faster fits).
@@ -346,15 +354,15 @@ def merge_plan(engine: FactorEngine, X: Tensor, mc_samples: int, batch_size: int
     # of whole merges, with room for the pending samples and a merge's concatenated copy
     micro = min(chunk, limit) * max(1, (limit - 2 * chunk) // max(1, chunk))
     if solver == "sketch":
-        # no eigenproblem per merge, so merges as large as memory allows: whole
-        # passes, as many as fit half the budget (their factors and the concatenated
-        # copy); larger products are faster (the 109,386-weight MLP's exact fit:
-        # 0.66 s in merges of one 128-sample batch, 0.44 s in one of 1,024). Passes
-        # as large as streaming's, not larger: whole 128-sample passes raised DeepOBS
-        # 3c3d's fit peak from 1.3 to 3.4 GiB (BackPACK's intermediates grow with
-        # the pass)
+        # no eigenproblem per merge: a merge is one pass, or whole passes up to
+        # SKETCH_MERGE_BYTES of V (see there) and half the budget (their factors and
+        # the concatenated copy). Passes as large as streaming's, not larger: whole
+        # 128-sample passes raised DeepOBS 3c3d's fit peak from 1.3 to 3.4 GiB
+        # (BackPACK's intermediates grow with the pass)
         size = min(micro, batch_size)  # a pass never spans loader batches
-        return micro, size * max(1, (limit // 2) // size)
+        per_sample = resolve_memory_budget(budget, batch_device(X)) / max(1, limit)
+        span = min(limit // 2, int(SKETCH_MERGE_BYTES // max(1.0, per_sample)))
+        return micro, size * max(1, span // size)
     return micro, chunk
 
 
