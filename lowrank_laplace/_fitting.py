@@ -333,7 +333,8 @@ def merge_plan(engine: FactorEngine, X: Tensor, mc_samples: int, batch_size: int
         low_memory: Every micro-batch is one merge computed by passes that hold one
             block of ``V`` at a time (no concatenated copies).
         solver: ``"streaming"`` or ``"sketch"`` (passes sized as for streaming, merges
-            of a pass or of up to half the budget).
+            of one pass or of whole passes up to ``SKETCH_MERGE_BYTES`` of ``V`` and
+            half the budget).
 
     Returns:
         ``(micro-batch size, merge size)`` in samples. Without ``low_memory`` a

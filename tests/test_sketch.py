@@ -238,19 +238,10 @@ def test_sketch_posterior_tracks_the_full_ggn_on_real_data():
     full GGN's. The sketch's eigenvalues under-estimate, so its marglik prior is
     larger than the full GGN's (1.53x here; streaming: 1.10x); more sketch columns
     keep more of the trace and bring the prior closer."""
-    from sklearn.datasets import load_digits
-
     from .test_residual import _digits_problem
+    from .test_residual import heldout_nll as nll
 
     model, loader = _digits_problem()
-    data = load_digits()
-    X_test = torch.tensor(data.data[500:900] / 16.0, dtype=torch.float64)
-    y_test = torch.tensor(data.target[500:900])
-
-    def nll(la):
-        probs = la(X_test, link_approx="probit")
-        return float(nn.functional.nll_loss(probs.log(), y_test))
-
     full = fit_reference(FullLaplace(model, "classification"), loader)
     full.optimize_prior_precision(method="marglik", n_steps=300, lr=0.1)
     kept, prior = {}, {}
