@@ -255,3 +255,15 @@ def test_sketch_posterior_tracks_the_full_ggn_on_real_data():
         assert abs(nll(la) / nll(full) - 1) < 0.10, oversampling
     assert kept[None] < kept[140] < 1
     assert 1 < prior[140] < prior[None] < 1.8, prior
+
+
+def test_small_models_stay_on_the_exact_dense_path(monkeypatch):
+    """The dense sum (exact) takes precedence over the sketch where it applies."""
+    monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", 2048)
+    model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
+    full = fit_reference(FullLaplace(model, likelihood), loader)
+    la = LowRankGGNLaplace(model, likelihood, rank=6, solver="sketch", residual="none")
+    la.fit(loader)
+    assert la.fit_path == "dense"
+    evals = torch.linalg.eigvalsh(full.H).flip(0)[:6]
+    torch.testing.assert_close(la.H[1], evals, rtol=1e-8, atol=0)
