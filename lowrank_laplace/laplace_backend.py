@@ -155,8 +155,9 @@ class LowRankGGNLaplace(ParametricLaplace):
             approximate: a one-pass randomized Nyström sketch with ``rank +
             oversampling`` columns, :class:`~lowrank_laplace.sketch.SketchMerge`;
             no eigenproblem per merge, so faster on small and fully-connected
-            models, but its eigenvalues under-estimate the GGN's wherever its rank
-            exceeds the sketch, so it keeps less of the trace). Both are exact when
+            models, slower with millions of parameters and few columns per sample;
+            its eigenvalues under-estimate the GGN's wherever its rank exceeds the
+            sketch, so it keeps less of the trace). Both are exact when
             the GGN's rank over the data fits, and neither applies when the fit sums
             densely (``fit_path == "dense"``).
     """
