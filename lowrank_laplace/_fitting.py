@@ -299,6 +299,17 @@ def micro_batch_size(engine: FactorEngine, X: Tensor, num_vectors: Optional[int]
     Raises:
         ValueError: If one sample does not fit the budget.
     """
+    size, _ = _samples_in_budget(engine, X, num_vectors, budget, one_block)
+    return size if cap is None else min(size, cap)
+
+
+def _samples_in_budget(engine: FactorEngine, X: Tensor, num_vectors: Optional[int],
+                       budget: Union[int, float, None], one_block: bool) -> Tuple[int, int]:
+    """Samples whose ``V`` fits the budget, and the bytes of one sample's ``V``.
+
+    Raises:
+        ValueError: If one sample does not fit the budget.
+    """
     per_sample = engine.bytes_per_sample(X, num_vectors, one_block=one_block)
     budget = resolve_memory_budget(budget, batch_device(X))
     if per_sample > budget:
@@ -307,8 +318,7 @@ def micro_batch_size(engine: FactorEngine, X: Tensor, num_vectors: Optional[int]
             f"{per_sample:,} bytes of V): raise memory_budget, use mc_samples=1, or "
             "subset_of_weights='last_layer'."
         )
-    size = max(1, budget // per_sample)
-    return size if cap is None else min(size, cap)
+    return max(1, budget // per_sample), per_sample
 
 
 def merge_plan(engine: FactorEngine, X: Tensor, mc_samples: int, batch_size: int,
@@ -341,7 +351,8 @@ def merge_plan(engine: FactorEngine, X: Tensor, mc_samples: int, batch_size: int
         micro-batch (one backward pass) may be larger than a merge and is then
         merged in pieces.
     """
-    limit = micro_batch_size(engine, X, mc_samples or None, budget, cap, one_block=low_memory)
+    limit, per_sample = _samples_in_budget(engine, X, mc_samples or None, budget, low_memory)
+    limit = limit if cap is None else min(limit, cap)
     cols = factor_columns(engine.loss_func, (1, engine.num_outputs), mc_samples)
     chunk = merge_size(
         columns_per_sample=cols, keep=keep,
@@ -361,8 +372,7 @@ def merge_plan(engine: FactorEngine, X: Tensor, mc_samples: int, batch_size: int
         # 128-sample passes raised DeepOBS 3c3d's fit peak from 1.3 to 3.4 GiB
         # (BackPACK's intermediates grow with the pass)
         size = min(micro, batch_size)  # a pass never spans loader batches
-        per_sample = resolve_memory_budget(budget, batch_device(X)) / max(1, limit)
-        span = min(limit // 2, int(SKETCH_MERGE_BYTES // max(1.0, per_sample)))
+        span = min(limit // 2, SKETCH_MERGE_BYTES // per_sample)
         return micro, size * max(1, span // size)
     return micro, chunk
 
@@ -412,7 +422,7 @@ class RecomputedFactor:
     def __init__(self, engine: FactorEngine, inputs: Tensor, targets: Tensor,
                  mc_samples: int, subsampling: Optional[List[int]],
                  targets_x: List[Tensor], diagonal: bool, gram: bool = True):
-        self._engine = engine
+        self._engine, self._gram = engine, gram
         self._args = (inputs, targets, mc_samples, subsampling)
         self._replay = RNGReplay(batch_device(inputs))
         first = engine.compute(*self._args, keep_blocks=False, compute_grams=gram,
@@ -440,9 +450,7 @@ class RecomputedFactor:
 
     def trace(self, group: int = 0) -> Tensor:
         """The exact trace (from the Gram matrix, else from the diagonal)."""
-        if len(self.first.grams) > group and self.first.grams[group] is not None:
-            return self.first.trace(group)
-        return self.first.diag(group).sum()
+        return self.first.trace(group) if self._gram else self.first.diag(group).sum()
 
     def t_matmul(self, x: Tensor, group: int = 0) -> Tensor:
         """``V^T x`` for one of the matrices given before the first pass.

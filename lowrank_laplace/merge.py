@@ -337,9 +337,7 @@ class StreamingMerge:
 
         if self._dense is not None:  # dense mode: the exact sum over processes
             dist.all_reduce(self._dense, group=group)
-            trace = self.trace.reshape(1).clone()
-            dist.all_reduce(trace, group=group)
-            self.trace = trace[0]
+            self._sum_trace_across(group)
             self._finalize_dense()
             return
         world = dist.get_world_size(group)
@@ -363,6 +361,14 @@ class StreamingMerge:
         for Ui, li, ti, di, ki in zip(*gathered):
             k = int(ki)
             self.add_lowrank(Ui[:, :k], li[:k], ti[0], di if self.track_diagonal else None)
+
+    def _sum_trace_across(self, group: Any) -> None:
+        """Replace the trace by its sum over the processes of a group."""
+        import torch.distributed as dist
+
+        trace = self.trace.reshape(1).clone()
+        dist.all_reduce(trace, group=group)
+        self.trace = trace[0]
 
     def result(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """The leading ``rank`` eigenpairs, the exact trace and the residual diagonal.

@@ -201,9 +201,7 @@ class SketchMerge(StreamingMerge):
         if self._sketch is None:
             raise RuntimeError("merge_across needs a local sketch on every process.")
         dist.all_reduce(self._sketch, group=group)
-        trace = self.trace.reshape(1).clone()
-        dist.all_reduce(trace, group=group)
-        self.trace = trace[0]
+        self._sum_trace_across(group)
         if self.track_diagonal:
             dist.all_reduce(self.diagonal, group=group)
 
