@@ -267,3 +267,32 @@ def test_small_models_stay_on_the_exact_dense_path(monkeypatch):
     assert la.fit_path == "dense"
     evals = torch.linalg.eigvalsh(full.H).flip(0)[:6]
     torch.testing.assert_close(la.H[1], evals, rtol=1e-8, atol=0)
+
+
+def test_sketch_streams_whole_equal_passes(monkeypatch):
+    """A sketch is linear in its factors: loader batches split into equal passes, no
+    pass is ever split at a merge boundary, and the result does not depend on the
+    pass size."""
+    model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
+    kw = dict(rank=6, oversampling=10, solver="sketch")
+    one = LowRankGGNLaplace(model, likelihood, **kw)
+    one.fit(loader)
+    sizes = []
+    compute = FactorEngine.compute
+
+    def recording(self, X, y, **kwargs):
+        if y is not None:  # not the sizing pass
+            sizes.append(len(y))
+        return compute(self, X, y, **kwargs)
+
+    def never(*args, **kwargs):
+        raise AssertionError("a sketch pass was split")
+
+    monkeypatch.setattr(FactorEngine, "compute", recording)
+    monkeypatch.setattr(fitting.GGNFactor, "take_samples", never)
+    many = LowRankGGNLaplace(model, likelihood, micro_batch_size=5, **kw)
+    many.fit(loader)
+    assert sizes == [4] * 4 * 3 + [4] * 3  # batches 16, 16, 16, 12 in passes of <= 5
+    assert many.fit_path == "sketch"
+    torch.testing.assert_close(dense_H(many), dense_H(one), rtol=0,
+                               atol=1e-9 * one.H[1].max())
