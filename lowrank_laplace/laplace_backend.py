@@ -159,7 +159,11 @@ class LowRankGGNLaplace(ParametricLaplace):
             its eigenvalues under-estimate the GGN's wherever its rank exceeds the
             sketch, so it keeps less of the trace). Both are exact when
             the GGN's rank over the data fits, and neither applies when the fit sums
-            densely (``fit_path == "dense"``).
+            densely (``fit_path == "dense"``). Where a single streaming merge of all
+            the data's columns fits the merge plan (few columns per sample, e.g. the
+            Monte-Carlo GGN), ``"sketch"`` takes that merge instead (``fit_path ==
+            "streaming"``): it multiplies ``V`` once where the sketch multiplies it
+            twice, and it is the exact truncation.
     """
 
     _key = ("all", "lowrank_ggn")
@@ -444,11 +448,13 @@ class LowRankGGNLaplace(ParametricLaplace):
                     local = min(num_data, len(train_loader) * len(y))
                 loss = loss + stream.add(X, y, local)
                 seen += len(y)
-                if progress_bar and merge.eigenvalues is not None:
-                    kept = float(merge.eigenvalues[: self.rank].sum() / merge.trace)
+                if progress_bar and stream.merge.eigenvalues is not None:
+                    kept = float(stream.merge.eigenvalues[: self.rank].sum()
+                                 / stream.merge.trace)
                     pbar.set_postfix(kept_trace=f"{kept:.3f}")
             stream.flush()
             backend_used = engine.backend
+        merge = stream.merge  # a sketch whose data one streaming merge covers streams
         plan = stream.plan
         if plan is None:
             raise ValueError("train_loader yielded no batches: nothing to fit.")

@@ -194,7 +194,8 @@ def test_cuda_sketch_laplace_at_full_rank_equals_cpu_streaming(monkeypatch):
     cpu = Laplace(model, "classification", **KW, rank=1000)
     cpu.fit(DataLoader(TensorDataset(X, y), batch_size=8))
     m, Xd, yd = on_device(model, X, y)
-    gpu = Laplace(m, "classification", **KW, rank=1000, solver="sketch")
+    # passes of 4: one streaming merge must not cover the data, or the sketch streams
+    gpu = Laplace(m, "classification", **KW, rank=1000, solver="sketch", micro_batch_size=4)
     gpu.fit(DataLoader(TensorDataset(Xd, yd), batch_size=8))
     assert gpu.fit_path == "sketch" and gpu.H[0].device.type == DEVICE
     U, lam = gpu.H

@@ -58,8 +58,9 @@ def test_two_processes_equal_single_process(tmp_path, monkeypatch, dense_max_dim
     out = str(tmp_path / "result")
     kw = dict(rank=1000, residual="diagonal")
     if solver == "sketch":
+        # passes of 2 samples: one streaming merge must not cover a process's data
         kw = dict(rank=1000 if online else 5, oversampling=3, residual="diagonal",
-                  solver="sketch")
+                  solver="sketch", micro_batch_size=2)
     mp.spawn(_worker, args=(2, _free_port(), out, kw, dense_max_dim, online), nprocs=2,
              join=True)
     monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", dense_max_dim)

@@ -180,10 +180,13 @@ def test_laplace_truncated_keeps_less_than_streaming_and_low_memory_agrees():
     model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
     full = fit_reference(FullLaplace(model, likelihood), loader)
     kw = dict(rank=6, oversampling=10, residual="diagonal")
-    sketch = LowRankGGNLaplace(model, likelihood, solver="sketch", **kw)
+    # passes of 16 samples: one streaming merge no longer covers the data
+    sketch = LowRankGGNLaplace(model, likelihood, solver="sketch", micro_batch_size=16, **kw)
     sketch.fit(loader)
-    low = LowRankGGNLaplace(model, likelihood, solver="sketch", low_memory=True, **kw)
+    low = LowRankGGNLaplace(model, likelihood, solver="sketch", low_memory=True,
+                            micro_batch_size=16, **kw)
     low.fit(loader)
+    assert sketch.fit_path == low.fit_path == "sketch"
     stream = LowRankGGNLaplace(model, likelihood, **kw)
     stream.fit(loader)
     exact = torch.linalg.eigvalsh(full.H).flip(0)[:6]
@@ -204,7 +207,8 @@ def test_solver_is_validated_and_kept_in_the_last_layer_class():
     with pytest.raises(ValueError, match="solver must be one of"):
         LowRankGGNLaplace(model, likelihood, solver="lanczos")
     la = Laplace(model, likelihood, subset_of_weights="last_layer",
-                 hessian_structure="lowrank_ggn", rank=2, oversampling=1, solver="sketch")
+                 hessian_structure="lowrank_ggn", rank=2, oversampling=1, solver="sketch",
+                 micro_batch_size=4)
     la.fit(loader)
     assert la.solver == "sketch" and la.fit_path == "sketch" and la.H[1].shape == (2,)
 
@@ -275,7 +279,7 @@ def test_sketch_streams_whole_equal_passes(monkeypatch):
     pass size."""
     model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
     kw = dict(rank=6, oversampling=10, solver="sketch")
-    one = LowRankGGNLaplace(model, likelihood, **kw)
+    one = LowRankGGNLaplace(model, likelihood, micro_batch_size=16, **kw)  # the batches
     one.fit(loader)
     sizes = []
     compute = FactorEngine.compute
@@ -296,3 +300,26 @@ def test_sketch_streams_whole_equal_passes(monkeypatch):
     assert many.fit_path == "sketch"
     torch.testing.assert_close(dense_H(many), dense_H(one), rtol=0,
                                atol=1e-9 * one.H[1].max())
+
+
+def test_sketch_streams_exactly_where_one_merge_covers_the_data():
+    """One streaming merge of all columns multiplies V once, the sketch twice: where
+    the plan allows it, solver='sketch' takes that merge, the exact truncation."""
+    model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
+    kw = dict(rank=6, oversampling=4)
+    sketch = LowRankGGNLaplace(model, likelihood, solver="sketch", **kw)
+    sketch.fit(loader)
+    stream = LowRankGGNLaplace(model, likelihood, **kw)
+    stream.fit(loader)
+    assert sketch.fit_path == stream.fit_path == "streaming" and sketch.solver == "sketch"
+    torch.testing.assert_close(dense_H(sketch), dense_H(stream), rtol=0,
+                               atol=1e-9 * stream.H[1].max())
+    # the best rank-6 approximation of the full GGN: the top eigenvalues, exactly
+    full = fit_reference(FullLaplace(model, likelihood), loader)
+    torch.testing.assert_close(sketch.H[1], torch.linalg.eigvalsh(full.H).flip(0)[:6],
+                               **TOL)
+    # when passes must be merged apart (here: several passes), it sketches
+    small = LowRankGGNLaplace(model, likelihood, solver="sketch", micro_batch_size=16, **kw)
+    small.fit(loader)
+    assert small.fit_path == "sketch"
+    assert small.kept_fraction < sketch.kept_fraction
