@@ -26,6 +26,10 @@
 #                               bash benchmarks/gpu_check.sh tests
 #       the CUDA tests alone (pytest_cuda.log, about 2 minutes), to run before `fits`
 #       in one call after the library has changed.
+#                               bash benchmarks/gpu_check.sh sketch
+#       the CUDA tests, then streaming against solver="sketch" (exact and MC) and
+#       BackPACK-kron on 3c3d and the 784-128-64-10 MLP (sketch.log,
+#       laplace_sketch_3c3d.json, laplace_sketch_mlp.json), about 5 minutes.
 #
 # SKIP_INSTALL=1 uses the current environment instead of the wheels (to try the
 # script on a CPU machine, where every step falls back to or skips CUDA).
@@ -41,8 +45,8 @@ if [ "$mode" = prepare ]; then
         curvlinops-for-pytorch==3.0.1 asdfghjkl==0.1a5 unfoldNd==0.2.3 einconv==0.1.0
     exit $?
 fi
-if [ "$mode" != run ] && [ "$mode" != fits ] && [ "$mode" != tests ]; then
-    echo "usage: bash benchmarks/gpu_check.sh prepare|run|fits|tests" >&2
+if [ "$mode" != run ] && [ "$mode" != fits ] && [ "$mode" != tests ] && [ "$mode" != sketch ]; then
+    echo "usage: bash benchmarks/gpu_check.sh prepare|run|fits|tests|sketch" >&2
     exit 2
 fi
 
@@ -89,6 +93,18 @@ rc=$?
 tail -2 "$OUT/pytest_cuda.log"
 echo "pytest rc=$rc" | tee -a "$OUT/pytest_cuda.log"
 [ "$mode" = tests ] && exit 0
+if [ "$mode" = sketch ]; then
+    echo "== streaming against the sketch solver on 3c3d and the MLP"
+    for problem in 3c3d mlp; do
+        timeout 100 python3 benchmarks/bench_laplace.py --device cuda --problems "$problem" \
+            --methods lowrank_exact lowrank_exact_sketch lowrank_mc lowrank_mc_sketch \
+            kron_backpack --retry-busy 0 --out /tmp/gpu_sketch >> "$OUT/sketch.log" 2>&1
+        echo "bench_laplace $problem rc=$?"
+        cp "/tmp/gpu_sketch/laplace_$problem.json" "$OUT/laplace_sketch_$problem.json" 2>/dev/null
+    done
+    grep -E "PASS|FAIL|\[(3c3d|mlp)\]" "$OUT/sketch.log"
+    exit 0
+fi
 
 echo "== top-10 eigenpairs of ResNet-18 and the transformer at N = 128"
 work=/tmp/gpu_check_work
