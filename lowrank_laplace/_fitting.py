@@ -614,7 +614,9 @@ class BatchStreamer:
             streaming = merge_plan(self.engine, X, self.mc_samples, batch_size, num_data,
                                    keep=self.keep, budget=self.budget, cap=self.cap,
                                    low_memory=self.low_memory)
-            single = streaming[1] >= samples
+            # low-memory merges never span loader batches: one must hold the data
+            single = streaming[1] >= samples and (
+                not self.low_memory or min(batch_size, streaming[0]) >= samples)
         if self.group is not None:  # every process takes the same path
             import torch.distributed as dist
 

@@ -36,7 +36,8 @@ def _worker(rank, world, port, out, rank_kw, dense_max_dim, online):
         U, lam = la.H
         torch.save({"H": U @ torch.diag(lam) @ U.T, "lam": lam, "n_data": la.n_data,
                     "marglik": la.log_marginal_likelihood().detach(), "trace": la.trace,
-                    "residual": la.residual_diagonal}, f"{out}.{rank}")
+                    "residual": la.residual_diagonal, "fit_path": la.fit_path},
+                   f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -49,9 +50,10 @@ def _free_port():
 
 @pytest.mark.parametrize("dense_max_dim, online, solver",
                          [(0, False, None), (2048, False, None), (0, True, None),
-                          (0, False, "sketch"), (0, True, "sketch")],
+                          (0, False, "sketch"), (0, True, "sketch"),
+                          (0, False, "sketch-one-merge")],
                          ids=["streaming", "dense", "streaming-online", "sketch-truncated",
-                              "sketch-online"])
+                              "sketch-online", "sketch-one-merge"])
 def test_two_processes_equal_single_process(tmp_path, monkeypatch, dense_max_dim, online,
                                             solver):
     """Exact fits; and truncated sketches, which add up to the single-process sketch."""
@@ -61,6 +63,8 @@ def test_two_processes_equal_single_process(tmp_path, monkeypatch, dense_max_dim
         # passes of 2 samples: one streaming merge must not cover a process's data
         kw = dict(rank=1000 if online else 5, oversampling=3, residual="diagonal",
                   solver="sketch", micro_batch_size=2)
+    if solver == "sketch-one-merge":  # every process streams its one exact merge
+        kw = dict(rank=1000, residual="diagonal", solver="sketch")
     mp.spawn(_worker, args=(2, _free_port(), out, kw, dense_max_dim, online), nprocs=2,
              join=True)
     monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", dense_max_dim)
@@ -72,6 +76,9 @@ def test_two_processes_equal_single_process(tmp_path, monkeypatch, dense_max_dim
     results = [torch.load(f"{out}.{r}") for r in range(2)]
     for res in results:  # every rank ends with the same posterior
         assert res["n_data"] == 30
+        assert res["fit_path"] == single.fit_path == \
+            {None: "dense" if dense_max_dim else "streaming", "sketch": "sketch",
+             "sketch-one-merge": "streaming"}[solver]
         torch.testing.assert_close(res["H"], H, rtol=1e-6, atol=1e-10 * H.abs().max())
         torch.testing.assert_close(res["marglik"], single.log_marginal_likelihood().detach())
         torch.testing.assert_close(res["trace"], single.trace)

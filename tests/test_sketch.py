@@ -4,6 +4,7 @@ import pytest
 import torch
 from laplace import FullLaplace, Laplace
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lowrank_laplace import LowRankGGNLaplace
 from lowrank_laplace import _fitting as fitting
@@ -318,6 +319,15 @@ def test_sketch_streams_exactly_where_one_merge_covers_the_data():
     full = fit_reference(FullLaplace(model, likelihood), loader)
     torch.testing.assert_close(sketch.H[1], torch.linalg.eigvalsh(full.H).flip(0)[:6],
                                **TOL)
+    # low-memory merges do not span loader batches: one merge covers only one batch
+    low = LowRankGGNLaplace(model, likelihood, solver="sketch", low_memory=True, **kw)
+    low.fit(loader)
+    assert low.fit_path == "sketch"
+    whole = LowRankGGNLaplace(model, likelihood, solver="sketch", low_memory=True, **kw)
+    whole.fit(DataLoader(loader.dataset, batch_size=60))
+    assert whole.fit_path == "streaming"
+    torch.testing.assert_close(dense_H(whole), dense_H(stream), rtol=0,
+                               atol=1e-9 * stream.H[1].max())
     # when passes must be merged apart (here: several passes), it sketches
     small = LowRankGGNLaplace(model, likelihood, solver="sketch", micro_batch_size=16, **kw)
     small.fit(loader)
