@@ -127,7 +127,8 @@ def test_last_layer_reports_its_path(monkeypatch, dense_max_dim, path):
 
 
 def test_one_pass_feeds_several_merges_of_the_planned_size(monkeypatch):
-    """Passes of a whole batch (8) split into merges of exactly 3 samples, across batches."""
+    """Passes of a whole batch (8) split into merges of at most 3 samples (3, 3, 2),
+    never across passes."""
     import lowrank_laplace._fitting as fitting
     from lowrank_laplace import FactorEngine
     from lowrank_laplace.merge import StreamingMerge
@@ -142,14 +143,16 @@ def test_one_pass_feeds_several_merges_of_the_planned_size(monkeypatch):
     assert la.fit_path == "streaming"
     assert passes[:5] == [8] * 5  # one pass per batch (the spectral residual's probe follows)
 
-    # reference: the same merges, each from its own pass over 3 consecutive samples
+    # reference: the same merges, each from its own pass over its samples
     X, y = loader.dataset.tensors
     merge = StreamingMerge(4, 2, track_diagonal=True, lazy=False)
     with FactorEngine(model, nn.CrossEntropyLoss(reduction="sum"), eval_mode=True) as engine:
-        for start in range(0, 40, 3):
-            merge.add_factor(engine.compute(X[start:start + 3], y[start:start + 3]))
+        for batch in range(0, 40, 8):
+            for start, stop in ((0, 3), (3, 6), (6, 8)):
+                part = slice(batch + start, batch + stop)
+                merge.add_factor(engine.compute(X[part], y[part]))
     U, lam, trace, residual = merge.result()
-    assert merge.num_merges == 14
+    assert merge.num_merges == 15
     torch.testing.assert_close(la.H[1], lam, rtol=1e-9, atol=0)
     torch.testing.assert_close(_dense_H(la), U @ torch.diag(lam) @ U.T, rtol=1e-8, atol=1e-12)
     torch.testing.assert_close(la.trace, trace, rtol=1e-12, atol=0)
