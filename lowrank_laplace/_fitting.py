@@ -557,7 +557,7 @@ class BatchStreamer:
         if self.plan is None:
             self._choose_path(X, len(y), num_data)
         micro, chunk = self.plan
-        micro = equal_parts(len(y), micro)  # 128 in passes of <= 38: 32 each, no remainder
+        micro = equal_parts(len(y), micro)  # 128 in passes of <= 38: four of 32
         loss = 0.0
         for start in range(0, len(y), micro):  # tensor or dict batches
             Xc, yc = take(X, slice(start, start + micro), len(y)), y[start:start + micro]
