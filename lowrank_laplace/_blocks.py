@@ -30,6 +30,15 @@ from torch import Tensor
 Weight = Union[float, Tensor]
 
 
+def _stored_transposed(mat: Tensor) -> bool:
+    """Whether a ``(d, K)`` matrix has unit stride down its columns.
+
+    That is, whether it is a view of rows of a ``(K, D)`` tensor, as the sketch's test
+    matrix and sketch are.
+    """
+    return mat.dim() == 2 and min(mat.shape) > 1 and mat.stride(0) == 1
+
+
 def _symmetrized(square: Tensor) -> Tensor:
     """``(A + A^T) / 2``: exactly symmetric whatever the BLAS kernel produced."""
     return (square + square.T) / 2
@@ -206,9 +215,9 @@ class DenseBlock:
         Returns:
             ``out``.
         """
-        if self._read_along_d(y):
+        if self._read_along_d(y) and not _stored_transposed(out):
             return out.add_((y.T @ self.rows).T)
-        return out.addmm_(self.rows.T, y)
+        return out.addmm_(self.rows.T, y)  # into a transposed out: wide l x d rows
 
     def _read_along_d(self, y: Tensor) -> bool:
         """Whether ``B^T y`` is faster as ``(y^T B)^T`` (see ``_WIDE``)."""
@@ -311,6 +320,14 @@ class KronBlock:
             Tensor of shape ``(M, K)``.
         """
         out_dim, in_dim = self.s.shape[2], self.z.shape[1]
+        if _stored_transposed(x):
+            # per column k: z (N, in) @ X_k^T (in, out), read along the rows of x^T;
+            # the (K, N, out) result serves the per-sample product without a copy
+            k, n = x.shape[1], self.z.shape[0]
+            x_t = x.T.view(k, out_dim, in_dim)
+            zx = torch.bmm(self.z.expand(k, n, in_dim), x_t.transpose(1, 2))
+            res = torch.bmm(self.s.transpose(0, 1), zx.permute(1, 2, 0))  # (N, V, K)
+            return res.transpose(0, 1).reshape(self.num_rows, -1)
         # per output unit o: z (N, in) @ X_o (in, K); X = x viewed as (out, in, K)
         zx = self.z @ x.reshape(out_dim, in_dim, -1)  # (out, N, K)
         # per sample n: s_n (V, out) @ zx_n (out, K)
@@ -333,7 +350,8 @@ class KronBlock:
         """Accumulate ``out += B^T y`` in place, without expanding ``B``.
 
         Args:
-            out: Tensor of shape ``(out * in, K)`` (contiguous).
+            out: Tensor of shape ``(out * in, K)``, contiguous or a view of rows of a
+                contiguous ``(K, D)`` tensor.
             y: Tensor of shape ``(M, K)``.
 
         Returns:
@@ -341,6 +359,14 @@ class KronBlock:
         """
         v, n = self.s.shape[:2]
         out_dim, in_dim = self.s.shape[2], self.z.shape[1]
+        if _stored_transposed(out):
+            # per column k: out^T_k (out, in) += acc_k (out, N) @ z (N, in), written
+            # along the rows of out^T (per output unit, the strided rows cost 2x)
+            k = y.shape[1]
+            acc = torch.bmm(y.reshape(v, n, k).permute(1, 2, 0), self.s.transpose(0, 1))
+            out.T.view(k, out_dim, in_dim).baddbmm_(acc.permute(1, 2, 0),
+                                                    self.z.expand(k, n, in_dim))
+            return out
         acc = self.s.permute(1, 2, 0) @ y.reshape(v, n, -1).transpose(0, 1)  # (N, out, K)
         view = out.view(out_dim, in_dim, -1)
         if n < 512:

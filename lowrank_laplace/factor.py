@@ -24,7 +24,7 @@ Shape glossary:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -266,6 +266,19 @@ class GGNFactor:
         for block, part in zip(self._blocks(group), self._split(out, group)):
             block.matmul_add_(part, y)
         return out
+
+    def block_slices(self, x: Tensor, group: int = 0) -> List[Tuple[int, Block, Tensor]]:
+        """Each block of a group with its rows of a flat matrix over the group.
+
+        Args:
+            x: Tensor of shape ``(D, K)``.
+            group: Group index.
+
+        Returns:
+            ``(parameter index, block, slice of x)`` per parameter of the group; the
+            slices are views of ``x``.
+        """
+        return list(zip(self.groups[group], self._blocks(group), self._split(x, group)))
 
     def matvec(self, x: Tensor, group: int = 0) -> Tensor:
         """Return the GGN-vector products ``G x = V (V^T x)``.

@@ -393,9 +393,17 @@ class StreamingMerge:
 
 
 def _rotate(basis: Tensor, mat: Tensor, in_place: bool, rows: int = 2**16) -> Tensor:
-    """``basis @ mat`` for a square ``mat``, in place by row chunks (no ``D x k`` copy)."""
+    """``basis @ mat`` for a square ``mat``, in place by row chunks (no ``D x k`` copy).
+
+    A basis stored transposed (a view of a contiguous ``k x D`` tensor, such as the
+    sketch's) is rotated by column chunks of that tensor, ``mat^T @ chunk``.
+    """
     if not in_place or mat.shape[0] != mat.shape[1]:
         return basis @ mat
+    if not basis.is_contiguous() and basis.T.is_contiguous():
+        for chunk in basis.T.split(rows, dim=1):
+            chunk.copy_(mat.T @ chunk)
+        return basis
     for chunk in basis.split(rows):
         chunk.copy_(chunk @ mat)
     return basis

@@ -45,19 +45,27 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from lowrank_laplace._blocks import KronBlock, cat_blocks
 from lowrank_laplace._linalg import eigh
 from lowrank_laplace.factor import GGNFactor
 from lowrank_laplace.merge import StreamingMerge, _rotate
 
-#: Rows of the test matrix per CPU generator (the draw does not depend on threads).
-_TEST_ROWS = 2**16
+#: Entries of the test matrix per CPU generator (the draw does not depend on threads).
+_TEST_ENTRIES = 2**20
 #: The generator of block ``i`` is seeded with ``seed * _SEED_STRIDE + i``.
 _SEED_STRIDE = 1_000_003
+#: Factored linear-layer blocks of consecutive passes are added to the sketch together,
+#: up to this many samples or bytes of pending factors per parameter: the product
+#: writes the whole ``d x l`` slice of the sketch, so few samples per product are
+#: memory-bound (DeepOBS 3c3d's 590k-weight layer over 1,024 samples, 2 CPU cores:
+#: 1.12 s in products of 32 samples, 0.53 s in products of 256).
+_KRON_SAMPLES = 256
+_KRON_BYTES = 64 * 2**20
 
 
 class SketchMerge(StreamingMerge):
@@ -88,22 +96,29 @@ class SketchMerge(StreamingMerge):
         super().__init__(rank, oversampling, track_diagonal, lazy=False,
                          dense_max_dim=dense_max_dim)
         self.seed = int(seed)
-        self._test: Optional[Tensor] = None  # Omega, (D, l)
-        self._sketch: Optional[Tensor] = None  # Y = H Omega, (D, l)
+        self._test: Optional[Tensor] = None  # Omega, (D, l), stored as (l, D)
+        self._sketch: Optional[Tensor] = None  # Y = H Omega, laid out like Omega
         self.shift: Optional[float] = None  # nu of the last finalisation
+        # parameter index -> (blocks, scaled V^T Omega rows, sketch slice) not yet added
+        self._kron: Dict[int, Tuple[List[KronBlock], List[Tensor], Tensor]] = {}
 
     # ------------------------------------------------------------------ streaming
     def _test_matrix(self, dim: int, like: Tensor) -> Tensor:
         """The Gaussian test matrix, columns of unit expected norm, drawn once.
 
-        At most ``D`` columns (more could not be independent). On the CPU, blocks
-        of rows come from generators of their own, filled by several threads; the
-        draw depends only on the seed and the device type.
+        At most ``D`` columns (more could not be independent). Returned as a
+        ``(D, l)`` view of an ``(l, D)`` tensor, and the sketch takes the same layout:
+        adding a convolution's block ``V_b (V_b^T Omega)`` into wide ``l x d`` rows ran
+        at 155 GMAC/s against 92 into narrow ``d x l`` ones (DeepOBS 3c3d, ``M = 288``,
+        ``d = 110,592``, ``l = 120``, 2 CPU cores). On the CPU, consecutive blocks of
+        entries come from generators of their own, filled by several threads; the draw
+        depends only on the seed and the device type.
         """
         if self._test is None:
             cols = min(self._keep, dim)
-            test = torch.empty(dim, cols, dtype=like.dtype, device=like.device)
-            blocks = test.split(_TEST_ROWS) if like.device.type == "cpu" else [test]
+            test = torch.empty(cols, dim, dtype=like.dtype, device=like.device)
+            flat = test.view(-1)
+            blocks = flat.split(_TEST_ENTRIES) if like.device.type == "cpu" else [flat]
 
             def fill(index: int) -> None:
                 generator = torch.Generator(device=like.device)
@@ -117,7 +132,7 @@ class SketchMerge(StreamingMerge):
             else:
                 for index in range(len(blocks)):
                     fill(index)
-            self._test = test.mul_(dim**-0.5)
+            self._test = test.mul_(dim**-0.5).T
         return self._test
 
     def add_factor(self, factor: GGNFactor, group: int = 0, scale: float = 1.0) -> None:
@@ -138,10 +153,43 @@ class SketchMerge(StreamingMerge):
         trace = factor.trace(group) * scale
         diagonal = factor.diag(group) * scale if self.track_diagonal else None
         self._add_trace_and_diagonal(trace, diagonal)
-        proj = factor.t_matmul(self._test_matrix(dim, trace), group)  # V^T Omega, (M, l)
+        omega = self._test_matrix(dim, trace)
+        proj = factor.t_matmul(omega, group) * scale  # V^T Omega, (M, l)
         if self._sketch is None:
-            self._sketch = proj.new_zeros(dim, proj.shape[1])
-        factor.matmul_add_(self._sketch, proj * scale, group)
+            self._sketch = torch.zeros_like(omega)  # Omega's layout
+        if not isinstance(factor, GGNFactor):  # recomputed, no blocks kept
+            factor.matmul_add_(self._sketch, proj, group)
+            return
+        for index, block, part in factor.block_slices(self._sketch, group):
+            if isinstance(block, KronBlock):
+                self._defer(index, block, proj, part)
+            else:
+                block.matmul_add_(part, proj)
+
+    def _defer(self, index: int, block: KronBlock, proj: Tensor, part: Tensor) -> None:
+        """Queue a factored block's product ``part += B^T proj`` (see ``_KRON_SAMPLES``)."""
+        blocks, projs, _ = self._kron.setdefault(index, ([], [], part))
+        if blocks and blocks[0].s.shape[0] != block.s.shape[0]:  # other vectors per sample
+            self._add_deferred(index)
+            blocks, projs, _ = self._kron.setdefault(index, ([], [], part))
+        blocks.append(block)
+        projs.append(proj)
+        samples = sum(b.s.shape[1] for b in blocks)
+        size = sum(b.s.numel() + b.z.numel() + p.numel() for b, p in zip(blocks, projs))
+        if samples >= _KRON_SAMPLES or size * proj.element_size() >= _KRON_BYTES:
+            self._add_deferred(index)
+
+    def _add_deferred(self, index: Optional[int] = None) -> None:
+        """Add the queued products of one parameter (``None``: of all) to the sketch."""
+        for key in list(self._kron) if index is None else [index]:
+            blocks, projs, part = self._kron.pop(key)
+            if len(blocks) == 1:
+                blocks[0].matmul_add_(part, projs[0])
+                continue
+            vecs = blocks[0].s.shape[0]
+            proj = torch.cat([p.view(vecs, -1, p.shape[1]) for p in projs], dim=1)
+            merged = cat_blocks(blocks, [1.0] * len(blocks), vecs)
+            merged.matmul_add_(part, proj.view(-1, proj.shape[2]))
 
     def projection_targets(self):
         """The test matrix, whose products ``V^T Omega`` every factor must offer."""
@@ -176,7 +224,7 @@ class SketchMerge(StreamingMerge):
             return
         omega = self._test_matrix(eigenvectors.shape[0], eigenvectors)
         if self._sketch is None:
-            self._sketch = torch.zeros_like(omega)
+            self._sketch = torch.zeros_like(omega)  # Omega's layout
         self._sketch.addmm_(eigenvectors, eigenvalues[:, None] * (eigenvectors.T @ omega))
         self.num_merges += 1
 
@@ -200,7 +248,8 @@ class SketchMerge(StreamingMerge):
             return
         if self._sketch is None:
             raise RuntimeError("merge_across needs a local sketch on every process.")
-        dist.all_reduce(self._sketch, group=group)
+        self._add_deferred()
+        dist.all_reduce(_storage(self._sketch), group=group)
         self._sum_trace_across(group)
         if self.track_diagonal:
             dist.all_reduce(self.diagonal, group=group)
@@ -228,6 +277,7 @@ class SketchMerge(StreamingMerge):
         """
         if self._sketch is None:
             return
+        self._add_deferred()
         Y, omega = self._sketch, self._test
         self._sketch = self._test = None
         dtype, eps = Y.dtype, torch.finfo(Y.dtype).eps
@@ -269,6 +319,15 @@ class SketchMerge(StreamingMerge):
         W = W / sigma2.clamp(min=nu).sqrt()
         self.eigenvectors = _rotate(E, W.to(dtype), in_place=True)[:, :num]
         self.eigenvalues = lam[:num].clamp(min=torch.finfo(dtype).tiny).to(dtype)
+
+
+def _storage(mat: Tensor) -> Tensor:
+    """The contiguous tensor behind a matrix or its transpose (collectives need one)."""
+    if mat.is_contiguous():
+        return mat
+    if mat.T.is_contiguous():
+        return mat.T
+    raise ValueError("The sketch must be contiguous or a transposed contiguous tensor.")
 
 
 def _sym_eigh(mat: Tensor) -> Tuple[Tensor, Tensor]:

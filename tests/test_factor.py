@@ -170,6 +170,34 @@ def test_linear_gram_without_expansion():
 
 
 
+@pytest.mark.parametrize("wide", [False, True])
+def test_products_with_operands_stored_transposed(wide):
+    """``x`` and ``out`` as row slices of ``(K, D)`` tensors (the sketch's layout) give
+    the products of contiguous operands, for factored and explicit blocks (wide
+    blocks with many rows take the dense block's other product order)."""
+    torch.manual_seed(0)
+    num_vecs, n, out_dim, in_dim, k = (9, 4, 6, 800, 3) if wide else (3, 4, 5, 3, 2)
+    s = torch.randn(num_vecs, n, out_dim, dtype=torch.float64)
+    kron = KronBlock(s, torch.randn(n, in_dim, dtype=torch.float64))
+    dense = DenseBlock(kron.to_dense())
+    d, offset = out_dim * in_dim, 7
+    x_wide = torch.randn(k, d + 2 * offset, dtype=torch.float64)
+    x = x_wide.T[offset:offset + d]  # (d, K), unit stride down the columns
+    assert not x.is_contiguous() and x.stride(0) == 1
+    y = torch.randn(num_vecs * n, k, dtype=torch.float64)
+    expected_t = dense.rows @ x.contiguous()
+    for block in (kron, dense):
+        torch.testing.assert_close(block.t_matmul(x), expected_t, **TOL)
+        out_wide = torch.randn(k, d + 2 * offset, dtype=torch.float64)
+        before = out_wide.clone()
+        block.matmul_add_(out_wide.T[offset:offset + d], y)
+        torch.testing.assert_close(out_wide.T[offset:offset + d],
+                                   before.T[offset:offset + d] + dense.rows.T @ y, **TOL)
+        # nothing outside the slice is touched
+        assert torch.equal(out_wide[:, :offset], before[:, :offset])
+        assert torch.equal(out_wide[:, offset + d:], before[:, offset + d:])
+
+
 @pytest.mark.parametrize("num_rows", [5, 191, 192, 250])
 def test_dense_gram_blocked_symmetric(num_rows):
     """The blocked Gram (upper block triangle mirrored) equals the plain product.

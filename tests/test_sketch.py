@@ -86,6 +86,35 @@ def test_truncated_equals_the_dense_nystrom_approximation(arch):
     torch.testing.assert_close(residual, (G.diagonal() - (U**2) @ lam).clamp(min=0), **TOL)
 
 
+@pytest.mark.parametrize("limit", ["samples", "bytes"])
+def test_deferred_linear_layer_products_equal_immediate_ones(monkeypatch, limit):
+    """Factored linear-layer blocks queued over several factors (and added when the
+    queue is full or the sketch is read) give the sketch of adding each at once."""
+    from lowrank_laplace import sketch as sketch_module
+
+    *_, factors = _factors("mlp", batches=7, n=3)
+    scales = [1.0 + 0.5 * i for i in range(len(factors))]
+    results = []
+    for queue in ("none", limit):
+        if queue == "none":
+            monkeypatch.setattr(sketch_module, "_KRON_SAMPLES", 1)
+        elif queue == "samples":
+            monkeypatch.setattr(sketch_module, "_KRON_SAMPLES", 7)  # full after 3 factors
+        else:
+            monkeypatch.setattr(sketch_module, "_KRON_SAMPLES", 10**9)
+            monkeypatch.setattr(sketch_module, "_KRON_BYTES", 2_000)
+        merge = SketchMerge(4, 3, seed=1)
+        for f, scale in zip(factors, scales):
+            merge.add_factor(f, scale=scale)
+        pending = sum(len(blocks) for blocks, _, _ in merge._kron.values())
+        assert (pending == 0) == (queue == "none")
+        results.append(merge.result())
+    (U1, l1, t1, _), (U2, l2, t2, _) = results
+    torch.testing.assert_close(l2, l1, **TOL)
+    torch.testing.assert_close(U2 @ torch.diag(l2) @ U2.T, U1 @ torch.diag(l1) @ U1.T, **TOL)
+    torch.testing.assert_close(t2, t1, **TOL)
+
+
 def test_error_within_the_expected_bound_on_average():
     """Tropp et al.'s bound: E ||G - [[G_hat]]_r||_* <= (1 + r/(l - r - 1)) ||G - [[G]]_r||_*
     for a Gaussian test matrix; averaged over 20 seeds, with a margin for the
