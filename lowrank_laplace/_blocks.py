@@ -217,7 +217,7 @@ class DenseBlock:
         """
         if self._read_along_d(y) and not _stored_transposed(out):
             return out.add_((y.T @ self.rows).T)
-        return out.addmm_(self.rows.T, y)  # into a transposed out: wide l x d rows
+        return out.addmm_(self.rows.T, y)  # a transposed out gets wide K x d rows
 
     def _read_along_d(self, y: Tensor) -> bool:
         """Whether ``B^T y`` is faster as ``(y^T B)^T`` (see ``_WIDE``)."""
