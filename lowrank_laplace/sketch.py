@@ -60,10 +60,10 @@ _TEST_ENTRIES = 2**20
 #: The generator of block ``i`` is seeded with ``seed * _SEED_STRIDE + i``.
 _SEED_STRIDE = 1_000_003
 #: Factored linear-layer blocks of consecutive passes are added to the sketch together,
-#: up to this many samples or bytes of pending factors per parameter: the product
-#: writes the whole ``d x l`` slice of the sketch, so few samples per product are
-#: memory-bound (DeepOBS 3c3d's 590k-weight layer over 1,024 samples, 2 CPU cores:
-#: 1.12 s in products of 32 samples, 0.53 s in products of 256).
+#: up to this many samples per parameter and this many bytes of queued factors in all:
+#: the product writes the whole ``d x l`` slice of the sketch, so few samples per
+#: product are memory-bound (DeepOBS 3c3d's 590k-weight layer over 1,024 samples, 2
+#: CPU cores: 1.12 s in products of 32 samples, 0.53 s in products of 256).
 _KRON_SAMPLES = 256
 _KRON_BYTES = 64 * 2**20
 
@@ -174,10 +174,16 @@ class SketchMerge(StreamingMerge):
             blocks, projs, _ = self._kron.setdefault(index, ([], [], part))
         blocks.append(block)
         projs.append(proj)
-        samples = sum(b.s.shape[1] for b in blocks)
-        size = sum(b.s.numel() + b.z.numel() + p.numel() for b, p in zip(blocks, projs))
-        if samples >= _KRON_SAMPLES or size * proj.element_size() >= _KRON_BYTES:
+        if sum(b.s.shape[1] for b in blocks) >= _KRON_SAMPLES:
             self._add_deferred(index)
+        elif self._queued_bytes() >= _KRON_BYTES:
+            self._add_deferred()
+
+    def _queued_bytes(self) -> int:
+        """Bytes of the queued factors (a batch's ``V^T Omega`` counted per parameter)."""
+        return sum((b.s.numel() + b.z.numel() + p.numel()) * p.element_size()
+                   for blocks, projs, _ in self._kron.values()
+                   for b, p in zip(blocks, projs))
 
     def _add_deferred(self, index: Optional[int] = None) -> None:
         """Add the queued products of one parameter (``None``: of all) to the sketch."""
