@@ -37,7 +37,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from lowrank_laplace._blocks import cat_blocks
+from lowrank_laplace._blocks import _stored_transposed, cat_blocks
 from lowrank_laplace._linalg import eigh
 from lowrank_laplace.factor import GGNFactor
 
@@ -395,12 +395,12 @@ class StreamingMerge:
 def _rotate(basis: Tensor, mat: Tensor, in_place: bool, rows: int = 2**16) -> Tensor:
     """``basis @ mat`` for a square ``mat``, in place by row chunks (no ``D x k`` copy).
 
-    A basis stored transposed (a view of a contiguous ``k x D`` tensor, such as the
+    A basis stored transposed (a view of rows of a ``k x D`` tensor, such as the
     sketch's) is rotated by column chunks of that tensor, ``mat^T @ chunk``.
     """
     if not in_place or mat.shape[0] != mat.shape[1]:
         return basis @ mat
-    if not basis.is_contiguous() and basis.T.is_contiguous():
+    if _stored_transposed(basis):
         for chunk in basis.T.split(rows, dim=1):
             chunk.copy_(mat.T @ chunk)
         return basis

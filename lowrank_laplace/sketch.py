@@ -168,10 +168,10 @@ class SketchMerge(StreamingMerge):
 
     def _defer(self, index: int, block: KronBlock, proj: Tensor, part: Tensor) -> None:
         """Queue a factored block's product ``part += B^T proj`` (see ``_KRON_SAMPLES``)."""
-        blocks, projs, _ = self._kron.setdefault(index, ([], [], part))
-        if blocks and blocks[0].s.shape[0] != block.s.shape[0]:  # other vectors per sample
+        queued = self._kron.get(index)
+        if queued and queued[0][0].s.shape[0] != block.s.shape[0]:  # other vectors per sample
             self._add_deferred(index)
-            blocks, projs, _ = self._kron.setdefault(index, ([], [], part))
+        blocks, projs, _ = self._kron.setdefault(index, ([], [], part))
         blocks.append(block)
         projs.append(proj)
         if sum(b.s.shape[1] for b in blocks) >= _KRON_SAMPLES:
