@@ -334,6 +334,27 @@ class KronBlock:
         res = self.s.transpose(0, 1) @ zx.transpose(0, 1)  # (N, V, K)
         return res.transpose(0, 1).reshape(self.num_rows, -1)
 
+    def t_matmul_khatri_rao(self, p: Tensor, q: Tensor) -> Tensor:
+        r"""Return ``B x`` for ``x`` of Khatri-Rao columns ``x_k = p_k \otimes q_k``.
+
+        Row ``(v, n)`` of ``B`` is ``s_{vn} \otimes z_n``, so
+        ``(B x)_{vn,k} = (s_{vn}^\top p_k)(z_n^\top q_k)``: ``(V N out + N in) K``
+        multiply-adds instead of ``N out in K``.
+
+        Args:
+            p: Output factors, shape ``(K, out)``.
+            q: Input factors, shape ``(K, in)``.
+
+        Returns:
+            Tensor of shape ``(M, K)``.
+        """
+        if p.shape[1] != self.s.shape[2] or q.shape[1] != self.z.shape[1]:
+            raise ValueError(
+                f"Khatri-Rao factors of sizes {p.shape[1]} x {q.shape[1]} do not match "
+                f"the block's {self.s.shape[2]} x {self.z.shape[1]}."
+            )
+        return ((self.s @ p.T) * (self.z @ q.T)).reshape(self.num_rows, -1)
+
     def matmul(self, y: Tensor) -> Tensor:
         """Return ``B^T y`` without expanding ``B``.
 

@@ -651,7 +651,7 @@ class BatchStreamer:
                                    keep=self.keep, budget=self.budget, cap=self.cap,
                                    solver=solver)
         if self.low_memory and solver == "sketch":  # the first pass needs V^T Omega
-            self.merge.prepare(dim, params[0])
+            self.merge.prepare(dim, params[0], [p.shape for p in params])
         if not dense and dim < LAZY_MIN_DIM_PER_EIGENPAIR * self.keep:
             self.merge.lazy = False
         small = not dense and self.plan[1] * dim * self.keep < SINGLE_THREAD_MERGE_WORK

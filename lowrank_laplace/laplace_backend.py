@@ -182,6 +182,13 @@ class LowRankGGNLaplace(ParametricLaplace):
     #: streaming merges, and also, up to this many parameters (typically a last
     #: layer), whenever streaming would truncate; ``0`` always streams.
     _dense_max_dim = 2048
+    #: The sketch's test matrix (``solver="sketch"``, see
+    #: :class:`~lowrank_laplace.sketch.SketchMerge`): ``"kronecker"`` draws Khatri-Rao
+    #: columns in the slices of matrix-shaped weights, so the factored linear layers'
+    #: products with it come from their Kronecker factors (the 784-128-64-10 MLP's
+    #: exact sketch fit 0.46 -> 0.37 s, DeepOBS 2c2d's 18.5 -> 14.4 s, kept trace within
+    #: 0.4 points); ``"gaussian"`` draws every entry Gaussian.
+    _sketch_test_matrix = "kronecker"
     #: ``"dense"``, ``"streaming"`` or ``"sketch"``: the path the last fit took.
     fit_path: Optional[str] = None
 
@@ -415,7 +422,8 @@ class LowRankGGNLaplace(ParametricLaplace):
         loss_func, factor = self._loss_and_factor()
         if self.solver == "sketch":  # the same test matrix on every process
             merge = SketchMerge(self.rank, self.oversampling, self.diagonal_correction,
-                                dense_max_dim=self._dense_max_dim, seed=self.seed)
+                                dense_max_dim=self._dense_max_dim, seed=self.seed,
+                                test_matrix=self._sketch_test_matrix)
         else:
             merge = StreamingMerge(self.rank, self.oversampling, self.diagonal_correction,
                                    dense_max_dim=self._dense_max_dim)

@@ -84,18 +84,34 @@ class SketchMerge(StreamingMerge):
             parameters (see :class:`~lowrank_laplace.merge.StreamingMerge`).
         seed: Seed of the test matrix ``Omega`` (drawn on the device of the first
             factor); processes that merge their sketches need the same seed.
+        test_matrix: ``"kronecker"`` (default): the slice of a factored linear-layer
+            weight ``(out, in)`` in every column of ``Omega`` is a Khatri-Rao column
+            ``p_k (x) q_k`` of two Gaussian vectors, so that slice's ``V_b^T Omega_b``
+            is ``(S p_k) * (Z q_k)`` from the block's factors, without the
+            ``N x out x in`` product per column, and the draw writes products instead
+            of Gaussians; other slices stay Gaussian. ``"gaussian"``: every entry is
+            Gaussian (the setting of Tropp et al.'s error bound). Both have entries of
+            variance ``1 / D``, uncorrelated, so ``E[Omega Omega^T] = l I / D``.
 
     Raises:
-        ValueError: For ``rank < 1`` or negative oversampling.
+        ValueError: For ``rank < 1``, negative oversampling or an unknown
+            ``test_matrix``.
     """
 
     solver = "sketch"
 
     def __init__(self, rank: int, oversampling: int = 0, track_diagonal: bool = False,
-                 dense_max_dim: int = 0, seed: int = 0):
+                 dense_max_dim: int = 0, seed: int = 0, test_matrix: str = "kronecker"):
         super().__init__(rank, oversampling, track_diagonal, lazy=False,
                          dense_max_dim=dense_max_dim)
+        if test_matrix not in ("kronecker", "gaussian"):
+            raise ValueError(
+                f"test_matrix must be 'kronecker' or 'gaussian', got {test_matrix!r}."
+            )
+        self.test_matrix = test_matrix
         self.seed = int(seed)
+        # position in the group -> (p, q): its slice of Omega holds the columns p_k (x) q_k
+        self._factored: Dict[int, Any] = {}
         self._test: Optional[Tensor] = None  # Omega, (D, l), stored as (l, D)
         self._sketch: Optional[Tensor] = None  # Y = H Omega, laid out like Omega
         self.shift: Optional[float] = None  # nu of the last finalisation
@@ -103,37 +119,79 @@ class SketchMerge(StreamingMerge):
         self._kron: Dict[int, Tuple[List[KronBlock], List[Tensor], Tensor]] = {}
 
     # ------------------------------------------------------------------ streaming
-    def _test_matrix(self, dim: int, like: Tensor) -> Tensor:
-        """The Gaussian test matrix, columns of unit expected norm, drawn once.
+    def _test_matrix(self, dim: int, like: Tensor,
+                     shapes: Optional[List[torch.Size]] = None) -> Tensor:
+        """The test matrix, entries of variance ``1 / D`` (unit expected column norm), drawn once.
 
         At most ``D`` columns (more could not be independent). Returned as a
         ``(D, l)`` view of an ``(l, D)`` tensor, and the sketch takes the same layout:
         adding a convolution's block ``V_b (V_b^T Omega)`` into wide ``l x d`` rows ran
         at 155 GMAC/s against 92 into narrow ``d x l`` ones (DeepOBS 3c3d, ``M = 288``,
-        ``d = 110,592``, ``l = 120``, 2 CPU cores). On the CPU, consecutive blocks of
-        entries come from generators of their own, filled by several threads; the draw
-        depends only on the seed and the device type.
+        ``d = 110,592``, ``l = 120``, 2 CPU cores).
+
+        With ``shapes`` (the group's parameter shapes, in order) and
+        ``test_matrix="kronecker"``, the slice of every matrix-shaped parameter
+        ``(out, in)`` holds Khatri-Rao columns ``p_k (x) q_k`` of Gaussian vectors;
+        all other entries are Gaussian. The draw depends only on the seed, the shapes
+        and the device type: each slice, in chunks of about ``_TEST_ENTRIES`` entries,
+        comes from a generator of its own, and on the CPU several threads fill them.
         """
-        if self._test is None:
-            cols = min(self._keep, dim)
-            test = torch.empty(cols, dim, dtype=like.dtype, device=like.device)
-            flat = test.view(-1)
-            blocks = flat.split(_TEST_ENTRIES) if like.device.type == "cpu" else [flat]
+        if self._test is not None:
+            return self._test
+        cols = min(self._keep, dim)
+        test = torch.empty(cols, dim, dtype=like.dtype, device=like.device)
+        std = dim**-0.5
+        if shapes is None or self.test_matrix != "kronecker":
+            shapes = [torch.Size([dim])]
+        if sum(shape.numel() for shape in shapes) != dim:
+            raise ValueError(f"The parameter shapes {list(shapes)} do not hold {dim} entries.")
+        jobs, offset, factored = [], 0, {}
+        for position, shape in enumerate(shapes):
+            view = test[:, offset:offset + shape.numel()]
+            offset += shape.numel()
+            if len(shape) == 2:
+                factored[position] = len(jobs)  # this job draws (p, q)
+                jobs.append((view.view(cols, *shape), shape))
+                continue
+            rows = max(1, _TEST_ENTRIES // max(shape.numel(), 1))
+            jobs.extend((chunk, None) for chunk in view.split(rows))
 
-            def fill(index: int) -> None:
-                generator = torch.Generator(device=like.device)
-                generator.manual_seed(self.seed * _SEED_STRIDE + index)
-                blocks[index].normal_(generator=generator)
+        def fill(job: int) -> Optional[Tuple[Tensor, Tensor]]:
+            generator = torch.Generator(device=like.device)
+            generator.manual_seed(self.seed * _SEED_STRIDE + job)
+            view, shape = jobs[job]
+            if shape is None:
+                view.normal_(0.0, std, generator=generator)
+                return None
+            p, q = (torch.randn(cols, size, generator=generator, dtype=like.dtype,
+                                device=like.device) for size in shape)
+            p.mul_(std)
+            torch.mul(p[:, :, None], q[:, None, :], out=view)
+            return p, q
 
-            workers = min(len(blocks), torch.get_num_threads())
-            if workers > 1:
-                with ThreadPoolExecutor(workers) as pool:  # torch releases the GIL
-                    list(pool.map(fill, range(len(blocks))))
-            else:
-                for index in range(len(blocks)):
-                    fill(index)
-            self._test = test.mul_(dim**-0.5).T
+        workers = min(len(jobs), torch.get_num_threads()) if like.device.type == "cpu" else 1
+        if workers > 1:
+            with ThreadPoolExecutor(workers) as pool:  # torch releases the GIL
+                drawn = list(pool.map(fill, range(len(jobs))))
+        else:
+            drawn = [fill(job) for job in range(len(jobs))]
+        self._factored = {position: drawn[job] for position, job in factored.items()}
+        self._test = test.T
         return self._test
+
+    def _t_matmul(self, factor: Any, omega: Tensor, group: int) -> Tensor:
+        """``V^T Omega``; factored blocks against Khatri-Rao slices from ``p`` and ``q``."""
+        if not self._factored or not isinstance(factor, GGNFactor):
+            return factor.t_matmul(omega, group)
+        total = None
+        for position, (_, block, part) in enumerate(factor.block_slices(omega, group)):
+            pq = self._factored.get(position)
+            if pq is not None and isinstance(block, KronBlock):
+                prod = block.t_matmul_khatri_rao(*pq)
+            else:
+                prod = block.t_matmul(part)
+            total = prod if total is None else total.add_(prod)
+        return total
 
     def add_factor(self, factor: GGNFactor, group: int = 0, scale: float = 1.0) -> None:
         """Add ``scale * V V^T Omega`` of one group of a batch factor to the sketch.
@@ -153,8 +211,10 @@ class SketchMerge(StreamingMerge):
         trace = factor.trace(group) * scale
         diagonal = factor.diag(group) * scale if self.track_diagonal else None
         self._add_trace_and_diagonal(trace, diagonal)
-        omega = self._test_matrix(dim, trace)
-        proj = factor.t_matmul(omega, group) * scale  # V^T Omega, (M, l)
+        shapes = [factor.shapes[i] for i in factor.groups[group]] \
+            if isinstance(factor, GGNFactor) else None
+        omega = self._test_matrix(dim, trace, shapes)
+        proj = self._t_matmul(factor, omega, group) * scale  # V^T Omega, (M, l)
         if self._sketch is None:
             self._sketch = torch.zeros_like(omega)  # Omega's layout
         if not isinstance(factor, GGNFactor):  # recomputed, no blocks kept
@@ -203,15 +263,19 @@ class SketchMerge(StreamingMerge):
             return []
         return [self._test]
 
-    def prepare(self, dim: int, like: Tensor) -> None:
+    def prepare(self, dim: int, like: Tensor,
+                shapes: Optional[List[torch.Size]] = None) -> None:
         """Draw the test matrix before the first factor (low-memory fits need it).
 
         Args:
             dim: Parameters ``D`` of the group.
             like: A tensor with the fit's dtype and device.
+            shapes: The group's parameter shapes, in order (``None``: an all-Gaussian
+                test matrix); factors of the group then find the same test matrix
+                they would have drawn.
         """
         if self.dense_max_dim < dim:
-            self._test_matrix(dim, like)
+            self._test_matrix(dim, like, shapes)
 
     def add_lowrank(self, eigenvectors: Tensor, eigenvalues: Tensor, trace: Tensor,
                     diagonal: Optional[Tensor] = None) -> None:

@@ -198,6 +198,19 @@ def test_products_with_operands_stored_transposed(wide):
         assert torch.equal(out_wide[:, offset + d:], before[:, offset + d:])
 
 
+def test_product_with_khatri_rao_columns_equals_the_explicit_one():
+    """``B (p_k (x) q_k)`` from the block's factors equals the explicit product, and
+    factors of the wrong sizes are refused."""
+    torch.manual_seed(0)
+    kron = KronBlock(torch.randn(3, 4, 5, dtype=torch.float64),
+                     torch.randn(4, 6, dtype=torch.float64))
+    p, q = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 6, dtype=torch.float64)
+    x = (p[:, :, None] * q[:, None, :]).reshape(7, -1).T  # (out * in, K), out-major
+    torch.testing.assert_close(kron.t_matmul_khatri_rao(p, q), kron.to_dense() @ x, **TOL)
+    with pytest.raises(ValueError, match="do not match"):
+        kron.t_matmul_khatri_rao(q, p)
+
+
 @pytest.mark.parametrize("num_rows", [5, 191, 192, 250])
 def test_dense_gram_blocked_symmetric(num_rows):
     """The blocked Gram (upper block triangle mirrored) equals the plain product.

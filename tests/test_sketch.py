@@ -73,6 +73,7 @@ def test_truncated_equals_the_dense_nystrom_approximation(arch):
     merge = SketchMerge(rank, oversampling, track_diagonal=True, seed=3)
     for f in factors:
         merge.add_factor(f)
+    assert merge._factored  # the linear layers' products took the Khatri-Rao factors
     omega = merge._test.clone()
     U, lam, trace, residual = merge.result()
     evals, evecs = _nystrom_top(G, omega, rank)
@@ -117,10 +118,12 @@ def test_deferred_linear_layer_products_equal_immediate_ones(monkeypatch, limit)
     torch.testing.assert_close(t2, t1, **TOL)
 
 
-def test_error_within_the_expected_bound_on_average():
+@pytest.mark.parametrize("test_matrix", ["gaussian", "kronecker"])
+def test_error_within_the_expected_bound_on_average(test_matrix):
     """Tropp et al.'s bound: E ||G - [[G_hat]]_r||_* <= (1 + r/(l - r - 1)) ||G - [[G]]_r||_*
     for a Gaussian test matrix; averaged over 20 seeds, with a margin for the
-    average's spread."""
+    average's spread. The Khatri-Rao slices of the linear layers (no theorem) meet
+    it as well."""
     model, loss_func, X, y, factors = _factors("mlp", batches=8, n=4)
     G = ggn(model, loss_func, X, y)
     rank, oversampling = 3, 6
@@ -128,7 +131,7 @@ def test_error_within_the_expected_bound_on_average():
     best = exact[rank:].clamp(min=0).sum()
     errors = []
     for seed in range(20):
-        merge = SketchMerge(rank, oversampling, seed=seed)
+        merge = SketchMerge(rank, oversampling, seed=seed, test_matrix=test_matrix)
         for f in factors:
             merge.add_factor(f)
         U, lam, _, _ = merge.result()
@@ -161,6 +164,9 @@ def test_add_lowrank_is_linear():
     """Adding an eigendecomposition adds its sketch: equal to adding its factor."""
     *_, factors = _factors("mlp", batches=4)
     first, second = SketchMerge(4, 3, seed=2), SketchMerge(4, 3, seed=2)
+    # the same test matrix (Khatri-Rao slices where the factors' blocks are factored)
+    second.prepare(factors[0].group_dim(), torch.zeros(1, dtype=torch.float64),
+                   factors[0].shapes)
     exact = StreamingMerge(1000)
     for f in factors[:2]:
         first.add_factor(f)
@@ -176,21 +182,49 @@ def test_add_lowrank_is_linear():
     torch.testing.assert_close(t1, t2, **TOL)
 
 
-def test_test_matrix_depends_on_seed_not_threads():
+@pytest.mark.parametrize("test_matrix", ["kronecker", "gaussian"])
+def test_test_matrix_depends_on_seed_not_threads(test_matrix):
+    """The draw depends on the seed (and the shapes), not on the threads; entries have
+    variance ``1 / D``; with ``"kronecker"`` every column's slice of a matrix-shaped
+    parameter is the outer product ``p_k q_k^T`` the sketch keeps, other slices are
+    not of rank one."""
     like = torch.zeros(1)
+    shapes = [torch.Size(s) for s in [(300, 400), (300,), (20, 3, 5, 5), (10, 300), (10,)]]
+    dim = sum(s.numel() for s in shapes)
     threads = torch.get_num_threads()
     draws = []
     for num in (1, 2):
         torch.set_num_threads(num)
         try:
-            draws.append(SketchMerge(3, 2, seed=5)._test_matrix(200_000, like))
+            merge = SketchMerge(3, 2, seed=5, test_matrix=test_matrix)
+            draws.append(merge._test_matrix(dim, like, shapes))
         finally:
             torch.set_num_threads(threads)
     torch.testing.assert_close(draws[0], draws[1], rtol=0, atol=0)
-    other = SketchMerge(3, 2, seed=6)._test_matrix(200_000, like)
+    other = SketchMerge(3, 2, seed=6, test_matrix=test_matrix)._test_matrix(dim, like, shapes)
     assert not torch.equal(other, draws[0])
-    assert draws[0].shape == (200_000, 5)
-    assert abs(float(draws[0].square().sum(0).mean()) - 1) < 0.01  # unit columns
+    omega = draws[0]
+    assert omega.shape == (dim, 5)
+    # unit expected columns (five columns of products of Gaussians spread ~5% about it)
+    assert abs(float(omega.square().mean()) * dim - 1) < (0.01 if test_matrix == "gaussian"
+                                                          else 0.2)
+    slices = dict(zip(range(len(shapes)), omega.split([s.numel() for s in shapes])))
+    for position in (0, 3):
+        mats = slices[position].T.reshape(5, *shapes[position])
+        ranks = torch.linalg.matrix_rank(mats, rtol=1e-4)  # float32 draws
+        if test_matrix == "kronecker":
+            assert ranks.tolist() == [1] * 5
+            p, q = merge._factored[position]
+            torch.testing.assert_close(mats, p[:, :, None] * q[:, None, :], rtol=0, atol=0)
+        else:
+            assert (ranks == min(shapes[position])).all()
+            assert not merge._factored
+    conv = slices[2].T.reshape(5, 20, -1)  # the convolution's slice stays Gaussian
+    assert (torch.linalg.matrix_rank(conv, rtol=1e-4) == 20).all()
+    with pytest.raises(ValueError, match="test_matrix must be"):
+        SketchMerge(3, 2, test_matrix="rademacher")
+    with pytest.raises(ValueError, match="do not hold"):
+        SketchMerge(3, 2)._test_matrix(dim + 1, like, shapes)
 
 
 @pytest.mark.parametrize("name", ["mlp-classification", "cnn-regression"])
