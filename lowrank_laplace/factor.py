@@ -123,6 +123,14 @@ class GGNFactor:
         sizes = [self.shapes[i].numel() for i in self.groups[group]]
         return list(torch.split(x, sizes, dim=0))
 
+    def group_blocks(self, group: int = 0) -> List[Block]:
+        """The kept blocks of a group's parameters, in order.
+
+        Raises:
+            RuntimeError: If ``V`` was computed without keeping its blocks.
+        """
+        return self._blocks(group)
+
     def _blocks(self, group: int) -> List[Block]:
         try:
             return [self.blocks[i] for i in self.groups[group]]

@@ -172,11 +172,12 @@ def test_cuda_sketch_equals_cpu_with_the_same_test_matrix(dtype):
         with FactorEngine(m, loss_func) as engine:
             for Xb, yb in zip(Xd.split(8), yd.split(8)):
                 factor = engine.compute(Xb, yb)
-                if merge._test is None:
+                if merge._omega is None:
                     if omega is None:  # the CPU's draw, used on both devices
                         omega = merge._test_matrix(factor.group_dim(),
-                                                   torch.zeros(1, dtype=dtype))
-                    merge._test = omega.to(device)
+                                                   torch.zeros(1, dtype=dtype),
+                                                   factor.shapes)
+                    merge._omega = omega.to(device=device)
                 merge.add_factor(factor)
         results.append([t.cpu().double() for t in merge.result()])
     (U1, l1, t1, r1), (U2, l2, t2, r2) = results

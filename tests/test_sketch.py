@@ -73,8 +73,9 @@ def test_truncated_equals_the_dense_nystrom_approximation(arch):
     merge = SketchMerge(rank, oversampling, track_diagonal=True, seed=3)
     for f in factors:
         merge.add_factor(f)
-    assert merge._factored  # the linear layers' products took the Khatri-Rao factors
-    omega = merge._test.clone()
+    # the linear layers' slices are Khatri-Rao, kept as their factors
+    assert any(merge._omega.factors(i) is not None for i in range(len(merge._omega.parts)))
+    omega = merge._omega.dense()
     U, lam, trace, residual = merge.result()
     evals, evecs = _nystrom_top(G, omega, rank)
     torch.testing.assert_close(lam, evals, rtol=1e-6, atol=0)
@@ -147,8 +148,9 @@ def test_float32_close_to_float64_with_the_same_test_matrix():
     results = []
     for factors in (factors64, factors32):
         merge = SketchMerge(4, 5, seed=1)
-        merge._test_matrix(factors[0].group_dim(), torch.zeros(1))  # float32 draw
-        merge._test = merge._test.to(factors[0].grad_dtype())
+        merge._test_matrix(factors[0].group_dim(), torch.zeros(1),  # float32 draw
+                           factors[0].shapes)
+        merge._omega = merge._omega.to(factors[0].grad_dtype())
         for f in factors:
             merge.add_factor(f)
         results.append(merge.result())
@@ -197,11 +199,12 @@ def test_test_matrix_depends_on_seed_not_threads(test_matrix):
         torch.set_num_threads(num)
         try:
             merge = SketchMerge(3, 2, seed=5, test_matrix=test_matrix)
-            draws.append(merge._test_matrix(dim, like, shapes))
+            draws.append(merge._test_matrix(dim, like, shapes).dense())
         finally:
             torch.set_num_threads(threads)
     torch.testing.assert_close(draws[0], draws[1], rtol=0, atol=0)
     other = SketchMerge(3, 2, seed=6, test_matrix=test_matrix)._test_matrix(dim, like, shapes)
+    other = other.dense()
     assert not torch.equal(other, draws[0])
     omega = draws[0]
     assert omega.shape == (dim, 5)
@@ -214,11 +217,11 @@ def test_test_matrix_depends_on_seed_not_threads(test_matrix):
         ranks = torch.linalg.matrix_rank(mats, rtol=1e-4)  # float32 draws
         if test_matrix == "kronecker":
             assert ranks.tolist() == [1] * 5
-            p, q = merge._factored[position]
+            p, q = merge._omega.factors(position)
             torch.testing.assert_close(mats, p[:, :, None] * q[:, None, :], rtol=0, atol=0)
         else:
             assert (ranks == min(shapes[position])).all()
-            assert not merge._factored
+            assert merge._omega.factors(position) is None
     conv = slices[2].T.reshape(5, 20, -1)  # the convolution's slice stays Gaussian
     assert (torch.linalg.matrix_rank(conv, rtol=1e-4) == 20).all()
     with pytest.raises(ValueError, match="test_matrix must be"):
