@@ -44,9 +44,9 @@ Properties:
   instead of ``N out in l``, half of the sketch's products with such a layer, and the
   slice is kept as ``p`` and ``q`` (the sketch then holds little more than ``Y``). The
   entries stay uncorrelated with variance ``1 / D``. No bound like the Gaussian one
-  is claimed, but the kept trace stayed within 0.4 points of a Gaussian test
-  matrix's on the benchmarks' MLP, sklearn digits, DeepOBS 3c3d and 2c2d, and the
-  bound above held in the tests.
+  is claimed, but the kept trace stayed within half a point of a Gaussian test
+  matrix's on the benchmarks' MLP, sklearn digits, DeepOBS 3c3d and 2c2d
+  (``benchmarks/bench_sketch_test_matrix.py``), and the bound above held in the tests.
 - **Linear in the data**: sketches of several processes (same :math:`\Omega`) simply
   add, so data-parallel fits all-reduce ``Y`` and equal the single-process sketch.
 
