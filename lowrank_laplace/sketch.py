@@ -93,15 +93,15 @@ class SketchMerge(StreamingMerge):
             parameters (see :class:`~lowrank_laplace.merge.StreamingMerge`).
         seed: Seed of the test matrix ``Omega`` (drawn on the device of the first
             factor); processes that merge their sketches need the same seed.
-        test_matrix: ``"kronecker"`` (default): the slice of a factored linear-layer
-            weight ``(out, in)`` in every column of ``Omega`` is a Khatri-Rao column
-            ``p_k (x) q_k`` of two Gaussian vectors, so that slice's ``V_b^T Omega_b``
-            is ``(S p_k) * (Z q_k)`` from the block's factors, without the
+        test_matrix: ``"kronecker"`` (default): the slice of a matrix-shaped weight
+            ``(out, in)`` in every column of ``Omega`` is a Khatri-Rao column
+            ``p_k (x) q_k`` of two Gaussian vectors, so a factored linear-layer
+            block's ``V_b^T Omega_b`` is ``(S p_k) * (Z q_k)``, without the
             ``N x out x in`` product per column, and the slice is kept as ``p`` and
             ``q`` (``l (out + in)`` numbers, not ``l out in``); other slices stay
-            Gaussian. ``"gaussian"``: every entry is
-            Gaussian (the setting of Tropp et al.'s error bound). Both have entries of
-            variance ``1 / D``, uncorrelated, so ``E[Omega Omega^T] = l I / D``.
+            Gaussian. ``"gaussian"``: every entry is Gaussian (the setting of Tropp
+            et al.'s error bound). Both have entries of variance ``1 / D``,
+            uncorrelated, so ``E[Omega Omega^T] = l I / D``.
 
     Raises:
         ValueError: For ``rank < 1``, negative oversampling or an unknown
@@ -120,7 +120,6 @@ class SketchMerge(StreamingMerge):
             )
         self.test_matrix = test_matrix
         self.seed = int(seed)
-
         self._omega: Optional[Omega] = None  # the test matrix, per parameter slice
         self._projection: Optional[Tensor] = None  # Omega formed, for low-memory passes
         self._sketch: Optional[Tensor] = None  # Y = H Omega, laid out like Omega
