@@ -50,6 +50,9 @@ def _symmetrized(square: Tensor) -> Tensor:
 #: ms on 2 CPU cores). With few rows (a streaming merge of ResNet-18's ``M = 18``
 #: against ``K = 120``) the transposed sum was 4x slower than the plain product.
 _WIDE = 4096
+#: Elements of the intermediate ``(rows, out or in, K)`` of an explicit block's product
+#: with Khatri-Rao columns, per chunk of rows (2^18 to 2^24 measured within 10%).
+_KHATRI_RAO_CHUNK = 2**22
 
 
 class DenseBlock:
@@ -191,6 +194,45 @@ class DenseBlock:
             Tensor of shape ``(M, K)``.
         """
         return self.rows @ x
+
+    def t_matmul_khatri_rao(self, p: Tensor, q: Tensor) -> Tensor:
+        r"""Return ``B x`` for ``x`` of Khatri-Rao columns ``x_k = p_k \otimes q_k``.
+
+        Row ``m`` of ``B`` as an ``out x in`` matrix ``B_m`` gives
+        ``(B x)_{mk} = p_k^\top B_m q_k``. With fewer rows than ``max(out, in)`` the
+        products ``B_m q_k`` (or ``B_m^\top p_k``) come first, in chunks of rows of
+        ``_KHATRI_RAO_CHUNK`` intermediate elements, and ``x`` is never formed; with more,
+        ``x`` is formed and multiplied (its ``out in K`` entries are then the smaller
+        intermediate). Both take the multiply-adds of the explicit product (2 CPU
+        cores, ``K = 120``: ``M = 320``, ``768 x 768``: 0.20 s against 0.24 s forming
+        ``x``; ``M = 32``, ``3136 x 1024``: 0.15 s against 0.88 s).
+
+        Args:
+            p: Output factors, shape ``(K, out)``.
+            q: Input factors, shape ``(K, in)``.
+
+        Returns:
+            Tensor of shape ``(M, K)``.
+        """
+        (k, out_dim), in_dim = p.shape, q.shape[1]
+        if out_dim * in_dim != self.rows.shape[1]:
+            raise ValueError(
+                f"Khatri-Rao factors of sizes {out_dim} x {in_dim} do not match the "
+                f"block's {self.rows.shape[1]} columns."
+            )
+        if self.num_rows >= max(out_dim, in_dim):
+            return self.rows @ (p[:, :, None] * q[:, None, :]).reshape(k, -1).T
+        first, second = (q.T.contiguous(), p.T.contiguous()) if in_dim >= out_dim else \
+            (p.T.contiguous(), q.T.contiguous())
+        step = max(1, _KHATRI_RAO_CHUNK // max(k * min(out_dim, in_dim), 1))
+        pieces = []
+        for chunk in self.rows.split(step):
+            mats = chunk.reshape(-1, out_dim, in_dim)
+            if in_dim < out_dim:
+                mats = mats.transpose(1, 2)
+            # (rows, out, K) = B_m q_k (or (rows, in, K) = B_m^T p_k), then the other
+            pieces.append((mats @ first).mul_(second).sum(1))
+        return torch.cat(pieces)
 
     def matmul(self, y: Tensor) -> Tensor:
         """Return ``B^T y`` (i.e. ``V y`` restricted to this parameter).

@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from lowrank_laplace._blocks import Block, KronBlock
+from lowrank_laplace._blocks import Block
 
 #: Entries of a Gaussian slice per generator (the draw does not depend on threads).
 _TEST_ENTRIES = 2**20
@@ -137,15 +137,16 @@ class Omega:
 
         A factored block against a Khatri-Rao slice costs ``(V N out + N in) l``
         multiply-adds (:meth:`~lowrank_laplace._blocks.KronBlock.t_matmul_khatri_rao`);
-        every other pair is the block's own product with the slice.
+        an explicit one the multiply-adds of its product with the slice, which is not
+        formed (:meth:`~lowrank_laplace._blocks.DenseBlock.t_matmul_khatri_rao`).
         """
         total = None
         for position, block in enumerate(blocks):
             pq = self.factors(position)
-            if pq is not None and isinstance(block, KronBlock):
+            if pq is not None:
                 prod = block.t_matmul_khatri_rao(*pq)
             else:
-                prod = block.t_matmul(self.slice(position).T)
+                prod = block.t_matmul(self.parts[position].T)
             total = prod if total is None else total.add_(prod)
         return total
 

@@ -198,17 +198,29 @@ def test_products_with_operands_stored_transposed(wide):
         assert torch.equal(out_wide[:, offset + d:], before[:, offset + d:])
 
 
-def test_product_with_khatri_rao_columns_equals_the_explicit_one():
-    """``B (p_k (x) q_k)`` from the block's factors equals the explicit product, and
-    factors of the wrong sizes are refused."""
+@pytest.mark.parametrize("out_dim, in_dim", [(5, 6), (6, 5)])  # both contraction orders
+@pytest.mark.parametrize("chunk", [2**24, 13])  # 13: a few rows per chunk
+def test_product_with_khatri_rao_columns_equals_the_explicit_one(monkeypatch, out_dim,
+                                                                  in_dim, chunk):
+    """``B (p_k (x) q_k)`` of factored blocks and of explicit ones (with fewer rows than
+    ``max(out, in)`` without forming the columns, with more by forming them) equals the
+    explicit product; factors of the wrong sizes are refused."""
+    from lowrank_laplace import _blocks
+
+    monkeypatch.setattr(_blocks, "_KHATRI_RAO_CHUNK", chunk)
     torch.manual_seed(0)
-    kron = KronBlock(torch.randn(3, 4, 5, dtype=torch.float64),
-                     torch.randn(4, 6, dtype=torch.float64))
-    p, q = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 6, dtype=torch.float64)
+    kron = KronBlock(torch.randn(3, 4, out_dim, dtype=torch.float64),
+                     torch.randn(4, in_dim, dtype=torch.float64))
+    dense = DenseBlock(kron.to_dense())
+    p = torch.randn(7, out_dim, dtype=torch.float64)
+    q = torch.randn(7, in_dim, dtype=torch.float64)
     x = (p[:, :, None] * q[:, None, :]).reshape(7, -1).T  # (out * in, K), out-major
-    torch.testing.assert_close(kron.t_matmul_khatri_rao(p, q), kron.to_dense() @ x, **TOL)
-    with pytest.raises(ValueError, match="do not match"):
-        kron.t_matmul_khatri_rao(q, p)
+    few = DenseBlock(dense.rows[:3])  # 3 rows < max(out, in)
+    for block in (kron, dense, few):
+        torch.testing.assert_close(block.t_matmul_khatri_rao(p, q), block.to_dense() @ x,
+                                   **TOL)
+        with pytest.raises(ValueError, match="do not match"):
+            block.t_matmul_khatri_rao(p[:, :-1], q)
 
 
 @pytest.mark.parametrize("num_rows", [5, 191, 192, 250])
