@@ -19,14 +19,12 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from lowrank_laplace._blocks import Block
+from lowrank_laplace._blocks import Block, DenseBlock
 
 #: Entries of a Gaussian slice per generator (the draw does not depend on threads).
 _TEST_ENTRIES = 2**20
 #: The generator of job ``i`` is seeded with ``seed * _SEED_STRIDE + i``.
 _SEED_STRIDE = 1_000_003
-#: Elements of the intermediate of a Khatri-Rao slice's ``Omega_b^T X_b`` per chunk.
-_CHUNK_ELEMENTS = 2**24
 
 Part = Union[Tensor, Tuple[Tensor, Tensor]]
 
@@ -155,7 +153,9 @@ class Omega:
         total = None
         for position, xs in enumerate(x.split(self.sizes)):
             pq = self.factors(position)
-            prod = self.parts[position] @ xs if pq is None else _khatri_rao_t_matmul(*pq, xs)
+            # a Khatri-Rao slice: the columns of x as rows of an explicit block
+            prod = self.parts[position] @ xs if pq is None else \
+                DenseBlock(xs.T).t_matmul_khatri_rao(*pq).T
             total = prod if total is None else total.add_(prod)
         return total
 
@@ -179,24 +179,3 @@ class Omega:
                 else part @ part.T
             total = prod if total is None else total.add_(prod)
         return total
-
-
-def _khatri_rao_t_matmul(p: Tensor, q: Tensor, x: Tensor) -> Tensor:
-    r"""``[p_k \otimes q_k]_k^T x`` for ``x`` of shape ``(out * in, K)``, ``(l, K)``.
-
-    Entry ``(k, j)`` is ``p_k^T X_j q_k`` with ``X_j`` column ``j`` of ``x`` as an
-    ``out x in`` matrix: ``out in l K`` multiply-adds through an intermediate of
-    ``l K min(out, in)`` elements, formed in chunks of columns.
-    """
-    (cols, out_dim), in_dim, k = p.shape, q.shape[1], x.shape[1]
-    mats = x.T.reshape(k, out_dim, in_dim)  # a view for the sketch's layouts
-    step = max(1, _CHUNK_ELEMENTS // max(cols * min(out_dim, in_dim), 1))
-    pieces = []
-    for chunk in mats.split(step):
-        if in_dim <= out_dim:  # X_j^T p_k first: (K', in, l)
-            inner = chunk.transpose(1, 2) @ p.T
-            pieces.append(torch.einsum("jik,ki->kj", inner, q))
-        else:  # X_j q_k first: (K', out, l)
-            inner = chunk @ q.T
-            pieces.append(torch.einsum("jok,ko->kj", inner, p))
-    return torch.cat(pieces, dim=1)
