@@ -11,25 +11,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
-import json
 import os
 import resource
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-_problems = importlib.import_module("_problems")
-_harness = importlib.import_module("_harness")
-NUM_CLASSES = _problems.NUM_CLASSES
-make_problem = _problems.make_problem
+from benchmarks import _harness
+from benchmarks._problems import NUM_CLASSES, make_problem
 
 #: ``ours`` variants: name -> (``mc_samples``, whether to sub-sample the batch).
 #: ``ours`` variants: (mc_samples, curvature on N/8 samples, low_memory two-pass mode).
@@ -349,8 +341,6 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     # Prepare the call (imports and argument preparation are not timed)
     extra: dict[str, Any] = {}
     if args.method in OURS_CASES:
-        if str(REPO_ROOT) not in sys.path:
-            sys.path.append(str(REPO_ROOT))
         import lowrank_laplace as ll
 
         mc_samples, subsample, low_memory = OURS_CASES[args.method]
@@ -403,10 +393,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     # Memory baseline right before the call
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        cuda_before = torch.cuda.memory_allocated(device)
+    cuda_before = _harness.cuda_baseline(device)
     rss_before = _maxrss_bytes()
     try:
         import psutil
@@ -433,16 +420,12 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     record["rss_peak_bytes"] = rss_after
     record["rss_baseline_bytes"] = rss_before
     record["rss_peak_delta_bytes"] = max(0, rss_after - rss_before)
+    record.update(
+        _harness.peak_memory(device, cuda_before, rss_after, record["rss_peak_delta_bytes"])
+    )
     if device.type == "cuda":
-        cuda_peak = torch.cuda.max_memory_allocated(device)
-        record["cuda_peak_bytes"] = cuda_peak
         record["cuda_baseline_bytes"] = cuda_before
-        record["cuda_peak_delta_bytes"] = max(0, cuda_peak - cuda_before)
-        record["peak_delta_bytes"] = record["cuda_peak_delta_bytes"]
-        record["peak_bytes"] = cuda_peak
-    else:
-        record["peak_delta_bytes"] = record["rss_peak_delta_bytes"]
-        record["peak_bytes"] = rss_after
+        record["cuda_peak_delta_bytes"] = record["peak_delta_bytes"]
     record.update(extra)
 
     # Inspect the result (not timed)
@@ -500,5 +483,4 @@ def worker_main(args: argparse.Namespace):
             "k": args.k,
             **_harness.failure_record(exc),
         }
-    sys.stdout.flush()
-    print(RESULT_MARKER + json.dumps(record), flush=True)
+    _harness.emit(RESULT_MARKER, record)

@@ -7,19 +7,14 @@ and sanity checks, and the figure of time and peak memory versus ``k``.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-_problems = importlib.import_module("_problems")
-_harness = importlib.import_module("_harness")
-_eigh_methods = importlib.import_module("_eigh_methods")
-EXPECTED_NUM_PARAMS = _problems.EXPECTED_NUM_PARAMS
-NUM_CLASSES = _problems.NUM_CLASSES
-OURS_CASES = _eigh_methods.OURS_CASES
-PAPER_LABELS = _eigh_methods.PAPER_LABELS
+from benchmarks import _harness
+from benchmarks._eigh_methods import OURS_CASES, PAPER_LABELS
+from benchmarks._problems import EXPECTED_NUM_PARAMS, NUM_CLASSES
 
 #: The method whose targets are checked against the peers.
 REFERENCE = "ours_exact_full"

@@ -7,13 +7,16 @@ module holds what the drivers and workers of all scripts share:
 - measuring memory: RSS high-water marks (resettable on Linux), CUDA peaks,
   recognizing out-of-memory errors and capping a worker's address space,
 - the workers' environment (thread pools) and waiting for a quiet machine,
-- classifying how a worker process ended, and machine/software information.
+- classifying how a worker process ended, and machine/software information,
+- starting a script of this package in a fresh interpreter (``python -m``) and its
+  entry point (a worker with ``--worker``, else the driver).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import platform
 import resource
@@ -21,13 +24,18 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 GiB = 2**30
+#: The repository root: the folder that holds the ``benchmarks`` package.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+#: Default output folder of the scripts (git-ignored).
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 # Warn about competing processes if the CPU was busier than this before a run.
 BUSY_WARN_PERCENT = 20.0
 
@@ -202,6 +210,72 @@ def failure_record(exc: BaseException) -> dict[str, str]:
     }
 
 
+def emit(marker: str, record: dict[str, Any]):
+    """Print a worker's record as one JSON line on stdout, after everything printed before.
+
+    Args:
+        marker: Prefix by which the driver recognises the line.
+        record: The record.
+    """
+    sys.stdout.flush()
+    print(marker + json.dumps(record), flush=True)
+
+
+@contextlib.contextmanager
+def failures_reported(marker: str, **fields: Any) -> Iterator[None]:
+    """Report an exception that escapes the block as a record instead of raising it.
+
+    Args:
+        marker: Prefix of the record line (see :func:`emit`).
+        **fields: Fields of the record before those of :func:`failure_record`.
+
+    Yields:
+        Nothing; the block runs inside.
+    """
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 (report every failure)
+        emit(marker, {**fields, **failure_record(exc)})
+
+
+def cuda_baseline(device: torch.device) -> int | None:
+    """Reset CUDA's peak statistics before a measured call.
+
+    Args:
+        device: The device used.
+
+    Returns:
+        The bytes allocated on the device right now, ``None`` on the CPU.
+    """
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def peak_memory(
+    device: torch.device, cuda_before: int | None, rss_peak: int, rss_peak_delta: int
+) -> dict[str, int]:
+    """Peak memory of a measured call: CUDA's allocator peak on a GPU, else the RSS peak.
+
+    Args:
+        device: The device used.
+        cuda_before: What :func:`cuda_baseline` returned before the call.
+        rss_peak: RSS high-water mark of the call in bytes.
+        rss_peak_delta: Its increase over the RSS before the call in bytes.
+
+    Returns:
+        ``peak_bytes`` and ``peak_delta_bytes`` (above the memory held before the
+        call) and, on a GPU, ``cuda_peak_bytes``.
+    """
+    if device.type != "cuda":
+        return {"peak_bytes": rss_peak, "peak_delta_bytes": rss_peak_delta}
+    cuda_peak = torch.cuda.max_memory_allocated(device)
+    return {"cuda_peak_bytes": cuda_peak, "peak_bytes": cuda_peak,
+            "peak_delta_bytes": max(0, cuda_peak - cuda_before)}
+
+
 def preimport(names: Iterable[str] = DEFAULT_PREIMPORTS):
     """Import modules that the methods load lazily on their first call.
 
@@ -306,11 +380,66 @@ def add_worker_env_arguments(parser: argparse.ArgumentParser):
                         help="OMP_WAIT_POLICY in workers ('' to inherit).")
 
 
+def module_command(module: str, *args: str) -> list[str]:
+    """Command line that runs a module of this package in a fresh interpreter.
+
+    Run it with ``cwd=REPO_ROOT`` and the environment of :func:`worker_env`, which
+    both let the interpreter find the ``benchmarks`` package from any directory.
+
+    Args:
+        module: Dotted module name, e.g. ``'benchmarks.bench_eigh'``.
+        *args: Its command line arguments.
+
+    Returns:
+        ``[sys.executable, '-m', module, *args]``.
+    """
+    return [sys.executable, "-m", module, *args]
+
+
+def script_parser(doc: str) -> argparse.ArgumentParser:
+    """Argument parser of a script that is its own worker (see :func:`run_script`).
+
+    Args:
+        doc: The script's docstring; its first paragraph describes the script.
+
+    Returns:
+        A parser whose help shows the defaults, with the hidden ``--worker`` flag.
+    """
+    parser = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def run_script(
+    argv: Sequence[str] | None,
+    parse_args: Callable[[Sequence[str] | None], argparse.Namespace],
+    worker_main: Callable[[argparse.Namespace], Any],
+    driver_main: Callable[[argparse.Namespace], Any],
+):
+    """Entry point of a script that is its own worker process.
+
+    Args:
+        argv: Command line arguments; ``None`` for ``sys.argv[1:]``.
+        parse_args: Parses the script's arguments (with :func:`script_parser`).
+        worker_main: Runs one configuration (with ``--worker``).
+        driver_main: Runs all configurations, each in a worker process.
+    """
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args)
+    else:
+        driver_main(args)
+
+
 def worker_env(args: argparse.Namespace) -> dict[str, str]:
     """Environment of the worker processes.
 
-    Two settings make timings on small (virtual) machines reproducible and are
-    applied to *all* workers alike:
+    ``PYTHONPATH`` starts with :data:`REPO_ROOT`, so that a worker finds the
+    ``benchmarks`` package (see :func:`module_command`). Two settings make timings
+    on small (virtual) machines reproducible and are applied to *all* workers alike:
 
     - NumPy/SciPy ship their own OpenBLAS, separate from PyTorch's MKL/OpenMP.
       With both thread pools busy-waiting, the matrix-vector products inside
@@ -329,11 +458,47 @@ def worker_env(args: argparse.Namespace) -> dict[str, str]:
         The environment variables.
     """
     env = dict(os.environ)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(REPO_ROOT) not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *paths])
     if args.blas_threads > 0:
         env["OPENBLAS_NUM_THREADS"] = str(args.blas_threads)
     if args.omp_wait_policy:
         env["OMP_WAIT_POLICY"] = args.omp_wait_policy
     return env
+
+
+def write_results(
+    path: Path,
+    settings: dict[str, Any],
+    args: argparse.Namespace,
+    info: dict[str, Any],
+    records: list[dict[str, Any]],
+    summary: dict[str, Any] | None,
+):
+    """Write the results of a problem to a JSON file.
+
+    Args:
+        path: Output path.
+        settings: The run's settings (first in the file).
+        args: Parsed command line arguments of the driver (``threads``,
+            ``blas_threads`` and ``omp_wait_policy`` are recorded).
+        info: Machine information.
+        records: The records so far.
+        summary: The problem's summary (``None`` while running).
+    """
+    payload = {
+        **settings,
+        "threads": args.threads or num_cores(),
+        "worker_env": {
+            "OPENBLAS_NUM_THREADS": args.blas_threads or None,
+            "OMP_WAIT_POLICY": args.omp_wait_policy or None,
+        },
+        "machine": info,
+        "records": records,
+        "summary": summary,
+    }
+    path.write_text(json.dumps(payload, indent=2))
 
 
 def other_cpu_load(interval: float = 0.5) -> float | None:

@@ -9,25 +9,13 @@ records written by the driver.
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-_problems = importlib.import_module("_problems")
-_harness = importlib.import_module("_harness")
-_laplace_worker = importlib.import_module("_laplace_worker")
-EXPECTED_NUM_PARAMS = _laplace_worker.EXPECTED_NUM_PARAMS
-NUM_CLASSES = _laplace_worker.NUM_CLASSES
-GiB = _harness.GiB
-BUSY_WARN_PERCENT = _harness.BUSY_WARN_PERCENT
-PHASES = _laplace_worker.PHASES
+from benchmarks._harness import BUSY_WARN_PERCENT, GiB
+from benchmarks._laplace_worker import EXPECTED_NUM_PARAMS, NUM_CLASSES, PHASES
 
 # Targets
 REFERENCE = "lowrank_exact"

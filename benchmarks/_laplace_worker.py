@@ -11,26 +11,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
-import json
 import subprocess
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-HERE = Path(__file__).resolve().parent
-REPO_ROOT = HERE.parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-_problems = importlib.import_module("_problems")
-_harness = importlib.import_module("_harness")
-GiB = _harness.GiB
+from benchmarks import _harness, _problems
+from benchmarks._harness import REPO_ROOT, GiB
 
 #: Parameters of the scikit-learn digits MLP (64-50-50-10, tanh).
 DIGITS_NUM_PARAMS = 6310
@@ -162,13 +152,12 @@ RESULT_MARKER = "__BENCH_LAPLACE_PHASE__"
 
 
 def _emit(record: dict[str, Any]):
-    """Print a phase record as one JSON line on stdout.
+    """Print a phase record as one JSON line on stdout (see :func:`_harness.emit`).
 
     Args:
         record: The record.
     """
-    sys.stdout.flush()
-    print(RESULT_MARKER + json.dumps(record), flush=True)
+    _harness.emit(RESULT_MARKER, record)
 
 
 def library_fingerprint() -> dict[str, Any]:
@@ -195,8 +184,9 @@ def library_fingerprint() -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         pass
     digest = hashlib.sha1()
-    for path in sorted((REPO_ROOT / "lowrank_laplace").glob("*.py")):
-        digest.update(path.name.encode())
+    package = REPO_ROOT / "lowrank_laplace"
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode())
         digest.update(path.read_bytes())
     info["sources_sha1"] = digest.hexdigest()
     return info
@@ -247,10 +237,7 @@ def _measure(phase: str, fn: Callable[[], Any], device: torch.device) -> tuple[d
     """
     gc.collect()
     record: dict[str, Any] = {"phase": phase}
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        cuda_before = torch.cuda.memory_allocated(device)
+    cuda_before = _harness.cuda_baseline(device)
     record["peak_reset"] = _harness.reset_peak_rss()
     rss_before = _harness.current_rss_bytes()
 
@@ -277,14 +264,10 @@ def _measure(phase: str, fn: Callable[[], Any], device: torch.device) -> tuple[d
     record["rss_peak_bytes"] = rss_peak
     record["rss_peak_delta_bytes"] = max(0, rss_peak - rss_before)
     if device.type == "cuda":
-        cuda_peak = torch.cuda.max_memory_allocated(device)
-        record["cuda_peak_bytes"] = cuda_peak
         record["cuda_before_bytes"] = cuda_before
-        record["peak_bytes"] = cuda_peak
-        record["peak_delta_bytes"] = max(0, cuda_peak - cuda_before)
-    else:
-        record["peak_bytes"] = rss_peak
-        record["peak_delta_bytes"] = record["rss_peak_delta_bytes"]
+    record.update(
+        _harness.peak_memory(device, cuda_before, rss_peak, record["rss_peak_delta_bytes"])
+    )
     if record["status"] != "ok":
         gc.collect()  # release what the failed phase left behind
     return record, out
@@ -399,8 +382,6 @@ def run_worker(args: argparse.Namespace):
         import laplace
         import laplace.curvature  # noqa: F401
 
-        if str(REPO_ROOT) not in sys.path:
-            sys.path.append(str(REPO_ROOT))
         import lowrank_laplace  # noqa: F401 (registers hessian_structure="lowrank_ggn")
 
         kwargs = _laplace_kwargs(args.method, args)
@@ -474,7 +455,5 @@ def worker_main(args: argparse.Namespace):
     Args:
         args: Parsed command line arguments of the worker.
     """
-    try:
+    with _harness.failures_reported(RESULT_MARKER, phase="setup"):
         run_worker(args)
-    except Exception as exc:  # noqa: BLE001 (report every failure)
-        _emit({"phase": "setup", **_harness.failure_record(exc)})

@@ -25,11 +25,11 @@ tables and plots in ``_eigh_report.py``.
 Examples:
     Smoke test (small MLP, N=32, k in {1, 2})::
 
-        python benchmarks/bench_eigh.py --quick
+        python -m benchmarks.bench_eigh --quick
 
     Full run of the paper's figure on CPU::
 
-        python benchmarks/bench_eigh.py --problems 3c3d 2c2d --N 128 --N-2c2d 64
+        python -m benchmarks.bench_eigh --problems 3c3d 2c2d --N 128 --N-2c2d 64
 
 Results are written to ``<out>/eigh_<problem>.json`` and
 ``<out>/eigh_<problem>.png``.
@@ -38,41 +38,24 @@ Results are written to ``<out>/eigh_<problem>.json`` and
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-_problems = importlib.import_module("_problems")
-_harness = importlib.import_module("_harness")
-_eigh_methods = importlib.import_module("_eigh_methods")
-_eigh_report = importlib.import_module("_eigh_report")
-PROBLEMS = _problems.PROBLEMS
-EXPECTED_NUM_PARAMS = _problems.EXPECTED_NUM_PARAMS
-NUM_CLASSES = _problems.NUM_CLASSES
-REPO_ROOT = _eigh_methods.REPO_ROOT
-METHODS = _eigh_methods.METHODS
-RESULT_MARKER = _eigh_methods.RESULT_MARKER
-summarize = _eigh_report.summarize
-plot = _eigh_report.plot
-
-GiB = _harness.GiB
-# Warn about competing processes if the CPU was busier than this before a run.
-BUSY_WARN_PERCENT = _harness.BUSY_WARN_PERCENT
-
-# Shared helpers (see _harness.py)
-_num_cores = _harness.num_cores
-worker_env = _harness.worker_env
-machine_info = _harness.machine_info
-
+from benchmarks import _eigh_methods, _harness
+from benchmarks._eigh_methods import METHODS, RESULT_MARKER
+from benchmarks._eigh_report import plot, summarize
+from benchmarks._harness import (
+    BUSY_WARN_PERCENT,
+    REPO_ROOT,
+    GiB,
+    machine_info,
+    worker_env,
+)
+from benchmarks._problems import EXPECTED_NUM_PARAMS, NUM_CLASSES, PROBLEMS
 
 ###############################################################################
 #                                  Driver                                     #
@@ -94,9 +77,8 @@ def run_subprocess(
     Returns:
         The worker's record, or a failure record (timeout, killed, crash).
     """
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
+    cmd = _harness.module_command(
+        "benchmarks.bench_eigh",
         "--worker",
         f"--problem={problem}",
         f"--method={method}",
@@ -105,7 +87,7 @@ def run_subprocess(
         f"--device={args.device}",
         f"--seed={args.seed}",
         f"--threads={args.threads}",
-    ]
+    )
     if not args.verify:
         cmd.append("--no-verify")
     busy = _harness.wait_for_idle_cpu(args.wait_idle)
@@ -162,11 +144,7 @@ def run_config(
     """Run one configuration ``--repeats`` times, each in a fresh process.
 
     Args:
-        problem: Problem name.
-        method: Method name.
-        N: Mini-batch size.
-        k: Number of eigenpairs.
-        args: Parsed command line arguments of the driver.
+        problem, method, N, k, args: As for :func:`run_subprocess`.
 
     Returns:
         The record of the first successful run with ``time_s`` replaced by the
@@ -222,7 +200,7 @@ def _dump(
         summary: Summary from :func:`summarize` (``None`` while running).
     """
     D, C = EXPECTED_NUM_PARAMS[problem], NUM_CLASSES[problem]
-    payload = {
+    settings = {
         "problem": problem,
         "N": N,
         "D": D,
@@ -233,16 +211,8 @@ def _dump(
         "timeout_s": args.timeout,
         "seed": args.seed,
         "repeats": args.repeats,
-        "threads": args.threads or _num_cores(),
-        "worker_env": {
-            "OPENBLAS_NUM_THREADS": args.blas_threads or None,
-            "OMP_WAIT_POLICY": args.omp_wait_policy or None,
-        },
-        "machine": info,
-        "records": records,
-        "summary": summary,
     }
-    path.write_text(json.dumps(payload, indent=2))
+    _harness.write_results(path, settings, args, info, records, summary)
 
 
 def driver_main(args: argparse.Namespace):
@@ -312,10 +282,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     Returns:
         Parsed arguments.
     """
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    parser = _harness.script_parser(__doc__)
     parser.add_argument(
         "--problems",
         nargs="+",
@@ -355,7 +322,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--out",
-        default=str(HERE / "results"),
+        default=str(_harness.RESULTS_DIR),
         help="Output directory for JSON files and figures.",
     )
     parser.add_argument("--seed", type=int, default=0, help="Random seed.")
@@ -390,7 +357,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--quick", action="store_true", help="Smoke test: problem mlp, N=32, ks 1 2."
     )
     # worker-only arguments
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--problem", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--k", type=int, help=argparse.SUPPRESS)
@@ -401,16 +367,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None):
-    """Entry point.
-
-    Args:
-        argv: Command line arguments; defaults to ``sys.argv[1:]``.
-    """
-    args = parse_args(argv)
-    if args.worker:
-        _eigh_methods.worker_main(args)
-    else:
-        driver_main(args)
+    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
+    _harness.run_script(argv, parse_args, _eigh_methods.worker_main, driver_main)
 
 
 if __name__ == "__main__":

@@ -68,16 +68,16 @@ Examples:
     Smoke test (mlp, 128 training points, rank 20, about a minute; written to
     ``benchmarks/results/quick``)::
 
-        python benchmarks/bench_laplace.py --quick
+        python -m benchmarks.bench_laplace --quick
 
     Full run on 3c3d, waiting for other benchmarks/tests to leave the CPU::
 
-        python benchmarks/bench_laplace.py --problems 3c3d \\
-            --wait-for bench_eigh.py pytest --wait-idle 900
+        python -m benchmarks.bench_laplace --problems 3c3d \\
+            --wait-for bench_eigh pytest --wait-idle 900
 
     Continue an interrupted run, with a shorter limit for a slow peer::
 
-        python benchmarks/bench_laplace.py --problems 2c2d --resume \\
+        python -m benchmarks.bench_laplace --problems 2c2d --resume \\
             --method-timeout diag_default=600
 
 Results are written to ``<out>/laplace_<problem>.json`` and
@@ -91,7 +91,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
 import json
 import os
 import queue
@@ -99,7 +98,6 @@ import resource
 import signal
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -107,28 +105,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO_ROOT = HERE.parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-_problems = importlib.import_module("_problems")
-_harness = importlib.import_module("_harness")
-_laplace_worker = importlib.import_module("_laplace_worker")
-_laplace_report = importlib.import_module("_laplace_report")
-EXPECTED_NUM_PARAMS = _laplace_worker.EXPECTED_NUM_PARAMS
-NUM_CLASSES = _laplace_worker.NUM_CLASSES
-PROBLEMS = _laplace_worker.PROBLEMS
-GiB = _harness.GiB
-BUSY_WARN_PERCENT = _harness.BUSY_WARN_PERCENT
-METHODS = _laplace_worker.METHODS
-PHASES = _laplace_worker.PHASES
-RESULT_MARKER = _laplace_worker.RESULT_MARKER
-library_fingerprint = _laplace_worker.library_fingerprint
-worker_main = _laplace_worker.worker_main
-summarize = _laplace_report.summarize
-plot = _laplace_report.plot
-_progress = _laplace_report._progress
+from benchmarks import _harness
+from benchmarks._harness import BUSY_WARN_PERCENT, REPO_ROOT, RESULTS_DIR, GiB
+from benchmarks._laplace_report import _progress, plot, summarize
+from benchmarks._laplace_worker import (
+    EXPECTED_NUM_PARAMS,
+    METHODS,
+    NUM_CLASSES,
+    PHASES,
+    PROBLEMS,
+    RESULT_MARKER,
+    library_fingerprint,
+    worker_main,
+)
 
 #: Time limit of a worker's start (imports, model and data), at least ``--timeout``.
 SETUP_TIMEOUT_S = 300.0
@@ -203,9 +192,8 @@ def run_worker_process(
         died (``None`` if every phase reported), and process information
         (wall time, CPU load of other processes during the run).
     """
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
+    cmd = _harness.module_command(
+        "benchmarks.bench_laplace",
         "--worker",
         f"--problem={problem}",
         f"--method={method}",
@@ -219,7 +207,7 @@ def run_worker_process(
         f"--seed={args.seed}",
         f"--threads={args.threads}",
         f"--mem-limit-gib={args.mem_limit_gib}",
-    ]
+    )
     if args.marglik:
         cmd.append("--marglik")
     expected = ["setup", "fit"]
@@ -532,7 +520,7 @@ def _dump(
         args: Parsed command line arguments of the driver.
         summary: Summary from :func:`summarize` (``None`` while running).
     """
-    payload = {
+    settings = {
         "problem": problem,
         "D": EXPECTED_NUM_PARAMS[problem],
         "C": NUM_CLASSES[problem],
@@ -549,16 +537,8 @@ def _dump(
         "retry_busy": args.retry_busy,
         "repeat": args.repeat,
         "seed": args.seed,
-        "threads": args.threads or _harness.num_cores(),
-        "worker_env": {
-            "OPENBLAS_NUM_THREADS": args.blas_threads or None,
-            "OMP_WAIT_POLICY": args.omp_wait_policy or None,
-        },
-        "machine": info,
-        "records": records,
-        "summary": summary,
     }
-    path.write_text(json.dumps(payload, indent=2))
+    _harness.write_results(path, settings, args, info, records, summary)
 
 
 #: Settings that must match for ``--resume`` to reuse a previous record.
@@ -671,10 +651,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     Returns:
         Parsed arguments (``--quick`` already applied).
     """
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    parser = _harness.script_parser(__doc__)
     parser.add_argument(
         "--problems", nargs="+", default=list(PROBLEMS), choices=PROBLEMS, help="Problems."
     )
@@ -730,7 +707,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=[],
         metavar="PATTERN",
         help="Before each worker, wait while other processes whose command line contains "
-        "one of these strings use CPU (e.g. bench_eigh.py pytest).",
+        "one of these strings use CPU (e.g. bench_eigh pytest).",
     )
     parser.add_argument(
         "--wait-max", type=float, default=1200.0, help="Maximum wait for --wait-for [s]."
@@ -787,7 +764,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "120 s, no --retry-busy.",
     )
     # worker-only arguments
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--problem", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--phases", default="fit,glm,nn", help=argparse.SUPPRESS)
@@ -800,7 +776,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"--method-timeout expects METHOD=SECONDS, got {item!r}.")
         args.method_timeouts[name] = float(value)
     if args.out is None:
-        args.out = str(HERE / "results" / "quick") if args.quick else str(HERE / "results")
+        args.out = str(RESULTS_DIR / "quick") if args.quick else str(RESULTS_DIR)
     if args.quick:
         args.problems = ["mlp"]
         args.n_train, args.n_test, args.rank, args.nn_samples = 128, 32, 20, 5
@@ -813,16 +789,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None):
-    """Entry point.
-
-    Args:
-        argv: Command line arguments; defaults to ``sys.argv[1:]``.
-    """
-    args = parse_args(argv)
-    if args.worker:
-        worker_main(args)
-    else:
-        driver_main(args)
+    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
+    _harness.run_script(argv, parse_args, worker_main, driver_main)
 
 
 if __name__ == "__main__":

@@ -48,11 +48,11 @@ data and every method's curvature on the GPU, peak memory as CUDA's allocator pe
 Examples:
     Smoke test (tiny sizes, about two minutes)::
 
-        python benchmarks/bench_models.py --quick
+        python -m benchmarks.bench_models --quick
 
     Default CPU run, then copy the tables into ``benchmarks/results/tables/``::
 
-        python benchmarks/bench_models.py
+        python -m benchmarks.bench_models
 
 Results are written to ``<out>/models.json`` and ``<out>/models.png``; the rows of the
 docs' tables to ``<out>/models_tables/*.json`` (their ``sources`` name
@@ -62,10 +62,8 @@ docs' tables to ``<out>/models_tables/*.json`` (their ``sources`` name
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -74,16 +72,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-HERE = Path(__file__).resolve().parent
-REPO_ROOT = HERE.parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-_problems = importlib.import_module("_problems")
-_harness = importlib.import_module("_harness")
-_laplace_worker = importlib.import_module("_laplace_worker")
-GiB = _harness.GiB
-BUSY_WARN_PERCENT = _harness.BUSY_WARN_PERCENT
+from benchmarks import _harness, _laplace_worker, _problems
+from benchmarks._harness import BUSY_WARN_PERCENT, REPO_ROOT, GiB
 
 RESULT_MARKER = "__BENCH_MODELS_RESULT__"
 MODELS: tuple[str, ...] = ("resnet18", "transformer")
@@ -217,13 +207,12 @@ _KEPT: list = []
 
 
 def _emit(record: dict[str, Any]):
-    """Print a record as one JSON line on stdout.
+    """Print a record as one JSON line on stdout (see :func:`_harness.emit`).
 
     Args:
         record: The record.
     """
-    sys.stdout.flush()
-    print(RESULT_MARKER + json.dumps(record), flush=True)
+    _harness.emit(RESULT_MARKER, record)
 
 
 def _eigh_call(method: str, model: nn.Module, X: Tensor, y: Tensor, args: argparse.Namespace
@@ -384,11 +373,9 @@ def worker_main(args: argparse.Namespace):
     Args:
         args: Parsed command line arguments of the worker.
     """
-    try:
+    with _harness.failures_reported(RESULT_MARKER, part=args.part, model=args.model,
+                                    method=args.method, phase="setup"):
         run_worker(args)
-    except Exception as exc:  # noqa: BLE001 (report every failure)
-        _emit({"part": args.part, "model": args.model, "method": args.method,
-               "phase": "setup", **_harness.failure_record(exc)})
 
 
 ###############################################################################
@@ -432,12 +419,12 @@ def run_config(part: str, model: str, method: str, args: argparse.Namespace) -> 
         died leaves a failure record for the phase it was in.
     """
     size = sizes(part, model, args)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", f"--part={part}",
-           f"--model={model}", f"--method={method}", f"--k={args.k}", f"--seed={args.seed}",
-           f"--threads={args.threads}", f"--rank={args.rank}",
-           f"--batch-size={args.batch_size}", f"--mem-limit-gib={args.mem_limit_gib}",
-           f"--vocab={args.vocab}", f"--width={args.width}", f"--layers={args.layers}",
-           f"--seq-len={args.seq_len}", f"--device={args.device}"]
+    cmd = _harness.module_command(
+        "benchmarks.bench_models", "--worker", f"--part={part}", f"--model={model}",
+        f"--method={method}", f"--k={args.k}", f"--seed={args.seed}", f"--threads={args.threads}",
+        f"--rank={args.rank}", f"--batch-size={args.batch_size}",
+        f"--mem-limit-gib={args.mem_limit_gib}", f"--vocab={args.vocab}", f"--width={args.width}",
+        f"--layers={args.layers}", f"--seq-len={args.seq_len}", f"--device={args.device}")
     cmd += [f"--{key.replace('_', '-')}={value}" for key, value in size.items()]
     if args.low_memory:
         cmd.append("--low-memory")
@@ -843,8 +830,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     Returns:
         Parsed arguments, with ``<size>_defaults`` per model for the sizes left open.
     """
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = _harness.script_parser(__doc__)
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--N", type=int, default=None,
@@ -869,7 +855,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="Address-space cap of a worker (0: none).")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="Device of models, data and curvature.")
-    parser.add_argument("--out", default=str(HERE / "results"), help="Output directory.")
+    parser.add_argument("--out", default=str(_harness.RESULTS_DIR), help="Output directory.")
     parser.add_argument("--seed", type=int, default=0, help="Random seed.")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads in workers (0: number of usable cores).")
@@ -880,7 +866,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="Smoke test: tiny sizes (N 4, 16 / 4 points, 2-layer "
                         "transformer of width 32), output in <out>/quick.")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--part", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
@@ -901,16 +886,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None):
-    """Entry point.
-
-    Args:
-        argv: Command line arguments; defaults to ``sys.argv[1:]``.
-    """
-    args = parse_args(argv)
-    if args.worker:
-        worker_main(args)
-    else:
-        driver_main(args)
+    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
+    _harness.run_script(argv, parse_args, worker_main, driver_main)
 
 
 if __name__ == "__main__":

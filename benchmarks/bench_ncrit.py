@@ -21,11 +21,11 @@ plots only.
 Examples:
     Quick run (mlp, a few configurations)::
 
-        python benchmarks/bench_ncrit.py --problem mlp --tasks eigvals --budget-gib 0.25
+        python -m benchmarks.bench_ncrit --problem mlp --tasks eigvals --budget-gib 0.25
 
     Full table on 3c3d (about 20 minutes on 2 cores)::
 
-        python benchmarks/bench_ncrit.py --problem 3c3d --budget-gib 1
+        python -m benchmarks.bench_ncrit --problem 3c3d --budget-gib 1
 
 Results go to ``<out>/ncrit_<problem>.json`` and ``<out>/ncrit_<problem>.png``.
 """
@@ -36,15 +36,11 @@ import argparse
 import itertools
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _harness  # noqa: E402
-import _problems  # noqa: E402
+from benchmarks import _harness, _problems
 
 TASKS = ("eigvals", "eigpair", "eigpair_lowmem", "newton", "newton_lowmem")
 STRUCTURES = ("full", "blocks")
@@ -135,11 +131,12 @@ def probe(config: str, N: int, args: argparse.Namespace) -> dict[str, Any]:
         ``{"N", "status", "seconds"}`` with status ``ok``, ``oom``, ``timeout``,
         ``killed`` or ``error: ...``.
     """
-    cmd = [sys.executable, __file__, "--problem", args.problem, "--budget-gib",
-           str(args.budget_gib), "--config", config, "--probe", str(N), "--device", args.device]
+    cmd = _harness.module_command(
+        "benchmarks.bench_ncrit", "--problem", args.problem, "--budget-gib", str(args.budget_gib),
+        "--config", config, "--probe", str(N), "--device", args.device)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                              env=_harness.worker_env(args))
+                              cwd=_harness.REPO_ROOT, env=_harness.worker_env(args))
     except subprocess.TimeoutExpired:
         return {"N": N, "status": "timeout", "seconds": args.timeout}
     for line in proc.stdout.splitlines():
@@ -259,7 +256,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n-max", type=int, default=8192, help="Largest batch size tried.")
     parser.add_argument("--rtol", type=float, default=0.05, help="Bisection tolerance.")
     parser.add_argument("--timeout", type=float, default=600.0, help="Seconds per probe.")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(_harness.RESULTS_DIR))
     _harness.add_worker_env_arguments(parser)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--probe", type=int, help=argparse.SUPPRESS)

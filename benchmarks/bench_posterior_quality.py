@@ -8,7 +8,7 @@ to the full posterior, laplace-torch's ``kron`` and ``diag`` and the MAP network
 MAP networks are trained under the Gaussian prior (precision 1) that Laplace assumes.
 Quality is not timed: one process runs everything.
 
-    python benchmarks/bench_posterior_quality.py --out benchmarks/results/quality
+    python -m benchmarks.bench_posterior_quality --out benchmarks/results/quality
 
 writes ``posterior_quality.json`` (with date, machine and versions) and
 ``posterior_quality.png`` (NLL and prior-precision ratio against rank per problem).
@@ -22,13 +22,13 @@ import math
 from pathlib import Path
 
 import torch
-from _harness import machine_info
 from laplace import Laplace
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
-from lowrank_laplace import metrics
+from benchmarks._harness import machine_info
+from lowrank_laplace.toolkit import metrics
 
 RESIDUALS = ("spectral", "isotropic", "diagonal", "none")
 

@@ -13,7 +13,7 @@ the single process (eigenvalues, relative) and recorded.
 
 Example::
 
-    python benchmarks/bench_scaling.py --problem 3c3d --processes 1 2
+    python -m benchmarks.bench_scaling --problem 3c3d --processes 1 2
 
 Results go to ``<out>/scaling_<problem>.json`` and ``<out>/scaling_<problem>.png``.
 """
@@ -24,16 +24,12 @@ import argparse
 import json
 import os
 import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _harness  # noqa: E402
-import _problems  # noqa: E402
+from benchmarks import _harness, _problems
 
 
 def _worker(rank: int, world: int, port: int, out: str, args: argparse.Namespace) -> None:
@@ -158,7 +154,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rank", type=int, default=100)
     parser.add_argument("--cores", type=int, default=_harness.num_cores())
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(_harness.RESULTS_DIR))
     _harness.add_worker_env_arguments(parser)
     return parser.parse_args(argv)
 

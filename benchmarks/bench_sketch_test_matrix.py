@@ -1,15 +1,15 @@
 """Kept trace of the sketch solver with Khatri-Rao against fully Gaussian test matrices.
 
 ``solver="sketch"`` draws Khatri-Rao columns ``p_k (x) q_k`` in the slices of
-matrix-shaped weights by default (``LowRankGGNLaplace._sketch_test_matrix =
-"kronecker"``). This script fits the exact-GGN sketch with both kinds of test matrix over
-several seeds on the problems of ``bench_laplace.py`` (the MLP, 3c3d and 2c2d on random
-data, the trained sklearn digits MLP) and records the kept trace, the leading and the
+matrix-shaped weights by default (the option ``sketch_test_matrix="kronecker"``). This
+script fits the exact-GGN sketch with both kinds of test matrix over several seeds on the
+problems of ``bench_laplace.py`` (the MLP, 3c3d and 2c2d on random data, the trained
+sklearn digits MLP) and records the kept trace, the leading and the
 last kept eigenvalues, and, for reference, the streaming fit's. Quality is the point,
 not time: one process runs everything (the fit times are recorded but not comparable
 to ``bench_laplace.py``'s).
 
-    python benchmarks/bench_sketch_test_matrix.py --out benchmarks/results/sketch_test_matrix
+    python -m benchmarks.bench_sketch_test_matrix --out benchmarks/results/sketch_test_matrix
 
 writes ``sketch_test_matrix.json`` with date, machine and versions.
 """
@@ -21,12 +21,12 @@ import json
 import time
 from pathlib import Path
 
-from _harness import machine_info
-from _laplace_worker import make_problem
 from laplace import Laplace
 from torch.utils.data import DataLoader, TensorDataset
 
 import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
+from benchmarks._harness import machine_info
+from benchmarks._laplace_worker import make_problem
 
 #: problem -> (training points, batch size, rank), as in bench_laplace.py's runs
 SETTINGS = {"mlp": (1024, 128, 100), "digits": (1400, 64, 100),
@@ -37,8 +37,8 @@ def fit(model, loader, rank: int, solver: str, seed: int,
         test_matrix: str = "kronecker") -> dict:
     """One exact-GGN fit; its kept trace, eigenvalues and time."""
     la = Laplace(model, "classification", subset_of_weights="all",
-                 hessian_structure="lowrank_ggn", rank=rank, solver=solver, seed=seed)
-    la._sketch_test_matrix = test_matrix  # the class default, overridden on this object
+                 hessian_structure="lowrank_ggn", rank=rank, solver=solver, seed=seed,
+                 sketch_test_matrix=test_matrix)
     start = time.perf_counter()
     la.fit(loader)
     seconds = time.perf_counter() - start

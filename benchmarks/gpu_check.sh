@@ -13,7 +13,7 @@
 #       installs them into /tmp/site and writes into $OUT (8 files):
 #       card.txt (GPU, driver, torch), pytest_cuda.log (tests/test_cuda.py and the
 #       device-parametrised tests), models.log + models.json + models_lowmem.json
-#       (benchmarks/bench_models.py --parts eigh at N = 128, the second with
+#       (python -m benchmarks.bench_models --parts eigh at N = 128, the second with
 #       low_memory=True on ResNet-18), laplace.log + laplace_3c3d.json (fit, GLM and
 #       NN predictive of lowrank_ggn exact/MC vs BackPACK-kron on the GPU) and
 #       gpu_trace_3c3d.json (host-device copies and scalar reads during a fit, see
@@ -69,14 +69,14 @@ cat "$OUT/card.txt"
 
 if [ "$mode" = fits ]; then  # a second call: the fits at the models' full sizes
     echo "== Laplace fits of ResNet-18 and the transformer (1,024 / 128 points)"
-    timeout 300 python3 benchmarks/bench_models.py --device cuda --parts laplace \
+    timeout 300 python3 -m benchmarks.bench_models --device cuda --parts laplace \
         --n-train 1024 --n-test 128 --timeout 80 --out /tmp/gpu_fits \
         > "$OUT/models_laplace.log" 2>&1
     echo "bench_models rc=$?"
     cp /tmp/gpu_fits/models.json "$OUT/models_laplace.json" 2>/dev/null
     grep -E "\[laplace" "$OUT/models_laplace.log"
     echo "== Laplace benchmark on 3c3d"
-    timeout 130 python3 benchmarks/bench_laplace.py --device cuda --problems 3c3d \
+    timeout 130 python3 -m benchmarks.bench_laplace --device cuda --problems 3c3d \
         --methods lowrank_exact lowrank_mc kron_backpack --retry-busy 0 --out /tmp/gpu_fits \
         > "$OUT/laplace.log" 2>&1
     cp /tmp/gpu_fits/laplace_3c3d.json "$OUT/" 2>/dev/null
@@ -97,7 +97,7 @@ if [ "$mode" = sketch ]; then
     echo "== streaming against the sketch solver on 3c3d and the MLP"
     for problem in 3c3d mlp; do  # 3c3d's five workers took 102 s on an H100
         limit=100; [ "$problem" = 3c3d ] && limit=170
-        timeout "$limit" python3 benchmarks/bench_laplace.py --device cuda --problems "$problem" \
+        timeout "$limit" python3 -m benchmarks.bench_laplace --device cuda --problems "$problem" \
             --methods lowrank_exact lowrank_exact_sketch lowrank_mc lowrank_mc_sketch \
             kron_backpack --retry-busy 0 --out /tmp/gpu_sketch >> "$OUT/sketch.log" 2>&1
         echo "bench_laplace $problem rc=$?"
@@ -110,11 +110,11 @@ fi
 echo "== top-10 eigenpairs of ResNet-18 and the transformer at N = 128"
 work=/tmp/gpu_check_work
 mkdir -p "$work"
-timeout 150 python3 benchmarks/bench_models.py --device cuda --parts eigh --N 128 \
+timeout 150 python3 -m benchmarks.bench_models --device cuda --parts eigh --N 128 \
     --timeout 75 --out "$work/models" > "$OUT/models.log" 2>&1
 echo "bench_models rc=$?" | tee -a "$OUT/models.log"
 cp "$work/models/models.json" "$OUT/models.json" 2>/dev/null
-timeout 80 python3 benchmarks/bench_models.py --device cuda --parts eigh --N 128 \
+timeout 80 python3 -m benchmarks.bench_models --device cuda --parts eigh --N 128 \
     --models resnet18 --low-memory --timeout 60 --out "$work/models_lowmem" \
     >> "$OUT/models.log" 2>&1
 echo "bench_models --low-memory rc=$?" | tee -a "$OUT/models.log"
@@ -122,7 +122,7 @@ cp "$work/models_lowmem/models.json" "$OUT/models_lowmem.json" 2>/dev/null
 grep -E "\[eigh|PASS|FAIL" "$OUT/models.log"
 
 echo "== Laplace benchmark on the device"
-timeout 120 python3 benchmarks/bench_laplace.py --device cuda --problems 3c3d \
+timeout 120 python3 -m benchmarks.bench_laplace --device cuda --problems 3c3d \
     --methods lowrank_exact lowrank_mc kron_backpack --retry-busy 0 --out "$work/laplace" \
     > "$OUT/laplace.log" 2>&1
 echo "bench_laplace rc=$?"
@@ -130,6 +130,6 @@ cp "$work/laplace/laplace_3c3d.json" "$OUT/" 2>/dev/null
 grep -E "PASS|FAIL|\[3c3d\]" "$OUT/laplace.log"
 
 echo "== profiler trace of a 3c3d fit"
-timeout 50 python3 benchmarks/gpu_trace.py --device cuda --problem 3c3d --out "$OUT" 2>&1 \
+timeout 50 python3 -m benchmarks.gpu_trace --device cuda --problem 3c3d --out "$OUT" 2>&1 \
     | grep -v -i warn
 ls "$OUT"

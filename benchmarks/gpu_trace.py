@@ -17,15 +17,13 @@ no copies to count) so that the script is tested where CI runs. Writes
 
 Example (on a GPU machine, see ``benchmarks/gpu_check.sh``)::
 
-    python benchmarks/gpu_trace.py --device cuda --problem 3c3d --n-train 1024
+    python -m benchmarks.gpu_trace --device cuda --problem 3c3d --n-train 1024
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -35,14 +33,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader, TensorDataset
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-if str(HERE.parent) not in sys.path:
-    sys.path.insert(0, str(HERE.parent))
-
-_problems = importlib.import_module("_problems")
-_harness = importlib.import_module("_harness")
+from benchmarks import _harness, _problems
 
 #: Substrings of profiler event names, by what they count.
 PATTERNS = {
@@ -138,7 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rank", type=int, default=100)
     parser.add_argument("--mc-samples", type=int, default=0)
     parser.add_argument("--chrome", action="store_true", help="also write a Chrome trace")
-    parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--out", default=str(_harness.RESULTS_DIR))
     return parser.parse_args(argv)
 
 

@@ -14,8 +14,8 @@ and this script replaces everything between the markers by the table rendered fr
 ``benchmarks/results/tables/eigh_3c3d_k10.json``, followed by one line that says where
 the numbers come from. After a new benchmark run, update or add the JSON file and run::
 
-    python benchmarks/render_tables.py           # rewrite docs/benchmarks.md
-    python benchmarks/render_tables.py --check   # exit 1 if the page is out of date
+    python -m benchmarks.render_tables           # rewrite docs/benchmarks.md
+    python -m benchmarks.render_tables --check   # exit 1 if the page is out of date
 
 The prose around the tables is written by hand; it explains, it does not log.
 """
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     new = render(page, load_tables())
     if args.check:
         if new != page:
-            print(f"{PAGE} is out of date: run python benchmarks/render_tables.py",
+            print(f"{PAGE} is out of date: run python -m benchmarks.render_tables",
                   file=sys.stderr)
             return 1
         return 0

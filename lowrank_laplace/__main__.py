@@ -2,6 +2,6 @@
 
 import sys
 
-from lowrank_laplace.cli import main
+from lowrank_laplace.toolkit.cli import main
 
 sys.exit(main())

@@ -18,10 +18,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from lowrank_laplace import _checks
-from lowrank_laplace._linalg import eigh
-from lowrank_laplace.engine import FactorEngine, RNGReplay
+from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.factor import GGNFactor
+from lowrank_laplace.utils.linalg import eigh
 
 
 @dataclass
@@ -360,27 +359,30 @@ def ggn_eigh(
         return results if param_groups is not None else results[0]
     if solver == "matrix_free":
         raise ValueError("solver='matrix_free' needs all of V: use low_memory=False.")
-    replay = RNGReplay(_checks.batch_device(inputs))
     with FactorEngine(model, loss_func, backend=backend) as engine:
         engine.check_memory(inputs, subsampling, mc_samples, True, "ggn_eigh")
-        grams = engine.compute(inputs, targets, mc_samples, subsampling, param_groups,
-                               keep_blocks=False, compute_grams=True)
-        replay.mark()
-        selected = [gram_eigh(grams, g, top_k, threshold, indices, solver)
-                    for g in range(len(grams.groups))]
-        with replay:  # the same MC draws (and dropout masks) as the first pass
-            projected = engine.compute(
-                inputs, targets, mc_samples, subsampling, param_groups, keep_blocks=False,
-                project=[gvecs / evals.sqrt() for evals, gvecs, _ in selected],
-            )
-    results = [
+        results = _two_pass_eigh(engine, (inputs, targets, mc_samples, subsampling,
+                                          param_groups), top_k, threshold, indices, solver)
+    return results if param_groups is not None else results[0]
+
+
+def _two_pass_eigh(engine: FactorEngine, args: tuple, top_k, threshold, indices,
+                   solver: str) -> List[LowRankGGN]:
+    """Eigenpairs per group from a Gram pass and a projection pass (``low_memory``)."""
+    selected = []
+
+    def coefficients(grams: GGNFactor) -> List[Tensor]:
+        selected.extend(gram_eigh(grams, g, top_k, threshold, indices, solver)
+                        for g in range(len(grams.groups)))
+        return [gvecs / evals.sqrt() for evals, gvecs, _ in selected]
+
+    grams, projected = engine.gram_and_projection(*args, coefficients)
+    return [
         LowRankGGN(eigenvalues=evals, eigenvectors=projected.projected_flat(g),
                    trace=grams.trace(g), all_eigenvalues=all_evals,
                    shapes=[grams.shapes[i] for i in grams.groups[g]], backend=grams.backend)
         for g, (evals, _, all_evals) in enumerate(selected)
     ]
-    return results if param_groups is not None else results[0]
-
 
 
 def ggn_eigvals(

@@ -270,7 +270,7 @@ def test_empty_param_groups_fractional_subsampling_duplicate_indices(mlp):
 
 
 def test_memory_budget_units():
-    from lowrank_laplace._fitting import resolve_memory_budget
+    from lowrank_laplace.fitting.budget import resolve_memory_budget
 
     cpu = torch.device("cpu")
     assert resolve_memory_budget("1GB", cpu) == 10**9

@@ -16,7 +16,6 @@ from laplace import Laplace
 from torch.utils.data import DataLoader, TensorDataset
 
 import lowrank_laplace as ll
-from lowrank_laplace import LowRankGGNLaplace
 from tests.conftest import one_pass_and_low_memory
 from tests.test_models import DictModel, zoo_case
 
@@ -117,11 +116,11 @@ def test_cuda_float32_close_to_float64(name):
 
 def fit_pair(model, X, y, path, monkeypatch, **kwargs):
     """The same ``Laplace`` fit on the CPU and on the device, on the given path."""
-    monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", 2048 if path == "dense" else 0)
     fits = []
     for device in ("cpu", DEVICE):
         m, Xd, yd = on_device(model, X, y) if device == DEVICE else (model, X, y)
-        la = Laplace(m, "classification", **KW, **kwargs)
+        la = Laplace(m, "classification", **KW, **kwargs,
+                     dense_max_dim=2048 if path == "dense" else 0)
         la.fit(DataLoader(TensorDataset(Xd, yd), batch_size=8))
         assert la.fit_path == path
         fits.append(la)
@@ -161,7 +160,7 @@ def test_cuda_sketch_equals_cpu_with_the_same_test_matrix(dtype):
     """The truncated Nyström sketch on the device (Cholesky, triangular solve and
     eigendecomposition there) against the CPU's with the CPU's test matrix."""
     from lowrank_laplace.engine import FactorEngine
-    from lowrank_laplace.sketch import SketchMerge
+    from lowrank_laplace.fitting.sketch import SketchMerge
 
     model, loss_func, X, y = zoo_case("class_cnn", n=24)
     model, X = model.to(dtype), X.to(dtype)
@@ -191,8 +190,7 @@ def test_cuda_sketch_equals_cpu_with_the_same_test_matrix(dtype):
 
 def test_cuda_sketch_laplace_at_full_rank_equals_cpu_streaming(monkeypatch):
     model, _, X, y = zoo_case("class_cnn", n=12)
-    monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", 0)
-    cpu = Laplace(model, "classification", **KW, rank=1000)
+    cpu = Laplace(model, "classification", **KW, rank=1000, dense_max_dim=0)
     cpu.fit(DataLoader(TensorDataset(X, y), batch_size=8))
     m, Xd, yd = on_device(model, X, y)
     # passes of 4: one streaming merge must not cover the data, or the sketch streams
@@ -231,7 +229,7 @@ def test_cuda_dict_batches_equal_cpu(monkeypatch):
 
 
 def test_cuda_command_line(tmp_path, capsys):
-    from lowrank_laplace.cli import main
+    from lowrank_laplace.toolkit.cli import main
 
     spectrum = ["spectrum", "--epochs", "0", "--batch-size", "24", "--top-k", "3",
                 "--model", "mlp", "--device", "cuda", "--out", str(tmp_path / "spectrum")]
@@ -244,7 +242,7 @@ def test_cuda_command_line(tmp_path, capsys):
 
 
 def test_cuda_default_budget_is_a_quarter_of_free_memory():
-    from lowrank_laplace._fitting import DEFAULT_MEMORY_BUDGET, resolve_memory_budget
+    from lowrank_laplace.fitting.budget import DEFAULT_MEMORY_BUDGET, resolve_memory_budget
 
     device = torch.device(DEVICE)
     free = torch.cuda.mem_get_info(device)[0]

@@ -6,7 +6,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lowrank_laplace import LowRankGGNLaplace, LowRankGGNLLLaplace
-from lowrank_laplace._fitting import choose_dense, dense_bytes, dense_cost, streaming_cost
+from lowrank_laplace.fitting.cost import choose_dense, dense_bytes, dense_cost, streaming_cost
 
 GiB = 2**30
 
@@ -20,8 +20,7 @@ def _problem(n=40, out=4, seed=0, batch_size=8):
 
 
 def _fit(model, loader, dense_max_dim, monkeypatch, cls=LowRankGGNLaplace, **kwargs):
-    monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", dense_max_dim)
-    la = cls(model, "classification", **kwargs)
+    la = cls(model, "classification", dense_max_dim=dense_max_dim, **kwargs)
     la.fit(loader)
     return la
 
@@ -129,12 +128,12 @@ def test_last_layer_reports_its_path(monkeypatch, dense_max_dim, path):
 def test_one_pass_feeds_several_merges_of_the_planned_size(monkeypatch):
     """Passes of a whole batch (8) split into merges of at most 3 samples (3, 3, 2),
     never across passes."""
-    import lowrank_laplace._fitting as fitting
+    import lowrank_laplace.fitting.cost as cost
     from lowrank_laplace import FactorEngine
-    from lowrank_laplace.merge import StreamingMerge
+    from lowrank_laplace.fitting.streaming import StreamingMerge
 
     model, loader = _problem(n=40, out=4, batch_size=8)
-    monkeypatch.setattr(fitting, "merge_size", lambda *args, **kwargs: 3)
+    monkeypatch.setattr(cost, "merge_size", lambda *args, **kwargs: 3)
     passes = []
     compute = FactorEngine.compute
     monkeypatch.setattr(FactorEngine, "compute",
@@ -161,7 +160,7 @@ def test_one_pass_feeds_several_merges_of_the_planned_size(monkeypatch):
 @pytest.mark.parametrize("policy, threads", [("PASSIVE", 1), ("", 2)])
 def test_small_merges_run_on_one_thread_under_a_passive_openmp_policy(monkeypatch, policy,
                                                                        threads):
-    from lowrank_laplace.merge import StreamingMerge
+    from lowrank_laplace.fitting.streaming import StreamingMerge
 
     model, loader = _problem(n=40, out=4, batch_size=8)
     monkeypatch.setenv("OMP_WAIT_POLICY", policy)
@@ -180,7 +179,7 @@ def test_small_merges_run_on_one_thread_under_a_passive_openmp_policy(monkeypatc
 
 
 def test_cpu_threads_restores_the_setting_and_never_raises_it():
-    from lowrank_laplace._linalg import cpu_threads
+    from lowrank_laplace.utils.linalg import cpu_threads
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -21,13 +21,12 @@ def _problem():
 
 
 def _worker(rank, world, port, out, rank_kw, dense_max_dim, online):
-    LowRankGGNLaplace._dense_max_dim = dense_max_dim  # fresh process: its own class
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
         model, X, y = _problem()
         Xs, ys = X[rank::world], y[rank::world]
-        la = LowRankGGNLaplace(model, "classification", **rank_kw)
+        la = LowRankGGNLaplace(model, "classification", dense_max_dim=dense_max_dim, **rank_kw)
         if online:  # two updates: fit(first 6 of the shard), fit(the rest, override=False)
             la.fit(DataLoader(TensorDataset(Xs[:6], ys[:6]), batch_size=4))
             la.fit(DataLoader(TensorDataset(Xs[6:], ys[6:]), batch_size=4), override=False)
@@ -67,9 +66,8 @@ def test_two_processes_equal_single_process(tmp_path, monkeypatch, dense_max_dim
         kw = dict(rank=1000, residual="diagonal", solver="sketch")
     mp.spawn(_worker, args=(2, _free_port(), out, kw, dense_max_dim, online), nprocs=2,
              join=True)
-    monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", dense_max_dim)
     model, X, y = _problem()
-    single = LowRankGGNLaplace(model, "classification", **kw)
+    single = LowRankGGNLaplace(model, "classification", dense_max_dim=dense_max_dim, **kw)
     single.fit(DataLoader(TensorDataset(X, y), batch_size=4), process_group=None)
     U, lam = single.H
     H = U @ torch.diag(lam) @ U.T

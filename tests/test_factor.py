@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from lowrank_laplace import FactorEngine
-from lowrank_laplace._blocks import DenseBlock, KronBlock
+from lowrank_laplace.factor.blocks import DenseBlock, KronBlock
 from tests import reference as ref
 from tests.conftest import make_case
 
@@ -205,9 +205,9 @@ def test_product_with_khatri_rao_columns_equals_the_explicit_one(monkeypatch, ou
     """``B (p_k (x) q_k)`` of factored blocks and of explicit ones (with fewer rows than
     ``max(out, in)`` without forming the columns, with more by forming them) equals the
     explicit product; factors of the wrong sizes are refused."""
-    from lowrank_laplace import _blocks
+    from lowrank_laplace.factor import dense_block
 
-    monkeypatch.setattr(_blocks, "_KHATRI_RAO_CHUNK", chunk)
+    monkeypatch.setattr(dense_block, "_KHATRI_RAO_CHUNK", chunk)
     torch.manual_seed(0)
     kron = KronBlock(torch.randn(3, 4, out_dim, dtype=torch.float64),
                      torch.randn(4, in_dim, dtype=torch.float64))
@@ -315,7 +315,7 @@ def test_unsupported_module_with_children_and_params():
     ((1, 4), (1, 2), (0, 3), (1, 1)),
 ])
 def test_unfold_input_matches_torch(kernel, dilation, padding, stride):
-    from lowrank_laplace._extensions import unfold_input
+    from lowrank_laplace.engine.backpack.extensions import unfold_input
 
     x = torch.randn(3, 2, 9, 10, dtype=torch.float64)
     expected = torch.nn.functional.unfold(x, kernel, dilation, padding, stride)
@@ -354,7 +354,7 @@ def test_take_samples_is_the_factor_of_those_samples(arch, mc_samples):
 def test_activations_multiply_in_place_only_what_nothing_else_reads(monkeypatch, arch,
                                                                     in_place, shared):
     """A branch point saves one matrix for both inputs: that one is multiplied apart."""
-    import lowrank_laplace._extensions as extensions
+    import lowrank_laplace.engine.backpack.extensions as extensions
 
     calls = []
     exclusive = extensions._exclusive

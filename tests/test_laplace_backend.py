@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lowrank_laplace as ll
 from lowrank_laplace import LowRankGGNLaplace, LowRankGGNLLLaplace
+from lowrank_laplace.laplace_torch import options
 
 TOL = dict(rtol=1e-5, atol=1e-8)
 
@@ -21,7 +22,7 @@ def streaming(request, monkeypatch):
     """The toy models here are small enough for the dense path; test streaming unless
     a test is marked ``dense``."""
     if "dense" not in request.keywords:
-        monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", 0)
+        monkeypatch.setattr(options, "DEFAULT_DENSE_MAX_DIM", 0)
 
 
 def _mlp(out):
@@ -316,8 +317,8 @@ def test_low_memory_fit_truncated_against_dense_top_r():
 
 
 def test_recomputed_factor_only_projects_its_targets():
-    from lowrank_laplace._fitting import RecomputedFactor
     from lowrank_laplace.engine import FactorEngine
+    from lowrank_laplace.fitting.recompute import RecomputedFactor
 
     model, likelihood, X, y, _ = make_problem("mlp-classification")
     basis = torch.randn(sum(p.numel() for p in model.parameters()), 4, dtype=torch.float64)
@@ -404,7 +405,7 @@ def test_glm_predictive_in_float64_slices_equals_full_laplace(monkeypatch, chunk
     ``chunk=1``: one output unit (factored) or one parameter (dense) per slice;
     ``300``: several. A per-parameter prior precision takes the per-entry path.
     """
-    import lowrank_laplace.predictive as predictive
+    import lowrank_laplace.posterior.predictive as predictive
 
     ours, full, X = fit_pair("mlp-classification")
     monkeypatch.setattr(predictive, "_WIDE_CHUNK", chunk)
@@ -464,7 +465,7 @@ def _halves(X, y, cut=14, batch_size=5):
 def test_online_update_equals_full_laplace_online(name, dense, monkeypatch):
     """fit(A); move the parameters; fit(B, override=False) as laplace-torch's FullLaplace."""
     if dense:
-        monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", 2048)
+        monkeypatch.setattr(options, "DEFAULT_DENSE_MAX_DIM", 2048)
     model, likelihood, X, y, _ = make_problem(name)
     first, second = _halves(X, y)
     ours = Laplace(model, likelihood, subset_of_weights="all", hessian_structure="lowrank_ggn",
@@ -656,7 +657,7 @@ def test_diagonal_correction_vanishes_at_full_rank():
 @pytest.mark.dense
 @pytest.mark.parametrize("name", ["mlp-classification", "cnn-regression"])
 def test_dense_path_for_small_models(name):
-    """Up to _dense_max_dim parameters the GGN is summed densely: exact, also truncated."""
+    """Up to dense_max_dim parameters the GGN is summed densely: exact, also truncated."""
     model, likelihood, X, y, loader = make_problem(name)
     full = fit_reference(FullLaplace(model, likelihood), loader)
     la = LowRankGGNLaplace(model, likelihood, rank=1000, residual="diagonal")

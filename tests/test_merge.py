@@ -4,10 +4,11 @@ import pytest
 import torch
 from torch import nn
 
-from lowrank_laplace._extensions import reduced_cross_entropy_sqrt
-from lowrank_laplace._fitting import merge_size
 from lowrank_laplace.engine import FactorEngine
-from lowrank_laplace.merge import StreamingMerge, concat_factors
+from lowrank_laplace.engine.backpack.extensions import reduced_cross_entropy_sqrt
+from lowrank_laplace.fitting.cost import merge_size
+from lowrank_laplace.fitting.dense import DenseSum
+from lowrank_laplace.fitting.streaming import StreamingMerge, concat_factors
 
 from .conftest import make_case
 from .reference import ggn
@@ -162,10 +163,10 @@ def test_merge_size_cost_model():
 
 
 @pytest.mark.parametrize("arch", ["mlp", "cnn"])
-def test_dense_mode_is_the_exact_truncation(arch):
+def test_dense_sum_is_the_exact_truncation(arch):
     model, loss_func, X, y, factors = _factors(arch, batches=4, n=3)
     G = ggn(model, loss_func, X, y)
-    merge = StreamingMerge(rank=3, oversampling=1, track_diagonal=True, dense_max_dim=10**6)
+    merge = DenseSum(rank=3, oversampling=1, track_diagonal=True)
     for _i, f in enumerate(factors):
         merge.add_factor(f, scale=2.0)
     U, lam, trace, residual = merge.result()

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from lowrank_laplace import _blocks
-from lowrank_laplace._blocks import DenseBlock, KronBlock
-from lowrank_laplace._omega import Omega
+from lowrank_laplace.factor import dense_block
+from lowrank_laplace.factor.blocks import DenseBlock, KronBlock
+from lowrank_laplace.fitting.omega import Omega
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 # a wide and a tall weight (both contraction orders), a vector, a convolution, a bias
@@ -36,7 +36,7 @@ def test_slices_are_khatri_rao_where_matrix_shaped():
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 @pytest.mark.parametrize("chunk", [2**24, 7])
 def test_products_equal_the_formed_matrix(monkeypatch, layout, chunk):
-    monkeypatch.setattr(_blocks, "_KHATRI_RAO_CHUNK", chunk)  # 7: one column per chunk
+    monkeypatch.setattr(dense_block, "_KHATRI_RAO_CHUNK", chunk)  # 7: one column per chunk
     omega, dense = _omega_and_dense()
     torch.manual_seed(1)
     x = torch.randn(DIM, 4, dtype=torch.float64)

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lowrank_laplace import LowRankGGNLaplace
-from lowrank_laplace.residual import Residual, jacobian_exponent, power_law_tail
+from lowrank_laplace.posterior.residual import Residual, jacobian_exponent, power_law_tail
 from tests.test_laplace_backend import fit_reference, make_problem
 
 TOL = dict(rtol=1e-6, atol=1e-9)
@@ -56,7 +56,7 @@ def _fit(residual, prior_kind="scalar", name="mlp-classification", rank=6):
 def reference_exponent(la, full, X):
     """``beta``: slope of log Jacobian energy on log eigenvalue over the kept pairs."""
     U, lam = la.H
-    Js, _ = full.backend.jacobians(X[: la._probe_size])
+    Js, _ = full.backend.jacobians(X[: la.probe_size])
     energy = ((Js @ U) ** 2).sum((0, 1))
     x, y = lam.log().numpy(), energy.log().numpy()
     return min(max(float(np.polyfit(x, y, 1)[0]), 0.0), 1.0)
@@ -369,10 +369,9 @@ def test_gram_cache_recomputes_for_a_new_or_changed_basis():
 
 
 def test_exact_probe_gives_the_reference_exponent(monkeypatch):
-    """With ``_probe_columns=None`` the energies are exact (all output directions)."""
-    monkeypatch.setattr(LowRankGGNLaplace, "_probe_columns", None)
+    """With ``probe_columns=None`` the energies are exact (all output directions)."""
     model, likelihood, X, y, loader = make_problem("mlp-classification", n=40, batch_size=16)
-    la = LowRankGGNLaplace(model, likelihood, rank=6)
+    la = LowRankGGNLaplace(model, likelihood, rank=6, probe_columns=None)
     la.fit(loader)
     full = fit_reference(FullLaplace(model, likelihood), loader)
     assert la.jacobian_exponent == pytest.approx(reference_exponent(la, full, X), rel=1e-6,
@@ -381,7 +380,7 @@ def test_exact_probe_gives_the_reference_exponent(monkeypatch):
 
 def test_projected_energies_are_unbiased():
     from lowrank_laplace.engine import FactorEngine
-    from lowrank_laplace.predictive import jacobian_energies
+    from lowrank_laplace.posterior.predictive import jacobian_energies
 
     model, _, X, _, _ = make_problem("mlp-classification", n=30, batch_size=16)
     U = torch.linalg.qr(torch.randn(sum(p.numel() for p in model.parameters()), 5,
@@ -415,8 +414,7 @@ def test_probe_draws_are_private_and_reproducible(monkeypatch):
     second.fit(loader)
     # same draws (numerically: BLAS may round the same sums differently by the 1e-15)
     assert second.jacobian_exponent == pytest.approx(first.jacobian_exponent, rel=1e-9)
-    monkeypatch.setattr(LowRankGGNLaplace, "_probe_columns", None)
-    exact = LowRankGGNLaplace(model, "classification", rank=20)
+    exact = LowRankGGNLaplace(model, "classification", rank=20, probe_columns=None)
     exact.fit(loader)
     assert 0 < exact.jacobian_exponent < 1
     assert first.jacobian_exponent != exact.jacobian_exponent  # the random path ran

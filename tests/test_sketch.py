@@ -7,11 +7,15 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lowrank_laplace import LowRankGGNLaplace
-from lowrank_laplace import _fitting as fitting
-from lowrank_laplace._fitting import merge_plan, micro_batch_size, sketch_cost, streaming_cost
 from lowrank_laplace.engine import FactorEngine
-from lowrank_laplace.merge import StreamingMerge
-from lowrank_laplace.sketch import SketchMerge
+from lowrank_laplace.factor import GGNFactor
+from lowrank_laplace.fitting import plan
+from lowrank_laplace.fitting.budget import micro_batch_size
+from lowrank_laplace.fitting.cost import sketch_cost, streaming_cost
+from lowrank_laplace.fitting.plan import merge_plan
+from lowrank_laplace.fitting.sketch import SketchMerge
+from lowrank_laplace.fitting.streaming import StreamingMerge
+from lowrank_laplace.laplace_torch import options
 
 from .conftest import make_case
 from .reference import ggn
@@ -23,7 +27,7 @@ TOL = dict(rtol=1e-7, atol=1e-9)
 @pytest.fixture(autouse=True)
 def streaming(monkeypatch):
     """The toy models are small enough for the dense path, which the sketch keeps."""
-    monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", 0)
+    monkeypatch.setattr(options, "DEFAULT_DENSE_MAX_DIM", 0)
 
 
 def _factors(arch, batches, n=4, seed=0, dtype=torch.float64):
@@ -92,7 +96,7 @@ def test_truncated_equals_the_dense_nystrom_approximation(arch):
 def test_deferred_linear_layer_products_equal_immediate_ones(monkeypatch, limit):
     """Factored linear-layer blocks queued over several factors (and added when the
     queue is full or the sketch is read) give the sketch of adding each at once."""
-    from lowrank_laplace import sketch as sketch_module
+    from lowrank_laplace.fitting import sketch as sketch_module
 
     *_, factors = _factors("mlp", batches=7, n=3)
     scales = [1.0 + 0.5 * i for i in range(len(factors))]
@@ -300,7 +304,7 @@ def test_plan_and_cost_model(monkeypatch):
             size = min(micro, 16)  # whole passes, pending factors and their copy fit
             assert chunk % size == 0 and (chunk == size or 2 * chunk <= limit)
         # merges span passes only up to SKETCH_MERGE_BYTES of V
-        monkeypatch.setattr(fitting, "SKETCH_MERGE_BYTES", 1)
+        monkeypatch.setattr(plan, "SKETCH_MERGE_BYTES", 1)
         assert merge_plan(engine, X, 0, 16, 64, 10, None, None, solver="sketch") == \
             (merge_plan(engine, X, 0, 16, 64, 10, None, None)[0], 16)
     assert sketch_cost(9, 120, 10**5, 400, 1000) < streaming_cost(9, 120, 10**5, 400, 1000, 30)
@@ -332,10 +336,10 @@ def test_sketch_posterior_tracks_the_full_ggn_on_real_data():
 
 def test_small_models_stay_on_the_exact_dense_path(monkeypatch):
     """The dense sum (exact) takes precedence over the sketch where it applies."""
-    monkeypatch.setattr(LowRankGGNLaplace, "_dense_max_dim", 2048)
     model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
     full = fit_reference(FullLaplace(model, likelihood), loader)
-    la = LowRankGGNLaplace(model, likelihood, rank=6, solver="sketch", residual="none")
+    la = LowRankGGNLaplace(model, likelihood, rank=6, solver="sketch", residual="none",
+                           dense_max_dim=2048)
     la.fit(loader)
     assert la.fit_path == "dense"
     evals = torch.linalg.eigvalsh(full.H).flip(0)[:6]
@@ -362,7 +366,7 @@ def test_sketch_streams_whole_equal_passes(monkeypatch):
         raise AssertionError("a sketch pass was split")
 
     monkeypatch.setattr(FactorEngine, "compute", recording)
-    monkeypatch.setattr(fitting.GGNFactor, "take_samples", never)
+    monkeypatch.setattr(GGNFactor, "take_samples", never)
     many = LowRankGGNLaplace(model, likelihood, micro_batch_size=5, **kw)
     many.fit(loader)
     assert sizes == [4] * 4 * 3 + [4] * 3  # batches 16, 16, 16, 12 in passes of <= 5

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import lowrank_laplace as ll
-from lowrank_laplace import _checks
+from lowrank_laplace.utils import batches
 from tests import reference as ref
 from tests.conftest import make_case, one_pass_and_low_memory
 
@@ -220,12 +220,12 @@ def test_v_that_does_not_fit_is_refused_before_any_pass(name, monkeypatch):
     call = MEMORY_CALLS[name]
     case, full, lean = _memory_case()
     expected = call(*case)
-    monkeypatch.setattr(_checks, "available_memory", lambda device: (full + lean) // 2)
+    monkeypatch.setattr(batches, "available_memory", lambda device: (full + lean) // 2)
     with pytest.raises(MemoryError, match=rf"{name}: V for 6 samples needs about .* "
                                           r"low_memory=True \(about"):
         call(*case)
     torch.testing.assert_close(call(*case, low_memory=True), expected, rtol=1e-6, atol=1e-9)
-    monkeypatch.setattr(_checks, "available_memory", lambda device: lean // 2)
+    monkeypatch.setattr(batches, "available_memory", lambda device: lean // 2)
     with pytest.raises(MemoryError, match="largest block of V .* a smaller batch"):
         call(*case, low_memory=True)
 
@@ -233,8 +233,8 @@ def test_v_that_does_not_fit_is_refused_before_any_pass(name, monkeypatch):
 def test_ggn_eigvals_holds_only_the_largest_block(monkeypatch):
     case, full, lean = _memory_case()
     expected = ll.ggn_eigvals(*case)
-    monkeypatch.setattr(_checks, "available_memory", lambda device: (full + lean) // 2)
+    monkeypatch.setattr(batches, "available_memory", lambda device: (full + lean) // 2)
     torch.testing.assert_close(ll.ggn_eigvals(*case), expected)
-    monkeypatch.setattr(_checks, "available_memory", lambda device: lean // 2)
+    monkeypatch.setattr(batches, "available_memory", lambda device: lean // 2)
     with pytest.raises(MemoryError, match="ggn_eigvals"):
         ll.ggn_eigvals(*case)

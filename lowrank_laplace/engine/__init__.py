@@ -1,0 +1,21 @@
+"""Computes the GGN factor ``V`` of a mini-batch: the contract and one module per backend.
+
+:class:`~lowrank_laplace.engine.factor_engine.FactorEngine` picks the backend that
+fits the model; every backend subclasses
+:class:`~lowrank_laplace.engine.base.EngineBase` and hands the same blocks to the same
+consumers.
+"""
+
+from lowrank_laplace.engine.base import EngineBase
+from lowrank_laplace.engine.factor_engine import BACKENDS, FactorEngine, check_backend
+from lowrank_laplace.engine.rng import RNGReplay, rng_state, set_rng_state
+
+__all__ = [
+    "BACKENDS",
+    "EngineBase",
+    "FactorEngine",
+    "RNGReplay",
+    "check_backend",
+    "rng_state",
+    "set_rng_state",
+]

@@ -1,0 +1,341 @@
+r"""The BackPACK backend: ``V`` of a mini-batch in one backward pass.
+
+BackPACK's ``SqrtGGNExact`` / ``SqrtGGNMC`` extensions deliver ``V`` block by block
+for each parameter during one backward pass; an extension hook hands each block to
+the :class:`~lowrank_laplace.engine.base.Collector` right away, so blocks that are
+only needed for Gram quantities or projections are freed inside the backward pass,
+and ``nn.Linear`` weights stay factored. BackPACK needs every operation to be a
+module it knows, each called once, and each parameter owned by one module: models
+outside that class go to the torch.func backend (:mod:`~lowrank_laplace.engine.functorch`).
+This is the only module that imports BackPACK besides its extensions.
+
+Sub-sampling: with ``subsampling=S`` the curvature is that of the loss evaluated on
+the samples ``S`` only, with the loss's own reduction (``1/|S|`` for ``'mean'``),
+while gradients still use the whole batch.
+
+Shape glossary:
+    N: batch size; N_S: number of curvature samples (``len(subsampling)`` or N).
+    C: model outputs; M: columns of ``V`` (``C * N_S`` exact, ``mc_samples * N_S``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import MutableMapping
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from backpack import backpack, extend
+from backpack.context import CTX
+from backpack.utils.module_classification import is_no_op
+from torch import Tensor, nn
+
+from lowrank_laplace.engine.backpack.convert import convert
+from lowrank_laplace.engine.backpack.extensions import (
+    batch_grad_extension,
+    sqrt_ggn_extension,
+    supported_modules,
+)
+from lowrank_laplace.engine.base import Collector, EngineBase
+from lowrank_laplace.factor.blocks import Block, DenseBlock, KronBlock
+from lowrank_laplace.utils import checks
+
+_ADAPTIVE_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
+
+
+def check_model(model: nn.Module, supported: Sequence[type]) -> None:
+    """Check that BackPACK can backpropagate the GGN factor through every layer.
+
+    Args:
+        model: The network.
+        supported: Module classes with a BackPACK ``SqrtGGN`` extension.
+
+    Raises:
+        NotImplementedError: Naming the first unsupported layer or tied parameter.
+    """
+    tied = checks.shared_parameters(model)
+    if tied:
+        raise NotImplementedError(
+            f"Parameters {tied[0]} are one tied parameter used by several modules; "
+            "BackPACK would treat each use as a parameter of its own. The functorch "
+            "backend handles tied weights exactly (backend='auto' or 'functorch')."
+        )
+    for name, module in model.named_modules():
+        name = name or type(model).__name__
+        children = list(module.children())
+        if children:
+            own_params = list(module.parameters(recurse=False))
+            if own_params and not isinstance(module, tuple(supported)):
+                raise NotImplementedError(
+                    f"Module {name!r} ({type(module).__name__}) owns parameters but "
+                    "is not a layer BackPACK supports: use backend='functorch' (or "
+                    "'auto')."
+                )
+            continue
+        if isinstance(module, tuple(supported)) or is_no_op(module):
+            continue
+        raise NotImplementedError(
+            f"Layer {name!r} ({type(module).__name__}) is not supported by BackPACK's "
+            "GGN factor extension: use backend='functorch' (or 'auto'), replace it "
+            "with a supported layer, or compute the curvature of the layers after it "
+            "only (e.g. laplace-torch's subset_of_weights='last_layer')."
+        )
+
+
+def checked_forward(model: nn.Module, inputs: Tensor) -> Tensor:
+    """Forward pass that verifies every operation is a module BackPACK sees.
+
+    Args:
+        model: The (private copy of the) network.
+        inputs: Inputs.
+
+    Returns:
+        The model output.
+
+    Raises:
+        NotImplementedError: If a module receives a tensor that no earlier module
+            produced (a functional operation such as ``torch.relu`` or ``x.view``
+            sits in between), a module is called twice, or an adaptive average
+            pooling's output size does not divide its input size.
+    """
+    produced = {id(inputs)}
+    keep_alive = [inputs]
+    called = set()
+    problems = []
+    names = {m: n for n, m in model.named_modules()}
+
+    def hook(module, inp, out):
+        if module in called:
+            problems.append(f"module {names[module]!r} is called more than once")
+        called.add(module)
+        for t in inp:
+            if isinstance(t, Tensor) and id(t) not in produced and not problems:
+                problems.append(
+                    f"the input of {names[module]!r} ({type(module).__name__}) is not "
+                    "the output of another module"
+                )
+        if isinstance(module, _ADAPTIVE_POOLS) and not problems:
+            spatial = inp[0].shape[2:]  # (N, C, *spatial)
+            if any(i % o for i, o in zip(spatial, out.shape[2:])):
+                problems.append(
+                    f"{names[module]!r} ({type(module).__name__}) maps input size "
+                    f"{tuple(spatial)} to {tuple(out.shape[2:])}, which does not divide "
+                    "it (BackPACK needs equal pooling windows)"
+                )
+        outs = out if isinstance(out, tuple) else (out,)
+        for t in outs:
+            produced.add(id(t))
+            keep_alive.append(t)
+
+    leaves = [m for m in model.modules() if not list(m.children())]
+    handles = [m.register_forward_hook(hook) for m in leaves]
+    try:
+        outputs = model(inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    if id(outputs) not in produced and not problems:
+        problems.append("the model output is not the output of a module")
+    if problems:
+        raise NotImplementedError(
+            f"BackPACK cannot compute this model's GGN factor: {problems[0]}. The "
+            "functorch backend can (backend='auto' or 'functorch'); for BackPACK use "
+            "modules instead of functional operations (nn.ReLU, nn.Flatten, "
+            "backpack.custom_module.branching.Parallel/SumModule for residuals)."
+        )
+    return outputs
+
+
+class BackpackEngine(EngineBase):
+    """The BackPACK backend of :class:`~lowrank_laplace.engine.FactorEngine`.
+
+    BackPACK needs hooks on every module: they are installed on the private copy at
+    the first pass and removed by :meth:`close`.
+
+    Args:
+        model: The network; its output must have shape ``(N, C)``.
+        loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss`` with mean/sum reduction.
+        eval_mode: Evaluate in eval mode whatever the model's mode.
+    """
+
+    backend = "backpack"
+
+    def __init__(self, model: nn.Module, loss_func: nn.Module, eval_mode: bool = False):
+        super().__init__(model, loss_func, eval_mode)
+        self._handles = None  # BackPACK hooks, installed at the first pass
+
+    def _check_model(self, model: nn.Module, eval_mode: bool) -> None:
+        checks.check_batchnorm_mode(model, eval_mode)
+        check_model(model, supported_modules())
+
+    def probe(self, inputs: Any, targets: Optional[Tensor] = None) -> None:
+        """Check the forward pass on one sample, then install BackPACK's hooks.
+
+        The check draws no random numbers from the caller's generators (dropout in
+        train mode), so every pass sees the same draws whether or not it probes.
+
+        Args:
+            inputs: A batch of inputs.
+            targets: Unused (BackPACK's losses take every target the engine checks).
+
+        Raises:
+            NotImplementedError: If BackPACK cannot handle the forward pass.
+        """
+        if self._handles is not None:
+            return
+        if isinstance(inputs, MutableMapping):
+            raise NotImplementedError(
+                "BackPACK takes tensor inputs, not dict batches: the functorch backend "
+                "does (backend='auto' or 'functorch')."
+            )
+        self._sync()
+        devices = [inputs.device] if inputs.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            try:
+                checked_forward(self._copy, inputs[:1])
+            except NotImplementedError as err:
+                self._net = self._converted(inputs[:1], err)
+        num_handles = len(CTX.hook_handles)
+        for module in self._net.modules():  # containers are traced through, not hooked
+            # a user model extended elsewhere (e.g. by laplace-torch's BackPACK backend)
+            # carries the flag into the copy, whose hooks were dropped: extend anew
+            if hasattr(module, "_backpack_extend"):
+                del module._backpack_extend
+            if not list(module.children()):
+                extend(module)
+        extend(self._loss)
+        self._handles = CTX.hook_handles[num_handles:]
+
+    def _converted(self, sample: Tensor, problem: NotImplementedError) -> nn.Module:
+        """The model rewritten into BackPACK modules, checked on one sample.
+
+        Args:
+            sample: One input sample, ``(1, ...)``.
+            problem: Why the model itself does not work.
+
+        Returns:
+            The converted network (sharing the private copy's parameters).
+
+        Raises:
+            NotImplementedError: ``problem``, if the conversion fails or computes
+                another function.
+        """
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the converter warns about leftovers
+                net = convert(self._copy)
+            for module in net.modules():  # modules the converter added
+                module.training = False if self.eval_mode else self._copy.training
+            check_model(net, supported_modules())
+            same = torch.allclose(checked_forward(net, sample), self._copy(sample))
+        except Exception:  # noqa: BLE001 - the converter's own errors are not the point
+            same = False
+        if not same:
+            raise NotImplementedError(
+                f"{problem} (BackPACK's torch.fx converter could not rewrite it either)"
+            ) from problem
+        return net
+
+    def dense_param_count(self, largest: bool = False) -> int:
+        """Entries of ``V``'s rows that are stored explicitly, per column.
+
+        Trainable parameters count fully, except ``nn.Linear`` weights, which are
+        kept factored (``out + in`` numbers per column).
+
+        Args:
+            largest: Count only the largest single parameter's block (what a pass
+                that frees every block after its layer holds at once).
+
+        Returns:
+            The count.
+        """
+        sizes = [0]
+        for module in self.model.modules():
+            for name, p in module.named_parameters(recurse=False):
+                if p.requires_grad:
+                    factored = isinstance(module, nn.Linear) and name == "weight"
+                    sizes.append(sum(p.shape) if factored else p.numel())
+        return max(sizes) if largest else sum(sizes)
+
+    def _vector_entries(self, feature_sizes: List[int], one_block: bool) -> int:
+        # expanded blocks plus the backpropagated vectors at the widest layer output
+        return self.dense_param_count(largest=one_block) + 2 * max(feature_sizes)
+
+    def close(self) -> None:
+        """Remove every BackPACK hook the engine installed."""
+        handles = self._handles or []
+        for handle in handles:
+            handle.remove()
+        ids = {id(h) for h in handles}
+        CTX.hook_handles = [h for h in CTX.hook_handles if id(h) not in ids]
+        self._handles = []
+        super().close()
+
+    def _autograd(self, loss: Tensor, params: List[Tensor]):
+        with warnings.catch_warnings():  # BackPACK's hooks are installed but idle
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            return torch.autograd.grad(loss, params, allow_unused=True)
+
+    def _pass(self, inputs: Tensor, targets: Optional[Tensor], mc_samples: int,
+              subsampling: Optional[List[int]], collector: Collector
+              ) -> Tuple[Tensor, Tensor, Dict[int, Tensor]]:
+        self.probe(inputs)
+        n = inputs.shape[0]
+        n_curv = n if subsampling is None else len(subsampling)
+        mean = self.loss_func.reduction == "mean"
+        # BackPACK normalises by the full batch; rescale to the subset's own loss
+        rescale = math.sqrt(n / n_curv) if (mean and subsampling is not None) else 1.0
+        ext = sqrt_ggn_extension(mc_samples, subsampling)
+        exts = [ext, batch_grad_extension()] if collector.batch_grad else [ext]
+
+        def consume(module: nn.Module) -> None:
+            for param in module.parameters(recurse=False):
+                i = self._index.get(id(param))
+                if i is None or not param.requires_grad:
+                    continue
+                block = _as_block(getattr(param, ext.savefield), lead=2)
+                delattr(param, ext.savefield)
+                if rescale != 1.0:
+                    block.scale_(rescale)
+                grads = None
+                if collector.batch_grad:
+                    grads = _as_block(param.grad_batch, lead=1)
+                    del param.grad_batch
+                collector.add(i, block, grads)
+
+        with torch.enable_grad():
+            outputs, loss = self._forward_loss(inputs, targets)
+            # BackPACK builds helper layers (e.g. for AvgPool) in the default dtype
+            default_dtype = torch.get_default_dtype()
+            torch.set_default_dtype(outputs.dtype)
+            try:
+                with backpack(*exts, extension_hook=consume), warnings.catch_warnings():
+                    # inputs never require grad; BackPACK's hooks fire on outputs only
+                    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                    loss.backward()
+            finally:
+                torch.set_default_dtype(default_dtype)
+        grad = {}
+        for i in collector.group_of:
+            p = self._copy_params[i]
+            grad[i] = (p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+            p.grad = None
+        return outputs, loss, grad
+
+
+def _as_block(value, lead: int) -> Block:
+    """Wrap a BackPACK result as a block of rows.
+
+    Args:
+        value: A block, or a tensor of shape ``(*lead_dims, *param.shape)``
+            (``(vectors, samples, ...)`` for ``V``, ``(samples, ...)`` for
+            per-sample gradients).
+        lead: Number of leading dimensions that index rows.
+
+    Returns:
+        The block.
+    """
+    if isinstance(value, (DenseBlock, KronBlock)):
+        return value
+    return DenseBlock(value.detach().reshape(math.prod(value.shape[:lead]), -1))

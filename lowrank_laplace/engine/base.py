@@ -1,0 +1,463 @@
+r"""What every producer of the GGN factor ``V`` shares: the seam between backends.
+
+A backend (BackPACK in :mod:`~lowrank_laplace.engine.backpack.backend`, torch.func in
+:mod:`~lowrank_laplace.engine.functorch`) subclasses :class:`EngineBase` and implements
+one pass, :meth:`EngineBase._pass`, that hands every trainable parameter's block
+``V^{(i)T}`` (rows ordered ``(vector, sample)``) and, on request, its per-sample
+gradients to a :class:`Collector`. The collector feeds the consumers (Gram
+matrices, kept blocks, ``V y``, ``V^T x``, diagonals, cross terms with the
+per-sample gradients) and frees what is not kept, so the Gram, merge and predictive
+code never knows which backend ran.
+
+Every backend works on a private copy of the model (without the user's hooks), into
+which the user's parameter values, buffers and modes are copied before each pass.
+
+Shape glossary:
+    N: batch size; N_S: curvature samples; C: outputs; M: columns of ``V``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from lowrank_laplace.factor import GGNFactor, factor_columns
+from lowrank_laplace.factor.blocks import Block
+from lowrank_laplace.utils import batches, checks
+
+_HOOK_DICTS = (
+    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+    "_backward_pre_hooks", "_is_full_backward_hook",
+)
+
+
+def private_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of the model without the hooks registered on its modules.
+
+    The engine's internal passes must not run the user's forward or backward hooks
+    (they would fire once per pass and see internal inputs). Global hooks
+    (``torch.nn.modules.module.register_module_forward_hook``) still apply.
+
+    Args:
+        model: The user's network (unchanged).
+
+    Returns:
+        The copy.
+    """
+    clone = copy.deepcopy(model)
+    for module in clone.modules():
+        for name in _HOOK_DICTS:
+            hooks = getattr(module, name, None)
+            if isinstance(hooks, dict):
+                hooks.clear()
+            elif name == "_is_full_backward_hook" and hooks is not None:
+                module._is_full_backward_hook = None
+    return clone
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one pass collects besides the loss, the outputs and the gradient.
+
+    Attributes:
+        keep_blocks: Keep the blocks of ``V`` (needed for eigenvectors and later
+            products). ``False`` frees each block once it is consumed.
+        compute_grams: Accumulate each group's Gram matrix during the pass.
+        batch_grad: Also compute per-sample gradients.
+        cross_batch_grads: With ``batch_grad``: accumulate ``V^T [g_1, ..., g_N]`` per
+            group block by block (``factor.t_batch_grads``) instead of keeping the
+            per-sample gradients.
+        compute_diag: Accumulate the GGN diagonal per parameter block by block
+            (``factor.diagonals``).
+        project: One matrix ``y`` (``(M, K)``) or ``None`` per group: ``V y`` is
+            formed block by block (``factor.projected``).
+        t_project: One matrix ``x`` (``(D_g, K)``, flat over the group's parameters),
+            a list of such matrices, or ``None`` per group: ``V^T x`` is accumulated
+            block by block (``factor.t_projected``, a list where a list was given).
+        project_into: One pair ``(out, y)`` (``(D_g, K)``, ``(M, K)``) or ``None`` per
+            group: ``out += V y`` in place, block by block.
+
+    Raises:
+        ValueError: If nothing is requested that a pass could return, or
+            ``cross_batch_grads`` without ``batch_grad``.
+    """
+
+    keep_blocks: bool = True
+    compute_grams: bool = False
+    batch_grad: bool = False
+    cross_batch_grads: bool = False
+    compute_diag: bool = False
+    project: Optional[Sequence[Optional[Tensor]]] = None
+    t_project: Optional[Sequence[Any]] = None
+    project_into: Optional[Sequence[Optional[Tuple[Tensor, Tensor]]]] = None
+
+    def __post_init__(self):
+        if not (self.keep_blocks or self.compute_grams or self.project is not None
+                or self.t_project is not None or self.project_into is not None):
+            raise ValueError("Request keep_blocks, compute_grams and/or project.")
+        if self.cross_batch_grads and not self.batch_grad:
+            raise ValueError("cross_batch_grads needs batch_grad=True.")
+
+    def check_groups(self, num_groups: int) -> None:
+        """Refuse per-group arguments of another length.
+
+        Args:
+            num_groups: The number of parameter groups.
+
+        Raises:
+            ValueError: For a per-group argument without one entry per group.
+        """
+        for name in ("project", "t_project", "project_into"):
+            value = getattr(self, name)
+            if value is not None and len(value) != num_groups:
+                raise ValueError(f"{name} needs one entry per group ({num_groups}), "
+                                 f"got {len(value)}.")
+
+
+class Collector:
+    """Hands each parameter's block of ``V`` to the consumers a request asks for.
+
+    Args:
+        groups: Parameter indices per group.
+        request: What the pass collects.
+        sizes: Entries of every parameter (indexed like the model's parameters).
+    """
+
+    def __init__(self, groups: List[List[int]], request: Request, sizes: List[int]):
+        self.groups, self.request = groups, request
+        self.group_of = {i: g for g, members in enumerate(groups) for i in members}
+        self.batch_grad = request.batch_grad
+        # the per-group products split per parameter: V^T x parts, (out part, y)
+        self.t_parts: Dict[int, List[Tensor]] = {}
+        self.t_listed: Dict[int, bool] = {}
+        self.into: Dict[int, Tuple[Tensor, Tensor]] = {}
+        for g, members in enumerate(groups):
+            split = [sizes[i] for i in members]
+            if request.t_project is not None and request.t_project[g] is not None:
+                mats = request.t_project[g]
+                self.t_listed[g] = not isinstance(mats, Tensor)
+                parts = [m.split(split) for m in (mats if self.t_listed[g] else [mats])]
+                for j, i in enumerate(members):
+                    self.t_parts[i] = [p[j] for p in parts]
+            if request.project_into is not None and request.project_into[g] is not None:
+                out, y = request.project_into[g]
+                self.into.update((i, (part, y)) for i, part in zip(members, out.split(split)))
+        self.grams: List[Optional[Tensor]] = [None] * len(groups)
+        self.kept: Dict[int, Block] = {}
+        self.batch_grads: Dict[int, Block] = {}
+        self.projected: Dict[int, Tensor] = {}
+        self.t_projected: Dict[int, List[Tensor]] = {}
+        self.t_batch: Dict[int, Tensor] = {}
+        self.diagonals: Dict[int, Tensor] = {}
+        self.done: set = set()
+
+    def add(self, i: int, block: Block, grads: Optional[Block] = None) -> None:
+        """Consume the block of parameter ``i`` (and its per-sample gradients).
+
+        Args:
+            i: Parameter index.
+            block: Its rows of ``V^T``, ``(M, d)``.
+            grads: Its per-sample gradients, ``(N, d)`` (with ``batch_grad``).
+        """
+        g, request = self.group_of[i], self.request
+        self.done.add(i)
+        if request.compute_grams:
+            gram = block.gram()
+            self.grams[g] = gram if self.grams[g] is None else self.grams[g] + gram
+        if request.keep_blocks:
+            self.kept[i] = block
+        if request.project is not None and request.project[g] is not None:
+            self.projected[i] = block.matmul(request.project[g])
+        if request.compute_diag:
+            self.diagonals[i] = block.diag_outer()
+        if i in self.into:
+            block.matmul_add_(*self.into[i])
+        if i in self.t_parts:
+            parts = [block.t_matmul(x) for x in self.t_parts[i]]
+            acc = self.t_projected.get(g)
+            self.t_projected[g] = parts if acc is None else [a + b for a, b in zip(acc, parts)]
+        if request.batch_grad:
+            if request.cross_batch_grads:
+                part = block.cross(grads)
+                self.t_batch[g] = part if g not in self.t_batch else self.t_batch[g] + part
+            else:
+                self.batch_grads[i] = grads
+
+    def missing(self) -> List[int]:
+        """Parameter indices of the groups that received no block."""
+        return [i for i in self.group_of if i not in self.done]
+
+    def t_projections(self) -> Dict[int, Any]:
+        """``V^T x`` per group: a matrix, or a list where a list was requested."""
+        return {g: v if self.t_listed[g] else v[0] for g, v in self.t_projected.items()}
+
+
+class EngineBase:
+    """Computes :class:`GGNFactor` objects for a model without touching it.
+
+    Args:
+        model: The network; its output must have shape ``(N, C)``.
+        loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss`` with mean/sum reduction.
+        eval_mode: Evaluate the private copy in eval mode whatever the model's mode
+            (as laplace-torch does when fitting); ``False`` mirrors the model's mode.
+    """
+
+    #: The backend's name, as in ``backend=...``.
+    backend = ""
+    #: Whether a pass draws its random numbers (dropout masks, MC samples) once for
+    #: ``V`` and the per-sample gradients together, so that ``V^T g`` of the batch
+    #: gradient comes from a Gram pass with ``batch_grad`` at no extra pass; else a
+    #: separate gradient pass and a replay of its draws give it.
+    gradient_in_factor_pass = False
+
+    def __init__(self, model: nn.Module, loss_func: nn.Module, eval_mode: bool = False):
+        checks.check_loss_func(loss_func)
+        self._check_model(model, eval_mode)
+        self.eval_mode = eval_mode
+        self.model = model
+        self.loss_func = loss_func
+        self._copy = private_copy(model)
+        self._net = self._copy  # what the passes call (a backend may rewrite it)
+        self._loss = copy.deepcopy(loss_func)
+        self.num_outputs: Optional[int] = None  # model outputs, known after a forward pass
+        self._closed = False
+        self._copy_params = list(self._copy.parameters())
+        self._index = {id(p): i for i, p in enumerate(self._copy_params)}
+
+    # ------------------------------------------------------------ backend hooks
+    def _check_model(self, model: nn.Module, eval_mode: bool) -> None:
+        """Refuse a model the backend cannot handle (before any pass)."""
+        raise NotImplementedError
+
+    def _pass(self, inputs, targets, mc_samples: int, subsampling: Optional[List[int]],
+              collector: Collector) -> Tuple[Tensor, Tensor, Dict[int, Tensor]]:
+        """One pass: blocks to ``collector``; returns ``(outputs, loss, grad per index)``."""
+        raise NotImplementedError
+
+    def _vector_entries(self, feature_sizes: List[int], one_block: bool) -> int:
+        """Entries per vector per sample that a pass holds (blocks and features)."""
+        raise NotImplementedError
+
+    def probe(self, inputs: Any, targets: Optional[Tensor] = None) -> None:
+        """Check on one sample, before any pass, that this backend takes the model.
+
+        Draws nothing from the caller's random number generators.
+
+        Args:
+            inputs: A batch of inputs.
+            targets: Its targets (or ``None``).
+
+        Raises:
+            NotImplementedError: If the backend cannot handle the forward pass,
+                naming the module and the way out.
+        """
+
+    # ------------------------------------------------------------------ shared
+    def _sync(self, groups: Optional[List[List[int]]] = None) -> None:
+        """Copy the user's parameter values, buffers and modes into the private copy.
+
+        Args:
+            groups: The active groups (their parameters require grad); ``None``
+                mirrors the model's ``requires_grad`` flags.
+        """
+        if groups is None:
+            active = {i for i, p in enumerate(self.model.parameters()) if p.requires_grad}
+        else:
+            active = {i for g in groups for i in g}
+        with torch.no_grad():
+            for i, (src, dst) in enumerate(zip(self.model.parameters(), self._copy_params)):
+                dst.copy_(src)
+                dst.requires_grad_(i in active)
+                dst.grad = None
+            for src, dst in zip(self.model.buffers(), self._copy.buffers()):
+                dst.copy_(src)
+        for src, dst in zip(self.model.modules(), self._copy.modules()):
+            dst.training = False if self.eval_mode else src.training
+
+    def sizing_forward(self, inputs: Any) -> Tuple[Tensor, List[int]]:
+        """Forward pass on one sample: the output and every leaf module's output size.
+
+        Runs in the mode the passes use and draws nothing from the caller's random
+        number generators.
+
+        Args:
+            inputs: A batch of inputs (only the first sample is used).
+
+        Returns:
+            ``(outputs (1, C), output sizes of the leaf modules)``.
+        """
+        sizes = [0]
+
+        def hook(module, inp, out):
+            if isinstance(out, Tensor):
+                sizes.append(out[0].numel() if out.ndim else 1)
+
+        self._sync()
+        leaves = [m for m in self._copy.modules() if not list(m.children())]
+        handles = [m.register_forward_hook(hook) for m in leaves]
+        device = batches.batch_device(inputs)
+        devices = [device] if device.type == "cuda" else []
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                outputs = self._copy(batches.take(inputs, slice(0, 1)))
+        finally:
+            for h in handles:
+                h.remove()
+        if isinstance(outputs, Tensor) and outputs.ndim == 2:
+            self.num_outputs = outputs.shape[-1]
+        return outputs, sizes
+
+    def dense_param_count(self, largest: bool = False) -> int:
+        """Entries of ``V``'s rows that are stored explicitly, per column.
+
+        Args:
+            largest: Count only the largest single parameter's block.
+
+        Returns:
+            The count.
+        """
+        sizes = [0] + [p.numel() for p in self.model.parameters() if p.requires_grad]
+        return max(sizes) if largest else sum(sizes)
+
+    def bytes_per_sample(self, inputs: Any, num_vectors: Optional[int] = None,
+                         one_block: bool = False) -> int:
+        """Estimate the memory one sample adds to a computation of ``V``.
+
+        Args:
+            inputs: A batch of inputs (only the first sample is used).
+            num_vectors: Vectors per sample (``mc_samples`` for MC); ``None`` uses
+                the exact GGN's (``C``, or ``C - 1`` for cross-entropy).
+            one_block: Count only the largest block (passes that keep no blocks).
+
+        Returns:
+            Estimated bytes per sample.
+        """
+        outputs, feature_sizes = self.sizing_forward(inputs)
+        checks.check_outputs(outputs)
+        if num_vectors is None:
+            num_vectors = factor_columns(self.loss_func, outputs.shape, 0)
+        itemsize = outputs.element_size()
+        return itemsize * num_vectors * self._vector_entries(feature_sizes, one_block)
+
+    def close(self) -> None:
+        """Release what the backend installed; the engine cannot compute afterwards."""
+        self._closed = True
+
+    def __enter__(self) -> "EngineBase":
+        return self
+
+    def __exit__(self, *args) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("The engine is closed: create a new FactorEngine.")
+
+    def _forward_loss(self, inputs: Any, targets: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        """Forward pass of the private copy and its checked, finite loss.
+
+        ``targets=None`` (MSE only) uses zeros: the GGN of MSELoss does not depend on
+        the targets.
+        """
+        outputs = self._net(inputs)
+        checks.check_outputs(outputs)
+        if targets is None:
+            targets = torch.zeros_like(outputs.detach())
+        checks.check_targets(self.loss_func, outputs, targets)
+        loss = self._loss(outputs, targets)
+        checks.check_finite(loss)
+        return outputs, loss
+
+    def gradient(self, inputs: Any, targets: Optional[Tensor],
+                 param_groups: Optional[List[dict]] = None) -> List[Tensor]:
+        """The mini-batch gradient per group from a plain backward pass.
+
+        Args:
+            inputs: Inputs, shape ``(N, ...)`` (or a dict batch).
+            targets: Targets (``None`` for ``MSELoss`` uses zeros).
+            param_groups: Optimizer-style groups; ``None`` is one group.
+
+        Returns:
+            One flat gradient per group, shape ``(D_g,)``.
+        """
+        self._check_open()
+        checks.check_batch(inputs, targets)
+        groups = checks.resolve_param_groups(self.model, param_groups)
+        self._sync(groups)
+        with torch.enable_grad():
+            _, loss = self._forward_loss(inputs, targets)
+            params = [self._copy_params[i] for g in groups for i in g]
+            grads = self._autograd(loss, params)
+        flat = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        sizes = [sum(self._copy_params[i].numel() for i in g) for g in groups]
+        return list(torch.cat([g.flatten() for g in flat]).split(sizes))
+
+    def _autograd(self, loss: Tensor, params: List[Tensor]):
+        return torch.autograd.grad(loss, params, allow_unused=True)
+
+    def compute(self, inputs: Any, targets: Optional[Tensor], mc_samples: int = 0,
+                subsampling: Optional[Sequence[int]] = None,
+                param_groups: Optional[List[dict]] = None,
+                request: Optional[Request] = None, **flags: Any) -> GGNFactor:
+        """Run one pass and collect ``V`` (and gradients).
+
+        Args:
+            inputs: Inputs, shape ``(N, ...)``, or a dict batch passed whole to the
+                model (its tensors with ``N`` rows are split per sample).
+            targets: Targets, shape ``(N,)`` (class indices) or ``(N, C)``; ``None``
+                for ``MSELoss`` uses zeros (the GGN of MSE does not depend on them).
+            mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte-Carlo.
+            subsampling: Indices of the samples used for the curvature.
+            param_groups: Optimizer-style groups of the model's parameters;
+                ``None`` is one group of all trainable parameters.
+            request: What the pass collects (:class:`Request`; default: the blocks).
+            **flags: The fields of a :class:`Request` instead (``keep_blocks=False,
+                compute_grams=True``, ...).
+
+        Returns:
+            The factor.
+
+        Raises:
+            RuntimeError: If the engine was closed, or a parameter got no block.
+            ValueError: For an empty request, per-group arguments of another length,
+                or ``targets`` ``None`` for a loss other than MSE.
+        """
+        self._check_open()
+        request = Request(**flags) if request is None else request
+        if targets is None and not isinstance(self.loss_func, nn.MSELoss):
+            raise ValueError("targets=None is only allowed for MSELoss.")
+        n = checks.check_batch(inputs, targets)
+        mc_samples = checks.check_mc_samples(mc_samples)
+        subsampling = checks.check_subsampling(subsampling, n)
+        groups = checks.resolve_param_groups(self.model, param_groups)
+        request.check_groups(len(groups))
+        collector = Collector(groups, request, [p.numel() for p in self._copy_params])
+        self._sync(groups)
+        outputs, loss, grad = self._pass(inputs, targets, mc_samples, subsampling, collector)
+        missing = collector.missing()
+        if missing:
+            names = [name for name, p in self._copy.named_parameters()
+                     if self._index[id(p)] in missing]
+            raise RuntimeError(
+                f"The {self.backend} backend produced no GGN factor for parameters "
+                f"{names}: they do not influence the loss through layers it supports."
+            )
+        n_curv = n if subsampling is None else len(subsampling)
+        self.num_outputs = outputs.shape[-1]
+        return GGNFactor(
+            groups=groups, shapes=[p.shape for p in self._copy_params],
+            num_vectors=factor_columns(self.loss_func, outputs.shape, mc_samples),
+            num_curv_samples=n_curv,
+            sample_scale=float(n_curv) if self.loss_func.reduction == "mean" else 1.0,
+            num_samples=n, reduction=self.loss_func.reduction, loss=loss.detach(),
+            outputs=outputs.detach(), blocks=collector.kept,
+            grams=collector.grams if request.compute_grams else [], grad=grad,
+            batch_grads=collector.batch_grads, projected=collector.projected,
+            t_projected=collector.t_projections(), t_batch_grads=collector.t_batch,
+            diagonals=collector.diagonals, backend=self.backend,
+        )

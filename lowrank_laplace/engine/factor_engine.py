@@ -1,0 +1,287 @@
+r"""Computes the GGN factor ``V`` of a mini-batch with the backend that fits the model.
+
+Two backends produce the same per-parameter blocks of ``V`` for the same consumers
+(:mod:`~lowrank_laplace.engine.base`):
+
+* ``'backpack'`` (:mod:`~lowrank_laplace.engine.backpack.backend`): one BackPACK backward
+  pass, blocks freed layer by layer, linear weights kept factored. It takes models
+  built from modules BackPACK knows, each called once, without tied parameters.
+* ``'functorch'`` (:mod:`~lowrank_laplace.engine.functorch`): vmapped vector-Jacobian
+  products of the loss-Hessian factor's columns; any model torch.func
+  differentiates (LayerNorm, attention, embeddings, LSTM, tied weights, functional
+  operations, dict inputs).
+
+``backend='auto'`` (the default) picks BackPACK when it supports the model (checked
+statically, then on the first sample) and torch.func otherwise; the engine's
+:attr:`FactorEngine.backend` and every factor's ``backend`` say which one ran.
+
+Shape glossary:
+    N: batch size; N_S: number of curvature samples (``len(subsampling)`` or N).
+    C: model outputs; M: columns of ``V`` (``C * N_S`` exact, ``mc_samples * N_S``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Tuple, Type
+
+from torch import Tensor, nn
+
+from lowrank_laplace.engine.backpack.backend import BackpackEngine
+from lowrank_laplace.engine.base import EngineBase
+from lowrank_laplace.engine.functorch import FuncEngine
+from lowrank_laplace.engine.rng import RNGReplay
+from lowrank_laplace.factor import GGNFactor
+from lowrank_laplace.utils import batches, checks
+
+#: Values of the ``backend`` argument.
+BACKENDS = ("auto", "backpack", "functorch")
+#: The backends each value tries, in order: ``'auto'`` takes the first that accepts
+#: the model (checked statically, then on the first sample).
+CANDIDATES = {
+    "auto": (BackpackEngine, FuncEngine),
+    "backpack": (BackpackEngine,),
+    "functorch": (FuncEngine,),
+}
+
+
+def check_backend(backend: str) -> str:
+    """Validate a ``backend`` argument.
+
+    Args:
+        backend: ``'auto'``, ``'backpack'`` or ``'functorch'``.
+
+    Returns:
+        The name.
+
+    Raises:
+        ValueError: For another value.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+    return backend
+
+
+class FactorEngine:
+    """Computes :class:`GGNFactor` objects for a model without touching it.
+
+    The engine works on a private copy of the model (without the user's hooks) and
+    copies the user's current parameter values, buffers and modes into it before
+    every computation; the user's model keeps its parameters, mode,
+    ``requires_grad`` flags and hooks, and gets no new ones.
+
+    Args:
+        model: The network; its output must have shape ``(N, C)``.
+        loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss`` with mean/sum reduction.
+        eval_mode: Evaluate the private copy in eval mode whatever the model's mode
+            (as laplace-torch does when fitting); ``False`` mirrors the model's mode.
+        backend: ``'auto'``, ``'backpack'`` or ``'functorch'`` (see the module
+            docstring).
+
+    Attributes:
+        backpack_problem: Why ``'auto'`` did not choose BackPACK (``None`` if it did
+            or was not asked).
+    """
+
+    def __init__(self, model: nn.Module, loss_func: nn.Module, eval_mode: bool = False,
+                 backend: str = "auto"):
+        self.requested_backend = check_backend(backend)
+        checks.check_loss_func(loss_func)
+        self.model, self.loss_func, self.eval_mode = model, loss_func, eval_mode
+        self.backpack_problem: Optional[str] = None
+        self._closed = False
+        if backend == "auto":
+            checks.check_batchnorm_mode(model, eval_mode)
+        #: The backends still to try, in order of preference.
+        self._candidates: List[Type[EngineBase]] = list(CANDIDATES[backend])
+        self._impl: EngineBase = self._next_backend(None)
+        self._confirmed = len(self._candidates) == 0
+
+    def _next_backend(self, reason: Optional[Exception]) -> EngineBase:
+        """The next candidate that accepts the model (the last one must)."""
+        if reason is not None:
+            self._impl.close()
+            self.backpack_problem = str(reason)
+        while True:
+            cls = self._candidates.pop(0)
+            try:
+                return cls(self.model, self.loss_func, self.eval_mode)
+            except NotImplementedError as err:
+                if not self._candidates:
+                    raise
+                self.backpack_problem = str(err)
+
+    @property
+    def backend(self) -> str:
+        """The backend in use: ``'backpack'`` or ``'functorch'``.
+
+        With ``'auto'``, BackPACK is confirmed on the first batch; before that the
+        name is the one chosen from the model alone.
+        """
+        return self._impl.backend
+
+    @property
+    def gradient_in_factor_pass(self) -> bool:
+        """See :attr:`EngineBase.gradient_in_factor_pass` (of the backend in use)."""
+        return self._impl.gradient_in_factor_pass
+
+    def _engine(self, inputs: Any, targets: Any = None) -> EngineBase:
+        """The backend for these inputs (``'auto'`` probes each candidate on the first)."""
+        if self._closed:
+            raise RuntimeError("The engine is closed: create a new FactorEngine.")
+        checks.check_batch(inputs, targets)
+        while not self._confirmed:
+            try:
+                self._impl.probe(inputs, targets)
+                self._confirmed = True
+            except NotImplementedError as err:
+                self._impl = self._next_backend(err)
+                self._confirmed = not self._candidates
+        return self._impl
+
+    @property
+    def num_outputs(self) -> Optional[int]:
+        """Model outputs ``C``, known after a forward pass."""
+        return self._impl.num_outputs
+
+    def dense_param_count(self, largest: bool = False) -> int:
+        """Entries of ``V``'s rows stored explicitly per column (see the backends).
+
+        Args:
+            largest: Count only the largest single parameter's block.
+
+        Returns:
+            The count.
+        """
+        return self._impl.dense_param_count(largest)
+
+    def bytes_per_sample(self, inputs: Any, num_vectors: Optional[int] = None,
+                         one_block: bool = False) -> int:
+        """Estimate the memory one sample adds to a computation of ``V``.
+
+        Args:
+            inputs: A batch of inputs (only the first sample is used).
+            num_vectors: Vectors per sample (``mc_samples`` for MC); ``None`` uses
+                the exact GGN's (``C``, or ``C - 1`` for cross-entropy).
+            one_block: Count only the largest block (passes that keep no blocks).
+
+        Returns:
+            Estimated bytes per sample.
+        """
+        return self._engine(inputs).bytes_per_sample(inputs, num_vectors, one_block)
+
+    def check_memory(self, inputs: Any, subsampling: Optional[List[int]], mc_samples: int,
+                     low_memory: bool, caller: str) -> None:
+        """Refuse, before any backward pass, a ``V`` the device cannot hold.
+
+        The estimate (:meth:`bytes_per_sample` times the curvature samples) counts
+        all of ``V``, or with ``low_memory`` the largest block a pass holds, and is
+        compared with what the device can still allocate.
+
+        Args:
+            inputs: The batch.
+            subsampling: Curvature samples (``None``: all).
+            mc_samples: ``0`` (exact) or Monte-Carlo samples per data point.
+            low_memory: Whether the passes hold one block of ``V`` at a time.
+            caller: The function's name, for the message.
+
+        Raises:
+            MemoryError: If the estimate exceeds the available memory, naming the
+                ways out.
+        """
+        n = checks.check_batch(inputs, None)
+        n = len(subsampling) if subsampling is not None else n
+        need = n * self.bytes_per_sample(inputs, mc_samples or None, one_block=low_memory)
+        device = batches.batch_device(inputs)
+        free = batches.available_memory(device)
+        if need <= free:
+            return
+        gib = 2**30
+        if low_memory:
+            ways = "a smaller batch, subsampling=..."
+        else:
+            lean = n * self.bytes_per_sample(inputs, mc_samples or None, one_block=True)
+            ways = (f"low_memory=True (about {lean / gib:.1f} GiB: one block of V at a "
+                    "time, a second backward pass), a smaller batch, subsampling=...")
+        ways += ", mc_samples=1" if not mc_samples else ", fewer mc_samples"
+        raise MemoryError(
+            f"{caller}: {'the largest block of ' if low_memory else ''}V for {n} samples "
+            f"needs about {need / gib:.1f} GiB, but {device.type} has {free / gib:.1f} GiB "
+            f"available. Ways out: {ways}."
+        )
+
+    def gradient(self, inputs: Any, targets: Any,
+                 param_groups: Optional[List[dict]] = None) -> list:
+        """The mini-batch gradient per group (see :meth:`EngineBase.gradient`).
+
+        Args:
+            inputs: Inputs (tensor or dict batch).
+            targets: Targets (``None`` for ``MSELoss`` uses zeros).
+            param_groups: Optimizer-style groups; ``None`` is one group.
+
+        Returns:
+            One flat gradient per group, shape ``(D_g,)``.
+        """
+        return self._engine(inputs, targets).gradient(inputs, targets, param_groups)
+
+    def compute(self, inputs: Any, targets: Any, *args: Any, **kwargs: Any) -> GGNFactor:
+        """One pass collecting ``V`` (see :meth:`EngineBase.compute` for the options).
+
+        Args:
+            inputs: Inputs, shape ``(N, ...)``, or a dict batch passed whole to the
+                model.
+            targets: Targets (``None`` for ``MSELoss`` uses zeros).
+            *args: Positional options of :meth:`EngineBase.compute`.
+            **kwargs: Keyword options of :meth:`EngineBase.compute`.
+
+        Returns:
+            The factor.
+        """
+        return self._engine(inputs, targets).compute(inputs, targets, *args, **kwargs)
+
+    def gram_and_projection(self, inputs: Any, targets: Any, mc_samples: int,
+                            subsampling: Optional[List[int]],
+                            param_groups: Optional[List[dict]],
+                            coefficients: Callable[[GGNFactor], List[Tensor]],
+                            replay: Optional[RNGReplay] = None, **first: Any
+                            ) -> Tuple[GGNFactor, GGNFactor]:
+        """Two passes that never hold all of ``V``: Gram matrices, then ``V y``.
+
+        The first pass accumulates each group's Gram matrix (and what ``first``
+        requests, e.g. ``t_project``) block by block; ``coefficients`` turns its
+        factor into one ``y`` per group; the second pass forms ``V y`` block by block
+        with the first pass's random draws (MC samples, dropout masks) replayed.
+
+        Args:
+            inputs: Inputs (tensor or dict batch).
+            targets: Targets.
+            mc_samples: ``0`` (exact) or Monte-Carlo samples.
+            subsampling: Curvature sample indices or ``None``.
+            param_groups: Optimizer-style groups; ``None`` is one group.
+            coefficients: Maps the first pass's factor to ``y`` per group, ``(M, K)``.
+            replay: The draws to replay (default: those of the first pass, from now).
+            **first: More :class:`~lowrank_laplace.engine.base.Request` fields of the
+                first pass.
+
+        Returns:
+            ``(first, second)``: the Gram pass's factor and the one holding
+            ``projected``.
+        """
+        replay = RNGReplay(batches.batch_device(inputs)) if replay is None else replay
+        args = (inputs, targets, mc_samples, subsampling, param_groups)
+        grams = self.compute(*args, keep_blocks=False, compute_grams=True, **first)
+        replay.mark()
+        ys = coefficients(grams)
+        with replay:
+            projected = self.compute(*args, keep_blocks=False, project=ys)
+        return grams, projected
+
+    def close(self) -> None:
+        """Remove everything the backend installed (BackPACK's hooks)."""
+        self._impl.close()
+        self._closed = True
+
+    def __enter__(self) -> "FactorEngine":
+        return self
+
+    def __exit__(self, *args) -> None:
+        self.close()

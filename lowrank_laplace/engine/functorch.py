@@ -1,0 +1,471 @@
+r"""The torch.func backend: ``V`` from vmapped vector-Jacobian products.
+
+For every sample ``n`` the per-sample loss-Hessian factor ``S_n`` (``C x V``, the
+same as BackPACK's: ``C - 1`` columns for exact cross-entropy, ``sqrt(2/C) I`` or
+``sqrt 2 I`` for MSE, ``M`` sampled columns for Monte-Carlo) is pulled back through
+the network by one vector-Jacobian product per column,
+``v_{nc} = sqrt(rho) J_n^T s_{nc}``, vmapped over the columns and over the samples
+of a chunk; one more cotangent, the gradient of the sample's loss, gives the
+per-sample gradients from the same pass. Each trainable parameter tensor gets one
+:class:`~lowrank_laplace.factor.blocks.DenseBlock` (rows ordered ``(vector, sample)`` as
+in the BackPACK backend), handed to the same consumers. The weight of an
+``nn.Linear`` called once on vector inputs stays factored as a
+:class:`~lowrank_laplace.factor.blocks.KronBlock`: a zero shift added to the layer's output
+is differentiated instead of the weight, giving the output vectors ``s``, and the
+layer's inputs ``z`` come back from the same pass (checked on the first sample against
+the expanded rows, which also catches a weight reused outside its layer).
+
+``torch.func.functional_call`` over the model's deduplicated named parameters makes
+tied weights exact (the block of a shared parameter sums its uses), and any module
+torch.func differentiates works: LayerNorm, GELU, attention with masks,
+embeddings, LSTM, user modules, functional operations, dict inputs. Unlike BackPACK,
+this backend holds a micro-batch's whole ``V`` (expanded except for factored linear
+weights), so its ``memory_budget`` buys fewer samples per pass.
+
+Shape glossary:
+    N: batch size; N_S: curvature samples; N_c: samples of a chunk.
+    C: outputs; V: vectors per sample; d: entries of one parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import MutableMapping
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vjp, vmap
+from torch.utils._pytree import tree_map
+
+from lowrank_laplace.engine.base import Collector, EngineBase
+from lowrank_laplace.engine.rng import rng_state, set_rng_state
+from lowrank_laplace.factor import factor_columns, reduced_cross_entropy_sqrt
+from lowrank_laplace.factor.blocks import DenseBlock, KronBlock
+from lowrank_laplace.utils import batches, checks
+
+#: Bytes the vmapped products of one chunk may take (intermediates included). Larger
+#: chunks amortise vmap's overhead: on DeepOBS 3c3d (N = 32, 2 CPU cores) the Gram pass
+#: took 8.3 s with 256 MiB chunks (5 samples) and 5.1 s with 1 GiB (BackPACK: 1.5 s);
+#: writing the rows in place instead of concatenating chunks: 3.9 s. Factored linear
+#: weights then brought N = 128 to 10.8 s against BackPACK's 5.3 s.
+CHUNK_BUDGET = 2**30
+
+
+class FuncEngine(EngineBase):
+    """The torch.func backend of :class:`~lowrank_laplace.engine.FactorEngine`.
+
+    Args:
+        model: The network; its output must have shape ``(N, C)``.
+        loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss`` with mean/sum reduction.
+        eval_mode: Evaluate in eval mode whatever the model's mode.
+        chunk_budget: Bytes one chunk of vmapped products may take; sets the
+            samples per chunk.
+    """
+
+    backend = "functorch"
+    gradient_in_factor_pass = True
+
+    def __init__(self, model: nn.Module, loss_func: nn.Module, eval_mode: bool = False,
+                 chunk_budget: int = CHUNK_BUDGET):
+        super().__init__(model, loss_func, eval_mode)
+        self._names = [name for name, _ in self._copy.named_parameters()]
+        self._aliases = _aliases(self._copy)
+        self.chunk_budget = chunk_budget
+        self._features: Optional[int] = None  # sum of leaf output sizes of one sample
+        #: ``nn.Linear`` weights whose blocks stay factored (name -> module), found on
+        #: the first batch: the products then pull back only the layer's output
+        #: vectors ``s`` (through a zero shift of its output) and keep its inputs ``z``.
+        self._factored: Dict[str, nn.Module] = {}
+        #: Whether the samples are vmapped (``False``: looped, for models vmap cannot
+        #: batch such as ``nn.LSTM``); decided on the first batch.
+        self.vectorize = True
+        #: Recurrent layers run without cuDNN under torch.func (see ``_plain_rnn``).
+        self._has_rnn = any(isinstance(m, nn.RNNBase) for m in self._copy.modules())
+
+    def _check_model(self, model: nn.Module, eval_mode: bool) -> None:
+        checks.check_batchnorm_mode(model, eval_mode)
+
+    def dense_param_count(self, largest: bool = False) -> int:
+        """Entries of ``V``'s rows stored per column (factored linear weights: out + in).
+
+        Args:
+            largest: Count only the largest single parameter's block.
+
+        Returns:
+            The count.
+        """
+        sizes = [0]
+        for name, p in zip(self._names, self.model.parameters()):
+            if p.requires_grad:
+                sizes.append(sum(p.shape) if name in self._factored else p.numel())
+        return max(sizes) if largest else sum(sizes)
+
+    def _vector_entries(self, feature_sizes: List[int], one_block: bool) -> int:
+        # all of V is held (no factored layers), plus the products' intermediates
+        return self.dense_param_count() + sum(feature_sizes)
+
+    # ------------------------------------------------------------- the pass
+    def probe(self, inputs: Any, targets: Optional[Tensor] = None) -> None:
+        """Run the products on one sample; explain what torch.func cannot do.
+
+        Draws nothing from the caller's random number generators.
+
+        Args:
+            inputs: A batch of inputs.
+            targets: Its targets (or ``None``).
+
+        Raises:
+            NotImplementedError: Naming the module where torch.func failed.
+        """
+        outputs, sizes = self.sizing_forward(inputs)
+        checks.check_outputs(outputs)
+        if targets is not None:  # a target error is not a torch.func failure
+            checks.check_targets(self.loss_func, outputs.new_zeros(len(targets),
+                                                                    outputs.shape[1]), targets)
+        stack: List[str] = []
+        names = {m: n for n, m in self._copy.named_modules()}
+
+        def enter(module, inp):
+            stack.append(names.get(module, "?"))
+
+        def leave(module, inp, out):
+            if stack:
+                stack.pop()
+
+        handles = [h for m in self._copy.modules()
+                   for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+        device = batches.batch_device(inputs)
+        first = batches.take(inputs, slice(0, 1))
+        y = outputs.new_zeros(1, outputs.shape[1]) if targets is None else targets[:1]
+        self._sync()
+        params, aliases = self._param_dicts(None)
+        try:
+            # train-mode dropout draws here from a forked generator: the caller's
+            # draws (and so the replay of low-memory passes) do not see the probe
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                for vectorize in (True, False):
+                    self.vectorize = vectorize
+                    stack.clear()
+                    try:
+                        self._products(first, y, params, aliases, 0, True, 1, 1, {})
+                        break
+                    except Exception:  # noqa: BLE001 - vmap failed: one sample at a time
+                        if vectorize:
+                            continue
+                        raise
+                self._factored = self._factorable(first, y, params, aliases, device)
+        except Exception as err:  # noqa: BLE001 - re-raised with the module named
+            raise _cannot_differentiate(err, stack[-1] if stack else "") from err
+        finally:
+            for h in handles:
+                h.remove()
+        self._features = sum(sizes)
+
+    def _factorable(self, first: Any, y: Tensor, params: Dict[str, Tensor],
+                    aliases: Dict[str, List[str]], device: torch.device
+                    ) -> Dict[str, nn.Module]:
+        """Linear weights whose factored blocks equal the expanded ones on a sample.
+
+        A weight qualifies if its layer is called once on a ``(1, in)`` input and the
+        weight is used nowhere else (checked numerically: a weight reused outside
+        its layer, e.g. tied through ``F.linear``, gives different rows). Both
+        products draw the same dropout masks. Draws from the global generator: the
+        caller forks it.
+        """
+        names = {id(p): name for name, p in zip(self._names, self._copy_params)}
+        candidates, calls = {}, {}
+        for module in self._copy.modules():
+            name = names.get(id(getattr(module, "weight", None)))
+            if isinstance(module, nn.Linear) and name in params and len(aliases[name]) == 1:
+                candidates[name] = module
+
+        def count(module, inp, out):
+            calls[module] = calls.get(module, 0) + (1 if inp[0].ndim == 2 else 2)
+
+        handles = [m.register_forward_hook(count) for m in candidates.values()]
+        try:
+            with torch.no_grad():
+                self._copy(first)
+        finally:
+            for h in handles:
+                h.remove()
+        candidates = {n: m for n, m in candidates.items() if calls.get(m) == 1}
+        if not candidates:
+            return {}
+        state = rng_state(device)
+        _, plain, _ = self._products(first, y, params, aliases, 0, True, 1, 1, {})
+        set_rng_state(state, device)
+        _, rows, zs = self._products(first, y, params, aliases, 0, True, 1, 1, candidates)
+        return {n: m for n, m in candidates.items()
+                if torch.allclose(plain[n].flatten(2),
+                                  (rows[n][..., None] * zs[n][:, None, None, :]).flatten(2))}
+
+    def _param_dicts(self, groups: Optional[List[List[int]]]):
+        """The differentiated parameters of the private copy by name, and their aliases."""
+        params = {name: p.detach() for name, p in zip(self._names, self._copy_params)
+                  if p.requires_grad}
+        return params, {name: self._aliases[name] for name in params}
+
+    def _products(self, inputs: Any, targets: Optional[Tensor], params: Dict[str, Tensor],
+                  aliases: Dict[str, List[str]], mc_samples: int, curvature: bool,
+                  rho_grad: float, rho_curv: float, factored: Dict[str, nn.Module]
+                  ) -> Tuple[Tensor, Dict[str, Tensor], Dict[str, Tensor]]:
+        """Outputs, product rows ``(N_c, V + 1, *shape)`` and factored layers' inputs.
+
+        The first ``V`` rows (with ``curvature``; else none) are ``sqrt(rho_curv) J_n^T
+        s_{nv}``, the last is the per-sample gradient ``rho_grad J_n^T grad l_n``. For a
+        weight in ``factored`` the rows are the vectors at its layer's output,
+        ``(N_c, V + 1, out)``, and its inputs are returned, ``(N_c, in)``.
+        """
+        n = batches.batch_size(inputs)
+        model, loss = self._copy, self.loss_func
+        mse = isinstance(loss, nn.MSELoss)
+        noise = None
+        if curvature and mc_samples:
+            ref = next(iter(params.values()))
+            if mse:
+                noise = torch.randn(n, mc_samples, self.num_outputs, dtype=ref.dtype,
+                                    device=ref.device)
+            else:
+                noise = torch.rand(n, mc_samples, dtype=ref.dtype, device=ref.device)
+
+        vectorize = self.vectorize
+        fixed = {name: params[name] for name in factored}  # not differentiated
+        free = {name: p for name, p in params.items() if name not in factored}
+        shifts = {name: params[name].new_zeros(params[name].shape[0]) for name in factored}
+
+        def sample(x, y, nz):
+            def f(p, delta):
+                batched = tree_map(lambda t: t.unsqueeze(0) if isinstance(t, Tensor) else t, x)
+                # a tied parameter is swapped in under each owning module's name, each
+                # (module, attribute) once; frozen parameters and buffers stay in place
+                full = {alias: p[name] for name, names in aliases.items() if name in p
+                        for alias in names}
+                full.update(fixed)
+                inputs_of = {}
+                handles = [module.register_forward_hook(_shift_hook(name, delta, inputs_of))
+                           for name, module in factored.items()]
+                try:
+                    with _plain_rnn(self._has_rnn):
+                        out = functional_call(model, full, (batched,), tie_weights=False)
+                finally:
+                    for h in handles:
+                        h.remove()
+                return out.squeeze(0), {k: z.squeeze(0) for k, z in inputs_of.items()}
+
+            out, pull, zs = vjp(f, free, shifts, has_aux=True)
+            rows = [rho_grad * _output_gradient(loss, out, y)[None]]
+            if curvature:
+                rows.insert(0, rho_curv**0.5 * _hessian_sqrt(loss, out, mc_samples, nz))
+            cotangents = torch.cat(rows)
+            if vectorize:
+                grads, out_vectors = vmap(pull)(cotangents)
+                return out, {**grads, **out_vectors}, zs
+            pulled = [pull(c) for c in cotangents]
+            pulled = [{**g, **s} for g, s in pulled]
+            return out, {k: torch.stack([r[k] for r in pulled]) for k in pulled[0]}, zs
+
+        if vectorize:
+            x_dims = _batched_dims(inputs, n)
+            return vmap(sample, in_dims=(x_dims, None if targets is None else 0,
+                                         None if noise is None else 0),
+                        randomness="different")(inputs, targets, noise)
+        # one sample at a time: models vmap cannot batch (LSTM, data-dependent branches)
+        results = [sample(batches.take(inputs, i, n), None if targets is None else targets[i],
+                          None if noise is None else noise[i]) for i in range(n)]
+        rows = {k: torch.stack([r[1][k] for r in results]) for k in results[0][1]}
+        zs = {k: torch.stack([r[2][k] for r in results]) for k in results[0][2]}
+        return torch.stack([r[0] for r in results]), rows, zs
+
+    def _chunk_size(self, num_vectors: int, itemsize: int) -> int:
+        per_sample = itemsize * (num_vectors + 1) * (self.dense_param_count()
+                                                    + 2 * (self._features or 0))
+        return max(1, self.chunk_budget // max(per_sample, 1))
+
+    def _pass(self, inputs: Any, targets: Optional[Tensor], mc_samples: int,
+              subsampling: Optional[List[int]], collector: Collector
+              ) -> Tuple[Tensor, Tensor, Dict[int, Tensor]]:
+        if self._features is None:
+            self.probe(inputs, targets)
+            self._sync(collector.groups)
+        n = checks.check_batch(inputs, targets)
+        num_out = self.num_outputs
+        ref = self._copy_params[0]
+        if targets is None:
+            targets = torch.zeros(n, num_out, dtype=ref.dtype, device=ref.device)
+        checks.check_targets(self.loss_func, ref.new_zeros(n, num_out), targets)
+        mean = self.loss_func.reduction == "mean"
+        curv = list(range(n)) if subsampling is None else subsampling
+        rest = [] if subsampling is None else sorted(set(range(n)) - set(subsampling))
+        num_vectors = factor_columns(self.loss_func, (n, num_out), mc_samples)
+        params, aliases = self._param_dicts(collector.groups)
+        factored = {name: m for name, m in self._factored.items() if name in params}
+        chunk = self._chunk_size(num_vectors, ref.element_size())
+        outputs = ref.new_zeros(n, num_out)
+        width = {name: p.shape[0] if name in factored else p.numel()
+                 for name, p in params.items()}
+        # rows written in place, ordered (vector, sample): no concatenated copies
+        v_rows = {name: p.new_empty(num_vectors, len(curv), width[name])
+                  for name, p in params.items()}
+        g_rows = {name: p.new_zeros(n, width[name]) for name, p in params.items()}
+        z_rows = {name: params[name].new_zeros(n, params[name].shape[1]) for name in factored}
+        for indices, curvature in ((curv, True), (rest, False)):
+            for start in range(0, len(indices), chunk):
+                idx = torch.tensor(indices[start:start + chunk], device=targets.device)
+                out, rows, zs = self._products(
+                    batches.take(inputs, idx, n), targets[idx], params, aliases, mc_samples,
+                    curvature, 1 / n if mean else 1.0, 1 / len(curv) if mean else 1.0,
+                    factored,
+                )
+                outputs[idx] = out
+                for name, z in zs.items():
+                    z_rows[name][idx] = z
+                for name, r in rows.items():
+                    g_rows[name][idx] = r[:, -1].reshape(len(idx), -1)
+                    if curvature:
+                        v_rows[name][:, start:start + len(idx)] = \
+                            r[:, :-1].reshape(len(idx), num_vectors, -1).transpose(0, 1)
+        loss = self._loss(outputs, targets)
+        checks.check_finite(loss)
+        grad = {}
+        by_name = dict(zip(self._names, range(len(self._names))))
+        for name in params:
+            i = by_name[name]
+            if i not in collector.group_of:
+                continue
+            per_sample = g_rows.pop(name)
+            if name in factored:
+                z = z_rows.pop(name)
+                z_curv = z if subsampling is None else z[torch.tensor(curv, device=z.device)]
+                block = KronBlock(v_rows.pop(name), z_curv)
+                grad[i] = (per_sample.T @ z).flatten()
+                grads = KronBlock(per_sample[None], z)
+            else:
+                block = DenseBlock(v_rows.pop(name).view(num_vectors * len(curv), -1))
+                grad[i] = per_sample.sum(0)
+                grads = DenseBlock(per_sample)
+            collector.add(i, block, grads if collector.batch_grad else None)
+        return outputs, loss, grad
+
+
+@contextlib.contextmanager
+def _plain_rnn(has_rnn: bool):
+    """Run recurrent layers without cuDNN, whose kernels torch.func cannot trace.
+
+    Under ``functional_call`` an ``nn.LSTM`` / ``nn.GRU`` on CUDA re-flattens its
+    weights for cuDNN, which reads the data pointers of torch.func's wrapped tensors
+    and fails. Without cuDNN the layers run PyTorch's own cells, whose derivatives
+    torch.func composes. Only ``torch.backends.cudnn.enabled`` changes, and only for
+    models with recurrent layers; it is restored on exit.
+
+    Args:
+        has_rnn: Whether the model has recurrent layers.
+
+    Yields:
+        Nothing.
+    """
+    before = torch.backends.cudnn.enabled
+    if has_rnn:
+        torch.backends.cudnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.enabled = before
+
+
+def _shift_hook(name: str, delta: Dict[str, Tensor], inputs_of: Dict[str, Tensor]):
+    """Forward hook adding a zero shift to a layer's output and keeping its input.
+
+    The gradient w.r.t. the shift is the vector ``s`` at the layer's output, so the
+    layer's weight block is ``s z^T`` without expanding it.
+    """
+    def hook(module, inp, out):
+        inputs_of[name] = inp[0]
+        return out + delta[name]
+
+    return hook
+
+
+def _aliases(model: nn.Module) -> Dict[str, List[str]]:
+    """Canonical parameter name -> its names under every distinct owning module.
+
+    ``named_parameters`` lists a shared parameter once; ``functional_call`` must
+    replace it in every module that owns it, but only once per module object (a
+    module registered under two names would otherwise be restored to the wrong
+    tensor).
+    """
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    aliases: Dict[str, List[str]] = {name: [] for name in canonical.values()}
+    for prefix, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            aliases[canonical[id(p)]].append(f"{prefix}.{name}" if prefix else name)
+    return aliases
+
+
+def _batched_dims(inputs: Any, n: int):
+    """``in_dims`` for vmap: 0 for tensors with ``n`` rows, ``None`` otherwise."""
+    if isinstance(inputs, Tensor):
+        return 0
+    if isinstance(inputs, MutableMapping):
+        return {k: 0 if isinstance(v, Tensor) and v.ndim and v.shape[0] == n else None
+                for k, v in inputs.items()}
+    return 0
+
+
+def _per_sample_scale(loss: nn.Module, num_outputs: int) -> float:
+    """``c`` with ``l_n = c * sum-reduced loss of sample n`` (``1/C`` for MSE mean)."""
+    return 1 / num_outputs if isinstance(loss, nn.MSELoss) and loss.reduction == "mean" else 1.0
+
+
+def _output_gradient(loss: nn.Module, out: Tensor, y: Tensor) -> Tensor:
+    """Gradient of one sample's loss ``l_n`` w.r.t. its outputs, ``(C,)``."""
+    if isinstance(loss, nn.MSELoss):
+        return 2 * _per_sample_scale(loss, out.shape[0]) * (out - y)
+    onehot = (torch.arange(out.shape[0], device=out.device) == y).to(out.dtype)
+    return out.softmax(0) - onehot
+
+
+def _hessian_sqrt(loss: nn.Module, out: Tensor, mc_samples: int,
+                  noise: Optional[Tensor]) -> Tensor:
+    """Rows ``s_v`` with ``sum_v s_v s_v^T`` = (an MC estimate of) ``l_n``'s Hessian.
+
+    Args:
+        loss: The loss module.
+        out: One sample's outputs, ``(C,)``.
+        mc_samples: ``0`` exact, else ``M``.
+        noise: ``(M,)`` uniforms (cross-entropy) or ``(M, C)`` normals (MSE).
+
+    Returns:
+        Tensor of shape ``(V, C)``.
+    """
+    classes = out.shape[0]
+    if isinstance(loss, nn.MSELoss):
+        scale = (2 * _per_sample_scale(loss, classes)) ** 0.5
+        if mc_samples:
+            return scale * noise / mc_samples**0.5
+        return scale * torch.eye(classes, dtype=out.dtype, device=out.device)
+    p = out.softmax(0)
+    if mc_samples:  # s = (p - e_y) / sqrt(M), y ~ Categorical(p) by inverse CDF
+        cdf = p.cumsum(0)
+        lower = torch.cat([cdf.new_zeros(1), cdf[:-1]])
+        upper = torch.cat([cdf[:-1], cdf.new_full((1,), float("inf"))])
+        onehot = ((noise[:, None] >= lower) & (noise[:, None] < upper)).to(out.dtype)
+        return (p - onehot) / mc_samples**0.5
+    if classes == 1:  # one logit: the cross-entropy is constant
+        return out.new_zeros(1, 1)
+    return reduced_cross_entropy_sqrt(out[None], "sum")[:, 0]
+
+
+def _cannot_differentiate(err: Exception, module: str) -> NotImplementedError:
+    """The error that names where torch.func failed and the ways out."""
+    where = f"in module {module!r} " if module else ""
+    return NotImplementedError(
+        f"The functorch backend cannot differentiate this model: "
+        f"{type(err).__name__} {where}({err}). torch.func needs operations it "
+        "can differentiate (no conversions to NumPy or Python numbers on the "
+        "path to the outputs). Ways out: rewrite that module, compute "
+        "the curvature of the layers after it only (laplace-torch's "
+        "subset_of_weights='last_layer', or param_groups), or use a model "
+        "BackPACK supports (backend='backpack')."
+    )

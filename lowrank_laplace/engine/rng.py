@@ -1,0 +1,97 @@
+"""Random draws of engine passes: replayed across passes, or kept private to a fit."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+class RNGReplay:
+    """Replay the random draws of an engine pass (MC samples, dropout) in later passes.
+
+    Created before the first pass, it saves the global RNG state (and that of a CUDA
+    device); :meth:`mark` records the state after the first pass. Every ``with``
+    block restores the saved state, so the pass inside draws the same numbers, and
+    on exit the caller's RNG is left as after the first pass only.
+
+    Args:
+        device: The device of the inputs (its generator is replayed too if CUDA).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.start = rng_state(device)
+        self.after_first = None
+
+    def mark(self) -> None:
+        """Record the state after the first pass."""
+        self.after_first = rng_state(self.device)
+
+    def restart(self) -> None:
+        """Set the RNG back to the saved state (before a pass that counts as first)."""
+        set_rng_state(self.start, self.device)
+
+    def __enter__(self) -> "RNGReplay":
+        if self.after_first is None:
+            self.mark()
+        set_rng_state(self.start, self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        set_rng_state(self.after_first, self.device)
+
+
+class PrivateRNG:
+    """Runs code on a private, seeded stream of the global RNG (BackPACK's MC draws).
+
+    Each ``with`` block continues the private stream and restores the caller's
+    global state on exit, so the fit neither depends on nor advances it (the
+    loader's shuffling still uses the caller's RNG).
+    """
+
+    def __init__(self, seed: int, device: torch.device):
+        self.seed = seed
+        self.device = device
+        self.state: Optional[Tuple[Tensor, Optional[Tensor]]] = None
+
+    def __enter__(self) -> None:
+        self.saved = rng_state(self.device)
+        if self.state is None:  # seed only the generators of the fit's device
+            torch.random.default_generator.manual_seed(self.seed)
+            if self.device.type == "cuda":
+                index = self.device.index if self.device.index is not None else \
+                    torch.cuda.current_device()
+                torch.cuda.default_generators[index].manual_seed(self.seed)
+        else:
+            set_rng_state(self.state, self.device)
+
+    def __exit__(self, *exc) -> None:
+        self.state = rng_state(self.device)
+        set_rng_state(self.saved, self.device)
+
+
+def rng_state(device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
+    """The global CPU generator's state and, for a CUDA device, that device's.
+
+    Args:
+        device: The device whose generator is saved besides the CPU's.
+
+    Returns:
+        ``(cpu_state, cuda_state or None)``.
+    """
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def set_rng_state(state: Tuple[Tensor, Optional[Tensor]], device: torch.device) -> None:
+    """Restore a state from :func:`rng_state`.
+
+    Args:
+        state: ``(cpu_state, cuda_state or None)``.
+        device: The device the CUDA state belongs to.
+    """
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)

@@ -1,0 +1,58 @@
+"""Square roots of the loss Hessian w.r.t. the model outputs, shared by every backend.
+
+Shape glossary:
+    N: batch size; C: model outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def factor_columns(loss_func: nn.Module, output_shape: tuple, mc_samples: int) -> int:
+    """Columns of ``V`` per sample (the loss-Hessian factor both backends use).
+
+    Args:
+        loss_func: The loss module.
+        output_shape: Shape of the model outputs of a batch, ``(N, C, ...)``.
+        mc_samples: ``0`` for the exact GGN, else the Monte-Carlo samples.
+
+    Returns:
+        ``mc_samples``, ``C - 1`` for exact cross-entropy on ``(N, C)`` logits, or
+        the number of outputs ``C``.
+    """
+    if mc_samples:
+        return mc_samples
+    if isinstance(loss_func, nn.CrossEntropyLoss) and len(output_shape) == 2:
+        return max(1, output_shape[1] - 1)
+    return output_shape[1]
+
+
+def reduced_cross_entropy_sqrt(logits: Tensor, reduction: str) -> Tensor:
+    """A ``C - 1``-column square root of the cross-entropy Hessian w.r.t. the logits.
+
+    With ``t = sqrt(softmax(logits))`` and the Householder reflection
+    ``H = I - 2 u u^T / (u^T u)``, ``u = t + e_C`` (``H t = -e_C``), the first
+    ``C - 1`` columns of ``H`` are an orthonormal basis of ``t``'s complement and
+    ``S = diag(t) H[:, :C-1]`` satisfies ``S S^T = diag(p) - p p^T``.
+
+    Args:
+        logits: Shape ``(N, C)`` with ``C >= 2``.
+        reduction: The loss's reduction (``"mean"`` divides by ``sqrt(N)``).
+
+    Returns:
+        Backpropagated vectors in BackPACK's layout, shape ``(C - 1, N, C)``.
+    """
+    num, classes = logits.shape
+    t = logits.detach().softmax(1).sqrt()
+    last = torch.zeros(classes, dtype=t.dtype, device=t.device)
+    last[-1] = 1
+    u = t + last  # no in-place update: also runs under torch.func.vmap
+    coef = 2 / (u * u).sum(1)  # (N,)
+    eye = torch.eye(classes - 1, classes, dtype=t.dtype, device=t.device)
+    house = eye[:, None, :] - (coef[:, None] * u[:, : classes - 1]).T[:, :, None] * u[None]
+    sqrt_h = t[None] * house  # (C - 1, N, C)
+    if reduction == "mean":
+        sqrt_h = sqrt_h / num**0.5
+    return sqrt_h

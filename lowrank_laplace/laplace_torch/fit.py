@@ -1,0 +1,291 @@
+r"""``fit_lowrank_ggn``: a loader's GGN as its leading eigenpairs, without laplace-torch.
+
+laplace-torch's curvature is a sum over the training data: the fit streams every
+batch's factor ``V`` (:mod:`~lowrank_laplace.engine`) into the solver its plan names
+(:mod:`~lowrank_laplace.fitting`), merges across processes when fitting
+data-parallel, merges with an earlier fit for online updates, and measures the
+Jacobian exponent of the spectral residual (:mod:`~lowrank_laplace.posterior`). The
+laplace-torch classes (:mod:`~lowrank_laplace.laplace_torch.laplace`) store the
+:class:`FitResult`.
+
+Shape glossary:
+    D: Laplace parameters; r: kept rank; C: model outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, List, Optional, Tuple
+
+import torch
+import tqdm
+from torch import Tensor, nn
+from torch.nn.utils import parameters_to_vector
+
+from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.fitting import StreamingMerge
+from lowrank_laplace.fitting.budget import micro_batch_size
+from lowrank_laplace.fitting.distributed import process_rank, resolve_process_group
+from lowrank_laplace.fitting.streamer import BatchStreamer
+from lowrank_laplace.laplace_torch.options import LowRankOptions
+from lowrank_laplace.posterior.predictive import jacobian_energies
+from lowrank_laplace.posterior.residual import jacobian_exponent
+from lowrank_laplace.utils.batches import take, to_device
+from lowrank_laplace.utils.checks import check_batch
+
+#: The likelihoods and the loss whose GGN is laplace-torch's, with its Hessian factor.
+LIKELIHOODS = ("classification", "regression")
+
+
+@dataclass
+class FitResult:
+    """A fitted low-rank GGN over a training set, on the GGN's own scale.
+
+    Attributes:
+        mean: The parameters at the fit (the posterior mean), ``(D,)``.
+        eigenvectors: Kept orthonormal eigenvectors ``U``, ``(D, r)``.
+        eigenvalues: Kept eigenvalues ``lambda``, ``(r,)``.
+        trace: The exact GGN trace over the data.
+        residual_diagonal: Diagonal of the dropped curvature (``residual="diagonal"``),
+            ``(D,)``, else ``None``.
+        loss: The summed loss times laplace-torch's Hessian factor.
+        n_data: Samples fitted (over all processes).
+        n_outputs: Model outputs ``C``.
+        factor_backend: The backend that computed ``V``.
+        fit_path: ``"dense"``, ``"streaming"`` or ``"sketch"``.
+        rank_bound: Upper bound on the GGN's rank (``min(D, samples * columns)``).
+        jacobian_exponent: The spectral residual's exponent ``beta``.
+    """
+
+    mean: Tensor
+    eigenvectors: Tensor
+    eigenvalues: Tensor
+    trace: Tensor
+    residual_diagonal: Optional[Tensor]
+    loss: Any
+    n_data: int
+    n_outputs: int
+    factor_backend: str
+    fit_path: str
+    rank_bound: int
+    jacobian_exponent: float
+
+
+def likelihood_loss(likelihood: str) -> Tuple[nn.Module, float]:
+    """The summed loss whose GGN is laplace-torch's, and laplace-torch's factor on it.
+
+    Args:
+        likelihood: ``"classification"`` or ``"regression"``.
+
+    Returns:
+        ``(loss, factor)``: ``CrossEntropyLoss(sum)`` and 1, or ``MSELoss(sum)`` and
+        0.5.
+    """
+    if likelihood == "regression":
+        return nn.MSELoss(reduction="sum"), 0.5
+    return nn.CrossEntropyLoss(reduction="sum"), 1.0
+
+
+def check_targets(likelihood: str, y: Tensor) -> None:
+    """Refuse targets that do not match the likelihood.
+
+    Args:
+        likelihood: ``"classification"`` or ``"regression"``.
+        y: A batch's targets.
+
+    Raises:
+        ValueError: For float classes, integer regression targets or wrong shapes.
+    """
+    if likelihood == "regression":
+        if y.ndim != 2 or not y.is_floating_point():
+            raise ValueError(
+                "likelihood='regression' needs floating-point targets of the output's "
+                f"shape (N, C), got dtype {y.dtype} and shape {tuple(y.shape)}."
+            )
+    elif y.is_floating_point() or y.ndim != 1:
+        raise ValueError(
+            "likelihood='classification' needs integer class targets of shape (N,), "
+            f"got dtype {y.dtype} and shape {tuple(y.shape)}."
+        )
+
+
+def columns_per_sample(likelihood: str, mc_samples: int, n_outputs: Optional[int]) -> int:
+    """Columns of ``V`` per curvature sample: the GGN's rank per data point.
+
+    Args:
+        likelihood: ``"classification"`` or ``"regression"``.
+        mc_samples: ``0`` or Monte-Carlo samples.
+        n_outputs: Model outputs ``C`` (``None``: unknown, counted as 1).
+
+    Returns:
+        ``M``, ``C`` (regression) or ``C - 1`` (classification, at least 1).
+    """
+    if mc_samples:
+        return mc_samples
+    outputs = n_outputs or 1
+    return outputs if likelihood == "regression" else max(outputs - 1, 1)
+
+
+def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Iterable,
+                    options: LowRankOptions, *, params: Optional[List[Tensor]] = None,
+                    to_inputs: Callable[[Any], Any] = lambda X: X,
+                    dict_key_y: str = "labels", device: Optional[torch.device] = None,
+                    previous: Optional[FitResult] = None, process_group: Any = "default",
+                    progress_bar: bool = False) -> FitResult:
+    """Fit the low-rank GGN of ``model`` over the whole loader.
+
+    Data-parallel: when ``torch.distributed`` is initialised (or a group is passed),
+    every process streams the shard its loader yields into a local factor; the
+    factors are then combined, so every process ends with the same result, and
+    ``n_data`` counts the samples of all processes together.
+
+    Args:
+        model: The module whose GGN is computed (its trainable parameters).
+        likelihood: ``"classification"`` or ``"regression"``.
+        loader: Yields ``(X, y)`` batches or dict batches; ``loader.dataset`` gives
+            the number of data points.
+        options: The validated options.
+        params: The parameters of the mean (``None``: ``model``'s trainable ones).
+        to_inputs: Maps a batch's inputs to ``model``'s (e.g. last-layer features).
+        dict_key_y: The key of the targets in dict batches.
+        device: Where the fit runs (``None``: the parameters' device).
+        previous: An earlier fit to add this loader's curvature to (laplace-torch's
+            online updates, ``override=False``); exact whenever the total rank fits.
+        process_group: ``torch.distributed`` group to merge across; ``"default"``
+            uses the default group if initialised, ``None`` this process alone.
+        progress_bar: Show a tqdm progress bar over batches.
+
+    Returns:
+        The :class:`FitResult`.
+
+    Raises:
+        ValueError: For a loader without ``dataset``, an empty loader, mismatched
+            targets, a previous fit without the residual diagonal it needs, or a
+            memory budget too small for one sample.
+    """
+    if previous is not None and options.track_diagonal and previous.residual_diagonal is None:
+        raise ValueError(
+            "override=False with residual='diagonal' needs the residual diagonal of the "
+            "previous fit, which this object does not hold: refit with override=True."
+        )
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None:
+        raise ValueError("train_loader needs a .dataset to know the number of data points.")
+    num_data = len(dataset)
+    if num_data == 0:
+        raise ValueError("train_loader is empty: nothing to fit.")
+    params = [p for p in model.parameters() if p.requires_grad] if params is None else params
+    device = params[0].device if device is None else device
+    mean = parameters_to_vector(params).detach()
+    group = resolve_process_group(process_group)
+    stream, loss, seen, probe = _stream(model, likelihood, loader, options, to_inputs,
+                                        dict_key_y, device, group, num_data, progress_bar)
+    solver = stream.solver
+    if group is not None:
+        import torch.distributed as dist
+
+        solver.merge_across(group)
+        totals = torch.stack([torch.as_tensor(loss, dtype=mean.dtype, device=device),
+                              torch.tensor(float(seen), dtype=mean.dtype, device=device)])
+        dist.all_reduce(totals, group=group)
+        loss, num_data = totals[0], int(totals[1])
+    U, lam, trace, residual = solver.result()
+    if previous is not None:
+        U, lam, trace, residual = _merge_fits(options, previous, (U, lam, trace, residual))
+        loss, num_data = previous.loss + loss, previous.n_data + num_data
+    exponent = _jacobian_exponent(model, options, probe, U, lam, group, stream)
+    samples = math.ceil(num_data * (options.subsample_fraction or 1.0))
+    columns = columns_per_sample(likelihood, options.mc_samples, stream.n_outputs)
+    return FitResult(
+        mean=mean, eigenvectors=U, eigenvalues=lam, trace=trace, residual_diagonal=residual,
+        loss=loss, n_data=num_data, n_outputs=stream.n_outputs,
+        factor_backend=stream.engine.backend, fit_path=stream.path,
+        rank_bound=min(mean.numel(), samples * columns), jacobian_exponent=exponent,
+    )
+
+
+def _stream(model, likelihood, loader, options, to_inputs, dict_key_y, device, group,
+            num_data, progress_bar) -> Tuple[BatchStreamer, Any, int, List[Any]]:
+    """Stream the loader: the streamer (solver filled), loss, samples and probe inputs."""
+    loss_func, factor = likelihood_loss(likelihood)
+    offset = 0 if group is None else process_rank(group)
+    loss, seen, probe, probed = 0.0, 0, [], 0
+    with FactorEngine(model, loss_func, eval_mode=True,
+                      backend=options.factor_backend) as engine:
+        stream = BatchStreamer(
+            engine, scale=factor, seed=options.seed + offset, device=device,
+            rank=options.rank, oversampling=options.oversampling,
+            mc_samples=options.mc_samples, subsample_fraction=options.subsample_fraction,
+            memory_budget=options.memory_budget, micro_batch_size=options.micro_batch_size,
+            track_diagonal=options.track_diagonal, low_memory=options.low_memory,
+            solver=options.solver.value, dense_max_dim=options.dense_max_dim,
+            test_matrix=options.sketch_test_matrix.value, sketch_seed=options.seed,
+            process_group=group,
+        )
+        pbar = tqdm.tqdm(loader, disable=not progress_bar,
+                         desc="[lowrank_ggn: merging GGN factors]")
+        for data in pbar:
+            if isinstance(data, MutableMapping):  # the whole dict goes to the model
+                X, y = data, data[dict_key_y]
+            else:
+                X, y = data
+            X, y = to_inputs(to_device(X, device)), y.to(device)
+            check_targets(likelihood, y)
+            if probed < options.probe_size:  # inputs for the spectral residual's weights
+                probe.append(take(X, slice(0, options.probe_size - probed), len(y)))
+                probed += min(len(y), options.probe_size - probed)
+            local = num_data
+            if hasattr(loader, "__len__"):
+                local = min(num_data, len(loader) * len(y))
+            loss = loss + stream.add(X, y, local)
+            seen += len(y)
+            if progress_bar and stream.solver.eigenvalues is not None:
+                kept = float(stream.solver.eigenvalues[: options.rank].sum()
+                             / stream.solver.trace)
+                pbar.set_postfix(kept_trace=f"{kept:.3f}")
+        if stream.plan is None:
+            raise ValueError("train_loader yielded no batches: nothing to fit.")
+        stream.flush()
+    return stream, loss, seen, probe
+
+
+def _merge_fits(options: LowRankOptions, previous: FitResult, current: tuple
+                ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Merge an earlier fit's ``(U, lam, trace, residual)`` with this one's."""
+    both = StreamingMerge(options.rank, options.oversampling, options.track_diagonal)
+    first = (previous.eigenvectors, previous.eigenvalues, previous.trace,
+             previous.residual_diagonal)
+    for U, lam, trace, residual in (first, current):
+        diagonal = residual + (U**2) @ lam if options.track_diagonal else None
+        both.add_lowrank(U, lam, trace, diagonal)
+    return both.result()
+
+
+def _jacobian_exponent(model: nn.Module, options: LowRankOptions, probe: List[Any],
+                       U: Tensor, lam: Tensor, group: Any, stream: BatchStreamer) -> float:
+    """``beta`` of the spectral residual from the kept eigenvectors' Jacobian energies.
+
+    One extra backward pass (MSE-sum engine) per probe micro-batch, carrying random
+    output combinations per input (``probe_columns``; drawn in the fit's private
+    stream) or all outputs; summed over processes when fitting data-parallel, so
+    every process gets the same value.
+    """
+    if U.shape[1] in (0, U.shape[0]) or not probe:  # nothing kept, or nothing dropped
+        return 0.0
+    with FactorEngine(model, nn.MSELoss(reduction="sum"), eval_mode=True,
+                      backend=options.factor_backend) as engine:
+        inputs = sum(check_batch(x, None) for x in probe)
+        projections = None if options.probe_columns is None else \
+            -(-options.probe_columns // max(inputs, 1))
+        if projections is not None and projections >= stream.n_outputs:
+            projections = None  # no cheaper than the exact energies
+        micro = micro_batch_size(engine, probe[0], projections, options.memory_budget,
+                                 options.micro_batch_size)
+        energy = jacobian_energies(engine, probe, U, micro, projections, stream.rng)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(energy, group=group)
+    return jacobian_exponent(lam, energy)

@@ -1,0 +1,359 @@
+r"""``hessian_structure="lowrank_ggn"`` for laplace-torch.
+
+After ``import lowrank_laplace``, laplace-torch's own factory returns these classes::
+
+    from laplace import Laplace
+    la = Laplace(model, "classification", subset_of_weights="all",
+                 hessian_structure="lowrank_ggn")
+    la.fit(train_loader)
+
+The curvature is laplace-torch's GGN (a sum over the training data, times
+``1/sigma^2/T``), represented by its exact leading eigenpairs, which
+:func:`~lowrank_laplace.laplace_torch.fit.fit_lowrank_ggn` computes from the engine's
+factors ``V``. The posterior precision ``P = U diag(ell) U^T + P_0`` is handled by
+:class:`~lowrank_laplace.posterior.LowRankPrecision` (determinant lemma, Woodbury),
+shifted by the residual model, and the GLM predictive by
+:mod:`lowrank_laplace.posterior.predictive` without materialising the ``(B, C, D)``
+Jacobian. The classes store the fit and serve laplace-torch's interface.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any, List, Optional, Tuple, Union
+
+import torch
+from laplace.baselaplace import ParametricLaplace
+from laplace.lllaplace import LLLaplace
+from torch import Tensor, nn
+
+from lowrank_laplace.laplace_torch.fit import FitResult, fit_lowrank_ggn
+from lowrank_laplace.laplace_torch.options import (
+    LowRankOptions,
+    resolve_residual,
+)
+from lowrank_laplace.laplace_torch.queries import PosteriorQueries
+from lowrank_laplace.posterior import GramCache, Residual
+from lowrank_laplace.posterior.residual import DEFAULT_RESIDUAL, ResidualKind, check_residual
+
+
+def _check_positive(name: str, value) -> None:
+    """Refuse a non-positive or non-finite hyperparameter where it is set."""
+    values = torch.as_tensor(value).detach()
+    if not (values.numel() and bool(torch.isfinite(values).all() and (values > 0).all())):
+        raise ValueError(
+            f"{name} must be positive and finite, got {value!r}: a zero or negative "
+            f"{name} has no Gaussian posterior."
+        )
+
+
+class _Option:
+    """A read-only view of one field of the object's :class:`LowRankOptions`."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else getattr(obj.options, self.name)
+
+
+class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
+    r"""Full-network Laplace with the GGN's exact leading eigenspace as curvature.
+
+    Accepts every argument of laplace-torch's ``ParametricLaplace`` (``backend`` is
+    accepted for compatibility and only used by inherited code paths, e.g. the
+    Jacobian fallback when ``enable_backprop=True``; an empirical-Fisher backend
+    (``*EF``) raises, since the curvature is always the GGN), plus the keyword
+    options of :class:`~lowrank_laplace.laplace_torch.options.LowRankOptions`
+    (``rank``, ``oversampling``, ``mc_samples``, ``subsample_fraction``,
+    ``memory_budget``, ``micro_batch_size``, ``residual``, ``seed``, ``low_memory``,
+    ``factor_backend``, ``solver``, ``dense_max_dim``, ``probe_size``,
+    ``probe_columns``, ``sketch_test_matrix``), each readable as an attribute
+    (``la.rank``), and ``diagonal_correction``, a deprecated alias: ``True`` means
+    ``residual="diagonal"``, ``False`` means ``residual="none"``.
+
+    Attributes:
+        options: The validated :class:`LowRankOptions`.
+        fit_path: ``"dense"``, ``"streaming"`` or ``"sketch"``: the path the last fit
+            took (``None`` before a fit).
+        factor_backend_used: The backend that computed ``V`` in the last fit.
+    """
+
+    _key = ("all", "lowrank_ggn")
+    fit_path: Optional[str] = None
+
+    rank = _Option()
+    oversampling = _Option()
+    mc_samples = _Option()
+    subsample_fraction = _Option()
+    memory_budget = _Option()
+    micro_batch_size = _Option()
+    seed = _Option()
+    low_memory = _Option()
+    factor_backend = _Option()
+    solver = _Option()
+    dense_max_dim = _Option()
+    probe_size = _Option()
+    probe_columns = _Option()
+    sketch_test_matrix = _Option()
+
+    def __init__(self, model: nn.Module, likelihood: str,
+                 sigma_noise: Union[float, Tensor] = 1.0,
+                 prior_precision: Union[float, Tensor] = 1.0,
+                 prior_mean: Union[float, Tensor] = 0.0, temperature: float = 1.0,
+                 enable_backprop: bool = False, dict_key_x: str = "input_ids",
+                 dict_key_y: str = "labels", backend: Any = None,
+                 backend_kwargs: Optional[dict] = None,
+                 asdl_fisher_kwargs: Optional[dict] = None, *,
+                 diagonal_correction: Optional[bool] = None, **options: Any):
+        self._set_options(diagonal_correction, options)
+        super().__init__(
+            model, likelihood, sigma_noise=sigma_noise, prior_precision=prior_precision,
+            prior_mean=prior_mean, temperature=temperature, enable_backprop=enable_backprop,
+            dict_key_x=dict_key_x, dict_key_y=dict_key_y, backend=backend,
+            backend_kwargs=backend_kwargs,
+        )
+        if not isinstance(self, LLLaplace):  # the last-layer class checks after its options
+            self._check_backend()
+
+    def _set_options(self, diagonal_correction: Optional[bool], options: dict) -> None:
+        options["residual"] = resolve_residual(options.get("residual", DEFAULT_RESIDUAL),
+                                               diagonal_correction)
+        self.options = LowRankOptions(**options)
+        self.factor_backend_used: Optional[str] = None
+        self._jacobian_exponent = 0.0
+        self._gram_cache = GramCache()  # float64 U^T U, kept across predictive calls
+        self.residual_diagonal: Optional[Tensor] = None
+        self.trace: Optional[Tensor] = None
+        self.rank_bound: Optional[int] = None
+        self._residual_model: Optional[Residual] = None
+
+    def _expected_dim(self) -> Optional[int]:
+        """Number of Laplace parameters a loaded state must have (``None``: unknown yet)."""
+        return self.n_params
+
+    # ---------------------------------------------------------- hyperparameters
+    @property
+    def prior_precision(self) -> Tensor:
+        """laplace-torch's prior precision (scalar, per layer or per parameter), ``> 0``."""
+        return ParametricLaplace.prior_precision.fget(self)
+
+    @prior_precision.setter
+    def prior_precision(self, value) -> None:
+        _check_positive("prior_precision", value)
+        ParametricLaplace.prior_precision.fset(self, value)
+
+    @property
+    def sigma_noise(self) -> Tensor:
+        """laplace-torch's observation noise (regression), ``> 0``."""
+        return ParametricLaplace.sigma_noise.fget(self)
+
+    @sigma_noise.setter
+    def sigma_noise(self, value) -> None:
+        _check_positive("sigma_noise", value)
+        ParametricLaplace.sigma_noise.fset(self, value)
+
+    @property
+    def temperature(self) -> float:
+        """Posterior temperature ``T > 0`` (the curvature is scaled by ``1/T``)."""
+        return self._temperature
+
+    @temperature.setter
+    def temperature(self, value) -> None:
+        _check_positive("temperature", value)
+        self._temperature = value
+
+    def _check_backend(self) -> None:
+        """Refuse laplace-torch backend settings that ask for another curvature."""
+        name = self._backend_cls.__name__
+        if name.endswith("EF"):
+            raise ValueError(
+                "hessian_structure='lowrank_ggn' computes the exact (or Monte-Carlo) GGN "
+                f"with its own engine; backend={name} asks for the empirical Fisher, "
+                "which it does not provide. Leave backend out or pass a GGN backend."
+            )
+        if self._backend_kwargs.get("stochastic") and not self.mc_samples:
+            raise ValueError(
+                "backend_kwargs={'stochastic': True} asks for a Monte-Carlo GGN: pass "
+                "mc_samples=1 (the lowrank_ggn option) instead."
+            )
+
+    @property
+    def residual(self) -> ResidualKind:
+        """The residual model (see :mod:`lowrank_laplace.posterior.residual`).
+
+        May be changed after a fit to compare models without refitting, except to
+        ``"diagonal"``, whose residual diagonal only a fit with it keeps.
+        """
+        return self.options.residual
+
+    @residual.setter
+    def residual(self, value: str) -> None:
+        value = check_residual(value)
+        fitted = getattr(self, "H", None) is not None
+        if value == "diagonal" and fitted and self.residual_diagonal is None:
+            raise ValueError(
+                "residual='diagonal' needs the residual diagonal, which this fit did not "
+                "keep: refit with residual='diagonal'."
+            )
+        self.options = replace(self.options, residual=value)
+        self._residual_model = None
+
+    @property
+    def diagonal_correction(self) -> bool:
+        """Whether the fit tracks the residual diagonal (``residual="diagonal"``)."""
+        return self.options.track_diagonal
+
+    def _init_H(self) -> None:
+        self.H: Optional[Tuple[Tensor, Tensor]] = None
+
+    # ----------------------------------------------------------------- fitting
+    def _curvature_target(self) -> Tuple[nn.Module, Any, List[Tensor]]:
+        """The module whose GGN is computed, an input transform, and its parameters."""
+        return self.model, (lambda X: X), self.params
+
+    def fit(self, train_loader: Any, override: bool = True, progress_bar: bool = False,
+            process_group: Any = "default") -> None:
+        """Fit the low-rank GGN over the whole loader (see :func:`fit_lowrank_ggn`).
+
+        Data-parallel: when ``torch.distributed`` is initialised (or a group is
+        passed), every process streams the shard its loader yields; every process
+        ends with the same posterior, and ``n_data`` is the number of samples seen by
+        all processes together. Launch e.g. with ``torchrun --nproc_per_node=2
+        script.py`` and give each process a disjoint shard.
+
+        Args:
+            train_loader: Yields ``(X, y)`` batches (or dict batches);
+                ``train_loader.dataset`` gives the number of data points.
+            override: ``False`` keeps the current curvature, loss and ``n_data`` and
+                adds this loader's (laplace-torch's online updates): the two truncated
+                eigendecompositions are merged like two batches, exact whenever the
+                total rank fits ``rank``. The mean moves to the model's current
+                parameters, as in laplace-torch.
+            progress_bar: Show a tqdm progress bar over batches.
+            process_group: ``torch.distributed`` group to merge across; the default
+                uses the default group if ``torch.distributed`` is initialised,
+                ``None`` fits on this process alone.
+
+        Raises:
+            ValueError: For a loader without ``dataset``, an empty loader, mismatched
+                targets, or a memory budget too small for one sample.
+        """
+        previous = None if override or self.H is None else self._fit_result()
+        module, to_inputs, params = self._curvature_target()
+        result = fit_lowrank_ggn(
+            module, self.likelihood, train_loader, self.options, params=params,
+            to_inputs=to_inputs, dict_key_y=self.dict_key_y, device=self._device,
+            previous=previous, process_group=process_group, progress_bar=progress_bar,
+        )
+        self.mean, self.H = result.mean, (result.eigenvectors, result.eigenvalues)
+        self.n_outputs, self.loss, self.n_data = result.n_outputs, result.loss, result.n_data
+        self.trace, self.residual_diagonal = result.trace, result.residual_diagonal
+        self.factor_backend_used, self.fit_path = result.factor_backend, result.fit_path
+        self.rank_bound, self._jacobian_exponent = result.rank_bound, result.jacobian_exponent
+        self._residual_model = None
+
+    def _fit_result(self) -> FitResult:
+        """The current fit as a :class:`FitResult` (what online updates add to)."""
+        U, lam = self.H
+        return FitResult(
+            mean=self.mean, eigenvectors=U, eigenvalues=lam, trace=self.trace,
+            residual_diagonal=self.residual_diagonal, loss=self.loss, n_data=self.n_data,
+            n_outputs=self.n_outputs, factor_backend=self.factor_backend_used,
+            fit_path=self.fit_path, rank_bound=self.rank_bound,
+            jacobian_exponent=self._jacobian_exponent,
+        )
+
+    @property
+    def jacobian_exponent(self) -> float:
+        """Exponent ``beta`` weighting the spectral residual's tail (see the residual module).
+
+        Fitted: the kept eigenvectors' Jacobian energies on the first ``probe_size``
+        training inputs against their eigenvalues. Settable (``0``: the plain mean over
+        random directions; ``1``: the training curvature's weighting).
+        """
+        return self._jacobian_exponent
+
+    @jacobian_exponent.setter
+    def jacobian_exponent(self, value: float) -> None:
+        value = float(value)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"jacobian_exponent must be finite and >= 0, got {value}.")
+        self._jacobian_exponent = value
+        self._residual_model = None
+
+    # ------------------------------------------------------------- persistence
+    def state_dict(self) -> dict:
+        """laplace-torch's state plus the exact GGN trace and the rank options."""
+        state = super().state_dict()
+        state.update(trace=self.trace, rank=self.rank, mc_samples=self.mc_samples,
+                     residual_diagonal=self.residual_diagonal, residual=self.residual.value,
+                     rank_bound=self.rank_bound, jacobian_exponent=self._jacobian_exponent)
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a fitted posterior.
+
+        Args:
+            state_dict: From :meth:`state_dict` of the same model type.
+
+        Raises:
+            ValueError: If the state belongs to another model or Laplace type.
+        """
+        super().load_state_dict(state_dict)
+        U = self.H[0]
+        expected = self._expected_dim()
+        if expected is not None and U.shape[0] != expected:
+            raise ValueError(
+                f"The saved eigenvectors have {U.shape[0]} rows but the model has "
+                f"{expected} Laplace parameters."
+            )
+        self.trace = state_dict.get("trace")
+        self.residual_diagonal = state_dict.get("residual_diagonal")
+        self.rank_bound = state_dict.get("rank_bound")
+        self._jacobian_exponent = float(state_dict.get("jacobian_exponent", 0.0))
+        saved = state_dict.get("residual", "diagonal" if self.residual_diagonal is not None
+                               else "none")
+        if saved != self.residual:
+            raise ValueError(
+                f"The state was fitted with residual={saved!r} but this object uses "
+                f"residual={self.residual!r}: construct it with residual={saved!r}."
+            )
+        self._residual_model = None
+
+
+class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
+    """Last-layer Laplace with the last layer's exact low-rank GGN.
+
+    Same options as :class:`LowRankGGNLaplace` plus laplace-torch's last-layer
+    arguments (``last_layer_name``, ``feature_reduction``).
+    """
+
+    _key = ("last_layer", "lowrank_ggn")
+
+    def __init__(self, model: nn.Module, likelihood: str, *args,
+                 diagonal_correction: Optional[bool] = None, **kwargs):
+        fields = LowRankOptions.__dataclass_fields__
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
+        super().__init__(model, likelihood, *args, **kwargs)
+        self._set_options(diagonal_correction, options)
+        self._check_backend()
+
+    def _expected_dim(self) -> Optional[int]:
+        last = getattr(self.model, "last_layer", None)
+        return None if last is None else sum(p.numel() for p in last.parameters())
+
+    def _curvature_target(self):
+        last = self.model.last_layer
+        extractor = self.model
+
+        def features(X):
+            with torch.no_grad():
+                return extractor.forward_with_features(X)[1].detach()
+
+        return nn.Sequential(last), features, list(last.parameters())
+
+    def _glm_predictive_distribution(self, X, joint: bool = False,
+                                     diagonal_output: bool = False):
+        return LLLaplace._glm_predictive_distribution(self, X, joint, diagonal_output)

@@ -1,0 +1,191 @@
+r"""laplace-torch's posterior interface, served from a stored low-rank fit.
+
+:class:`PosteriorQueries` is the half of
+:class:`~lowrank_laplace.laplace_torch.LowRankGGNLaplace` that answers questions
+about the fitted posterior ``P = U diag(ell) U^T + diag(d)`` (variances, samples, log
+det, Jacobian variances, the GLM predictive); the other half fits and stores. It
+reads only what laplace-torch's ``ParametricLaplace`` and the fit set: ``H``,
+``trace``, the prior and the residual model.
+
+Shape glossary:
+    D: Laplace parameters; r: kept rank; B: inputs; C: outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from lowrank_laplace.fitting.budget import dense_identity
+from lowrank_laplace.posterior import LowRankPrecision, Residual
+from lowrank_laplace.posterior.predictive import glm_predictive, prior_variance_weights
+from lowrank_laplace.utils.batches import to_device
+
+
+class PosteriorQueries:
+    """The posterior side of ``hessian_structure="lowrank_ggn"`` (a mixin).
+
+    Mixed into a laplace-torch ``ParametricLaplace`` subclass that sets ``H =
+    (U, lambda)``, ``trace``, ``rank_bound``, ``residual_diagonal``, the residual
+    options and ``_gram_cache`` when it fits.
+    """
+
+    @property
+    def kept_fraction(self) -> Tensor:
+        """Fraction of the exact GGN trace (total curvature) the kept rank holds."""
+        self._check_H_init()
+        return self.H[1].sum() / self.trace
+
+    @property
+    def posterior_precision(self) -> Tuple[Tuple[Tensor, Tensor], Tensor]:
+        """``((U, ell), d)`` with ``P = U diag(ell) U^T + diag(d)``, ``d`` of shape ``(D,)``.
+
+        The matrix whose inverse is the posterior covariance: the scaled kept
+        eigenvalues and the prior precision diagonal, both shifted by the residual
+        model (see :mod:`lowrank_laplace.posterior.residual`).
+        """
+        precision = self._precision()
+        d = precision.d
+        if d.numel() == 1:
+            d = d.expand(self.n_params).clone()
+        return (precision.U, precision.ell), d
+
+    @property
+    def residual_model(self) -> Residual:
+        """The fitted :class:`~lowrank_laplace.posterior.Residual` (the dropped curvature)."""
+        self._check_H_init()
+        if self._residual_model is None:
+            self._residual_model = Residual.from_fit(
+                self.residual, self.H[1], self.trace, self.n_params,
+                self.rank_bound or self.n_params, self.residual_diagonal,
+                self._jacobian_exponent,
+            )
+        return self._residual_model
+
+    def _precision(self) -> LowRankPrecision:
+        self._check_H_init()
+        prior = torch.as_tensor(self.prior_precision, device=self._device, dtype=self._dtype)
+        prior = prior.reshape(()) if prior.numel() == 1 else self.prior_precision_diag
+        return self.residual_model.precision(self.H[0], self.H[1], self._H_factor, prior,
+                                             self._gram_cache)
+
+    @property
+    def posterior_variance(self) -> Tensor:
+        """Marginal posterior variances ``diag(P^{-1})``, shape ``(D,)``, in ``O(D r)``."""
+        return self._precision().inverse_diagonal()
+
+    @property
+    def posterior_covariance(self) -> Tensor:
+        """The dense posterior covariance ``P^{-1}``, shape ``(D, D)`` (small models).
+
+        Raises:
+            ValueError: If the ``D x D`` matrix exceeds ``memory_budget``.
+        """
+        cov = self._precision().solve(self._dense_identity("posterior_covariance"))
+        return (cov + cov.T) / 2
+
+    @property
+    def posterior_scale(self) -> Tensor:
+        """A dense square root ``S`` of the covariance, ``S S^T = P^{-1}``, ``(D, D)``.
+
+        The map that :meth:`sample` applies to standard normal noise (symmetric for
+        a scalar prior without diagonal correction; not triangular, unlike
+        laplace-torch's full Cholesky factor).
+
+        Raises:
+            ValueError: If the ``D x D`` matrix exceeds ``memory_budget``.
+        """
+        return self._precision().sqrt_inv_matmul(self._dense_identity("posterior_scale"))
+
+    def _dense_identity(self, what: str) -> Tensor:
+        self._check_H_init()
+        return dense_identity(self.n_params, self._dtype, self._device, self.memory_budget,
+                              what)
+
+    @property
+    def log_det_posterior_precision(self) -> Tensor:
+        """``log det P`` by the determinant lemma (closed form for a scalar prior)."""
+        return self._precision().logdet()
+
+    def square_norm(self, value: Tensor) -> Tensor:
+        """``(value - mean)^T P (value - mean)``.
+
+        Args:
+            value: Parameter vector, shape ``(D,)``.
+
+        Returns:
+            Scalar tensor.
+        """
+        return self._precision().square_norm(value - self.mean)
+
+    def functional_variance(self, Js: Tensor) -> Tensor:
+        """``J P^{-1} J^T`` per input from explicit Jacobians.
+
+        Args:
+            Js: Jacobians, shape ``(B, C, D)``.
+
+        Returns:
+            Tensor of shape ``(B, C, C)``.
+        """
+        return self._precision().jacobian_variance(Js)
+
+    def functional_covariance(self, Js: Tensor) -> Tensor:
+        """Joint ``J P^{-1} J^T`` over all inputs and outputs from explicit Jacobians.
+
+        Args:
+            Js: Jacobians, shape ``(B, C, D)``.
+
+        Returns:
+            Tensor of shape ``(B C, B C)``.
+        """
+        return self._precision().jacobian_variance(Js.reshape(-1, Js.shape[-1]))
+
+    def sample_from_noise(self, eps: Tensor) -> Tensor:
+        """Posterior samples as a linear map of standard normal noise.
+
+        Args:
+            eps: Noise, shape ``(D, n)``.
+
+        Returns:
+            Samples ``mean + S eps`` with ``S S^T = P^{-1}``, shape ``(n, D)``.
+        """
+        return self.mean + self._precision().sqrt_inv_matmul(eps).T
+
+    def sample(self, n_samples: int = 100, generator: Optional[torch.Generator] = None) -> Tensor:
+        """Draw parameter samples from the posterior ``N(mean, P^{-1})``.
+
+        Args:
+            n_samples: Number of samples.
+            generator: Random number generator.
+
+        Returns:
+            Samples, shape ``(n_samples, D)``.
+        """
+        self._check_H_init()  # before n_params is used: a last layer is found by fit
+        eps = torch.randn(self.n_params, n_samples, device=self._device, dtype=self._dtype,
+                          generator=generator)
+        return self.sample_from_noise(eps)
+
+    # -------------------------------------------------------------- predictive
+    def _glm_predictive_distribution(self, X: Union[Tensor, MutableMapping],
+                                     joint: bool = False, diagonal_output: bool = False
+                                     ) -> Tuple[Tensor, Tensor]:
+        if self.enable_backprop:
+            return super()._glm_predictive_distribution(X, joint, diagonal_output)
+        precision = self._precision()
+        sizes = [p.numel() for p in self._curvature_target()[2]]
+        prior = torch.as_tensor(self.prior_precision)
+        per_layer = (self.residual != "diagonal" and prior.numel() == len(sizes)
+                     and prior.numel() != self.n_params)
+        weights = prior_variance_weights(precision, sizes, per_layer)
+        f_mu, f_var = glm_predictive(
+            self.model, to_device(X, self._device), precision, weights,
+            backend=self.factor_backend, joint=joint, memory_budget=self.memory_budget,
+            micro_batch_size=self.micro_batch_size,
+        )
+        if diagonal_output and not joint:
+            f_var = torch.diagonal(f_var, dim1=-2, dim2=-1)
+        return f_mu, f_var

@@ -1,0 +1,286 @@
+r"""Low-rank plus diagonal posterior precision: solves, log-determinants, samples.
+
+The posterior precision is :math:`P = U \mathrm{diag}(\ell) U^\top + P_0` with
+orthonormal :math:`U` (``D x r``), :math:`\ell > 0` and a diagonal prior
+:math:`P_0 = \mathrm{diag}(d)`. With :math:`W = U \mathrm{diag}(\ell)^{1/2}` and the
+``r x r`` capacitance matrix :math:`K = I + W^\top P_0^{-1} W` (Cholesky-factored once):
+
+* determinant lemma: :math:`\log\det P = \sum \log d + \log\det K`;
+* Woodbury: :math:`P^{-1} = P_0^{-1} - P_0^{-1} W K^{-1} W^\top P_0^{-1}`;
+* a square root :math:`S` with :math:`S S^\top = P^{-1}`: with the thin QR
+  :math:`P_0^{-1/2} W = Q R` and :math:`R R^\top = Y \mathrm{diag}(s) Y^\top`,
+  :math:`S = P_0^{-1/2}\,(I + Q Y (\mathrm{diag}(1+s)^{-1/2} - I) Y^\top Q^\top)`.
+
+For an isotropic prior :math:`d = \delta` everything is a closed form in the
+eigenvalues (``O(r)`` for the log-determinant), e.g.
+:math:`\log\det P = \sum_i \log(\ell_i + \delta) + (D - r)\log\delta`.
+Nothing costs ``O(D^2)``.
+
+Shape glossary:
+    D: parameters; r: rank; B: inputs; C: outputs; K: vectors.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lowrank_laplace.utils.linalg import eigh
+
+_ROWS = 2**18  # rows per chunk of D x r products with a diagonal
+
+
+def wide_gram(U: Tensor) -> Tensor:
+    """``U^T U`` in float64, over row chunks each cast on its own (no ``D x r`` copy).
+
+    Args:
+        U: Shape ``(D, r)``.
+
+    Returns:
+        Shape ``(r, r)``, float64.
+    """
+    gram = 0
+    for rows in U.split(_ROWS):
+        rows = rows.to(torch.float64)
+        gram = gram + rows.T @ rows
+    return gram
+
+
+class GramCache:
+    """``U^T U`` in float64 (:func:`wide_gram`), recomputed only for a new ``U``.
+
+    A weak reference and the tensor's version counter identify ``U``: a refit (new
+    tensor) or an in-place change (new version) recomputes, and the cache keeps no
+    old basis alive.
+    """
+
+    def __init__(self):
+        self._ref, self._version, self._gram = None, None, None
+
+    def __getstate__(self) -> dict:
+        """Pickle empty: the Gram matrix is derived, and a weak reference cannot be."""
+        return {"_ref": None, "_version": None, "_gram": None}
+
+    def get(self, U: Tensor) -> Tensor:
+        """The float64 Gram matrix of ``U``, shape ``(r, r)``."""
+        if self._ref is None or self._ref() is not U or self._version != U._version:
+            self._gram = wide_gram(U)
+            self._ref, self._version = weakref.ref(U), U._version
+        return self._gram
+
+
+class LowRankPrecision:
+    r"""The matrix :math:`P = U \mathrm{diag}(\ell) U^\top + \mathrm{diag}(d)`.
+
+    Args:
+        eigenvectors: Orthonormal ``U``, shape ``(D, r)``.
+        eigenvalues: ``ell > 0``, shape ``(r,)`` (already scaled by ``1/sigma^2/T``).
+        prior_precision: ``d`` as a scalar tensor (isotropic) or shape ``(D,)``.
+        logdet_offset: Added to :meth:`logdet` (a residual model whose
+            log-determinant is not that of this matrix, see
+            :mod:`lowrank_laplace.posterior.residual`); ``None`` for none.
+        gram_cache: A :class:`GramCache` kept across posteriors with the same ``U``
+            (e.g. by the Laplace object between predictive calls), so the float64
+            capacitance of an isotropic prior needs one pass over ``U`` in all;
+            ``None``: one of this posterior's own.
+    """
+
+    def __init__(self, eigenvectors: Tensor, eigenvalues: Tensor, prior_precision: Tensor,
+                 logdet_offset: Optional[Tensor] = None,
+                 gram_cache: Optional[GramCache] = None):
+        self.U = eigenvectors
+        self.gram_cache = gram_cache if gram_cache is not None else GramCache()
+        self.logdet_offset = logdet_offset
+        self.ell = eigenvalues
+        prior_precision = torch.as_tensor(prior_precision, dtype=eigenvectors.dtype,
+                                          device=eigenvectors.device)
+        self.isotropic = prior_precision.numel() == 1
+        self.d = prior_precision.reshape(()) if self.isotropic else prior_precision
+        self._chol: Optional[Tensor] = None
+        self._wide_chol: Optional[Tensor] = None
+        self._sqrt_parts = None
+
+    @property
+    def dim(self) -> int:
+        """Dimension ``D``."""
+        return self.U.shape[0]
+
+    def w_over_d(self) -> Tensor:
+        """``P_0^{-1} W`` (``D x r``), to contract with Jacobians."""
+        W = self.U * self.ell.sqrt()
+        return W / self.d if self.isotropic else W / self.d[:, None]
+
+    @property
+    def capacitance_cholesky(self) -> Tensor:
+        """Lower Cholesky factor of ``K = I + W^T P_0^{-1} W``, shape ``(r, r)``."""
+        if self._chol is None:
+            self._chol = self._capacitance_cholesky(self.U.dtype, orthonormal=self.isotropic)
+        return self._chol
+
+    @property
+    def wide_capacitance_cholesky(self) -> Tensor:
+        """Float64 Cholesky factor of ``K = I + W^T P_0^{-1} W`` from the actual ``U^T U``.
+
+        For float32 / float16 posteriors: the capacitance of :attr:`capacitance_cholesky`
+        assumes ``U^T U = I`` for a scalar prior, which rounding breaks by ~1e-7, enough
+        to swamp the small complement ``J (I - U U^T) J^T`` of a test point's Jacobian.
+        Formed over row chunks, each cast to float64 on its own (no ``D x r`` float64
+        copy).
+        """
+        if self._wide_chol is None:
+            self._wide_chol = self._capacitance_cholesky(torch.float64, orthonormal=False)
+        return self._wide_chol
+
+    def _capacitance_cholesky(self, dtype: torch.dtype, orthonormal: bool) -> Tensor:
+        """Cholesky factor of ``K`` in ``dtype``; ``orthonormal`` takes ``U^T U = I``."""
+        ell, d = self.ell.to(dtype), self.d.to(dtype)
+        if orthonormal:  # scalar prior: K = I + diag(ell / d)
+            K = torch.diag(ell / d)
+        elif self.isotropic:  # U^T U / d, U^T U from the (shared) float64 cache
+            s = ell.sqrt()
+            K = s[:, None] * self.gram_cache.get(self.U).to(dtype) / d * s[None, :]
+        else:  # U^T diag(1/d) U over row chunks: no D x r temporary
+            K = 0
+            for i, U in enumerate(self.U.split(_ROWS)):
+                U = U.to(dtype)
+                K = K + (U / d[i * _ROWS: i * _ROWS + U.shape[0], None]).T @ U
+            s = ell.sqrt()
+            K = s[:, None] * K * s[None, :]
+        K = K + torch.eye(K.shape[0], dtype=K.dtype, device=K.device)
+        return torch.linalg.cholesky(K)
+
+    def logdet(self) -> Tensor:
+        """``log det P`` by the matrix determinant lemma (plus ``logdet_offset``)."""
+        if self.isotropic:
+            r = self.ell.numel()
+            out = torch.log(self.ell + self.d).sum() + (self.dim - r) * torch.log(self.d)
+        else:
+            chol = self.capacitance_cholesky
+            out = torch.log(self.d).sum() + 2 * torch.log(chol.diagonal()).sum()
+        return out if self.logdet_offset is None else out + self.logdet_offset
+
+    def inverse_diagonal(self) -> Tensor:
+        """``diag(P^{-1})`` by the Woodbury identity, ``O(D r)`` (no ``D x D`` matrix).
+
+        Returns:
+            Tensor of shape ``(D,)``.
+        """
+        if self.isotropic:
+            coeff = 1 / (self.ell + self.d) - 1 / self.d
+            return (self.U**2) @ coeff + 1 / self.d
+        # P^{-1} = P_0^{-1} - A K^{-1} A^T with A = P_0^{-1} W, K = L L^T: the diagonal
+        # subtracts the squared column norms of L^{-1} A^T, over row chunks
+        chol, root = self.capacitance_cholesky, self.ell.sqrt()
+        parts = []
+        for U, d in zip(self.U.split(_ROWS), self.d.split(_ROWS)):
+            half = torch.linalg.solve_triangular(chol, ((U * root) / d[:, None]).T, upper=False)
+            parts.append(1 / d - (half**2).sum(0))
+        return torch.cat(parts)
+
+    def matmul(self, x: Tensor) -> Tensor:
+        """``P x``.
+
+        Args:
+            x: Shape ``(D,)`` or ``(D, K)``.
+
+        Returns:
+            Tensor of the same shape.
+        """
+        x2 = x if x.ndim == 2 else x[:, None]
+        d = self.d if self.isotropic else self.d[:, None]
+        out = self.U @ (self.ell[:, None] * (self.U.T @ x2)) + d * x2
+        return out if x.ndim == 2 else out[:, 0]
+
+    def solve(self, x: Tensor) -> Tensor:
+        """``P^{-1} x`` by the Woodbury identity.
+
+        Args:
+            x: Shape ``(D,)`` or ``(D, K)``.
+
+        Returns:
+            Tensor of the same shape.
+        """
+        x2 = x if x.ndim == 2 else x[:, None]
+        if self.isotropic:
+            coeff = 1 / (self.ell + self.d) - 1 / self.d
+            out = x2 / self.d + self.U @ (coeff[:, None] * (self.U.T @ x2))
+        else:
+            wd = self.w_over_d()
+            inner = torch.cholesky_solve(wd.T @ x2, self.capacitance_cholesky)
+            out = x2 / self.d[:, None] - wd @ inner
+        return out if x.ndim == 2 else out[:, 0]
+
+    def square_norm(self, delta: Tensor) -> Tensor:
+        """``delta^T P delta``.
+
+        Args:
+            delta: Shape ``(D,)``.
+
+        Returns:
+            Scalar tensor.
+        """
+        return delta @ self.matmul(delta)
+
+    def sqrt_inv_matmul(self, eps: Tensor) -> Tensor:
+        """Apply a square root ``S`` of ``P^{-1}`` (``S S^T = P^{-1}``) to given noise.
+
+        Sampling is a linear map of the noise the caller passes, so ``S S^T`` can be
+        tested against ``P^{-1}`` exactly.
+
+        Args:
+            eps: Shape ``(D,)`` or ``(D, K)``.
+
+        Returns:
+            Tensor of the same shape.
+        """
+        x = eps if eps.ndim == 2 else eps[:, None]
+        if self.isotropic:
+            coeff = 1 / (self.ell + self.d).sqrt() - 1 / self.d.sqrt()
+            out = x / self.d.sqrt() + self.U @ (coeff[:, None] * (self.U.T @ x))
+        else:
+            if self._sqrt_parts is None:
+                d_sqrt = self.d.sqrt()
+                Q, R = torch.linalg.qr((self.U * self.ell.sqrt()) / d_sqrt[:, None])
+                s, Y = eigh(R @ R.T)
+                QY = Q @ Y
+                self._sqrt_parts = (d_sqrt, QY, 1 / (1 + s.clamp(min=0)).sqrt() - 1)
+            d_sqrt, QY, coeff = self._sqrt_parts
+            out = (x + QY @ (coeff[:, None] * (QY.T @ x))) / d_sqrt[:, None]
+        return out if eps.ndim == 2 else out[:, 0]
+
+    def jacobian_variance(self, Js: Tensor) -> Tensor:
+        """``J P^{-1} J^T`` from explicit Jacobians.
+
+        Args:
+            Js: Jacobians, shape ``(..., C, D)``.
+
+        Returns:
+            Tensor of shape ``(..., C, C)``.
+        """
+        return self.functional_variance((Js / self.d) @ Js.transpose(-1, -2),
+                                        Js @ self.w_over_d())
+
+    def functional_variance(self, jdj: Tensor, jdw: Tensor) -> Tensor:
+        r"""``J P^{-1} J^T`` from ``J P_0^{-1} J^T`` and ``J P_0^{-1} W``.
+
+        The difference cancels when ``J`` lies mostly in ``span(U)``: given float64
+        products of a lower-precision posterior, it is formed in float64 with
+        :attr:`wide_capacitance_cholesky` (no orthonormality assumed).
+
+        Args:
+            jdj: ``J P_0^{-1} J^T``, shape ``(..., C, C)``.
+            jdw: ``J P_0^{-1} W`` with :math:`W = U\mathrm{diag}(\ell)^{1/2}`,
+                shape ``(..., C, r)``.
+
+        Returns:
+            Tensor of shape ``(..., C, C)``, in the dtype of ``jdw``.
+        """
+        wide = jdw.dtype == torch.float64 and self.U.dtype != torch.float64
+        chol = self.wide_capacitance_cholesky if wide else self.capacitance_cholesky
+        flat = jdw.reshape(-1, jdw.shape[-1]).T  # (r, ...C)
+        half = torch.linalg.solve_triangular(chol, flat, upper=False)
+        half = half.T.reshape(jdw.shape)
+        return jdj - half @ half.transpose(-1, -2)

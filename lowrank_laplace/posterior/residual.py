@@ -1,0 +1,266 @@
+r"""Models of the curvature a rank-``r`` truncation drops.
+
+The fit keeps the leading eigenpairs :math:`U \mathrm{diag}(\lambda) U^\top` of the GGN
+sum :math:`H` and knows the dropped curvature's total exactly: the *residual mass*
+:math:`T = \mathrm{tr}(H) - \sum_i \lambda_i`. Leaving the residual
+:math:`R = H - U \mathrm{diag}(\lambda) U^\top` out (``"none"``) gives the
+``D - r`` dropped directions the prior variance only, and its log-determinant, in
+which only ``r`` eigenvalues depend on the prior precision, drives the marginal
+likelihood towards weak priors. The models, each one consistent posterior:
+
+``"spectral"`` (default)
+    The dropped eigenvalues follow a power law that continues the kept spectrum,
+    :math:`\tilde\lambda_i = \lambda_r (i / r)^{-\alpha}` for
+    :math:`i = r+1 \dots n`, with :math:`\alpha` fixed by the exact mass
+    :math:`\sum_i \tilde\lambda_i = T` and :math:`n` the GGN's rank bound
+    (``min(D, N x columns per sample)``). Their eigenvectors are unknown, so they are
+    taken at random in the complement of ``U``: every member of that family has the
+    same :math:`\log\det P` (used by the marginal likelihood; exact for a scalar
+    prior, per-layer / per-parameter priors evaluate the tail at their mean). The
+    covariance is the kept part plus the complement with one variance
+    :math:`v = \sum_i w_i / (h \tilde\lambda_i + \delta) / \sum_i w_i`, the
+    tail's variances weighted by how much of an input's Jacobian falls in each
+    direction. That weight is measured on the kept eigenpairs and extrapolated: the
+    fit computes the Jacobian energies :math:`e_k = \sum_n \|J_n u_k\|^2` of the
+    kept eigenvectors on a probe of training inputs, fits
+    :math:`e_k \propto \lambda_k^\beta` (least squares in log-log, clamped to
+    :math:`0 \le \beta \le 1`) and takes :math:`w_i = \tilde\lambda_i^\beta`.
+    :math:`\beta = 0` is the plain mean over random directions (every direction
+    equally likely to be seen), :math:`\beta = 1` the weighting of the training
+    set's own curvature, under which the model reproduces the training points'
+    curvature-weighted predictive variance. The random-direction mean (``beta=0``) is
+    much too wide at ranks of a few percent of ``D``, because inputs' Jacobians load
+    on the large tail eigenvalues, not on the prior-only directions.
+``"isotropic"``
+    :math:`R \approx \rho (I - U U^\top)` with :math:`\rho = T / (D - r)`, the mean
+    dropped eigenvalue (probabilistic PCA's noise term).
+``"diagonal"``
+    :math:`R \approx \mathrm{diag}(H) - \mathrm{diag}(U \mathrm{diag}(\lambda) U^\top)`,
+    the exact diagonal of the residual (the fit tracks the GGN diagonal).
+``"none"``
+    :math:`R = 0` (laplace-torch's plain low-rank semantics).
+
+The isotropic and spectral models enter the algebra of
+:class:`~lowrank_laplace.posterior.LowRankPrecision` as a shift,
+:math:`P = U \mathrm{diag}(h\lambda - \rho) U^\top + (P_0 + \rho I)`, plus (spectral)
+a log-determinant offset; nothing costs more than the model without residual.
+Why the spectral model is the default: a flat residual overstates
+:math:`\log\det(R + \delta I)` of a decaying tail (by Jensen's inequality), so the
+marginal likelihood of the isotropic and diagonal models overshoots the prior
+precision (sklearn digits MLP, rank 100: +36% and +30% against the full GGN's,
+spectral +11%); with the Jacobian weighting its predictive is also the closest to the
+full GGN's at the default rank (test NLL +2.6% on digits, +3.1% on a diabetes
+regression MLP). See the posterior-quality page of the docs.
+
+Shape glossary:
+    D: parameters; r: kept rank; n: rank bound of the GGN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lowrank_laplace.posterior.precision import GramCache, LowRankPrecision
+from lowrank_laplace.utils.checks import Choice
+
+
+class ResidualKind(Choice):
+    """The residual models (the ``residual`` option)."""
+
+    SPECTRAL = "spectral"
+    ISOTROPIC = "isotropic"
+    DIAGONAL = "diagonal"
+    NONE = "none"
+
+
+#: The residual models' names.
+RESIDUALS = tuple(m.value for m in ResidualKind)
+DEFAULT_RESIDUAL = "spectral"
+
+
+def check_residual(residual: str) -> ResidualKind:
+    """Validate a residual model's name.
+
+    Args:
+        residual: One of :data:`RESIDUALS`.
+
+    Returns:
+        The model.
+
+    Raises:
+        ValueError: For anything else.
+    """
+    return ResidualKind.parse(residual, "residual")
+
+
+def power_law_tail(anchor: float, mass: float, start: int, count: int) -> Tensor:
+    r"""Eigenvalues :math:`a (i / s)^{-\alpha}`, :math:`i = s+1 \dots s+n`, summing to ``mass``.
+
+    The exponent is found by bisection (the sum falls monotonically in
+    :math:`\alpha`). A mass the flat continuation (:math:`\alpha = 0`) cannot reach
+    is spread evenly instead.
+
+    Args:
+        anchor: The last kept eigenvalue ``a`` (``lambda_r``), ``>= 0``.
+        mass: The total the tail must hold, ``>= 0``.
+        start: The last kept index ``s = r >= 1``.
+        count: Number of tail eigenvalues ``n >= 0``.
+
+    Returns:
+        Float64 tensor of shape ``(count,)``, non-increasing.
+    """
+    if count <= 0:
+        return torch.zeros(0, dtype=torch.float64)
+    if mass <= 0 or anchor <= 0:
+        return torch.full((count,), max(mass, 0.0) / count, dtype=torch.float64)
+    log_ratio = torch.log(torch.arange(start + 1, start + count + 1, dtype=torch.float64) / start)
+    if anchor * count <= mass:
+        return torch.full((count,), mass / count, dtype=torch.float64)
+    lo, hi = 0.0, 1.0
+    while float((anchor * torch.exp(-hi * log_ratio)).sum()) > mass:
+        lo, hi = hi, 2 * hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if float((anchor * torch.exp(-mid * log_ratio)).sum()) > mass:
+            lo = mid
+        else:
+            hi = mid
+    return anchor * torch.exp(-hi * log_ratio)
+
+
+def jacobian_exponent(eigenvalues: Tensor, energies: Tensor) -> float:
+    r"""The exponent :math:`\beta` of :math:`e_k \propto \lambda_k^\beta`, clamped to ``[0, 1]``.
+
+    Least squares of :math:`\log e_k` on :math:`\log \lambda_k` with an intercept,
+    over the pairs where both are positive (eigenvalues above ``1e-12`` of the
+    largest). Fewer than two such pairs, or eigenvalues that are all equal, give 0.
+
+    Args:
+        eigenvalues: Kept GGN eigenvalues ``lambda``, shape ``(r,)``.
+        energies: Jacobian energies ``e_k = sum_n ||J_n u_k||^2`` of the kept
+            eigenvectors, shape ``(r,)``.
+
+    Returns:
+        ``beta`` as a float.
+    """
+    lam = eigenvalues.detach().to(torch.float64).cpu()
+    energy = energies.detach().to(torch.float64).cpu()
+    if lam.numel() == 0:
+        return 0.0
+    valid = (lam > 1e-12 * lam.max().clamp(min=0)) & (energy > 0) & (lam > 0)
+    x, y = lam[valid].log(), energy[valid].log()
+    if x.numel() < 2 or float(x.max() - x.min()) < 1e-9:
+        return 0.0
+    x = x - x.mean()
+    beta = float((x * (y - y.mean())).sum() / (x * x).sum())
+    return min(max(beta, 0.0), 1.0)
+
+
+@dataclass
+class Residual:
+    """What a residual model needs of a fit, on the GGN's own scale (before ``1/sigma^2/T``).
+
+    Attributes:
+        model: One of :data:`RESIDUALS`.
+        dim: Number of parameters ``D``.
+        mass: The exact dropped curvature ``tr(H) - sum(lambda)`` (``>= 0``).
+        diagonal: Residual diagonal, shape ``(D,)`` (``"diagonal"`` only).
+        tail: Modelled dropped eigenvalues, shape ``(n - r,)`` (``"spectral"`` only).
+        exponent: Jacobian-weighting exponent ``beta`` of the spectral covariance.
+    """
+
+    model: ResidualKind
+    dim: int
+    mass: float
+    diagonal: Optional[Tensor] = None
+    tail: Optional[Tensor] = None
+    exponent: float = 0.0
+
+    @classmethod
+    def from_fit(cls, model: str, eigenvalues: Tensor, trace: Tensor, dim: int,
+                 rank_bound: int, diagonal: Optional[Tensor] = None,
+                 exponent: float = 0.0) -> "Residual":
+        """Build the model's quantities from a fit.
+
+        Args:
+            model: One of :data:`RESIDUALS`.
+            eigenvalues: Kept eigenvalues ``lambda`` (descending), shape ``(r,)``.
+            trace: Exact trace of ``H``.
+            dim: Number of parameters ``D``.
+            rank_bound: Upper bound on the rank of ``H`` (e.g. ``N (C - 1)``).
+            diagonal: The residual diagonal (needed by ``"diagonal"``).
+            exponent: The spectral model's Jacobian-weighting exponent ``beta``
+                (see :func:`jacobian_exponent`).
+
+        Returns:
+            The residual.
+
+        Raises:
+            ValueError: For ``"diagonal"`` without the residual diagonal.
+        """
+        model = check_residual(model)
+        rank = eigenvalues.numel()
+        mass = max(float(trace) - float(eigenvalues.sum()), 0.0)
+        if model == "diagonal" and diagonal is None:
+            raise ValueError(
+                "residual='diagonal' needs the residual diagonal, which this fit did not "
+                "keep: refit with residual='diagonal'."
+            )
+        tail = None
+        if model == "spectral":
+            count = min(max(int(rank_bound), rank), dim) - rank
+            if count == 0 and mass > 0:  # a bound that cannot hold the mass: spread it
+                count = dim - rank
+            anchor = float(eigenvalues[-1]) if rank else 0.0
+            tail = power_law_tail(anchor, mass, max(rank, 1), count)
+        return cls(model, dim, mass, diagonal if model == "diagonal" else None, tail,
+                   float(exponent))
+
+    def precision(self, eigenvectors: Tensor, eigenvalues: Tensor, scale: Tensor,
+                  prior: Tensor, gram_cache: Optional[GramCache] = None) -> LowRankPrecision:
+        r"""The posterior precision with this residual.
+
+        Args:
+            eigenvectors: Kept ``U``, shape ``(D, r)``.
+            eigenvalues: Kept ``lambda``, shape ``(r,)``.
+            scale: ``h = 1 / sigma^2 / T`` (laplace-torch's ``_H_factor``); may carry
+                gradients.
+            prior: Prior precision ``d``: a scalar tensor or shape ``(D,)``; may carry
+                gradients.
+            gram_cache: Passed on to
+                :class:`~lowrank_laplace.posterior.LowRankPrecision`.
+
+        Returns:
+            The :class:`~lowrank_laplace.posterior.LowRankPrecision`.
+        """
+        ell = scale * eigenvalues
+        dim, rank = self.dim, eigenvalues.numel()
+        if self.model == "none" or dim == rank:
+            return LowRankPrecision(eigenvectors, ell, prior, gram_cache=gram_cache)
+        if self.model == "diagonal":
+            diag = self.diagonal.to(ell.dtype)
+            return LowRankPrecision(eigenvectors, ell, prior + scale * diag, gram_cache=gram_cache)
+        num = dim - rank
+        if self.model == "isotropic":
+            rho = scale * self.mass / num
+            offset = None
+        else:
+            delta = prior if prior.numel() == 1 else prior.mean()
+            tail = scale * self.tail.to(device=ell.device, dtype=ell.dtype)
+            zeros = num - tail.numel()
+            # 1 / v - delta = delta m / (1 - m) with m the weighted mean of t / (t + delta)
+            if self.exponent > 0 and tail.numel() and float(self.tail[0]) > 0:
+                weight = (self.tail / self.tail[0]) ** self.exponent  # zeros weigh 0
+                weight = weight.to(device=ell.device, dtype=ell.dtype)
+                frac = (weight * tail / (tail + delta)).sum() / weight.sum()
+            else:  # uniform over every dropped direction, the rank bound's zeros too
+                frac = (tail / (tail + delta)).sum() / num
+            rho = delta * frac / (1 - frac)
+            tail_logdet = torch.log(tail + delta).sum() + zeros * torch.log(delta)
+            offset = tail_logdet - num * torch.log(rho + delta)
+        return LowRankPrecision(eigenvectors, (ell - rho).clamp(min=0), prior + rho,
+                                logdet_offset=offset, gram_cache=gram_cache)

@@ -1,0 +1,1 @@
+"""Helpers every stage shares: input validation, batches and devices, small linear algebra."""

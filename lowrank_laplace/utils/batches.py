@@ -1,0 +1,138 @@
+"""Batches and devices: sizes and slices of tensor or dict batches, free memory.
+
+A batch is a tensor of ``N`` samples or a dict (laplace-torch's Hugging Face batches)
+whose tensors with ``N`` rows are split per sample.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+
+def batch_size(inputs: Any) -> int:
+    """Number of samples of a tensor or dict batch.
+
+    Args:
+        inputs: A tensor ``(N, ...)`` or a dict batch (its first tensor with a
+            batch axis gives ``N``).
+
+    Returns:
+        ``N``.
+    """
+    if isinstance(inputs, Tensor):
+        return inputs.shape[0] if inputs.ndim else 0
+    sizes = [v.shape[0] for v in inputs.values() if isinstance(v, Tensor) and v.ndim]
+    return sizes[0] if sizes else 0
+
+
+def take(inputs: Any, index: Any, n: Optional[int] = None) -> Any:
+    """Select samples of a tensor or dict batch.
+
+    Args:
+        inputs: A tensor ``(N, ...)`` or a dict batch.
+        index: A slice or index tensor/list along the batch axis.
+        n: The batch size (entries of a dict with another leading size are kept
+            whole); ``None`` uses :func:`batch_size`.
+
+    Returns:
+        The selected samples, of the same type as ``inputs``.
+    """
+    if isinstance(inputs, Tensor):
+        return inputs[index]
+    n = batch_size(inputs) if n is None else n
+    out = copy.copy(inputs)
+    for key, value in inputs.items():
+        if isinstance(value, Tensor) and value.ndim and value.shape[0] == n:
+            out[key] = value[index]
+    return out
+
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes that can still be allocated on a device.
+
+    Args:
+        device: The device.
+
+    Returns:
+        CUDA: the driver's free memory; CPU: ``MemAvailable`` of ``/proc/meminfo``
+        (free plus reclaimable page cache), or the free physical pages where that
+        file does not exist.
+    """
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def parse_memory(budget: Any) -> Any:
+    """Turn a memory size with a unit (``"1GB"``, ``"512 MiB"``) into bytes.
+
+    Args:
+        budget: A string with a unit, or anything else (returned unchanged).
+
+    Returns:
+        Bytes as ``int`` for a string, else ``budget``.
+
+    Raises:
+        ValueError: For a string that is not a number with a unit.
+    """
+    if not isinstance(budget, str):
+        if budget is not None and (isinstance(budget, bool)
+                                   or not isinstance(budget, (int, float))):
+            raise ValueError(f"memory_budget must be bytes, a fraction or e.g. '2GiB', "
+                             f"got {budget!r}.")
+        return budget
+    text = budget.strip().lower().replace(" ", "")
+    number = text.rstrip("kmgtib")
+    unit = text[len(number):] or "b"
+    try:
+        return int(float(number) * _UNITS[unit])
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"memory_budget {budget!r} is not a size: use bytes (int), a fraction of "
+            "free memory (float in (0, 1]) or a string such as '512MB' or '2GiB'."
+        ) from None
+
+
+def to_device(inputs: Any, device: torch.device) -> Any:
+    """Move a tensor or the tensors of a dict batch to a device.
+
+    Args:
+        inputs: A tensor or a dict batch.
+        device: The target device.
+
+    Returns:
+        The moved batch, of the same type.
+    """
+    if isinstance(inputs, Tensor):
+        return inputs.to(device)
+    out = copy.copy(inputs)
+    for key, value in inputs.items():
+        if isinstance(value, Tensor):
+            out[key] = value.to(device)
+    return out
+
+
+def batch_device(inputs: Any) -> torch.device:
+    """The device of a tensor or dict batch (its first tensor; CPU if none)."""
+    if isinstance(inputs, Tensor):
+        return inputs.device
+    for value in inputs.values():
+        if isinstance(value, Tensor):
+            return value.device
+    return torch.device("cpu")

@@ -1,0 +1,81 @@
+"""The fit's plan: decided once, frozen, and the solver it names."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.fitting.dense import DenseSum
+from lowrank_laplace.fitting.plan import make_solver, plan_fit
+from lowrank_laplace.fitting.sketch import SketchMerge
+from lowrank_laplace.fitting.streaming import StreamingMerge
+
+TOL = dict(rtol=1e-10, atol=1e-12)
+
+
+def _engine_and_batch(n=32, width=6):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, width), nn.Tanh(), nn.Linear(width, 4)).double()
+    X = torch.randn(n, 5, dtype=torch.float64)
+    return FactorEngine(model, nn.CrossEntropyLoss(reduction="sum"), eval_mode=True), X
+
+
+def _plan(engine, X, **kwargs):
+    args = dict(batch_size=len(X), num_data=4 * len(X), keep=12, mc_samples=0,
+                subsample_fraction=None, memory_budget=None, micro_batch_size=None,
+                low_memory=False, solver="streaming", dense_max_dim=0)
+    args.update(kwargs)
+    engine.compute(X[:1], torch.zeros(1, dtype=torch.long))  # outputs known, as at a fit
+    return plan_fit(engine, X, **args)
+
+
+def test_the_plan_is_frozen_and_names_its_solver():
+    engine, X = _engine_and_batch()
+    with engine:
+        plan = _plan(engine, X)
+        dense = _plan(engine, X, dense_max_dim=2048)
+        sketch = _plan(engine, X, solver="sketch", micro_batch_size=2)
+    assert plan.path == "streaming" and dense.path == "dense" and sketch.path == "sketch"
+    assert plan.dim == 5 * 6 + 6 + 6 * 4 + 4 and plan.micro >= 1 and plan.chunk >= 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.path = "dense"
+    assert isinstance(make_solver(plan, 10, 2, False), StreamingMerge)
+    assert isinstance(make_solver(dense, 10, 2, False), DenseSum)
+    assert isinstance(make_solver(sketch, 10, 2, False), SketchMerge)
+    # few parameters per kept eigenpair: explicit rotations, not lazy updates
+    assert not plan.lazy and make_solver(plan, 10, 2, False).lazy is False
+
+
+def test_a_sketch_that_one_streaming_merge_covers_streams():
+    engine, X = _engine_and_batch()
+    with engine:
+        plan = _plan(engine, X, solver="sketch", num_data=len(X))
+    assert plan.path == "streaming"
+
+
+def test_dense_plans_drop_low_memory():
+    engine, X = _engine_and_batch()
+    with engine:
+        plan = _plan(engine, X, dense_max_dim=2048, low_memory=True)
+    assert plan.path == "dense" and not plan.low_memory
+
+
+def test_dense_sum_adds_lowrank_curvature_exactly():
+    torch.manual_seed(1)
+    Q, _ = torch.linalg.qr(torch.randn(9, 4, dtype=torch.float64))
+    lam = torch.tensor([4.0, 3.0, 2.0, 1.0], dtype=torch.float64)
+    V = torch.randn(9, 3, dtype=torch.float64)
+    solver = DenseSum(rank=9, track_diagonal=True)
+    solver.add_lowrank(Q, lam, lam.sum())
+    solver.add_lowrank(V, torch.ones(3, dtype=torch.float64), (V**2).sum())
+    U, evals, trace, residual = solver.result()
+    H = Q @ torch.diag(lam) @ Q.T + V @ V.T
+    torch.testing.assert_close(U @ torch.diag(evals) @ U.T, H, **TOL)
+    torch.testing.assert_close(trace, H.trace(), **TOL)
+    torch.testing.assert_close(residual, torch.zeros(9, dtype=torch.float64), rtol=0,
+                               atol=1e-12)
+    with pytest.raises(RuntimeError, match="already eigendecomposed"):
+        solver.add_lowrank(Q, lam, lam.sum())
+
