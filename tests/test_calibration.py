@@ -2,7 +2,7 @@
 
 import pytest
 
-from lowrank_laplace import calibration
+from lowrank_laplace.toolkit import calibration, options, posteriors, training
 
 ENTRY = {"in_distribution": {"accuracy": 0.9, "nll": 0.3, "ece": 0.02, "mce": 0.1,
                              "brier": 0.15, "confidence": 0.88},
@@ -58,6 +58,27 @@ def test_marglik_prior_full_matches_laplace_torch():
         la.fit(DataLoader(TensorDataset(X, y), batch_size=20))
     finally:
         torch.set_default_dtype(old)
-    ours = calibration.marglik_prior_full(la)
+    ours = posteriors.marglik_prior_full(la)
     la.optimize_prior_precision(method="marglik")
     assert ours == pytest.approx(float(la.prior_precision), rel=1e-6)
+
+
+def test_names_moved_out_of_calibration_are_still_there():
+    assert calibration.CalibrationConfig is options.CalibrationConfig
+    assert calibration.UserError is options.UserError
+    assert calibration.LAPLACE_METHODS is options.LAPLACE_METHODS
+    assert calibration.default_methods is options.default_methods
+    assert calibration.make_cnn is training.make_cnn
+    assert calibration.marglik_prior_full is posteriors.marglik_prior_full
+
+
+def test_posterior_info_and_map_predictor():
+    import torch
+
+    assert posteriors.posterior_info(None) == {}
+    model = torch.nn.Linear(3, 4)
+    X = torch.randn(10, 3)
+    probs = posteriors.predict_batched(posteriors.make_predictor("map", model, None), X, 4,
+                                       torch.device("cpu"))
+    assert probs.shape == (10, 4)
+    assert torch.allclose(probs, torch.softmax(model(X), -1).detach())

@@ -8,8 +8,8 @@ import warnings
 import pytest
 import torch
 
-from lowrank_laplace import calibration, cli
-from lowrank_laplace.cli import build_parser, main
+from lowrank_laplace.toolkit import calibration, cli, options, rank_study, spectrum_demo
+from lowrank_laplace.toolkit.cli import build_parser, main
 
 TINY = ["spectrum", "--epochs", "0", "--batch-size", "24", "--top-k", "3", "--model", "mlp"]
 
@@ -76,9 +76,9 @@ def test_numeric_nonsense_exits_2_before_any_work(command, option, value, capsys
     def no_work(*args, **kwargs):
         raise AssertionError("work started before the options were checked")
 
-    monkeypatch.setattr(cli, "_digits", no_work)
+    monkeypatch.setattr(spectrum_demo, "load_digits", no_work)
     monkeypatch.setattr(calibration, "run", no_work)
-    monkeypatch.setattr(cli.rank_study, "run", no_work)
+    monkeypatch.setattr(rank_study, "run", no_work)
     assert main([command, f"{option}={value}", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"lowrank-laplace {command}: error")
@@ -123,7 +123,7 @@ def test_spectrum_out_checked_before_computing(tmp_path, capsys, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("trained before checking --out")
 
-    monkeypatch.setattr(cli, "_train", no_training)
+    monkeypatch.setattr(spectrum_demo, "train", no_training)
     blocker = tmp_path / "file"
     blocker.write_text("x")
     assert main(TINY + ["--out", str(blocker / "sub")]) == 2
@@ -149,8 +149,14 @@ def test_library_import_keeps_warning_filters():
     code = ("import warnings, torch, numpy, scipy, sklearn, backpack, torchmetrics\n"
             "import matplotlib.pyplot, laplace\n"
             "before = list(warnings.filters)\n"
-            "import lowrank_laplace, lowrank_laplace.cli, lowrank_laplace.calibration\n"
+            "import lowrank_laplace, lowrank_laplace.toolkit.cli\n"
+            "import lowrank_laplace.toolkit.calibration\n"
             "assert warnings.filters == before, [f for f in warnings.filters if f not in before]\n")
+    _run_python(code)
+
+
+def _run_python(code: str) -> None:
+    """Run ``code`` in a fresh interpreter and check that it succeeds."""
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
@@ -196,6 +202,26 @@ def test_python_dash_m():
     assert "spectrum" in proc.stdout
 
 
+def test_parsing_imports_no_command():
+    # --help and argument errors need the parser only: the commands' modules are
+    # imported when a command runs
+    code = ("import sys\n"
+            "from lowrank_laplace.toolkit.cli import main\n"
+            "assert main(['calibrate', '--rank', '0']) == 2\n"
+            "assert main(['rank-study', '--help']) == 0\n"
+            "names = ('calibration', 'rank_study', 'spectrum_demo', 'posteriors', 'training')\n"
+            "loaded = [n for n in names if 'lowrank_laplace.toolkit.' + n in sys.modules]\n"
+            "assert not loaded, loaded\n")
+    _run_python(code)
+
+
+def test_residual_names_match_the_library():
+    from lowrank_laplace.posterior.residual import RESIDUALS
+
+    assert options.RESIDUAL_MODELS == RESIDUALS
+    assert build_parser().parse_args(["rank-study"]).residuals == ",".join(RESIDUALS)
+
+
 CAL = ["calibrate", "--dataset", "digits", "--epochs", "1", "--n-train", "300", "--n-test", "80",
        "--rank", "20", "--angles", "0,45"]
 SCHEMA_ID = {"accuracy", "nll", "ece", "mce", "brier", "confidence"}
@@ -211,7 +237,7 @@ def test_calibrate_end_to_end(tmp_path, capsys):
     captured = capsys.readouterr()
     out, err = captured.out, captured.err
     assert out.startswith("method ") and "lowrank_ggn_all" in out and "ECE under rotation" in out
-    from lowrank_laplace.calibration import default_methods
+    from lowrank_laplace.toolkit.calibration import default_methods
 
     count = len(default_methods("digits"))
     assert "training epoch 1/1" in err and f"[{count}/{count}] diag_all" in err
@@ -220,7 +246,7 @@ def test_calibrate_end_to_end(tmp_path, capsys):
     for plot in ("shift_ece.png", "shift_accuracy.png"):
         assert (tmp_path / plot).stat().st_size > 2000
     report = json.loads((tmp_path / "calibration.json").read_text())
-    from lowrank_laplace.calibration import METHODS
+    from lowrank_laplace.toolkit.calibration import METHODS
 
     assert set(report["methods"]) == set(METHODS)  # full_all included on digits
     for name, m in report["methods"].items():

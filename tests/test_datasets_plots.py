@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lowrank_laplace import datasets, plots
+from lowrank_laplace.toolkit import datasets, plots
 
 
 def test_image_splits_are_seeded_and_disjoint():
@@ -70,7 +70,7 @@ def _labels(fig):
 
 
 def test_reliability_diagram_labels_and_ece():
-    from lowrank_laplace import metrics
+    from lowrank_laplace.toolkit import metrics
 
     torch.manual_seed(0)
     logits = 3 * torch.randn(400, 10)

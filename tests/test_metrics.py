@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lowrank_laplace import metrics
+from lowrank_laplace.toolkit import metrics
 
 PROBS = torch.tensor([[0.9, 0.05, 0.05], [0.2, 0.7, 0.1], [0.4, 0.35, 0.25], [0.1, 0.1, 0.8]])
 TARGETS = torch.tensor([0, 2, 0, 2])

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from lowrank_laplace import calibration, rank_study
-from lowrank_laplace.cli import main
+from lowrank_laplace.toolkit import calibration, rank_study
+from lowrank_laplace.toolkit.cli import main
 
 STUDY = ["rank-study", "--dataset", "digits", "--epochs", "2", "--n-train", "300",
          "--n-test", "80", "--ranks", "4,40", "--angles", "45",

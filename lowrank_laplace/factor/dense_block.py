@@ -22,14 +22,15 @@ def _symmetrized(square: Tensor) -> Tensor:
     return (square + square.T) / 2
 
 
-#: ``B^T y`` is formed as ``(y^T B)^T`` for wide blocks (``d >= _WIDE_COLUMNS``) with many rows
-#: for few columns of ``y`` (``M >= 8 K``): reading the rows along ``d`` was 2.5x
-#: faster for 3c3d's convolutions (``M = 1152``, ``d = 110592``, ``K = 10``: 38 vs 95
-#: ms on 2 CPU cores). With few rows (a streaming merge of ResNet-18's ``M = 18``
-#: against ``K = 120``) the transposed sum was 4x slower than the plain product.
+#: ``B^T y`` is formed as ``(y^T B)^T`` for wide blocks (``d >= _WIDE_COLUMNS``) with
+#: many rows for few columns of ``y`` (``M >= 8 K``): reading the rows along ``d`` is
+#: faster for wide convolution blocks with many rows, and slower than the plain product
+#: with few rows against many columns, as in a streaming merge
+#: (docs/benchmarks/design_measurements.md).
 _WIDE_COLUMNS = 4096
 #: Elements of the intermediate ``(rows, out or in, K)`` of an explicit block's product
-#: with Khatri-Rao columns, per chunk of rows (2^18 to 2^24 measured within 10%).
+#: with Khatri-Rao columns, per chunk of rows (a wide range of chunk sizes around it
+#: performed alike; docs/benchmarks/design_measurements.md).
 _KHATRI_RAO_CHUNK = 2**22
 
 
@@ -88,8 +89,8 @@ class DenseBlock:
         For many rows only the upper block triangle is multiplied (three row
         blocks: 6 of 9 block products) and mirrored; a general matrix product does
         not exploit the symmetry, and this Gram of the expanded convolution blocks
-        is one of the largest costs of an exact fit (~20% faster on CPU for
-        ``M`` of a few hundred, ``d`` ~ 1e5).
+        is one of the largest costs of an exact fit (faster on CPU for ``M`` of a few
+        hundred and ``d`` ~ 1e5; docs/benchmarks/design_measurements.md).
 
         The result is exactly symmetric: a BLAS product ``A A^T`` need not be
         bitwise symmetric (e.g. MKL's AVX512 kernels), so each diagonal block is
@@ -97,7 +98,7 @@ class DenseBlock:
         """
         rows = self.rows
         num = rows.shape[0]
-        parts = min(6, num // 64) if num >= 192 else 1  # 6 parts: 7% faster than 3 at M = 1152
+        parts = min(6, num // 64) if num >= 192 else 1  # 6 parts beat 3 for large M
         if parts == 1:
             return _symmetrized(rows @ rows.T)
         out = rows.new_empty(num, num)
@@ -181,9 +182,9 @@ class DenseBlock:
         products ``B_m q_k`` (or ``B_m^\top p_k``) come first, in chunks of rows of
         ``_KHATRI_RAO_CHUNK`` intermediate elements, and ``x`` is never formed; with more,
         ``x`` is formed and multiplied (its ``out in K`` entries are then the smaller
-        intermediate). Both take the multiply-adds of the explicit product (2 CPU
-        cores, ``K = 120``: ``M = 320``, ``768 x 768``: 0.20 s against 0.24 s forming
-        ``x``; ``M = 32``, ``3136 x 1024``: 0.15 s against 0.88 s).
+        intermediate). Both take the multiply-adds of the explicit product, but with
+        few rows not forming ``x`` is faster, by far for large weights
+        (docs/benchmarks/design_measurements.md).
 
         Args:
             p: Output factors, shape ``(K, out)``.

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-#: Fixed cost of one merge (small operations, ~5 ms on CPU) in Gram multiply-adds.
+#: Fixed cost of one merge (its small operations, as timed on CPU) in Gram multiply-adds
+#: (docs/benchmarks/design_measurements.md).
 OVERHEAD = 7.5e8
 #: A float64 eigendecomposition of size ``n`` costs ~``EIGH_WEIGHT n^3`` Gram multiply-adds.
 EIGH_WEIGHT = 28.0
@@ -141,7 +142,7 @@ def merge_size(columns_per_sample: int, keep: int, dim: int, gram_dim: int, num_
     the merged columns (``~ M^2 D_gram``, with ``D_gram`` the expanded parameters plus
     ``out + in`` per factored linear weight). Weighted in Gram multiply-adds as
     measured on CPU (the float64 eigh costs ~28 ``(k + M)^3``, the basis passes ~180
-    ``D k``, and a merge has a fixed overhead of ~5 ms of small operations), the size
+    ``D k``, and a merge has a fixed overhead ``OVERHEAD`` of small operations), the size
     minimises their sum over the ``num_data`` samples, remainder merge included.
 
     Args:

@@ -70,8 +70,8 @@ from lowrank_laplace.utils.linalg import rotate, sym_eigh
 #: Factored linear-layer blocks of consecutive passes are added to the sketch together,
 #: up to this many samples per parameter and this many bytes of queued factors in all:
 #: the product writes the whole ``d x l`` slice of the sketch, so few samples per
-#: product are memory-bound (DeepOBS 3c3d's 590k-weight layer over 1,024 samples, 2
-#: CPU cores: 1.12 s in products of 32 samples, 0.53 s in products of 256).
+#: product are memory-bound and larger products are markedly faster for large layers
+#: (docs/benchmarks/design_measurements.md).
 _KRON_SAMPLES = 256
 _KRON_BYTES = 64 * 2**20
 
@@ -134,8 +134,8 @@ class SketchMerge(Solver):
         of matrix-shaped parameters are Khatri-Rao columns kept as their factors; the
         sketch is stored like the Gaussian slices, as a ``(D, l)`` view of an
         ``(l, D)`` tensor: adding a convolution's block ``V_b (V_b^T Omega)`` into wide
-        ``l x d`` rows ran at 155 GMAC/s against 92 into narrow ``d x l`` ones (DeepOBS
-        3c3d, ``M = 288``, ``d = 110,592``, ``l = 120``, 2 CPU cores).
+        ``l x d`` rows is faster than into narrow ``d x l`` ones
+        (docs/benchmarks/design_measurements.md).
         """
         if self._omega is None:
             self._omega = Omega(min(self.keep, dim), dim, like, self.seed, shapes,

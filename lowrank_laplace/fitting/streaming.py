@@ -21,9 +21,9 @@ Rotating the ``D x k`` basis by a ``k x k`` matrix at every merge would cost
 eigenvectors are kept as :math:`U = B R` (basis ``B``, small coordinates ``R``): the
 update :math:`U' = U A + V C` becomes :math:`B' = B E + V C R'^{-1}`,
 :math:`R' = E^{-1} R A`, where ``E`` is the identity plus a rank-``m`` correction for
-the few directions whose coordinates would become ill-conditioned (``m`` is ~3 per
-merge on ``3c3d``). ``B`` then costs only the product with ``V`` that the explicit
-update pays anyway.
+the few directions whose coordinates would become ill-conditioned (``m`` stays at a
+few per merge in practice). ``B`` then costs only the product with ``V`` that the
+explicit update pays anyway.
 
 Shape glossary:
     D: parameters; r: kept rank; M: columns of one batch factor.

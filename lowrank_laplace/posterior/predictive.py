@@ -122,7 +122,8 @@ def _factored_products(block: KronBlock, U: Tensor, w: Weight
     ``U`` is widened a slice of output units at a time (its rows are ordered
     ``(out, in)``, so a slice is contiguous), each slice holding all columns of ``U``
     near ``_WIDE_CHUNK`` entries: chunks of columns instead left one column per
-    product for a 3136 x 1024 weight (10x slower GLM predictive on DeepOBS 2c2d).
+    product for large weights, which made the GLM predictive much slower
+    (docs/benchmarks/design_measurements.md).
     """
     out_dim, in_dim = block.s.shape[2], block.z.shape[1]
     step = max(1, _WIDE_CHUNK // max(in_dim * U.shape[1], 1))

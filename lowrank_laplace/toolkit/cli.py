@@ -3,36 +3,37 @@
 ``lowrank-laplace calibrate`` (the main job) trains a small CNN on real MNIST images
 that ship offline, fits ``lowrank_ggn`` Laplace posteriors on all weights and on the
 last layer next to laplace-torch's ``kron`` and ``diag``, and reports calibration,
-rotation shift and OOD detection (see :mod:`lowrank_laplace.calibration`).
+rotation shift and OOD detection (see :mod:`lowrank_laplace.toolkit.calibration`).
 
-``lowrank-laplace spectrum`` trains a small network on scikit-learn's digits (real
-data that ships offline), then prints the mini-batch GGN spectrum for the four
-approximation cases of the ViViT paper (exact / Monte-Carlo loss Hessian, full /
-sub-sampled batch): leading eigenvalues, the exact trace and the fraction of it
-the top-k keep, per-direction gradient and curvature SNRs, and the run time.
+``lowrank-laplace rank-study`` scores the all-weights ``lowrank_ggn`` posterior against
+rank (see :mod:`lowrank_laplace.toolkit.rank_study`).
+
+``lowrank-laplace spectrum`` trains a small network on scikit-learn's digits and prints
+the mini-batch GGN spectrum for the four approximation cases of the ViViT paper (see
+:mod:`lowrank_laplace.toolkit.spectrum_demo`).
+
+The arguments are parsed first: the parser needs only
+:mod:`~lowrank_laplace.toolkit.options`, and each command imports its study (torch,
+laplace-torch, matplotlib) when it runs, so ``--help`` and argument errors do no
+heavy imports of their own.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional
 
-import torch
-from torch import nn
-
-from lowrank_laplace import calibration, plots, rank_study
-from lowrank_laplace.calibration import METHODS
-from lowrank_laplace.directional import directional_from_factor
-from lowrank_laplace.engine import FactorEngine
-from lowrank_laplace.residual import RESIDUALS
-from lowrank_laplace.spectrum import gram_eigh
+from lowrank_laplace.toolkit.options import (
+    METHODS,
+    RESIDUAL_MODELS,
+    CalibrationConfig,
+    UserError,
+)
 
 
 class CLIError(Exception):
@@ -131,68 +132,28 @@ def _ranks(text: str) -> List[int]:
     return ranks
 
 
-def _writable(out: Path) -> None:
-    """Create ``out`` and check that files can be written there, before any work.
+def _checked(run: Callable[..., dict], *args, **kwargs) -> dict:
+    """Call a command's work; its :class:`UserError` becomes a :class:`CLIError`.
 
     Args:
-        out: The output directory.
-
-    Raises:
-        CLIError: If it cannot be created or written to.
-    """
-    try:
-        calibration.make_writable_dir(out)
-    except OSError as err:
-        raise CLIError(f"cannot write to output directory {str(out)!r}: {err.strerror}") from err
-
-
-def _digits(seed: int):
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise CLIError("the digits data set needs scikit-learn: pip install scikit-learn") from err
-    data = load_digits()
-    X = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(data.target, dtype=torch.long)
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    return X[perm], y[perm]
-
-
-def make_model(arch: str) -> nn.Module:
-    """Small networks for 8x8 single-channel images with 10 classes.
-
-    Args:
-        arch: ``'cnn'`` or ``'mlp'``.
+        run: The work (a study's or the demo's ``run``).
+        *args: Passed to ``run``.
+        **kwargs: Passed to ``run``.
 
     Returns:
-        The network (an ``nn.Sequential`` of BackPACK-supported layers).
+        What ``run`` returns (the report).
 
     Raises:
-        CLIError: For an unknown architecture.
+        CLIError: For a problem the user can fix (one line, exit code 2).
     """
-    if arch == "cnn":
-        return nn.Sequential(
-            nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10),
-        )
-    if arch == "mlp":
-        return nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
-    raise CLIError(f"unknown model {arch!r}: choose 'cnn' or 'mlp'")
-
-
-def _train(model, X, y, epochs: int, device) -> None:
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    loss_func = nn.CrossEntropyLoss()
-    for _ in range(epochs):
-        for idx in torch.randperm(len(y)).split(64):
-            opt.zero_grad()
-            loss_func(model(X[idx].to(device)), y[idx].to(device)).backward()
-            opt.step()
+    try:
+        return run(*args, **kwargs)
+    except UserError as err:
+        raise CLIError(str(err)) from err
 
 
 def spectrum(args: argparse.Namespace) -> dict:
-    """Run the ``spectrum`` sub-command.
+    """Run the ``spectrum`` sub-command (see :mod:`lowrank_laplace.toolkit.spectrum_demo`).
 
     Args:
         args: Parsed command-line arguments.
@@ -203,97 +164,9 @@ def spectrum(args: argparse.Namespace) -> dict:
     Raises:
         CLIError: For invalid options.
     """
-    device = _device(args.device)
-    if args.dataset != "digits":
-        raise CLIError(f"unknown dataset {args.dataset!r}: the spectrum demo uses 'digits'")
-    make_model(args.model)  # an unknown architecture fails here, before any work
-    X, y = _digits(args.seed)
-    if not 8 <= args.batch_size <= len(y):
-        raise CLIError(f"--batch-size must lie in [8, {len(y)}]")
-    sub = list(range(max(args.batch_size // 8, 2)))
-    if args.top_k > len(sub):
-        # the sub-sampled Monte-Carlo case has one GGN direction per sub-sampled point
-        raise CLIError(f"--top-k must be at most {len(sub)} (the sub-sample of "
-                       f"--batch-size {args.batch_size}), got {args.top_k}")
-    if args.out is not None:
-        _writable(args.out)
-    torch.manual_seed(args.seed)
-    model = make_model(args.model).to(device)
-    _train(model, X, y, args.epochs, device)
-    model.eval()
-    loss_func = nn.CrossEntropyLoss()
-    Xb, yb = X[: args.batch_size].to(device), y[: args.batch_size].to(device)
-    cases = {
-        "exact, full batch": dict(mc_samples=0, subsampling=None),
-        "exact, sub-sampled": dict(mc_samples=0, subsampling=sub),
-        "mc (M=1), full batch": dict(mc_samples=1, subsampling=None),
-        "mc (M=1), sub-sampled": dict(mc_samples=1, subsampling=sub),
-    }
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-              if k != "func"}
-    config["num_params"] = sum(p.numel() for p in model.parameters())
-    report = {"config": config, "cases": {}}
-    print(f"GGN spectrum of a {args.model} on digits: D = {report['config']['num_params']:,}, "
-          f"N = {args.batch_size}, sub-sample = {len(sub)}, top-k = {args.top_k}")
-    header = f"{'case':<24}{'rank':>6}{'lambda_1':>11}{'trace':>11}{'top-k kept':>12}" \
-             f"{'grad SNR':>10}{'curv SNR':>10}{'time [s]':>10}"
-    print(header)
-    print("-" * len(header))
-    with FactorEngine(model, loss_func) as engine:
-        engine.compute(Xb[:8], yb[:8])  # warm-up: the first call installs the hooks
-        for name, kw in cases.items():
-            start = time.perf_counter()
-            factor = engine.compute(Xb, yb, batch_grad=True, **kw)
-            dd = directional_from_factor(factor, top_k=args.top_k)
-            elapsed = time.perf_counter() - start
-            report["cases"][name] = _summary(name, factor, dd, elapsed)
-    print("SNRs are medians over the top-k directions (squared mean / variance over samples).")
-    if args.out is not None:
-        _write(report, args.out)
-    return report
+    from lowrank_laplace.toolkit import spectrum_demo
 
-
-def _summary(name: str, factor, dd, elapsed: float) -> dict:
-    """Summarise one case (all eigenvalues and the trace come from the same factor)."""
-    evals = gram_eigh(factor, solver="eigh")[2]
-    trace = float(factor.trace())
-    entry = {
-        "rank": int(evals.numel()),
-        "eigenvalues": evals.tolist(),
-        "trace": trace,
-        "top_k_kept_fraction": float(dd.eigenvalues.sum()) / trace,
-        "gamma_snr": dd.gamma_snr.tolist(),
-        "lambda_snr": dd.lambda_snr.tolist(),
-        "time_s": elapsed,
-    }
-    print(f"{name:<24}{entry['rank']:>6}{float(evals[0]):>11.4g}{trace:>11.4g}"
-          f"{entry['top_k_kept_fraction']:>12.3f}{float(dd.gamma_snr.median()):>10.3g}"
-          f"{float(dd.lambda_snr.median()):>10.3g}{elapsed:>10.3f}")
-    return entry
-
-
-def _device(name: str) -> torch.device:
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise CLIError("--device cuda was asked for, but CUDA is not available")
-    try:
-        return torch.device(name)
-    except RuntimeError as err:
-        raise CLIError(f"invalid --device {name!r}") from err
-
-
-def _write(report: dict, out: Path) -> None:
-    """Write ``spectrum.json``, the spectrum plot and the SNR plot."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "spectrum.json").write_text(json.dumps(report, indent=2))
-        cases = report["cases"]
-        evals = {n: torch.tensor(c["eigenvalues"]) for n, c in cases.items()}
-        plots.close(plots.spectrum(evals, title="Mini-batch GGN spectrum",
-                                   path=out / "spectrum.png"))
-        plots.close(plots.snr_curves(cases, path=out / "snr.png"))
-    except OSError as err:
-        raise CLIError(f"cannot write to output directory {str(out)!r}: {err.strerror}") from err
-    print(f"wrote {out / 'spectrum.json'}, {out / 'spectrum.png'} and {out / 'snr.png'}")
+    return _checked(spectrum_demo.run, args)
 
 
 def _study_options(args: argparse.Namespace) -> dict:
@@ -305,7 +178,7 @@ def _study_options(args: argparse.Namespace) -> dict:
 
 
 def calibrate(args: argparse.Namespace) -> dict:
-    """Run the ``calibrate`` sub-command.
+    """Run the ``calibrate`` sub-command: the calibration study, then its text tables.
 
     Args:
         args: Parsed command-line arguments.
@@ -316,13 +189,12 @@ def calibrate(args: argparse.Namespace) -> dict:
     Raises:
         CLIError: For invalid options.
     """
-    config = calibration.CalibrationConfig(
-        rank=args.rank, methods=args.methods.split(",") if args.methods else None,
-        **_study_options(args))
-    try:
-        report = calibration.run(config, log=_progress)
-    except calibration.UserError as err:
-        raise CLIError(str(err)) from err
+    from lowrank_laplace.toolkit import calibration
+
+    config = CalibrationConfig(rank=args.rank,
+                               methods=args.methods.split(",") if args.methods else None,
+                               **_study_options(args))
+    report = _checked(calibration.run, config, log=_progress)
     print(calibration.format_table(report))
     print(calibration.format_notes(report))
     print()
@@ -332,24 +204,24 @@ def calibrate(args: argparse.Namespace) -> dict:
 
 
 def rank_study_command(args: argparse.Namespace) -> dict:
-    """Run the ``rank-study`` sub-command.
+    """Run the ``rank-study`` sub-command: posterior quality against rank.
 
     Args:
         args: Parsed command-line arguments.
 
     Returns:
-        The report (also written to ``--out/rank_study.json``).
+        The report (also written to ``--out/rank_study.json``, and plotted in
+        ``--out/rank_study.png``).
 
     Raises:
         CLIError: For invalid options.
     """
+    from lowrank_laplace.toolkit import rank_study
+
     config = rank_study.RankStudyConfig(
         ranks=args.ranks, residuals=[r for r in args.residuals.split(",") if r],
         **_study_options(args))
-    try:
-        report = rank_study.run(config, log=_progress)
-    except calibration.UserError as err:
-        raise CLIError(str(err)) from err
+    report = _checked(rank_study.run, config, log=_progress)
     print(rank_study.format_table(report))
     print(f"\nwrote {args.out / 'rank_study.json'} and {args.out / 'rank_study.png'}")
     return report
@@ -404,13 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "(if not given, only print)")
     spec.set_defaults(func=spectrum)
 
-    cal = sub.add_parser(
-        "calibrate", formatter_class=fmt,
-        help="train, fit Laplace posteriors, report calibration",
-        description="Train (or load) a small CNN, fit Laplace posteriors, tune their prior "
-        "precision and report calibration, rotation shift and OOD detection; writes "
-        "calibration.json and PNG plots to --out.")
-    _study_arguments(cal)
+    cal = _study_parser(
+        sub, "calibrate", "train, fit Laplace posteriors, report calibration",
+        "Train (or load) a small CNN, fit Laplace posteriors, tune their prior precision "
+        "and report calibration, rotation shift and OOD detection; writes calibration.json "
+        "and PNG plots to --out.")
     cal.add_argument("--rank", type=POSITIVE, default=100,
                      help="rank of the lowrank_ggn posteriors")
     cal.add_argument("--angles", type=_angles, default="0,15,30,60,90,120,180",
@@ -420,22 +290,37 @@ def build_parser() -> argparse.ArgumentParser:
                      + " (full_all on --dataset digits only)")
     cal.set_defaults(func=calibrate)
 
-    study = sub.add_parser(
-        "rank-study", formatter_class=fmt,
-        help="posterior quality of lowrank_ggn against rank, per residual model",
-        description="Train (or load) the calibration CNN, fit the all-weights lowrank_ggn "
-        "posterior at every rank for every residual model, and write test NLL, ECE and "
-        "Brier score in distribution and under rotation against rank, with MAP, kron, "
-        "diag and (digits) the full GGN as references: rank_study.json and "
-        "rank_study.png in --out.")
-    _study_arguments(study)
+    study = _study_parser(
+        sub, "rank-study", "posterior quality of lowrank_ggn against rank, per residual model",
+        "Train (or load) the calibration CNN, fit the all-weights lowrank_ggn posterior at "
+        "every rank for every residual model, and write test NLL, ECE and Brier score in "
+        "distribution and under rotation against rank, with MAP, kron, diag and (digits) "
+        "the full GGN as references: rank_study.json and rank_study.png in --out.")
     study.add_argument("--ranks", type=_ranks, default="10,30,100,300,1000",
                        help="comma-separated ranks")
-    study.add_argument("--residuals", default=",".join(RESIDUALS),
+    study.add_argument("--residuals", default=",".join(RESIDUAL_MODELS),
                        help="comma-separated residual models")
     study.add_argument("--angles", type=_angles, default="0,60,90",
                        help="rotation angles in degrees (0 is always scored)")
     study.set_defaults(func=rank_study_command)
+    return parser
+
+
+def _study_parser(sub, name: str, summary: str, description: str) -> argparse.ArgumentParser:
+    """Add a study's sub-command with the options all studies share (:func:`_study_arguments`).
+
+    Args:
+        sub: The sub-parsers of :func:`build_parser`.
+        name: The sub-command.
+        summary: Its line in the command's ``--help``.
+        description: Its own ``--help`` text.
+
+    Returns:
+        The sub-command's parser, for its own options.
+    """
+    parser = sub.add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                            help=summary, description=description)
+    _study_arguments(parser)
     return parser
 
 
@@ -475,13 +360,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     Returns:
         The exit code.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")  # plots are written to files, never shown
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_:  # --help (0) or a usage error (2), already reported
         return exit_.code if isinstance(exit_.code, int) else 2
+    import matplotlib
+
+    matplotlib.use("Agg")  # plots are written to files, never shown
     try:
         with quiet_warnings():
             args.func(args)

@@ -12,7 +12,7 @@ Images are ``(N, 1, H, W)`` float tensors in ``[0, 1]``; labels are ``long``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -84,7 +84,7 @@ def load_images(name: str) -> Tuple[Tensor, Tensor]:
     return X, torch.as_tensor(y, dtype=torch.long)
 
 
-def split(X: Tensor, y: Tensor, fractions=(0.7, 0.1, 0.2), seed: int = 0,
+def split(X: Tensor, y: Tensor, fractions: Sequence[float] = (0.7, 0.1, 0.2), seed: int = 0,
           num_classes: int = 0, max_train: int = 0) -> Split:
     """Shuffle with a fixed seed and split into train/validation/test.
 
@@ -180,7 +180,7 @@ def moons(n: int = 200, noise: float = 0.2, seed: int = 0) -> Tuple[Tensor, Tens
     Args:
         n: Number of points.
         noise: Standard deviation of the Gaussian noise.
-        seed: Seed.
+        seed: ``random_state`` of scikit-learn's ``make_moons``.
 
     Returns:
         ``X`` of shape ``(n, 2)`` and ``y`` of shape ``(n,)``.
@@ -197,7 +197,7 @@ def sine(n: int = 150, noise: float = 0.3, seed: int = 0) -> Tuple[Tensor, Tenso
     Args:
         n: Number of points.
         noise: Standard deviation of the observation noise.
-        seed: Seed.
+        seed: Seed of the torch generator for inputs and noise.
 
     Returns:
         ``X`` of shape ``(n, 1)`` and ``y`` of shape ``(n, 1)``.

@@ -58,7 +58,8 @@ def ece(probs: Tensor, targets: Tensor, n_bins: int = 15) -> float:
         n_bins: Number of bins.
 
     Returns:
-        ECE in ``[0, 1]``.
+        ECE in ``[0, 1]``: the bins' gaps between confidence and accuracy, weighted
+        by their share of the points.
     """
     return float(multiclass_calibration_error(probs, targets, num_classes=probs.shape[1],
                                               n_bins=n_bins, norm="l1"))
@@ -70,10 +71,10 @@ def mce(probs: Tensor, targets: Tensor, n_bins: int = 15) -> float:
     Args:
         probs: Predictive probabilities, shape ``(N, C)``.
         targets: Class indices, shape ``(N,)``.
-        n_bins: Number of bins.
+        n_bins: Number of equal-width bins (as for :func:`ece`).
 
     Returns:
-        MCE in ``[0, 1]``.
+        MCE in ``[0, 1]``: the largest gap between a bin's confidence and accuracy.
     """
     return float(multiclass_calibration_error(probs, targets, num_classes=probs.shape[1],
                                               n_bins=n_bins, norm="max"))

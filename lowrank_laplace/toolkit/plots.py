@@ -8,17 +8,21 @@ leaves matplotlib's backend alone (figures show inline in notebooks); the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Dict, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Union
 
 import matplotlib.pyplot as plt
 import torch
 from matplotlib.ticker import MaxNLocator
 from torch import Tensor
 
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
 PathLike = Union[str, Path, None]
 
 
-def _finish(fig, path: PathLike):
+def _finish(fig: Figure, path: PathLike) -> Figure:
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=110)
@@ -26,7 +30,7 @@ def _finish(fig, path: PathLike):
 
 
 def reliability_diagram(probs: Tensor, targets: Tensor, n_bins: int = 15,
-                        title: str = "", path: PathLike = None):
+                        title: str = "", path: PathLike = None) -> Figure:
     """Accuracy per confidence bin against the diagonal of perfect calibration.
 
     The bars show each bin's accuracy at the bin's centre; the line joins the points
@@ -81,7 +85,7 @@ def reliability_diagram(probs: Tensor, targets: Tensor, n_bins: int = 15,
 
 
 def confidence_histograms(confidences: Dict[str, Tensor], title: str = "",
-                          path: PathLike = None):
+                          path: PathLike = None) -> Figure:
     """Overlaid histograms of top-1 confidence (e.g. in- vs out-of-distribution).
 
     Args:
@@ -103,7 +107,7 @@ def confidence_histograms(confidences: Dict[str, Tensor], title: str = "",
 
 
 def spectrum(eigenvalues: Dict[str, Tensor], title: str = "GGN spectrum",
-             path: PathLike = None):
+             path: PathLike = None) -> Figure:
     """Eigenvalues by index (log scale) and their histogram, one line per case.
 
     Args:
@@ -130,7 +134,7 @@ def spectrum(eigenvalues: Dict[str, Tensor], title: str = "GGN spectrum",
 
 def regression_band(x_train: Tensor, y_train: Tensor, x_grid: Tensor,
                     predictions: Dict[str, Sequence[Tensor]], title: str = "",
-                    path: PathLike = None):
+                    path: PathLike = None) -> Figure:
     """1-D regression: data, predictive mean and a two-standard-deviation band.
 
     Args:
@@ -157,7 +161,8 @@ def regression_band(x_train: Tensor, y_train: Tensor, x_grid: Tensor,
 
 
 def uncertainty_map(predict: Callable[[Tensor], Tensor], X: Tensor, y: Tensor,
-                    title: str = "", resolution: int = 80, ax=None, path: PathLike = None):
+                    title: str = "", resolution: int = 80, ax: Optional[Axes] = None,
+                    path: PathLike = None) -> Figure:
     """2-D classification: confidence of ``predict`` on a grid, with the data.
 
     Args:
@@ -198,7 +203,7 @@ def metric_name(metric: str) -> str:
     """The display name of a metric key, e.g. ``'ece'`` -> ``'ECE'``.
 
     Args:
-        metric: A key of :func:`lowrank_laplace.metrics.classification_metrics`.
+        metric: A key of :func:`lowrank_laplace.toolkit.metrics.classification_metrics`.
 
     Returns:
         The name for axis labels and titles.
@@ -207,7 +212,7 @@ def metric_name(metric: str) -> str:
 
 
 def shift_curves(results: Dict[str, Dict[str, Dict[str, float]]], metric: str = "ece",
-                 title: Optional[str] = None, path: PathLike = None):
+                 title: Optional[str] = None, path: PathLike = None) -> Figure:
     """A metric against the rotation angle, one line per method.
 
     Args:
@@ -232,7 +237,7 @@ def shift_curves(results: Dict[str, Dict[str, Dict[str, float]]], metric: str = 
     return _finish(fig, path)
 
 
-def snr_curves(cases: Dict[str, Dict[str, Sequence[float]]], path: PathLike = None):
+def snr_curves(cases: Dict[str, Dict[str, Sequence[float]]], path: PathLike = None) -> Figure:
     """Gradient and curvature SNRs per eigen-direction, one line per case.
 
     Args:

@@ -1,6 +1,6 @@
 """Rank study behind ``lowrank-laplace rank-study``: posterior quality against rank.
 
-Trains (or loads) the calibration study's CNN (:mod:`lowrank_laplace.calibration`), fits
+Trains (or loads) the calibration study's CNN (:mod:`lowrank_laplace.toolkit.calibration`), fits
 the all-weights ``lowrank_ggn`` posterior at every rank of ``ranks`` for every residual
 model (``spectral``, ``isotropic`` and ``none`` share one fit per rank; ``diagonal``
 needs its own), tunes each one's scalar prior like the calibration study, and scores
@@ -24,12 +24,29 @@ import json
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, List
+from typing import TYPE_CHECKING, Callable, List
 
 import torch
 
-from lowrank_laplace import calibration, datasets, metrics, plots
-from lowrank_laplace.residual import RESIDUALS
+from lowrank_laplace.posterior.residual import RESIDUALS
+from lowrank_laplace.toolkit import calibration, datasets, metrics, plots
+from lowrank_laplace.toolkit.options import (
+    LAPLACE_METHODS,
+    CalibrationConfig,
+    UserError,
+    fits,
+    silent,
+)
+from lowrank_laplace.toolkit.posteriors import (
+    fit_laplace,
+    make_predictor,
+    posterior_info,
+    predict_batched,
+)
+from lowrank_laplace.toolkit.training import train_or_load
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 #: Metrics of the study, in plot order.
 METRICS = ("nll", "ece", "brier")
@@ -38,12 +55,12 @@ REFERENCES = ("map", "full_all", "kron_all", "diag_all")
 
 
 @dataclass
-class RankStudyConfig(calibration.CalibrationConfig):
+class RankStudyConfig(CalibrationConfig):
     """Options of the rank study: the calibration study's plus the ranks and models.
 
     Attributes:
         ranks: Ranks of the ``lowrank_ggn`` posteriors.
-        residuals: Residual models (see :mod:`lowrank_laplace.residual`).
+        residuals: Residual models (see :mod:`lowrank_laplace.posterior.residual`).
         angles: Rotation angles scored besides the unrotated test set (``0`` always).
         out: Output directory for ``rank_study.json`` and ``rank_study.png``.
     """
@@ -63,30 +80,29 @@ def validate(config: RankStudyConfig) -> torch.device:
         The torch device.
 
     Raises:
-        calibration.UserError: For an invalid option, a rank below 1 or an unknown
+        UserError: For an invalid option, a rank below 1 or an unknown
             residual model.
     """
     if not config.ranks or any(isinstance(r, bool) or not isinstance(r, int) or r < 1
                                for r in config.ranks):
-        raise calibration.UserError(f"ranks must be integers >= 1, got {config.ranks!r}")
+        raise UserError(f"ranks must be integers >= 1, got {config.ranks!r}")
     unknown = [r for r in config.residuals if r not in RESIDUALS]
     if unknown or not config.residuals:
-        raise calibration.UserError(f"unknown residual model {unknown[:1] or config.residuals!r}:"
-                                    f" choose from {', '.join(RESIDUALS)}")
-    config.methods = [m for m in REFERENCES if calibration._fits(m, config.dataset)]
+        raise UserError(f"unknown residual model {unknown[:1] or config.residuals!r}:"
+                        f" choose from {', '.join(RESIDUALS)}")
+    config.methods = [m for m in REFERENCES if fits(m, config.dataset)]
     if 0 not in config.angles:
         config.angles = [0.0] + list(config.angles)
     return calibration.validate(config)
 
 
 def _scores(predict: Callable, split: datasets.Split, config: RankStudyConfig,
-            device) -> dict:
+            device: torch.device) -> dict:
     """NLL, ECE, Brier score and accuracy per rotation angle."""
     X, y = split.test
     out = {}
     for angle in config.angles:
-        probs = calibration._predict(predict, datasets.rotate(X, angle), config.batch_size,
-                                     device)
+        probs = predict_batched(predict, datasets.rotate(X, angle), config.batch_size, device)
         full = metrics.classification_metrics(probs, y)
         out[f"{angle:g}"] = {k: full[k] for k in METRICS + ("accuracy",)}
     return out
@@ -94,14 +110,14 @@ def _scores(predict: Callable, split: datasets.Split, config: RankStudyConfig,
 
 def _method_of(residual: str) -> str:
     """The calibration study's all-weights ``lowrank_ggn`` method with this residual."""
-    for name, (subset, structure, options) in calibration.LAPLACE_METHODS.items():
+    for name, (subset, structure, options) in LAPLACE_METHODS.items():
         if (subset, structure) == ("all", "lowrank_ggn") and \
                 options.get("residual", "spectral") == residual:
             return name
     raise ValueError(f"no calibration method has residual={residual!r}")
 
 
-def run(config: RankStudyConfig, log: Callable[[str], None] = calibration._silent) -> dict:
+def run(config: RankStudyConfig, log: Callable[[str], None] = silent) -> dict:
     """Run the study and write ``rank_study.json`` and ``rank_study.png`` to ``config.out``.
 
     Args:
@@ -116,7 +132,7 @@ def run(config: RankStudyConfig, log: Callable[[str], None] = calibration._silen
     device = validate(config)
     split = calibration.load_split(config)
     loaders = split.loaders(config.batch_size, config.seed)
-    model = calibration._train_or_load(config, split, device, log)
+    model = train_or_load(config, split, device, log)
     report = {"config": asdict(config) | {"n_train_used": len(split.train[1]),
                                           "num_params": sum(p.numel() for p in model.parameters())},
               "references": {}, "lowrank": []}
@@ -124,24 +140,23 @@ def run(config: RankStudyConfig, log: Callable[[str], None] = calibration._silen
     for name in config.methods:
         la = None
         if name != "map":
-            la = calibration._fit_laplace(name, model, config, loaders, fitted)
-        report["references"][name] = _scores(calibration._predictor(name, model, la), split,
-                                             config, device)
-        report["references"][name]["posterior"] = calibration._posterior_info(la)
+            la = fit_laplace(name, model, config, loaders, fitted)
+        report["references"][name] = _scores(make_predictor(name, model, la), split, config,
+                                             device)
+        report["references"][name]["posterior"] = posterior_info(la)
         log(f"reference {name} done")
     for rank in config.ranks:
         at_rank, shared = replace(config, rank=rank), {}  # residual models share fits
         for residual in config.residuals:
             start = time.perf_counter()
-            la = calibration._fit_laplace(_method_of(residual), model, at_rank, loaders, shared)
+            la = fit_laplace(_method_of(residual), model, at_rank, loaders, shared)
             fit_s = time.perf_counter() - start
             report["lowrank"].append({
                 "rank": int(la.H[1].numel()), "requested_rank": rank, "residual": residual,
                 "kept_fraction": float(la.kept_fraction),
                 "prior_precision": float(torch.as_tensor(la.prior_precision).mean()),
                 "jacobian_exponent": la.jacobian_exponent, "fit_s": fit_s,
-                "scores": _scores(calibration._predictor("lowrank", model, la), split, config,
-                                  device)})
+                "scores": _scores(make_predictor("lowrank", model, la), split, config, device)})
         log(f"rank {rank} done")
     out = Path(config.out)
     (out / "rank_study.json").write_text(json.dumps(report, indent=2))
@@ -149,7 +164,7 @@ def run(config: RankStudyConfig, log: Callable[[str], None] = calibration._silen
     return report
 
 
-def plot(report: dict, path: Path):
+def plot(report: dict, path: Path) -> Figure:
     """NLL, ECE and Brier score against rank, one row per angle, references as lines.
 
     Args:

@@ -31,10 +31,10 @@ def cpu_threads(num: Optional[int]) -> Iterator[None]:
 def eigh(mat: Tensor) -> Tuple[Tensor, Tensor]:
     """``torch.linalg.eigh`` that runs single-threaded on the CPU.
 
-    MKL's multi-threaded symmetric eigensolver was measured 10-100x slower than its
+    MKL's multi-threaded symmetric eigensolver was measured much slower than its
     single-threaded one for the matrices met here (a few hundred to a few thousand
-    rows, 2 CPU cores, torch 2.14: 6.6 s vs 0.05 s for 450 x 450 under load), so the
-    CPU path pins one thread for the call and restores the setting afterwards.
+    rows, on a loaded machine; docs/benchmarks/design_measurements.md), so the CPU
+    path pins one thread for the call and restores the setting afterwards.
 
     Args:
         mat: Symmetric matrix, shape ``(n, n)``.

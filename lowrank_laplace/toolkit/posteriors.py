@@ -1,0 +1,185 @@
+"""The studies' Laplace posteriors: fitting, prior tuning, prediction and a summary.
+
+Shared by :mod:`~lowrank_laplace.toolkit.calibration` and
+:mod:`~lowrank_laplace.toolkit.rank_study`: the methods of
+:data:`~lowrank_laplace.toolkit.options.LAPLACE_METHODS` are fitted with laplace-torch's
+``Laplace(...)`` (``lowrank_ggn`` registered by this library), their scalar prior
+precision is tuned, and they predict with the GLM predictive (probit).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lowrank_laplace.toolkit.options import (
+    LAPLACE_METHODS,
+    SHARED_RESIDUALS,
+    SMALL_ONLY,
+    CalibrationConfig,
+    fits,
+)
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
+
+def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
+                loaders: Dict[str, DataLoader], fitted: dict) -> Any:
+    """Fit a method's posterior (or reuse a fit) and tune its prior precision.
+
+    Residual models other than ``diagonal`` share one fit: a posterior found in
+    ``fitted`` under the same (subset, structure) only switches its residual model.
+
+    Args:
+        name: A key of :data:`~lowrank_laplace.toolkit.options.LAPLACE_METHODS`.
+        model: The trained network.
+        config: The options (rank, Monte-Carlo samples, solver, prior tuning, dataset).
+        loaders: ``{"train", "val", ...}`` data loaders; the fit uses ``train``,
+            grid search ``val``.
+        fitted: Fits made so far, updated in place (pass the same dict to share fits).
+
+    Returns:
+        The laplace-torch posterior, its prior precision tuned.
+
+    Raises:
+        ValueError: For a dense posterior on a data set too large for it.
+    """
+    from laplace import Laplace
+
+    import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
+
+    subset, structure, options = LAPLACE_METHODS[name]
+    if not fits(name, config.dataset):
+        raise ValueError(f"{name} needs a dense D x D posterior: run it with --dataset "
+                         f"{' or '.join(SMALL_ONLY[name])}")
+    residual = options.get("residual", "spectral")
+    key = (subset, structure, residual if residual not in SHARED_RESIDUALS else "shared")
+    if key in fitted:
+        la = fitted[key]
+        la.residual = residual
+        tune_prior(la, config, loaders)
+        return la
+    if structure == "lowrank_ggn":
+        kwargs = dict(rank=config.rank, mc_samples=config.mc_samples, solver=config.solver,
+                      **options)
+    else:
+        # laplace-torch's default (curvlinops) GLM predictive computes Jacobians with
+        # torch.func; its BackPACK backend is much faster for these small CNNs
+        from laplace.curvature import BackPackGGN
+
+        kwargs = dict(backend=BackPackGGN, **options)
+    la = Laplace(model, "classification", subset_of_weights=subset, hessian_structure=structure,
+                 **kwargs)
+    la.fit(loaders["train"])
+    fitted[key] = la
+    tune_prior(la, config, loaders)
+    return la
+
+
+def tune_prior(la: Any, config: CalibrationConfig, loaders: Dict[str, DataLoader]) -> None:
+    """Tune a scalar prior precision by marglik or by grid search on the validation split.
+
+    Both start afresh (marglik from 1, the grid from its own values), so a shared fit
+    tuned for an earlier residual model does not bias the next.
+
+    Args:
+        la: A fitted laplace-torch posterior; its ``prior_precision`` is set.
+        config: The options (``prior``: ``'marglik'`` or ``'gridsearch'``).
+        loaders: Data loaders; grid search scores on ``loaders["val"]``.
+    """
+    if config.prior == "marglik" and type(la).__name__ == "FullLaplace":
+        la.prior_precision = marglik_prior_full(la)
+    elif config.prior == "marglik":
+        la.optimize_prior_precision(method="marglik")
+    else:
+        la.optimize_prior_precision(method="gridsearch", val_loader=loaders["val"],
+                                    pred_type="glm", link_approx="probit", grid_size=20)
+
+
+def marglik_prior_full(la: Any, n_steps: int = 100, lr: float = 0.1) -> float:
+    r"""laplace-torch's marglik prior tuning of a ``FullLaplace``, from one eigendecomposition.
+
+    ``FullLaplace.optimize_prior_precision`` factors the ``D x D`` precision at every
+    Adam step (slow for a few thousand weights on a CPU). With the eigenvalues
+    :math:`\lambda` of ``H`` the objective is
+    :math:`\tfrac12 (\sum \log(h\lambda_i + \delta) - D \log\delta + \delta \|\theta - \mu_0\|^2)`,
+    minimised here by the same Adam steps on :math:`\log\delta` (from ``delta = 1``).
+
+    Args:
+        la: A fitted ``FullLaplace`` (scalar prior).
+        n_steps: Adam steps (laplace-torch's default).
+        lr: Adam learning rate (laplace-torch's default).
+
+    Returns:
+        The tuned scalar prior precision.
+    """
+    # the factor h of the GGN in the posterior precision (laplace-torch's own formula)
+    h_factor = 1 / la.sigma_noise.square() / la.temperature
+    lam = torch.linalg.eigvalsh(la.H.double()).clamp(min=0) * float(h_factor)
+    scatter = float(((la.mean - la.prior_mean).double() ** 2).sum())
+    log_delta = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.Adam([log_delta], lr=lr)
+    for _ in range(n_steps):
+        opt.zero_grad()
+        delta = log_delta.exp()
+        loss = 0.5 * (torch.log(lam + delta).sum() - lam.numel() * log_delta + delta * scatter)
+        loss.backward()
+        opt.step()
+    return float(log_delta.detach().exp())
+
+
+def posterior_info(la: Optional[object]) -> dict:
+    """Tuned prior precision and, for ``lowrank_ggn``, rank, kept trace and residual model.
+
+    Args:
+        la: A fitted posterior, or ``None`` (the MAP network).
+
+    Returns:
+        ``{"prior_precision"}`` (plus ``"rank"``, ``"kept_fraction"`` and ``"residual"``
+        for ``lowrank_ggn``); empty for ``None``.
+    """
+    if la is None:
+        return {}
+    prior = torch.as_tensor(la.prior_precision)
+    info = {"prior_precision": float(prior.mean())}
+    if hasattr(la, "kept_fraction"):
+        info.update(rank=int(la.H[1].numel()), kept_fraction=float(la.kept_fraction),
+                    residual=la.residual)
+    return info
+
+
+def make_predictor(name: str, model: nn.Module, la: Any) -> Callable[[Tensor], Tensor]:
+    """A method's predictive probabilities as a function of the inputs.
+
+    Args:
+        name: The method; ``'map'`` is the network's own softmax.
+        model: The trained network.
+        la: The method's fitted posterior (ignored for ``'map'``).
+
+    Returns:
+        Inputs -> class probabilities (the posterior's GLM predictive with probit).
+    """
+    if name == "map":
+        return lambda X: torch.softmax(model(X), -1)
+    return lambda X: la(X, pred_type="glm", link_approx="probit")
+
+
+def predict_batched(predict: Callable[[Tensor], Tensor], X: Tensor, batch_size: int,
+                    device: torch.device) -> Tensor:
+    """Predict in batches without gradients and gather the results on the CPU.
+
+    Args:
+        predict: Inputs -> class probabilities (see :func:`make_predictor`).
+        X: The inputs.
+        batch_size: Inputs per call of ``predict``.
+        device: Where the network lives.
+
+    Returns:
+        The probabilities of all inputs, on the CPU.
+    """
+    with torch.no_grad():
+        out = [predict(chunk.to(device)).detach().cpu() for chunk in torch.split(X, batch_size)]
+    return torch.cat(out)

@@ -1,0 +1,89 @@
+"""The studies' network: the small CNN of a data set, trained under its prior or loaded.
+
+Shared by :mod:`~lowrank_laplace.toolkit.calibration` and
+:mod:`~lowrank_laplace.toolkit.rank_study`, so both score posteriors of the same MAP
+network for the same options.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from lowrank_laplace.toolkit import datasets
+from lowrank_laplace.toolkit.options import CalibrationConfig, UserError
+
+
+def make_cnn(dataset: str) -> nn.Module:
+    """The small CNN used for a data set.
+
+    Args:
+        dataset: ``'mnist'`` (28x28) or ``'digits'`` (8x8).
+
+    Returns:
+        An ``nn.Sequential`` of BackPACK-supported layers with 10 outputs.
+    """
+    if dataset == "mnist":
+        return nn.Sequential(
+            nn.Conv2d(1, 8, 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10),
+        )
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10),
+    )
+
+
+def train_or_load(config: CalibrationConfig, split: datasets.Split, device: torch.device,
+                  log: Callable[[str], None]) -> nn.Module:
+    """The data set's CNN, loaded from ``config.checkpoint`` or trained (MAP under the prior).
+
+    Training minimises the mean cross-entropy plus ``weight_decay / (2 N) ||theta||^2``
+    with Adam for ``config.epochs`` epochs on the seeded training loader, and saves
+    the ``state_dict`` to ``config.save_checkpoint`` if given.
+
+    Args:
+        config: The options (dataset, checkpoints, epochs, batch size, weight decay, seed).
+        split: The data; its training part is used.
+        device: Where the network lives.
+        log: Receives one progress line per epoch (or one for the loaded checkpoint).
+
+    Returns:
+        The network in eval mode.
+
+    Raises:
+        UserError: If the checkpoint does not fit the data set's CNN.
+    """
+    model = make_cnn(config.dataset).to(device)
+    if config.checkpoint is not None:
+        state = torch.load(config.checkpoint, map_location=device, weights_only=True)
+        try:
+            model.load_state_dict(state)
+        except (RuntimeError, KeyError, TypeError) as err:
+            raise UserError(f"checkpoint {config.checkpoint!r} does not fit the "
+                            f"{config.dataset} CNN (another architecture?)") from err
+        log(f"loaded the {config.dataset} CNN from {config.checkpoint}")
+        return model.eval()
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    loss_func = nn.CrossEntropyLoss()
+    loader = split.loaders(config.batch_size, config.seed)["train"]
+    decay = config.weight_decay / (2 * len(split.train[1]))  # Gaussian prior, mean loss
+    for epoch in range(config.epochs):
+        start, total, count = time.perf_counter(), 0.0, 0
+        for X, y in loader:
+            opt.zero_grad()
+            loss = loss_func(model(X.to(device)), y.to(device))
+            penalty = decay * sum((p**2).sum() for p in model.parameters())
+            (loss + penalty).backward()
+            opt.step()
+            total, count = total + float(loss.detach()) * len(y), count + len(y)
+        log(f"training epoch {epoch + 1}/{config.epochs}: loss {total / max(count, 1):.4f} "
+            f"({time.perf_counter() - start:.1f} s)")
+    if config.save_checkpoint is not None:
+        torch.save(model.state_dict(), config.save_checkpoint)
+    return model.eval()
