@@ -76,7 +76,7 @@ def per_sample_grads(model, loss_func, X, y, group=None) -> Tensor:
     J = jacobian(model, X, group)
     out = model(X).detach()
     grad_out = torch.func.grad(lambda o: loss_func(o, y))(out)
-    scale = X.shape[0] if loss_func.reduction == "mean" else 1
+    scale = len(y) if loss_func.reduction == "mean" else 1
     return scale * torch.einsum("ncd,nc->nd", J, grad_out)
 
 

@@ -41,9 +41,9 @@ def test_unsupported_layer_named():
     with pytest.raises(NotImplementedError, match=r"Layer '1' \(GELU\).*functorch"):
         ll.ggn_eigh(model, nn.CrossEntropyLoss(), X, y, backend="backpack")
     auto = ll.ggn_eigh(model, nn.CrossEntropyLoss(), X, y, top_k=None)
-    assert auto.backend == "functorch"
+    assert auto.backend == "hooks"  # all trainable weights in linear layers
     with ll.FactorEngine(model, nn.CrossEntropyLoss()) as engine:
-        assert engine.backend == "functorch" and "GELU" in engine.backpack_problem
+        assert engine.backend == "hooks" and "GELU" in engine.backpack_problem
 
 
 def test_unknown_backend(mlp):
@@ -60,7 +60,7 @@ def test_functorch_failure_names_module():
     model = nn.Sequential(nn.Linear(3, 2), ViaNumpy())
     X, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
     with pytest.raises(NotImplementedError, match=r"module '1'.*last_layer"):
-        ll.ggn_eigh(model, nn.CrossEntropyLoss(), X, y)
+        ll.ggn_eigh(model, nn.CrossEntropyLoss(), X, y, backend="functorch")
 
 
 def test_data_dependent_control_flow_runs_sample_by_sample():
@@ -88,7 +88,9 @@ def test_functional_operation_detected():
     with pytest.raises(NotImplementedError,
                        match="input of 'b'.*functional operation.*converter could not"):
         ll.ggn_eigh(Net(), nn.CrossEntropyLoss(), X, y, backend="backpack")
-    assert ll.ggn_eigh(Net(), nn.CrossEntropyLoss(), X, y).backend == "functorch"
+    assert ll.ggn_eigh(Net(), nn.CrossEntropyLoss(), X, y).backend == "hooks"
+    assert ll.ggn_eigh(Net(), nn.CrossEntropyLoss(), X, y, backend="functorch").backend \
+        == "functorch"
 
 
 def test_batchnorm_in_train_mode():

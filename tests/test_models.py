@@ -230,9 +230,14 @@ def test_zoo_spectrum_directional_newton(name, loss):
 BACKPACK = ("frozen", "class_cnn", "residual", "resnet_block", "wide_resnet_block")
 
 
+#: Models whose trainable parameters all sit in linear, embedding and norm layers.
+HOOKS = ("layernorm_gelu",)
+
+
 def test_auto_backend_choice():
     chosen = {name: ll.ggn_eigh(*zoo_case(name), top_k=2).backend for name in ZOO}
-    assert chosen == {n: "backpack" if n in BACKPACK else "functorch" for n in ZOO}
+    assert chosen == {n: "backpack" if n in BACKPACK else "hooks" if n in HOOKS
+                      else "functorch" for n in ZOO}
 
 
 @pytest.mark.parametrize("name", BACKPACK)

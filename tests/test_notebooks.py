@@ -18,6 +18,7 @@ EXPECTED = [
     "02_classification_2d.ipynb",
     "03_mnist_calibration.ipynb",
     "04_curvature_inside.ipynb",
+    "05_lora_adapters.ipynb",
 ]
 NOTEBOOKS = sorted(p.name for p in EXAMPLES.glob("*.ipynb"))
 MAX_BYTES = 1_000_000

@@ -8,6 +8,7 @@ consumers.
 
 from lowrank_laplace.engine.base import EngineBase
 from lowrank_laplace.engine.factor_engine import BACKENDS, FactorEngine, check_backend
+from lowrank_laplace.engine.request import Request
 from lowrank_laplace.engine.rng import RNGReplay, rng_state, set_rng_state
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "EngineBase",
     "FactorEngine",
     "RNGReplay",
+    "Request",
     "check_backend",
     "rng_state",
     "set_rng_state",

@@ -1,18 +1,23 @@
 r"""Computes the GGN factor ``V`` of a mini-batch with the backend that fits the model.
 
-Two backends produce the same per-parameter blocks of ``V`` for the same consumers
+Three backends produce the same per-parameter blocks of ``V`` for the same consumers
 (:mod:`~lowrank_laplace.engine.base`):
 
 * ``'backpack'`` (:mod:`~lowrank_laplace.engine.backpack.backend`): one BackPACK backward
   pass, blocks freed layer by layer, linear weights kept factored. It takes models
   built from modules BackPACK knows, each called once, without tied parameters.
+* ``'hooks'`` (:mod:`~lowrank_laplace.engine.hooks`): one forward pass of the batch and
+  one backward pass per loss-Hessian column, with the trainable layers' inputs and
+  output vectors recorded by hooks. It takes models whose trainable parameters sit in
+  linear, embedding and norm layers, whatever frozen modules (attention in any
+  kernel, custom modules) sit between them: LoRA adapters, heads, norms.
 * ``'functorch'`` (:mod:`~lowrank_laplace.engine.functorch`): vmapped vector-Jacobian
   products of the loss-Hessian factor's columns; any model torch.func
   differentiates (LayerNorm, attention, embeddings, LSTM, tied weights, functional
   operations, dict inputs).
 
-``backend='auto'`` (the default) picks BackPACK when it supports the model (checked
-statically, then on the first sample) and torch.func otherwise; the engine's
+``backend='auto'`` (the default) takes the first of these, in this order, that
+accepts the model (checked statically, then on the first batch); the engine's
 :attr:`FactorEngine.backend` and every factor's ``backend`` say which one ran.
 
 Shape glossary:
@@ -22,24 +27,26 @@ Shape glossary:
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 from torch import Tensor, nn
 
 from lowrank_laplace.engine.backpack.backend import BackpackEngine
 from lowrank_laplace.engine.base import EngineBase
 from lowrank_laplace.engine.functorch import FuncEngine
+from lowrank_laplace.engine.hooks import HooksEngine
 from lowrank_laplace.engine.rng import RNGReplay
 from lowrank_laplace.factor import GGNFactor
 from lowrank_laplace.utils import batches, checks
 
 #: Values of the ``backend`` argument.
-BACKENDS = ("auto", "backpack", "functorch")
+BACKENDS = ("auto", "backpack", "hooks", "functorch")
 #: The backends each value tries, in order: ``'auto'`` takes the first that accepts
 #: the model (checked statically, then on the first sample).
 CANDIDATES = {
-    "auto": (BackpackEngine, FuncEngine),
+    "auto": (BackpackEngine, HooksEngine, FuncEngine),
     "backpack": (BackpackEngine,),
+    "hooks": (HooksEngine,),
     "functorch": (FuncEngine,),
 }
 
@@ -78,8 +85,7 @@ class FactorEngine:
             docstring).
 
     Attributes:
-        backpack_problem: Why ``'auto'`` did not choose BackPACK (``None`` if it did
-            or was not asked).
+        rejected: Why ``'auto'`` passed over each backend it did not choose.
     """
 
     def __init__(self, model: nn.Module, loss_func: nn.Module, eval_mode: bool = False,
@@ -87,7 +93,8 @@ class FactorEngine:
         self.requested_backend = check_backend(backend)
         checks.check_loss_func(loss_func)
         self.model, self.loss_func, self.eval_mode = model, loss_func, eval_mode
-        self.backpack_problem: Optional[str] = None
+        #: Why ``'auto'`` passed over a backend: name -> the reason it gave.
+        self.rejected: Dict[str, str] = {}
         self._closed = False
         if backend == "auto":
             checks.check_batchnorm_mode(model, eval_mode)
@@ -95,12 +102,13 @@ class FactorEngine:
         self._candidates: List[Type[EngineBase]] = list(CANDIDATES[backend])
         self._impl: EngineBase = self._next_backend(None)
         self._confirmed = len(self._candidates) == 0
+        self._independence_checked = False
 
     def _next_backend(self, reason: Optional[Exception]) -> EngineBase:
         """The next candidate that accepts the model (the last one must)."""
         if reason is not None:
             self._impl.close()
-            self.backpack_problem = str(reason)
+            self.rejected[self._impl.backend] = str(reason)
         while True:
             cls = self._candidates.pop(0)
             try:
@@ -108,11 +116,16 @@ class FactorEngine:
             except NotImplementedError as err:
                 if not self._candidates:
                     raise
-                self.backpack_problem = str(err)
+                self.rejected[cls.backend] = str(err)
+
+    @property
+    def backpack_problem(self) -> Optional[str]:
+        """Why ``'auto'`` did not choose BackPACK (``None`` if it did or was not asked)."""
+        return self.rejected.get("backpack")
 
     @property
     def backend(self) -> str:
-        """The backend in use: ``'backpack'`` or ``'functorch'``.
+        """The backend in use: ``'backpack'``, ``'hooks'`` or ``'functorch'``.
 
         With ``'auto'``, BackPACK is confirmed on the first batch; before that the
         name is the one chosen from the model alone.
@@ -129,6 +142,9 @@ class FactorEngine:
         if self._closed:
             raise RuntimeError("The engine is closed: create a new FactorEngine.")
         checks.check_batch(inputs, targets)
+        if not self._independence_checked:
+            self._impl.check_independent(inputs)
+            self._independence_checked = True
         while not self._confirmed:
             try:
                 self._impl.probe(inputs, targets)

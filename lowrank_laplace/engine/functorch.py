@@ -30,6 +30,8 @@ Shape glossary:
 from __future__ import annotations
 
 import contextlib
+import re
+import warnings
 from collections.abc import MutableMapping
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -38,17 +40,17 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_map
 
-from lowrank_laplace.engine.base import Collector, EngineBase
+from lowrank_laplace.engine.base import EngineBase
+from lowrank_laplace.engine.request import Collector
 from lowrank_laplace.engine.rng import rng_state, set_rng_state
-from lowrank_laplace.factor import factor_columns, reduced_cross_entropy_sqrt
 from lowrank_laplace.factor.blocks import DenseBlock, KronBlock
+from lowrank_laplace.factor.loss_sqrt import factor_columns, hessian_sqrt, per_sample_scale
 from lowrank_laplace.utils import batches, checks
 
 #: Bytes the vmapped products of one chunk may take (intermediates included). Larger
-#: chunks amortise vmap's overhead: on DeepOBS 3c3d (N = 32, 2 CPU cores) the Gram pass
-#: took 8.3 s with 256 MiB chunks (5 samples) and 5.1 s with 1 GiB (BackPACK: 1.5 s);
-#: writing the rows in place instead of concatenating chunks: 3.9 s. Factored linear
-#: weights then brought N = 128 to 10.8 s against BackPACK's 5.3 s.
+#: chunks amortise vmap's overhead, and writing the rows in place instead of
+#: concatenating chunks saves more; the Gram pass still stays slower than BackPACK's
+#: (docs/benchmarks/design_measurements.md).
 CHUNK_BUDGET = 2**30
 
 
@@ -73,9 +75,8 @@ class FuncEngine(EngineBase):
         self._aliases = _aliases(self._copy)
         self.chunk_budget = chunk_budget
         self._features: Optional[int] = None  # sum of leaf output sizes of one sample
-        #: ``nn.Linear`` weights whose blocks stay factored (name -> module), found on
-        #: the first batch: the products then pull back only the layer's output
-        #: vectors ``s`` (through a zero shift of its output) and keep its inputs ``z``.
+        #: ``nn.Linear`` weights whose blocks stay factored (name -> module), found on the
+        #: first batch: the products pull back only the vectors ``s`` at its output.
         self._factored: Dict[str, nn.Module] = {}
         #: Whether the samples are vmapped (``False``: looped, for models vmap cannot
         #: batch such as ``nn.LSTM``); decided on the first batch.
@@ -85,6 +86,7 @@ class FuncEngine(EngineBase):
 
     def _check_model(self, model: nn.Module, eval_mode: bool) -> None:
         checks.check_batchnorm_mode(model, eval_mode)
+        _refuse_prelu(model)
 
     def dense_param_count(self, largest: bool = False) -> int:
         """Entries of ``V``'s rows stored per column (factored linear weights: out + in).
@@ -95,10 +97,9 @@ class FuncEngine(EngineBase):
         Returns:
             The count.
         """
-        sizes = [0]
-        for name, p in zip(self._names, self.model.parameters()):
-            if p.requires_grad:
-                sizes.append(sum(p.shape) if name in self._factored else p.numel())
+        sizes = [0] + [sum(p.shape) if name in self._factored else p.numel()
+                       for name, p in zip(self._names, self.model.parameters())
+                       if p.requires_grad]
         return max(sizes) if largest else sum(sizes)
 
     def _vector_entries(self, feature_sizes: List[int], one_block: bool) -> int:
@@ -143,7 +144,9 @@ class FuncEngine(EngineBase):
         try:
             # train-mode dropout draws here from a forked generator: the caller's
             # draws (and so the replay of low-memory passes) do not see the probe
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                    warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 for vectorize in (True, False):
                     self.vectorize = vectorize
                     stack.clear()
@@ -155,6 +158,7 @@ class FuncEngine(EngineBase):
                             continue
                         raise
                 self._factored = self._factorable(first, y, params, aliases, device)
+            _warn_if_looping(caught, self.vectorize)
         except Exception as err:  # noqa: BLE001 - re-raised with the module named
             raise _cannot_differentiate(err, stack[-1] if stack else "") from err
         finally:
@@ -257,7 +261,8 @@ class FuncEngine(EngineBase):
             out, pull, zs = vjp(f, free, shifts, has_aux=True)
             rows = [rho_grad * _output_gradient(loss, out, y)[None]]
             if curvature:
-                rows.insert(0, rho_curv**0.5 * _hessian_sqrt(loss, out, mc_samples, nz))
+                rows.insert(0, rho_curv**0.5 * hessian_sqrt(
+                    loss, out[None], mc_samples, None if nz is None else nz[None])[:, 0])
             cotangents = torch.cat(rows)
             if vectorize:
                 grads, out_vectors = vmap(pull)(cotangents)
@@ -313,11 +318,13 @@ class FuncEngine(EngineBase):
         for indices, curvature in ((curv, True), (rest, False)):
             for start in range(0, len(indices), chunk):
                 idx = torch.tensor(indices[start:start + chunk], device=targets.device)
-                out, rows, zs = self._products(
-                    batches.take(inputs, idx, n), targets[idx], params, aliases, mc_samples,
-                    curvature, 1 / n if mean else 1.0, 1 / len(curv) if mean else 1.0,
-                    factored,
-                )
+                with warnings.catch_warnings():  # the probe warned once if it loops
+                    warnings.filterwarnings("ignore", message=_NO_BATCHING_RULE)
+                    out, rows, zs = self._products(
+                        batches.take(inputs, idx, n), targets[idx], params, aliases,
+                        mc_samples, curvature, 1 / n if mean else 1.0,
+                        1 / len(curv) if mean else 1.0, factored,
+                    )
                 outputs[idx] = out
                 for name, z in zs.items():
                     z_rows[name][idx] = z
@@ -413,48 +420,12 @@ def _batched_dims(inputs: Any, n: int):
     return 0
 
 
-def _per_sample_scale(loss: nn.Module, num_outputs: int) -> float:
-    """``c`` with ``l_n = c * sum-reduced loss of sample n`` (``1/C`` for MSE mean)."""
-    return 1 / num_outputs if isinstance(loss, nn.MSELoss) and loss.reduction == "mean" else 1.0
-
-
 def _output_gradient(loss: nn.Module, out: Tensor, y: Tensor) -> Tensor:
     """Gradient of one sample's loss ``l_n`` w.r.t. its outputs, ``(C,)``."""
     if isinstance(loss, nn.MSELoss):
-        return 2 * _per_sample_scale(loss, out.shape[0]) * (out - y)
+        return 2 * per_sample_scale(loss, out.shape[0]) * (out - y)
     onehot = (torch.arange(out.shape[0], device=out.device) == y).to(out.dtype)
     return out.softmax(0) - onehot
-
-
-def _hessian_sqrt(loss: nn.Module, out: Tensor, mc_samples: int,
-                  noise: Optional[Tensor]) -> Tensor:
-    """Rows ``s_v`` with ``sum_v s_v s_v^T`` = (an MC estimate of) ``l_n``'s Hessian.
-
-    Args:
-        loss: The loss module.
-        out: One sample's outputs, ``(C,)``.
-        mc_samples: ``0`` exact, else ``M``.
-        noise: ``(M,)`` uniforms (cross-entropy) or ``(M, C)`` normals (MSE).
-
-    Returns:
-        Tensor of shape ``(V, C)``.
-    """
-    classes = out.shape[0]
-    if isinstance(loss, nn.MSELoss):
-        scale = (2 * _per_sample_scale(loss, classes)) ** 0.5
-        if mc_samples:
-            return scale * noise / mc_samples**0.5
-        return scale * torch.eye(classes, dtype=out.dtype, device=out.device)
-    p = out.softmax(0)
-    if mc_samples:  # s = (p - e_y) / sqrt(M), y ~ Categorical(p) by inverse CDF
-        cdf = p.cumsum(0)
-        lower = torch.cat([cdf.new_zeros(1), cdf[:-1]])
-        upper = torch.cat([cdf[:-1], cdf.new_full((1,), float("inf"))])
-        onehot = ((noise[:, None] >= lower) & (noise[:, None] < upper)).to(out.dtype)
-        return (p - onehot) / mc_samples**0.5
-    if classes == 1:  # one logit: the cross-entropy is constant
-        return out.new_zeros(1, 1)
-    return reduced_cross_entropy_sqrt(out[None], "sum")[:, 0]
 
 
 def _cannot_differentiate(err: Exception, module: str) -> NotImplementedError:
@@ -469,3 +440,45 @@ def _cannot_differentiate(err: Exception, module: str) -> NotImplementedError:
         "subset_of_weights='last_layer', or param_groups), or use a model "
         "BackPACK supports (backend='backpack')."
     )
+
+
+#: torch.func's warning that an operation has no batching rule (it then loops).
+_NO_BATCHING_RULE = "There is a performance drop because we have not yet implemented"
+
+
+def _warn_if_looping(caught: list, vectorized: bool) -> None:
+    """Say so once where the samples are looped instead of batched; re-emit the rest.
+
+    ``vmap`` runs an operation without a batching rule (fused attention kernels,
+    for one) one sample at a time, and a model vmap cannot batch at all is looped
+    here: both are slow, and the user should hear it from us, once.
+    """
+    loops = set()
+    for w in caught:
+        found = re.search(r"batching rule for (\S+?)\.", str(w.message))
+        if found and str(w.message).startswith(_NO_BATCHING_RULE):
+            loops.add(found.group(1))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if loops or not vectorized:
+        what = (f"torch.func has no batching rule for {', '.join(sorted(loops))}"
+                if vectorized else "torch.func cannot vmap this model")
+        warnings.warn(
+            f"{what}, so the functorch backend computes V one sample at a time (slow). "
+            "The hooks backend needs no vmap: it takes models whose trainable "
+            "parameters are linear, embedding or norm layers (e.g. LoRA adapters and "
+            "heads over a frozen model); 'eager' attention also batches.",
+            UserWarning, stacklevel=6,
+        )
+
+
+def _refuse_prelu(model: nn.Module) -> None:
+    """Refuse ``nn.PReLU``: vmap broadcasts its slopes against the wrong axis."""
+    prelu = [name for name, m in model.named_modules() if isinstance(m, nn.PReLU)]
+    if prelu:
+        raise NotImplementedError(
+            f"The functorch backend cannot batch nn.PReLU (layers {prelu}) correctly. "
+            "The hooks backend takes PReLU where every trainable parameter sits in "
+            "linear, embedding, norm or PReLU layers; else freeze the slopes into "
+            "nn.LeakyReLU(negative_slope=...)."
+        )

@@ -6,6 +6,8 @@ Shape glossary:
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor, nn
 
@@ -56,3 +58,52 @@ def reduced_cross_entropy_sqrt(logits: Tensor, reduction: str) -> Tensor:
     if reduction == "mean":
         sqrt_h = sqrt_h / num**0.5
     return sqrt_h
+
+
+def per_sample_scale(loss: nn.Module, num_outputs: int) -> float:
+    """``c`` with ``l_n = c * sum-reduced loss of sample n`` (``1/C`` for MSE mean).
+
+    Args:
+        loss: The loss module.
+        num_outputs: Model outputs ``C``.
+
+    Returns:
+        The factor.
+    """
+    return 1 / num_outputs if isinstance(loss, nn.MSELoss) and loss.reduction == "mean" else 1.0
+
+
+def hessian_sqrt(loss: nn.Module, out: Tensor, mc_samples: int,
+                 noise: Optional[Tensor]) -> Tensor:
+    """Rows ``s_vn`` with ``sum_v s_vn s_vn^T`` = (an MC estimate of) ``l_n``'s Hessian.
+
+    Pure tensor operations over the batch (no per-sample loop), so that it also runs
+    under ``torch.func.vmap``.
+
+    Args:
+        loss: The loss module (``CrossEntropyLoss`` or ``MSELoss``).
+        out: Outputs, ``(N, C)``.
+        mc_samples: ``0`` exact, else ``M``.
+        noise: ``(N, M)`` uniforms (cross-entropy) or ``(N, M, C)`` normals (MSE).
+
+    Returns:
+        Tensor of shape ``(V, N, C)``.
+    """
+    num, classes = out.shape
+    if isinstance(loss, nn.MSELoss):
+        scale = (2 * per_sample_scale(loss, classes)) ** 0.5
+        if mc_samples:
+            return (scale / mc_samples**0.5) * noise.transpose(0, 1)
+        eye = torch.eye(classes, dtype=out.dtype, device=out.device)
+        return scale * eye[:, None, :].expand(classes, num, classes)
+    p = out.softmax(1)
+    if mc_samples:  # s = (p - e_y) / sqrt(M), y ~ Categorical(p) by inverse CDF
+        cdf = p.cumsum(1)
+        lower = torch.cat([cdf.new_zeros(num, 1), cdf[:, :-1]], 1)
+        upper = torch.cat([cdf[:, :-1], cdf.new_full((num, 1), float("inf"))], 1)
+        u = noise[:, :, None]
+        onehot = ((u >= lower[:, None]) & (u < upper[:, None])).to(out.dtype)
+        return ((p[:, None] - onehot) / mc_samples**0.5).transpose(0, 1)
+    if classes == 1:  # one logit: the cross-entropy is constant
+        return out.new_zeros(1, num, 1)
+    return reduced_cross_entropy_sqrt(out, "sum")

@@ -129,7 +129,7 @@ class BatchStreamer:
                     self.solver.add_factor(batch, scale=self.scale * sub_scale)
                 else:
                     batch = self.engine.compute(Xc, yc, mc_samples=self.mc_samples,
-                                                subsampling=sub)
+                                                subsampling=sub, gradient=False)
             loss = loss + self.scale * batch.loss
             self.n_outputs = batch.outputs.shape[-1]
             if not plan.low_memory:

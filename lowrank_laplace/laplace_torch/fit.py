@@ -228,6 +228,12 @@ def _stream(model, likelihood, loader, options, to_inputs, dict_key_y, device, g
                          desc="[lowrank_ggn: merging GGN factors]")
         for data in pbar:
             if isinstance(data, MutableMapping):  # the whole dict goes to the model
+                if dict_key_y not in data:
+                    raise ValueError(
+                        f"The loader's dict batches have no targets under "
+                        f"dict_key_y={dict_key_y!r} (keys: {sorted(data)}): pass the "
+                        "key of the labels as dict_key_y."
+                    )
                 X, y = data, data[dict_key_y]
             else:
                 X, y = data

@@ -36,6 +36,7 @@ from lowrank_laplace.laplace_torch.options import (
 from lowrank_laplace.laplace_torch.queries import PosteriorQueries
 from lowrank_laplace.posterior import GramCache, Residual
 from lowrank_laplace.posterior.residual import DEFAULT_RESIDUAL, ResidualKind, check_residual
+from lowrank_laplace.utils.batches import batch_size
 
 
 def _check_positive(name: str, value) -> None:
@@ -350,10 +351,28 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
 
         def features(X):
             with torch.no_grad():
-                return extractor.forward_with_features(X)[1].detach()
+                phi = extractor.forward_with_features(X)[1].detach()
+            n = batch_size(X)  # several rows per sample (reward pairs): grouped per sample
+            return phi if phi.shape[0] == n else phi.reshape(n, -1, *phi.shape[1:])
 
-        return nn.Sequential(last), features, list(last.parameters())
+        return _LastLayer(last), features, list(last.parameters())
 
     def _glm_predictive_distribution(self, X, joint: bool = False,
                                      diagonal_output: bool = False):
         return LLLaplace._glm_predictive_distribution(self, X, joint, diagonal_output)
+
+
+class _LastLayer(nn.Module):
+    """The last layer on per-sample features; ``(N, k, d)`` features give ``(N, k C)``.
+
+    A pairwise reward model scores the two items of a sample with its last layer and
+    returns them side by side: its curvature's outputs are the ``k`` scores of a sample.
+    """
+
+    def __init__(self, last: nn.Module):
+        super().__init__()
+        self.last = last
+
+    def forward(self, features: Tensor) -> Tensor:
+        out = self.last(features)
+        return out.flatten(1) if out.dim() == 3 else out

@@ -85,8 +85,10 @@ class LowRankOptions:
         factor_backend: What computes the GGN factor ``V`` (laplace-torch's
             ``backend`` names its own curvature class, hence another name):
             ``"backpack"`` (one BackPACK backward pass; models of modules it knows),
+            ``"hooks"`` (batched backward passes; trainable linear, embedding and norm
+            layers behind frozen modules, e.g. LoRA adapters and heads),
             ``"functorch"`` (vmapped torch.func products; any differentiable model)
-            or ``"auto"`` (BackPACK where it applies).
+            or ``"auto"`` (the first of these that takes the model).
         solver: ``"streaming"`` (default: truncated merges,
             :class:`~lowrank_laplace.fitting.StreamingMerge`) or ``"sketch"`` (opt-in,
             approximate: a one-pass randomized Nyström sketch with ``rank +

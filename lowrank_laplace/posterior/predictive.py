@@ -46,7 +46,7 @@ def jacobian_factor(engine: FactorEngine, inputs: Tensor) -> GGNFactor:
     Returns:
         The :class:`~lowrank_laplace.factor.GGNFactor` (its ``outputs`` are ``f(x)``).
     """
-    return engine.compute(inputs, None)
+    return engine.compute(inputs, None, gradient=False)
 
 
 def glm_moments(
@@ -287,7 +287,8 @@ def jacobian_energies(engine: FactorEngine, batches: List, U: Tensor,
                 factor = jacobian_factor(engine, chunk)
             else:
                 with rng if rng is not None else contextlib.nullcontext():
-                    factor = engine.compute(chunk, None, mc_samples=projections)
+                    factor = engine.compute(chunk, None, mc_samples=projections,
+                                            gradient=False)
             energy += (factor.t_matmul(U) ** 2).sum(0) / 2  # E[V V^T] = 2 J^T J
     return energy
 

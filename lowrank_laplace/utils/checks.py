@@ -119,7 +119,32 @@ def check_batch(inputs: Any, targets: Optional[Tensor]) -> int:
             f"inputs have {inputs.shape[0]} samples but targets have shape "
             f"{tuple(targets.shape)}: the first dimensions must match."
         )
+    if isinstance(inputs, MutableMapping):
+        check_padding(inputs)
     return n
+
+
+def check_padding(batch: MutableMapping) -> None:
+    """Refuse sequences that are padding only (an ``attention_mask`` row of zeros).
+
+    A transformer pools or attends over no token for them: its output is undefined
+    (NaN or an arbitrary position), and so would the curvature be.
+
+    Args:
+        batch: A dict batch.
+
+    Raises:
+        ValueError: Naming the samples whose ``attention_mask`` is all zero.
+    """
+    mask = batch.get("attention_mask")
+    if not isinstance(mask, Tensor) or mask.ndim < 2:
+        return
+    empty = (mask.reshape(mask.shape[0], -1) == 0).all(1).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(
+            f"Samples {empty[:10]} of the batch are padding only (attention_mask all "
+            "zero): drop them from the data before fitting or predicting."
+        )
 
 
 def check_outputs(outputs: Any) -> None:
@@ -133,9 +158,13 @@ def check_outputs(outputs: Any) -> None:
     """
     if not isinstance(outputs, Tensor) or outputs.ndim != 2:
         shape = tuple(outputs.shape) if isinstance(outputs, Tensor) else type(outputs).__name__
+        hint = ""
+        if not isinstance(outputs, Tensor) and hasattr(outputs, "logits"):
+            hint = (" (a Hugging Face ModelOutput: wrap the model in an nn.Module whose "
+                    "forward returns model(**batch).logits, as laplace-torch's example does)")
         raise ValueError(
-            f"The model output must have shape (N, C) (a tensor), got {shape}; add an "
-            "nn.Flatten layer, or wrap the model so that it returns the logits."
+            f"The model output must have shape (N, C) (a tensor), got {shape}{hint}; add "
+            "an nn.Flatten layer, or wrap the model so that it returns the logits."
         )
 
 

@@ -5,8 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from lowrank_laplace.engine import FactorEngine
-from lowrank_laplace.engine.base import Request
+from lowrank_laplace.engine import FactorEngine, Request
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 
@@ -44,15 +43,31 @@ def test_auto_probes_and_falls_back_with_the_reason():
     model = nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Linear(5, 3)).double()
     X, y = _batch()
     with FactorEngine(model, nn.CrossEntropyLoss()) as engine:
-        assert engine.backend == "functorch" and "LayerNorm" in engine.backpack_problem
+        assert engine.backend == "hooks" and "LayerNorm" in engine.backpack_problem
         assert engine.gradient_in_factor_pass
         engine.compute(X, y)
     with FactorEngine(_mlp(), nn.CrossEntropyLoss()) as engine:
         engine.compute(X, y)
-        assert engine.backend == "backpack" and engine.backpack_problem is None
+        assert engine.backend == "backpack" and engine.rejected == {}
         assert not engine.gradient_in_factor_pass
+    attention = _Attention().double()  # trainable attention: only torch.func takes it
+    with FactorEngine(attention, nn.CrossEntropyLoss()) as engine:
+        engine.compute(X, y)
+        assert engine.backend == "functorch" and set(engine.rejected) == {"backpack", "hooks"}
+        assert "in_proj_weight (MultiheadAttention)" in engine.rejected["hooks"]
     with pytest.raises(NotImplementedError):
         FactorEngine(model, nn.CrossEntropyLoss(), backend="backpack")
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.att = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = x[:, None, :].expand(-1, 2, -1)
+        return self.head(self.att(h, h, h, need_weights=False)[0].mean(1))
 
 
 @pytest.mark.parametrize("backend", ["backpack", "functorch"])

@@ -37,7 +37,8 @@ from lowrank_laplace.engine.backpack.extensions import (
     sqrt_ggn_extension,
     supported_modules,
 )
-from lowrank_laplace.engine.base import Collector, EngineBase
+from lowrank_laplace.engine.base import EngineBase
+from lowrank_laplace.engine.request import Collector
 from lowrank_laplace.factor.blocks import Block, DenseBlock, KronBlock
 from lowrank_laplace.utils import checks
 
@@ -180,7 +181,8 @@ class BackpackEngine(EngineBase):
             targets: Unused (BackPACK's losses take every target the engine checks).
 
         Raises:
-            NotImplementedError: If BackPACK cannot handle the forward pass.
+            NotImplementedError: If BackPACK cannot handle the forward pass (layers
+                it does not know, dict batches, in-place operations on layer outputs).
         """
         if self._handles is not None:
             return
@@ -206,6 +208,18 @@ class BackpackEngine(EngineBase):
                 extend(module)
         extend(self._loss)
         self._handles = CTX.hook_handles[num_handles:]
+        with torch.enable_grad(), torch.random.fork_rng(devices=devices):
+            try:  # BackPACK's module hooks return views that in-place operations break
+                self._net(inputs[:1])
+            except RuntimeError as err:
+                if "inplace" not in str(err):
+                    raise
+                self.close()
+                raise NotImplementedError(
+                    "An in-place operation (e.g. ReLU(inplace=True), x.relu_()) modifies a "
+                    "layer output, which BackPACK's hooks cannot take: the hooks and "
+                    "functorch backends can (backend='auto')."
+                ) from err
 
     def _converted(self, sample: Tensor, problem: NotImplementedError) -> nn.Module:
         """The model rewritten into BackPACK modules, checked on one sample.

@@ -5,7 +5,8 @@
 * ``nn.Conv1d``/``nn.Conv2d`` weights (``groups=1``, numeric zero padding) are
   expanded by one batched matrix product with the unfolded input per vector,
   instead of BackPACK's grouped-convolution trick that first repeats the input
-  once per vector (measured ~10x slower on DeepOBS 3c3d).
+  once per vector, which was much slower on convolutional networks
+  (docs/benchmarks/design_measurements.md).
 * ``nn.AdaptiveAvgPool{1,2,3}d``, for which BackPACK ships derivatives but no
   ``SqrtGGN`` mapping.
 * ``nn.CrossEntropyLoss`` (exact, ``(N, C)`` logits): a loss-Hessian factor with
@@ -105,9 +106,9 @@ def unfold_input(x: Tensor, kernel: Tuple[int, int], dilation: Tuple[int, int],
                  padding: Tuple[int, int], stride: Tuple[int, int]) -> Tensor:
     """Unfold the patches of a 2d convolution's input, like ``F.unfold``.
 
-    Built from strided views and one copy: ``torch.nn.functional.unfold`` was
-    measured at ~0.8 s per call for DeepOBS 3c3d's conv inputs (N = 128, 2 CPU
-    cores, torch 2.14), this at ~0.01 s.
+    Built from strided views and one copy: ``torch.nn.functional.unfold`` was much
+    slower on the batched convolution inputs of a fit
+    (docs/benchmarks/design_measurements.md).
 
     Args:
         x: Input, shape ``(N, C, H, W)``.
@@ -184,13 +185,13 @@ def _in_place_elementwise(base):
     """An elementwise activation's extension that multiplies its input in place.
 
     The backpropagated matrices at an activation are the largest tensors of a
-    convolutional backward pass (DeepOBS 3c3d's first ReLU: 9 x 128 x 64 x 28 x 28
-    floats, 231 MB); multiplying in place instead of into a new tensor lowered the
-    peak of its top-10 eigenpairs by 0.18 GiB. The product is done in place only when
-    nothing else can read the matrix afterwards: it is contiguous (no overlapping
-    views) and no quantity BackPACK still keeps for another tensor shares its storage
-    (a branch point saves one matrix for several inputs). Otherwise, and for lists of
-    matrices, BackPACK's own product runs.
+    convolutional backward pass (one entry per vector, sample, channel and output
+    position), so multiplying in place instead of into a new tensor lowers the peak
+    memory (docs/benchmarks/design_measurements.md). The product is done in place
+    only when nothing else can read the matrix afterwards: it is contiguous (no
+    overlapping views) and no quantity BackPACK still keeps for another tensor shares
+    its storage (a branch point saves one matrix for several inputs). Otherwise, and
+    for lists of matrices, BackPACK's own product runs.
     """
 
     class _InPlace(base):
