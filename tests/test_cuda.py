@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lowrank_laplace as ll
 from tests.conftest import one_pass_and_low_memory
-from tests.test_models import DictModel, zoo_case
+from tests.engine.test_models import DictModel, zoo_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -172,13 +172,12 @@ class FactorEngine:
 
     def bytes_per_sample(self, inputs: Any, num_vectors: Optional[int] = None,
                          one_block: bool = False) -> int:
-        """Estimate the memory one sample adds to a computation of ``V``.
+        """:meth:`EngineBase.bytes_per_sample` of the backend for these inputs.
 
         Args:
             inputs: A batch of inputs (only the first sample is used).
-            num_vectors: Vectors per sample (``mc_samples`` for MC); ``None`` uses
-                the exact GGN's (``C``, or ``C - 1`` for cross-entropy).
-            one_block: Count only the largest block (passes that keep no blocks).
+            num_vectors: See :meth:`EngineBase.bytes_per_sample`.
+            one_block: See :meth:`EngineBase.bytes_per_sample`.
 
         Returns:
             Estimated bytes per sample.

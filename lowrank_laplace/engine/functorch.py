@@ -110,11 +110,7 @@ class FuncEngine(EngineBase):
     def probe(self, inputs: Any, targets: Optional[Tensor] = None) -> None:
         """Run the products on one sample; explain what torch.func cannot do.
 
-        Draws nothing from the caller's random number generators.
-
-        Args:
-            inputs: A batch of inputs.
-            targets: Its targets (or ``None``).
+        See :meth:`~lowrank_laplace.engine.base.EngineBase.probe` for the contract.
 
         Raises:
             NotImplementedError: Naming the module where torch.func failed.

@@ -341,11 +341,7 @@ class HooksEngine(EngineBase):
     def probe(self, inputs: Any, targets: Optional[Tensor] = None) -> None:
         """Check on the first samples that the layer formulas give autograd's gradient.
 
-        Draws nothing from the caller's random number generators.
-
-        Args:
-            inputs: A batch of inputs.
-            targets: Its targets (or ``None``).
+        See :meth:`~lowrank_laplace.engine.base.EngineBase.probe` for the contract.
 
         Raises:
             NotImplementedError: If a gradient differs.

@@ -236,11 +236,7 @@ class SketchMerge(Solver):
                     diagonal: Optional[Tensor] = None) -> None:
         """Add the sketch of another eigendecomposition, ``U diag(lambda) U^T Omega``.
 
-        Args:
-            eigenvectors: Orthonormal vectors, shape ``(D, k)``.
-            eigenvalues: Non-negative eigenvalues, shape ``(k,)``.
-            trace: The exact trace of the other curvature.
-            diagonal: Its exact diagonal (needed when tracking the diagonal).
+        The arguments are those of :meth:`~lowrank_laplace.fitting.base.Solver.add_lowrank`.
         """
         self.add_trace_and_diagonal(trace, diagonal)
         if eigenvalues.numel() == 0:

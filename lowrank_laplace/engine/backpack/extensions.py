@@ -130,27 +130,27 @@ def unfold_input(x: Tensor, kernel: Tuple[int, int], dilation: Tuple[int, int],
     return x.permute(0, 1, 4, 5, 2, 3).reshape(n, c * kh * kw, h * w)
 
 
+def _block_or_mjp(ext_module, block, ext, module, g_inp, g_out, backproped):
+    """The weight's block where the tuned path applies, else BackPACK's own product."""
+    if block is not None:
+        return block
+    return ext_module.derivatives.param_mjp(
+        "weight", module, g_inp, g_out, backproped, sum_batch=False,
+        subsampling=ext.get_subsampling(),
+    )
+
+
 class _SqrtGGNLinear(SqrtGGNLinear):
     def weight(self, ext, module, g_inp, g_out, backproped):  # noqa: D102
         block = _linear_weight(module, backproped, ext.get_subsampling())
-        if block is None:
-            return self.derivatives.param_mjp(
-                "weight", module, g_inp, g_out, backproped, sum_batch=False,
-                subsampling=ext.get_subsampling(),
-            )
-        return block
+        return _block_or_mjp(self, block, ext, module, g_inp, g_out, backproped)
 
 
 def _sqrt_ggn_conv(base):
     class _SqrtGGNConv(base):
         def weight(self, ext, module, g_inp, g_out, backproped):  # noqa: D102
             block = _conv_weight(module, backproped, ext.get_subsampling())
-            if block is None:
-                return self.derivatives.param_mjp(
-                    "weight", module, g_inp, g_out, backproped, sum_batch=False,
-                    subsampling=ext.get_subsampling(),
-                )
-            return block
+            return _block_or_mjp(self, block, ext, module, g_inp, g_out, backproped)
 
     return _SqrtGGNConv
 

@@ -9,9 +9,8 @@ from lowrank_laplace.engine.backpack.extensions import reduced_cross_entropy_sqr
 from lowrank_laplace.fitting.cost import merge_size
 from lowrank_laplace.fitting.dense import DenseSum
 from lowrank_laplace.fitting.streaming import StreamingMerge, concat_factors
-
-from .conftest import make_case
-from .reference import ggn
+from tests.conftest import make_case
+from tests.reference import ggn
 
 TOL = dict(rtol=1e-7, atol=1e-9)
 

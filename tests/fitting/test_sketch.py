@@ -16,10 +16,9 @@ from lowrank_laplace.fitting.plan import merge_plan
 from lowrank_laplace.fitting.sketch import SketchMerge
 from lowrank_laplace.fitting.streaming import StreamingMerge
 from lowrank_laplace.laplace_torch import options
-
-from .conftest import make_case
-from .reference import ggn
-from .test_laplace_backend import dense_H, fit_reference, make_problem
+from tests.conftest import make_case
+from tests.laplace_torch.test_laplace import dense_H, fit_reference, make_problem
+from tests.reference import ggn
 
 TOL = dict(rtol=1e-7, atol=1e-9)
 
@@ -315,8 +314,8 @@ def test_sketch_posterior_tracks_the_full_ggn_on_real_data():
     full GGN's. The sketch's eigenvalues under-estimate, so its marglik prior is
     larger than the full GGN's (1.53x here; streaming: 1.10x); more sketch columns
     keep more of the trace and bring the prior closer."""
-    from .test_residual import _digits_problem
-    from .test_residual import heldout_nll as nll
+    from tests.posterior.test_residual import _digits_problem
+    from tests.posterior.test_residual import heldout_nll as nll
 
     model, loader = _digits_problem()
     full = fit_reference(FullLaplace(model, "classification"), loader)

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lowrank_laplace import LowRankGGNLaplace
 from lowrank_laplace.posterior.residual import Residual, jacobian_exponent, power_law_tail
-from tests.test_laplace_backend import fit_reference, make_problem
+from tests.laplace_torch.test_laplace import fit_reference, make_problem
 
 TOL = dict(rtol=1e-6, atol=1e-9)
 

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lowrank_laplace as ll
-from tests.test_models import DictModel, zoo_case
+from tests.engine.test_models import DictModel, zoo_case
 
 TOL = dict(rtol=1e-5, atol=1e-8)
 KW = dict(subset_of_weights="all", hessian_structure="lowrank_ggn", rank=1000)
