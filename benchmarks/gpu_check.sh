@@ -30,6 +30,19 @@
 #       the CUDA tests, then streaming against solver="sketch" (exact and MC) and
 #       BackPACK-kron on 3c3d and the 784-128-64-10 MLP (sketch.log,
 #       laplace_sketch_3c3d.json, laplace_sketch_mlp.json), about 5 minutes.
+#                               bash benchmarks/gpu_check.sh lora
+#       Laplace over the LoRA adapters of a config-built GPT-2 classifier
+#       (benchmarks/bench_lora.py, nothing downloaded): the `large` problem (4 layers of
+#       width 256, LoRA r = 8 on c_attn, c_proj, c_fc, 1,024 sequences of up to 64 tokens)
+#       and the GPT-2-small-sized `gpt2` problem (12 layers of width 768, 12 heads, 124 M
+#       frozen weights, LoRA r = 8 on c_attn, 1,024 sequences of up to 128 tokens),
+#       lowrank_ggn against kron (CurvlinopsGGN), then diag on `large` with a short limit
+#       (lora.log, lora_large.json/.png, lora_gpt2.json/.png, lora_diag_large.json),
+#       about 6 minutes. It needs transformers and peft: if the image lacks them, run
+#                               bash benchmarks/gpu_check.sh prepare-lora
+#       first on the CPU machine: it downloads the wheels of transformers, peft and
+#       their dependencies besides torch and numpy, at the versions installed there, into
+#       .whl/lora/ (~30 MB; carry .whl along), which `lora` installs into /tmp/site.
 #
 # SKIP_INSTALL=1 uses the current environment instead of the wheels (to try the
 # script on a CPU machine, where every step falls back to or skips CUDA).
@@ -45,16 +58,37 @@ if [ "$mode" = prepare ]; then
         curvlinops-for-pytorch==3.0.1 asdfghjkl==0.1a5 unfoldNd==0.2.3 einconv==0.1.0
     exit $?
 fi
-if [ "$mode" != run ] && [ "$mode" != fits ] && [ "$mode" != tests ] && [ "$mode" != sketch ]; then
-    echo "usage: bash benchmarks/gpu_check.sh prepare|run|fits|tests|sketch" >&2
-    exit 2
+if [ "$mode" = prepare-lora ]; then  # transformers, peft and their dependencies
+    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+    pins=$(python3 -c "import importlib.metadata as m; print(' '.join(f'{n}=={m.version(n)}'
+for n in ['transformers', 'peft', 'accelerate', 'huggingface-hub', 'tokenizers',
+'safetensors', 'hf-xet', 'regex', 'pyyaml', 'tqdm', 'psutil', 'packaging', 'filelock',
+'fsspec', 'httpx2', 'httpcore2', 'h11', 'anyio', 'idna', 'truststore', 'typer', 'click',
+'rich', 'markdown-it-py', 'mdurl', 'pygments', 'shellingham', 'annotated-doc', 'pydantic',
+'pydantic-core', 'annotated-types', 'typing-inspection', 'typing-extensions']))") || exit 1
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform any -d .whl/lora $pins
+    exit $?
 fi
+case "$mode" in
+    run|fits|tests|sketch|lora) ;;
+    *) echo "usage: bash benchmarks/gpu_check.sh prepare|prepare-lora|run|fits|tests|sketch|lora" >&2
+       exit 2 ;;
+esac
 
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 if [ "${SKIP_INSTALL:-0}" != 1 ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
+    if [ "$mode" = lora ] && ! python3 -c "import transformers, peft" 2>/dev/null; then
+        ls .whl/lora/*.whl > /dev/null 2>&1 || {
+            echo "transformers/peft missing: run bash benchmarks/gpu_check.sh prepare-lora" >&2
+            exit 1; }
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --upgrade --target /tmp/site .whl/lora/*.whl || exit 1
+    fi
     export PYTHONPATH=/tmp/site:$PWD
 else
     export PYTHONPATH=$PWD
@@ -81,6 +115,29 @@ if [ "$mode" = fits ]; then  # a second call: the fits at the models' full sizes
         > "$OUT/laplace.log" 2>&1
     cp /tmp/gpu_fits/laplace_3c3d.json "$OUT/" 2>/dev/null
     grep -E "PASS|FAIL|\[3c3d\]" "$OUT/laplace.log"
+    exit 0
+fi
+
+if [ "$mode" = lora ]; then  # LoRA adapters of GPT-2: `large` and GPT-2-small-sized
+    dev=cuda; quick=""
+    if ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+        dev=cpu; quick=--quick; echo "no CUDA device: --quick sizes on the CPU"
+    fi
+    echo "== Laplace over LoRA adapters on $dev: lowrank_ggn and kron, large and gpt2"
+    timeout 420 python3 -m benchmarks.bench_lora --device "$dev" $quick \
+        --problems large gpt2 --methods lowrank_ggn kron --timeout 150 --retry-busy 0 \
+        --out /tmp/gpu_lora > "$OUT/lora.log" 2>&1
+    echo "bench_lora rc=$?"
+    cp /tmp/gpu_lora/lora_large.json /tmp/gpu_lora/lora_large.png \
+        /tmp/gpu_lora/lora_gpt2.json /tmp/gpu_lora/lora_gpt2.png "$OUT/" 2>/dev/null
+    echo "== diag on large (short limit)"
+    timeout 150 python3 -m benchmarks.bench_lora --device "$dev" $quick \
+        --problems large --methods diag --timeout 60 --retry-busy 0 \
+        --out /tmp/gpu_lora_diag >> "$OUT/lora.log" 2>&1
+    echo "bench_lora diag rc=$?"
+    cp /tmp/gpu_lora_diag/lora_large.json "$OUT/lora_diag_large.json" 2>/dev/null
+    grep -E "TARGET|(large|gpt2)/sdpa" "$OUT/lora.log"
+    ls "$OUT"
     exit 0
 fi
 
