@@ -19,11 +19,14 @@ import contextlib
 import json
 import os
 import platform
+import queue
 import resource
 import signal
+import subprocess
 import sys
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -760,3 +763,33 @@ def verdict(ok: bool | None) -> str:
     if ok is None:
         return "n/a (missing runs)"
     return "PASSED" if ok else "FAILED"
+
+
+def read_lines(stream, q: "queue.Queue | None", tail: "deque | None" = None):
+    """Forward the lines of a worker's stream into a queue (``None`` marks the end).
+
+    Args:
+        stream: Text stream.
+        q: Queue receiving the lines (``None``: only keep a tail).
+        tail: Deque collecting the last lines (``None``: do not collect).
+    """
+    for line in stream:
+        if tail is not None:
+            tail.append(line)
+        if q is not None:
+            q.put(line)
+    if q is not None:
+        q.put(None)
+
+
+def kill_group(proc: subprocess.Popen):
+    """Kill a worker and its process group (started in its own session).
+
+    Args:
+        proc: The worker.
+    """
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()

@@ -92,10 +92,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import queue
 import resource
-import signal
 import statistics
 import subprocess
 import threading
@@ -130,36 +128,6 @@ FULL_NUM_MATRICES = 3
 ###############################################################################
 #                                  Driver                                     #
 ###############################################################################
-
-
-def _reader(stream, q: queue.Queue, tail: deque | None = None):
-    """Forward the lines of a stream into a queue (``None`` marks the end).
-
-    Args:
-        stream: Text stream.
-        q: Queue receiving result lines (``None`` to only keep a tail).
-        tail: Deque collecting the last lines (``None``: do not collect).
-    """
-    for line in stream:
-        if tail is not None:
-            tail.append(line)
-        if q is not None:
-            q.put(line)
-    if q is not None:
-        q.put(None)
-
-
-def _kill(proc: subprocess.Popen):
-    """Kill a worker and its process group.
-
-    Args:
-        proc: The worker (started in its own session).
-    """
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
-    proc.wait()
 
 
 def phase_timeout(method: str, args: argparse.Namespace) -> float:
@@ -231,8 +199,9 @@ def run_worker_process(
     lines: queue.Queue = queue.Queue()
     stderr_tail: deque = deque(maxlen=60)
     threads = [
-        threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True),
-        threading.Thread(target=_reader, args=(proc.stderr, None, stderr_tail), daemon=True),
+        threading.Thread(target=_harness.read_lines, args=(proc.stdout, lines), daemon=True),
+        threading.Thread(target=_harness.read_lines, args=(proc.stderr, None, stderr_tail),
+                         daemon=True),
     ]
     for t in threads:
         t.start()
@@ -244,7 +213,7 @@ def run_worker_process(
         try:
             line = lines.get(timeout=max(0.0, deadline - time.perf_counter()))
         except queue.Empty:
-            _kill(proc)
+            _harness.kill_group(proc)
             limit = timeout if current else max(timeout, SETUP_TIMEOUT_S)
             failure = {
                 "phase": expected[current],
@@ -275,7 +244,7 @@ def run_worker_process(
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        _kill(proc)
+        _harness.kill_group(proc)
     for t in threads:
         t.join(timeout=5)
     wall = time.perf_counter() - start

@@ -447,36 +447,6 @@ def load_main(args: argparse.Namespace):
 ###############################################################################
 
 
-def _reader(stream, q: queue.Queue | None, tail: deque | None = None):
-    """Forward the lines of a stream into a queue (``None`` marks the end).
-
-    Args:
-        stream: Text stream.
-        q: Queue receiving the lines (``None``: only keep a tail).
-        tail: Deque collecting the last lines (``None``: do not collect).
-    """
-    for line in stream:
-        if tail is not None:
-            tail.append(line)
-        if q is not None:
-            q.put(line)
-    if q is not None:
-        q.put(None)
-
-
-def _kill(proc: subprocess.Popen):
-    """Kill a process and its process group (started in its own session).
-
-    Args:
-        proc: The process.
-    """
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
-    proc.wait()
-
-
 class Load:
     """The competing process of the ``loaded`` condition (this script with ``--load``).
 
@@ -491,8 +461,8 @@ class Load:
                                      text=True, cwd=REPO_ROOT, env=_harness.worker_env(args),
                                      start_new_session=True)
         self.lines: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=_reader, args=(self.proc.stdout, self.lines),
-                                       daemon=True)
+        self.thread = threading.Thread(target=_harness.read_lines,
+                                       args=(self.proc.stdout, self.lines), daemon=True)
         self.thread.start()
         self.ready = False
         deadline = time.perf_counter() + 120.0
@@ -528,7 +498,7 @@ class Load:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            _kill(self.proc)
+            _harness.kill_group(self.proc)
         self.thread.join(timeout=5)
         while True:
             try:
@@ -590,8 +560,8 @@ def run_worker_process(problem: str, attention: str, condition: str, method: str
                             start_new_session=True)
     lines: queue.Queue = queue.Queue()
     stderr_tail: deque = deque(maxlen=60)
-    threads = [threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True),
-               threading.Thread(target=_reader, args=(proc.stderr, None, stderr_tail),
+    threads = [threading.Thread(target=_harness.read_lines, args=(proc.stdout, lines), daemon=True),
+               threading.Thread(target=_harness.read_lines, args=(proc.stderr, None, stderr_tail),
                                 daemon=True)]
     for t in threads:
         t.start()
@@ -602,7 +572,7 @@ def run_worker_process(problem: str, attention: str, condition: str, method: str
         try:
             line = lines.get(timeout=max(0.0, deadline - time.perf_counter()))
         except queue.Empty:
-            _kill(proc)
+            _harness.kill_group(proc)
             limit = args.timeout if current else max(args.timeout, SETUP_TIMEOUT_S)
             failure = {"status": "timeout", "time_to_failure_s": limit,
                        "reason": f"phase exceeded the time limit of {limit:g} s (worker "
@@ -628,7 +598,7 @@ def run_worker_process(problem: str, attention: str, condition: str, method: str
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        _kill(proc)
+        _harness.kill_group(proc)
     for t in threads:
         t.join(timeout=5)
     wall = time.perf_counter() - start
