@@ -333,7 +333,8 @@ class HooksEngine(EngineBase):
                 grads = None
                 if gradient:
                     grads = layer_block(kind, module, pname, a, g_loss[None])
-                    grad[i] = grads.to_dense().sum(0)
+                    # the rows' sum, B^T 1: a factored block is not expanded for it
+                    grad[i] = grads.matmul(g_loss.new_ones(n, 1))[:, 0]
                 collector.add(i, layer_block(kind, module, pname, a_curv, g),
                               grads if collector.batch_grad else None)
         return outputs, loss, grad
