@@ -26,13 +26,13 @@ from torch.nn.utils import parameters_to_vector
 
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.fitting import StreamingMerge
-from lowrank_laplace.fitting.budget import micro_batch_size
+from lowrank_laplace.fitting.budget import micro_batch_size, resolve_memory_budget
 from lowrank_laplace.fitting.distributed import process_rank, resolve_process_group
 from lowrank_laplace.fitting.streamer import BatchStreamer
 from lowrank_laplace.laplace_torch.options import LowRankOptions
 from lowrank_laplace.posterior.predictive import jacobian_energies
-from lowrank_laplace.posterior.residual import jacobian_exponent
-from lowrank_laplace.utils.batches import take, to_device
+from lowrank_laplace.posterior.residual import ResidualKind, jacobian_exponent
+from lowrank_laplace.utils.batches import batch_device, take, to_device
 from lowrank_laplace.utils.checks import check_batch
 
 #: The likelihoods and the loss whose GGN is laplace-torch's, with its Hessian factor.
@@ -128,6 +128,54 @@ def columns_per_sample(likelihood: str, mc_samples: int, n_outputs: Optional[int
     return outputs if likelihood == "regression" else max(outputs - 1, 1)
 
 
+#: The sample count a fit plans for when the loader's dataset has no length (an
+#: ``IterableDataset``): many samples, so the plan streams; ``n_data`` is then counted.
+UNKNOWN_SIZE = 2**40
+
+
+def loader_size(loader: Any) -> Optional[int]:
+    """The number of data points of a loader's dataset (``None``: it has no length).
+
+    Args:
+        loader: A training loader.
+
+    Returns:
+        ``len(loader.dataset)``, or ``None`` for a dataset without ``__len__`` (then
+        the fit counts the samples it streams).
+
+    Raises:
+        ValueError: For a loader without ``dataset`` or an empty dataset.
+    """
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None:
+        raise ValueError("train_loader needs a .dataset to know the number of data points.")
+    try:
+        num_data = len(dataset)
+    except TypeError:  # an IterableDataset without __len__
+        return None
+    if num_data == 0:
+        raise ValueError("train_loader is empty: nothing to fit.")
+    return num_data
+
+
+def check_params(params: List[Tensor]) -> None:
+    """Refuse a fit without trainable parameters or with parameters holding no data.
+
+    Raises:
+        ValueError: For no parameters, or parameters on the ``meta`` device.
+    """
+    if not params:
+        raise ValueError(
+            "The model has no trainable parameters: the posterior covers the parameters "
+            "with requires_grad=True, so unfreeze the ones it should cover."
+        )
+    if any(p.is_meta for p in params):
+        raise ValueError(
+            "The model's parameters are on the 'meta' device and hold no values: load "
+            "its weights (e.g. model.to_empty(device='cpu') and load_state_dict) first."
+        )
+
+
 def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Iterable,
                     options: LowRankOptions, *, params: Optional[List[Tensor]] = None,
                     to_inputs: Callable[[Any], Any] = lambda X: X,
@@ -170,19 +218,16 @@ def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Iterable,
             "override=False with residual='diagonal' needs the residual diagonal of the "
             "previous fit, which this object does not hold: refit with override=True."
         )
-    dataset = getattr(loader, "dataset", None)
-    if dataset is None:
-        raise ValueError("train_loader needs a .dataset to know the number of data points.")
-    num_data = len(dataset)
-    if num_data == 0:
-        raise ValueError("train_loader is empty: nothing to fit.")
+    known = loader_size(loader)
     params = [p for p in model.parameters() if p.requires_grad] if params is None else params
+    check_params(params)
     device = params[0].device if device is None else device
     mean = parameters_to_vector(params).detach()
     group = resolve_process_group(process_group)
     stream, loss, seen, probe = _stream(model, likelihood, loader, options, to_inputs,
-                                        dict_key_y, device, group, num_data, progress_bar)
+                                        dict_key_y, device, group, known, progress_bar)
     solver = stream.solver
+    num_data = seen if known is None else known
     if group is not None:
         import torch.distributed as dist
 
@@ -195,6 +240,8 @@ def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Iterable,
     if previous is not None:
         U, lam, trace, residual = _merge_fits(options, previous, (U, lam, trace, residual))
         loss, num_data = previous.loss + loss, previous.n_data + num_data
+    if float(trace) <= 0:  # a zero GGN has no eigenpairs, not a fake tiny one
+        U, lam = U[:, :0], lam[:0]
     exponent = _jacobian_exponent(model, options, probe, U, lam, group, stream)
     samples = math.ceil(num_data * (options.subsample_fraction or 1.0))
     columns = columns_per_sample(likelihood, options.mc_samples, stream.n_outputs)
@@ -207,11 +254,17 @@ def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Iterable,
 
 
 def _stream(model, likelihood, loader, options, to_inputs, dict_key_y, device, group,
-            num_data, progress_bar) -> Tuple[BatchStreamer, Any, int, List[Any]]:
-    """Stream the loader: the streamer (solver filled), loss, samples and probe inputs."""
+            num_data, progress_bar) -> Tuple[BatchStreamer, Any, int, Tuple[List[Any], Any]]:
+    """Stream the loader: the streamer (solver filled), loss, samples, and the probe.
+
+    The probe is the spectral residual's inputs and the most vectors per input its
+    pass may carry within the memory budget.
+    """
     loss_func, factor = likelihood_loss(likelihood)
     offset = 0 if group is None else process_rank(group)
-    loss, seen, probe, probed = 0.0, 0, [], 0
+    loss, seen, probe, probed, cap = 0.0, 0, [], 0, None
+    # only the spectral residual weights its tail by the probe's Jacobian energies
+    probe_size = options.probe_size if options.residual == ResidualKind.SPECTRAL else 0
     with FactorEngine(model, loss_func, eval_mode=True,
                       backend=options.factor_backend) as engine:
         stream = BatchStreamer(
@@ -237,15 +290,15 @@ def _stream(model, likelihood, loader, options, to_inputs, dict_key_y, device, g
                 X, y = data, data[dict_key_y]
             else:
                 X, y = data
+            check_batch_types(X, y)
             X, y = to_inputs(to_device(X, device)), y.to(device)
             check_targets(likelihood, y)
-            if probed < options.probe_size:  # inputs for the spectral residual's weights
-                probe.append(take(X, slice(0, options.probe_size - probed), len(y)))
-                probed += min(len(y), options.probe_size - probed)
-            local = num_data
-            if hasattr(loader, "__len__"):
-                local = min(num_data, len(loader) * len(y))
-            loss = loss + stream.add(X, y, local)
+            if probed < probe_size:  # inputs for the spectral residual's weights
+                probe.append(take(X, slice(0, probe_size - probed), len(y)))
+                probed += min(len(y), probe_size - probed)
+            loss = loss + stream.add(X, y, _planned_samples(loader, num_data, len(y)))
+            if probe and cap is None:  # checked at the first batch, before the work
+                cap = probe_vector_cap(stream.engine, X, options.memory_budget)
             seen += len(y)
             if progress_bar and stream.solver.eigenvalues is not None:
                 kept = float(stream.solver.eigenvalues[: options.rank].sum()
@@ -254,7 +307,31 @@ def _stream(model, likelihood, loader, options, to_inputs, dict_key_y, device, g
         if stream.plan is None:
             raise ValueError("train_loader yielded no batches: nothing to fit.")
         stream.flush()
-    return stream, loss, seen, probe
+    return stream, loss, seen, (probe, cap)
+
+
+def _planned_samples(loader: Any, num_data: Optional[int], batch: int) -> int:
+    """Samples this process streams, as far as the loader tells (for the fit's plan)."""
+    planned = UNKNOWN_SIZE if num_data is None else num_data
+    try:
+        return min(planned, len(loader) * batch)
+    except TypeError:  # no __len__, or one that raises (an IterableDataset's loader)
+        return planned
+
+
+def check_batch_types(X: Any, y: Any) -> None:
+    """Refuse batches that do not hold tensors (laplace-torch's loaders yield tensors).
+
+    Raises:
+        TypeError: For inputs that are neither a tensor nor a dict batch, or targets
+            that are not a tensor.
+    """
+    if not isinstance(X, (Tensor, MutableMapping)) or not isinstance(y, Tensor):
+        raise TypeError(
+            "train_loader must yield (X, y) tensors or dict batches, got "
+            f"({type(X).__name__}, {type(y).__name__}): wrap arrays with torch.as_tensor "
+            "(e.g. in a TensorDataset)."
+        )
 
 
 def _merge_fits(options: LowRankOptions, previous: FitResult, current: tuple
@@ -269,7 +346,35 @@ def _merge_fits(options: LowRankOptions, previous: FitResult, current: tuple
     return both.result()
 
 
-def _jacobian_exponent(model: nn.Module, options: LowRankOptions, probe: List[Any],
+def probe_vector_cap(engine: Any, X: Any, memory_budget: Any) -> int:
+    """The most vectors per input the Jacobian probe's pass may carry within the budget.
+
+    Checked at the first batch, so that a budget too small for the probe fails before
+    the fit instead of after it.
+
+    Args:
+        engine: The fit's engine (the same model).
+        X: The first batch's inputs.
+        memory_budget: ``memory_budget`` as given by the user.
+
+    Returns:
+        Vectors per input, ``>= 1``.
+
+    Raises:
+        ValueError: If one vector of one input does not fit the budget.
+    """
+    per_vector = engine.bytes_per_sample(X, 1)
+    budget = resolve_memory_budget(memory_budget, batch_device(X))
+    if per_vector > budget:
+        raise ValueError(
+            f"memory_budget={budget:,} bytes is too small for the spectral residual's "
+            f"Jacobian probe (about {per_vector:,} bytes per input): raise memory_budget, "
+            "pass probe_size=0 (no Jacobian weighting) or another residual model."
+        )
+    return int(budget // per_vector)
+
+
+def _jacobian_exponent(model: nn.Module, options: LowRankOptions, probe: Tuple[List[Any], Any],
                        U: Tensor, lam: Tensor, group: Any, stream: BatchStreamer) -> float:
     """``beta`` of the spectral residual from the kept eigenvectors' Jacobian energies.
 
@@ -278,6 +383,7 @@ def _jacobian_exponent(model: nn.Module, options: LowRankOptions, probe: List[An
     stream) or all outputs; summed over processes when fitting data-parallel, so
     every process gets the same value.
     """
+    probe, cap = probe
     if U.shape[1] in (0, U.shape[0]) or not probe:  # nothing kept, or nothing dropped
         return 0.0
     with FactorEngine(model, nn.MSELoss(reduction="sum"), eval_mode=True,
@@ -287,6 +393,8 @@ def _jacobian_exponent(model: nn.Module, options: LowRankOptions, probe: List[An
             -(-options.probe_columns // max(inputs, 1))
         if projections is not None and projections >= stream.n_outputs:
             projections = None  # no cheaper than the exact energies
+        if (projections or stream.n_outputs) > cap:  # fewer random ones fit the budget
+            projections = cap
         micro = micro_batch_size(engine, probe[0], projections, options.memory_budget,
                                  options.micro_batch_size)
         energy = jacobian_energies(engine, probe, U, micro, projections, stream.rng)

@@ -20,6 +20,9 @@ Jacobian. The classes store the fit and serve laplace-torch's interface.
 from __future__ import annotations
 
 import math
+import numbers
+import warnings
+from collections.abc import MutableMapping
 from dataclasses import replace
 from typing import Any, List, Optional, Tuple, Union
 
@@ -28,7 +31,12 @@ from laplace.baselaplace import ParametricLaplace
 from laplace.lllaplace import LLLaplace
 from torch import Tensor, nn
 
-from lowrank_laplace.laplace_torch.fit import FitResult, fit_lowrank_ggn
+from lowrank_laplace.laplace_torch.fit import (
+    FitResult,
+    check_batch_types,
+    fit_lowrank_ggn,
+    loader_size,
+)
 from lowrank_laplace.laplace_torch.options import (
     LowRankOptions,
     resolve_residual,
@@ -40,7 +48,16 @@ from lowrank_laplace.utils.batches import batch_size
 
 
 def _check_positive(name: str, value) -> None:
-    """Refuse a non-positive or non-finite hyperparameter where it is set."""
+    """Refuse a non-numeric, non-positive or non-finite hyperparameter where it is set.
+
+    Raises the ``ValueError`` laplace-torch raises for a value of the wrong type
+    (e.g. the text ``"1.0"``), before any conversion.
+    """
+    if isinstance(value, bool) or not isinstance(value, (Tensor, numbers.Real)):
+        raise ValueError(
+            f"{name} must be a positive float or a torch.Tensor, got {value!r} of type "
+            f"{type(value).__name__}."
+        )
     values = torch.as_tensor(value).detach()
     if not (values.numel() and bool(torch.isfinite(values).all() and (values > 0).all())):
         raise ValueError(
@@ -129,6 +146,7 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
         self.trace: Optional[Tensor] = None
         self.rank_bound: Optional[int] = None
         self._residual_model: Optional[Residual] = None
+        self._fitted_residual: Optional[ResidualKind] = None
 
     def _expected_dim(self) -> Optional[int]:
         """Number of Laplace parameters a loaded state must have (``None``: unknown yet)."""
@@ -198,6 +216,14 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
                 "residual='diagonal' needs the residual diagonal, which this fit did not "
                 "keep: refit with residual='diagonal'."
             )
+        if (value == ResidualKind.SPECTRAL and fitted and self.probe_size
+                and self._fitted_residual not in (None, ResidualKind.SPECTRAL)):
+            warnings.warn(
+                f"This posterior was fitted with residual={self._fitted_residual.value!r}, "
+                "which does not measure the spectral model's Jacobian weighting: "
+                f"jacobian_exponent stays {self._jacobian_exponent:g}. Refit with "
+                "residual='spectral' to measure it.", UserWarning, stacklevel=2,
+            )
         self.options = replace(self.options, residual=value)
         self._residual_model = None
 
@@ -253,7 +279,7 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
         self.trace, self.residual_diagonal = result.trace, result.residual_diagonal
         self.factor_backend_used, self.fit_path = result.factor_backend, result.fit_path
         self.rank_bound, self._jacobian_exponent = result.rank_bound, result.jacobian_exponent
-        self._residual_model = None
+        self._fitted_residual, self._residual_model = self.residual, None
 
     def _fit_result(self) -> FitResult:
         """The current fit as a :class:`FitResult` (what online updates add to)."""
@@ -340,6 +366,32 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
         super().__init__(model, likelihood, *args, **kwargs)
         self._set_options(diagonal_correction, options)
         self._check_backend()
+        if self.model.last_layer is None:  # laplace-torch checks the prior at fit
+            _check_positive("prior_precision", self._prior_precision)
+
+    def fit(self, train_loader: Any, override: bool = True,
+            progress_bar: bool = False) -> None:
+        """Find the last layer on the loader's first batch, then fit its low-rank GGN.
+
+        Args:
+            train_loader: As in :meth:`LowRankGGNLaplace.fit`.
+            override: Must be ``True`` (laplace-torch's last-layer posteriors have no
+                online updates).
+            progress_bar: Show a tqdm progress bar over batches.
+
+        Raises:
+            ValueError: For a loader without ``dataset``, an empty loader, a frozen
+                last layer, or what :meth:`LowRankGGNLaplace.fit` refuses.
+            TypeError: For batches that do not hold tensors.
+        """
+        loader_size(train_loader)
+        if self.model.last_layer is None:  # laplace-torch feeds it the first batch
+            data = next(iter(train_loader), None)
+            if data is None:
+                raise ValueError("train_loader yielded no batches: nothing to fit.")
+            if not isinstance(data, MutableMapping):
+                check_batch_types(*data)
+        LLLaplace.fit(self, train_loader, override=override, progress_bar=progress_bar)
 
     def _expected_dim(self) -> Optional[int]:
         last = getattr(self.model, "last_layer", None)
@@ -347,6 +399,11 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
 
     def _curvature_target(self):
         last = self.model.last_layer
+        if not all(p.requires_grad for p in last.parameters()):
+            raise ValueError(
+                "The last layer's parameters must require gradients: the last-layer "
+                "posterior covers all of them. Unfreeze them (requires_grad_(True))."
+            )
         extractor = self.model
 
         def features(X):
@@ -359,6 +416,7 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
 
     def _glm_predictive_distribution(self, X, joint: bool = False,
                                      diagonal_output: bool = False):
+        self._check_H_init()  # before laplace-torch looks for the last layer
         return LLLaplace._glm_predictive_distribution(self, X, joint, diagonal_output)
 
 

@@ -6,12 +6,14 @@ Shape glossary:
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from lowrank_laplace.engine import check_backend
 from lowrank_laplace.posterior.residual import DEFAULT_RESIDUAL, ResidualKind
+from lowrank_laplace.utils.batches import parse_memory
 from lowrank_laplace.utils.checks import Choice, check_mc_samples
 
 #: Leading eigenpairs kept by default.
@@ -45,6 +47,12 @@ def _check_count(name: str, value, minimum: int, allow_none: bool = False) -> No
             int(value) != value or value < minimum:
         kind = "positive" if minimum == 1 else "non-negative"
         raise ValueError(f"{name} must be a {kind} integer, got {value!r}.")
+
+
+def _check_seed(seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or \
+            not -2**63 <= seed < 2**64:
+        raise ValueError(f"seed must be an integer (a torch.Generator seed), got {seed!r}.")
 
 
 @dataclass(frozen=True)
@@ -142,6 +150,10 @@ class LowRankOptions:
         _check_count("dense_max_dim", self.dense_max_dim, 0, allow_none=True)
         _check_count("probe_size", self.probe_size, 0)
         _check_count("probe_columns", self.probe_columns, 1, allow_none=True)
+        _check_seed(self.seed)
+        budget = parse_memory(self.memory_budget)  # refuses nan, inf and 1.5 bytes
+        if budget is not None and budget <= 0:
+            raise ValueError(f"memory_budget must be positive, got {self.memory_budget!r}.")
         fraction = self.subsample_fraction
         if fraction is not None and not 0 < fraction <= 1:
             raise ValueError(f"subsample_fraction must lie in (0, 1], got {fraction!r}.")
@@ -150,6 +162,7 @@ class LowRankOptions:
         set_(self, "rank", int(self.rank))
         set_(self, "oversampling", int(oversampling))
         set_(self, "mc_samples", int(self.mc_samples))
+        set_(self, "seed", int(self.seed))
         set_(self, "low_memory", bool(self.low_memory))
         set_(self, "residual", ResidualKind.parse(self.residual, "residual"))
         set_(self, "solver", SolverKind.parse(self.solver, "solver"))

@@ -13,6 +13,7 @@ Shape glossary:
 
 from __future__ import annotations
 
+import math
 from collections.abc import MutableMapping
 from typing import Optional, Tuple, Union
 
@@ -37,6 +38,8 @@ class PosteriorQueries:
     def kept_fraction(self) -> Tensor:
         """Fraction of the exact GGN trace (total curvature) the kept rank holds."""
         self._check_H_init()
+        if float(self.trace) <= 0:  # a zero GGN: nothing to keep, nothing dropped
+            return torch.ones((), dtype=self.H[1].dtype, device=self.H[1].device)
         return self.H[1].sum() / self.trace
 
     @property
@@ -65,12 +68,48 @@ class PosteriorQueries:
             )
         return self._residual_model
 
+    def _check_H_init(self) -> None:
+        """Refuse a posterior query before :meth:`fit`, with laplace-torch's message."""
+        if getattr(self, "H", None) is None:
+            raise AttributeError("Laplace not fitted. Run fit() first.")
+
+    def _prior(self) -> Tensor:
+        """The prior precision as a scalar tensor or a ``(D,)`` diagonal."""
+        prior = torch.as_tensor(self.prior_precision, device=self._device, dtype=self._dtype)
+        return prior.reshape(()) if prior.numel() == 1 else self.prior_precision_diag
+
     def _precision(self) -> LowRankPrecision:
         self._check_H_init()
-        prior = torch.as_tensor(self.prior_precision, device=self._device, dtype=self._dtype)
-        prior = prior.reshape(()) if prior.numel() == 1 else self.prior_precision_diag
-        return self.residual_model.precision(self.H[0], self.H[1], self._H_factor, prior,
-                                             self._gram_cache)
+        return self.residual_model.precision(self.H[0], self.H[1], self._H_factor,
+                                             self._prior(), self._gram_cache)
+
+    def log_prob(self, value: Tensor, normalized: bool = True) -> Tensor:
+        """Log density of ``value`` under the posterior; under the prior before :meth:`fit`.
+
+        Before a fit the curvature is zero, so the Laplace approximation is the prior
+        ``N(prior_mean, P_0^{-1})`` (as laplace-torch's ``FullLaplace`` gives it).
+
+        Args:
+            value: Parameter vector, shape ``(D,)``.
+            normalized: ``False`` returns only the term depending on ``value``.
+
+        Returns:
+            Scalar tensor.
+
+        Raises:
+            AttributeError: Before the fit of a last-layer posterior whose layer is not
+                known yet.
+        """
+        if getattr(self, "H", None) is not None:
+            return super().log_prob(value, normalized)
+        if self.n_params is None:
+            self._check_H_init()
+        empty = torch.zeros(self.n_params, 0, device=self._device, dtype=self._dtype)
+        prior = LowRankPrecision(empty, empty.new_zeros(0), self._prior())
+        log_prob = -prior.square_norm(value - self.mean) / 2
+        if normalized:
+            log_prob = log_prob + (prior.logdet() - self.n_params * math.log(2 * math.pi)) / 2
+        return log_prob
 
     @property
     def posterior_variance(self) -> Tensor:
@@ -165,6 +204,8 @@ class PosteriorQueries:
             Samples, shape ``(n_samples, D)``.
         """
         self._check_H_init()  # before n_params is used: a last layer is found by fit
+        if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 0:
+            raise ValueError(f"n_samples must be a non-negative int, got {n_samples!r}.")
         eps = torch.randn(self.n_params, n_samples, device=self._device, dtype=self._dtype,
                           generator=generator)
         return self.sample_from_noise(eps)

@@ -278,6 +278,8 @@ class LowRankPrecision:
         Returns:
             Tensor of shape ``(..., C, C)``, in the dtype of ``jdw``.
         """
+        if jdw.shape[-1] == 0:  # nothing kept (a zero GGN): the prior's variance
+            return jdj
         wide = jdw.dtype == torch.float64 and self.U.dtype != torch.float64
         chol = self.wide_capacitance_cholesky if wide else self.capacitance_cholesky
         flat = jdw.reshape(-1, jdw.shape[-1]).T  # (r, ...C)

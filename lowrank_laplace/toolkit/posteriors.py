@@ -65,6 +65,8 @@ def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
     if structure == "lowrank_ggn":
         kwargs = dict(rank=config.rank, mc_samples=config.mc_samples, solver=config.solver,
                       **options)
+        if residual in SHARED_RESIDUALS:  # the spectral fit also measures its weighting
+            kwargs["residual"] = "spectral"
     else:
         # laplace-torch's default (curvlinops) GLM predictive computes Jacobians with
         # torch.func; its BackPACK backend is much faster for these small CNNs
@@ -74,6 +76,8 @@ def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
     la = Laplace(model, "classification", subset_of_weights=subset, hessian_structure=structure,
                  **kwargs)
     la.fit(loaders["train"])
+    if structure == "lowrank_ggn":
+        la.residual = residual
     fitted[key] = la
     tune_prior(la, config, loaders)
     return la

@@ -7,6 +7,7 @@ whose tensors with ``N`` rows are split per sample.
 from __future__ import annotations
 
 import copy
+import math
 import os
 from typing import Any, Optional
 
@@ -96,6 +97,13 @@ def parse_memory(budget: Any) -> Any:
                                    or not isinstance(budget, (int, float))):
             raise ValueError(f"memory_budget must be bytes, a fraction or e.g. '2GiB', "
                              f"got {budget!r}.")
+        if isinstance(budget, float) and not (
+                math.isfinite(budget) and (budget <= 1 or budget.is_integer())):
+            raise ValueError(
+                f"memory_budget={budget!r} is not a size: a float is a fraction of free "
+                "memory in (0, 1] (or a whole number of bytes); pass bytes as an int or "
+                "a string such as '2GiB'."
+            )
         return budget
     text = budget.strip().lower().replace(" ", "")
     number = text.rstrip("kmgtib")

@@ -19,6 +19,12 @@ def test_defaults_and_normalisation():
     assert LowRankOptions(oversampling=0, solver="sketch").solver is SolverKind.SKETCH
 
 
+def test_memory_budget_forms_accepted():
+    for budget in (2**20, 2e9, 0.5, "512MB", None):
+        assert LowRankOptions(memory_budget=budget).memory_budget == budget
+    assert LowRankOptions(seed=2**40).seed == 2**40
+
+
 def test_options_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         LowRankOptions().rank = 3
@@ -39,6 +45,13 @@ def test_options_are_frozen():
     (dict(dense_max_dim=-1), "dense_max_dim must be a non-negative integer"),
     (dict(probe_size=-1), "probe_size must be a non-negative integer"),
     (dict(probe_columns=0), "probe_columns must be a positive integer"),
+    (dict(seed="a"), "seed must be an integer"),
+    (dict(seed=1.0), "seed must be an integer"),
+    (dict(memory_budget=float("nan")), "memory_budget=nan is not a size"),
+    (dict(memory_budget=float("inf")), "memory_budget=inf is not a size"),
+    (dict(memory_budget=1.5), "memory_budget=1.5 is not a size"),
+    (dict(memory_budget=0), "memory_budget must be positive"),
+    (dict(memory_budget="lots"), "is not a size"),
 ])
 def test_each_bad_option_has_its_error(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
