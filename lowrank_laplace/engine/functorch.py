@@ -440,6 +440,9 @@ def _cannot_differentiate(err: Exception, module: str) -> NotImplementedError:
 
 #: torch.func's warning that an operation has no batching rule (it then loops).
 _NO_BATCHING_RULE = "There is a performance drop because we have not yet implemented"
+#: The looping warnings given so far (each is given once: fit, predictive and prior
+#: tuning each build an engine, and the user needs to hear it only once).
+_LOOP_WARNINGS: set = set()
 
 
 def _warn_if_looping(caught: list, vectorized: bool) -> None:
@@ -456,9 +459,10 @@ def _warn_if_looping(caught: list, vectorized: bool) -> None:
             loops.add(found.group(1))
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    if loops or not vectorized:
-        what = (f"torch.func has no batching rule for {', '.join(sorted(loops))}"
-                if vectorized else "torch.func cannot vmap this model")
+    what = (f"torch.func has no batching rule for {', '.join(sorted(loops))}"
+            if vectorized else "torch.func cannot vmap this model")
+    if (loops or not vectorized) and what not in _LOOP_WARNINGS:  # once per process
+        _LOOP_WARNINGS.add(what)
         warnings.warn(
             f"{what}, so the functorch backend computes V one sample at a time (slow). "
             "The hooks backend needs no vmap: it takes models whose trainable "

@@ -2,6 +2,8 @@
 norm layers behind frozen modules (attention, custom code), tokens, dicts, in-place
 activations; and the checks that guard it."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -269,3 +271,36 @@ def test_prelu_is_exact_on_the_hooks_backend_and_refused_by_functorch(slopes):
     with pytest.raises(NotImplementedError, match="cannot batch nn.PReLU"):
         ll.ggn_eigh(conv.double(), loss_func, torch.randn(4, 1, 4, 4, dtype=torch.float64),
                     y[:4])
+
+
+class _FusedAttention(nn.Module):
+    """Self-attention through ``scaled_dot_product_attention`` (no vmap batching rule)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.q(x).unsqueeze(1)
+        return self.o(nn.functional.scaled_dot_product_attention(h, h, h).mean((1, 2)))
+
+
+def test_functorch_says_once_that_it_loops_and_the_answer_is_exact(monkeypatch):
+    from lowrank_laplace.engine import functorch as func_backend
+
+    monkeypatch.setattr(func_backend, "_LOOP_WARNINGS", set())
+    torch.manual_seed(0)
+    model, X = _FusedAttention().double(), torch.randn(6, 5, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):  # fit, predictive and prior tuning each build an engine
+            with FactorEngine(model, nn.CrossEntropyLoss(reduction="sum"),
+                              backend="functorch") as engine:
+                factor = engine.compute(X, y)
+    messages = [str(w.message) for w in caught]
+    assert sum("one sample at a time (slow)" in m for m in messages) == 1, messages
+    assert not any("There is a performance drop" in m for m in messages), messages
+    G = ref.ggn(model, nn.CrossEntropyLoss(reduction="sum"), X, y)
+    V = factor.matmul(torch.eye(factor.num_columns, dtype=torch.float64))
+    assert torch.allclose(V @ V.T, G, atol=1e-10)
