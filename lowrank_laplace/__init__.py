@@ -1,7 +1,13 @@
 """lowrank_laplace: Laplace posteriors on the exact low-rank structure of the GGN.
 
 Importing it registers ``hessian_structure="lowrank_ggn"`` with laplace-torch's
-``Laplace`` factory (``subset_of_weights="all"`` and ``"last_layer"``).
+``Laplace`` factory (``subset_of_weights="all"`` and ``"last_layer"``), in either
+import order: at once if laplace-torch is already imported, else as soon as it is
+(:func:`lowrank_laplace.utils.moved.register_with_laplace`).
+
+The import itself is cheap (no torch): each public name is imported where it lives on
+first use, so the ``lowrank-laplace`` command parses its arguments in a fraction of a
+second.
 
 The mini-batch engine (ViViT): the GGN ``G = V V^T`` with ``V`` computed in one
 backward pass; its nonzero spectrum lives in the small Gram matrix ``V^T V``. The
@@ -13,43 +19,82 @@ blocks) -> :mod:`~lowrank_laplace.engine` (computing ``V``) -> the ViViT functio
 :mod:`~lowrank_laplace.toolkit` holds data, metrics, plots and the CLI.
 """
 
-import warnings as _warnings
+import importlib as _importlib
+import importlib.util as _importlib_util
+from typing import TYPE_CHECKING
 
-from lowrank_laplace.directional import (
-    DirectionalDerivatives,
-    directional_derivatives,
-    directional_from_factor,
-    snr,
-)
-from lowrank_laplace.engine import FactorEngine
-from lowrank_laplace.engine.backpack import supported_modules
-from lowrank_laplace.factor import GGNFactor
-from lowrank_laplace.fitting import SketchMerge, StreamingMerge
-from lowrank_laplace.newton import damped_newton_step, ggn_inverse_matvec, newton_step_from_factor
-from lowrank_laplace.posterior import LowRankPrecision, Residual
-from lowrank_laplace.spectrum import LowRankGGN, ggn_eigh, ggn_eigvals, gram_eigh, lowrank_ggn
 from lowrank_laplace.utils import moved as _moved
-from lowrank_laplace.utils.checks import layerwise_param_groups
 
-with _warnings.catch_warnings():
-    # importing laplace-torch imports its optional asdl backend, which calls the
-    # deprecated torch.jit.script: nothing a user can act on. Hidden during this import
-    # only; the user's warning filters are the same before and after.
-    _warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated",
-                             category=FutureWarning)
+if TYPE_CHECKING:  # what the names are, for type checkers and IDEs; imported on first use
+    from lowrank_laplace.directional import (
+        DirectionalDerivatives,
+        directional_derivatives,
+        directional_from_factor,
+        snr,
+    )
+    from lowrank_laplace.engine import FactorEngine
+    from lowrank_laplace.engine.backpack import supported_modules
+    from lowrank_laplace.factor import GGNFactor
+    from lowrank_laplace.fitting import SketchMerge, StreamingMerge
     from lowrank_laplace.laplace_torch import LowRankGGNLaplace, LowRankGGNLLLaplace
+    from lowrank_laplace.newton import (
+        damped_newton_step,
+        ggn_inverse_matvec,
+        newton_step_from_factor,
+    )
+    from lowrank_laplace.posterior import LowRankPrecision, Residual
+    from lowrank_laplace.spectrum import LowRankGGN, ggn_eigh, ggn_eigvals, gram_eigh, lowrank_ggn
+    from lowrank_laplace.utils.checks import layerwise_param_groups
+
+#: Public name -> the module it is imported from on first use.
+_HOMES = {
+    "DirectionalDerivatives": "lowrank_laplace.directional",
+    "FactorEngine": "lowrank_laplace.engine",
+    "GGNFactor": "lowrank_laplace.factor",
+    "LowRankGGN": "lowrank_laplace.spectrum",
+    "LowRankGGNLLLaplace": _moved.LAPLACE_CLASSES,
+    "LowRankGGNLaplace": _moved.LAPLACE_CLASSES,
+    "LowRankPrecision": "lowrank_laplace.posterior",
+    "Residual": "lowrank_laplace.posterior",
+    "SketchMerge": "lowrank_laplace.fitting",
+    "StreamingMerge": "lowrank_laplace.fitting",
+    "damped_newton_step": "lowrank_laplace.newton",
+    "directional_derivatives": "lowrank_laplace.directional",
+    "directional_from_factor": "lowrank_laplace.directional",
+    "ggn_eigh": "lowrank_laplace.spectrum",
+    "ggn_eigvals": "lowrank_laplace.spectrum",
+    "ggn_inverse_matvec": "lowrank_laplace.newton",
+    "gram_eigh": "lowrank_laplace.spectrum",
+    "layerwise_param_groups": "lowrank_laplace.utils.checks",
+    "lowrank_ggn": "lowrank_laplace.spectrum",
+    "newton_step_from_factor": "lowrank_laplace.newton",
+    "snr": "lowrank_laplace.directional",
+    "supported_modules": "lowrank_laplace.engine.backpack",
+}
 
 _moved.install()
+_moved.register_with_laplace()
 
 
 def __getattr__(name: str):
-    """``lowrank_laplace.merge`` and the other moved modules, with a deprecation warning."""
-    old = f"{__name__}.{name}"
-    if old in _moved.MOVED:
-        import importlib
-
-        return importlib.import_module(old)
+    """A public name, a subpackage, or a moved module (with a deprecation warning)."""
+    if name in _HOMES:
+        home = _HOMES[name]
+        module = (_moved.import_laplace_classes() if home == _moved.LAPLACE_CLASSES
+                  else _importlib.import_module(home))
+        value = getattr(module, name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    path = f"{__name__}.{name}"
+    if path in _moved.MOVED or (not name.startswith("_")
+                                and _importlib_util.find_spec(path) is not None):
+        return _importlib.import_module(path)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    """The module's names, the public ones not yet imported included."""
+    return sorted(set(globals()) | set(__all__))
 
 
 __all__ = [
