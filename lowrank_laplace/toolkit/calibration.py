@@ -41,6 +41,7 @@ from lowrank_laplace.toolkit.options import (
     METHODS,
     CalibrationConfig,
     UserError,
+    check_options,
     default_methods,
     make_writable_dir,
     silent,
@@ -116,9 +117,8 @@ def validate(config: CalibrationConfig) -> torch.device:
 
     Raises:
         UserError: For a negative count (a zero batch size or rank), a non-finite
-            angle, an unknown dataset, method, solver or prior method, a missing checkpoint,
-            a checkpoint to save into a missing folder, CUDA asked for but absent, or an
-            unwritable output directory.
+            angle, what :func:`~lowrank_laplace.toolkit.options.check_options` refuses,
+            CUDA asked for but absent, or an unwritable output directory.
     """
     for name, minimum in _MINIMUM.items():
         value = getattr(config, name)
@@ -132,21 +132,7 @@ def validate(config: CalibrationConfig) -> torch.device:
         config.methods = default_methods(config.dataset)
     if not config.angles or not all(math.isfinite(float(a)) for a in config.angles):
         raise UserError(f"angles must be finite numbers, got {config.angles!r}")
-    if config.dataset not in datasets.IMAGE_DATASETS:
-        raise UserError(f"unknown dataset {config.dataset!r}: choose one of "
-                        f"{', '.join(datasets.IMAGE_DATASETS)}")
-    unknown = [m for m in config.methods if m not in METHODS]
-    if unknown:
-        raise UserError(f"unknown method {unknown[0]!r}: choose from {', '.join(METHODS)}")
-    if config.solver not in ("streaming", "sketch"):
-        raise UserError(f"unknown solver {config.solver!r}: use streaming or sketch")
-    if config.prior not in ("marglik", "gridsearch"):
-        raise UserError(f"unknown prior tuning {config.prior!r}: use marglik or gridsearch")
-    if config.checkpoint is not None and not Path(config.checkpoint).is_file():
-        raise UserError(f"checkpoint {config.checkpoint!r} does not exist")
-    if config.save_checkpoint is not None and not Path(config.save_checkpoint).parent.is_dir():
-        raise UserError(f"cannot save the checkpoint to {config.save_checkpoint!r}: its "
-                        "folder does not exist")
+    check_options(config)  # dataset, methods, rank, MC samples, solver, prior, paths
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for, but CUDA is not available")
     try:

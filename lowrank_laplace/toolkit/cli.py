@@ -12,10 +12,12 @@ rank (see :mod:`lowrank_laplace.toolkit.rank_study`).
 the mini-batch GGN spectrum for the four approximation cases of the ViViT paper (see
 :mod:`lowrank_laplace.toolkit.spectrum_demo`).
 
-The arguments are parsed first: the parser needs only
-:mod:`~lowrank_laplace.toolkit.options`, and each command imports its study (torch,
-laplace-torch, matplotlib) when it runs, so ``--help`` and argument errors do no
-heavy imports of their own.
+The arguments are parsed and checked first: the parser and the checks need only
+:mod:`~lowrank_laplace.toolkit.options` (torch too for a GPU device or a checkpoint to
+load), and each command imports its study (laplace-torch, matplotlib) after that, so
+``--help`` and argument errors take a fraction of a second, and every option a run
+cannot work with is refused in one line (exit code 2) before any data is loaded or a
+network trained.
 """
 
 from __future__ import annotations
@@ -26,13 +28,19 @@ import math
 import sys
 import warnings
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 from lowrank_laplace.toolkit.options import (
+    CNN_PARAMETERS,
     METHODS,
+    NUM_CLASSES,
+    PRIOR_TUNINGS,
     RESIDUAL_MODELS,
+    SOLVERS,
     CalibrationConfig,
     UserError,
+    check_device,
+    check_study,
 )
 
 
@@ -68,13 +76,15 @@ def quiet_warnings() -> Iterator[None]:
         yield
 
 
-def _number(kind: type, minimum: Optional[float] = None, what: str = "") -> Callable[[str], float]:
-    """An argparse ``type`` that parses ``kind`` and checks ``value >= minimum``.
+def _number(kind: type, minimum: Optional[float] = None, what: str = "",
+            maximum: Optional[float] = None) -> Callable[[str], float]:
+    """An argparse ``type`` that parses ``kind`` and checks ``minimum <= value <= maximum``.
 
     Args:
         kind: ``int`` or ``float``.
         minimum: Smallest accepted value (``None``: any finite value).
         what: Description for the message, e.g. ``'a positive integer'``.
+        maximum: Largest accepted value (``None``: no bound).
 
     Returns:
         The parser function; it raises ``argparse.ArgumentTypeError`` (exit code 2).
@@ -87,7 +97,8 @@ def _number(kind: type, minimum: Optional[float] = None, what: str = "") -> Call
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
-        if not math.isfinite(value) or (minimum is not None and value < minimum):
+        if not math.isfinite(value) or (minimum is not None and value < minimum) or \
+                (maximum is not None and value > maximum):
             raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}")
         return value
 
@@ -97,6 +108,50 @@ def _number(kind: type, minimum: Optional[float] = None, what: str = "") -> Call
 
 POSITIVE = _number(int, 1, "a positive integer")
 NONNEGATIVE = _number(int, 0, "an integer >= 0")
+#: Seeds: what torch, numpy and scikit-learn all take.
+SEED = _number(int, 0, "an integer from 0 to 2**32 - 1", maximum=2**32 - 1)
+
+
+def _device(text: str) -> str:
+    """Parse ``--device``: ``cpu``, ``cuda``, ``cuda:N`` or ``mps``.
+
+    Whether the machine has it is checked after parsing (:func:`check_device`).
+
+    Args:
+        text: The option's value.
+
+    Returns:
+        The device name.
+
+    Raises:
+        ArgumentTypeError: For anything else, ``meta`` included (exit code 2).
+    """
+    kind, _, index = text.partition(":")
+    if text in ("cpu", "cuda", "mps") or (kind == "cuda" and index.isdigit()):
+        return text
+    if kind == "meta":
+        raise argparse.ArgumentTypeError(
+            "'meta' tensors have shapes but no values, so a network on it can be neither "
+            "trained nor evaluated: use cpu, cuda, cuda:N or mps")
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:N or mps, got {text!r}")
+
+
+def _out_dir(text: str) -> Path:
+    """Parse ``--out``: a folder path, not empty (``Path('')`` would silently be ``.``).
+
+    Args:
+        text: The option's value.
+
+    Returns:
+        The path.
+
+    Raises:
+        ArgumentTypeError: For an empty or blank path (exit code 2).
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"an empty path, got {text!r}: use --out . for the current folder")
+    return Path(text)
 
 
 def _angles(text: str) -> List[float]:
@@ -132,16 +187,16 @@ def _ranks(text: str) -> List[int]:
     return ranks
 
 
-def _checked(run: Callable[..., dict], *args, **kwargs) -> dict:
-    """Call a command's work; its :class:`UserError` becomes a :class:`CLIError`.
+def _checked(run: Callable[..., Any], *args, **kwargs) -> Any:
+    """Call a command's checks or work; its :class:`UserError` becomes a :class:`CLIError`.
 
     Args:
-        run: The work (a study's or the demo's ``run``).
+        run: The work (a study's or the demo's ``run``) or a check.
         *args: Passed to ``run``.
         **kwargs: Passed to ``run``.
 
     Returns:
-        What ``run`` returns (the report).
+        What ``run`` returns (the report, or nothing).
 
     Raises:
         CLIError: For a problem the user can fix (one line, exit code 2).
@@ -150,6 +205,31 @@ def _checked(run: Callable[..., dict], *args, **kwargs) -> dict:
         return run(*args, **kwargs)
     except UserError as err:
         raise CLIError(str(err)) from err
+
+
+def _check_spectrum(args: argparse.Namespace) -> None:
+    """The ``spectrum`` options checked before its imports (the demo checks the rest)."""
+    _checked(check_device, args.device)
+
+
+def _check_calibrate(args: argparse.Namespace) -> None:
+    """Check the ``calibrate`` options before any work (``options.check_study``)."""
+    _checked(check_study, _calibration_config(args))
+
+
+def _check_rank_study(args: argparse.Namespace) -> None:
+    """Check the ``rank-study`` options before any work (``options.check_study``)."""
+    residuals = _residuals(args)
+    unknown = [r for r in residuals if r not in RESIDUAL_MODELS]
+    if unknown or not residuals:
+        raise CLIError(f"unknown residual model {(unknown or [args.residuals])[0]!r}: choose "
+                       f"from {', '.join(RESIDUAL_MODELS)}")
+    _checked(check_study, CalibrationConfig(**_study_options(args)), args.ranks)
+
+
+#: Each sub-command's checks, run before its imports and work.
+CHECKS = {"spectrum": _check_spectrum, "calibrate": _check_calibrate,
+          "rank-study": _check_rank_study}
 
 
 def spectrum(args: argparse.Namespace) -> dict:
@@ -177,6 +257,17 @@ def _study_options(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in names} | {"out": str(args.out)}
 
 
+def _calibration_config(args: argparse.Namespace) -> CalibrationConfig:
+    """The ``calibrate`` options as the study's config (``--methods ''``: all that fit)."""
+    methods = [m.strip() for m in args.methods.split(",")] if args.methods.strip() else None
+    return CalibrationConfig(rank=args.rank, methods=methods, **_study_options(args))
+
+
+def _residuals(args: argparse.Namespace) -> List[str]:
+    """The ``rank-study`` residual models, in order."""
+    return [r.strip() for r in args.residuals.split(",") if r.strip()]
+
+
 def calibrate(args: argparse.Namespace) -> dict:
     """Run the ``calibrate`` sub-command: the calibration study, then its text tables.
 
@@ -191,10 +282,7 @@ def calibrate(args: argparse.Namespace) -> dict:
     """
     from lowrank_laplace.toolkit import calibration
 
-    config = CalibrationConfig(rank=args.rank,
-                               methods=args.methods.split(",") if args.methods else None,
-                               **_study_options(args))
-    report = _checked(calibration.run, config, log=_progress)
+    report = _checked(calibration.run, _calibration_config(args), log=_progress)
     print(calibration.format_table(report))
     print(calibration.format_notes(report))
     print()
@@ -219,8 +307,7 @@ def rank_study_command(args: argparse.Namespace) -> dict:
     from lowrank_laplace.toolkit import rank_study
 
     config = rank_study.RankStudyConfig(
-        ranks=args.ranks, residuals=[r for r in args.residuals.split(",") if r],
-        **_study_options(args))
+        ranks=args.ranks, residuals=_residuals(args), **_study_options(args))
     report = _checked(rank_study.run, config, log=_progress)
     print(rank_study.format_table(report))
     print(f"\nwrote {args.out / 'rank_study.json'} and {args.out / 'rank_study.png'}")
@@ -269,9 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="leading directions for the kept trace and SNRs (at most N/8)")
     spec.add_argument("--epochs", type=NONNEGATIVE, default=2,
                       help="training epochs before the spectrum")
-    spec.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    spec.add_argument("--seed", type=NONNEGATIVE, default=0, help="random seed")
-    spec.add_argument("--out", type=Path, default=None,
+    spec.add_argument("--device", type=_device, default="cpu",
+                      help="torch device: cpu, cuda, cuda:N or mps")
+    spec.add_argument("--seed", type=SEED, default=0, help="random seed")
+    spec.add_argument("--out", type=_out_dir, default=None,
                       help="directory for spectrum.json, spectrum.png and snr.png "
                       "(if not given, only print)")
     spec.set_defaults(func=spectrum)
@@ -282,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
         "and report calibration, rotation shift and OOD detection; writes calibration.json "
         "and PNG plots to --out.")
     cal.add_argument("--rank", type=POSITIVE, default=100,
-                     help="rank of the lowrank_ggn posteriors")
+                     help="rank of the lowrank_ggn posteriors (at most the CNN's parameter "
+                     "count: " + _parameter_counts() + ")")
     cal.add_argument("--angles", type=_angles, default="0,15,30,60,90,120,180",
                      help="rotation angles in degrees for the shift evaluation")
     cal.add_argument("--methods", default="",
@@ -297,13 +386,19 @@ def build_parser() -> argparse.ArgumentParser:
         "distribution and under rotation against rank, with MAP, kron, diag and (digits) "
         "the full GGN as references: rank_study.json and rank_study.png in --out.")
     study.add_argument("--ranks", type=_ranks, default="10,30,100,300,1000",
-                       help="comma-separated ranks")
+                       help="comma-separated ranks (each at most the CNN's parameter count: "
+                       + _parameter_counts() + ")")
     study.add_argument("--residuals", default=",".join(RESIDUAL_MODELS),
                        help="comma-separated residual models")
     study.add_argument("--angles", type=_angles, default="0,60,90",
                        help="rotation angles in degrees (0 is always scored)")
     study.set_defaults(func=rank_study_command)
     return parser
+
+
+def _parameter_counts() -> str:
+    """``'mnist 20522, digits 3658'``: each data set's CNN parameter count, for ``--help``."""
+    return ", ".join(f"{name} {count}" for name, count in CNN_PARAMETERS.items())
 
 
 def _study_parser(sub, name: str, summary: str, description: str) -> argparse.ArgumentParser:
@@ -326,13 +421,15 @@ def _study_parser(sub, name: str, summary: str, description: str) -> argparse.Ar
 
 def _study_arguments(parser: argparse.ArgumentParser) -> None:
     """The options ``calibrate`` and ``rank-study`` share (data, network, tuning, output)."""
-    parser.add_argument("--dataset", default="mnist", help="mnist or digits")
+    parser.add_argument("--dataset", default="mnist", help=" or ".join(CNN_PARAMETERS))
     parser.add_argument("--epochs", type=NONNEGATIVE, default=30, help="training epochs")
     parser.add_argument("--weight-decay", type=_number(float, 0), default=10.0,
                         help="precision of the Gaussian prior the MAP network is trained under "
                         "(L2 term delta/(2N) ||theta||^2 on the mean loss)")
-    parser.add_argument("--checkpoint", default=None, help="load the CNN's state_dict from here")
-    parser.add_argument("--save-checkpoint", default=None, help="save the trained CNN here")
+    parser.add_argument("--checkpoint", default=None,
+                        help="load the CNN's state_dict from this file instead of training")
+    parser.add_argument("--save-checkpoint", default=None,
+                        help="save the trained CNN to this file (not with --checkpoint)")
     parser.add_argument("--n-train", type=NONNEGATIVE, default=0,
                         help="cap on training points, 0 for all")
     parser.add_argument("--n-test", type=NONNEGATIVE, default=0,
@@ -340,15 +437,18 @@ def _study_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=POSITIVE, default=128,
                         help="batch size for training, fitting and prediction")
     parser.add_argument("--mc-samples", type=NONNEGATIVE, default=0,
-                        help="0: exact GGN; M: Monte-Carlo GGN with M samples")
-    parser.add_argument("--solver", default="streaming", choices=("streaming", "sketch"),
+                        help="0: exact GGN; M: Monte-Carlo GGN with M samples (at most the "
+                        f"{NUM_CLASSES} classes: the exact GGN costs as much)")
+    parser.add_argument("--solver", default="streaming", choices=SOLVERS,
                         help="lowrank_ggn's fit: streaming merges, or the faster, approximate "
                         "one-pass sketch")
     parser.add_argument("--prior", default="marglik",
-                        help="prior precision tuning: marglik or gridsearch")
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    parser.add_argument("--seed", type=NONNEGATIVE, default=0, help="random seed")
-    parser.add_argument("--out", type=Path, default=Path("results"), help="output directory")
+                        help="prior precision tuning: " + " or ".join(PRIOR_TUNINGS))
+    parser.add_argument("--device", type=_device, default="cpu",
+                        help="torch device: cpu, cuda, cuda:N or mps")
+    parser.add_argument("--seed", type=SEED, default=0, help="random seed")
+    parser.add_argument("--out", type=_out_dir, default=Path("results"),
+                        help="output directory (. for the current one)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -364,11 +464,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_:  # --help (0) or a usage error (2), already reported
         return exit_.code if isinstance(exit_.code, int) else 2
-    import matplotlib
-
-    matplotlib.use("Agg")  # plots are written to files, never shown
     try:
         with quiet_warnings():
+            CHECKS[args.command](args)  # every option, before imports, data and training
+            import matplotlib
+
+            matplotlib.use("Agg")  # plots are written to files, never shown
             args.func(args)
     except CLIError as err:
         print(f"lowrank-laplace: error: {err}", file=sys.stderr)

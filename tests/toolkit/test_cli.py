@@ -44,8 +44,9 @@ def _numeric_options():
     cases = []
     for name, sub in build_parser()._subparsers._group_actions[0].choices.items():
         for action in sub._actions:
-            if action.type in (cli.POSITIVE, cli.NONNEGATIVE):
+            if action.type in (cli.POSITIVE, cli.NONNEGATIVE, cli.SEED):
                 bad = ["-1", "abc", "1.5", "nan"] + (["0"] if action.type is cli.POSITIVE else [])
+                bad += [str(2**32)] if action.type is cli.SEED else []
                 cases += [(name, action.option_strings[0], v) for v in bad]
             elif action.dest == "ranks":
                 cases += [(name, "--ranks", v) for v in ("0", "abc", "10,-1", ",", "2.5")]
@@ -98,12 +99,12 @@ def test_numeric_nonsense_exits_2_as_a_command():
 @pytest.mark.parametrize("field, value", [
     ("rank", 0), ("epochs", -1), ("n_train", -5), ("batch_size", 0), ("mc_samples", -1),
     ("n_test", 2.5), ("seed", -3), ("angles", [0.0, float("nan")]), ("angles", []),
-    ("solver", "lanczos"),
+    ("solver", "lanczos"), ("rank", 3659), ("mc_samples", 11), ("methods", ["map", "map"]),
 ])
 def test_calibration_config_checked_before_any_work(field, value, tmp_path):
     config = calibration.CalibrationConfig(dataset="digits", out=str(tmp_path / "out"))
     setattr(config, field, value)
-    with pytest.raises(calibration.UserError, match=field):
+    with pytest.raises(calibration.UserError, match={"methods": "listed twice"}.get(field, field)):
         calibration.run(config)
     assert not (tmp_path / "out").exists()
 
@@ -209,8 +210,11 @@ def test_parsing_imports_no_command():
             "from lowrank_laplace.toolkit.cli import main\n"
             "assert main(['calibrate', '--rank', '0']) == 2\n"
             "assert main(['rank-study', '--help']) == 0\n"
+            "assert main(['calibrate', '--methods', 'full_all']) == 2\n"
+            "assert main(['calibrate', '--mc-samples', '1000', '--out', '']) == 2\n"
             "names = ('calibration', 'rank_study', 'spectrum_demo', 'posteriors', 'training')\n"
             "loaded = [n for n in names if 'lowrank_laplace.toolkit.' + n in sys.modules]\n"
+            "loaded += [m for m in ('torch', 'laplace', 'matplotlib') if m in sys.modules]\n"
             "assert not loaded, loaded\n")
     _run_python(code)
 
@@ -314,3 +318,176 @@ def test_calibrate_wrong_checkpoint_and_unwritable_out(tmp_path, capsys):
 def test_calibrate_cuda_absent(tmp_path, capsys):
     assert main(CAL + ["--out", str(tmp_path), "--device", "cuda"]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_option_tables_match_the_studies():
+    # repeated in options so that the checks need no torch
+    from lowrank_laplace.toolkit import datasets, training
+
+    assert tuple(options.CNN_PARAMETERS) == datasets.IMAGE_DATASETS
+    for name, count in options.CNN_PARAMETERS.items():
+        assert sum(p.numel() for p in training.make_cnn(name).parameters()) == count
+        y = datasets.image_split(name).test[1]
+        assert len(set(y.tolist())) == options.NUM_CLASSES
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Make every command's work fail: a rejection must come before it."""
+    def work(*args, **kwargs):
+        raise AssertionError("work started before the options were checked")
+
+    for module, name in [(calibration, "run"), (rank_study, "run"), (spectrum_demo, "run")]:
+        monkeypatch.setattr(module, name, work)
+
+
+def _garbage(path):
+    path.write_bytes(b"not a checkpoint\n")
+    return str(path)
+
+
+def _folder(path):
+    path.mkdir()
+    return str(path)
+
+
+def _empty(path):
+    path.write_bytes(b"")
+    return str(path)
+
+
+# (command and options, a file to create for the run, expected part of the one error line)
+REJECTED = [
+    (["calibrate", "--device", "bogus"], None,
+     "argument --device: expected cpu, cuda, cuda:N or mps, got 'bogus'"),
+    (["calibrate", "--device", "meta"], None,
+     "argument --device: 'meta' tensors have shapes but no values"),
+    (["spectrum", "--device", "meta"], None, "'meta' tensors have shapes but no values"),
+    (["rank-study", "--device", "cuda:x"], None, "expected cpu, cuda, cuda:N or mps"),
+    (["calibrate", "--checkpoint", "{file}"], _garbage,
+     "cannot load checkpoint '{file}' as a state_dict saved by torch.save: "),
+    (["calibrate", "--checkpoint", "{file}"], _folder, "checkpoint '{file}' is not a file"),
+    (["calibrate", "--checkpoint", "{file}"], _empty, "checkpoint '{file}' is an empty file"),
+    (["calibrate", "--save-checkpoint", "{file}"], _folder,
+     "cannot save the checkpoint to '{file}': it names a folder, not a file"),
+    (["rank-study", "--save-checkpoint", "{file}/"], None,
+     "cannot save the checkpoint to '{file}/': it names a folder"),
+    (["calibrate", "--save-checkpoint", "{file}", "--checkpoint", "{file}"], _garbage,
+     "nothing to save to '{file}': the network is loaded from '{file}', not trained"),
+    (["calibrate", "--out="], None,
+     "argument --out: an empty path, got '': use --out . for the current folder"),
+    (["rank-study", "--out", " "], None, "use --out . for the current folder"),
+    (["spectrum", "--out="], None, "use --out . for the current folder"),
+    (["calibrate", "--methods", "map,full_all"], None,
+     "method full_all cannot run on --dataset mnist: its dense D x D posterior is too large "
+     "for the mnist CNN (D = 20,522); it runs on --dataset digits"),
+    (["calibrate", "--methods", "map, kron_all,map"], None, "method 'map' is listed twice"),
+    (["calibrate", "--rank", str(10**12)], None,
+     "rank 1000000000000 is more than the 20,522 parameters of the mnist CNN"),
+    (["calibrate", "--dataset", "digits", "--rank", "3659"], None,
+     "rank 3659 is more than the 3,658 parameters of the digits CNN"),
+    (["rank-study", "--dataset", "digits", "--ranks", "10,5000"], None,
+     "rank 5000 is more than the 3,658 parameters"),
+    (["calibrate", "--mc-samples", "1000"], None,
+     "mc_samples 1000 is more than the 10 classes: the exact GGN (mc_samples 0)"),
+    (["rank-study", "--mc-samples", "11"], None, "mc_samples 11 is more than the 10 classes"),
+    (["calibrate", "--seed", str(2**32)], None,
+     "argument --seed: expected an integer from 0 to 2**32 - 1"),
+    (["rank-study", "--residuals", "spectral,bogus"], None, "unknown residual model 'bogus'"),
+    (["rank-study", "--residuals", ","], None, "unknown residual model ','"),
+    (["calibrate", "--prior", "cv"], None, "unknown prior tuning 'cv'"),
+]
+
+
+@pytest.mark.parametrize("argv, make, message", REJECTED,
+                         ids=[" ".join(a).replace("{file}", "F") for a, _, _ in REJECTED])
+def test_rejected_in_one_line_before_any_work(argv, make, message, tmp_path, capsys, no_work):
+    file = tmp_path / "given"
+    if make is not None:
+        make(file)
+    argv = [a.replace("{file}", str(file)) for a in argv]
+    if "--out" not in " ".join(argv):
+        argv += ["--out", str(tmp_path / "out")]
+    before = sorted(tmp_path.rglob("*"))
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert captured.out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("lowrank-laplace") and ": error: " in err
+    assert message.replace("{file}", str(file)) in err
+    assert sorted(tmp_path.rglob("*")) == before  # no output folder, no checkpoint
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("command", ["calibrate", "rank-study", "spectrum"])
+def test_cuda_absent_before_any_work(command, tmp_path, capsys, no_work):
+    assert main([command, "--device", "cuda:1", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("lowrank-laplace: error: device 'cuda:1' was requested, but CUDA is not "
+                   "available on this machine")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_index_beyond_the_devices(tmp_path, capsys, no_work):
+    count = torch.cuda.device_count()
+    assert main(["calibrate", "--device", f"cuda:{count}", "--out", str(tmp_path)]) == 2
+    assert f"this machine has {count} CUDA device(s)" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="needs a machine without MPS")
+def test_mps_absent(tmp_path, capsys, no_work):
+    assert main(["calibrate", "--device", "mps", "--out", str(tmp_path / "out")]) == 2
+    assert "MPS is not available" in capsys.readouterr().err
+
+
+def test_wrong_checkpoint_refused_before_loading_data(tmp_path, capsys, monkeypatch, no_work):
+    from lowrank_laplace.toolkit import datasets
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("data loaded before the checkpoint was checked")
+
+    monkeypatch.setattr(datasets, "image_split", no_data)
+    ckpt = tmp_path / "mnist.pt"
+    torch.save(calibration.make_cnn("mnist").state_dict(), ckpt)
+    assert main(["calibrate", "--dataset", "digits", "--checkpoint", str(ckpt),
+                 "--out", str(tmp_path / "out")]) == 2
+    assert f"checkpoint '{ckpt}' does not fit the digits CNN" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["calibrate", "--dataset", "digits", "--methods", "full_all", "--rank", "3658",
+     "--mc-samples", "10"],
+    ["calibrate", "--device", "cpu", "--methods", "", "--save-checkpoint", "{tmp}/cnn.pt"],
+    ["rank-study", "--dataset", "digits", "--ranks", "1,3658", "--residuals", "none"],
+    ["spectrum", "--device", "cpu"],
+])
+def test_limits_accepted(argv, tmp_path, monkeypatch):
+    # the largest values the checks take reach the command, with the options as given
+    seen = []
+    for name in ("calibrate", "rank_study_command", "spectrum"):
+        monkeypatch.setattr(cli, name, seen.append)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + ["--out", str(tmp_path / "o")]
+    assert main(argv) == 0
+    assert [args.command for args in seen] == [argv[0]]
+    if argv[0] == "calibrate":
+        config = cli._calibration_config(seen[0])
+        assert config.methods == (["full_all"] if "full_all" in argv else None)
+        assert config.out == str(tmp_path / "o") and (tmp_path / "o").is_dir()
+
+
+def test_out_dot_is_the_current_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    seen = []
+    monkeypatch.setattr(cli, "calibrate", seen.append)
+    assert main(["calibrate", "--out", "."]) == 0
+    assert cli._calibration_config(seen[0]).out == "."
+
+
+def test_library_refuses_what_the_command_refuses(tmp_path):
+    # calibration.run checks the same options (no silent "could not run" in the report)
+    config = calibration.CalibrationConfig(methods=["full_all"], out=str(tmp_path / "out"))
+    with pytest.raises(calibration.UserError, match="full_all cannot run on --dataset mnist"):
+        calibration.run(config)
+    assert not (tmp_path / "out").exists()
