@@ -12,7 +12,6 @@ Shape glossary:
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple, Union
 
@@ -28,12 +27,15 @@ from lowrank_laplace.fitting.sketch import SketchMerge
 from lowrank_laplace.fitting.streaming import StreamingMerge
 from lowrank_laplace.utils.batches import batch_device
 
-#: Under ``OMP_WAIT_POLICY=PASSIVE`` (sleeping OpenMP threads, common on shared
-#: machines), streaming merges of ``S`` samples into a ``D x k`` basis with ``S D k``
-#: below this run on one CPU thread: their many small products would wake the thread
-#: team for too little work each time. Under the default (spinning) policy two
-#: threads were as fast, so it is left alone (docs/benchmarks/design_measurements.md).
+#: Fits whose streaming merges of ``S`` samples into a ``D x k`` basis have ``S D k``
+#: below this, and whose passes hold fewer than :data:`SINGLE_THREAD_PASS_ENTRIES`
+#: entries of ``V``, run their batch loop on one CPU thread: their many small
+#: products would wake the thread team for too little work each time, and beside
+#: another busy process every wake-up waits for a core (the digits MLP's fit took
+#: 45 s on two threads and 0.9 s on one; docs/benchmarks/design_measurements.md).
 SINGLE_THREAD_MERGE_WORK = 2**26
+#: See :data:`SINGLE_THREAD_MERGE_WORK`: entries of ``V`` in one backward pass.
+SINGLE_THREAD_PASS_ENTRIES = 2**22
 #: Sketch merges span several passes up to this many bytes of ``V``: larger products
 #: are faster for factored linear layers, while for expanded convolution blocks merging
 #: passes only adds concatenated copies (docs/benchmarks/design_measurements.md).
@@ -56,7 +58,8 @@ class FitPlan:
         chunk: Samples per merge.
         low_memory: Every micro-batch is one merge computed by recomputing passes.
         lazy: Streaming merges update the basis lazily.
-        merge_threads: CPU threads of a merge (``None``: all).
+        threads: CPU threads of the batch loop (``1`` for small fits; ``None``: the
+            user's setting).
         dim: Parameters ``D``.
     """
 
@@ -65,7 +68,7 @@ class FitPlan:
     chunk: int
     low_memory: bool
     lazy: bool
-    merge_threads: Optional[int]
+    threads: Optional[int]
     dim: int
 
 
@@ -183,12 +186,13 @@ def plan_fit(engine: Any, X: Any, *, batch_size: int, num_data: int, keep: int,
         low_memory = False
         micro, chunk = merge_plan(engine, X, mc_samples, batch_size, num_data, keep,
                                   solver=solver, **sizes)
-    small = not dense and chunk * dim * keep < SINGLE_THREAD_MERGE_WORK
-    passive = os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
+    entries = engine.bytes_per_sample(X, mc_samples or None) // params[0].element_size()
+    small = (not dense and chunk * dim * keep < SINGLE_THREAD_MERGE_WORK
+             and min(micro, batch_size) * entries < SINGLE_THREAD_PASS_ENTRIES)
     return FitPlan(
         path=path, micro=micro, chunk=chunk, low_memory=low_memory,
         lazy=dim >= LAZY_MIN_DIM_PER_EIGENPAIR * keep,
-        merge_threads=1 if small and passive and batch_device(X).type == "cpu" else None,
+        threads=1 if small and batch_device(X).type == "cpu" else None,
         dim=dim,
     )
 

@@ -114,6 +114,10 @@ class BatchStreamer:
         """
         if self.plan is None:
             self._start(X, len(y), num_data)
+        with cpu_threads(self.plan.threads):
+            return self._add(X, y)
+
+    def _add(self, X: Any, y: Tensor) -> Tensor:
         plan = self.plan
         micro = equal_parts(len(y), plan.micro)  # 128 in passes of <= 38: four of 32
         loss = 0.0
@@ -166,7 +170,7 @@ class BatchStreamer:
     def flush(self) -> None:
         """Merge the pending micro-batch factors as one."""
         if self.pending:
-            with cpu_threads(self.plan.merge_threads):
+            with cpu_threads(self.plan.threads):
                 self.solver.add_factor(concat_factors(self.pending, self.pending_scales),
                                        scale=self.scale)
             self.pending.clear()

@@ -34,6 +34,7 @@ from lowrank_laplace.posterior.predictive import jacobian_energies
 from lowrank_laplace.posterior.residual import ResidualKind, jacobian_exponent
 from lowrank_laplace.utils.batches import batch_device, take, to_device
 from lowrank_laplace.utils.checks import check_batch
+from lowrank_laplace.utils.linalg import cpu_threads
 
 #: The likelihoods and the loss whose GGN is laplace-torch's, with its Hessian factor.
 LIKELIHOODS = ("classification", "regression")
@@ -236,13 +237,14 @@ def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Iterable,
                               torch.tensor(float(seen), dtype=mean.dtype, device=device)])
         dist.all_reduce(totals, group=group)
         loss, num_data = totals[0], int(totals[1])
-    U, lam, trace, residual = solver.result()
-    if previous is not None:
-        U, lam, trace, residual = _merge_fits(options, previous, (U, lam, trace, residual))
-        loss, num_data = previous.loss + loss, previous.n_data + num_data
-    if float(trace) <= 0:  # a zero GGN has no eigenpairs, not a fake tiny one
-        U, lam = U[:, :0], lam[:0]
-    exponent = _jacobian_exponent(model, options, probe, U, lam, group, stream)
+    with cpu_threads(stream.plan.threads):  # one thread for a small fit's batch loop too
+        U, lam, trace, residual = solver.result()
+        if previous is not None:
+            U, lam, trace, residual = _merge_fits(options, previous, (U, lam, trace, residual))
+            loss, num_data = previous.loss + loss, previous.n_data + num_data
+        if float(trace) <= 0:  # a zero GGN has no eigenpairs, not a fake tiny one
+            U, lam = U[:, :0], lam[:0]
+        exponent = _jacobian_exponent(model, options, probe, U, lam, group, stream)
     samples = math.ceil(num_data * (options.subsample_fraction or 1.0))
     columns = columns_per_sample(likelihood, options.mc_samples, stream.n_outputs)
     return FitResult(

@@ -45,6 +45,7 @@ from lowrank_laplace.laplace_torch.queries import PosteriorQueries
 from lowrank_laplace.posterior import GramCache, Residual
 from lowrank_laplace.posterior.residual import DEFAULT_RESIDUAL, ResidualKind, check_residual
 from lowrank_laplace.utils.batches import batch_size
+from lowrank_laplace.utils.threads import on_one_thread_if_small
 
 
 def _check_positive(name: str, value) -> None:
@@ -182,6 +183,29 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
     def temperature(self, value) -> None:
         _check_positive("temperature", value)
         self._temperature = value
+
+    @on_one_thread_if_small
+    def log_marginal_likelihood(self, prior_precision: Optional[Tensor] = None,
+                                sigma_noise: Optional[Tensor] = None) -> Tensor:
+        """laplace-torch's Laplace log marginal likelihood, with the low-rank log det.
+
+        Args:
+            prior_precision: Evaluate at this prior precision (sets it).
+            sigma_noise: Evaluate at this observation noise (regression; sets it).
+
+        Returns:
+            Scalar tensor, differentiable in both.
+        """
+        return super().log_marginal_likelihood(prior_precision, sigma_noise)
+
+    @on_one_thread_if_small
+    def optimize_prior_precision(self, *args: Any, **kwargs: Any) -> None:
+        """laplace-torch's prior tuning (marginal likelihood, or grid search on data).
+
+        Small posteriors are tuned on one CPU thread (see
+        :mod:`lowrank_laplace.utils.threads`). Arguments as in laplace-torch.
+        """
+        return super().optimize_prior_precision(*args, **kwargs)
 
     def _check_backend(self) -> None:
         """Refuse laplace-torch backend settings that ask for another curvature."""

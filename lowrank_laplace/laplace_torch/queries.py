@@ -24,6 +24,7 @@ from lowrank_laplace.fitting.budget import dense_identity
 from lowrank_laplace.posterior import LowRankPrecision, Residual
 from lowrank_laplace.posterior.predictive import glm_predictive, prior_variance_weights
 from lowrank_laplace.utils.batches import to_device
+from lowrank_laplace.utils.threads import on_one_thread_if_small
 
 
 class PosteriorQueries:
@@ -33,6 +34,16 @@ class PosteriorQueries:
     (U, lambda)``, ``trace``, ``rank_bound``, ``residual_diagonal``, the residual
     options and ``_gram_cache`` when it fits.
     """
+
+    @property
+    def query_work(self) -> int:
+        """Multiply-adds of the largest product of a posterior query (``D (r + 1)``).
+
+        Queries of small posteriors run on one CPU thread
+        (:mod:`lowrank_laplace.utils.threads`).
+        """
+        rank = 0 if getattr(self, "H", None) is None else self.H[0].shape[1]
+        return (self.n_params or 0) * (rank + 1)
 
     @property
     def kept_fraction(self) -> Tensor:
@@ -83,6 +94,7 @@ class PosteriorQueries:
         return self.residual_model.precision(self.H[0], self.H[1], self._H_factor,
                                              self._prior(), self._gram_cache)
 
+    @on_one_thread_if_small
     def log_prob(self, value: Tensor, normalized: bool = True) -> Tensor:
         """Log density of ``value`` under the posterior; under the prior before :meth:`fit`.
 
@@ -112,6 +124,7 @@ class PosteriorQueries:
         return log_prob
 
     @property
+    @on_one_thread_if_small
     def posterior_variance(self) -> Tensor:
         """Marginal posterior variances ``diag(P^{-1})``, shape ``(D,)``, in ``O(D r)``."""
         return self._precision().inverse_diagonal()
@@ -145,10 +158,12 @@ class PosteriorQueries:
                               what)
 
     @property
+    @on_one_thread_if_small
     def log_det_posterior_precision(self) -> Tensor:
         """``log det P`` by the determinant lemma (closed form for a scalar prior)."""
         return self._precision().logdet()
 
+    @on_one_thread_if_small
     def square_norm(self, value: Tensor) -> Tensor:
         """``(value - mean)^T P (value - mean)``.
 
@@ -160,6 +175,7 @@ class PosteriorQueries:
         """
         return self._precision().square_norm(value - self.mean)
 
+    @on_one_thread_if_small
     def functional_variance(self, Js: Tensor) -> Tensor:
         """``J P^{-1} J^T`` per input from explicit Jacobians.
 
@@ -171,6 +187,7 @@ class PosteriorQueries:
         """
         return self._precision().jacobian_variance(Js)
 
+    @on_one_thread_if_small
     def functional_covariance(self, Js: Tensor) -> Tensor:
         """Joint ``J P^{-1} J^T`` over all inputs and outputs from explicit Jacobians.
 
@@ -182,6 +199,7 @@ class PosteriorQueries:
         """
         return self._precision().jacobian_variance(Js.reshape(-1, Js.shape[-1]))
 
+    @on_one_thread_if_small
     def sample_from_noise(self, eps: Tensor) -> Tensor:
         """Posterior samples as a linear map of standard normal noise.
 

@@ -157,25 +157,54 @@ def test_one_pass_feeds_several_merges_of_the_planned_size(monkeypatch):
     torch.testing.assert_close(la.trace, trace, rtol=1e-12, atol=0)
 
 
-@pytest.mark.parametrize("policy, threads", [("PASSIVE", 1), ("", 2)])
-def test_small_merges_run_on_one_thread_under_a_passive_openmp_policy(monkeypatch, policy,
-                                                                       threads):
+@pytest.mark.parametrize("small, threads", [(True, 1), (False, 2)])
+def test_small_fits_run_their_batch_loop_on_one_thread(monkeypatch, small, threads):
+    from lowrank_laplace.engine import FactorEngine
+    from lowrank_laplace.fitting import plan
     from lowrank_laplace.fitting.streaming import StreamingMerge
 
     model, loader = _problem(n=40, out=4, batch_size=8)
-    monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    if not small:
+        monkeypatch.setattr(plan, "SINGLE_THREAD_MERGE_WORK", 1)
     seen = []
-    add_factor = StreamingMerge.add_factor
+    add_factor, compute = StreamingMerge.add_factor, FactorEngine.compute
     monkeypatch.setattr(StreamingMerge, "add_factor", lambda self, *a, **k: (
         seen.append(torch.get_num_threads()), add_factor(self, *a, **k))[1])
+    monkeypatch.setattr(FactorEngine, "compute", lambda self, *a, **k: (
+        seen.append(torch.get_num_threads()), compute(self, *a, **k))[1])
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         la = _fit(model, loader, 0, monkeypatch, rank=4, oversampling=2)
-        assert torch.get_num_threads() == 2  # restored after every merge
+        assert torch.get_num_threads() == 2  # restored after every batch
+        with torch.no_grad():
+            la.log_marginal_likelihood()  # a small posterior's queries: one thread too
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
-    assert la.fit_path == "streaming" and seen and set(seen) == {threads}
+    # the first pass (before the plan) runs on the user's setting
+    assert la.fit_path == "streaming" and set(seen[2:]) == {threads}
+
+
+def test_small_posterior_queries_run_on_one_thread(monkeypatch):
+    from lowrank_laplace.posterior import precision
+
+    model, loader = _problem(n=40, out=4, batch_size=8)
+    la = _fit(model, loader, 0, monkeypatch, rank=4, oversampling=2)
+    seen = []
+    logdet = precision.LowRankPrecision.logdet
+    monkeypatch.setattr(precision.LowRankPrecision, "logdet", lambda self: (
+        seen.append(torch.get_num_threads()), logdet(self))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        la.optimize_prior_precision(method="marglik", n_steps=3)
+        la.log_marginal_likelihood()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}
+    assert la.query_work == la.n_params * (la.H[0].shape[1] + 1)
 
 
 def test_cpu_threads_restores_the_setting_and_never_raises_it():
