@@ -14,9 +14,14 @@ Shape glossary:
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor
+
+from lowrank_laplace.factor import DenseBlock, GGNFactor
+from lowrank_laplace.factor.wide import WIDE, wide_gram, wide_slices, wide_t_matmul, widen
+from lowrank_laplace.utils.linalg import rotate
 
 
 class Solver:
@@ -45,6 +50,7 @@ class Solver:
         self.oversampling = int(oversampling)
         self.track_diagonal = track_diagonal
         self.eigenvalues: Optional[Tensor] = None  # (k,)
+        self._exact: Optional[Tuple[Tensor, Tensor]] = None  # (eigenvalues, in float64)
         self.trace: Optional[Tensor] = None
         self.diagonal: Optional[Tensor] = None  # exact diagonal of the merged sum
         self.num_merges = 0
@@ -101,13 +107,29 @@ class Solver:
         """
         return []
 
+    def keep_eigenvalues(self, evals: Tensor, dtype: torch.dtype) -> None:
+        """Set :attr:`eigenvalues` from float64 ones, rounded to ``dtype`` (positive).
+
+        The float64 values are kept beside them, so that :meth:`result`'s trace
+        leaves the dropped mass ``trace - sum(lambda)`` exact (see there).
+
+        Args:
+            evals: Eigenvalues ``(k,)``, descending.
+            dtype: The fit's dtype.
+        """
+        narrow = evals.to(dtype).clamp(min=torch.finfo(dtype).tiny)
+        self.eigenvalues, self._exact = narrow, (narrow, evals.to(WIDE).clamp(min=0))
+
     def add_trace_and_diagonal(self, trace: Tensor, diagonal: Optional[Tensor]) -> None:
         """Accumulate the exact trace and (if given) diagonal of an added curvature.
+
+        The trace is summed in float64 (:attr:`trace`, see :meth:`result`).
 
         Args:
             trace: Its trace.
             diagonal: Its diagonal, ``(D,)``, or ``None``.
         """
+        trace = trace.to(WIDE)  # a sum of many terms; the dropped mass is its difference
         self.trace = trace if self.trace is None else self.trace + trace
         if diagonal is not None:
             self.diagonal = diagonal if self.diagonal is None else self.diagonal + diagonal
@@ -127,6 +149,11 @@ class Solver:
     def result(self) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
         """The leading ``rank`` eigenpairs, the exact trace and the residual diagonal.
 
+        The trace is float64 and differs from the exact one by the rounding of the
+        returned eigenvalues, so that ``trace - sum(lambda)`` (in float64) is the exact
+        dropped mass: a float32 trace (or eigenvalues) is rounded at
+        ``eps lambda_max``, which can exceed the mass of a few dropped eigenvalues.
+
         Returns:
             ``(eigenvectors (D, k), eigenvalues (k,), trace, residual (D,))`` with
             ``k <= rank`` and ``residual = diag(H) - diag(U diag(lambda) U^T)``, the
@@ -144,4 +171,164 @@ class Solver:
         residual = None
         if self.track_diagonal:
             residual = (self.diagonal - (U**2) @ lam).clamp(min=0)
-        return U, lam, self.trace, residual
+        exact = self._exact[1][:k] if self._exact is not None and \
+            self._exact[0] is self.eigenvalues else lam.to(WIDE)
+        trace = self.trace - exact.sum() + lam.to(WIDE).sum()
+        return U, lam, trace, residual
+
+
+def wide_merge(factor: Any, group: int, eigenvalues: Optional[Tensor], keep: int,
+               span: float) -> bool:
+    """Whether a merge forms its products and basis in float64.
+
+    For lower-precision factors with blocks, while the kept spectrum spans more than
+    ``span eps`` (or the rank is not full, so the merge may add such eigenvalues):
+    there float32 products and bases would blur the small eigenvalues (see
+    :mod:`~lowrank_laplace.fitting.streaming`). A full spectrum above that is resolved
+    in float32 to about ``1 / span`` (Weyl: merging adds curvature, so the kept
+    eigenvalues only grow), at the cost of a float32 merge.
+
+    Args:
+        factor: The batch factor.
+        group: Group index.
+        eigenvalues: The kept eigenvalues (``None`` before the first merge).
+        keep: Eigenpairs kept while fitting.
+        span: The spectrum's widest ratio in units of ``eps`` merged in float32.
+
+    Returns:
+        ``True`` for a float64 merge.
+    """
+    if not isinstance(factor, GGNFactor) or factor.recomputed:
+        return False
+    dtype = factor_dtype(factor, group)
+    if dtype == WIDE:
+        return False
+    if eigenvalues is None or eigenvalues.numel() < keep:
+        return True
+    return float(eigenvalues[-1]) < span * torch.finfo(dtype).eps * float(eigenvalues[0])
+
+
+def merge_blocks(factor: Any, group: int = 0) -> Optional[List[Any]]:
+    """A factor's blocks for :func:`wide_products` and :func:`wide_combine`.
+
+    Factored blocks are widened to float64 once (:func:`~lowrank_laplace.factor.wide.widen`).
+
+    Args:
+        factor: A :class:`~lowrank_laplace.factor.GGNFactor`, or another factor.
+        group: Group index.
+
+    Returns:
+        The blocks, or ``None`` for a factor without them (a low-memory
+        :class:`~lowrank_laplace.fitting.recompute.RecomputedFactor`, whose passes form
+        its products in its own dtype).
+    """
+    if not isinstance(factor, GGNFactor) or factor.recomputed:
+        return None
+    return [widen(block) for block in factor.group_blocks(group)]
+
+
+def wide_products(factor: Any, blocks: Optional[List[Any]], targets: Sequence[Tensor],
+                  group: int = 0) -> Tuple[Tensor, List[Tensor], torch.dtype]:
+    """A factor's Gram matrix ``V^T V`` and products ``V^T x``, in float64.
+
+    The inputs of a merge's eigenproblem: formed from the blocks widened a slice at a
+    time (:mod:`~lowrank_laplace.factor.wide`), they resolve eigenvalues far below a
+    float32 Gram matrix's rounding of ``eps lambda_max``. A factor without blocks
+    gives them in its own dtype, widened.
+
+    Args:
+        factor: The factor.
+        blocks: :func:`merge_blocks` of the factor.
+        targets: Matrices ``x`` of shape ``(D, K)``.
+        group: Group index.
+
+    Returns:
+        ``V^T V`` ``(M, M)`` and one ``V^T x`` ``(M, K)`` per target, both float64,
+        and the dtype they were formed in.
+    """
+    if blocks is None:
+        gram = factor.gram(group)
+        return (gram.to(WIDE), [factor.t_matmul(x, group).to(WIDE) for x in targets],
+                gram.dtype)
+    gram = sum(wide_gram(block) for block in blocks)
+    products = [sum(wide_t_matmul(block, part)
+                    for block, part in zip(blocks, factor.split_flat(x, group)))
+                for x in targets]
+    return gram, products, WIDE
+
+
+def wide_combine(factor: Any, blocks: Optional[List[Any]], y: Tensor, dtype: torch.dtype,
+                 group: int = 0, basis: Optional[Tensor] = None,
+                 rotation: Optional[Tensor] = None, in_place: bool = False,
+                 correction: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
+    """``basis @ rotation + V y``, each slice of rows formed in float64 and rounded once.
+
+    A merge's new eigenvectors ``U P + V C`` are unit vectors formed from much longer
+    ones where the eigenvalue is small (``C`` scales with ``mu^{-1/2}``); formed in
+    float32 they lose orthogonality by about ``eps sqrt(lambda_max / mu)`` or worse,
+    which the next merge, assuming an orthonormal basis, turns into spurious
+    curvature. Formed in float64 they are orthonormal to ``eps``. A factor without
+    blocks (a low-memory pass recomputes ``V y``) is combined in its own dtype.
+
+    Args:
+        factor: The factor.
+        blocks: :func:`merge_blocks` of the factor.
+        y: Shape ``(M, K)``.
+        dtype: The result's dtype.
+        group: Group index.
+        basis: Shape ``(D, r)``, or ``None`` for zero.
+        rotation: ``(r, K)``, or ``None`` for the identity (then ``r = K``).
+        in_place: Write into ``basis`` (``rotation`` square or ``None``).
+        correction: ``(A, B)``: ``rotation`` is ``I + A B^T`` (``r x m`` each;
+            ``rotation`` itself must be ``None``), applied without the ``D r^2``
+            product.
+
+    Returns:
+        Shape ``(D, K)``.
+    """
+    if correction is not None:
+        rotation = torch.eye(y.shape[1], dtype=WIDE, device=y.device) + \
+            correction[0].to(WIDE) @ correction[1].to(WIDE).T
+        if blocks is not None:
+            rotation = None
+    if blocks is None:
+        if basis is None:
+            return factor.matmul(y.to(dtype), group)
+        if rotation is not None:
+            basis = rotate(basis, rotation.to(dtype), in_place=in_place)
+        elif not in_place:
+            basis = basis.clone()
+        return factor.matmul_add_(basis, y.to(dtype), group)
+    square = rotation is None or rotation.shape[0] == rotation.shape[1]
+    out = basis if in_place and basis is not None and square else \
+        y.new_empty(factor.group_dim(group), y.shape[1], dtype=dtype)
+    y = y.to(WIDE)
+    sources = factor.split_flat(basis, group) if basis is not None else [None] * len(blocks)
+    for block, source, part in zip(blocks, sources, factor.split_flat(out, group)):
+        for lo, hi, sub in wide_slices(block, y.shape[1]):
+            buf = _rows(source, lo, hi, y, rotation, correction)
+            part[lo:hi].copy_(sub.matmul_add_(buf, y))
+    return out
+
+
+def _rows(source: Optional[Tensor], lo: int, hi: int, y: Tensor,
+          rotation: Optional[Tensor], correction: Optional[Tuple[Tensor, Tensor]]
+          ) -> Tensor:
+    """Float64 rows ``lo:hi`` of ``source @ rotation`` (zeros without a source)."""
+    if source is None:
+        return y.new_zeros(hi - lo, y.shape[1])
+    rows = source[lo:hi]
+    if rotation is not None:
+        return rows.to(WIDE) @ rotation.to(WIDE)
+    rows = rows.to(WIDE, copy=True)  # accumulated into: never the source itself
+    if correction is not None:
+        rows.addmm_(rows @ correction[0].to(WIDE), correction[1].to(WIDE).T)
+    return rows
+
+
+def factor_dtype(factor: Any, group: int = 0) -> torch.dtype:
+    """The dtype of a factor's blocks (of its Gram matrix for one without blocks)."""
+    if not isinstance(factor, GGNFactor) or factor.recomputed:
+        return factor.gram(group).dtype
+    block = factor.group_blocks(group)[0]
+    return (block.rows if isinstance(block, DenseBlock) else block.s).dtype

@@ -4,6 +4,11 @@ Taken by the fit's plan where the ``D x D`` sum and its eigendecomposition fit t
 memory budget and are cheaper than streaming, or where the parameters are few (a last
 layer) and streaming would truncate. One eigendecomposition at the end.
 
+The sum is kept in float64 whatever the model's dtype (the eigendecomposition needs
+a float64 copy anyway): a float32 sum is rounded at about ``eps lambda_max``, which
+hides the small eigenvalues that a float32 ``V`` still determines (see
+:func:`~lowrank_laplace.utils.linalg.top_eigh`).
+
 Shape glossary:
     D: parameters; k: eigenpairs kept.
 """
@@ -15,8 +20,12 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lowrank_laplace.factor.wide import WIDE
 from lowrank_laplace.fitting.base import Solver
 from lowrank_laplace.utils.linalg import top_eigh
+
+#: Float64 entries of a widened slice of columns of ``V`` (32 MiB).
+_WIDE_CHUNK = 2**22
 
 
 class DenseSum(Solver):
@@ -32,7 +41,8 @@ class DenseSum(Solver):
 
     def __init__(self, rank: int, oversampling: int = 0, track_diagonal: bool = False):
         super().__init__(rank, oversampling, track_diagonal)
-        self._dense: Optional[Tensor] = None  # (D, D) sum until finalised
+        self._dense: Optional[Tensor] = None  # (D, D) float64 sum until finalised
+        self._dtype: Optional[torch.dtype] = None  # the factors' dtype
         self._vectors: Optional[Tensor] = None
 
     @property
@@ -41,12 +51,23 @@ class DenseSum(Solver):
         self._finalize()
         return self._vectors
 
-    def _add(self, V: Tensor, scale: float) -> None:
+    def _add(self, V: Tensor, scale: float) -> Tensor:
+        """Add ``scale * V V^T`` in float64, a slice of columns at a time.
+
+        Returns:
+            Its trace, in float64.
+        """
         if self._vectors is not None:
             raise RuntimeError("DenseSum: the sum was already eigendecomposed.")
         if self._dense is None:
-            self._dense = V.new_zeros(V.shape[0], V.shape[0])
-        self._dense.addmm_(V, V.T, alpha=scale)
+            self._dense = V.new_zeros(V.shape[0], V.shape[0], dtype=WIDE)
+            self._dtype = V.dtype
+        trace = V.new_zeros((), dtype=WIDE)
+        for cols in V.split(max(1, _WIDE_CHUNK // max(V.shape[0], 1)), dim=1):
+            cols = cols.to(WIDE)
+            self._dense.addmm_(cols, cols.T, alpha=scale)
+            trace = trace + scale * (cols * cols).sum()
+        return trace
 
     def add_factor(self, factor: Any, group: int = 0, scale: float = 1.0) -> None:
         """Add ``scale * V V^T`` of one group (the diagonal comes from the sum).
@@ -57,10 +78,10 @@ class DenseSum(Solver):
             scale: Non-negative factor applied to the batch's GGN.
         """
         self.num_merges += 1
-        trace = factor.trace(group) * scale
+        like = factor.trace(group)  # the factor's dtype and device
+        eye = torch.eye(factor.num_columns, dtype=like.dtype, device=like.device)
+        trace = self._add(factor.matmul(eye, group), scale)
         self.add_trace_and_diagonal(trace, None)
-        eye = torch.eye(factor.num_columns, dtype=trace.dtype, device=trace.device)
-        self._add(factor.matmul(eye, group), scale)
 
     def add_lowrank(self, eigenvectors: Tensor, eigenvalues: Tensor, trace: Tensor,
                     diagonal: Optional[Tensor] = None) -> None:
@@ -94,5 +115,8 @@ class DenseSum(Solver):
             return
         H, self._dense = self._dense, None
         if self.track_diagonal:
-            self.diagonal = H.diagonal().clone()
-        self.eigenvalues, self._vectors = top_eigh(H, self.keep)
+            self.diagonal = H.diagonal().to(self._dtype)
+        evals, vectors = top_eigh(H, self.keep, self._dtype)
+        del H
+        self._vectors = vectors.to(self._dtype)
+        self.keep_eigenvalues(evals, self._dtype)

@@ -332,7 +332,7 @@ class SketchMerge(Solver):
         # the left singular vectors E W sigma^-1, in place; the first num are kept
         W = W / sigma2.clamp(min=nu).sqrt()
         self._vectors = rotate(E, W.to(dtype), in_place=True)[:, :num]
-        self.eigenvalues = lam[:num].clamp(min=torch.finfo(dtype).tiny).to(dtype)
+        self.keep_eigenvalues(lam[:num], dtype)
 
 
 def _storage(mat: Tensor) -> Tensor:

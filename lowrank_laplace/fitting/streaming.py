@@ -25,6 +25,15 @@ the few directions whose coordinates would become ill-conditioned (``m`` stays a
 few per merge in practice). ``B`` then costs only the product with ``V`` that the
 explicit update pays anyway.
 
+Precision: a float32 merge whose kept spectrum spans more than about ``1e3 eps`` (a
+small model near full rank, say) forms its small products (``V^T V``, ``U^T V``) and
+its new basis in float64, a slice at a time (:func:`~lowrank_laplace.fitting.base.wide_products`,
+:func:`~lowrank_laplace.fitting.base.wide_combine`), and rounds the basis once: float32
+products would blur eigenvalues below ``eps lambda_max``, and a float32 basis formed
+from the long vectors that a small eigenvalue's coefficients ``mu^{-1/2}`` multiply
+loses its orthogonality, which the next merge turns into spurious curvature. A
+narrower spectrum keeps the float32 merge, which resolves it to about ``1e-3``.
+
 Shape glossary:
     D: parameters; r: kept rank; M: columns of one batch factor.
 """
@@ -38,8 +47,20 @@ import torch
 from torch import Tensor
 
 from lowrank_laplace.factor import GGNFactor, cat_blocks
-from lowrank_laplace.fitting.base import Solver
-from lowrank_laplace.utils.linalg import eigh, rotate, top_eigh
+from lowrank_laplace.factor.wide import WIDE
+from lowrank_laplace.fitting.base import (
+    Solver,
+    factor_dtype,
+    merge_blocks,
+    wide_combine,
+    wide_merge,
+    wide_products,
+)
+from lowrank_laplace.utils.linalg import eigh, rotate, top_eigh, wide_inner
+
+#: A float32 merge stays float32 while its kept eigenvalues all exceed this multiple
+#: of ``eps lambda_max`` (see :func:`~lowrank_laplace.fitting.base.wide_merge`).
+WIDE_SPAN = 1e3
 
 
 class StreamingMerge(Solver):
@@ -69,7 +90,7 @@ class StreamingMerge(Solver):
         self.tau = 0.1  # singular-value band [tau, 1/tau] of the basis coordinates
         self.max_deferred = 16  # columns of deferred corrections before applying them
         self._basis: Optional[Tensor] = None  # (D, k): eigenvectors U = basis @ coords
-        self._coords: Optional[Tensor] = None  # (k, k) or None for the identity
+        self._coords: Optional[Tensor] = None  # (k, k) float64, or None for the identity
         self._shared = False  # the basis was handed out: copy before updating in place
         # deferred rank-m corrections: the basis is B + sum_i X_i Y_i^T
         self._deferred: List[Tuple[Tensor, Tensor]] = []
@@ -98,7 +119,7 @@ class StreamingMerge(Solver):
         extra ``D k^2`` Gram matrix.
         """
         basis, coords = self._basis, self._coords.double()
-        gram = (basis.T @ basis).double()
+        gram = wide_inner(basis)
         chol, info = torch.linalg.cholesky_ex(gram)
         if int(info) == 0:
             to_orth = torch.linalg.solve_triangular(
@@ -115,7 +136,7 @@ class StreamingMerge(Solver):
         evals, q = evals.flip(0), q.flip(1)
         self._basis = rotate(basis, (to_orth @ q).to(basis.dtype), in_place=not self._shared)
         self._coords = None
-        self.eigenvalues = evals.clamp(min=torch.finfo(basis.dtype).tiny).to(basis.dtype)
+        self.keep_eigenvalues(evals, basis.dtype)
 
     @eigenvectors.setter
     def eigenvectors(self, value: Optional[Tensor]) -> None:
@@ -133,31 +154,40 @@ class StreamingMerge(Solver):
             scale: Non-negative factor applied to the batch's GGN.
         """
         self.num_merges += 1
-        gram = factor.gram(group) * scale
+        wide = wide_merge(factor, group, self.eigenvalues, self.keep, WIDE_SPAN)
+        blocks = merge_blocks(factor, group) if wide else None
+        if blocks is not None:
+            self._flush()  # a wide merge applies its corrections at once
+        targets = self.projection_targets()
+        gram, products, formed = wide_products(factor, blocks, targets, group)
+        gram = gram * scale
         diagonal = factor.diag(group) * scale if self.track_diagonal else None
         self.add_trace_and_diagonal(gram.diagonal().sum(), diagonal)
         if self._basis is None:
-            evals, q = top_eigh(gram, self.keep)
-            self.eigenvectors = factor.matmul(q * (scale**0.5 / evals.sqrt()), group)
-            self.eigenvalues = evals
+            dtype = factor_dtype(factor, group)
+            evals, q = top_eigh(gram, self.keep, dtype, formed)
+            coeffs = q * (scale**0.5 / evals.sqrt())
+            self.eigenvectors = wide_combine(factor, blocks, coeffs, dtype, group)
+            self.keep_eigenvalues(evals, dtype)
             return
         basis, coords, lam = self._basis, self._coords, self.eigenvalues
-        proj = factor.t_matmul(basis, group).T  # B^T V, (r, M)
-        for X, Y in self._deferred:
-            proj = proj + Y @ factor.t_matmul(X, group).T
+        proj = products[0].T  # B^T V, (r, M)
+        for (_, Y), product in zip(self._deferred, products[1:]):
+            proj = proj + Y.to(WIDE) @ product.T
         if coords is not None:
-            proj = coords.T @ proj  # U^T V
+            proj = coords.to(WIDE).T @ proj  # U^T V
         # Z = sqrt(scale) V: U' = U P + Z C' = B (R P) + V (sqrt(scale) C')
-        evals, P, C = self._merge_eigh(lam, proj * scale**0.5, gram)
+        evals, P, C = self._merge_eigh(lam, proj * scale**0.5, gram, formed)
         C = C * scale**0.5
         if coords is not None:
-            P = coords @ P
-        self.eigenvalues = evals
-        if self._lazy_update(P, C, factor, group):
+            P = coords.to(WIDE) @ P
+        self.keep_eigenvalues(evals, basis.dtype)
+        if self._lazy_update(P, C, factor, blocks, group):
             return
         self._flush()
-        new = rotate(self._basis, P, in_place=not self._shared)
-        self._basis, self._coords, self._shared = factor.matmul_add_(new, C, group), None, False
+        new = wide_combine(factor, blocks, C, basis.dtype, group, self._basis, P,
+                           in_place=not self._shared)
+        self._basis, self._coords, self._shared = new, None, False
 
     def projection_targets(self) -> List[Tensor]:
         """The ``D x K`` matrices whose products ``V^T x`` the next merge needs.
@@ -172,35 +202,46 @@ class StreamingMerge(Solver):
             return []
         return [self._basis] + [X for X, _ in self._deferred]
 
-    def _merge_eigh(self, lam: Tensor, cross: Tensor, gram: Tensor
-                    ) -> Tuple[Tensor, Tensor, Tensor]:
+    def _merge_eigh(self, lam: Tensor, cross: Tensor, gram: Tensor,
+                    formed: torch.dtype = WIDE) -> Tuple[Tensor, Tensor, Tensor]:
         """Merge ``U diag(lam) U^T`` with ``Z Z^T`` in the space of ``[U, Z]``.
 
         Args:
             lam: Kept eigenvalues, shape ``(r,)`` (``U`` orthonormal).
             cross: ``U^T Z``, shape ``(r, M)``.
             gram: ``Z^T Z``, shape ``(M, M)``.
+            formed: The dtype ``cross`` and ``gram`` were computed in.
 
         Returns:
             The new leading eigenvalues and coefficients ``A`` ``(r, k)``, ``C``
-            ``(M, k)`` with new orthonormal eigenvectors ``U A + Z C``.
+            ``(M, k)`` with new orthonormal eigenvectors ``U A + Z C``, all float64
+            (the small matrix is formed in float64 from float64 products, see
+            :func:`~lowrank_laplace.fitting.base.wide_products`).
         """
-        r, root = lam.numel(), lam.sqrt()
-        cross = cross * root[:, None]  # diag(lam)^1/2 U^T Z
+        r, root = lam.numel(), lam.to(WIDE).sqrt()
+        cross = cross.to(WIDE) * root[:, None]  # diag(lam)^1/2 U^T Z
         small = torch.cat(
-            [torch.cat([torch.diag(lam), cross], 1), torch.cat([cross.T, gram], 1)], 0
+            [torch.cat([torch.diag(lam.to(WIDE)), cross], 1),
+             torch.cat([cross.T, gram.to(WIDE)], 1)], 0
         )
-        evals, q = top_eigh(small, self.keep)
+        evals, q = top_eigh(small, self.keep, lam.dtype, formed)
         inv = evals.rsqrt()[None, :]
         return evals, root[:, None] * q[:r] * inv, q[r:] * inv
 
-    def _lazy_update(self, P: Tensor, C: Tensor, factor: GGNFactor, group: int) -> bool:
+    def _lazy_update(self, P: Tensor, C: Tensor, factor: GGNFactor,
+                     blocks: Optional[List[Any]], group: int) -> bool:
         """``B' R' = B P + V C`` with ``B' = B E + V C R'^{-1}``, ``E = I +`` rank ``m``.
 
         With the SVD ``P = L S Q^T``: ``R' = L S' Q^T`` where ``S'`` is ``S`` with the
         ``m`` singular values outside ``[tau, 1/tau]`` set to one, and
         ``E = P R'^{-1} = I + L_m (S_m - 1) L_m^T``. Returns ``False`` (caller
         rotates ``B`` explicitly) when the rank changed or ``m`` is too large to pay.
+
+        Where the factor has ``blocks`` (:func:`merge_blocks`), ``B'`` is formed in
+        float64 (:func:`~lowrank_laplace.fitting.base.wide_combine`) and the correction
+        ``E`` applied at once in the same pass over ``B``, not deferred: a deferred
+        ``X = B L_m`` rounded to float32 loses what ``E`` keeps of a shrinking
+        direction (``S_m << 1``) to cancellation.
         """
         r = P.shape[0]
         if not self.lazy or P.shape[1] != r:
@@ -221,7 +262,10 @@ class StreamingMerge(Solver):
         S_kept = torch.where(bad, torch.ones_like(S), S)
         coords = (L * S_kept) @ Qt
         coords_inv = (Qt.T / S_kept) @ L.T
-        if m:
+        correction = None
+        if m and blocks is not None:
+            correction = (L[:, bad], L[:, bad] * (S[bad] - 1))
+        elif m:
             # (B + sum X Y^T) E = B + (B L_m) diag(S_m - 1) L_m^T + sum X (E^T Y)^T: one
             # read of B now; the update of B is deferred and applied for several merges
             # at once, except for growing directions (S > 1/tau), whose large factors
@@ -236,8 +280,9 @@ class StreamingMerge(Solver):
         deferred = sum(X.shape[1] for X, _ in self._deferred)
         if deferred > self.max_deferred or growing:
             self._flush()
-        factor.matmul_add_(self._basis, (C.double() @ coords_inv).to(basis.dtype), group)
-        self._coords = coords.to(basis.dtype)
+        wide_combine(factor, blocks, C.double() @ coords_inv, basis.dtype, group,
+                     self._basis, in_place=True, correction=correction)
+        self._coords = coords  # float64, like every small matrix of the merge
         self.num_lazy_corrections += m
         return True
 
@@ -269,10 +314,14 @@ class StreamingMerge(Solver):
         # both bases are orthonormal: only the cross Gram U_1^T U_2 is needed
         U, lam = self.eigenvectors, self.eigenvalues
         W2 = eigenvalues.sqrt()  # the other factor is U_2 diag(W2)
-        evals, A, B = self._merge_eigh(lam, (U.T @ eigenvectors) * W2, torch.diag(eigenvalues))
-        new = U @ A
-        new.addmm_(eigenvectors, W2[:, None] * B)
-        self.eigenvectors, self.eigenvalues = new, evals
+        evals, A, B = self._merge_eigh(lam, wide_inner(U, eigenvectors) * W2.to(WIDE),
+                                       torch.diag(eigenvalues.to(WIDE)))
+        B = W2.to(WIDE)[:, None] * B
+        new = U.new_empty(U.shape[0], A.shape[1])
+        for rows, mine, other in zip(new.split(2**16), U.split(2**16), eigenvectors.split(2**16)):
+            rows.copy_(mine.to(WIDE) @ A + other.to(WIDE) @ B)  # formed in float64
+        self.eigenvectors = new
+        self.keep_eigenvalues(evals, U.dtype)
         self.num_merges += 1
 
     def merge_across(self, group: Any) -> None:

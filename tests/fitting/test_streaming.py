@@ -6,6 +6,7 @@ from torch import nn
 
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.engine.backpack.extensions import reduced_cross_entropy_sqrt
+from lowrank_laplace.fitting.base import merge_blocks, wide_combine, wide_products
 from lowrank_laplace.fitting.cost import merge_size
 from lowrank_laplace.fitting.dense import DenseSum
 from lowrank_laplace.fitting.streaming import StreamingMerge, concat_factors
@@ -177,3 +178,32 @@ def test_dense_sum_is_the_exact_truncation(arch):
     torch.testing.assert_close(residual, (2 * G.diagonal() - (evecs**2) @ evals).clamp(min=0),
                                **TOL)
     assert merge.num_merges == 4
+
+
+@pytest.mark.parametrize("arch", ["mlp", "cnn"])
+def test_wide_products_and_combine_are_float64_products(arch):
+    """Float32 blocks (factored and dense): Gram matrix, ``V^T x`` and ``B R + V y`` in
+    float64, against the explicit float64 ``V``."""
+    model, loss_func, X, y = make_case(arch, "ce-sum", n=6, dtype=torch.float32)
+    with FactorEngine(model, loss_func) as engine:
+        factor = engine.compute(X, y)
+    # V from the blocks widened first (a float32 s z^T would round the products)
+    V = torch.cat([b.to(torch.float64).to_dense() for b in factor.group_blocks()], 1).T
+    dim, k = V.shape[0], 5
+    torch.manual_seed(1)
+    basis, x = torch.randn(dim, k), torch.randn(dim, 3)
+    blocks = merge_blocks(factor)
+    gram, (product,), formed = wide_products(factor, blocks, [x])
+    assert formed == torch.float64
+    torch.testing.assert_close(gram, V.T @ V, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(product, V.T @ x.double(), rtol=1e-12, atol=1e-12)
+    coeffs, rotation = torch.randn(V.shape[1], k, dtype=torch.float64), torch.randn(k, k)
+    expected = basis.double() @ rotation.double() + V @ coeffs
+    out = wide_combine(factor, blocks, coeffs, torch.float32, 0, basis, rotation)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected.float(), rtol=0, atol=0)  # rounded once
+    A, B = torch.randn(k, 2, dtype=torch.float64), torch.randn(k, 2, dtype=torch.float64)
+    expected = basis.double() @ (torch.eye(k, dtype=torch.float64) + A @ B.T) + V @ coeffs
+    wide_combine(factor, blocks, coeffs, torch.float32, 0, basis, in_place=True,
+                 correction=(A, B))
+    torch.testing.assert_close(basis, expected.float(), rtol=0, atol=0)
