@@ -59,7 +59,7 @@ Shape glossary:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -204,7 +204,13 @@ class Residual:
         """
         model = check_residual(model)
         rank = eigenvalues.numel()
-        mass = max(float(trace) - float(eigenvalues.sum()), 0.0)
+        # in float64: a float32 sum is rounded at eps lambda_max, which can exceed the
+        # mass of a few dropped eigenvalues (a fit's trace is float64 for this); a
+        # trace held in lower precision leaves its rounding undecided: zero
+        dtype = trace.dtype if torch.is_tensor(trace) and trace.is_floating_point() \
+            else torch.float64
+        mass = float(trace) - float(eigenvalues.double().sum())
+        mass = mass if mass > torch.finfo(dtype).eps * abs(float(trace)) else 0.0
         if model == "diagonal" and diagonal is None:
             raise ValueError(
                 "residual='diagonal' needs the residual diagonal, which this fit did not "
@@ -244,23 +250,49 @@ class Residual:
         if self.model == "diagonal":
             diag = self.diagonal.to(ell.dtype)
             return LowRankPrecision(eigenvectors, ell, prior + scale * diag, gram_cache=gram_cache)
-        num = dim - rank
+        num, offset = dim - rank, None
         if self.model == "isotropic":
             rho = scale * self.mass / num
-            offset = None
+            d = prior + rho
         else:
-            delta = prior if prior.numel() == 1 else prior.mean()
-            tail = scale * self.tail.to(device=ell.device, dtype=ell.dtype)
-            zeros = num - tail.numel()
-            # 1 / v - delta = delta m / (1 - m) with m the weighted mean of t / (t + delta)
-            if self.exponent > 0 and tail.numel() and float(self.tail[0]) > 0:
-                weight = (self.tail / self.tail[0]) ** self.exponent  # zeros weigh 0
-                weight = weight.to(device=ell.device, dtype=ell.dtype)
-                frac = (weight * tail / (tail + delta)).sum() / weight.sum()
-            else:  # uniform over every dropped direction, the rank bound's zeros too
-                frac = (tail / (tail + delta)).sum() / num
-            rho = delta * frac / (1 - frac)
-            tail_logdet = torch.log(tail + delta).sum() + zeros * torch.log(delta)
-            offset = tail_logdet - num * torch.log(rho + delta)
-        return LowRankPrecision(eigenvectors, (ell - rho).clamp(min=0), prior + rho,
+            rho, tail_logdet = self._spectral_shift(scale, prior, num, ell.device)
+            rho = rho.to(ell.dtype)
+            d = prior + rho
+            # against the d the precision holds, so its (D - r) log d cancels exactly
+            offset = (tail_logdet - num * torch.log(d.to(torch.float64).mean())).to(ell.dtype)
+        return LowRankPrecision(eigenvectors, (ell - rho).clamp(min=0), d,
                                 logdet_offset=offset, gram_cache=gram_cache)
+
+    def _spectral_shift(self, scale: Tensor, prior: Tensor, num: int,
+                        device: torch.device) -> Tuple[Tensor, Tensor]:
+        r"""The spectral model's shift :math:`\rho` and the tail's log-determinant.
+
+        :math:`\rho = 1 / v - \delta = \sum_i w_i t_i / (t_i + \delta) \big/ \sum_i w_i
+        / (t_i + \delta)`: a ratio of positive sums, where the form
+        :math:`\delta m / (1 - m)` with :math:`m` the weighted mean of
+        :math:`t / (t + \delta)` cancels to nothing once :math:`\delta \ll t`. Both in
+        float64 (they sum ``n - r`` terms), differentiable in ``scale`` and ``prior``.
+
+        Args:
+            scale: ``h``.
+            prior: The prior precision (its mean stands for a non-scalar one).
+            num: Dropped directions ``D - r``.
+            device: Where the posterior lives.
+
+        Returns:
+            ``rho`` and :math:`\sum_i \log(t_i + \delta)` over all ``D - r`` dropped
+            directions, both float64 scalars.
+        """
+        wide = torch.float64
+        delta = (prior if prior.numel() == 1 else prior.mean()).to(wide)
+        scale = torch.as_tensor(scale).to(device=device, dtype=wide)
+        tail = scale * self.tail.to(device=device, dtype=wide)
+        zeros = num - tail.numel()
+        inverse = 1 / (tail + delta)
+        if self.exponent > 0 and tail.numel() and float(self.tail[0]) > 0:
+            weight = (self.tail / self.tail[0]) ** self.exponent  # zeros weigh 0
+            weight = weight.to(device=device, dtype=wide)
+            rho = (weight * tail * inverse).sum() / (weight * inverse).sum()
+        else:  # uniform over every dropped direction, the rank bound's zeros too
+            rho = (tail * inverse).sum() / (inverse.sum() + zeros / delta)
+        return rho, torch.log(tail + delta).sum() + zeros * torch.log(delta)
