@@ -15,6 +15,7 @@ Shape glossary:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, List, Optional, Tuple
@@ -29,7 +30,7 @@ from lowrank_laplace.fitting import StreamingMerge
 from lowrank_laplace.fitting.budget import micro_batch_size, resolve_memory_budget
 from lowrank_laplace.fitting.distributed import process_rank, resolve_process_group
 from lowrank_laplace.fitting.streamer import BatchStreamer
-from lowrank_laplace.laplace_torch.options import LowRankOptions
+from lowrank_laplace.laplace_torch.options import LowRankOptions, SolverKind
 from lowrank_laplace.posterior.predictive import jacobian_energies
 from lowrank_laplace.posterior.residual import ResidualKind, jacobian_exponent
 from lowrank_laplace.utils.batches import batch_device, take, to_device
@@ -222,6 +223,13 @@ def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Iterable,
     known = loader_size(loader)
     params = [p for p in model.parameters() if p.requires_grad] if params is None else params
     check_params(params)
+    if options.solver == SolverKind.SKETCH and params[0].dtype != torch.float64:
+        warnings.warn(
+            f"solver='sketch' accumulates its sketch in {params[0].dtype}: eigenvalues "
+            "below about eps * lambda_max are lost, and variances in weakly determined "
+            "directions can be far off at small prior precisions. The default solver "
+            "(or a float64 model) resolves them.", UserWarning, stacklevel=3,
+        )
     device = params[0].device if device is None else device
     mean = parameters_to_vector(params).detach()
     group = resolve_process_group(process_group)

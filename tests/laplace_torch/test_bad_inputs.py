@@ -199,3 +199,11 @@ def test_memory_budget_for_few_probe_vectors_measures_with_fewer():
 def test_last_layer_text_prior_is_refused_at_construction():
     with pytest.raises(ValueError, match="prior_precision must be a positive float"):
         LowRankGGNLLLaplace(_mlp(), "classification", prior_precision="1.0")
+
+
+def test_a_float32_sketch_says_what_it_loses():
+    model = _mlp().float()
+    X, y = _data()
+    loader = DataLoader(TensorDataset(X.float(), y), batch_size=8)
+    with pytest.warns(UserWarning, match="solver='sketch' accumulates its sketch in torch.float32"):
+        Laplace(model, "classification", "all", "lowrank_ggn", rank=5, solver="sketch").fit(loader)
