@@ -223,13 +223,7 @@ def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Iterable,
     known = loader_size(loader)
     params = [p for p in model.parameters() if p.requires_grad] if params is None else params
     check_params(params)
-    if options.solver == SolverKind.SKETCH and params[0].dtype != torch.float64:
-        warnings.warn(
-            f"solver='sketch' accumulates its sketch in {params[0].dtype}: eigenvalues "
-            "below about eps * lambda_max are lost, and variances in weakly determined "
-            "directions can be far off at small prior precisions. The default solver "
-            "(or a float64 model) resolves them.", UserWarning, stacklevel=3,
-        )
+    _warn_low_precision_sketch(options, params[0].dtype)
     device = params[0].device if device is None else device
     mean = parameters_to_vector(params).detach()
     group = resolve_process_group(process_group)
@@ -318,6 +312,17 @@ def _stream(model, likelihood, loader, options, to_inputs, dict_key_y, device, g
             raise ValueError("train_loader yielded no batches: nothing to fit.")
         stream.flush()
     return stream, loss, seen, (probe, cap)
+
+
+def _warn_low_precision_sketch(options: LowRankOptions, dtype: torch.dtype) -> None:
+    """Say before the fit that a sketch below float64 loses the small eigenvalues."""
+    if options.solver == SolverKind.SKETCH and dtype != torch.float64:
+        warnings.warn(
+            f"solver='sketch' accumulates its sketch in {dtype}: eigenvalues below about "
+            "eps * lambda_max are lost, and variances in weakly determined directions "
+            "can be far off at small prior precisions. The default solver (or a float64 "
+            "model) resolves them.", UserWarning, stacklevel=4,
+        )
 
 
 def _planned_samples(loader: Any, num_data: Optional[int], batch: int) -> int:
