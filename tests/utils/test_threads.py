@@ -1,0 +1,60 @@
+"""Small work on one thread: scoped, restored, and through the backward pass too."""
+
+import torch
+
+from lowrank_laplace.utils.threads import SMALL_WORK, scoped_backward, small_work
+
+
+class _RecordThreads(torch.autograd.Function):
+    """Identity whose backward records the thread count it runs with."""
+
+    seen = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _RecordThreads.seen.append(torch.get_num_threads())
+        return grad
+
+
+def _fn(a, b, c):
+    return (_RecordThreads.apply(a) ** 2 * b).sum() + torch.log(c).sum() * a.sum()
+
+
+def test_scoped_backward_gradients_and_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a = torch.rand(5, dtype=torch.float64, requires_grad=True)
+        b = torch.rand(5, dtype=torch.float64)  # no gradient wanted
+        c = (torch.rand(3, dtype=torch.float64) + 1).requires_grad_(True)
+        expected = torch.autograd.grad(_fn(a, b, c), (a, c))
+        _RecordThreads.seen.clear()
+        value = scoped_backward(_fn, (a, b, c * 1.0), 10, "cpu")  # a non-leaf input too
+        assert value.requires_grad and value.grad_fn is not None
+        got = torch.autograd.grad(value, (a, c))
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e)
+        assert _RecordThreads.seen == [1]  # the inner backward ran on one thread
+        assert torch.get_num_threads() == 2  # and the setting came back
+        _RecordThreads.seen.clear()
+        torch.autograd.grad(scoped_backward(_fn, (a, b, c), SMALL_WORK, "cpu"), a)
+        assert _RecordThreads.seen == [2]  # large work keeps the user's threads
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_small_work_restores_the_setting():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with small_work(1, "cpu"):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with small_work(SMALL_WORK, "cpu"):
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
