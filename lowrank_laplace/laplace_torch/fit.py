@@ -215,7 +215,8 @@ def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Iterable,
             targets, a previous fit without the residual diagonal it needs, or a
             memory budget too small for one sample.
     """
-    if previous is not None and options.track_diagonal and previous.residual_diagonal is None:
+    if previous is not None and options.residual == "diagonal" \
+            and previous.residual_diagonal is None:
         raise ValueError(
             "override=False with residual='diagonal' needs the residual diagonal of the "
             "previous fit, which this object does not hold: refit with override=True."
@@ -352,11 +353,13 @@ def check_batch_types(X: Any, y: Any) -> None:
 def _merge_fits(options: LowRankOptions, previous: FitResult, current: tuple
                 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Merge an earlier fit's ``(U, lam, trace, residual)`` with this one's."""
-    both = StreamingMerge(options.rank, options.oversampling, options.track_diagonal)
     first = (previous.eigenvectors, previous.eigenvalues, previous.trace,
              previous.residual_diagonal)
+    # a previous spectral fit without the diagonal (an older state) merges without it
+    track = options.track_diagonal and previous.residual_diagonal is not None
+    both = StreamingMerge(options.rank, options.oversampling, track)
     for U, lam, trace, residual in (first, current):
-        diagonal = residual + (U**2) @ lam if options.track_diagonal else None
+        diagonal = residual + (U**2) @ lam if track else None
         both.add_lowrank(U, lam, trace, diagonal)
     return both.result()
 

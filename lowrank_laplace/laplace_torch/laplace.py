@@ -185,20 +185,6 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
         self._temperature = value
 
     @on_one_thread_if_small
-    def log_marginal_likelihood(self, prior_precision: Optional[Tensor] = None,
-                                sigma_noise: Optional[Tensor] = None) -> Tensor:
-        """laplace-torch's Laplace log marginal likelihood, with the low-rank log det.
-
-        Args:
-            prior_precision: Evaluate at this prior precision (sets it).
-            sigma_noise: Evaluate at this observation noise (regression; sets it).
-
-        Returns:
-            Scalar tensor, differentiable in both.
-        """
-        return super().log_marginal_likelihood(prior_precision, sigma_noise)
-
-    @on_one_thread_if_small
     def optimize_prior_precision(self, *args: Any, **kwargs: Any) -> None:
         """laplace-torch's prior tuning (marginal likelihood, or grid search on data).
 
@@ -254,7 +240,7 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
     @property
     def diagonal_correction(self) -> bool:
         """Whether the fit tracks the residual diagonal (``residual="diagonal"``)."""
-        return self.options.track_diagonal
+        return self.options.residual == ResidualKind.DIAGONAL
 
     def _init_H(self) -> None:
         self.H: Optional[Tuple[Tensor, Tensor]] = None

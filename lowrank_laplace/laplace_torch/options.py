@@ -172,8 +172,12 @@ class LowRankOptions:
 
     @property
     def track_diagonal(self) -> bool:
-        """Whether the fit tracks the GGN diagonal (``residual="diagonal"``)."""
-        return self.residual == ResidualKind.DIAGONAL
+        """Whether the fit tracks the GGN diagonal.
+
+        ``residual="diagonal"`` uses it as is; ``"spectral"`` splits its tail over
+        layers with it (:mod:`~lowrank_laplace.posterior.layer_tail`).
+        """
+        return self.residual in (ResidualKind.DIAGONAL, ResidualKind.SPECTRAL)
 
 
 def resolve_residual(residual: str, diagonal_correction: Optional[bool]) -> str:

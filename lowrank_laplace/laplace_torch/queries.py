@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import MutableMapping
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -24,7 +24,7 @@ from lowrank_laplace.fitting.budget import dense_identity
 from lowrank_laplace.posterior import LowRankPrecision, Residual
 from lowrank_laplace.posterior.predictive import glm_predictive, prior_variance_weights
 from lowrank_laplace.utils.batches import to_device
-from lowrank_laplace.utils.threads import on_one_thread_if_small
+from lowrank_laplace.utils.threads import SMALL_WORK, on_one_thread_if_small, scoped_backward
 
 
 class PosteriorQueries:
@@ -75,9 +75,27 @@ class PosteriorQueries:
             self._residual_model = Residual.from_fit(
                 self.residual, self.H[1], self.trace, self.n_params,
                 self.rank_bound or self.n_params, self.residual_diagonal,
-                self._jacobian_exponent,
+                self._jacobian_exponent, eigenvectors=self.H[0],
+                layer_sizes=self._layer_sizes(),
             )
         return self._residual_model
+
+    def _layer_sizes(self) -> Optional[List[int]]:
+        """Parameters per layer (laplace-torch's ``n_layers`` parameter tensors)."""
+        params = getattr(self, "params", None)
+        if not params:
+            return None
+        sizes = [p.numel() for p in params]
+        return sizes if sum(sizes) == self.n_params else None
+
+    def _layer_prior(self) -> Optional[Tuple[List[int], Tensor]]:
+        """``(sizes, delta_l)`` for a layerwise prior (one value per parameter tensor)."""
+        prior = torch.as_tensor(self.prior_precision)
+        sizes = self._layer_sizes()
+        if sizes is None or prior.ndim != 1 or prior.numel() in (1, self.n_params) \
+                or prior.numel() != len(sizes):
+            return None
+        return sizes, prior.to(device=self._device, dtype=self._dtype)
 
     def _check_H_init(self) -> None:
         """Refuse a posterior query before :meth:`fit`, with laplace-torch's message."""
@@ -92,7 +110,40 @@ class PosteriorQueries:
     def _precision(self) -> LowRankPrecision:
         self._check_H_init()
         return self.residual_model.precision(self.H[0], self.H[1], self._H_factor,
-                                             self._prior(), self._gram_cache)
+                                             self._prior(), self._gram_cache,
+                                             self._layer_prior())
+
+    @on_one_thread_if_small
+    def log_marginal_likelihood(self, prior_precision: Optional[Tensor] = None,
+                                sigma_noise: Optional[Tensor] = None) -> Tensor:
+        """laplace-torch's Laplace log marginal likelihood, with the low-rank log det.
+
+        Small posteriors on the CPU evaluate it, and its gradient, on one thread
+        (:func:`~lowrank_laplace.utils.threads.scoped_backward`).
+
+        Args:
+            prior_precision: Evaluate at this prior precision (sets it).
+            sigma_noise: Evaluate at this observation noise (regression; sets it).
+
+        Returns:
+            Scalar tensor, differentiable in both.
+        """
+        parent = super().log_marginal_likelihood
+        prior = self.prior_precision if prior_precision is None else prior_precision
+        sigma = self.sigma_noise if sigma_noise is None else sigma_noise
+        regression = self.likelihood == "regression"
+        inputs = [torch.as_tensor(prior), torch.as_tensor(sigma)]
+        if not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs) \
+                or self.query_work >= SMALL_WORK or torch.device(self._device).type != "cpu":
+            return parent(prior_precision, sigma_noise)
+        # a small posterior's gradient on one thread too (utils.threads.scoped_backward);
+        # the objects keep the caller's tensors, as laplace-torch's own method does
+        value = scoped_backward(lambda p, s: parent(p, s if regression else None), inputs,
+                                self.query_work, self._device)
+        self.prior_precision = prior
+        if regression:
+            self.sigma_noise = sigma
+        return value
 
     @on_one_thread_if_small
     def log_prob(self, value: Tensor, normalized: bool = True) -> Tensor:

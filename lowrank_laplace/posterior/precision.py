@@ -23,7 +23,7 @@ Shape glossary:
 from __future__ import annotations
 
 import weakref
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -54,22 +54,43 @@ class GramCache:
 
     A weak reference and the tensor's version counter identify ``U``: a refit (new
     tensor) or an in-place change (new version) recomputes, and the cache keeps no
-    old basis alive.
+    old basis alive. It also keeps the Gram matrices of ``U``'s row blocks (layers),
+    with which a prior constant over each layer costs ``O(L r^2)`` per posterior.
     """
 
     def __init__(self):
-        self._ref, self._version, self._gram = None, None, None
+        self._ref, self._version, self._gram, self._layers = None, None, None, None
 
     def __getstate__(self) -> dict:
         """Pickle empty: the Gram matrix is derived, and a weak reference cannot be."""
-        return {"_ref": None, "_version": None, "_gram": None}
+        return {"_ref": None, "_version": None, "_gram": None, "_layers": None}
+
+    def _current(self, U: Tensor) -> None:
+        """Forget everything derived from another ``U`` (or another version of it)."""
+        if self._ref is None or self._ref() is not U or self._version != U._version:
+            self._gram, self._layers = None, None
+            self._ref, self._version = weakref.ref(U), U._version
 
     def get(self, U: Tensor) -> Tensor:
         """The float64 Gram matrix of ``U``, shape ``(r, r)``."""
-        if self._ref is None or self._ref() is not U or self._version != U._version:
+        self._current(U)
+        if self._gram is None:
             self._gram = wide_gram(U)
-            self._ref, self._version = weakref.ref(U), U._version
         return self._gram
+
+    def layer_grams(self, U: Tensor, sizes: Sequence[int]) -> Tensor:
+        """The float64 Gram matrices ``U_l^T U_l`` of ``U``'s row blocks, ``(L, r, r)``.
+
+        Args:
+            U: Shape ``(D, r)``.
+            sizes: Rows per block, summing to ``D``.
+        """
+        self._current(U)
+        sizes = tuple(int(n) for n in sizes)
+        if self._layers is None or self._layers[0] != sizes:
+            grams = torch.stack([wide_gram(part) for part in U.split(list(sizes))])
+            self._layers = (sizes, grams)
+        return self._layers[1]
 
 
 class LowRankPrecision:
@@ -86,12 +107,21 @@ class LowRankPrecision:
             (e.g. by the Laplace object between predictive calls), so the float64
             capacitance of an isotropic prior needs one pass over ``U`` in all;
             ``None``: one of this posterior's own.
+        layers: ``(sizes, d_l)`` where ``d`` is constant over consecutive blocks of
+            ``sizes`` rows (a layerwise prior), ``d_l`` of shape ``(L,)``: the
+            capacitance is then formed from the blocks' cached Gram matrices in
+            ``O(L r^2)`` (and so is its gradient), not from ``U`` in ``O(D r^2)``.
+            Used where the blocks' Gram matrices are no larger than ``U``
+            (``L r <= D``).
     """
 
     def __init__(self, eigenvectors: Tensor, eigenvalues: Tensor, prior_precision: Tensor,
                  logdet_offset: Optional[Tensor] = None,
-                 gram_cache: Optional[GramCache] = None):
+                 gram_cache: Optional[GramCache] = None,
+                 layers: Optional[Tuple[Sequence[int], Tensor]] = None):
         self.U = eigenvectors
+        self.layers = layers if layers is not None and \
+            len(layers[0]) * eigenvectors.shape[1] <= eigenvectors.shape[0] else None
         self.gram_cache = gram_cache if gram_cache is not None else GramCache()
         self.logdet_offset = logdet_offset
         self.ell = eigenvalues
@@ -142,6 +172,11 @@ class LowRankPrecision:
         elif self.isotropic:  # U^T U / d, U^T U from the (shared) float64 cache
             s = ell.sqrt()
             K = s[:, None] * self.gram_cache.get(self.U).to(dtype) / d * s[None, :]
+        elif self.layers is not None:  # sum_l U_l^T U_l / d_l from the cached blocks
+            sizes, layer_d = self.layers
+            grams = self.gram_cache.layer_grams(self.U, sizes).to(dtype)
+            s = ell.sqrt()
+            K = s[:, None] * (grams / layer_d.to(dtype)[:, None, None]).sum(0) * s[None, :]
         else:  # U^T diag(1/d) U over row chunks: no D x r temporary
             K = 0
             for i, U in enumerate(self.U.split(_ROWS)):

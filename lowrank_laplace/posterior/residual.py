@@ -15,8 +15,9 @@ likelihood towards weak priors. The models, each one consistent posterior:
     :math:`\sum_i \tilde\lambda_i = T` and :math:`n` the GGN's rank bound
     (``min(D, N x columns per sample)``). Their eigenvectors are unknown, so they are
     taken at random in the complement of ``U``: every member of that family has the
-    same :math:`\log\det P` (used by the marginal likelihood; exact for a scalar
-    prior, per-layer / per-parameter priors evaluate the tail at their mean). The
+    same :math:`\log\det P` (used by the marginal likelihood). Per-layer and
+    per-parameter priors split the tail over layers, each with its exact share of the
+    mass (:mod:`~lowrank_laplace.posterior.layer_tail`). The
     covariance is the kept part plus the complement with one variance
     :math:`v = \sum_i w_i / (h \tilde\lambda_i + \delta) / \sum_i w_i`, the
     tail's variances weighted by how much of an input's Jacobian falls in each
@@ -59,11 +60,12 @@ Shape glossary:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from lowrank_laplace.posterior.layer_tail import LayerTails
 from lowrank_laplace.posterior.precision import GramCache, LowRankPrecision
 from lowrank_laplace.utils.checks import Choice
 
@@ -97,18 +99,22 @@ def check_residual(residual: str) -> ResidualKind:
     return ResidualKind.parse(residual, "residual")
 
 
-def power_law_tail(anchor: float, mass: float, start: int, count: int) -> Tensor:
-    r"""Eigenvalues :math:`a (i / s)^{-\alpha}`, :math:`i = s+1 \dots s+n`, summing to ``mass``.
+def power_law_tail(anchor: float, mass: float, start: int, count: int,
+                   stride: float = 1.0) -> Tensor:
+    r"""Eigenvalues :math:`a (i / s)^{-\alpha}`, :math:`i = s + j \sigma`, summing to ``mass``.
 
-    The exponent is found by bisection (the sum falls monotonically in
-    :math:`\alpha`). A mass the flat continuation (:math:`\alpha = 0`) cannot reach
-    is spread evenly instead.
+    :math:`j = 1 \dots n`; the stride :math:`\sigma` places a layer's share of a
+    tail at its positions in the whole tail (every :math:`\sigma`-th eigenvalue). The
+    exponent is found by bisection (the sum falls monotonically in :math:`\alpha`). A
+    mass the flat continuation (:math:`\alpha = 0`) cannot reach is spread evenly
+    instead.
 
     Args:
         anchor: The last kept eigenvalue ``a`` (``lambda_r``), ``>= 0``.
         mass: The total the tail must hold, ``>= 0``.
         start: The last kept index ``s = r >= 1``.
         count: Number of tail eigenvalues ``n >= 0``.
+        stride: Spacing ``sigma >= 1`` of the tail's indices.
 
     Returns:
         Float64 tensor of shape ``(count,)``, non-increasing.
@@ -117,7 +123,8 @@ def power_law_tail(anchor: float, mass: float, start: int, count: int) -> Tensor
         return torch.zeros(0, dtype=torch.float64)
     if mass <= 0 or anchor <= 0:
         return torch.full((count,), max(mass, 0.0) / count, dtype=torch.float64)
-    log_ratio = torch.log(torch.arange(start + 1, start + count + 1, dtype=torch.float64) / start)
+    steps = torch.arange(1, count + 1, dtype=torch.float64) * stride
+    log_ratio = torch.log1p(steps / start)
     if anchor * count <= mass:
         return torch.full((count,), mass / count, dtype=torch.float64)
     lo, hi = 0.0, 1.0
@@ -171,6 +178,8 @@ class Residual:
         diagonal: Residual diagonal, shape ``(D,)`` (``"diagonal"`` only).
         tail: Modelled dropped eigenvalues, shape ``(n - r,)`` (``"spectral"`` only).
         exponent: Jacobian-weighting exponent ``beta`` of the spectral covariance.
+        layers: The tail split over layers (``"spectral"`` with the residual diagonal
+            and more than one layer; see :mod:`~lowrank_laplace.posterior.layer_tail`).
     """
 
     model: ResidualKind
@@ -179,11 +188,13 @@ class Residual:
     diagonal: Optional[Tensor] = None
     tail: Optional[Tensor] = None
     exponent: float = 0.0
+    layers: Optional[LayerTails] = None
 
     @classmethod
     def from_fit(cls, model: str, eigenvalues: Tensor, trace: Tensor, dim: int,
                  rank_bound: int, diagonal: Optional[Tensor] = None,
-                 exponent: float = 0.0) -> "Residual":
+                 exponent: float = 0.0, eigenvectors: Optional[Tensor] = None,
+                 layer_sizes: Optional[Sequence[int]] = None) -> "Residual":
         """Build the model's quantities from a fit.
 
         Args:
@@ -195,6 +206,9 @@ class Residual:
             diagonal: The residual diagonal (needed by ``"diagonal"``).
             exponent: The spectral model's Jacobian-weighting exponent ``beta``
                 (see :func:`jacobian_exponent`).
+            eigenvectors: Kept ``U`` (the spectral model splits its tail over
+                layers with them and ``diagonal``).
+            layer_sizes: Parameters per layer (laplace-torch's parameter tensors).
 
         Returns:
             The residual.
@@ -216,18 +230,24 @@ class Residual:
                 "residual='diagonal' needs the residual diagonal, which this fit did not "
                 "keep: refit with residual='diagonal'."
             )
-        tail = None
+        tail, layers = None, None
         if model == "spectral":
             count = min(max(int(rank_bound), rank), dim) - rank
             if count == 0 and mass > 0:  # a bound that cannot hold the mass: spread it
                 count = dim - rank
             anchor = float(eigenvalues[-1]) if rank else 0.0
             tail = power_law_tail(anchor, mass, max(rank, 1), count)
+            if diagonal is not None and eigenvectors is not None and layer_sizes \
+                    and mass > 0 and rank < dim:
+                layers = LayerTails.build(eigenvectors, eigenvalues, mass, diagonal,
+                                          layer_sizes, count)
         return cls(model, dim, mass, diagonal if model == "diagonal" else None, tail,
-                   float(exponent))
+                   float(exponent), layers)
 
     def precision(self, eigenvectors: Tensor, eigenvalues: Tensor, scale: Tensor,
-                  prior: Tensor, gram_cache: Optional[GramCache] = None) -> LowRankPrecision:
+                  prior: Tensor, gram_cache: Optional[GramCache] = None,
+                  layer_prior: Optional[Tuple[Sequence[int], Tensor]] = None,
+                  ) -> LowRankPrecision:
         r"""The posterior precision with this residual.
 
         Args:
@@ -239,14 +259,22 @@ class Residual:
                 gradients.
             gram_cache: Passed on to
                 :class:`~lowrank_laplace.posterior.LowRankPrecision`.
+            layer_prior: ``(sizes, delta_l)`` for a prior constant over each layer
+                (laplace-torch's layerwise prior, ``prior`` its expansion): the
+                precision's algebra then costs ``O(L r^2)``, not ``O(D r^2)``.
 
         Returns:
             The :class:`~lowrank_laplace.posterior.LowRankPrecision`.
         """
         ell = scale * eigenvalues
         dim, rank = self.dim, eigenvalues.numel()
+
+        def layered(shift: Tensor) -> Optional[Tuple[Sequence[int], Tensor]]:
+            return None if layer_prior is None else (layer_prior[0], layer_prior[1] + shift)
+
         if self.model == "none" or dim == rank:
-            return LowRankPrecision(eigenvectors, ell, prior, gram_cache=gram_cache)
+            return LowRankPrecision(eigenvectors, ell, prior, gram_cache=gram_cache,
+                                    layers=layered(0))
         if self.model == "diagonal":
             diag = self.diagonal.to(ell.dtype)
             return LowRankPrecision(eigenvectors, ell, prior + scale * diag, gram_cache=gram_cache)
@@ -254,6 +282,9 @@ class Residual:
         if self.model == "isotropic":
             rho = scale * self.mass / num
             d = prior + rho
+        elif self.layers is not None and prior.numel() > 1:
+            return self._layer_precision(eigenvectors, ell, scale, prior, gram_cache,
+                                         layer_prior)
         else:
             rho, tail_logdet = self._spectral_shift(scale, prior, num, ell.device)
             rho = rho.to(ell.dtype)
@@ -261,7 +292,38 @@ class Residual:
             # against the d the precision holds, so its (D - r) log d cancels exactly
             offset = (tail_logdet - num * torch.log(d.to(torch.float64).mean())).to(ell.dtype)
         return LowRankPrecision(eigenvectors, (ell - rho).clamp(min=0), d,
-                                logdet_offset=offset, gram_cache=gram_cache)
+                                logdet_offset=offset, gram_cache=gram_cache,
+                                layers=layered(rho))
+
+    def _layer_precision(self, eigenvectors: Tensor, ell: Tensor, scale: Tensor,
+                         prior: Tensor, gram_cache: Optional[GramCache],
+                         layer_prior: Optional[Tuple[Sequence[int], Tensor]],
+                         ) -> LowRankPrecision:
+        r"""The spectral model with one tail per layer.
+
+        The complement of layer ``l`` gets precision :math:`\delta + \rho_l`; the kept
+        directions keep :math:`h\lambda_k + \delta` on the diagonal of ``U``'s basis
+        (:math:`\ell_k - \sum_l \rho_l \|U_{l,k}\|^2`). The log-determinant offset
+        trades the complement's :math:`\sum_l c_l \log(\delta_l + \rho_l)` for the
+        tails'.
+        """
+        layers = self.layers
+        rho, tail_logdet = layers.shift(scale, prior, self.exponent, ell.device)
+        rho = rho.to(ell.dtype)
+        sizes = torch.tensor(layers.sizes, device=ell.device)
+        d = prior + rho.repeat_interleave(sizes, output_size=self.dim)
+        kept = (layers.norms.to(device=ell.device, dtype=ell.dtype).T @ rho)
+        if layer_prior is not None and list(layer_prior[0]) == layers.sizes:
+            layer_d = layer_prior[1] + rho
+            log_d = torch.log(layer_d.to(torch.float64))
+            constant = (layers.sizes, layer_d)
+        else:
+            log_d = torch.log(layers.layer_means(d.to(torch.float64)))  # as the tails' delta_l
+            constant = None
+        offset = tail_logdet - (layers.complement.to(ell.device) * log_d).sum()
+        return LowRankPrecision(eigenvectors, (ell - kept).clamp(min=0), d,
+                                logdet_offset=offset.to(ell.dtype), gram_cache=gram_cache,
+                                layers=constant)
 
     def _spectral_shift(self, scale: Tensor, prior: Tensor, num: int,
                         device: torch.device) -> Tuple[Tensor, Tensor]:

@@ -15,7 +15,8 @@ def test_defaults_and_normalisation():
     assert opts.solver is SolverKind.STREAMING
     assert opts.sketch_test_matrix is SketchTestMatrix.KRONECKER
     assert repr(opts.residual) == "'spectral'" and str(opts.solver) == "streaming"
-    assert not opts.track_diagonal and LowRankOptions(residual="diagonal").track_diagonal
+    assert opts.track_diagonal and LowRankOptions(residual="diagonal").track_diagonal
+    assert not LowRankOptions(residual="isotropic").track_diagonal
     assert LowRankOptions(oversampling=0, solver="sketch").solver is SolverKind.SKETCH
 
 
