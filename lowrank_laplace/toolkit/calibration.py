@@ -3,8 +3,9 @@
 Trains (or loads) a small CNN on an offline image data set, fits Laplace posteriors
 (``lowrank_ggn`` on all weights, with and without the diagonal correction, and on the
 last layer; laplace-torch's ``kron`` and ``diag`` on all weights), tunes their prior
-precision, and evaluates in-distribution calibration, rotation shift and
-out-of-distribution detection. The report's schema::
+precision (opt-in, ``lowrank_ggn_marglik`` trains a network of its own with
+laplace-torch's ``marglik_training`` instead), and evaluates in-distribution
+calibration, rotation shift and out-of-distribution detection. The report's schema::
 
     {"methods": {name: {"in_distribution": {"accuracy", "nll", "ece", "mce", "brier",
                                               "confidence"},
@@ -39,6 +40,7 @@ from lowrank_laplace.toolkit import datasets, metrics, plots
 from lowrank_laplace.toolkit.options import (
     LAPLACE_METHODS,
     METHODS,
+    TRAINED_METHODS,
     CalibrationConfig,
     UserError,
     check_options,
@@ -53,7 +55,7 @@ from lowrank_laplace.toolkit.posteriors import (
     posterior_info,
     predict_batched,
 )
-from lowrank_laplace.toolkit.training import make_cnn, train_or_load
+from lowrank_laplace.toolkit.training import make_cnn, marglik_train, train_or_load
 
 __all__ = [
     "LAPLACE_METHODS", "METHODS", "TABLE_COLUMNS", "CalibrationConfig", "UserError",
@@ -215,7 +217,10 @@ def run(config: CalibrationConfig, log: Callable[[str], None] = silent) -> dict:
     for i, name in enumerate(config.methods, 1):
         try:
             start = time.perf_counter()
-            la = None if name == "map" else fit_laplace(name, model, config, loaders, fitted)
+            if name in TRAINED_METHODS:  # a network of its own, trained with its posterior
+                la = marglik_train(config, split, device, TRAINED_METHODS[name], log)
+            else:
+                la = None if name == "map" else fit_laplace(name, model, config, loaders, fitted)
             fit_s = time.perf_counter() - start
             entry, probs = evaluate(make_predictor(name, model, la), split, ood, config, device)
         except (RuntimeError, MemoryError, ValueError, NotImplementedError) as err:

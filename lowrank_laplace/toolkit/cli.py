@@ -37,6 +37,7 @@ from lowrank_laplace.toolkit.options import (
     PRIOR_TUNINGS,
     RESIDUAL_MODELS,
     SOLVERS,
+    TRAINED_METHODS,
     CalibrationConfig,
     UserError,
     check_device,
@@ -375,8 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--angles", type=_angles, default="0,15,30,60,90,120,180",
                      help="rotation angles in degrees for the shift evaluation")
     cal.add_argument("--methods", default="",
-                     help="comma-separated methods; empty: all of " + ",".join(METHODS)
-                     + " (full_all on --dataset digits only)")
+                     help="comma-separated methods; empty: all of "
+                     + ",".join(m for m in METHODS if m not in TRAINED_METHODS)
+                     + " (full_all on --dataset digits only); opt-in: "
+                     + ",".join(TRAINED_METHODS) + " (trains its own network with "
+                     "laplace-torch's marglik_training, layerwise priors)")
     cal.set_defaults(func=calibrate)
 
     study = _study_parser(

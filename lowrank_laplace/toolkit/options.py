@@ -37,8 +37,14 @@ SHARED_RESIDUALS = ("spectral", "isotropic", "none")
 #: that the command's ``--help`` needs no torch (a test checks that the two agree).
 RESIDUAL_MODELS = ("spectral", "isotropic", "diagonal", "none")
 
+#: Methods that train a network of their own: laplace-torch's ``marglik_training``
+#: (Immer et al. 2021) learns the weights and layerwise prior precisions together with
+#: the method's posterior, which is then evaluated like the others. Opt-in (``--methods``):
+#: each is a second training run, with a posterior fit per epoch.
+TRAINED_METHODS = {"lowrank_ggn_marglik": "lowrank_ggn"}
+
 #: Every method of the study, in report order (``map``: the trained network alone).
-METHODS = ("map",) + tuple(LAPLACE_METHODS)
+METHODS = ("map",) + tuple(LAPLACE_METHODS) + tuple(TRAINED_METHODS)
 
 #: The studies' data sets: :data:`lowrank_laplace.toolkit.datasets.IMAGE_DATASETS`, and
 #: the parameter count of each one's CNN (:func:`~lowrank_laplace.toolkit.training.make_cnn`),
@@ -67,7 +73,9 @@ def fits(method: str, dataset: str) -> bool:
 
 
 def default_methods(dataset: str) -> List[str]:
-    """Every method that fits the data set's network (``full_all`` only on small ones).
+    """Every post-hoc method that fits the data set's network (``full_all`` only on small ones).
+
+    The :data:`TRAINED_METHODS` are left to ``--methods``.
 
     Args:
         dataset: ``'mnist'`` or ``'digits'``.
@@ -75,7 +83,7 @@ def default_methods(dataset: str) -> List[str]:
     Returns:
         Method names in report order.
     """
-    return [m for m in METHODS if fits(m, dataset)]
+    return [m for m in METHODS if fits(m, dataset) and m not in TRAINED_METHODS]
 
 
 class UserError(Exception):

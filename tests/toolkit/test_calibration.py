@@ -26,7 +26,9 @@ def test_format_shift_and_methods_table():
     assert text.splitlines()[0].split()[-2:] == ["0deg", "45deg"]
     assert text.splitlines()[1].split() == ["map", "0.0200", "0.1100"]
     assert calibration.METHODS[0] == "map"
-    assert set(calibration.METHODS[1:]) == set(calibration.LAPLACE_METHODS)
+    assert set(calibration.METHODS[1:]) == set(calibration.LAPLACE_METHODS) | set(
+        options.TRAINED_METHODS)
+    assert not set(options.TRAINED_METHODS) & set(calibration.default_methods("digits"))
 
 
 def test_default_methods_and_notes():

@@ -228,6 +228,20 @@ def test_residual_names_match_the_library():
 
 CAL = ["calibrate", "--dataset", "digits", "--epochs", "1", "--n-train", "300", "--n-test", "80",
        "--rank", "20", "--angles", "0,45"]
+
+
+def test_calibrate_marglik_trained_row(tmp_path, capsys):
+    """The opt-in row trains its own network with marglik_training and its posterior."""
+    assert main(CAL + ["--out", str(tmp_path), "--methods", "map,lowrank_ggn_marglik"]) == 0
+    err = capsys.readouterr().err
+    assert "marglik training (lowrank_ggn, 1 epoch)" in err
+    report = json.loads((tmp_path / "calibration.json").read_text())
+    entry = report["methods"]["lowrank_ggn_marglik"]
+    assert "error" not in entry, entry
+    assert entry["posterior"]["residual"] == "spectral" and entry["posterior"]["rank"] == 100
+    assert entry["posterior"]["prior_precision"] > 0 and entry["fit_s"] > 0
+    # a network of its own: not the MAP's predictions
+    assert entry["in_distribution"]["nll"] != report["methods"]["map"]["in_distribution"]["nll"]
 SCHEMA_ID = {"accuracy", "nll", "ece", "mce", "brier", "confidence"}
 
 
@@ -250,9 +264,7 @@ def test_calibrate_end_to_end(tmp_path, capsys):
     for plot in ("shift_ece.png", "shift_accuracy.png"):
         assert (tmp_path / plot).stat().st_size > 2000
     report = json.loads((tmp_path / "calibration.json").read_text())
-    from lowrank_laplace.toolkit.calibration import METHODS
-
-    assert set(report["methods"]) == set(METHODS)  # full_all included on digits
+    assert set(report["methods"]) == set(default_methods("digits"))  # with full_all
     for name, m in report["methods"].items():
         assert "error" not in m, (name, m)
         if name != "map":
