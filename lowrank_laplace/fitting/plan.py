@@ -183,6 +183,9 @@ def plan_fit(engine: Any, X: Any, *, batch_size: int, num_data: int, keep: int,
     sizes = dict(budget=memory_budget, cap=micro_batch_size)
     budget = resolve_memory_budget(memory_budget, batch_device(X))
     params = [p for p in engine.model.parameters() if p.requires_grad]
+    # the dense sum and streaming merges keep rank + oversampling; under "auto" the
+    # dense sum competes with streaming, as before "auto" existed
+    asked, rival = keep, "streaming" if solver == "auto" else solver
     if solver == "auto":
         solver, keep = choose_solver(engine, X, rank or keep, keep, mc_samples, batch_size,
                                      num_data, budget, micro_batch_size,
@@ -193,12 +196,12 @@ def plan_fit(engine: Any, X: Any, *, batch_size: int, num_data: int, keep: int,
     cols = factor_columns(engine.loss_func, (1, engine.num_outputs), mc_samples)
     samples = math.ceil(num_data * (subsample_fraction or 1.0))
     dense = cost.choose_dense(
-        dim, cols, keep, engine.dense_param_count(), samples, chunk,
-        budget, params[0].element_size(), dense_max_dim, solver,
+        dim, cols, asked, engine.dense_param_count(), samples, chunk,
+        budget, params[0].element_size(), dense_max_dim, rival,
     )
     single, streaming = False, None
     if solver == "sketch":  # would one streaming merge cover the data?
-        streaming = merge_plan(engine, X, mc_samples, batch_size, num_data, keep,
+        streaming = merge_plan(engine, X, mc_samples, batch_size, num_data, asked,
                                low_memory=low_memory, **sizes)
         # low-memory merges never span loader batches: one must hold the data
         single = streaming[1] >= samples and (
@@ -206,6 +209,7 @@ def plan_fit(engine: Any, X: Any, *, batch_size: int, num_data: int, keep: int,
     if process_group is not None:
         dense, single = _agree(process_group, X, dense, single)
     path = "dense" if dense else solver
+    keep = asked if dense or single else keep
     if single and not dense:
         (micro, chunk), path = streaming, "streaming"
     if dense and low_memory:  # the dense sum needs V y products, not passes
@@ -213,13 +217,9 @@ def plan_fit(engine: Any, X: Any, *, batch_size: int, num_data: int, keep: int,
         micro, chunk = merge_plan(engine, X, mc_samples, batch_size, num_data, keep,
                                   solver=solver, **sizes)
     entries = engine.bytes_per_sample(X, mc_samples or None) // params[0].element_size()
-    if path == "sketch":
-        work = cost.sketch_cost(cols, min(keep, dim), dim, engine.dense_param_count(), samples)
-        small_work = work < SINGLE_THREAD_SKETCH_WORK
-    else:
-        small_work = chunk * dim * keep < SINGLE_THREAD_MERGE_WORK
-    small = (not dense and small_work
-             and min(micro, batch_size) * entries < SINGLE_THREAD_PASS_ENTRIES)
+    small = path != "dense" and _small_fit(
+        path, cols, keep, dim, engine.dense_param_count(), samples, chunk,
+        min(micro, batch_size) * entries)
     return FitPlan(
         path=path, micro=micro, chunk=chunk, low_memory=low_memory,
         lazy=dim >= LAZY_MIN_DIM_PER_EIGENPAIR * keep,
@@ -227,6 +227,22 @@ def plan_fit(engine: Any, X: Any, *, batch_size: int, num_data: int, keep: int,
         dim=dim, keep=keep,
         sketch_dtype=_sketch_dtype(path, params[0].dtype, dim, keep, budget, low_memory),
     )
+
+
+def _small_fit(path: str, cols: int, keep: int, dim: int, gram_dim: int, samples: int,
+               chunk: int, pass_entries: int) -> bool:
+    """Whether a streaming or sketch fit is small enough for one CPU thread.
+
+    Streaming: merges below :data:`SINGLE_THREAD_MERGE_WORK`; sketch: the whole sketch
+    below :data:`SINGLE_THREAD_SKETCH_WORK`; both: passes below
+    :data:`SINGLE_THREAD_PASS_ENTRIES` entries of ``V``.
+    """
+    if pass_entries >= SINGLE_THREAD_PASS_ENTRIES:
+        return False
+    if path == "sketch":
+        work = cost.sketch_cost(cols, min(keep, dim), dim, gram_dim, samples)
+        return work < SINGLE_THREAD_SKETCH_WORK
+    return chunk * dim * keep < SINGLE_THREAD_MERGE_WORK
 
 
 def choose_solver(engine: Any, X: Any, rank: int, keep: int, mc_samples: int,
