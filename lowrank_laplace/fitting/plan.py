@@ -39,8 +39,9 @@ SINGLE_THREAD_PASS_ENTRIES = 2**22
 #: Sketch fits whose whole sketch (:func:`~lowrank_laplace.fitting.cost.sketch_cost`,
 #: in Gram multiply-adds) costs less than this run their batch loop on one CPU thread
 #: too: their products are larger than a small merge's but still too small to share
-#: between threads beside a busy process (the digits MLP's sketch fit took 6.7 s on
-#: two threads and 1.2 s on one there; docs/benchmarks/design_measurements.md).
+#: between threads beside a busy process (the digits MLP's sketch fit and prior tuning
+#: took 6.7 s on two threads and 0.36 s on one there;
+#: docs/benchmarks/design_measurements.md).
 SINGLE_THREAD_SKETCH_WORK = 2**34
 #: Sketch merges span several passes up to this many bytes of ``V``: larger products
 #: are faster for factored linear layers, while for expanded convolution blocks merging
