@@ -36,6 +36,13 @@ from lowrank_laplace.utils.batches import batch_device
 SINGLE_THREAD_MERGE_WORK = 2**26
 #: See :data:`SINGLE_THREAD_MERGE_WORK`: entries of ``V`` in one backward pass.
 SINGLE_THREAD_PASS_ENTRIES = 2**22
+#: Sketch fits whose whole sketch (:func:`~lowrank_laplace.fitting.cost.sketch_cost`,
+#: in Gram multiply-adds) costs less than this run their batch loop on one CPU thread
+#: too: their products are larger than a small merge's but still too small to share
+#: between threads beside a busy process (the digits MLP's sketch fit and prior tuning
+#: took 6.7 s on two threads and 0.36 s on one there;
+#: docs/benchmarks/design_measurements.md).
+SINGLE_THREAD_SKETCH_WORK = 2**34
 #: Sketch merges span several passes up to this many bytes of ``V``: larger products
 #: are faster for factored linear layers, while for expanded convolution blocks merging
 #: passes only adds concatenated copies (docs/benchmarks/design_measurements.md).
@@ -46,6 +53,16 @@ SKETCH_MERGE_BYTES = 2**28
 LAZY_MIN_DIM_PER_EIGENPAIR = 200
 #: The fit paths: a dense sum, streaming merges, a one-pass sketch.
 PATHS = ("dense", "streaming", "sketch")
+#: A sketch of float32 factors accumulates in float64 where its ``D x l`` float64
+#: matrix takes at most this share of the memory budget (else in float32, which
+#: rounds away eigenvalues below ``eps32 * lambda_max``).
+WIDE_SKETCH_SHARE = 0.25
+#: ``solver="auto"`` sketches with ``rank * (1 + AUTO_SKETCH_OVERSAMPLING)`` columns
+#: (or ``rank + oversampling`` if more): with the default 20% oversampling the sketch
+#: under-estimated the digits MLP's 50th eigenvalue by 30% and its posterior missed the
+#: full GGN's test NLL by 8%; with twice the rank of extra columns, by under 5% and 1%
+#: (docs/posterior_quality.md).
+AUTO_SKETCH_OVERSAMPLING = 2
 
 
 @dataclass(frozen=True)
@@ -61,6 +78,9 @@ class FitPlan:
         threads: CPU threads of the batch loop (``1`` for small fits; ``None``: the
             user's setting).
         dim: Parameters ``D``.
+        keep: Eigenpairs (or sketch columns) kept while fitting, ``rank +
+            oversampling`` unless ``solver="auto"`` chose a larger sketch.
+        sketch_dtype: The dtype a sketch accumulates in (``None``: the factors').
     """
 
     path: str
@@ -70,6 +90,8 @@ class FitPlan:
     lazy: bool
     threads: Optional[int]
     dim: int
+    keep: int = 0
+    sketch_dtype: Optional[torch.dtype] = None
 
 
 def merge_plan(engine: Any, X: Any, mc_samples: int, batch_size: int, num_data: int,
@@ -130,7 +152,7 @@ def plan_fit(engine: Any, X: Any, *, batch_size: int, num_data: int, keep: int,
              mc_samples: int, subsample_fraction: Optional[float],
              memory_budget: Union[int, float, None], micro_batch_size: Optional[int],
              low_memory: bool, solver: str, dense_max_dim: Optional[int],
-             process_group: Any = None) -> FitPlan:
+             process_group: Any = None, rank: Optional[int] = None) -> FitPlan:
     """Decide the fit's path and sizes from its first batch.
 
     The dense sum is chosen by :func:`~lowrank_laplace.fitting.cost.choose_dense`;
@@ -150,29 +172,37 @@ def plan_fit(engine: Any, X: Any, *, batch_size: int, num_data: int, keep: int,
         memory_budget: ``memory_budget`` as given by the user.
         micro_batch_size: ``micro_batch_size`` as given by the user.
         low_memory: Merge every micro-batch from recomputing passes.
-        solver: ``"streaming"`` or ``"sketch"``, as asked.
+        solver: ``"streaming"``, ``"sketch"`` or ``"auto"`` (see :func:`choose_solver`).
         dense_max_dim: Largest ``D`` summed densely whenever streaming would truncate
             (``0``: never dense; ``None``: only the cost model decides).
         process_group: ``torch.distributed`` group (``None``: this process alone).
+        rank: Eigenpairs kept in the end (``None``: ``keep``; only ``"auto"`` reads it).
 
     Returns:
         The plan.
     """
     sizes = dict(budget=memory_budget, cap=micro_batch_size)
+    budget = resolve_memory_budget(memory_budget, batch_device(X))
+    params = [p for p in engine.model.parameters() if p.requires_grad]
+    # the dense sum and streaming merges keep rank + oversampling; under "auto" the
+    # dense sum competes with streaming, as before "auto" existed
+    asked, rival = keep, "streaming" if solver == "auto" else solver
+    if solver == "auto":
+        solver, keep = choose_solver(engine, X, rank or keep, keep, mc_samples, batch_size,
+                                     num_data, budget, micro_batch_size,
+                                     low_memory or process_group is not None)
     micro, chunk = merge_plan(engine, X, mc_samples, batch_size, num_data, keep,
                               low_memory=low_memory, solver=solver, **sizes)
-    params = [p for p in engine.model.parameters() if p.requires_grad]
     dim = sum(p.numel() for p in params)
     cols = factor_columns(engine.loss_func, (1, engine.num_outputs), mc_samples)
     samples = math.ceil(num_data * (subsample_fraction or 1.0))
     dense = cost.choose_dense(
-        dim, cols, keep, engine.dense_param_count(), samples, chunk,
-        resolve_memory_budget(memory_budget, batch_device(X)), params[0].element_size(),
-        dense_max_dim, solver,
+        dim, cols, asked, engine.dense_param_count(), samples, chunk,
+        budget, params[0].element_size(), dense_max_dim, rival,
     )
     single, streaming = False, None
     if solver == "sketch":  # would one streaming merge cover the data?
-        streaming = merge_plan(engine, X, mc_samples, batch_size, num_data, keep,
+        streaming = merge_plan(engine, X, mc_samples, batch_size, num_data, asked,
                                low_memory=low_memory, **sizes)
         # low-memory merges never span loader batches: one must hold the data
         single = streaming[1] >= samples and (
@@ -180,6 +210,7 @@ def plan_fit(engine: Any, X: Any, *, batch_size: int, num_data: int, keep: int,
     if process_group is not None:
         dense, single = _agree(process_group, X, dense, single)
     path = "dense" if dense else solver
+    keep = asked if dense or single else keep
     if single and not dense:
         (micro, chunk), path = streaming, "streaming"
     if dense and low_memory:  # the dense sum needs V y products, not passes
@@ -187,14 +218,80 @@ def plan_fit(engine: Any, X: Any, *, batch_size: int, num_data: int, keep: int,
         micro, chunk = merge_plan(engine, X, mc_samples, batch_size, num_data, keep,
                                   solver=solver, **sizes)
     entries = engine.bytes_per_sample(X, mc_samples or None) // params[0].element_size()
-    small = (not dense and chunk * dim * keep < SINGLE_THREAD_MERGE_WORK
-             and min(micro, batch_size) * entries < SINGLE_THREAD_PASS_ENTRIES)
+    small = path != "dense" and _small_fit(
+        path, cols, keep, dim, engine.dense_param_count(), samples, chunk,
+        min(micro, batch_size) * entries)
     return FitPlan(
         path=path, micro=micro, chunk=chunk, low_memory=low_memory,
         lazy=dim >= LAZY_MIN_DIM_PER_EIGENPAIR * keep,
         threads=1 if small and batch_device(X).type == "cpu" else None,
-        dim=dim,
+        dim=dim, keep=keep,
+        sketch_dtype=_sketch_dtype(path, params[0].dtype, dim, keep, budget, low_memory),
     )
+
+
+def _small_fit(path: str, cols: int, keep: int, dim: int, gram_dim: int, samples: int,
+               chunk: int, pass_entries: int) -> bool:
+    """Whether a streaming or sketch fit is small enough for one CPU thread.
+
+    Streaming: merges below :data:`SINGLE_THREAD_MERGE_WORK`; sketch: the whole sketch
+    below :data:`SINGLE_THREAD_SKETCH_WORK`; both: passes below
+    :data:`SINGLE_THREAD_PASS_ENTRIES` entries of ``V``.
+    """
+    if pass_entries >= SINGLE_THREAD_PASS_ENTRIES:
+        return False
+    if path == "sketch":
+        work = cost.sketch_cost(cols, min(keep, dim), dim, gram_dim, samples)
+        return work < SINGLE_THREAD_SKETCH_WORK
+    return chunk * dim * keep < SINGLE_THREAD_MERGE_WORK
+
+
+def choose_solver(engine: Any, X: Any, rank: int, keep: int, mc_samples: int,
+                  batch_size: int, num_data: int, budget: int, cap: Optional[int],
+                  streaming_only: bool) -> Tuple[str, int]:
+    """What ``solver="auto"`` runs: a sketch where it is cheaper, else streaming merges.
+
+    The sketch has ``max(keep, rank * (1 + AUTO_SKETCH_OVERSAMPLING))`` columns (its
+    accuracy at the default 20% oversampling missed the quality bar). It is taken when
+    its cost (:func:`~lowrank_laplace.fitting.cost.sketch_cost`) is below streaming's
+    (:func:`~lowrank_laplace.fitting.cost.streaming_cost`) and its ``D x l`` matrix
+    accumulates in float64 within :data:`WIDE_SKETCH_SHARE` of the budget, so that a
+    float32 model loses nothing to it. Low-memory and data-parallel fits stream.
+
+    Args:
+        engine: The :class:`~lowrank_laplace.engine.FactorEngine` that computes ``V``.
+        X: The first batch of inputs.
+        rank: Eigenpairs kept in the end.
+        keep: ``rank + oversampling``.
+        mc_samples: ``0`` (exact) or Monte-Carlo samples per data point.
+        batch_size: Samples of the loader's batches.
+        num_data: Samples this process streams.
+        budget: The memory budget in bytes.
+        cap: ``micro_batch_size`` as given by the user, or ``None``.
+        streaming_only: Low-memory or data-parallel fits: streaming merges.
+
+    Returns:
+        ``("sketch" or "streaming", columns kept while fitting)``.
+    """
+    dim = sum(p.numel() for p in engine.model.parameters() if p.requires_grad)
+    columns = min(dim, max(keep, rank * (1 + AUTO_SKETCH_OVERSAMPLING)))
+    if streaming_only or dim * columns * 8 > WIDE_SKETCH_SHARE * budget:
+        return "streaming", keep
+    _, chunk = merge_plan(engine, X, mc_samples, batch_size, num_data, keep, budget, cap)
+    cols = factor_columns(engine.loss_func, (1, engine.num_outputs), mc_samples)  # probed
+    gram = engine.dense_param_count()
+    stream = cost.streaming_cost(cols, keep, dim, gram, num_data, chunk)
+    if cost.sketch_cost(cols, columns, dim, gram, num_data) < stream:
+        return "sketch", columns
+    return "streaming", keep
+
+
+def _sketch_dtype(path: str, dtype: torch.dtype, dim: int, keep: int, budget: int,
+                  low_memory: bool) -> Optional[torch.dtype]:
+    """float64 for a sketch of float32 factors whose float64 ``D x l`` matrix is small."""
+    if path != "sketch" or low_memory or dtype == torch.float64:
+        return None
+    return torch.float64 if dim * keep * 8 <= WIDE_SKETCH_SHARE * budget else None
 
 
 def _agree(group: Any, X: Any, dense: bool, single: bool) -> Tuple[bool, bool]:
@@ -229,9 +326,12 @@ def make_solver(plan: FitPlan, rank: int, oversampling: int, track_diagonal: boo
     """
     if plan.path == "dense":
         return DenseSum(rank, oversampling, track_diagonal)
+    if plan.keep > rank + oversampling:  # solver="auto" may sketch with more columns
+        oversampling = plan.keep - rank
     if plan.path == "streaming":
         return StreamingMerge(rank, oversampling, track_diagonal, lazy=plan.lazy)
-    sketch = SketchMerge(rank, oversampling, track_diagonal, seed=seed, test_matrix=test_matrix)
+    sketch = SketchMerge(rank, oversampling, track_diagonal, seed=seed, test_matrix=test_matrix,
+                         accumulate=plan.sketch_dtype)
     if plan.low_memory:  # the first pass needs V^T Omega
         sketch.prepare(plan.dim, like, shapes)
     return sketch

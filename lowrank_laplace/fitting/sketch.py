@@ -1,8 +1,10 @@
 r"""One-pass randomized Nyström sketch of the GGN over a data set (``solver="sketch"``).
 
-An opt-in alternative to :class:`~lowrank_laplace.fitting.streaming.StreamingMerge` that trades
-accuracy for speed. With a fixed random test matrix :math:`\Omega` (``D x l``,
-``l = rank + oversampling``) every batch factor only adds to the sketch
+An alternative to :class:`~lowrank_laplace.fitting.streaming.StreamingMerge` that trades
+accuracy for speed (``solver="auto"`` runs it with ``l = 3 rank`` columns where it is
+the cheaper fit: with ``l = 1.2 rank`` its posteriors missed the full GGN's test NLL by
+up to 8%, docs/posterior_quality.md). With a fixed random test matrix :math:`\Omega`
+(``D x l``, ``l = rank + oversampling``) every batch factor only adds to the sketch
 
 .. math::
     Y = H \Omega = \sum_b V_b (V_b^\top \Omega),
@@ -47,6 +49,13 @@ Properties:
   is claimed, but the kept trace stayed within half a point of a Gaussian test
   matrix's on the benchmarks' MLP, sklearn digits, DeepOBS 3c3d and 2c2d
   (``benchmarks/bench_sketch_test_matrix.py``), and the bound above held in the tests.
+- **Accumulated in float64 where it is small**: ``accumulate=torch.float64`` holds
+  :math:`\Omega`, :math:`Y` and the products with float32 factors in float64 (the
+  factors' blocks are widened per pass), so a float32 model's sketch resolves the
+  eigenvalues below ``eps32 * lambda_max`` that a float32 :math:`Y` rounds away; the
+  eigenvectors are rounded to the factors' dtype once, at the end. The fit's plan
+  asks for it where the ``D x l`` float64 matrix is small against the memory budget
+  (:data:`~lowrank_laplace.fitting.plan.WIDE_SKETCH_SHARE`).
 - **Linear in the data**: sketches of several processes (same :math:`\Omega`) simply
   add, so data-parallel fits all-reduce ``Y`` and equal the single-process sketch.
 
@@ -99,6 +108,10 @@ class SketchMerge(Solver):
             Gaussian. ``"gaussian"``: every entry is Gaussian (the setting of Tropp
             et al.'s error bound). Both have entries of variance ``1 / D``,
             uncorrelated, so ``E[Omega Omega^T] = l I / D``.
+        accumulate: The dtype of ``Omega``, the sketch and its products (e.g.
+            ``torch.float64`` for float32 factors, whose blocks are then widened per
+            pass); ``None``: the factors' dtype. Low-memory (recomputed) factors
+            need ``None``.
 
     Raises:
         ValueError: For ``rank < 1``, negative oversampling or an unknown
@@ -108,7 +121,8 @@ class SketchMerge(Solver):
     solver = "sketch"
 
     def __init__(self, rank: int, oversampling: int = 0, track_diagonal: bool = False,
-                 seed: int = 0, test_matrix: str = "kronecker"):
+                 seed: int = 0, test_matrix: str = "kronecker",
+                 accumulate: Optional[torch.dtype] = None):
         super().__init__(rank, oversampling, track_diagonal)
         if test_matrix not in ("kronecker", "gaussian"):
             raise ValueError(
@@ -116,6 +130,8 @@ class SketchMerge(Solver):
             )
         self.test_matrix = test_matrix
         self.seed = int(seed)
+        self.accumulate = accumulate
+        self._dtype: Optional[torch.dtype] = None  # the factors' dtype (of the result)
         self._omega: Optional[Omega] = None  # the test matrix, per parameter slice
         self._projection: Optional[Tensor] = None  # Omega formed, for low-memory passes
         self._sketch: Optional[Tensor] = None  # Y = H Omega, laid out like Omega
@@ -156,18 +172,27 @@ class SketchMerge(Solver):
         diagonal = factor.diag(group) * scale if self.track_diagonal else None
         self.add_trace_and_diagonal(trace, diagonal)
         if factor.recomputed:  # V^T Omega from its pass
+            if self.accumulate is not None:
+                raise ValueError("A low-memory sketch accumulates in the factors' dtype.")
             omega = self._test_matrix(dim, trace)
             proj = factor.t_matmul(self._projection, group) * scale
+            self._dtype = proj.dtype
         else:
-            omega = self._test_matrix(dim, trace,
+            blocks = factor.group_blocks(group)
+            self._dtype = _block_dtype(blocks[0])
+            if self.accumulate is not None:  # widened per pass
+                blocks = [block.to(self.accumulate) for block in blocks]
+            omega = self._test_matrix(dim, trace.to(self.accumulate or self._dtype),
                                       [factor.shapes[i] for i in factor.groups[group]])
-            proj = omega.block_products(factor.group_blocks(group)) * scale  # (M, l)
-        if self._sketch is None:
-            self._sketch = trace.new_zeros(omega.cols, dim).T  # (D, l), stored as (l, D)
+            proj = omega.block_products(blocks) * scale  # (M, l)
+        if self._sketch is None:  # (D, l), stored as (l, D)
+            self._sketch = torch.zeros(omega.cols, dim, dtype=omega.dtype,
+                                       device=omega.device).T
         if factor.recomputed:
             factor.matmul_add_(self._sketch, proj, group)
             return
-        for index, block, part in factor.block_slices(self._sketch, group):
+        for index, block, part in zip(factor.groups[group], blocks,
+                                      factor.split_flat(self._sketch, group)):
             if isinstance(block, KronBlock):
                 self._defer(index, block, proj, part)
             else:
@@ -242,6 +267,9 @@ class SketchMerge(Solver):
         if eigenvalues.numel() == 0:
             return
         dim = eigenvectors.shape[0]
+        self._dtype = eigenvectors.dtype
+        eigenvectors = eigenvectors.to(self.accumulate or self._dtype)
+        eigenvalues = eigenvalues.to(eigenvectors.dtype)
         omega = self._test_matrix(dim, eigenvectors)
         if self._sketch is None:
             self._sketch = eigenvectors.new_zeros(omega.cols, dim).T  # stored as (l, D)
@@ -331,8 +359,13 @@ class SketchMerge(Solver):
         num = max(1, min(self.rank, int((lam > tol).sum())))
         # the left singular vectors E W sigma^-1, in place; the first num are kept
         W = W / sigma2.clamp(min=nu).sqrt()
-        self._vectors = rotate(E, W.to(dtype), in_place=True)[:, :num]
-        self.keep_eigenvalues(lam[:num], dtype)
+        self._vectors = rotate(E, W.to(dtype), in_place=True)[:, :num].to(self._dtype)
+        self.keep_eigenvalues(lam[:num], self._dtype)
+
+
+def _block_dtype(block: Any) -> torch.dtype:
+    """The dtype of a :class:`~lowrank_laplace.factor.DenseBlock` or :class:`KronBlock`."""
+    return block.s.dtype if isinstance(block, KronBlock) else block.rows.dtype
 
 
 def _storage(mat: Tensor) -> Tensor:

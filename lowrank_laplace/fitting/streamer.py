@@ -46,7 +46,7 @@ class BatchStreamer:
         track_diagonal: Track the GGN diagonal.
         low_memory: Merge every micro-batch from recomputing passes (dropped when
             the fit sums densely).
-        solver: ``"streaming"`` or ``"sketch"``, as asked.
+        solver: ``"auto"``, ``"streaming"`` or ``"sketch"``, as asked.
         dense_max_dim: See :func:`plan_fit`.
         test_matrix: A sketch's test matrix.
         sketch_seed: Seed of a sketch's test matrix (the same on every process).
@@ -94,7 +94,7 @@ class BatchStreamer:
             mc_samples=self.mc_samples, subsample_fraction=self.fraction,
             memory_budget=self.budget, micro_batch_size=self.cap,
             low_memory=self.low_memory, solver=self.requested,
-            dense_max_dim=self.dense_max_dim, process_group=self.group,
+            dense_max_dim=self.dense_max_dim, process_group=self.group, rank=self.rank,
         )
         params = [p for p in self.engine.model.parameters() if p.requires_grad]
         self.solver = make_solver(self.plan, self.rank, self.oversampling, self.track_diagonal,

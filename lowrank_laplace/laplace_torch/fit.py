@@ -30,7 +30,7 @@ from lowrank_laplace.fitting import StreamingMerge
 from lowrank_laplace.fitting.budget import micro_batch_size, resolve_memory_budget
 from lowrank_laplace.fitting.distributed import process_rank, resolve_process_group
 from lowrank_laplace.fitting.streamer import BatchStreamer
-from lowrank_laplace.laplace_torch.options import LowRankOptions, SolverKind
+from lowrank_laplace.laplace_torch.options import LowRankOptions
 from lowrank_laplace.posterior.predictive import jacobian_energies
 from lowrank_laplace.posterior.residual import ResidualKind, jacobian_exponent
 from lowrank_laplace.utils.batches import batch_device, take, to_device
@@ -224,13 +224,13 @@ def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Iterable,
     known = loader_size(loader)
     params = [p for p in model.parameters() if p.requires_grad] if params is None else params
     check_params(params)
-    _warn_low_precision_sketch(options, params[0].dtype)
     device = params[0].device if device is None else device
     mean = parameters_to_vector(params).detach()
     group = resolve_process_group(process_group)
     stream, loss, seen, probe = _stream(model, likelihood, loader, options, to_inputs,
                                         dict_key_y, device, group, known, progress_bar)
     solver = stream.solver
+    _warn_low_precision_sketch(stream.plan, params[0].dtype)
     num_data = seen if known is None else known
     if group is not None:
         import torch.distributed as dist
@@ -315,14 +315,21 @@ def _stream(model, likelihood, loader, options, to_inputs, dict_key_y, device, g
     return stream, loss, seen, (probe, cap)
 
 
-def _warn_low_precision_sketch(options: LowRankOptions, dtype: torch.dtype) -> None:
-    """Say before the fit that a sketch below float64 loses the small eigenvalues."""
-    if options.solver == SolverKind.SKETCH and dtype != torch.float64:
+def _warn_low_precision_sketch(plan: Any, dtype: torch.dtype) -> None:
+    """Say that a sketch accumulated below float64 lost the small eigenvalues.
+
+    A float32 model's sketch accumulates in float64 where its ``D x l`` matrix is small
+    against the memory budget (:func:`~lowrank_laplace.fitting.plan.plan_fit`); this
+    warns only where it did not (a large sketch, or a low-memory fit).
+    """
+    if plan.path == "sketch" and dtype != torch.float64 and plan.sketch_dtype is None:
         warnings.warn(
-            f"solver='sketch' accumulates its sketch in {dtype}: eigenvalues below about "
-            "eps * lambda_max are lost, and variances in weakly determined directions "
-            "can be far off at small prior precisions. The default solver (or a float64 "
-            "model) resolves them.", UserWarning, stacklevel=4,
+            f"solver='sketch' accumulated its sketch in {dtype} (its float64 D x l matrix "
+            "exceeds a quarter of memory_budget, or low_memory=True): eigenvalues below "
+            "about eps * lambda_max are lost, and variances in weakly determined "
+            "directions can be far off at small prior precisions. solver='streaming', "
+            "a larger memory_budget (or a float64 model) resolves them.",
+            UserWarning, stacklevel=4,
         )
 
 

@@ -25,6 +25,7 @@ DEFAULT_DENSE_MAX_DIM = 2048
 class SolverKind(Choice):
     """How the batches' factors become the leading eigenpairs (the ``solver`` option)."""
 
+    AUTO = "auto"
     STREAMING = "streaming"
     SKETCH = "sketch"
 
@@ -97,16 +98,22 @@ class LowRankOptions:
             layers behind frozen modules, e.g. LoRA adapters and heads),
             ``"functorch"`` (vmapped torch.func products; any differentiable model)
             or ``"auto"`` (the first of these that takes the model).
-        solver: ``"streaming"`` (default: truncated merges,
-            :class:`~lowrank_laplace.fitting.StreamingMerge`) or ``"sketch"`` (opt-in,
-            approximate: a one-pass randomized Nyström sketch with ``rank +
+        solver: ``"auto"`` (default: a one-pass sketch with ``3 * rank`` columns
+            (or ``rank + oversampling`` if more) where the cost model finds it cheaper
+            than streaming merges and its ``D x l`` matrix accumulates in float64
+            within a quarter of ``memory_budget``, else streaming merges; low-memory
+            and data-parallel fits stream), ``"streaming"`` (truncated merges,
+            :class:`~lowrank_laplace.fitting.StreamingMerge`) or ``"sketch"``
+            (approximate: a one-pass randomized Nyström sketch with ``rank +
             oversampling`` columns, :class:`~lowrank_laplace.fitting.SketchMerge`;
             its eigenvalues under-estimate the GGN's wherever its rank exceeds the
-            sketch). Both are exact when the GGN's rank over the data fits, and
-            neither applies when the fit sums densely. Where a single streaming merge
-            of all the data's columns fits the merge plan, ``"sketch"`` takes that
+            sketch, by 30% at the 50th of 100 on a digits MLP with the default
+            oversampling). All are exact when the GGN's rank over the data fits, and
+            none applies when the fit sums densely. Where a single streaming merge
+            of all the data's columns fits the merge plan, a sketch takes that
             merge instead: it multiplies ``V`` once where the sketch multiplies it
-            twice, and it is the exact truncation.
+            twice, and it is the exact truncation. A float32 model's sketch
+            accumulates in float64 where that fits a quarter of the budget.
         dense_max_dim: The fit sums the GGN densely and eigendecomposes it once
             (exact) when the ``D x D`` matrix fits ``memory_budget`` and the cost
             model finds it cheaper than streaming, and also, up to this many
@@ -136,7 +143,7 @@ class LowRankOptions:
     seed: int = 0
     low_memory: bool = False
     factor_backend: str = "auto"
-    solver: SolverKind = SolverKind.STREAMING
+    solver: SolverKind = SolverKind.AUTO
     dense_max_dim: Optional[int] = field(default_factory=lambda: DEFAULT_DENSE_MAX_DIM)
     probe_size: int = 256
     probe_columns: Optional[int] = 512

@@ -20,6 +20,7 @@ def _problem(n=40, out=4, seed=0, batch_size=8):
 
 
 def _fit(model, loader, dense_max_dim, monkeypatch, cls=LowRankGGNLaplace, **kwargs):
+    kwargs.setdefault("solver", "streaming")  # the merges these tests count (default: auto)
     la = cls(model, "classification", dense_max_dim=dense_max_dim, **kwargs)
     la.fit(loader)
     return la

@@ -79,3 +79,55 @@ def test_dense_sum_adds_lowrank_curvature_exactly():
     with pytest.raises(RuntimeError, match="already eigendecomposed"):
         solver.add_lowrank(Q, lam, lam.sum())
 
+
+
+def test_auto_sketches_with_three_times_the_rank_where_its_float64_matrix_fits():
+    """``solver="auto"``: a sketch of ``3 * rank`` columns where it is cheaper than
+    streaming and its float64 ``D x l`` matrix fits a quarter of the budget; streaming
+    merges of ``rank + oversampling`` where it does not, and for low-memory fits."""
+    from lowrank_laplace.fitting import plan as plan_module
+
+    engine, X = _engine_and_batch()
+    dim = 5 * 6 + 6 + 6 * 4 + 4
+    with engine:
+        auto = _plan(engine, X, solver="auto", rank=10)
+        tight = _plan(engine, X, solver="auto", rank=10,
+                      memory_budget=int(dim * 30 * 8 / plan_module.WIDE_SKETCH_SHARE) - 1)
+        low = _plan(engine, X, solver="auto", rank=10, low_memory=True)
+    assert (auto.path, auto.keep, auto.sketch_dtype) == ("sketch", 30, None)  # float64 model
+    assert (tight.path, tight.keep) == ("streaming", 12)
+    assert (low.path, low.keep) == ("streaming", 12)
+    merge = make_solver(auto, 10, 2, False)
+    assert isinstance(merge, SketchMerge) and (merge.rank, merge.keep) == (10, 30)
+
+
+def test_a_float32_sketch_accumulates_in_float64_where_it_fits():
+    from lowrank_laplace.fitting import plan as plan_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 4))  # float32
+    engine = FactorEngine(model, nn.CrossEntropyLoss(reduction="sum"), eval_mode=True)
+    X = torch.randn(32, 5)
+    dim = 5 * 6 + 6 + 6 * 4 + 4
+    share = plan_module.WIDE_SKETCH_SHARE
+    with engine:
+        wide = _plan(engine, X, solver="sketch", micro_batch_size=2)
+        narrow = _plan(engine, X, solver="sketch", micro_batch_size=2,
+                       memory_budget=int(dim * 12 * 8 / share) - 1)
+        low = _plan(engine, X, solver="sketch", micro_batch_size=2, low_memory=True)
+    assert wide.path == narrow.path == low.path == "sketch"
+    assert wide.sketch_dtype == torch.float64 and narrow.sketch_dtype is None
+    assert low.sketch_dtype is None  # recomputed passes project in the factors' dtype
+    assert make_solver(wide, 10, 2, False).accumulate == torch.float64
+
+
+@pytest.mark.parametrize("limit, threads", [(None, 1), (1, None)])
+def test_small_sketch_fits_run_on_one_thread(monkeypatch, limit, threads):
+    from lowrank_laplace.fitting import plan as plan_module
+
+    if limit is not None:
+        monkeypatch.setattr(plan_module, "SINGLE_THREAD_SKETCH_WORK", limit)
+    engine, X = _engine_and_batch()
+    with engine:
+        sketch = _plan(engine, X, solver="sketch", micro_batch_size=2)
+    assert sketch.path == "sketch" and sketch.threads == threads

@@ -201,9 +201,19 @@ def test_last_layer_text_prior_is_refused_at_construction():
         LowRankGGNLLLaplace(_mlp(), "classification", prior_precision="1.0")
 
 
-def test_a_float32_sketch_says_what_it_loses():
+def test_a_float32_sketch_says_what_it_loses_only_where_it_stays_float32(recwarn):
+    """A small float32 sketch accumulates in float64 (silently); one whose float64
+    ``D x l`` matrix exceeds a quarter of the budget stays float32 and says so."""
     model = _mlp().float()
     X, y = _data()
     loader = DataLoader(TensorDataset(X.float(), y), batch_size=8)
-    with pytest.warns(UserWarning, match="solver='sketch' accumulates its sketch in torch.float32"):
-        Laplace(model, "classification", "all", "lowrank_ggn", rank=5, solver="sketch").fit(loader)
+    kw = dict(rank=5, solver="sketch", micro_batch_size=4, dense_max_dim=0, probe_size=0)
+    la = Laplace(model, "classification", "all", "lowrank_ggn", **kw)
+    la.fit(loader)
+    assert la.fit_path == "sketch" and la.H[0].dtype == torch.float32
+    assert not [w for w in recwarn if "accumulated its sketch" in str(w.message)]
+    dim = sum(p.numel() for p in model.parameters())
+    budget = 4 * 8 * dim * 6 - 1  # the float64 sketch (6 columns) just over a quarter
+    with pytest.warns(UserWarning, match="solver='sketch' accumulated its sketch in torch.float32"):
+        Laplace(model, "classification", "all", "lowrank_ggn", memory_budget=budget,
+                **kw).fit(loader)

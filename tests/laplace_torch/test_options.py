@@ -12,12 +12,13 @@ def test_defaults_and_normalisation():
     opts = LowRankOptions(rank=50)
     assert opts.oversampling == 10 and opts.mc_samples == 0 and opts.dense_max_dim == 2048
     assert opts.residual is ResidualKind.SPECTRAL and opts.residual == "spectral"
-    assert opts.solver is SolverKind.STREAMING
+    assert opts.solver is SolverKind.AUTO
     assert opts.sketch_test_matrix is SketchTestMatrix.KRONECKER
-    assert repr(opts.residual) == "'spectral'" and str(opts.solver) == "streaming"
+    assert repr(opts.residual) == "'spectral'" and str(opts.solver) == "auto"
     assert opts.track_diagonal and LowRankOptions(residual="diagonal").track_diagonal
     assert not LowRankOptions(residual="isotropic").track_diagonal
     assert LowRankOptions(oversampling=0, solver="sketch").solver is SolverKind.SKETCH
+    assert LowRankOptions(solver="streaming").solver is SolverKind.STREAMING
 
 
 def test_memory_budget_forms_accepted():
@@ -40,7 +41,7 @@ def test_options_are_frozen():
     (dict(subsample_fraction=0.0), "subsample_fraction must lie in"),
     (dict(micro_batch_size=0), "micro_batch_size must be a positive integer"),
     (dict(residual="bogus"), "residual must be one of 'spectral', 'isotropic'"),
-    (dict(solver="lanczos"), "solver must be one of 'streaming', 'sketch'"),
+    (dict(solver="lanczos"), "solver must be one of 'auto', 'streaming', 'sketch'"),
     (dict(sketch_test_matrix="rademacher"), "sketch_test_matrix must be one of"),
     (dict(factor_backend="jax"), "backend must be one of"),
     (dict(dense_max_dim=-1), "dense_max_dim must be a non-negative integer"),
