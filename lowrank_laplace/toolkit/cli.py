@@ -443,9 +443,10 @@ def _study_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mc-samples", type=NONNEGATIVE, default=0,
                         help="0: exact GGN; M: Monte-Carlo GGN with M samples (at most the "
                         f"{NUM_CLASSES} classes: the exact GGN costs as much)")
-    parser.add_argument("--solver", default="streaming", choices=SOLVERS,
-                        help="lowrank_ggn's fit: streaming merges, or the faster, approximate "
-                        "one-pass sketch")
+    parser.add_argument("--solver", default="auto", choices=SOLVERS,
+                        help="lowrank_ggn's fit: auto (the library's default: a sketch of "
+                        "3 x rank columns where cheaper), streaming merges, or the one-pass "
+                        "sketch of rank + oversampling columns")
     parser.add_argument("--prior", default="marglik",
                         help="prior precision tuning: " + " or ".join(PRIOR_TUNINGS))
     parser.add_argument("--device", type=_device, default="cpu",

@@ -55,7 +55,7 @@ CNN_PARAMETERS = {"mnist": 20522, "digits": 3658}
 #: Monte-Carlo GGN with more samples costs more than the exact one and is noisier.
 NUM_CLASSES = 10
 #: ``lowrank_ggn``'s fitting algorithms and the prior precision tunings.
-SOLVERS = ("streaming", "sketch")
+SOLVERS = ("auto", "streaming", "sketch")
 PRIOR_TUNINGS = ("marglik", "gridsearch")
 
 
@@ -304,8 +304,9 @@ class CalibrationConfig:
         batch_size: Batch size for training, fitting and prediction.
         rank: Rank of the ``lowrank_ggn`` posteriors.
         mc_samples: ``0`` exact GGN, ``M >= 1`` Monte-Carlo GGN for ``lowrank_ggn``.
-        solver: ``lowrank_ggn``'s fitting algorithm, ``'streaming'`` or the opt-in,
-            approximate ``'sketch'``.
+        solver: ``lowrank_ggn``'s fitting algorithm: ``'auto'`` (the library's default:
+            a sketch of 3 x rank columns where it is cheaper, else streaming),
+            ``'streaming'`` or ``'sketch'``.
         weight_decay: Precision ``delta`` of the Gaussian prior the MAP network is
             trained under: the training loss is the mean cross-entropy plus
             ``delta / (2 N) ||theta||^2`` (Laplace Redux protocol), so the MAP is the
@@ -331,7 +332,7 @@ class CalibrationConfig:
     batch_size: int = 128
     rank: int = 100
     mc_samples: int = 0
-    solver: str = "streaming"
+    solver: str = "auto"
     weight_decay: float = 10.0
     prior: str = "marglik"
     angles: List[float] = field(default_factory=lambda: [0, 15, 30, 60, 90, 120, 180])
