@@ -34,7 +34,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-WIDE = torch.float64
+from lowrank_laplace.factor.wide import WIDE
 
 
 def segment_sums(values: Tensor, sizes: Sequence[int]) -> Tensor:
@@ -48,6 +48,46 @@ def segment_sums(values: Tensor, sizes: Sequence[int]) -> Tensor:
         Shape ``(L, ...)``.
     """
     return torch.stack([part.sum(0) for part in values.split(list(sizes))])
+
+
+def power_law_tail(anchor: float, mass: float, start: int, count: int,
+                   stride: float = 1.0) -> Tensor:
+    r"""Eigenvalues :math:`a (i / s)^{-\alpha}`, :math:`i = s + j \sigma`, summing to ``mass``.
+
+    :math:`j = 1 \dots n`; the stride :math:`\sigma` places a layer's share of a
+    tail at its positions in the whole tail (every :math:`\sigma`-th eigenvalue). The
+    exponent is found by bisection (the sum falls monotonically in :math:`\alpha`). A
+    mass the flat continuation (:math:`\alpha = 0`) cannot reach is spread evenly
+    instead.
+
+    Args:
+        anchor: The last kept eigenvalue ``a`` (``lambda_r``), ``>= 0``.
+        mass: The total the tail must hold, ``>= 0``.
+        start: The last kept index ``s = r >= 1``.
+        count: Number of tail eigenvalues ``n >= 0``.
+        stride: Spacing ``sigma >= 1`` of the tail's indices.
+
+    Returns:
+        Float64 tensor of shape ``(count,)``, non-increasing.
+    """
+    if count <= 0:
+        return torch.zeros(0, dtype=torch.float64)
+    if mass <= 0 or anchor <= 0:
+        return torch.full((count,), max(mass, 0.0) / count, dtype=torch.float64)
+    steps = torch.arange(1, count + 1, dtype=torch.float64) * stride
+    log_ratio = torch.log1p(steps / start)
+    if anchor * count <= mass:
+        return torch.full((count,), mass / count, dtype=torch.float64)
+    lo, hi = 0.0, 1.0
+    while float((anchor * torch.exp(-hi * log_ratio)).sum()) > mass:
+        lo, hi = hi, 2 * hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if float((anchor * torch.exp(-mid * log_ratio)).sum()) > mass:
+            lo = mid
+        else:
+            hi = mid
+    return anchor * torch.exp(-hi * log_ratio)
 
 
 @dataclass
@@ -94,8 +134,6 @@ class LayerTails:
             The layers' tails; ``None`` for a single layer or nothing kept (the
             network-wide tail is the same model then).
         """
-        from lowrank_laplace.posterior.residual import power_law_tail
-
         sizes = [int(s) for s in sizes]
         rank = eigenvalues.numel()
         if len(sizes) < 2 or rank == 0 or sum(sizes) != eigenvectors.shape[0]:
@@ -123,6 +161,24 @@ class LayerTails:
             weights.append(weight)
         return cls(sizes, norms.cpu(), complement, torch.cat(tails), torch.cat(index),
                    torch.tensor(zeros, dtype=WIDE), torch.tensor(weights, dtype=WIDE))
+
+    @classmethod
+    def whole(cls, tail: Tensor, dim: int, dropped: int) -> "LayerTails":
+        """The network-wide tail as a single layer (the spectral model's scalar prior).
+
+        Args:
+            tail: The modelled dropped eigenvalues, shape ``(m,)``.
+            dim: Number of parameters ``D``.
+            dropped: Dropped directions ``D - r``, ``m`` of them with curvature.
+
+        Returns:
+            The one-layer tails (no eigenvector norms: only :meth:`shift` uses it).
+        """
+        count = tail.numel()
+        return cls([dim], torch.zeros(1, 0, dtype=WIDE), torch.tensor([float(dropped)], dtype=WIDE),
+                   tail, torch.zeros(count, dtype=torch.long),
+                   torch.tensor([float(dropped - count)], dtype=WIDE),
+                   torch.ones(1, dtype=WIDE))
 
     @property
     def num_layers(self) -> int:

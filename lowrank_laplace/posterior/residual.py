@@ -65,7 +65,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from lowrank_laplace.posterior.layer_tail import LayerTails
+from lowrank_laplace.posterior.layer_tail import LayerTails, power_law_tail
 from lowrank_laplace.posterior.precision import GramCache, LowRankPrecision
 from lowrank_laplace.utils.checks import Choice
 
@@ -97,46 +97,6 @@ def check_residual(residual: str) -> ResidualKind:
         ValueError: For anything else.
     """
     return ResidualKind.parse(residual, "residual")
-
-
-def power_law_tail(anchor: float, mass: float, start: int, count: int,
-                   stride: float = 1.0) -> Tensor:
-    r"""Eigenvalues :math:`a (i / s)^{-\alpha}`, :math:`i = s + j \sigma`, summing to ``mass``.
-
-    :math:`j = 1 \dots n`; the stride :math:`\sigma` places a layer's share of a
-    tail at its positions in the whole tail (every :math:`\sigma`-th eigenvalue). The
-    exponent is found by bisection (the sum falls monotonically in :math:`\alpha`). A
-    mass the flat continuation (:math:`\alpha = 0`) cannot reach is spread evenly
-    instead.
-
-    Args:
-        anchor: The last kept eigenvalue ``a`` (``lambda_r``), ``>= 0``.
-        mass: The total the tail must hold, ``>= 0``.
-        start: The last kept index ``s = r >= 1``.
-        count: Number of tail eigenvalues ``n >= 0``.
-        stride: Spacing ``sigma >= 1`` of the tail's indices.
-
-    Returns:
-        Float64 tensor of shape ``(count,)``, non-increasing.
-    """
-    if count <= 0:
-        return torch.zeros(0, dtype=torch.float64)
-    if mass <= 0 or anchor <= 0:
-        return torch.full((count,), max(mass, 0.0) / count, dtype=torch.float64)
-    steps = torch.arange(1, count + 1, dtype=torch.float64) * stride
-    log_ratio = torch.log1p(steps / start)
-    if anchor * count <= mass:
-        return torch.full((count,), mass / count, dtype=torch.float64)
-    lo, hi = 0.0, 1.0
-    while float((anchor * torch.exp(-hi * log_ratio)).sum()) > mass:
-        lo, hi = hi, 2 * hi
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if float((anchor * torch.exp(-mid * log_ratio)).sum()) > mass:
-            lo = mid
-        else:
-            hi = mid
-    return anchor * torch.exp(-hi * log_ratio)
 
 
 def jacobian_exponent(eigenvalues: Tensor, energies: Tensor) -> float:
@@ -338,6 +298,8 @@ class Residual:
         Args:
             scale: ``h``.
             prior: The prior precision (its mean stands for a non-scalar one).
+                Computed by :meth:`~lowrank_laplace.posterior.layer_tail.LayerTails.shift`
+                on the whole network as one layer.
             num: Dropped directions ``D - r``.
             device: Where the posterior lives.
 
@@ -345,16 +307,6 @@ class Residual:
             ``rho`` and :math:`\sum_i \log(t_i + \delta)` over all ``D - r`` dropped
             directions, both float64 scalars.
         """
-        wide = torch.float64
-        delta = (prior if prior.numel() == 1 else prior.mean()).to(wide)
-        scale = torch.as_tensor(scale).to(device=device, dtype=wide)
-        tail = scale * self.tail.to(device=device, dtype=wide)
-        zeros = num - tail.numel()
-        inverse = 1 / (tail + delta)
-        if self.exponent > 0 and tail.numel() and float(self.tail[0]) > 0:
-            weight = (self.tail / self.tail[0]) ** self.exponent  # zeros weigh 0
-            weight = weight.to(device=device, dtype=wide)
-            rho = (weight * tail * inverse).sum() / (weight * inverse).sum()
-        else:  # uniform over every dropped direction, the rank bound's zeros too
-            rho = (tail * inverse).sum() / (inverse.sum() + zeros / delta)
-        return rho, torch.log(tail + delta).sum() + zeros * torch.log(delta)
+        whole = LayerTails.whole(self.tail, self.dim, num)  # one layer: the network
+        rho, logdet = whole.shift(scale, prior, self.exponent, device)
+        return rho[0], logdet
