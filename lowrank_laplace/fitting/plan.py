@@ -196,17 +196,18 @@ def plan_fit(engine: Any, X: Any, *, batch_size: int, num_data: int, keep: int,
     dim = sum(p.numel() for p in params)
     cols = factor_columns(engine.loss_func, (1, engine.num_outputs), mc_samples)
     samples = math.ceil(num_data * (subsample_fraction or 1.0))
-    dense = cost.choose_dense(
-        dim, cols, asked, engine.dense_param_count(), samples, chunk,
-        budget, params[0].element_size(), dense_max_dim, rival,
-    )
-    single, streaming = False, None
+    single, streaming = False, (micro, chunk)
     if solver == "sketch":  # would one streaming merge cover the data?
         streaming = merge_plan(engine, X, mc_samples, batch_size, num_data, asked,
                                low_memory=low_memory, **sizes)
         # low-memory merges never span loader batches: one must hold the data
         single = streaming[1] >= samples and (
             not low_memory or min(batch_size, streaming[0]) >= samples)
+    # a streaming rival is costed with streaming's merges, not the sketch's
+    dense = cost.choose_dense(
+        dim, cols, asked, engine.dense_param_count(), samples, streaming[1],
+        budget, params[0].element_size(), dense_max_dim, rival,
+    )
     if process_group is not None:
         dense, single = _agree(process_group, X, dense, single)
     path = "dense" if dense else solver

@@ -101,6 +101,23 @@ def test_auto_sketches_with_three_times_the_rank_where_its_float64_matrix_fits()
     assert isinstance(merge, SketchMerge) and (merge.rank, merge.keep) == (10, 30)
 
 
+def test_auto_sums_densely_exactly_where_streaming_would():
+    """Under ``solver="auto"`` the dense sum competes with streaming at streaming's own
+    merge size, not at the sketch's (whose single large merge made every streaming
+    fit look dearer than a dense ``D x D`` eigendecomposition)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 50), nn.Tanh(), nn.Linear(50, 10)).double()
+    engine = FactorEngine(model, nn.CrossEntropyLoss(reduction="sum"), eval_mode=True)
+    X = torch.randn(128, 64, dtype=torch.float64)
+    with engine:
+        for n in (128, 1400):
+            kw = dict(num_data=n, keep=120, dense_max_dim=None)
+            streaming = _plan(engine, X, **kw)
+            auto = _plan(engine, X, solver="auto", rank=100, **kw)
+            assert (auto.path == "dense") == (streaming.path == "dense")
+        assert auto.path == "sketch"  # D = 3,760, 1,400 samples: dense is the dearest
+
+
 def test_a_float32_sketch_accumulates_in_float64_where_it_fits():
     from lowrank_laplace.fitting import plan as plan_module
 
