@@ -170,11 +170,16 @@ def test_linear_gram_without_expansion():
 
 
 
+@pytest.mark.parametrize("one_product", [True, False])
 @pytest.mark.parametrize("wide", [False, True])
-def test_products_with_operands_stored_transposed(wide):
+def test_products_with_operands_stored_transposed(wide, one_product, monkeypatch):
     """``x`` and ``out`` as row slices of ``(K, D)`` tensors (the sketch's layout) give
     the products of contiguous operands, for factored and explicit blocks (wide
-    blocks with many rows take the dense block's other product order)."""
+    blocks with many rows take the dense block's other product order; small factored
+    weights add one wide product, large ones one product per column)."""
+    from lowrank_laplace.factor import kron_block
+
+    monkeypatch.setattr(kron_block, "_ONE_PRODUCT_MAX", 2**30 if one_product else 0)
     torch.manual_seed(0)
     num_vecs, n, out_dim, in_dim, k = (9, 4, 6, 800, 3) if wide else (3, 4, 5, 3, 2)
     s = torch.randn(num_vecs, n, out_dim, dtype=torch.float64)
