@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, ContextManager, Sequence, TypeVar
+import os
+from typing import Any, Callable, ContextManager, Optional, Sequence, TypeVar
 
 import torch
 
@@ -24,6 +25,48 @@ from lowrank_laplace.utils.linalg import cpu_threads
 SMALL_WORK = 2**24
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def busy_elsewhere() -> Optional[int]:
+    """Threads of other processes running on the CPUs now (Linux), ``None`` where unknown.
+
+    The runnable count of ``/proc/loadavg`` less this process's own running threads
+    (its thread pool may still be spinning after a parallel region). A snapshot: a
+    competing process that computes shows up as its busy threads.
+    """
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+        own = 0
+        for task in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task}/stat") as f:
+                    stat = f.read()
+            except OSError:  # the thread ended meanwhile
+                continue
+            own += stat[stat.rindex(")") + 2] == "R"
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0, running - own)
+
+
+def idle_core_threads() -> Optional[int]:
+    """Threads for mid-size CPU work now: the pool's where as many cores are idle.
+
+    Otherwise as many as there are idle cores, at least one (``1`` where the load is
+    unknown). Beside a busy process every wake-up of a thread team waits for a core,
+    while on idle cores a second thread nearly halves a sketch fit's products.
+
+    Returns:
+        A thread count for :func:`~lowrank_laplace.utils.linalg.cpu_threads`
+        (``None``: the user's setting).
+    """
+    busy = busy_elsewhere()
+    if busy is None:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    idle = (cores or 1) - busy
+    return None if idle >= torch.get_num_threads() else max(1, idle)
 
 
 def small_work(work: float, device: Any) -> ContextManager[None]:

@@ -1,7 +1,9 @@
 """Small work on one thread: scoped, restored, and through the backward pass too."""
 
+import pytest
 import torch
 
+from lowrank_laplace.utils import threads as threads_module
 from lowrank_laplace.utils.threads import SMALL_WORK, scoped_backward, small_work
 
 
@@ -56,5 +58,29 @@ def test_small_work_restores_the_setting():
         assert torch.get_num_threads() == 2
         with small_work(SMALL_WORK, "cpu"):
             assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_busy_elsewhere_reads_a_count_or_none():
+    busy = threads_module.busy_elsewhere()
+    assert busy is None or busy >= 0
+
+
+@pytest.mark.parametrize("busy, expected", [
+    (None, 1),  # unknown load: one thread
+    (0, None),  # every core idle: the user's setting
+    (1, 3),  # one core busy elsewhere: the three others
+    (3, 1),
+    (10, 1),  # every core busy: one thread
+])
+def test_idle_core_threads(monkeypatch, busy, expected):
+    monkeypatch.setattr(threads_module, "busy_elsewhere", lambda: busy)
+    monkeypatch.setattr(threads_module.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3},
+                        raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        assert threads_module.idle_core_threads() == expected
     finally:
         torch.set_num_threads(before)
