@@ -26,6 +26,7 @@ from lowrank_laplace.fitting.dense import DenseSum
 from lowrank_laplace.fitting.sketch import SketchMerge
 from lowrank_laplace.fitting.streaming import StreamingMerge
 from lowrank_laplace.utils.batches import batch_device
+from lowrank_laplace.utils.threads import idle_core_threads
 
 #: Fits whose streaming merges of ``S`` samples into a ``D x k`` basis have ``S D k``
 #: below this, and whose passes hold fewer than :data:`SINGLE_THREAD_PASS_ENTRIES`
@@ -53,9 +54,10 @@ SKETCH_MERGE_BYTES = 2**28
 LAZY_MIN_DIM_PER_EIGENPAIR = 200
 #: The fit paths: a dense sum, streaming merges, a one-pass sketch.
 PATHS = ("dense", "streaming", "sketch")
-#: A sketch of float32 factors accumulates in float64 where its ``D x l`` float64
-#: matrix takes at most this share of the memory budget (else in float32, which
-#: rounds away eigenvalues below ``eps32 * lambda_max``).
+#: A sketch of float32 factors is redone in float64 (when its float32 pass rounded
+#: its kept eigenvalues) where its ``D x l`` float64 matrix takes at most this share of
+#: the memory budget; elsewhere it stays float32, which rounds away eigenvalues below
+#: ``eps32 * lambda_max``, and the fit warns.
 WIDE_SKETCH_SHARE = 0.25
 #: ``solver="auto"`` sketches with ``rank * (1 + AUTO_SKETCH_OVERSAMPLING)`` columns
 #: (or ``rank + oversampling`` if more): with the default 20% oversampling the sketch
@@ -77,10 +79,15 @@ class FitPlan:
         lazy: Streaming merges update the basis lazily.
         threads: CPU threads of the batch loop (``1`` for small fits; ``None``: the
             user's setting).
+        idle_cores: A small sketch fit, whose batch loop takes the cores idle at each
+            batch instead of one (:meth:`batch_threads`).
         dim: Parameters ``D``.
         keep: Eigenpairs (or sketch columns) kept while fitting, ``rank +
             oversampling`` unless ``solver="auto"`` chose a larger sketch.
         sketch_dtype: The dtype a sketch accumulates in (``None``: the factors').
+        widen: A float32 sketch that may be redone in float64 (its float64 ``D x l``
+            matrix fits the budget's share) if its kept eigenvalues are not clear of
+            its rounding (:meth:`~lowrank_laplace.fitting.sketch.SketchMerge.resolves`).
     """
 
     path: str
@@ -92,6 +99,20 @@ class FitPlan:
     dim: int
     keep: int = 0
     sketch_dtype: Optional[torch.dtype] = None
+    widen: bool = False
+    idle_cores: bool = False
+
+    def batch_threads(self) -> Optional[int]:
+        """CPU threads for the batch loop now (``None``: the user's setting).
+
+        ``threads``, except for a small sketch fit: as many as cores are idle now, at
+        least one (:func:`~lowrank_laplace.utils.threads.idle_core_threads`). Its
+        products are large enough that a second idle core nearly halves them, and
+        small enough that waiting for a busy core costs more than they do.
+        """
+        if self.idle_cores and self.threads is not None:
+            return idle_core_threads()
+        return self.threads
 
 
 def merge_plan(engine: Any, X: Any, mc_samples: int, batch_size: int, num_data: int,
@@ -152,7 +173,8 @@ def plan_fit(engine: Any, X: Any, *, batch_size: int, num_data: int, keep: int,
              mc_samples: int, subsample_fraction: Optional[float],
              memory_budget: Union[int, float, None], micro_batch_size: Optional[int],
              low_memory: bool, solver: str, dense_max_dim: Optional[int],
-             process_group: Any = None, rank: Optional[int] = None) -> FitPlan:
+             process_group: Any = None, rank: Optional[int] = None,
+             wide_sketch: bool = False) -> FitPlan:
     """Decide the fit's path and sizes from its first batch.
 
     The dense sum is chosen by :func:`~lowrank_laplace.fitting.cost.choose_dense`;
@@ -177,6 +199,9 @@ def plan_fit(engine: Any, X: Any, *, batch_size: int, num_data: int, keep: int,
             (``0``: never dense; ``None``: only the cost model decides).
         process_group: ``torch.distributed`` group (``None``: this process alone).
         rank: Eigenpairs kept in the end (``None``: ``keep``; only ``"auto"`` reads it).
+        wide_sketch: Accumulate a float32 sketch in float64 where that fits (the
+            second pass of a sketch whose float32 pass did not resolve its
+            eigenvalues); otherwise a sketch accumulates in the factors' dtype first.
 
     Returns:
         The plan.
@@ -222,12 +247,14 @@ def plan_fit(engine: Any, X: Any, *, batch_size: int, num_data: int, keep: int,
     small = path != "dense" and _small_fit(
         path, cols, keep, dim, engine.dense_param_count(), samples, chunk,
         min(micro, batch_size) * entries)
+    wide = _sketch_dtype(path, params[0].dtype, dim, keep, budget, low_memory)
     return FitPlan(
         path=path, micro=micro, chunk=chunk, low_memory=low_memory,
         lazy=dim >= LAZY_MIN_DIM_PER_EIGENPAIR * keep,
         threads=1 if small and batch_device(X).type == "cpu" else None,
-        dim=dim, keep=keep,
-        sketch_dtype=_sketch_dtype(path, params[0].dtype, dim, keep, budget, low_memory),
+        idle_cores=small and path == "sketch",
+        dim=dim, keep=keep, sketch_dtype=wide if wide_sketch else None,
+        widen=wide is not None and not wide_sketch,
     )
 
 
@@ -289,7 +316,11 @@ def choose_solver(engine: Any, X: Any, rank: int, keep: int, mc_samples: int,
 
 def _sketch_dtype(path: str, dtype: torch.dtype, dim: int, keep: int, budget: int,
                   low_memory: bool) -> Optional[torch.dtype]:
-    """float64 for a sketch of float32 factors whose float64 ``D x l`` matrix is small."""
+    """float64 for a sketch of float32 factors whose float64 ``D x l`` matrix is small.
+
+    ``None`` elsewhere (float64 factors, other paths, low-memory passes, which project
+    in the factors' dtype).
+    """
     if path != "sketch" or low_memory or dtype == torch.float64:
         return None
     return torch.float64 if dim * keep * 8 <= WIDE_SKETCH_SHARE * budget else None

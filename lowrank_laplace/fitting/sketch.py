@@ -49,13 +49,15 @@ Properties:
   is claimed, but the kept trace stayed within half a point of a Gaussian test
   matrix's on the benchmarks' MLP, sklearn digits, DeepOBS 3c3d and 2c2d
   (``benchmarks/bench_sketch_test_matrix.py``), and the bound above held in the tests.
-- **Accumulated in float64 where it is small**: ``accumulate=torch.float64`` holds
+- **Widened to float64 where float32 rounds**: ``accumulate=torch.float64`` holds
   :math:`\Omega`, :math:`Y` and the products with float32 factors in float64 (the
   factors' blocks are widened per pass), so a float32 model's sketch resolves the
   eigenvalues below ``eps32 * lambda_max`` that a float32 :math:`Y` rounds away; the
-  eigenvectors are rounded to the factors' dtype once, at the end. The fit's plan
-  asks for it where the ``D x l`` float64 matrix is small against the memory budget
-  (:data:`~lowrank_laplace.fitting.plan.WIDE_SKETCH_SHARE`).
+  eigenvectors are rounded to the factors' dtype once, at the end. It costs about
+  twice the float32 sketch, so a fit sketches in float32 first and redoes the pass in
+  float64 only when a kept eigenvalue is within ``RESOLVED_RATIO`` of the rounding
+  shift (:meth:`SketchMerge.resolves`) and the ``D x l`` float64 matrix is small
+  against the memory budget (:data:`~lowrank_laplace.fitting.plan.WIDE_SKETCH_SHARE`).
 - **Linear in the data**: sketches of several processes (same :math:`\Omega`) simply
   add, so data-parallel fits all-reduce ``Y`` and equal the single-process sketch.
 
@@ -83,6 +85,10 @@ from lowrank_laplace.utils.linalg import rotate, sym_eigh
 #: (docs/benchmarks/design_measurements.md).
 _KRON_SAMPLES = 256
 _KRON_BYTES = 64 * 2**20
+#: A float32 sketch keeps its eigenpairs when every kept eigenvalue is this many times
+#: its rounding shift ``nu`` (accurate to ~0.1%); else the fit redoes it in float64
+#: (:meth:`SketchMerge.resolves`).
+RESOLVED_RATIO = 1e3
 
 
 class SketchMerge(Solver):
@@ -301,6 +307,28 @@ class SketchMerge(Solver):
             dist.all_reduce(self.diagonal, group=group)
 
     # ---------------------------------------------------------------- finalising
+    def resolves(self, ratio: Optional[float] = None) -> bool:
+        """Whether every kept eigenvalue is ``ratio`` times clear of the rounding shift.
+
+        The Nyström eigenvalues carry rounding of the order of the shift ``nu``
+        (``~2 eps ||Y||_F``), so those above ``ratio * nu`` are accurate to about
+        ``1 / ratio``; a float32 sketch that fails this is redone in float64 by the fit.
+        Finalises the sketch.
+
+        Args:
+            ratio: Smallest admissible ``lambda_kept / nu`` (``None``:
+                :data:`RESOLVED_RATIO`).
+
+        Returns:
+            ``True`` also when nothing was kept.
+        """
+        self._finalize_sketch()
+        lam = self.eigenvalues
+        if lam is None or lam.numel() == 0 or self.shift is None:
+            return True
+        ratio = RESOLVED_RATIO if ratio is None else ratio
+        return float(lam[: self.rank].min()) >= ratio * self.shift
+
     @property
     def eigenvectors(self) -> Optional[Tensor]:
         """The leading orthonormal eigenvectors of the sketch's approximation."""

@@ -52,6 +52,8 @@ class BatchStreamer:
         sketch_seed: Seed of a sketch's test matrix (the same on every process).
         process_group: ``torch.distributed`` group whose processes must take the
             same path (``None``: this process alone).
+        wide_sketch: Accumulate a float32 sketch in float64 where it fits (see
+            :func:`plan_fit`).
 
     Attributes:
         plan: The :class:`FitPlan` (``None`` before the first batch).
@@ -64,7 +66,7 @@ class BatchStreamer:
                  micro_batch_size: Optional[int], track_diagonal: bool, low_memory: bool,
                  solver: str = "streaming", dense_max_dim: Optional[int] = 0,
                  test_matrix: str = "kronecker", sketch_seed: int = 0,
-                 process_group: Any = None):
+                 process_group: Any = None, wide_sketch: bool = False):
         self.engine, self.scale = engine, scale
         self.rank, self.oversampling = rank, oversampling
         self.mc_samples, self.fraction = mc_samples, subsample_fraction
@@ -72,7 +74,7 @@ class BatchStreamer:
         self.track_diagonal, self.low_memory = track_diagonal, low_memory
         self.requested, self.dense_max_dim = solver, dense_max_dim
         self.test_matrix, self.sketch_seed = test_matrix, sketch_seed
-        self.group = process_group
+        self.group, self.wide_sketch = process_group, wide_sketch
         self.generator = torch.Generator().manual_seed(seed)  # sub-sampling
         self.rng = PrivateRNG(seed, device)  # MC draws
         self.plan: Optional[FitPlan] = None
@@ -95,6 +97,7 @@ class BatchStreamer:
             memory_budget=self.budget, micro_batch_size=self.cap,
             low_memory=self.low_memory, solver=self.requested,
             dense_max_dim=self.dense_max_dim, process_group=self.group, rank=self.rank,
+            wide_sketch=self.wide_sketch,
         )
         params = [p for p in self.engine.model.parameters() if p.requires_grad]
         self.solver = make_solver(self.plan, self.rank, self.oversampling, self.track_diagonal,
@@ -114,7 +117,7 @@ class BatchStreamer:
         """
         if self.plan is None:
             self._start(X, len(y), num_data)
-        with cpu_threads(self.plan.threads):
+        with cpu_threads(self.plan.batch_threads()):
             return self._add(X, y)
 
     def _add(self, X: Any, y: Tensor) -> Tensor:
@@ -170,7 +173,7 @@ class BatchStreamer:
     def flush(self) -> None:
         """Merge the pending micro-batch factors as one."""
         if self.pending:
-            with cpu_threads(self.plan.threads):
+            with cpu_threads(self.plan.batch_threads()):
                 self.solver.add_factor(concat_factors(self.pending, self.pending_scales),
                                        scale=self.scale)
             self.pending.clear()

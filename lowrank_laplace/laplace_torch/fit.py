@@ -227,20 +227,15 @@ def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Iterable,
     device = params[0].device if device is None else device
     mean = parameters_to_vector(params).detach()
     group = resolve_process_group(process_group)
-    stream, loss, seen, probe = _stream(model, likelihood, loader, options, to_inputs,
-                                        dict_key_y, device, group, known, progress_bar)
+    args = (model, likelihood, loader, options, to_inputs, dict_key_y, device, group, known,
+            progress_bar, mean.dtype)
+    stream, loss, num_data, probe = _stream_and_merge(*args)
+    if stream.plan.widen and not _resolved(stream):
+        # the float32 sketch rounded a kept eigenvalue: one more pass, in float64
+        stream, loss, num_data, probe = _stream_and_merge(*args, wide_sketch=True)
+    _warn_low_precision_sketch(stream, params[0].dtype)
     solver = stream.solver
-    _warn_low_precision_sketch(stream.plan, params[0].dtype)
-    num_data = seen if known is None else known
-    if group is not None:
-        import torch.distributed as dist
-
-        solver.merge_across(group)
-        totals = torch.stack([torch.as_tensor(loss, dtype=mean.dtype, device=device),
-                              torch.tensor(float(seen), dtype=mean.dtype, device=device)])
-        dist.all_reduce(totals, group=group)
-        loss, num_data = totals[0], int(totals[1])
-    with cpu_threads(stream.plan.threads):  # one thread for a small fit's batch loop too
+    with cpu_threads(stream.plan.batch_threads()):  # as for a small fit's batch loop
         U, lam, trace, residual = solver.result()
         if previous is not None:
             U, lam, trace, residual = _merge_fits(options, previous, (U, lam, trace, residual))
@@ -258,8 +253,33 @@ def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Iterable,
     )
 
 
+def _stream_and_merge(model, likelihood, loader, options, to_inputs, dict_key_y, device,
+                      group, known, progress_bar, dtype, wide_sketch=False):
+    """Stream the loader and merge across processes: streamer, loss, samples, probe."""
+    stream, loss, seen, probe = _stream(model, likelihood, loader, options, to_inputs,
+                                        dict_key_y, device, group, known, progress_bar,
+                                        wide_sketch)
+    num_data = seen if known is None else known
+    if group is not None:
+        import torch.distributed as dist
+
+        stream.solver.merge_across(group)
+        totals = torch.stack([torch.as_tensor(loss, dtype=dtype, device=device),
+                              torch.tensor(float(seen), dtype=dtype, device=device)])
+        dist.all_reduce(totals, group=group)
+        loss, num_data = totals[0], int(totals[1])
+    return stream, loss, num_data, probe
+
+
+def _resolved(stream: BatchStreamer) -> bool:
+    """Whether a float32 sketch's kept eigenvalues are clear of its rounding."""
+    with cpu_threads(stream.plan.batch_threads()):
+        return stream.solver.resolves()
+
+
 def _stream(model, likelihood, loader, options, to_inputs, dict_key_y, device, group,
-            num_data, progress_bar) -> Tuple[BatchStreamer, Any, int, Tuple[List[Any], Any]]:
+            num_data, progress_bar, wide_sketch=False
+            ) -> Tuple[BatchStreamer, Any, int, Tuple[List[Any], Any]]:
     """Stream the loader: the streamer (solver filled), loss, samples, and the probe.
 
     The probe is the spectral residual's inputs and the most vectors per input its
@@ -280,7 +300,7 @@ def _stream(model, likelihood, loader, options, to_inputs, dict_key_y, device, g
             track_diagonal=options.track_diagonal, low_memory=options.low_memory,
             solver=options.solver.value, dense_max_dim=options.dense_max_dim,
             test_matrix=options.sketch_test_matrix.value, sketch_seed=options.seed,
-            process_group=group,
+            process_group=group, wide_sketch=wide_sketch,
         )
         pbar = tqdm.tqdm(loader, disable=not progress_bar,
                          desc="[lowrank_ggn: merging GGN factors]")
@@ -315,20 +335,24 @@ def _stream(model, likelihood, loader, options, to_inputs, dict_key_y, device, g
     return stream, loss, seen, (probe, cap)
 
 
-def _warn_low_precision_sketch(plan: Any, dtype: torch.dtype) -> None:
-    """Say that a sketch accumulated below float64 lost the small eigenvalues.
+def _warn_low_precision_sketch(stream: BatchStreamer, dtype: torch.dtype) -> None:
+    """Say that a float32 sketch rounded away small kept eigenvalues.
 
-    A float32 model's sketch accumulates in float64 where its ``D x l`` matrix is small
-    against the memory budget (:func:`~lowrank_laplace.fitting.plan.plan_fit`); this
-    warns only where it did not (a large sketch, or a low-memory fit).
+    A float32 model's sketch is redone in float64 where its ``D x l`` float64 matrix
+    is small against the memory budget (:func:`~lowrank_laplace.fitting.plan.plan_fit`);
+    this warns only where it could not be (a large sketch, or a low-memory fit).
     """
-    if plan.path == "sketch" and dtype != torch.float64 and plan.sketch_dtype is None:
+    plan = stream.plan
+    if plan.path != "sketch" or dtype == torch.float64 or plan.sketch_dtype is not None:
+        return
+    if not _resolved(stream):
         warnings.warn(
             f"solver='sketch' accumulated its sketch in {dtype} (its float64 D x l matrix "
-            "exceeds a quarter of memory_budget, or low_memory=True): eigenvalues below "
-            "about eps * lambda_max are lost, and variances in weakly determined "
-            "directions can be far off at small prior precisions. solver='streaming', "
-            "a larger memory_budget (or a float64 model) resolves them.",
+            "exceeds a quarter of memory_budget, or low_memory=True) and rounded kept "
+            "eigenvalues: eigenvalues below about eps * lambda_max are lost, and "
+            "variances in weakly determined directions can be far off at small prior "
+            "precisions. solver='streaming', a larger memory_budget (or a float64 "
+            "model) resolves them.",
             UserWarning, stacklevel=4,
         )
 

@@ -100,8 +100,8 @@ class LowRankOptions:
             or ``"auto"`` (the first of these that takes the model).
         solver: ``"auto"`` (default: a one-pass sketch with ``3 * rank`` columns
             (or ``rank + oversampling`` if more) where the cost model finds it cheaper
-            than streaming merges and its ``D x l`` matrix accumulates in float64
-            within a quarter of ``memory_budget``, else streaming merges; low-memory
+            than streaming merges and its ``D x l`` float64 matrix fits a quarter of
+            ``memory_budget``, else streaming merges; low-memory
             and data-parallel fits stream), ``"streaming"`` (truncated merges,
             :class:`~lowrank_laplace.fitting.StreamingMerge`) or ``"sketch"``
             (approximate: a one-pass randomized Nyström sketch with ``rank +
@@ -112,8 +112,10 @@ class LowRankOptions:
             none applies when the fit sums densely. Where a single streaming merge
             of all the data's columns fits the merge plan, a sketch takes that
             merge instead: it multiplies ``V`` once where the sketch multiplies it
-            twice, and it is the exact truncation. A float32 model's sketch
-            accumulates in float64 where that fits a quarter of the budget.
+            twice, and it is the exact truncation. A float32 model's sketch is
+            accumulated in float32 and redone in float64 (a second pass over the
+            loader) if a kept eigenvalue came within 1,000 times its rounding shift,
+            where the float64 matrix fits a quarter of the budget; else it warns.
         dense_max_dim: The fit sums the GGN densely and eigendecomposes it once
             (exact) when the ``D x D`` matrix fits ``memory_budget`` and the cost
             model finds it cheaper than streaming, and also, up to this many

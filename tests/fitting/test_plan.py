@@ -118,7 +118,7 @@ def test_auto_sums_densely_exactly_where_streaming_would():
         assert auto.path == "sketch"  # D = 3,760, 1,400 samples: dense is the dearest
 
 
-def test_a_float32_sketch_accumulates_in_float64_where_it_fits():
+def test_a_float32_sketch_is_widened_to_float64_on_its_second_pass_where_it_fits():
     from lowrank_laplace.fitting import plan as plan_module
 
     torch.manual_seed(0)
@@ -128,18 +128,25 @@ def test_a_float32_sketch_accumulates_in_float64_where_it_fits():
     dim = 5 * 6 + 6 + 6 * 4 + 4
     share = plan_module.WIDE_SKETCH_SHARE
     with engine:
-        wide = _plan(engine, X, solver="sketch", micro_batch_size=2)
-        narrow = _plan(engine, X, solver="sketch", micro_batch_size=2,
+        first = _plan(engine, X, solver="sketch", micro_batch_size=2)
+        wide = _plan(engine, X, solver="sketch", micro_batch_size=2, wide_sketch=True)
+        narrow = _plan(engine, X, solver="sketch", micro_batch_size=2, wide_sketch=True,
                        memory_budget=int(dim * 12 * 8 / share) - 1)
         low = _plan(engine, X, solver="sketch", micro_batch_size=2, low_memory=True)
-    assert wide.path == narrow.path == low.path == "sketch"
-    assert wide.sketch_dtype == torch.float64 and narrow.sketch_dtype is None
-    assert low.sketch_dtype is None  # recomputed passes project in the factors' dtype
+    assert first.path == wide.path == narrow.path == low.path == "sketch"
+    # float32 first, float64 on the second pass where it fits
+    assert first.sketch_dtype is None and first.widen
+    assert wide.sketch_dtype == torch.float64 and not wide.widen
+    assert narrow.sketch_dtype is None and not narrow.widen
+    assert low.sketch_dtype is None and not low.widen  # recomputed passes: factors' dtype
     assert make_solver(wide, 10, 2, False).accumulate == torch.float64
+    assert make_solver(first, 10, 2, False).accumulate is None
 
 
 @pytest.mark.parametrize("limit, threads", [(None, 1), (1, None)])
-def test_small_sketch_fits_run_on_one_thread(monkeypatch, limit, threads):
+def test_small_sketch_fits_take_the_idle_cores(monkeypatch, limit, threads):
+    """A small sketch fit runs on the cores idle at each batch, at least one; a large
+    one on the user's threads."""
     from lowrank_laplace.fitting import plan as plan_module
 
     if limit is not None:
@@ -147,4 +154,11 @@ def test_small_sketch_fits_run_on_one_thread(monkeypatch, limit, threads):
     engine, X = _engine_and_batch()
     with engine:
         sketch = _plan(engine, X, solver="sketch", micro_batch_size=2)
+        streaming = _plan(engine, X)
     assert sketch.path == "sketch" and sketch.threads == threads
+    assert sketch.idle_cores == (threads == 1)
+    assert streaming.threads == 1 and not streaming.idle_cores  # small merges: one thread
+    assert streaming.batch_threads() == 1
+    for idle in (1, None):
+        monkeypatch.setattr(plan_module, "idle_core_threads", lambda idle=idle: idle)
+        assert sketch.batch_threads() == (idle if threads == 1 else None)

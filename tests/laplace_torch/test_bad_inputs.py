@@ -201,9 +201,14 @@ def test_last_layer_text_prior_is_refused_at_construction():
         LowRankGGNLLLaplace(_mlp(), "classification", prior_precision="1.0")
 
 
-def test_a_float32_sketch_says_what_it_loses_only_where_it_stays_float32(recwarn):
-    """A small float32 sketch accumulates in float64 (silently); one whose float64
-    ``D x l`` matrix exceeds a quarter of the budget stays float32 and says so."""
+def test_a_float32_sketch_says_what_it_loses_only_where_it_stays_float32(recwarn,
+                                                                        monkeypatch):
+    """A float32 sketch whose kept eigenvalues are clear of its rounding stays float32,
+    one that rounded them is redone in float64 (silently); where the float64 ``D x l``
+    matrix exceeds a quarter of the budget it stays float32 and says so."""
+    from lowrank_laplace.fitting import sketch
+
+    monkeypatch.setattr(sketch, "RESOLVED_RATIO", 1e30)  # every float32 sketch rounds
     model = _mlp().float()
     X, y = _data()
     loader = DataLoader(TensorDataset(X.float(), y), batch_size=8)

@@ -193,3 +193,50 @@ def test_full_rank_posterior_variance_at_tiny_prior():
         torch.testing.assert_close(variances[dtype], dense, rtol=1e-4, atol=0)
     torch.testing.assert_close(variances[torch.float32], variances[torch.float64],
                                rtol=1e-3, atol=0)
+
+
+def _record_passes(monkeypatch):
+    """The plans of the fit's passes over the loader, in order."""
+    from lowrank_laplace.laplace_torch import fit as fit_module
+
+    plans, stream = [], fit_module._stream
+
+    def recorded(*args, **kwargs):
+        out = stream(*args, **kwargs)
+        plans.append(out[0].plan)
+        return out
+
+    monkeypatch.setattr(fit_module, "_stream", recorded)
+    return plans
+
+
+def test_a_float32_sketch_that_rounds_kept_eigenvalues_is_redone_in_float64(example,
+                                                                            monkeypatch):
+    """The example's spectrum spans ten decades: its float32 sketch rounds the smallest
+    kept eigenvalues, so the fit passes over the data again, accumulating in float64
+    (and is then as accurate as the float64 model's sketch, see above)."""
+    plans = _record_passes(monkeypatch)
+    la = _laplace(example, torch.float32, "lowrank_ggn", dense_max_dim=0, solver="sketch",
+                  micro_batch_size=32)
+    assert la.fit_path == "sketch" and la.H[0].dtype == torch.float32
+    assert [(p.sketch_dtype, p.widen) for p in plans] == [(None, True),
+                                                          (torch.float64, False)]
+
+
+def test_a_float32_sketch_clear_of_its_rounding_is_kept_after_one_pass(monkeypatch):
+    """A spectrum well above float32 rounding: one float32 pass, eigenvalues as a float64
+    model's (the GGN's rank, 12, is below the sketch's 15 columns: both are exact)."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    X, y = torch.randn(4, 5, dtype=torch.float64), torch.tensor([0, 1, 2, 1])
+    lams = {}
+    for dtype in (torch.float64, torch.float32):
+        plans = _record_passes(monkeypatch)
+        la = Laplace(copy.deepcopy(model).to(dtype), "classification", subset_of_weights="all",
+                     hessian_structure="lowrank_ggn", rank=5, oversampling=10, solver="sketch",
+                     micro_batch_size=2, dense_max_dim=0)
+        la.fit(DataLoader(TensorDataset(X.to(dtype), y), batch_size=2))
+        assert la.fit_path == "sketch" and len(plans) == 1
+        lams[dtype] = la.H[1].double()
+    assert plans[0].widen and plans[0].sketch_dtype is None
+    torch.testing.assert_close(lams[torch.float32], lams[torch.float64], rtol=1e-4, atol=0)
