@@ -28,7 +28,7 @@ Shape glossary:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -114,6 +114,7 @@ class LayerTails:
     index: Tensor
     zeros: Tensor
     weights: Tensor
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, eigenvectors: Tensor, eigenvalues: Tensor, mass: float,
@@ -211,6 +212,8 @@ class LayerTails:
             :math:`\sum_l \big(\sum_j \log(h t_{l,j} + \delta_l) + z_l \log\delta_l\big)`,
             float64.
         """
+        if self.num_layers == 1:
+            return self._whole_shift(scale, prior, exponent, device)
         delta = self.layer_means(prior.to(WIDE))
         scale = torch.as_tensor(scale).to(device=device, dtype=WIDE)
         index = self.index.to(device)
@@ -231,3 +234,32 @@ class LayerTails:
         logdet = (count * torch.log(tail + delta[index])).sum() \
             + (zeros * torch.log(delta)).sum()
         return rho, logdet
+
+    def _whole_shift(self, scale: Tensor, prior: Tensor, exponent: float,
+                     device: torch.device) -> Tuple[Tensor, Tensor]:
+        """:meth:`shift` of one layer: plain sums, the prior-free factors computed once.
+
+        A marglik step evaluates it (and its gradient) every time, so it keeps few
+        operations on the ``m`` tail eigenvalues.
+        """
+        key = (float(exponent), str(device))
+        if key not in self._cache:
+            raw = self.tail.to(device=device, dtype=WIDE)
+            count = self.weights.to(device)[0]
+            weight = None
+            if exponent > 0 and raw.numel() and float(raw.max()) > 0:
+                weight = (raw / raw.max()) ** exponent
+            self._cache[key] = (raw, count, weight, self.zeros.to(device)[0])
+        raw, count, weight, zeros = self._cache[key]
+        delta = prior.to(WIDE).mean().to(device)
+        tail = torch.as_tensor(scale).to(device=device, dtype=WIDE) * raw
+        shifted = tail + delta
+        inverse = 1 / shifted
+        if weight is not None:
+            num, den = (weight * tail * inverse).sum(), (weight * inverse).sum()
+            rho = torch.where(den > 0, num / den.clamp(min=torch.finfo(WIDE).tiny),
+                              torch.zeros_like(den))
+        else:
+            rho = count * (tail * inverse).sum() / (count * inverse.sum() + zeros / delta)
+        logdet = count * torch.log(shifted).sum() + zeros * torch.log(delta)
+        return rho.reshape(1), logdet

@@ -59,7 +59,7 @@ Shape glossary:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -149,6 +149,7 @@ class Residual:
     tail: Optional[Tensor] = None
     exponent: float = 0.0
     layers: Optional[LayerTails] = None
+    _whole: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_fit(cls, model: str, eigenvalues: Tensor, trace: Tensor, dim: int,
@@ -307,6 +308,8 @@ class Residual:
             ``rho`` and :math:`\sum_i \log(t_i + \delta)` over all ``D - r`` dropped
             directions, both float64 scalars.
         """
-        whole = LayerTails.whole(self.tail, self.dim, num)  # one layer: the network
+        whole = self._whole.get(num)
+        if whole is None:  # one layer, the network; kept with its prior-free factors
+            whole = self._whole[num] = LayerTails.whole(self.tail, self.dim, num)
         rho, logdet = whole.shift(scale, prior, self.exponent, device)
         return rho[0], logdet
