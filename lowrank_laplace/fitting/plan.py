@@ -209,8 +209,7 @@ def plan_fit(engine: Any, X: Any, *, batch_size: int, num_data: int, keep: int,
     sizes = dict(budget=memory_budget, cap=micro_batch_size)
     budget = resolve_memory_budget(memory_budget, batch_device(X))
     params = [p for p in engine.model.parameters() if p.requires_grad]
-    # the dense sum and streaming merges keep rank + oversampling; under "auto" the
-    # dense sum competes with streaming, as before "auto" existed
+    # dense sums and merges keep rank + oversampling; under "auto" dense competes with streaming
     asked, rival = keep, "streaming" if solver == "auto" else solver
     if solver == "auto":
         solver, keep = choose_solver(engine, X, rank or keep, keep, mc_samples, batch_size,
@@ -228,11 +227,9 @@ def plan_fit(engine: Any, X: Any, *, batch_size: int, num_data: int, keep: int,
         # low-memory merges never span loader batches: one must hold the data
         single = streaming[1] >= samples and (
             not low_memory or min(batch_size, streaming[0]) >= samples)
-    # a streaming rival is costed with streaming's merges, not the sketch's
-    dense = cost.choose_dense(
+    dense = cost.choose_dense(  # a streaming rival merges as streaming, not as the sketch
         dim, cols, asked, engine.dense_param_count(), samples, streaming[1],
-        budget, params[0].element_size(), dense_max_dim, rival,
-    )
+        budget, params[0].element_size(), dense_max_dim, rival)
     if process_group is not None:
         dense, single = _agree(process_group, X, dense, single)
     path = "dense" if dense else solver
@@ -243,16 +240,25 @@ def plan_fit(engine: Any, X: Any, *, batch_size: int, num_data: int, keep: int,
         low_memory = False
         micro, chunk = merge_plan(engine, X, mc_samples, batch_size, num_data, keep,
                                   solver=solver, **sizes)
-    entries = engine.bytes_per_sample(X, mc_samples or None) // params[0].element_size()
-    small = path != "dense" and _small_fit(
-        path, cols, keep, dim, engine.dense_param_count(), samples, chunk,
-        min(micro, batch_size) * entries)
-    wide = _sketch_dtype(path, params[0].dtype, dim, keep, budget, low_memory)
+    pass_entries = min(micro, batch_size) * (
+        engine.bytes_per_sample(X, mc_samples or None) // params[0].element_size())
+    small = path != "dense" and _small_fit(path, cols, keep, dim, engine.dense_param_count(),
+                                           samples, chunk, pass_entries)
+    return _frozen_plan(path, micro, chunk, low_memory, keep, dim, small,
+                        batch_device(X).type == "cpu",
+                        _sketch_dtype(path, params[0].dtype, dim, keep, budget, low_memory),
+                        wide_sketch)
+
+
+def _frozen_plan(path: str, micro: int, chunk: int, low_memory: bool, keep: int, dim: int,
+                 small: bool, cpu: bool, wide: Optional[torch.dtype],
+                 wide_sketch: bool) -> FitPlan:
+    """The :class:`FitPlan` of :func:`plan_fit`'s decisions (``wide``: a float32
+    sketch's float64 dtype where it fits, taken on the wide pass)."""
     return FitPlan(
         path=path, micro=micro, chunk=chunk, low_memory=low_memory,
         lazy=dim >= LAZY_MIN_DIM_PER_EIGENPAIR * keep,
-        threads=1 if small and batch_device(X).type == "cpu" else None,
-        idle_cores=small and path == "sketch",
+        threads=1 if small and cpu else None, idle_cores=small and path == "sketch",
         dim=dim, keep=keep, sketch_dtype=wide if wide_sketch else None,
         widen=wide is not None and not wide_sketch,
     )
