@@ -162,3 +162,23 @@ def test_small_sketch_fits_take_the_idle_cores(monkeypatch, limit, threads):
     for idle in (1, None):
         monkeypatch.setattr(plan_module, "idle_core_threads", lambda idle=idle: idle)
         assert sketch.batch_threads() == (idle if threads == 1 else None)
+
+
+@pytest.mark.parametrize("chunk", [None, 40], ids=["whole", "sliced"])
+def test_dense_sum_of_a_factor_is_v_v_transposed(monkeypatch, chunk):
+    """The dense sum expands ``V`` from its blocks (factored and explicit), in slices of
+    samples where it is large, and adds exactly ``scale V V^T`` and its trace."""
+    from lowrank_laplace.fitting import dense as dense_module
+
+    if chunk is not None:
+        monkeypatch.setattr(dense_module, "_WIDE_CHUNK", chunk)
+    engine, X = _engine_and_batch(n=7)
+    y = torch.tensor([0, 1, 2, 3, 0, 1, 2])
+    with engine:
+        factor = engine.compute(X, y, gradient=False)
+    eye = torch.eye(factor.num_columns, dtype=torch.float64)
+    V = factor.matmul(eye)  # (D, M), the explicit factor
+    solver = DenseSum(rank=10)
+    solver.add_factor(factor, scale=0.5)
+    torch.testing.assert_close(solver._dense, 0.5 * V @ V.T, **TOL)
+    torch.testing.assert_close(solver.trace, 0.5 * (V**2).sum(), **TOL)
