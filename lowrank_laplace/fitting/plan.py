@@ -253,8 +253,10 @@ def plan_fit(engine: Any, X: Any, *, batch_size: int, num_data: int, keep: int,
 def _frozen_plan(path: str, micro: int, chunk: int, low_memory: bool, keep: int, dim: int,
                  small: bool, cpu: bool, wide: Optional[torch.dtype],
                  wide_sketch: bool) -> FitPlan:
-    """The :class:`FitPlan` of :func:`plan_fit`'s decisions (``wide``: a float32
-    sketch's float64 dtype where it fits, taken on the wide pass)."""
+    """The :class:`FitPlan` of :func:`plan_fit`'s decisions.
+
+    ``wide`` is a float32 sketch's float64 dtype where it fits, taken on the wide pass.
+    """
     return FitPlan(
         path=path, micro=micro, chunk=chunk, low_memory=low_memory,
         lazy=dim >= LAZY_MIN_DIM_PER_EIGENPAIR * keep,
