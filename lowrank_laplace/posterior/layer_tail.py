@@ -196,10 +196,10 @@ class LayerTails:
               device: torch.device) -> Tuple[Tensor, Tensor]:
         r"""Each layer's shift :math:`\rho_l` and the tails' total log-determinant.
 
-        The global model's formulas (see
-        :meth:`~lowrank_laplace.posterior.Residual._spectral_shift`) on each layer's
-        tail with that layer's mean prior, in float64 and differentiable in ``scale``
-        and ``prior``.
+        The spectral model's formulas on each layer's tail with that layer's mean
+        prior, in float64 and differentiable in ``scale`` and ``prior``; the
+        network-wide model is the one-layer case
+        (:meth:`~lowrank_laplace.posterior.Residual._spectral_shift`).
 
         Args:
             scale: ``h``.
@@ -212,54 +212,38 @@ class LayerTails:
             :math:`\sum_l \big(\sum_j \log(h t_{l,j} + \delta_l) + z_l \log\delta_l\big)`,
             float64.
         """
-        if self.num_layers == 1:
-            return self._whole_shift(scale, prior, exponent, device)
+        index, raw, zeros, count, weight = self._prior_free(exponent, device)
         delta = self.layer_means(prior.to(WIDE))
-        scale = torch.as_tensor(scale).to(device=device, dtype=WIDE)
-        index = self.index.to(device)
-        raw = self.tail.to(device=device, dtype=WIDE)
-        tail = scale * raw
-        inverse = 1 / (tail + delta[index])
-        zeros = self.zeros.to(device)
-        count = self.weights.to(device)[index]  # directions each eigenvalue stands for
+        tail = torch.as_tensor(scale).to(device=device, dtype=WIDE) * raw
+        shifted = tail + delta[index]
+        inverse = 1 / shifted
         empty = torch.zeros(self.num_layers, dtype=WIDE, device=device)
-        if exponent > 0 and raw.numel() and float(raw.max()) > 0:
-            weight = (raw / raw.max()) ** exponent
+        if weight is not None:
             num = empty.index_add(0, index, weight * tail * inverse)
             den = empty.index_add(0, index, weight * inverse)
             rho = torch.where(den > 0, num / den.clamp(min=torch.finfo(WIDE).tiny), empty)
         else:
             num = empty.index_add(0, index, count * tail * inverse)
             rho = num / (empty.index_add(0, index, count * inverse) + zeros / delta)
-        logdet = (count * torch.log(tail + delta[index])).sum() \
-            + (zeros * torch.log(delta)).sum()
+        logdet = (count * torch.log(shifted)).sum() + (zeros * torch.log(delta)).sum()
         return rho, logdet
 
-    def _whole_shift(self, scale: Tensor, prior: Tensor, exponent: float,
-                     device: torch.device) -> Tuple[Tensor, Tensor]:
-        """:meth:`shift` of one layer: plain sums, the prior-free factors computed once.
+    def _prior_free(self, exponent: float, device: torch.device) -> Tuple[Tensor, ...]:
+        """:meth:`shift`'s factors that no prior changes, formed once per device.
 
-        A marglik step evaluates it (and its gradient) every time, so it keeps few
-        operations on the ``m`` tail eigenvalues.
+        A marglik step evaluates :meth:`shift` (and its gradient) every time.
+
+        Returns:
+            The tail's layer index, its eigenvalues, the layers' zero directions, the
+            directions each eigenvalue stands for, and the Jacobian weights (``None``
+            unweighted), on ``device``.
         """
         key = (float(exponent), str(device))
         if key not in self._cache:
-            raw = self.tail.to(device=device, dtype=WIDE)
-            count = self.weights.to(device)[0]
+            index, raw = self.index.to(device), self.tail.to(device=device, dtype=WIDE)
             weight = None
             if exponent > 0 and raw.numel() and float(raw.max()) > 0:
                 weight = (raw / raw.max()) ** exponent
-            self._cache[key] = (raw, count, weight, self.zeros.to(device)[0])
-        raw, count, weight, zeros = self._cache[key]
-        delta = prior.to(WIDE).mean().to(device)
-        tail = torch.as_tensor(scale).to(device=device, dtype=WIDE) * raw
-        shifted = tail + delta
-        inverse = 1 / shifted
-        if weight is not None:
-            num, den = (weight * tail * inverse).sum(), (weight * inverse).sum()
-            rho = torch.where(den > 0, num / den.clamp(min=torch.finfo(WIDE).tiny),
-                              torch.zeros_like(den))
-        else:
-            rho = count * (tail * inverse).sum() / (count * inverse.sum() + zeros / delta)
-        logdet = count * torch.log(shifted).sum() + zeros * torch.log(delta)
-        return rho.reshape(1), logdet
+            self._cache[key] = (index, raw, self.zeros.to(device),
+                                self.weights.to(device)[index], weight)
+        return self._cache[key]
