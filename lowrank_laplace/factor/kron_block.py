@@ -19,9 +19,8 @@ from torch import Tensor
 from lowrank_laplace.utils.linalg import stored_transposed
 
 #: Weights of at most this many entries add ``B^T y`` into a transposed output with one
-#: wide product instead of one product per column: 1.4-2.6x faster on CPU for the
-#: 64-50-50-10 MLP's layers, slower for a 784 x 128 layer
-#: (docs/benchmarks/design_measurements.md).
+#: wide product instead of one product per column: faster on CPU for small layers,
+#: slower for large ones (docs/benchmarks/design_measurements.md).
 _ONE_PRODUCT_MAX = 2**14
 
 if TYPE_CHECKING:

@@ -73,21 +73,22 @@ class DenseSum(Solver):
         """Add ``scale * V V^T`` of one group (the diagonal comes from the sum).
 
         Args:
-            factor: Batch factor (``V y`` products are all it needs).
+            factor: Batch factor (its blocks expanded; a recomputed one by ``V y``
+                products).
             group: Group index.
             scale: Non-negative factor applied to the batch's GGN.
         """
         self.num_merges += 1
-        if getattr(factor, "recomputed", False) or not hasattr(factor, "take_samples"):
+        if factor.recomputed:  # no blocks kept: V from its products with the identity
             like = factor.trace(group)  # the factor's dtype and device
             eye = torch.eye(factor.num_columns, dtype=like.dtype, device=like.device)
             self.add_trace_and_diagonal(self._add(factor.matmul(eye, group), scale), None)
             return
         # V expanded from its blocks, a slice of samples at a time (V times an M x M
-        # identity cost M^2 memory and a product per column: 9 s and 5 GB for 35,000)
+        # identity costs M^2 memory and a product per column;
+        # docs/benchmarks/design_measurements.md)
         samples = factor.num_curv_samples
-        per_sample = factor.group_dim(group) * max(1, factor.num_columns // max(samples, 1))
-        step = max(1, _WIDE_CHUNK // max(per_sample, 1))
+        step = max(1, _WIDE_CHUNK // max(factor.group_dim(group) * factor.num_vectors, 1))
         trace = factor.trace(group).new_zeros((), dtype=WIDE)
         for start in range(0, samples, step):
             part = factor if step >= samples else factor.take_samples(

@@ -230,10 +230,11 @@ def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Iterable,
     args = (model, likelihood, loader, options, to_inputs, dict_key_y, device, group, known,
             progress_bar, mean.dtype)
     stream, loss, num_data, probe = _stream_and_merge(*args)
-    if stream.plan.widen and not _resolved(stream):
-        # the float32 sketch rounded a kept eigenvalue: one more pass, in float64
-        stream, loss, num_data, probe = _stream_and_merge(*args, wide_sketch=True)
-    _warn_low_precision_sketch(stream, params[0].dtype)
+    if _rounded(stream, params[0].dtype):  # a float32 sketch rounded a kept eigenvalue
+        if stream.plan.widen:  # one more pass, in float64
+            stream, loss, num_data, probe = _stream_and_merge(*args, wide_sketch=True)
+        else:
+            _warn_low_precision_sketch(params[0].dtype)
     solver = stream.solver
     with cpu_threads(stream.plan.batch_threads()):  # as for a small fit's batch loop
         U, lam, trace, residual = solver.result()
@@ -271,10 +272,13 @@ def _stream_and_merge(model, likelihood, loader, options, to_inputs, dict_key_y,
     return stream, loss, num_data, probe
 
 
-def _resolved(stream: BatchStreamer) -> bool:
-    """Whether a float32 sketch's kept eigenvalues are clear of its rounding."""
-    with cpu_threads(stream.plan.batch_threads()):
-        return stream.solver.resolves()
+def _rounded(stream: BatchStreamer, dtype: torch.dtype) -> bool:
+    """Whether a sketch accumulated below float64 rounded its kept eigenvalues."""
+    plan = stream.plan
+    if plan.path != "sketch" or dtype == torch.float64 or plan.sketch_dtype is not None:
+        return False
+    with cpu_threads(plan.batch_threads()):
+        return not stream.solver.resolves()
 
 
 def _stream(model, likelihood, loader, options, to_inputs, dict_key_y, device, group,
@@ -335,26 +339,22 @@ def _stream(model, likelihood, loader, options, to_inputs, dict_key_y, device, g
     return stream, loss, seen, (probe, cap)
 
 
-def _warn_low_precision_sketch(stream: BatchStreamer, dtype: torch.dtype) -> None:
+def _warn_low_precision_sketch(dtype: torch.dtype) -> None:
     """Say that a float32 sketch rounded away small kept eigenvalues.
 
     A float32 model's sketch is redone in float64 where its ``D x l`` float64 matrix
     is small against the memory budget (:func:`~lowrank_laplace.fitting.plan.plan_fit`);
     this warns only where it could not be (a large sketch, or a low-memory fit).
     """
-    plan = stream.plan
-    if plan.path != "sketch" or dtype == torch.float64 or plan.sketch_dtype is not None:
-        return
-    if not _resolved(stream):
-        warnings.warn(
-            f"solver='sketch' accumulated its sketch in {dtype} (its float64 D x l matrix "
-            "exceeds a quarter of memory_budget, or low_memory=True) and rounded kept "
-            "eigenvalues: eigenvalues below about eps * lambda_max are lost, and "
-            "variances in weakly determined directions can be far off at small prior "
-            "precisions. solver='streaming', a larger memory_budget (or a float64 "
-            "model) resolves them.",
-            UserWarning, stacklevel=4,
-        )
+    warnings.warn(
+        f"solver='sketch' accumulated its sketch in {dtype} (its float64 D x l matrix "
+        "exceeds a quarter of memory_budget, or low_memory=True) and rounded kept "
+        "eigenvalues: eigenvalues below about eps * lambda_max are lost, and "
+        "variances in weakly determined directions can be far off at small prior "
+        "precisions. solver='streaming', a larger memory_budget (or a float64 "
+        "model) resolves them.",
+        UserWarning, stacklevel=4,
+    )
 
 
 def _planned_samples(loader: Any, num_data: Optional[int], batch: int) -> int:
