@@ -76,7 +76,7 @@ from torch import Tensor
 from lowrank_laplace.factor import KronBlock, cat_blocks
 from lowrank_laplace.fitting.base import Solver
 from lowrank_laplace.fitting.omega import Omega
-from lowrank_laplace.utils.linalg import rotate, sym_eigh
+from lowrank_laplace.utils.linalg import rotate, stored_transposed, sym_eigh
 
 #: Factored linear-layer blocks of consecutive passes are added to the sketch together,
 #: up to this many samples per parameter and this many bytes of queued factors in all:
@@ -385,9 +385,10 @@ class SketchMerge(Solver):
         lam = sigma2 - nu
         tol = max(float(lam[0]) * 10 * eps, nu)  # below the shift: rounding
         num = max(1, min(self.rank, int((lam > tol).sum())))
-        # the left singular vectors E W sigma^-1, in place; the first num are kept
-        W = W / sigma2.clamp(min=nu).sqrt()
-        self._vectors = rotate(E, W.to(dtype), in_place=True)[:, :num].to(self._dtype)
+        # the first num left singular vectors E W sigma^-1, in E's layout; E is freed
+        W = (W[:, :num] / sigma2[:num].clamp(min=nu).sqrt()).to(dtype)
+        vectors = (W.T @ E.T).T if stored_transposed(E) else E @ W
+        self._vectors = vectors.to(self._dtype)
         self.keep_eigenvalues(lam[:num], self._dtype)
 
 
