@@ -90,6 +90,12 @@ def make_problem(name: str, N: int, n_train: int, seed: int = 0,
 METHODS: dict[str, dict[str, Any]] = {
     "lowrank_exact": {"kind": "ours", "mc_samples": 0, "label": "lowrank_ggn exact"},
     "lowrank_mc": {"kind": "ours", "mc_samples": 1, "label": "lowrank_ggn MC(1)"},
+    "lowrank_default": {
+        "kind": "ours",
+        "mc_samples": 0,
+        "solver": None,
+        "label": "lowrank_ggn, default arguments",
+    },
     "lowrank_exact_sketch": {
         "kind": "ours",
         "mc_samples": 0,
@@ -315,6 +321,8 @@ def _laplace_kwargs(method: str, args: argparse.Namespace) -> dict[str, Any]:
             hessian_structure="lowrank_ggn", rank=args.rank, mc_samples=spec["mc_samples"],
             low_memory=spec.get("low_memory", False), solver=spec.get("solver", "streaming"),
         )
+        if kwargs["solver"] is None:  # the library's default solver
+            del kwargs["solver"]
     else:
         kwargs["hessian_structure"] = spec["structure"]
         if spec["backend"] == "backpack":
