@@ -225,6 +225,9 @@ def _check_rank_study(args: argparse.Namespace) -> None:
     if unknown or not residuals:
         raise CLIError(f"unknown residual model {(unknown or [args.residuals])[0]!r}: choose "
                        f"from {', '.join(RESIDUAL_MODELS)}")
+    if args.train == "marglik" and (args.checkpoint or args.save_checkpoint):
+        raise CLIError("--train marglik trains its own network: drop --checkpoint and "
+                       "--save-checkpoint")
     _checked(check_study, CalibrationConfig(**_study_options(args)), args.ranks)
 
 
@@ -308,7 +311,7 @@ def rank_study_command(args: argparse.Namespace) -> dict:
     from lowrank_laplace.toolkit import rank_study
 
     config = rank_study.RankStudyConfig(
-        ranks=args.ranks, residuals=_residuals(args), **_study_options(args))
+        ranks=args.ranks, residuals=_residuals(args), train=args.train, **_study_options(args))
     report = _checked(rank_study.run, config, log=_progress)
     print(rank_study.format_table(report))
     print(f"\nwrote {args.out / 'rank_study.json'} and {args.out / 'rank_study.png'}")
@@ -394,6 +397,11 @@ def build_parser() -> argparse.ArgumentParser:
                        + _parameter_counts() + ")")
     study.add_argument("--residuals", default=",".join(RESIDUAL_MODELS),
                        help="comma-separated residual models")
+    study.add_argument("--train", default="map", choices=("map", "marglik"),
+                       help="map: the calibration CNN, every posterior tunes a scalar prior; "
+                       "marglik: trained with laplace-torch's marglik_training (lowrank_ggn "
+                       "at its default rank, layerwise priors), every posterior keeps the "
+                       "learned priors")
     study.add_argument("--angles", type=_angles, default="0,60,90",
                        help="rotation angles in degrees (0 is always scored)")
     study.set_defaults(func=rank_study_command)

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 
 def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
-                loaders: Dict[str, DataLoader], fitted: dict) -> Any:
+                loaders: Dict[str, DataLoader], fitted: dict,
+                prior: Optional[Tensor] = None) -> Any:
     """Fit a method's posterior (or reuse a fit) and tune its prior precision.
 
     Residual models other than ``diagonal`` share one fit: a posterior found in
@@ -40,9 +41,11 @@ def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
         loaders: ``{"train", "val", ...}`` data loaders; the fit uses ``train``,
             grid search ``val``.
         fitted: Fits made so far, updated in place (pass the same dict to share fits).
+        prior: A prior precision to keep instead of tuning one (e.g. the layerwise
+            priors ``marglik_training`` learned).
 
     Returns:
-        The laplace-torch posterior, its prior precision tuned.
+        The laplace-torch posterior, its prior precision tuned (or ``prior``).
 
     Raises:
         ValueError: For a dense posterior on a data set too large for it.
@@ -60,7 +63,7 @@ def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
     if key in fitted:
         la = fitted[key]
         la.residual = residual
-        tune_prior(la, config, loaders)
+        tune_prior(la, config, loaders, prior)
         return la
     if structure == "lowrank_ggn":
         kwargs = dict(rank=config.rank, mc_samples=config.mc_samples, solver=config.solver,
@@ -79,11 +82,12 @@ def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
     if structure == "lowrank_ggn":
         la.residual = residual
     fitted[key] = la
-    tune_prior(la, config, loaders)
+    tune_prior(la, config, loaders, prior)
     return la
 
 
-def tune_prior(la: Any, config: CalibrationConfig, loaders: Dict[str, DataLoader]) -> None:
+def tune_prior(la: Any, config: CalibrationConfig, loaders: Dict[str, DataLoader],
+               prior: Optional[Tensor] = None) -> None:
     """Tune a scalar prior precision by marglik or by grid search on the validation split.
 
     Both start afresh (marglik from 1, the grid from its own values), so a shared fit
@@ -93,8 +97,11 @@ def tune_prior(la: Any, config: CalibrationConfig, loaders: Dict[str, DataLoader
         la: A fitted laplace-torch posterior; its ``prior_precision`` is set.
         config: The options (``prior``: ``'marglik'`` or ``'gridsearch'``).
         loaders: Data loaders; grid search scores on ``loaders["val"]``.
+        prior: A prior precision to set instead of tuning (``None``: tune).
     """
-    if config.prior == "marglik" and type(la).__name__ == "FullLaplace":
+    if prior is not None:
+        la.prior_precision = prior.clone()
+    elif config.prior == "marglik" and type(la).__name__ == "FullLaplace":
         la.prior_precision = marglik_prior_full(la)
     elif config.prior == "marglik":
         la.optimize_prior_precision(method="marglik")
@@ -142,13 +149,16 @@ def posterior_info(la: Optional[object]) -> dict:
         la: A fitted posterior, or ``None`` (the MAP network).
 
     Returns:
-        ``{"prior_precision"}`` (plus ``"rank"``, ``"kept_fraction"`` and ``"residual"``
-        for ``lowrank_ggn``); empty for ``None``.
+        ``{"prior_precision"}`` (the mean; a layerwise or per-parameter prior also
+        ``"prior_precisions"``, all of them), plus ``"rank"``, ``"kept_fraction"`` and
+        ``"residual"`` for ``lowrank_ggn``; empty for ``None``.
     """
     if la is None:
         return {}
-    prior = torch.as_tensor(la.prior_precision)
-    info = {"prior_precision": float(prior.mean())}
+    prior = torch.as_tensor(la.prior_precision).detach().cpu()
+    info: dict = {"prior_precision": float(prior.mean())}
+    if prior.numel() > 1:
+        info["prior_precisions"] = prior.flatten().tolist()
     if hasattr(la, "kept_fraction"):
         info.update(rank=int(la.H[1].numel()), kept_fraction=float(la.kept_fraction),
                     residual=la.residual)

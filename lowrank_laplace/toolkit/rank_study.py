@@ -16,6 +16,13 @@ GGN (``--dataset digits``) are the reference lines. The report's schema::
 
 ``fit_s`` is the fit plus the prior tuning, as in the calibration study (a model that
 reuses its rank's shared fit counts its tuning only).
+
+With ``train="marglik"`` the network is the one laplace-torch's ``marglik_training``
+learns together with layerwise prior precisions (the calibration study's
+``lowrank_ggn_marglik`` row, a ``lowrank_ggn`` posterior of the default rank), and every
+posterior keeps those learned priors instead of tuning its own: the study then shows
+how fast the low-rank posterior of that network approaches the full GGN's under the
+same priors. The trained posterior itself is the reference ``lowrank_ggn_marglik``.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from lowrank_laplace.toolkit.posteriors import (
     posterior_info,
     predict_batched,
 )
-from lowrank_laplace.toolkit.training import train_or_load
+from lowrank_laplace.toolkit.training import marglik_train, train_or_load
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -52,6 +59,8 @@ if TYPE_CHECKING:
 METRICS = ("nll", "ece", "brier")
 #: Reference posteriors drawn as horizontal lines (``full_all`` where it fits).
 REFERENCES = ("map", "full_all", "kron_all", "diag_all")
+#: How the network is trained: a MAP, or laplace-torch's ``marglik_training``.
+TRAININGS = ("map", "marglik")
 
 
 @dataclass
@@ -59,12 +68,16 @@ class RankStudyConfig(CalibrationConfig):
     """Options of the rank study: the calibration study's plus the ranks and models.
 
     Attributes:
+        train: ``"map"`` (the calibration CNN, each posterior tunes a scalar prior) or
+            ``"marglik"`` (trained with ``marglik_training``; every posterior keeps the
+            learned layerwise priors).
         ranks: Ranks of the ``lowrank_ggn`` posteriors.
         residuals: Residual models (see :mod:`lowrank_laplace.posterior.residual`).
         angles: Rotation angles scored besides the unrotated test set (``0`` always).
         out: Output directory for ``rank_study.json`` and ``rank_study.png``.
     """
 
+    train: str = "map"
     ranks: List[int] = field(default_factory=lambda: [10, 30, 100, 300, 1000])
     residuals: List[str] = field(default_factory=lambda: list(RESIDUALS))
     angles: List[float] = field(default_factory=lambda: [0, 60, 90])
@@ -80,9 +93,14 @@ def validate(config: RankStudyConfig) -> torch.device:
         The torch device.
 
     Raises:
-        UserError: For an invalid option, a rank below 1 or an unknown
-            residual model.
+        UserError: For an invalid option, a rank below 1, an unknown
+            residual model or training, or a checkpoint with ``train="marglik"``.
     """
+    if config.train not in TRAININGS:
+        raise UserError(f"unknown training {config.train!r}: choose from {', '.join(TRAININGS)}")
+    if config.train == "marglik" and (config.checkpoint or config.save_checkpoint):
+        raise UserError("--train marglik trains its own network: drop --checkpoint and "
+                        "--save-checkpoint")
     if not config.ranks or any(isinstance(r, bool) or not isinstance(r, int) or r < 1
                                for r in config.ranks):
         raise UserError(f"ranks must be integers >= 1, got {config.ranks!r}")
@@ -132,15 +150,20 @@ def run(config: RankStudyConfig, log: Callable[[str], None] = silent) -> dict:
     device = validate(config)
     split = calibration.load_split(config)
     loaders = split.loaders(config.batch_size, config.seed)
-    model = train_or_load(config, split, device, log)
+    trained, prior = None, None
+    if config.train == "marglik":
+        trained = marglik_train(config, split, device, "lowrank_ggn", log)
+        model, prior = trained.model, trained.prior_precision.detach().clone()
+    else:
+        model = train_or_load(config, split, device, log)
     report = {"config": asdict(config) | {"n_train_used": len(split.train[1]),
                                           "num_params": sum(p.numel() for p in model.parameters())},
               "references": {}, "lowrank": []}
     fitted: dict = {}
-    for name in config.methods:
-        la = None
-        if name != "map":
-            la = fit_laplace(name, model, config, loaders, fitted)
+    for name in config.methods + ["lowrank_ggn_marglik"] * (trained is not None):
+        la = trained
+        if name not in ("map", "lowrank_ggn_marglik"):
+            la = fit_laplace(name, model, config, loaders, fitted, prior=prior)
         report["references"][name] = _scores(make_predictor(name, model, la), split, config,
                                              device)
         report["references"][name]["posterior"] = posterior_info(la)
@@ -149,7 +172,8 @@ def run(config: RankStudyConfig, log: Callable[[str], None] = silent) -> dict:
         at_rank, shared = replace(config, rank=rank), {}  # residual models share fits
         for residual in config.residuals:
             start = time.perf_counter()
-            la = fit_laplace(_method_of(residual), model, at_rank, loaders, shared)
+            la = fit_laplace(_method_of(residual), model, at_rank, loaders, shared,
+                             prior=prior)
             fit_s = time.perf_counter() - start
             report["lowrank"].append({
                 "rank": int(la.H[1].numel()), "requested_rank": rank, "residual": residual,

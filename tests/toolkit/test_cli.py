@@ -407,6 +407,8 @@ REJECTED = [
      "argument --seed: expected an integer from 0 to 2**32 - 1"),
     (["rank-study", "--residuals", "spectral,bogus"], None, "unknown residual model 'bogus'"),
     (["rank-study", "--residuals", ","], None, "unknown residual model ','"),
+    (["rank-study", "--train", "marglik", "--save-checkpoint", "{file}"], None,
+     "--train marglik trains its own network: drop --checkpoint and --save-checkpoint"),
     (["calibrate", "--prior", "cv"], None, "unknown prior tuning 'cv'"),
 ]
 

@@ -41,7 +41,26 @@ def test_rank_study_end_to_end(tmp_path, capsys):
     assert cal.rank == 100  # the calibration study's default rank is a point of the study
 
 
+def test_rank_study_of_the_marglik_trained_network(tmp_path, capsys):
+    """Every posterior keeps the layerwise priors marglik_training learned."""
+    study = STUDY[:STUDY.index("--residuals")] + ["--residuals", "spectral", "--epochs", "1",
+                                                 "--train", "marglik", "--out", str(tmp_path)]
+    assert main(study) == 0
+    report = json.loads((tmp_path / "rank_study.json").read_text())
+    refs = report["references"]
+    assert set(refs) == {"map", "full_all", "kron_all", "diag_all", "lowrank_ggn_marglik"}
+    learned = refs["lowrank_ggn_marglik"]["posterior"]["prior_precisions"]
+    assert report["config"]["train"] == "marglik"
+    for name in ("full_all", "kron_all", "diag_all"):
+        assert refs[name]["posterior"]["prior_precisions"] == pytest.approx(learned)
+    mean = sum(learned) / len(learned)
+    assert [r["prior_precision"] for r in report["lowrank"]] == pytest.approx([mean] * 2)
+    assert len({round(v, 6) for v in learned}) > 1  # layerwise: learned per parameter tensor
+
+
 @pytest.mark.parametrize("change, message", [
+    ({"train": "swa"}, "unknown training 'swa'"),
+    ({"train": "marglik", "checkpoint": "cnn.pt"}, "--train marglik trains its own network"),
     ({"ranks": [0]}, "ranks must be integers >= 1"),
     ({"ranks": []}, "ranks must be integers >= 1"),
     ({"residuals": ["tail"]}, "unknown residual model"),
