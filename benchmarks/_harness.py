@@ -793,3 +793,4 @@ def kill_group(proc: subprocess.Popen):
     except (ProcessLookupError, PermissionError):
         proc.kill()
     proc.wait()
+

@@ -100,7 +100,6 @@ import os
 import queue
 import re
 import resource
-import signal
 import statistics
 import subprocess
 import threading
@@ -113,7 +112,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks import _harness, _laplace_worker
+from benchmarks import _harness, _laplace_worker, _load
 from benchmarks._harness import BUSY_WARN_PERCENT, REPO_ROOT, GiB
 
 RESULT_MARKER = "__BENCH_LORA_PHASE__"
@@ -258,26 +257,6 @@ def _emit(record: dict[str, Any]):
     _harness.emit(RESULT_MARKER, record)
 
 
-def _process_cpu_seconds(pid: int) -> float | None:
-    """User plus system CPU seconds of another process (all its threads).
-
-    Args:
-        pid: Process id (``0``: none).
-
-    Returns:
-        The CPU seconds, ``None`` without psutil or if the process is gone.
-    """
-    if not pid:
-        return None
-    try:
-        import psutil
-
-        times = psutil.Process(pid).cpu_times()
-    except Exception:  # noqa: BLE001 (psutil missing or process gone)
-        return None
-    return times.user + times.system
-
-
 def _measure(phase: str, fn, device: torch.device, load_pid: int) -> tuple[dict, Any]:
     """Time and memory-measure a phase; separate the synthetic load from others' CPU.
 
@@ -292,11 +271,11 @@ def _measure(phase: str, fn, device: torch.device, load_pid: int) -> tuple[dict,
         ``other_cpu_percent_during_phase`` not counting the load, whose share is
         ``load_cpu_percent_during_phase``) and the output of ``fn``.
     """
-    load0 = _process_cpu_seconds(load_pid)
+    load0 = _load.process_cpu_seconds(load_pid)
     start = time.perf_counter()
     record, out = _laplace_worker._measure(phase, fn, device)
     wall = time.perf_counter() - start
-    load1 = _process_cpu_seconds(load_pid)
+    load1 = _load.process_cpu_seconds(load_pid)
     if load0 is not None and load1 is not None and wall > 0:
         share = 100.0 * (load1 - load0) / (wall * (os.cpu_count() or 1))
         record["load_cpu_percent_during_phase"] = share
@@ -417,29 +396,10 @@ def worker_main(args: argparse.Namespace):
 def load_main(args: argparse.Namespace):
     """The competing work: 512 x 512 float32 matmuls on ``--load-threads`` threads.
 
-    Prints a ready line after the first products, then multiplies until ``SIGTERM``
-    and reports the products per second.
-
     Args:
         args: Parsed command line arguments (``load_threads``).
     """
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
-    torch.set_num_threads(args.load_threads)
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(512, 512, generator=gen)
-    b = torch.randn(512, 512, generator=gen) / 512**0.5
-    for _ in range(10):
-        a = torch.tanh(a @ b)
-    print(LOAD_MARKER + json.dumps({"ready": True}), flush=True)
-    count, start = 0, time.perf_counter()
-    while not stop:
-        a = torch.tanh(a @ b)
-        count += 1
-    seconds = time.perf_counter() - start
-    print(LOAD_MARKER + json.dumps({"matmuls": count, "seconds": seconds,
-                                    "matmuls_per_s": count / max(seconds, 1e-9),
-                                    "threads": args.load_threads}), flush=True)
+    _load.matmul_load(args.load_threads, 512, LOAD_MARKER)
 
 
 ###############################################################################
@@ -447,67 +407,18 @@ def load_main(args: argparse.Namespace):
 ###############################################################################
 
 
-class Load:
-    """The competing process of the ``loaded`` condition (this script with ``--load``).
+def start_load(args: argparse.Namespace) -> _load.CompetingLoad:
+    """Start the competing process of the ``loaded`` condition (this script with ``--load``).
 
     Args:
         args: Parsed command line arguments of the driver.
+
+    Returns:
+        The running load.
     """
-
-    def __init__(self, args: argparse.Namespace):
-        cmd = _harness.module_command("benchmarks.bench_lora", "--worker", "--load",
-                                      f"--load-threads={args.load_threads}")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     text=True, cwd=REPO_ROOT, env=_harness.worker_env(args),
-                                     start_new_session=True)
-        self.lines: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=_harness.read_lines,
-                                       args=(self.proc.stdout, self.lines), daemon=True)
-        self.thread.start()
-        self.ready = False
-        deadline = time.perf_counter() + 120.0
-        while not self.ready and time.perf_counter() < deadline:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.perf_counter()))
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            self.ready = line.startswith(LOAD_MARKER)
-        time.sleep(1.0)  # let it reach its steady state
-        self.cpu0 = _process_cpu_seconds(self.proc.pid)
-
-    @property
-    def pid(self) -> int:
-        """Process id of the load."""
-        return self.proc.pid
-
-    def cpu_seconds(self) -> float | None:
-        """CPU seconds the load used since it became ready."""
-        now = _process_cpu_seconds(self.proc.pid)
-        return None if now is None or self.cpu0 is None else now - self.cpu0
-
-    def stop(self) -> dict[str, Any]:
-        """Stop the load (``SIGTERM``) and return its report.
-
-        Returns:
-            ``ready``, and the products per second it reached (if it reported).
-        """
-        report: dict[str, Any] = {"ready": self.ready, "pid": self.proc.pid}
-        try:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            _harness.kill_group(self.proc)
-        self.thread.join(timeout=5)
-        while True:
-            try:
-                line = self.lines.get_nowait()
-            except queue.Empty:
-                break
-            if line and line.startswith(LOAD_MARKER):
-                report.update(json.loads(line[len(LOAD_MARKER):]))
-        return report
+    cmd = _harness.module_command("benchmarks.bench_lora", "--worker", "--load",
+                                  f"--load-threads={args.load_threads}")
+    return _load.CompetingLoad(cmd, _harness.worker_env(args), LOAD_MARKER)
 
 
 def config_key(problem: str, attention: str, condition: str, method: str) -> str:
@@ -543,7 +454,7 @@ def run_worker_process(problem: str, attention: str, condition: str, method: str
                               "cpu_busy_before_percent": busy, "phases": {}}
     if busy_procs:
         record["busy_processes_before"] = busy_procs
-    load = Load(args) if condition == "loaded" else None
+    load = start_load(args) if condition == "loaded" else None
     cmd = _harness.module_command(
         "benchmarks.bench_lora", "--worker", f"--problem={problem}",
         f"--attention={attention}", f"--method={method}", f"--device={args.device}",

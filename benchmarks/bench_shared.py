@@ -81,7 +81,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks import _harness, _laplace_worker
+from benchmarks import _harness, _laplace_worker, _load
 from benchmarks._harness import BUSY_WARN_PERCENT, REPO_ROOT, GiB
 
 RESULT_MARKER = "__BENCH_SHARED__"
@@ -114,19 +114,6 @@ def _emit(record: dict[str, Any]):
     _harness.emit(RESULT_MARKER, record)
 
 
-def _process_cpu_seconds(pid: int) -> float | None:
-    """User plus system CPU seconds of another process (``None`` if unavailable)."""
-    if not pid:
-        return None
-    try:
-        import psutil
-
-        times = psutil.Process(pid).cpu_times()
-    except Exception:  # noqa: BLE001 (psutil missing or process gone)
-        return None
-    return times.user + times.system
-
-
 def _measure(phase: str, fn, load_pid: int) -> tuple[dict, Any]:
     """Time and memory-measure a phase; separate the synthetic load from others' CPU.
 
@@ -140,11 +127,11 @@ def _measure(phase: str, fn, load_pid: int) -> tuple[dict, Any]:
         without the load, whose share is ``load_cpu_percent_during_phase``) and the
         output of ``fn``.
     """
-    load0 = _process_cpu_seconds(load_pid)
+    load0 = _load.process_cpu_seconds(load_pid)
     start = time.perf_counter()
     record, out = _laplace_worker._measure(phase, fn, torch.device("cpu"))
     wall = time.perf_counter() - start
-    load1 = _process_cpu_seconds(load_pid)
+    load1 = _load.process_cpu_seconds(load_pid)
     if load0 is not None and load1 is not None and wall > 0:
         share = 100.0 * (load1 - load0) / (wall * (os.cpu_count() or 1))
         record["load_cpu_percent_during_phase"] = share
@@ -291,22 +278,12 @@ def run_worker(args: argparse.Namespace):
 
 
 def load_main(args: argparse.Namespace):
-    """The competing work: a loop of square float32 matmuls on ``--load-threads`` threads.
-
-    Prints a ready line after the first products, then multiplies until killed.
+    """The competing work: square float32 matmuls on ``--load-threads`` threads.
 
     Args:
         args: Parsed command line arguments (``load_threads``, ``load_size``).
     """
-    torch.set_num_threads(args.load_threads)
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(args.load_size, args.load_size, generator=gen)
-    b = torch.randn(args.load_size, args.load_size, generator=gen) / args.load_size**0.5
-    for _ in range(3):
-        a = torch.tanh(a @ b)
-    print(LOAD_MARKER + json.dumps({"ready": True}), flush=True)
-    while True:
-        a = torch.tanh(a @ b)
+    _load.matmul_load(args.load_threads, args.load_size, LOAD_MARKER)
 
 
 def worker_main(args: argparse.Namespace):
@@ -324,53 +301,23 @@ def worker_main(args: argparse.Namespace):
 ###############################################################################
 
 
-class Load:
-    """The competing process of the ``loaded`` condition, in its own process group.
+def start_load(args: argparse.Namespace) -> _load.CompetingLoad:
+    """Start the competing process of the ``loaded`` condition (this script with ``--load-proc``).
+
+    It runs as a user's busy process would: without our OMP/BLAS settings.
 
     Args:
         args: Parsed command line arguments of the driver.
+
+    Returns:
+        The running load.
     """
-
-    def __init__(self, args: argparse.Namespace):
-        cmd = _harness.module_command(
-            "benchmarks.bench_shared", "--worker", "--load-proc",
-            f"--load-threads={args.load_threads}", f"--load-size={args.load_size}")
-        # a busy process as a user has it: no OMP/BLAS settings of ours
-        env = {k: v for k, v in _harness.worker_env(args).items()
-               if k not in ("OMP_WAIT_POLICY", "OPENBLAS_NUM_THREADS")}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     text=True, cwd=REPO_ROOT, env=env,
-                                     start_new_session=True)
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=_harness.read_lines, args=(self.proc.stdout, self.lines),
-                         daemon=True).start()
-        self.ready = False
-        deadline = time.perf_counter() + 120.0
-        while not self.ready and time.perf_counter() < deadline:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.perf_counter()))
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            self.ready = line.startswith(LOAD_MARKER)
-        time.sleep(1.0)  # let it reach its steady state
-        self.cpu0 = _process_cpu_seconds(self.proc.pid)
-
-    @property
-    def pid(self) -> int:
-        """Process id of the load."""
-        return self.proc.pid
-
-    def cpu_seconds(self) -> float | None:
-        """CPU seconds the load used since it became ready."""
-        now = _process_cpu_seconds(self.proc.pid)
-        return None if now is None or self.cpu0 is None else now - self.cpu0
-
-    def stop(self) -> dict[str, Any]:
-        """Kill the load's process group; return whether it became ready."""
-        _harness.kill_group(self.proc)
-        return {"ready": self.ready, "pid": self.proc.pid}
+    cmd = _harness.module_command(
+        "benchmarks.bench_shared", "--worker", "--load-proc",
+        f"--load-threads={args.load_threads}", f"--load-size={args.load_size}")
+    env = {k: v for k, v in _harness.worker_env(args).items()
+           if k not in ("OMP_WAIT_POLICY", "OPENBLAS_NUM_THREADS")}
+    return _load.CompetingLoad(cmd, env, LOAD_MARKER)
 
 
 def config_key(part: str, condition: str, method: str) -> str:
@@ -397,7 +344,7 @@ def run_worker_process(part: str, condition: str, method: str,
     record: dict[str, Any] = {"part": part, "condition": condition, "method": method,
                               "loadavg_before": list(os.getloadavg()),
                               "cpu_busy_before_percent": busy, "phases": {}}
-    load = Load(args) if condition == "loaded" else None
+    load = start_load(args) if condition == "loaded" else None
     cmd = _harness.module_command(
         "benchmarks.bench_shared", "--worker", f"--part={part}", f"--method={method}",
         f"--epochs={args.epochs}", f"--seed={args.seed}", f"--threads={args.threads}",
