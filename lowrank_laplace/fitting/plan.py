@@ -79,8 +79,8 @@ class FitPlan:
         lazy: Streaming merges update the basis lazily.
         threads: CPU threads of the batch loop (``1`` for small fits; ``None``: the
             user's setting).
-        idle_cores: A small sketch fit, whose batch loop takes the cores idle at each
-            batch instead of one (:meth:`batch_threads`).
+        idle_cores: A CPU fit other than a small streaming one: its batch loop takes
+            the cores idle at each batch, at most ``threads`` (:meth:`batch_threads`).
         dim: Parameters ``D``.
         keep: Eigenpairs (or sketch columns) kept while fitting, ``rank +
             oversampling`` unless ``solver="auto"`` chose a larger sketch.
@@ -105,13 +105,14 @@ class FitPlan:
     def batch_threads(self) -> Optional[int]:
         """CPU threads for the batch loop now (``None``: the user's setting).
 
-        ``threads``, except for a small sketch fit: as many as cores are idle now, at
-        least one (:func:`~lowrank_laplace.utils.threads.idle_core_threads`). Its
-        products are large enough that a second idle core nearly halves them, and
-        small enough that waiting for a busy core costs more than they do.
+        ``threads`` for a small streaming fit (one: two did not help its merges), else
+        as many as cores are idle now, at least one
+        (:func:`~lowrank_laplace.utils.threads.idle_core_threads`; ``threads`` where
+        the load is unknown): beside a busy process a thread team waits for cores at
+        every product, while on idle cores a second thread nearly halves a sketch's.
         """
-        if self.idle_cores and self.threads is not None:
-            return idle_core_threads()
+        if self.idle_cores:
+            return idle_core_threads(unknown=self.threads)
         return self.threads
 
 
@@ -260,7 +261,8 @@ def _frozen_plan(path: str, micro: int, chunk: int, low_memory: bool, keep: int,
     return FitPlan(
         path=path, micro=micro, chunk=chunk, low_memory=low_memory,
         lazy=dim >= LAZY_MIN_DIM_PER_EIGENPAIR * keep,
-        threads=1 if small and cpu else None, idle_cores=small and path == "sketch",
+        threads=1 if small and cpu else None,
+        idle_cores=cpu and not (small and path == "streaming"),
         dim=dim, keep=keep, sketch_dtype=wide if wide_sketch else None,
         widen=wide is not None and not wide_sketch,
     )

@@ -24,7 +24,12 @@ from lowrank_laplace.fitting.budget import dense_identity
 from lowrank_laplace.posterior import LowRankPrecision, Residual
 from lowrank_laplace.posterior.predictive import glm_predictive, prior_variance_weights
 from lowrank_laplace.utils.batches import to_device
-from lowrank_laplace.utils.threads import SMALL_WORK, on_one_thread_if_small, scoped_backward
+from lowrank_laplace.utils.threads import (
+    SMALL_WORK,
+    on_idle_cores,
+    on_one_thread_if_small,
+    scoped_backward,
+)
 
 
 class PosteriorQueries:
@@ -280,6 +285,7 @@ class PosteriorQueries:
         return self.sample_from_noise(eps)
 
     # -------------------------------------------------------------- predictive
+    @on_idle_cores
     def _glm_predictive_distribution(self, X: Union[Tensor, MutableMapping],
                                      joint: bool = False, diagonal_output: bool = False
                                      ) -> Tuple[Tensor, Tensor]:

@@ -55,7 +55,12 @@ from lowrank_laplace.toolkit.posteriors import (
     posterior_info,
     predict_batched,
 )
-from lowrank_laplace.toolkit.training import make_cnn, marglik_train, train_or_load
+from lowrank_laplace.toolkit.training import (
+    make_cnn,
+    marglik_train,
+    study_threads,
+    train_or_load,
+)
 
 __all__ = [
     "LAPLACE_METHODS", "METHODS", "TABLE_COLUMNS", "CalibrationConfig", "UserError",
@@ -216,13 +221,16 @@ def run(config: CalibrationConfig, log: Callable[[str], None] = silent) -> dict:
     fitted: dict = {}
     for i, name in enumerate(config.methods, 1):
         try:
-            start = time.perf_counter()
-            if name in TRAINED_METHODS:  # a network of its own, trained with its posterior
-                la = marglik_train(config, split, device, TRAINED_METHODS[name], log)
-            else:
-                la = None if name == "map" else fit_laplace(name, model, config, loaders, fitted)
-            fit_s = time.perf_counter() - start
-            entry, probs = evaluate(make_predictor(name, model, la), split, ood, config, device)
+            with study_threads(device):  # every method on the cores idle when it starts
+                start = time.perf_counter()
+                if name in TRAINED_METHODS:  # a network of its own, trained with it
+                    la = marglik_train(config, split, device, TRAINED_METHODS[name], log)
+                else:
+                    la = None if name == "map" else \
+                        fit_laplace(name, model, config, loaders, fitted)
+                fit_s = time.perf_counter() - start
+                entry, probs = evaluate(make_predictor(name, model, la), split, ood, config,
+                                        device)
         except (RuntimeError, MemoryError, ValueError, NotImplementedError) as err:
             report["methods"][name] = {"error": f"{type(err).__name__}: {err}"}
             log(f"[{i}/{len(config.methods)}] {name}: could not run ({type(err).__name__})")

@@ -50,12 +50,16 @@ def busy_elsewhere() -> Optional[int]:
     return max(0, running - own)
 
 
-def idle_core_threads() -> Optional[int]:
-    """Threads for mid-size CPU work now: the pool's where as many cores are idle.
+def idle_core_threads(unknown: Optional[int] = 1) -> Optional[int]:
+    """Threads for CPU work now: the pool's where as many cores are idle.
 
-    Otherwise as many as there are idle cores, at least one (``1`` where the load is
-    unknown). Beside a busy process every wake-up of a thread team waits for a core,
-    while on idle cores a second thread nearly halves a sketch fit's products.
+    Otherwise as many as there are idle cores, at least one. Beside a busy process
+    every wake-up of a thread team waits for a core (an MNIST CNN's sketch fit took
+    37 s on two threads beside a two-thread process, 10 s on one, 3-4 s alone), while
+    on idle cores a second thread nearly halves a sketch fit's products.
+
+    Args:
+        unknown: The count where the load is unknown (not Linux).
 
     Returns:
         A thread count for :func:`~lowrank_laplace.utils.linalg.cpu_threads`
@@ -63,14 +67,14 @@ def idle_core_threads() -> Optional[int]:
     """
     busy = busy_elsewhere()
     if busy is None:
-        return 1
+        return unknown
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     idle = (cores or 1) - busy
     return None if idle >= torch.get_num_threads() else max(1, idle)
 
 
 def small_work(work: float, device: Any) -> ContextManager[None]:
-    """One CPU thread for work below :data:`SMALL_WORK`, else the user's setting.
+    """One CPU thread for work below :data:`SMALL_WORK`, else :func:`idle_cores`.
 
     Args:
         work: Size of the block's largest operation (multiply-adds).
@@ -79,9 +83,31 @@ def small_work(work: float, device: Any) -> ContextManager[None]:
     Returns:
         A context manager.
     """
-    if torch.device(device).type == "cpu" and work < SMALL_WORK:
-        return cpu_threads(1)
-    return contextlib.nullcontext()
+    if torch.device(device).type != "cpu":
+        return contextlib.nullcontext()
+    return cpu_threads(1) if work < SMALL_WORK else idle_cores()
+
+
+def idle_cores() -> ContextManager[None]:
+    """Large CPU work on the cores idle now (never more threads than the user's setting).
+
+    The user's setting on a quiet machine (and where the load is unknown), fewer
+    threads beside busy processes (:func:`idle_core_threads`).
+    """
+    return cpu_threads(idle_core_threads(unknown=None))
+
+
+def on_idle_cores(method: F) -> F:
+    """Run a method of an object with a ``_device`` under :func:`idle_cores` on the CPU."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if torch.device(self._device).type != "cpu":
+            return method(self, *args, **kwargs)
+        with idle_cores():
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def on_one_thread_if_small(method: F) -> F:

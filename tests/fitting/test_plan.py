@@ -144,9 +144,10 @@ def test_a_float32_sketch_is_widened_to_float64_on_its_second_pass_where_it_fits
 
 
 @pytest.mark.parametrize("limit, threads", [(None, 1), (1, None)])
-def test_small_sketch_fits_take_the_idle_cores(monkeypatch, limit, threads):
-    """A small sketch fit runs on the cores idle at each batch, at least one; a large
-    one on the user's threads."""
+def test_cpu_fits_take_the_idle_cores(monkeypatch, limit, threads):
+    """Every CPU sketch fit runs on the cores idle at each batch, at least one and at
+    most the user's threads; where the load is unknown a small one takes one thread and
+    a large one the user's. A small streaming fit stays on one thread."""
     from lowrank_laplace.fitting import plan as plan_module
 
     if limit is not None:
@@ -155,13 +156,14 @@ def test_small_sketch_fits_take_the_idle_cores(monkeypatch, limit, threads):
     with engine:
         sketch = _plan(engine, X, solver="sketch", micro_batch_size=2)
         streaming = _plan(engine, X)
-    assert sketch.path == "sketch" and sketch.threads == threads
-    assert sketch.idle_cores == (threads == 1)
+    assert sketch.path == "sketch" and sketch.threads == threads and sketch.idle_cores
     assert streaming.threads == 1 and not streaming.idle_cores  # small merges: one thread
     assert streaming.batch_threads() == 1
     for idle in (1, None):
-        monkeypatch.setattr(plan_module, "idle_core_threads", lambda idle=idle: idle)
-        assert sketch.batch_threads() == (idle if threads == 1 else None)
+        monkeypatch.setattr(plan_module, "idle_core_threads", lambda unknown, idle=idle: idle)
+        assert sketch.batch_threads() == idle
+    monkeypatch.setattr(plan_module, "idle_core_threads", lambda unknown: unknown)
+    assert sketch.batch_threads() == threads  # the load unknown
 
 
 @pytest.mark.parametrize("chunk", [None, 40], ids=["whole", "sliced"])

@@ -26,7 +26,8 @@ def _fn(a, b, c):
     return (_RecordThreads.apply(a) ** 2 * b).sum() + torch.log(c).sum() * a.sum()
 
 
-def test_scoped_backward_gradients_and_threads():
+def test_scoped_backward_gradients_and_threads(monkeypatch):
+    monkeypatch.setattr(threads_module, "busy_elsewhere", lambda: 0)  # a quiet machine
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -44,12 +45,18 @@ def test_scoped_backward_gradients_and_threads():
         assert torch.get_num_threads() == 2  # and the setting came back
         _RecordThreads.seen.clear()
         torch.autograd.grad(scoped_backward(_fn, (a, b, c), SMALL_WORK, "cpu"), a)
-        assert _RecordThreads.seen == [2]  # large work keeps the user's threads
+        assert _RecordThreads.seen == [2]  # large work on a quiet machine: the user's threads
     finally:
         torch.set_num_threads(before)
 
 
-def test_small_work_restores_the_setting():
+@pytest.mark.parametrize("busy, large", [(0, 2), (None, 2), (1, 1), (5, 1)])
+def test_small_work_restores_the_setting(monkeypatch, busy, large):
+    """Small work on one thread; large work on the idle cores (the user's two where
+    the load is unknown); the user's setting afterwards."""
+    monkeypatch.setattr(threads_module, "busy_elsewhere", lambda: busy)
+    monkeypatch.setattr(threads_module.os, "sched_getaffinity", lambda pid: {0, 1},
+                        raising=False)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -57,7 +64,47 @@ def test_small_work_restores_the_setting():
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 2
         with small_work(SMALL_WORK, "cpu"):
-            assert torch.get_num_threads() == 2
+            assert torch.get_num_threads() == large
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_glm_predictive_runs_on_the_idle_cores(monkeypatch):
+    """Beside a busy process the GLM predictive takes the idle core, not the pool."""
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from laplace import Laplace
+
+    import lowrank_laplace  # noqa: F401
+    from lowrank_laplace.laplace_torch import queries
+
+    seen = []
+    glm = queries.glm_predictive
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return glm(*args, **kwargs)
+
+    monkeypatch.setattr(queries, "glm_predictive", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    X, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    la = Laplace(model, "classification", subset_of_weights="all",
+                 hessian_structure="lowrank_ggn", rank=5)
+    la.fit(DataLoader(TensorDataset(X, y), batch_size=16))
+    monkeypatch.setattr(threads_module, "busy_elsewhere", lambda: 1)
+    monkeypatch.setattr(threads_module.os, "sched_getaffinity", lambda pid: {0, 1},
+                        raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        la(X, pred_type="glm", link_approx="probit")
+        assert seen == [1] and torch.get_num_threads() == 2
+        monkeypatch.setattr(threads_module, "busy_elsewhere", lambda: 0)
+        la(X, pred_type="glm", link_approx="probit")
+        assert seen == [1, 2]
     finally:
         torch.set_num_threads(before)
 
