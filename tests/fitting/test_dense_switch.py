@@ -163,7 +163,6 @@ def test_small_fits_run_their_batch_loop_on_one_thread(monkeypatch, small, threa
     from lowrank_laplace.engine import FactorEngine
     from lowrank_laplace.fitting import plan
     from lowrank_laplace.fitting.streaming import StreamingMerge
-
     from lowrank_laplace.utils import threads as threads_module
 
     monkeypatch.setattr(threads_module, "busy_elsewhere", lambda: 0)  # a quiet machine

@@ -72,10 +72,9 @@ def test_small_work_restores_the_setting(monkeypatch, busy, large):
 
 def test_the_glm_predictive_runs_on_the_idle_cores(monkeypatch):
     """Beside a busy process the GLM predictive takes the idle core, not the pool."""
+    from laplace import Laplace
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
-
-    from laplace import Laplace
 
     import lowrank_laplace  # noqa: F401
     from lowrank_laplace.laplace_torch import queries
