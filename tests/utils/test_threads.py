@@ -113,6 +113,28 @@ def test_busy_elsewhere_reads_a_count_or_none():
     assert busy is None or busy >= 0
 
 
+def test_busy_elsewhere_averages_between_readings(monkeypatch):
+    """Other processes' cores: the busy time of our CPUs less our own, per second,
+    since the previous reading; a snapshot where there is none or it is too old."""
+    readings = iter([(100.0, 10.0, 1.0), (101.0, 11.5, 1.5), (200.0, 12.0, 2.0)])
+    state = {}
+
+    def advance():
+        state["t"], state["busy"], state["own"] = next(readings)
+
+    monkeypatch.setattr(threads_module, "_LAST_READING", [])
+    monkeypatch.setattr(threads_module, "_busy_seconds_of_our_cpus", lambda: state["busy"])
+    monkeypatch.setattr(threads_module.os, "times", lambda: (state["own"], 0.0, 0, 0, 0))
+    monkeypatch.setattr(threads_module.time, "monotonic", lambda: state["t"])
+    monkeypatch.setattr(threads_module, "_running_elsewhere", lambda: 7)
+    advance()
+    assert threads_module.busy_elsewhere() == 7  # no earlier reading: the snapshot
+    advance()
+    assert threads_module.busy_elsewhere() == pytest.approx(1.0)  # (1.5 - 0.5) / 1 s
+    advance()
+    assert threads_module.busy_elsewhere() == 7  # 99 s since the last: the snapshot
+
+
 @pytest.mark.parametrize("busy, expected", [
     (None, 1),  # unknown load: one thread
     (0, None),  # every core idle: the user's setting
