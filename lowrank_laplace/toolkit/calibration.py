@@ -55,12 +55,8 @@ from lowrank_laplace.toolkit.posteriors import (
     posterior_info,
     predict_batched,
 )
-from lowrank_laplace.toolkit.training import (
-    make_cnn,
-    marglik_train,
-    study_threads,
-    train_or_load,
-)
+from lowrank_laplace.toolkit.training import make_cnn, marglik_train, train_or_load
+from lowrank_laplace.utils.threads import idle_cores
 
 __all__ = [
     "LAPLACE_METHODS", "METHODS", "TABLE_COLUMNS", "CalibrationConfig", "UserError",
@@ -221,7 +217,7 @@ def run(config: CalibrationConfig, log: Callable[[str], None] = silent) -> dict:
     fitted: dict = {}
     for i, name in enumerate(config.methods, 1):
         try:
-            with study_threads(device):  # every method on the cores idle when it starts
+            with idle_cores(device):  # every method on the cores idle when it starts
                 start = time.perf_counter()
                 if name in TRAINED_METHODS:  # a network of its own, trained with it
                     la = marglik_train(config, split, device, TRAINED_METHODS[name], log)

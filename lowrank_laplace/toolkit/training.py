@@ -7,15 +7,15 @@ network for the same options.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from lowrank_laplace.toolkit import datasets
 from lowrank_laplace.toolkit.options import CalibrationConfig, UserError
+from lowrank_laplace.utils.threads import idle_cores
 
 
 def make_cnn(dataset: str) -> nn.Module:
@@ -76,7 +76,7 @@ def train_or_load(config: CalibrationConfig, split: datasets.Split, device: torc
     decay = config.weight_decay / (2 * len(split.train[1]))  # Gaussian prior, mean loss
     for epoch in range(config.epochs):
         start, total, count = time.perf_counter(), 0.0, 0
-        with study_threads(device):  # each epoch on the cores idle when it starts
+        with idle_cores(device):  # each epoch on the cores idle when it starts
             for X, y in loader:
                 opt.zero_grad()
                 loss = loss_func(model(X.to(device)), y.to(device))
@@ -89,20 +89,6 @@ def train_or_load(config: CalibrationConfig, split: datasets.Split, device: torc
     if config.save_checkpoint is not None:
         torch.save(model.state_dict(), config.save_checkpoint)
     return model.eval()
-
-
-def study_threads(device: torch.device) -> ContextManager[None]:
-    """A study's CPU work on the cores idle now (a GPU's work: unchanged).
-
-    The user's thread setting on a quiet machine; beside busy processes, fewer threads
-    (:func:`~lowrank_laplace.utils.threads.idle_cores`): the main job slowed from about
-    2 to 20 minutes beside a two-thread process while every step woke all threads.
-    """
-    if torch.device(device).type != "cpu":
-        return contextlib.nullcontext()
-    from lowrank_laplace.utils.threads import idle_cores
-
-    return idle_cores()
 
 
 def marglik_train(config: CalibrationConfig, split: datasets.Split, device: torch.device,

@@ -15,7 +15,7 @@ import contextlib
 import functools
 import os
 import time
-from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, ContextManager, Optional, Sequence, TypeVar
 
 import torch
 
@@ -28,9 +28,9 @@ SMALL_WORK = 2**24
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-#: Readings of the system's and this process's CPU time that
-#: :func:`busy_elsewhere` averages between: ``(wall, system busy s, own s)``.
-_LAST_READING: List[Tuple[float, float, float]] = []
+#: The last reading :func:`busy_elsewhere` averages from, ``(wall s, busy s of our CPUs,
+#: own CPU s)``, and the average it gave (``None``: none yet).
+_LAST_READING: dict = {"reading": None, "average": None}
 #: Averages span at least this many seconds, at most :data:`AVERAGE_MAX_S`.
 AVERAGE_MIN_S, AVERAGE_MAX_S = 0.05, 30.0
 
@@ -38,23 +38,26 @@ AVERAGE_MIN_S, AVERAGE_MAX_S = 0.05, 30.0
 def busy_elsewhere() -> Optional[float]:
     """Cores other processes keep busy (Linux), ``None`` where unknown.
 
-    Averaged since the previous call where that was 0.05-30 s ago: the busy CPU time of
-    the CPUs this process may use (``/proc/stat``) less its own, per second. A
-    snapshot of the runnable count otherwise (:func:`_running_elsewhere`), which also
-    counts threads that only pass by: on a quiet machine it saw one in a third of a
-    3c3d fit's batches, each then run on one core.
+    Averaged since the last reading where that was 0.05-30 s ago: the busy CPU time of
+    the CPUs this process may use (``/proc/stat``) less its own, per second. A call
+    sooner after the last reading gets that reading's average; without one, a snapshot
+    of the runnable count (:func:`_running_elsewhere`), which also counts threads that
+    only pass by (docs/benchmarks/design_measurements.md).
     """
+    now, last = time.monotonic(), _LAST_READING["reading"]
+    if last is not None and now - last[0] < AVERAGE_MIN_S:
+        average = _LAST_READING["average"]
+        return _running_elsewhere() if average is None else average
     try:
         busy = _busy_seconds_of_our_cpus()
     except (OSError, ValueError, IndexError, AttributeError):
         return None
     own = sum(os.times()[:2])
-    now = time.monotonic()
-    last = _LAST_READING[:]
-    _LAST_READING[:] = [(now, busy, own)]
-    if last and AVERAGE_MIN_S <= now - last[0][0] <= AVERAGE_MAX_S:
-        return max(0.0, (busy - last[0][1]) - (own - last[0][2])) / (now - last[0][0])
-    return _running_elsewhere()
+    average = None
+    if last is not None and now - last[0] <= AVERAGE_MAX_S:
+        average = max(0.0, (busy - last[1]) - (own - last[2])) / (now - last[0])
+    _LAST_READING.update(reading=(now, busy, own), average=average)
+    return _running_elsewhere() if average is None else average
 
 
 def _busy_seconds_of_our_cpus() -> float:
@@ -99,9 +102,8 @@ def idle_core_threads(unknown: Optional[int] = 1) -> Optional[int]:
     """Threads for CPU work now: the pool's where as many cores are idle.
 
     Otherwise as many as there are idle cores, at least one. Beside a busy process
-    every wake-up of a thread team waits for a core (an MNIST CNN's sketch fit took
-    37 s on two threads beside a two-thread process, 10 s on one, 3-4 s alone), while
-    on idle cores a second thread nearly halves a sketch fit's products.
+    every wake-up of a thread team waits for a core, while on idle cores a second
+    thread nearly halves a sketch fit's products (docs/benchmarks/design_measurements.md).
 
     Args:
         unknown: The count where the load is unknown (not Linux).
@@ -133,23 +135,29 @@ def small_work(work: float, device: Any) -> ContextManager[None]:
     return cpu_threads(1) if work < SMALL_WORK else idle_cores()
 
 
-def idle_cores() -> ContextManager[None]:
+def idle_cores(device: Any = "cpu") -> ContextManager[None]:
     """Large CPU work on the cores idle now (never more threads than the user's setting).
 
     The user's setting on a quiet machine (and where the load is unknown), fewer
     threads beside busy processes (:func:`idle_core_threads`).
+
+    Args:
+        device: Where the work runs (another device's work is left as it is).
+
+    Returns:
+        A context manager.
     """
+    if torch.device(device).type != "cpu":
+        return contextlib.nullcontext()
     return cpu_threads(idle_core_threads(unknown=None))
 
 
 def on_idle_cores(method: F) -> F:
-    """Run a method of an object with a ``_device`` under :func:`idle_cores` on the CPU."""
+    """Run a method of an object with a ``_device`` under :func:`idle_cores`."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        if torch.device(self._device).type != "cpu":
-            return method(self, *args, **kwargs)
-        with idle_cores():
+        with idle_cores(self._device):
             return method(self, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]

@@ -115,14 +115,16 @@ def test_busy_elsewhere_reads_a_count_or_none():
 
 def test_busy_elsewhere_averages_between_readings(monkeypatch):
     """Other processes' cores: the busy time of our CPUs less our own, per second,
-    since the previous reading; a snapshot where there is none or it is too old."""
-    readings = iter([(100.0, 10.0, 1.0), (101.0, 11.5, 1.5), (200.0, 12.0, 2.0)])
+    since the last reading; a call soon after gets that average; a snapshot where
+    there is no average or the last reading is too old."""
+    readings = iter([(100.0, 10.0, 1.0), (100.01, 10.0, 1.0), (101.0, 11.5, 1.5),
+                     (101.02, 99.0, 1.5), (200.0, 12.0, 2.0)])
     state = {}
 
     def advance():
         state["t"], state["busy"], state["own"] = next(readings)
 
-    monkeypatch.setattr(threads_module, "_LAST_READING", [])
+    monkeypatch.setattr(threads_module, "_LAST_READING", {"reading": None, "average": None})
     monkeypatch.setattr(threads_module, "_busy_seconds_of_our_cpus", lambda: state["busy"])
     monkeypatch.setattr(threads_module.os, "times", lambda: (state["own"], 0.0, 0, 0, 0))
     monkeypatch.setattr(threads_module.time, "monotonic", lambda: state["t"])
@@ -130,7 +132,11 @@ def test_busy_elsewhere_averages_between_readings(monkeypatch):
     advance()
     assert threads_module.busy_elsewhere() == 7  # no earlier reading: the snapshot
     advance()
+    assert threads_module.busy_elsewhere() == 7  # 10 ms later, still no average
+    advance()
     assert threads_module.busy_elsewhere() == pytest.approx(1.0)  # (1.5 - 0.5) / 1 s
+    advance()
+    assert threads_module.busy_elsewhere() == pytest.approx(1.0)  # 20 ms later: kept
     advance()
     assert threads_module.busy_elsewhere() == 7  # 99 s since the last: the snapshot
 
