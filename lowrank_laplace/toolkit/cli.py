@@ -38,10 +38,12 @@ from lowrank_laplace.toolkit.options import (
     RESIDUAL_MODELS,
     SOLVERS,
     TRAINED_METHODS,
+    TRAININGS,
     CalibrationConfig,
     UserError,
     check_device,
     check_study,
+    check_training,
 )
 
 
@@ -225,10 +227,9 @@ def _check_rank_study(args: argparse.Namespace) -> None:
     if unknown or not residuals:
         raise CLIError(f"unknown residual model {(unknown or [args.residuals])[0]!r}: choose "
                        f"from {', '.join(RESIDUAL_MODELS)}")
-    if args.train == "marglik" and (args.checkpoint or args.save_checkpoint):
-        raise CLIError("--train marglik trains its own network: drop --checkpoint and "
-                       "--save-checkpoint")
-    _checked(check_study, CalibrationConfig(**_study_options(args)), args.ranks)
+    config = CalibrationConfig(**_study_options(args))
+    _checked(check_training, args.train, config)
+    _checked(check_study, config, args.ranks)
 
 
 #: Each sub-command's checks, run before its imports and work.
@@ -397,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
                        + _parameter_counts() + ")")
     study.add_argument("--residuals", default=",".join(RESIDUAL_MODELS),
                        help="comma-separated residual models")
-    study.add_argument("--train", default="map", choices=("map", "marglik"),
+    study.add_argument("--train", default="map", choices=TRAININGS,
                        help="map: the calibration CNN, every posterior tunes a scalar prior; "
                        "marglik: trained with laplace-torch's marglik_training (lowrank_ggn "
                        "at its default rank, layerwise priors), every posterior keeps the "

@@ -57,6 +57,8 @@ NUM_CLASSES = 10
 #: ``lowrank_ggn``'s fitting algorithms and the prior precision tunings.
 SOLVERS = ("auto", "streaming", "sketch")
 PRIOR_TUNINGS = ("marglik", "gridsearch")
+#: How the rank study's network is trained: a MAP, or laplace-torch's ``marglik_training``.
+TRAININGS = ("map", "marglik")
 
 
 def fits(method: str, dataset: str) -> bool:
@@ -249,6 +251,23 @@ def _load_failure(err: Exception) -> str:
         text = text.split("WeightsUnpickler error:", 1)[1].strip()
     gist = text.splitlines()[0].split(". ")[0].strip() if text else ""
     return gist[:160] or type(err).__name__
+
+
+def check_training(train: str, config: CalibrationConfig) -> None:
+    """Check the rank study's training against the other options.
+
+    Args:
+        train: One of :data:`TRAININGS`.
+        config: The study's options (its checkpoint options).
+
+    Raises:
+        UserError: For an unknown training, or a checkpoint with ``"marglik"``.
+    """
+    if train not in TRAININGS:
+        raise UserError(f"unknown training {train!r}: choose from {', '.join(TRAININGS)}")
+    if train == "marglik" and (config.checkpoint or config.save_checkpoint):
+        raise UserError("--train marglik trains its own network: drop --checkpoint and "
+                        "--save-checkpoint")
 
 
 def check_study(config: CalibrationConfig, ranks: Sequence[int] = ()) -> None:

@@ -41,6 +41,7 @@ from lowrank_laplace.toolkit.options import (
     LAPLACE_METHODS,
     CalibrationConfig,
     UserError,
+    check_training,
     fits,
     silent,
 )
@@ -59,8 +60,6 @@ if TYPE_CHECKING:
 METRICS = ("nll", "ece", "brier")
 #: Reference posteriors drawn as horizontal lines (``full_all`` where it fits).
 REFERENCES = ("map", "full_all", "kron_all", "diag_all")
-#: How the network is trained: a MAP, or laplace-torch's ``marglik_training``.
-TRAININGS = ("map", "marglik")
 
 
 @dataclass
@@ -96,11 +95,7 @@ def validate(config: RankStudyConfig) -> torch.device:
         UserError: For an invalid option, a rank below 1, an unknown
             residual model or training, or a checkpoint with ``train="marglik"``.
     """
-    if config.train not in TRAININGS:
-        raise UserError(f"unknown training {config.train!r}: choose from {', '.join(TRAININGS)}")
-    if config.train == "marglik" and (config.checkpoint or config.save_checkpoint):
-        raise UserError("--train marglik trains its own network: drop --checkpoint and "
-                        "--save-checkpoint")
+    check_training(config.train, config)
     if not config.ranks or any(isinstance(r, bool) or not isinstance(r, int) or r < 1
                                for r in config.ranks):
         raise UserError(f"ranks must be integers >= 1, got {config.ranks!r}")
