@@ -113,7 +113,7 @@ class CompetingLoad:
         return None if now is None or self.cpu0 is None else now - self.cpu0
 
     def stop(self) -> dict[str, Any]:
-        """Stop the load (``SIGTERM``, then its process group is killed) and report.
+        """Stop the load (``SIGTERM``; its process group is killed if it lingers) and report.
 
         Returns:
             ``ready``, ``pid`` and the products per second it reached (if it reported).
