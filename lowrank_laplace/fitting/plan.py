@@ -79,8 +79,9 @@ class FitPlan:
         lazy: Streaming merges update the basis lazily.
         threads: CPU threads of the batch loop (``1`` for small fits; ``None``: the
             user's setting).
-        idle_cores: A CPU fit other than a small streaming one: its batch loop takes
-            the cores idle at each batch, at most ``threads`` (:meth:`batch_threads`).
+        idle_cores: A CPU fit of one process, other than a small streaming one: its
+            batch loop takes the cores idle at each batch, at most ``threads``
+            (:meth:`batch_threads`).
         dim: Parameters ``D``.
         keep: Eigenpairs (or sketch columns) kept while fitting, ``rank +
             oversampling`` unless ``solver="auto"`` chose a larger sketch.
@@ -246,23 +247,26 @@ def plan_fit(engine: Any, X: Any, *, batch_size: int, num_data: int, keep: int,
     small = path != "dense" and _small_fit(path, cols, keep, dim, engine.dense_param_count(),
                                            samples, chunk, pass_entries)
     return _frozen_plan(path, micro, chunk, low_memory, keep, dim, small,
-                        batch_device(X).type == "cpu",
+                        batch_device(X).type == "cpu", process_group is not None,
                         _sketch_dtype(path, params[0].dtype, dim, keep, budget, low_memory),
                         wide_sketch)
 
 
 def _frozen_plan(path: str, micro: int, chunk: int, low_memory: bool, keep: int, dim: int,
-                 small: bool, cpu: bool, wide: Optional[torch.dtype],
+                 small: bool, cpu: bool, grouped: bool, wide: Optional[torch.dtype],
                  wide_sketch: bool) -> FitPlan:
     """The :class:`FitPlan` of :func:`plan_fit`'s decisions.
 
     ``wide`` is a float32 sketch's float64 dtype where it fits, taken on the wide pass.
+    A data-parallel fit (``grouped``) keeps fixed threads: its processes finish the
+    reduced sketch or merge each on its own and must round alike, whatever load each
+    sees (the others are that load).
     """
     return FitPlan(
         path=path, micro=micro, chunk=chunk, low_memory=low_memory,
         lazy=dim >= LAZY_MIN_DIM_PER_EIGENPAIR * keep,
         threads=1 if small and cpu else None,
-        idle_cores=cpu and not (small and path == "streaming"),
+        idle_cores=cpu and not grouped and not (small and path == "streaming"),
         dim=dim, keep=keep, sketch_dtype=wide if wide_sketch else None,
         widen=wide is not None and not wide_sketch,
     )

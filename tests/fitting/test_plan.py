@@ -166,6 +166,20 @@ def test_cpu_fits_take_the_idle_cores(monkeypatch, limit, threads):
     assert sketch.batch_threads() == threads  # the load unknown
 
 
+@pytest.mark.parametrize("path, small", [("sketch", False), ("sketch", True),
+                                          ("streaming", False)])
+def test_data_parallel_fits_keep_fixed_threads(path, small):
+    """The processes of a data-parallel fit finish the reduced sketch or merge each on
+    its own: they keep fixed threads, not the load each of them sees."""
+    from lowrank_laplace.fitting import plan as plan_module
+
+    alone, grouped = (plan_module._frozen_plan(path, 2, 2, False, 8, 100, small, True, g,
+                                               None, False) for g in (False, True))
+    assert alone.idle_cores and not grouped.idle_cores
+    assert grouped.threads == alone.threads == (1 if small else None)
+    assert grouped.batch_threads() == grouped.threads
+
+
 @pytest.mark.parametrize("chunk", [None, 40], ids=["whole", "sliced"])
 def test_dense_sum_of_a_factor_is_v_v_transposed(monkeypatch, chunk):
     """The dense sum expands ``V`` from its blocks (factored and explicit), in slices of
