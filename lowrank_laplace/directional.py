@@ -57,7 +57,7 @@ class DirectionalDerivatives:
         eigenvectors: GGN eigenvectors ``e_k``, ``(D, K)``.
         reduction: The loss reduction; for ``'mean'`` the column means of
             ``gammas`` and ``lambdas`` are ``e_k^T g`` and ``lambda_k``.
-        backend: The backend that computed ``V`` (``'backpack'`` or ``'functorch'``).
+        backend: The backend that computed ``V`` (``'backpack'``, ``'hooks'`` or ``'functorch'``).
     """
 
     gammas: Tensor
@@ -170,7 +170,7 @@ def directional_derivatives(
         threshold: Keep only eigenvalues ``>= threshold``.
         indices: Keep these positions of the descending nonzero spectrum instead.
         low_memory: Two backward passes, never holding all of ``V`` (see above).
-        backend: ``'auto'``, ``'backpack'`` or ``'functorch'`` (see
+        backend: ``'auto'``, ``'backpack'``, ``'hooks'`` or ``'functorch'`` (see
             :mod:`lowrank_laplace.engine`); the result's ``backend`` says which ran.
 
     Returns:

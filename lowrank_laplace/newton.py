@@ -101,7 +101,7 @@ def damped_newton_step(
         param_groups: Optimizer-style groups for a block-diagonal GGN.
         low_memory: Two or three backward passes instead of one, holding at most
             one layer's block of ``V`` at a time (see above).
-        backend: ``'auto'``, ``'backpack'`` or ``'functorch'`` (see
+        backend: ``'auto'``, ``'backpack'``, ``'hooks'`` or ``'functorch'`` (see
             :mod:`lowrank_laplace.engine`).
 
     Returns:
@@ -189,7 +189,7 @@ def ggn_inverse_matvec(
         subsampling: Indices of the samples used for the curvature.
         param_groups: Optimizer-style groups for a block-diagonal GGN.
         low_memory: Two backward passes, never holding all of ``V`` (see above).
-        backend: ``'auto'``, ``'backpack'`` or ``'functorch'`` (see
+        backend: ``'auto'``, ``'backpack'``, ``'hooks'`` or ``'functorch'`` (see
             :mod:`lowrank_laplace.engine`).
 
     Returns:

@@ -35,7 +35,7 @@ class LowRankGGN:
         all_eigenvalues: Every nonzero eigenvalue in descending order (``None``
             when an iterative solver only computed the selected ones).
         shapes: Shapes of the group's parameters, to split the flat vectors.
-        backend: The backend that computed ``V`` (``'backpack'`` or ``'functorch'``).
+        backend: The backend that computed ``V`` (``'backpack'``, ``'hooks'`` or ``'functorch'``).
     """
 
     eigenvalues: Tensor
@@ -335,7 +335,7 @@ def ggn_eigh(
             :func:`gram_eigh`; ``'matrix_free'`` needs all of ``V`` and cannot be
             combined with ``low_memory``).
         low_memory: Two backward passes, never holding all of ``V`` (see above).
-        backend: ``'auto'``, ``'backpack'`` or ``'functorch'``: which engine computes
+        backend: ``'auto'``, ``'backpack'``, ``'hooks'`` or ``'functorch'``: which engine computes
             ``V`` (see :mod:`lowrank_laplace.engine`); the result's ``backend`` says
             which one ran.
 
@@ -409,7 +409,7 @@ def ggn_eigvals(
         mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte-Carlo.
         subsampling: Indices of the samples used for the curvature.
         param_groups: Optimizer-style groups for a block-diagonal GGN.
-        backend: ``'auto'``, ``'backpack'`` or ``'functorch'`` (see :func:`ggn_eigh`).
+        backend: ``'auto'``, ``'backpack'``, ``'hooks'`` or ``'functorch'`` (see :func:`ggn_eigh`).
 
     Returns:
         Descending nonzero eigenvalues (one tensor per group if ``param_groups``).

@@ -99,7 +99,7 @@ def device(request):
     return request.param
 
 
-def one_pass_and_low_memory(model, loss_func, X, y, mc_samples):
+def one_pass_and_low_memory(model, loss_func, X, y, mc_samples, backend="auto"):
     """Top-3 ``ggn_eigh`` and ``damped_newton_step`` in one pass and with ``low_memory``.
 
     Both pairs start from the same global seed, so the low-memory passes must replay
@@ -113,8 +113,8 @@ def one_pass_and_low_memory(model, loss_func, X, y, mc_samples):
         torch.manual_seed(1)
         pairs.append((
             ll.ggn_eigh(model, loss_func, X, y, top_k=3, mc_samples=mc_samples,
-                        low_memory=low_memory),
+                        low_memory=low_memory, backend=backend),
             ll.damped_newton_step(model, loss_func, X, y, mc_samples=mc_samples,
-                                  low_memory=low_memory),
+                                  low_memory=low_memory, backend=backend),
         ))
     return pairs

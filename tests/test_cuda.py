@@ -90,15 +90,18 @@ def test_cuda_engine_equals_cpu(name):
     assert_unchanged(gm, before)
 
 
-@pytest.mark.parametrize("name", ["class_cnn", "layernorm_gelu"])
-def test_cuda_low_memory_replays_monte_carlo_draws(name):
-    """The second pass replays the device generator's draws (both backends)."""
+@pytest.mark.parametrize("name, backend", [("class_cnn", "backpack"),
+                                           ("layernorm_gelu", "hooks"),
+                                           ("layernorm_gelu", "functorch")])
+def test_cuda_low_memory_replays_monte_carlo_draws(name, backend):
+    """The second pass replays the device generator's draws (every backend)."""
     model, loss_func, X, y = zoo_case(name, n=6)
     gm, Xg, yg = on_device(model, X, y)
-    (one, one_step), (two, two_step) = one_pass_and_low_memory(gm, loss_func, Xg, yg, 2)
+    (one, one_step), (two, two_step) = one_pass_and_low_memory(gm, loss_func, Xg, yg, 2,
+                                                               backend=backend)
     torch.testing.assert_close(two.eigenvalues, one.eigenvalues, **TOL)
     torch.testing.assert_close(two_step, one_step, rtol=1e-6, atol=1e-9)
-    assert one.backend == ("backpack" if name == "class_cnn" else "functorch")
+    assert one.backend == two.backend == backend
 
 
 @pytest.mark.parametrize("name", ["class_cnn", "transformer"])
@@ -194,7 +197,8 @@ def test_cuda_sketch_laplace_at_full_rank_equals_cpu_streaming(monkeypatch):
     cpu.fit(DataLoader(TensorDataset(X, y), batch_size=8))
     m, Xd, yd = on_device(model, X, y)
     # passes of 4: one streaming merge must not cover the data, or the sketch streams
-    gpu = Laplace(m, "classification", **KW, rank=1000, solver="sketch", micro_batch_size=4)
+    gpu = Laplace(m, "classification", **KW, rank=1000, solver="sketch", micro_batch_size=4,
+                  dense_max_dim=0)
     gpu.fit(DataLoader(TensorDataset(Xd, yd), batch_size=8))
     assert gpu.fit_path == "sketch" and gpu.H[0].device.type == DEVICE
     U, lam = gpu.H

@@ -55,7 +55,7 @@ def check_backend(backend: str) -> str:
     """Validate a ``backend`` argument.
 
     Args:
-        backend: ``'auto'``, ``'backpack'`` or ``'functorch'``.
+        backend: ``'auto'``, ``'backpack'``, ``'hooks'`` or ``'functorch'``.
 
     Returns:
         The name.
@@ -81,7 +81,7 @@ class FactorEngine:
         loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss`` with mean/sum reduction.
         eval_mode: Evaluate the private copy in eval mode whatever the model's mode
             (as laplace-torch does when fitting); ``False`` mirrors the model's mode.
-        backend: ``'auto'``, ``'backpack'`` or ``'functorch'`` (see the module
+        backend: ``'auto'``, ``'backpack'``, ``'hooks'`` or ``'functorch'`` (see the module
             docstring).
 
     Attributes:

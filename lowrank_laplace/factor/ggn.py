@@ -63,7 +63,7 @@ class GGNFactor:
             (``cross_batch_grads``), shape ``(M, N)``.
         diagonals: GGN diagonal per parameter index accumulated in the pass
             (``compute_diag``).
-        backend: The backend that computed ``V`` (``'backpack'`` or ``'functorch'``).
+        backend: The backend that computed ``V`` (``'backpack'``, ``'hooks'`` or ``'functorch'``).
     """
 
     groups: List[List[int]]
