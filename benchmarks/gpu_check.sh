@@ -30,6 +30,11 @@
 #       the CUDA tests, then streaming against solver="sketch" (exact and MC) and
 #       BackPACK-kron on 3c3d and the 784-128-64-10 MLP (sketch.log,
 #       laplace_sketch_3c3d.json, laplace_sketch_mlp.json), about 5 minutes.
+#                               bash benchmarks/gpu_check.sh default
+#       the CUDA tests, then the library's default arguments (`lowrank_default`) against
+#       streaming, the opt-in sketch and `kron` (BackPACK and laplace-torch's default
+#       backend) on 3c3d and the 784-128-64-10 MLP (default.log,
+#       laplace_default_3c3d.json, laplace_default_mlp.json), about 6 minutes.
 #                               bash benchmarks/gpu_check.sh lora
 #       Laplace over the LoRA adapters of a config-built GPT-2 classifier
 #       (benchmarks/bench_lora.py, nothing downloaded): the `large` problem (4 layers of
@@ -72,8 +77,8 @@ for n in ['transformers', 'peft', 'accelerate', 'huggingface-hub', 'tokenizers',
     exit $?
 fi
 case "$mode" in
-    run|fits|tests|sketch|lora) ;;
-    *) echo "usage: bash benchmarks/gpu_check.sh prepare|prepare-lora|run|fits|tests|sketch|lora" >&2
+    run|fits|tests|sketch|default|lora) ;;
+    *) echo "usage: bash benchmarks/gpu_check.sh prepare|prepare-lora|run|fits|tests|sketch|default|lora" >&2
        exit 2 ;;
 esac
 
@@ -143,9 +148,9 @@ fi
 
 echo "== CUDA tests (tests/test_cuda.py and the device-parametrised tests)"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
-    tests/test_factor.py::test_device_and_dtype_follow_model \
+    tests/factor/test_factor.py::test_device_and_dtype_follow_model \
     tests/test_spectrum.py::test_results_follow_device_and_dtype \
-    tests/test_laplace_backend.py::test_device_and_dtype > "$OUT/pytest_cuda.log" 2>&1
+    tests/laplace_torch/test_laplace.py::test_device_and_dtype > "$OUT/pytest_cuda.log" 2>&1
 rc=$?
 tail -2 "$OUT/pytest_cuda.log"
 echo "pytest rc=$rc" | tee -a "$OUT/pytest_cuda.log"
@@ -161,6 +166,21 @@ if [ "$mode" = sketch ]; then
         cp "/tmp/gpu_sketch/laplace_$problem.json" "$OUT/laplace_sketch_$problem.json" 2>/dev/null
     done
     grep -E "PASS|FAIL|\[(3c3d|mlp)\]" "$OUT/sketch.log"
+    exit 0
+fi
+
+if [ "$mode" = default ]; then
+    echo "== the default arguments against streaming, the sketch and kron on 3c3d and the MLP"
+    for problem in mlp 3c3d; do
+        limit=90; [ "$problem" = 3c3d ] && limit=180
+        timeout "$limit" python3 -m benchmarks.bench_laplace --device cuda --problems "$problem" \
+            --methods lowrank_default lowrank_exact lowrank_exact_sketch kron_backpack \
+            kron_default --retry-busy 0 --out /tmp/gpu_default >> "$OUT/default.log" 2>&1
+        echo "bench_laplace $problem rc=$?"
+        cp "/tmp/gpu_default/laplace_$problem.json" "$OUT/laplace_default_$problem.json" \
+            2>/dev/null
+    done
+    grep -E "PASS|FAIL|\[(3c3d|mlp)\]" "$OUT/default.log"
     exit 0
 fi
 
