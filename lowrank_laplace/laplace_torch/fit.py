@@ -3,8 +3,8 @@ r"""``fit_lowrank_ggn``: a loader's GGN as its leading eigenpairs, without lapla
 laplace-torch's curvature is a sum over the training data: the fit streams every
 batch's factor ``V`` (:mod:`~lowrank_laplace.engine`) into the solver its plan names
 (:mod:`~lowrank_laplace.fitting`), merges across processes when fitting
-data-parallel, merges with an earlier fit for online updates, and measures the
-Jacobian exponent of the spectral residual (:mod:`~lowrank_laplace.posterior`). The
+data-parallel, merges with an earlier fit for online updates, and probes the
+spectral residual's complement (:mod:`~lowrank_laplace.laplace_torch.probe`). The
 laplace-torch classes (:mod:`~lowrank_laplace.laplace_torch.laplace`) store the
 :class:`FitResult`.
 
@@ -27,14 +27,13 @@ from torch.nn.utils import parameters_to_vector
 
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.fitting import StreamingMerge
-from lowrank_laplace.fitting.budget import micro_batch_size, resolve_memory_budget
 from lowrank_laplace.fitting.distributed import process_rank, resolve_process_group
 from lowrank_laplace.fitting.streamer import BatchStreamer
 from lowrank_laplace.laplace_torch.options import LowRankOptions
-from lowrank_laplace.posterior.predictive import jacobian_energies
-from lowrank_laplace.posterior.residual import ResidualKind, jacobian_exponent
-from lowrank_laplace.utils.batches import batch_device, take, to_device
-from lowrank_laplace.utils.checks import check_batch
+from lowrank_laplace.laplace_torch.probe import probe_residual, probe_vector_cap
+from lowrank_laplace.posterior.complement import MeasuredComplement
+from lowrank_laplace.posterior.residual import ResidualKind
+from lowrank_laplace.utils.batches import take, to_device
 from lowrank_laplace.utils.linalg import cpu_threads
 
 #: The likelihoods and the loss whose GGN is laplace-torch's, with its Hessian factor.
@@ -59,6 +58,8 @@ class FitResult:
         fit_path: ``"dense"``, ``"streaming"`` or ``"sketch"``.
         rank_bound: Upper bound on the GGN's rank (``min(D, samples * columns)``).
         jacobian_exponent: The spectral residual's exponent ``beta``.
+        complement: The spectral residual's measured complement variance, or ``None``
+            (see :mod:`~lowrank_laplace.laplace_torch.probe`).
     """
 
     mean: Tensor
@@ -73,6 +74,7 @@ class FitResult:
     fit_path: str
     rank_bound: int
     jacobian_exponent: float
+    complement: Optional[MeasuredComplement] = None
 
 
 def likelihood_loss(likelihood: str) -> Tuple[nn.Module, float]:
@@ -243,7 +245,8 @@ def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Iterable,
             loss, num_data = previous.loss + loss, previous.n_data + num_data
         if float(trace) <= 0:  # a zero GGN has no eigenpairs, not a fake tiny one
             U, lam = U[:, :0], lam[:0]
-        exponent = _jacobian_exponent(model, options, probe, U, lam, group, stream)
+        exponent, complement = probe_residual(model, options, probe, U, lam, group, stream,
+                                              num_data, likelihood_loss(likelihood))
     samples = math.ceil(num_data * (options.subsample_fraction or 1.0))
     columns = columns_per_sample(likelihood, options.mc_samples, stream.n_outputs)
     return FitResult(
@@ -251,6 +254,7 @@ def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Iterable,
         loss=loss, n_data=num_data, n_outputs=stream.n_outputs,
         factor_backend=stream.engine.backend, fit_path=stream.path,
         rank_bound=min(mean.numel(), samples * columns), jacobian_exponent=exponent,
+        complement=complement,
     )
 
 
@@ -393,62 +397,3 @@ def _merge_fits(options: LowRankOptions, previous: FitResult, current: tuple
         diagonal = residual + (U**2) @ lam if track else None
         both.add_lowrank(U, lam, trace, diagonal)
     return both.result()
-
-
-def probe_vector_cap(engine: Any, X: Any, memory_budget: Any) -> int:
-    """The most vectors per input the Jacobian probe's pass may carry within the budget.
-
-    Checked at the first batch, so that a budget too small for the probe fails before
-    the fit instead of after it.
-
-    Args:
-        engine: The fit's engine (the same model).
-        X: The first batch's inputs.
-        memory_budget: ``memory_budget`` as given by the user.
-
-    Returns:
-        Vectors per input, ``>= 1``.
-
-    Raises:
-        ValueError: If one vector of one input does not fit the budget.
-    """
-    per_vector = engine.bytes_per_sample(X, 1)
-    budget = resolve_memory_budget(memory_budget, batch_device(X))
-    if per_vector > budget:
-        raise ValueError(
-            f"memory_budget={budget:,} bytes is too small for the spectral residual's "
-            f"Jacobian probe (about {per_vector:,} bytes per input): raise memory_budget, "
-            "pass probe_size=0 (no Jacobian weighting) or another residual model."
-        )
-    return int(budget // per_vector)
-
-
-def _jacobian_exponent(model: nn.Module, options: LowRankOptions, probe: Tuple[List[Any], Any],
-                       U: Tensor, lam: Tensor, group: Any, stream: BatchStreamer) -> float:
-    """``beta`` of the spectral residual from the kept eigenvectors' Jacobian energies.
-
-    One extra backward pass (MSE-sum engine) per probe micro-batch, carrying random
-    output combinations per input (``probe_columns``; drawn in the fit's private
-    stream) or all outputs; summed over processes when fitting data-parallel, so
-    every process gets the same value.
-    """
-    probe, cap = probe
-    if U.shape[1] in (0, U.shape[0]) or not probe:  # nothing kept, or nothing dropped
-        return 0.0
-    with FactorEngine(model, nn.MSELoss(reduction="sum"), eval_mode=True,
-                      backend=options.factor_backend) as engine:
-        inputs = sum(check_batch(x, None) for x in probe)
-        projections = None if options.probe_columns is None else \
-            -(-options.probe_columns // max(inputs, 1))
-        if projections is not None and projections >= stream.n_outputs:
-            projections = None  # no cheaper than the exact energies
-        if (projections or stream.n_outputs) > cap:  # fewer random ones fit the budget
-            projections = cap
-        micro = micro_batch_size(engine, probe[0], projections, options.memory_budget,
-                                 options.micro_batch_size)
-        energy = jacobian_energies(engine, probe, U, micro, projections, stream.rng)
-    if group is not None:
-        import torch.distributed as dist
-
-        dist.all_reduce(energy, group=group)
-    return jacobian_exponent(lam, energy)

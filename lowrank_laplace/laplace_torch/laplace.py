@@ -43,6 +43,7 @@ from lowrank_laplace.laplace_torch.options import (
 )
 from lowrank_laplace.laplace_torch.queries import PosteriorQueries
 from lowrank_laplace.posterior import GramCache, Residual
+from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.residual import DEFAULT_RESIDUAL, ResidualKind, check_residual
 from lowrank_laplace.utils.batches import batch_size
 from lowrank_laplace.utils.threads import on_one_thread_if_small
@@ -88,8 +89,8 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
     (``rank``, ``oversampling``, ``mc_samples``, ``subsample_fraction``,
     ``memory_budget``, ``micro_batch_size``, ``residual``, ``seed``, ``low_memory``,
     ``factor_backend``, ``solver``, ``dense_max_dim``, ``probe_size``,
-    ``probe_columns``, ``sketch_test_matrix``), each readable as an attribute
-    (``la.rank``), and ``diagonal_correction``, a deprecated alias: ``True`` means
+    ``probe_columns``, ``measure_complement``, ``sketch_test_matrix``), each readable
+    as an attribute (``la.rank``), and ``diagonal_correction``, a deprecated alias: ``True`` means
     ``residual="diagonal"``, ``False`` means ``residual="none"``.
 
     Attributes:
@@ -115,6 +116,7 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
     dense_max_dim = _Option()
     probe_size = _Option()
     probe_columns = _Option()
+    measure_complement = _Option()
     sketch_test_matrix = _Option()
 
     def __init__(self, model: nn.Module, likelihood: str,
@@ -142,6 +144,7 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
         self.options = LowRankOptions(**options)
         self.factor_backend_used: Optional[str] = None
         self._jacobian_exponent = 0.0
+        self._complement: Optional[MeasuredComplement] = None
         self._gram_cache = GramCache()  # float64 U^T U, kept across predictive calls
         self.residual_diagonal: Optional[Tensor] = None
         self.trace: Optional[Tensor] = None
@@ -289,6 +292,7 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
         self.trace, self.residual_diagonal = result.trace, result.residual_diagonal
         self.factor_backend_used, self.fit_path = result.factor_backend, result.fit_path
         self.rank_bound, self._jacobian_exponent = result.rank_bound, result.jacobian_exponent
+        self._complement = result.complement
         self._fitted_residual, self._residual_model = self.residual, None
 
     def _fit_result(self) -> FitResult:
@@ -299,7 +303,7 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
             residual_diagonal=self.residual_diagonal, loss=self.loss, n_data=self.n_data,
             n_outputs=self.n_outputs, factor_backend=self.factor_backend_used,
             fit_path=self.fit_path, rank_bound=self.rank_bound,
-            jacobian_exponent=self._jacobian_exponent,
+            jacobian_exponent=self._jacobian_exponent, complement=self._complement,
         )
 
     @property
@@ -308,7 +312,9 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
 
         Fitted: the kept eigenvectors' Jacobian energies on the first ``probe_size``
         training inputs against their eigenvalues. Settable (``0``: the plain mean over
-        random directions; ``1``: the training curvature's weighting).
+        random directions; ``1``: the training curvature's weighting). Where the fit
+        measured the complement variance (:attr:`measured_complement`), only
+        layerwise priors use it.
         """
         return self._jacobian_exponent
 
@@ -326,7 +332,9 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
         state = super().state_dict()
         state.update(trace=self.trace, rank=self.rank, mc_samples=self.mc_samples,
                      residual_diagonal=self.residual_diagonal, residual=self.residual.value,
-                     rank_bound=self.rank_bound, jacobian_exponent=self._jacobian_exponent)
+                     rank_bound=self.rank_bound, jacobian_exponent=self._jacobian_exponent,
+                     measured_complement=None if self._complement is None
+                     else self._complement.state())
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -350,6 +358,9 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
         self.residual_diagonal = state_dict.get("residual_diagonal")
         self.rank_bound = state_dict.get("rank_bound")
         self._jacobian_exponent = float(state_dict.get("jacobian_exponent", 0.0))
+        self._complement = MeasuredComplement.from_state(state_dict.get("measured_complement"))
+        if self._complement is not None:
+            self._complement = self._complement.to(U.device)
         saved = state_dict.get("residual", "diagonal" if self.residual_diagonal is not None
                                else "none")
         if saved != self.residual:

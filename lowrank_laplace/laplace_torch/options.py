@@ -98,7 +98,7 @@ class LowRankOptions:
             layers behind frozen modules, e.g. LoRA adapters and heads),
             ``"functorch"`` (vmapped torch.func products; any differentiable model)
             or ``"auto"`` (the first of these that takes the model).
-        solver: ``"auto"`` (default: a one-pass sketch with ``3 * rank`` columns
+        solver: ``"auto"`` (default: a one-pass sketch with ``4 * rank`` columns
             (or ``rank + oversampling`` if more) where the cost model finds it cheaper
             than streaming merges and its ``D x l`` float64 matrix fits a quarter of
             ``memory_budget``, else streaming merges; low-memory
@@ -128,6 +128,12 @@ class LowRankOptions:
             energies: each input carries ``ceil(probe_columns / inputs)`` of them
             instead of its ``C`` outputs (an unbiased estimate), or all ``C`` where
             that is not fewer; ``None`` always measures exactly.
+        measure_complement: Measure the spectral residual's complement variance on
+            the probe (one more pass with all ``C`` outputs over as many probe inputs
+            as fit half the memory budget, at least 32; see
+            :mod:`~lowrank_laplace.posterior.complement`) instead of modelling it
+            from the Jacobian energies. Applies to scalar and per-parameter priors;
+            a layerwise prior keeps each layer's modelled variance.
         sketch_test_matrix: ``"kronecker"`` draws Khatri-Rao columns in the slices of
             matrix-shaped weights, so the factored linear layers' products with it
             come from their Kronecker factors and the slices are kept as those
@@ -149,6 +155,7 @@ class LowRankOptions:
     dense_max_dim: Optional[int] = field(default_factory=lambda: DEFAULT_DENSE_MAX_DIM)
     probe_size: int = 256
     probe_columns: Optional[int] = 512
+    measure_complement: bool = True
     sketch_test_matrix: SketchTestMatrix = SketchTestMatrix.KRONECKER
 
     def __post_init__(self):
@@ -173,6 +180,7 @@ class LowRankOptions:
         set_(self, "mc_samples", int(self.mc_samples))
         set_(self, "seed", int(self.seed))
         set_(self, "low_memory", bool(self.low_memory))
+        set_(self, "measure_complement", bool(self.measure_complement))
         set_(self, "residual", ResidualKind.parse(self.residual, "residual"))
         set_(self, "solver", SolverKind.parse(self.solver, "solver"))
         set_(self, "sketch_test_matrix",

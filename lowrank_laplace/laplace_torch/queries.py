@@ -22,6 +22,7 @@ from torch import Tensor
 
 from lowrank_laplace.fitting.budget import dense_identity
 from lowrank_laplace.posterior import LowRankPrecision, Residual
+from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.predictive import glm_predictive, prior_variance_weights
 from lowrank_laplace.utils.batches import to_device
 from lowrank_laplace.utils.threads import (
@@ -73,6 +74,17 @@ class PosteriorQueries:
         return (precision.U, precision.ell), d
 
     @property
+    def measured_complement(self) -> Optional[MeasuredComplement]:
+        """The complement variance measured on the probe (``measure_complement``).
+
+        ``None`` where the fit did not measure it (the option off, another residual
+        model, fewer than 32 probe inputs fitting half the memory budget, or nothing
+        dropped); the spectral residual then models it. See
+        :mod:`~lowrank_laplace.posterior.complement`.
+        """
+        return self._complement
+
+    @property
     def residual_model(self) -> Residual:
         """The fitted :class:`~lowrank_laplace.posterior.Residual` (the dropped curvature)."""
         self._check_H_init()
@@ -81,7 +93,7 @@ class PosteriorQueries:
                 self.residual, self.H[1], self.trace, self.n_params,
                 self.rank_bound or self.n_params, self.residual_diagonal,
                 self._jacobian_exponent, eigenvectors=self.H[0],
-                layer_sizes=self._layer_sizes(),
+                layer_sizes=self._layer_sizes(), complement=self._complement,
             )
         return self._residual_model
 

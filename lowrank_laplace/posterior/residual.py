@@ -65,6 +65,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.layer_tail import LayerTails, power_law_tail
 from lowrank_laplace.posterior.precision import GramCache, LowRankPrecision
 from lowrank_laplace.utils.checks import Choice
@@ -140,6 +141,10 @@ class Residual:
         exponent: Jacobian-weighting exponent ``beta`` of the spectral covariance.
         layers: The tail split over layers (``"spectral"`` with the residual diagonal
             and more than one layer; see :mod:`~lowrank_laplace.posterior.layer_tail`).
+        complement: The complement variance measured on the probe (``"spectral"``;
+            see :mod:`~lowrank_laplace.posterior.complement`), used for scalar and
+            per-parameter priors in place of the Jacobian-weighted tail.
+        anchor: The last kept eigenvalue (the measured variance's lower clamp).
     """
 
     model: ResidualKind
@@ -149,13 +154,16 @@ class Residual:
     tail: Optional[Tensor] = None
     exponent: float = 0.0
     layers: Optional[LayerTails] = None
+    complement: Optional[MeasuredComplement] = None
+    anchor: float = 0.0
     _whole: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_fit(cls, model: str, eigenvalues: Tensor, trace: Tensor, dim: int,
                  rank_bound: int, diagonal: Optional[Tensor] = None,
                  exponent: float = 0.0, eigenvectors: Optional[Tensor] = None,
-                 layer_sizes: Optional[Sequence[int]] = None) -> "Residual":
+                 layer_sizes: Optional[Sequence[int]] = None,
+                 complement: Optional[MeasuredComplement] = None) -> "Residual":
         """Build the model's quantities from a fit.
 
         Args:
@@ -170,6 +178,7 @@ class Residual:
             eigenvectors: Kept ``U`` (the spectral model splits its tail over
                 layers with them and ``diagonal``).
             layer_sizes: Parameters per layer (laplace-torch's parameter tensors).
+            complement: The measured complement variance (``"spectral"`` only).
 
         Returns:
             The residual.
@@ -202,8 +211,10 @@ class Residual:
                     and mass > 0 and rank < dim:
                 layers = LayerTails.build(eigenvectors, eigenvalues, mass, diagonal,
                                           layer_sizes, count)
+        measured = complement if model == "spectral" and mass > 0 else None
+        anchor = float(eigenvalues[-1]) if rank else 0.0
         return cls(model, dim, mass, diagonal if model == "diagonal" else None, tail,
-                   float(exponent), layers)
+                   float(exponent), layers, measured, anchor)
 
     def precision(self, eigenvectors: Tensor, eigenvalues: Tensor, scale: Tensor,
                   prior: Tensor, gram_cache: Optional[GramCache] = None,
@@ -312,4 +323,7 @@ class Residual:
         if whole is None:  # one layer, the network; kept with its prior-free factors
             whole = self._whole[num] = LayerTails.whole(self.tail, self.dim, num)
         rho, logdet = whole.shift(scale, prior, self.exponent, device)
+        if self.complement is not None:  # measured on the probe, at this prior
+            delta = prior.to(torch.float64).mean() if prior.numel() > 1 else prior
+            return self.complement.to(device).shift(scale, delta, self.anchor), logdet
         return rho[0], logdet

@@ -159,7 +159,7 @@ def test_zero_ggn_keeps_no_eigenpairs_and_matches_full_laplace():
 def test_residual_none_runs_no_jacobian_probe(monkeypatch):
     calls = []
     real = predictive.jacobian_energies
-    monkeypatch.setattr("lowrank_laplace.laplace_torch.fit.jacobian_energies",
+    monkeypatch.setattr("lowrank_laplace.laplace_torch.probe.jacobian_energies",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     for residual in ("none", "isotropic", "spectral"):
         la = Laplace(_mlp(), "classification", "all", "lowrank_ggn", rank=5,

@@ -127,8 +127,13 @@ def test_tiny_priors_float32_residual(example, residual):
 
     At rank 10 the residual holds the dropped curvature; the spectral model's shift
     ``delta m / (1 - m)`` cancelled to zero in float32 (34% off at 1e-7, zero variance
-    and a NaN marginal likelihood at 1e-8).
+    and a NaN marginal likelihood at 1e-8). The spectral model's measured complement
+    variance is, at these priors, the probe's Jacobian energy in directions of
+    unresolved curvature: a difference of two Gram traces, whose float32 rounding
+    moves it by 0.3% here (laplace-torch's float32 ``FullLaplace`` fails its Cholesky
+    factorisation at these priors).
     """
+    rtol = 5e-3 if residual == "spectral" else 1e-3
     priors = (1e-7, 1e-8, 1e-10)
     fits = {dtype: _laplace(example, dtype, "lowrank_ggn", rank=10, residual=residual)
             for dtype in (torch.float64, torch.float32)}
@@ -142,8 +147,8 @@ def test_tiny_priors_float32_residual(example, residual):
                              la.posterior_variance.double())
         (v64, m64, p64), (v32, m32, p32) = values[torch.float64], values[torch.float32]
         assert math.isfinite(m32) and (v32 > 0).all()
-        torch.testing.assert_close(v32, v64, rtol=1e-3, atol=0)
-        torch.testing.assert_close(p32, p64, rtol=1e-3, atol=0)
+        torch.testing.assert_close(v32, v64, rtol=rtol, atol=0)
+        torch.testing.assert_close(p32, p64, rtol=rtol, atol=0)
         assert m32 == pytest.approx(m64, rel=1e-5)
 
 
