@@ -454,7 +454,7 @@ def _study_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{NUM_CLASSES} classes: the exact GGN costs as much)")
     parser.add_argument("--solver", default="auto", choices=SOLVERS,
                         help="lowrank_ggn's fit: auto (the library's default: a sketch of "
-                        "3 x rank columns where cheaper), streaming merges, or the one-pass "
+                        "4 x rank columns where cheaper), streaming merges, or the one-pass "
                         "sketch of rank + oversampling columns")
     parser.add_argument("--prior", default="marglik",
                         help="prior precision tuning: " + " or ".join(PRIOR_TUNINGS))

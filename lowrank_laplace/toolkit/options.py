@@ -324,7 +324,7 @@ class CalibrationConfig:
         rank: Rank of the ``lowrank_ggn`` posteriors.
         mc_samples: ``0`` exact GGN, ``M >= 1`` Monte-Carlo GGN for ``lowrank_ggn``.
         solver: ``lowrank_ggn``'s fitting algorithm: ``'auto'`` (the library's default:
-            a sketch of 3 x rank columns where it is cheaper, else streaming),
+            a sketch of 4 x rank columns where it is cheaper, else streaming),
             ``'streaming'`` or ``'sketch'``.
         weight_decay: Precision ``delta`` of the Gaussian prior the MAP network is
             trained under: the training loss is the mean cross-entropy plus

@@ -81,8 +81,8 @@ def test_dense_sum_adds_lowrank_curvature_exactly():
 
 
 
-def test_auto_sketches_with_three_times_the_rank_where_its_float64_matrix_fits():
-    """``solver="auto"``: a sketch of ``3 * rank`` columns where it is cheaper than
+def test_auto_sketches_with_four_times_the_rank_where_its_float64_matrix_fits():
+    """``solver="auto"``: a sketch of ``4 * rank`` columns where it is cheaper than
     streaming and its float64 ``D x l`` matrix fits a quarter of the budget; streaming
     merges of ``rank + oversampling`` where it does not, and for low-memory fits."""
     from lowrank_laplace.fitting import plan as plan_module
@@ -92,13 +92,13 @@ def test_auto_sketches_with_three_times_the_rank_where_its_float64_matrix_fits()
     with engine:
         auto = _plan(engine, X, solver="auto", rank=10)
         tight = _plan(engine, X, solver="auto", rank=10,
-                      memory_budget=int(dim * 30 * 8 / plan_module.WIDE_SKETCH_SHARE) - 1)
+                      memory_budget=int(dim * 40 * 8 / plan_module.WIDE_SKETCH_SHARE) - 1)
         low = _plan(engine, X, solver="auto", rank=10, low_memory=True)
-    assert (auto.path, auto.keep, auto.sketch_dtype) == ("sketch", 30, None)  # float64 model
+    assert (auto.path, auto.keep, auto.sketch_dtype) == ("sketch", 40, None)  # float64 model
     assert (tight.path, tight.keep) == ("streaming", 12)
     assert (low.path, low.keep) == ("streaming", 12)
     merge = make_solver(auto, 10, 2, False)
-    assert isinstance(merge, SketchMerge) and (merge.rank, merge.keep) == (10, 30)
+    assert isinstance(merge, SketchMerge) and (merge.rank, merge.keep) == (10, 40)
 
 
 def test_auto_sums_densely_exactly_where_streaming_would():
