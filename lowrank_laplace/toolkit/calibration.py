@@ -60,7 +60,8 @@ from lowrank_laplace.utils.threads import idle_cores
 
 __all__ = [
     "LAPLACE_METHODS", "METHODS", "TABLE_COLUMNS", "CalibrationConfig", "UserError",
-    "default_methods", "evaluate", "format_notes", "format_shift", "format_table",
+    "default_methods", "evaluate", "faithfulness", "format_faithfulness", "format_notes",
+    "format_shift", "format_table",
     "load_split", "machine_record", "make_cnn", "make_writable_dir", "marglik_prior_full",
     "run", "validate",
 ]
@@ -246,8 +247,67 @@ def run(config: CalibrationConfig, log: Callable[[str], None] = silent) -> dict:
                 shifts, metric, path=out / f"shift_{metric}.png",
                 title=f"{plots.metric_name(metric)} under rotation "
                 f"({_DISPLAY_NAMES.get(config.dataset, config.dataset)} test set)"))
+    faithful = faithfulness(report)
+    if faithful:
+        report["faithfulness"] = faithful
     (out / "calibration.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+#: The product's row and the exact posterior it approximates (``--dataset digits``).
+DEFAULT_ROW, REFERENCE_ROW = "lowrank_ggn_all", "full_all"
+
+
+def faithfulness(report: dict) -> dict:
+    """The default row's NLL and ECE relative to ``full_all``'s, in distribution and rotated.
+
+    Args:
+        report: From :func:`run`.
+
+    Returns:
+        ``{"in_distribution": {"nll": r, "ece": r}, "shift": {angle: {...}},
+        "largest": r}`` with ``r = ours / full_all's - 1``; empty where either row is
+        missing or failed.
+    """
+    ours, full = (report["methods"].get(n, {}) for n in (DEFAULT_ROW, REFERENCE_ROW))
+    if "in_distribution" not in ours or "in_distribution" not in full:
+        return {}
+
+    def relative(a: dict, b: dict) -> dict:
+        return {k: a[k] / b[k] - 1 for k in ("nll", "ece") if k in a and b.get(k)}
+
+    out = {"in_distribution": relative(ours["in_distribution"], full["in_distribution"]),
+           "shift": {a: relative(ours["shift"][a], full["shift"][a])
+                     for a in ours.get("shift", {}) if a in full.get("shift", {})}}
+    values = list(out["in_distribution"].values()) + [
+        v for rel in out["shift"].values() for v in rel.values()]
+    out["largest"] = max((abs(v) for v in values), default=math.nan)
+    return out
+
+
+def format_faithfulness(report: dict) -> str:
+    """The default row against ``full_all``, as a text table (empty without both rows).
+
+    Args:
+        report: From :func:`run`.
+
+    Returns:
+        The table and its largest deviation.
+    """
+    faithful = report.get("faithfulness") or faithfulness(report)
+    if not faithful:
+        return ""
+    columns = {"in-dist": faithful["in_distribution"]} | {
+        f"{a}deg": rel for a, rel in faithful["shift"].items()}
+    lines = [f"{DEFAULT_ROW} / {REFERENCE_ROW} - 1".ljust(24)
+             + "".join(f"{c:>9}" for c in columns)]
+    for metric in ("nll", "ece"):
+        lines.append(f"{metric.upper():<24}" + "".join(
+            f"{100 * rel[metric]:>8.1f}%" if metric in rel else f"{'-':>9}"
+            for rel in columns.values()))
+    lines.append(f"largest deviation from the full GGN's posterior: "
+                 f"{100 * faithful['largest']:.1f}%")
+    return "\n".join(lines)
 
 
 #: Columns of the printed table: header, how to read the value from a method's report

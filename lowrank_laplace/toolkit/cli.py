@@ -292,6 +292,10 @@ def calibrate(args: argparse.Namespace) -> dict:
     print(calibration.format_notes(report))
     print()
     print(calibration.format_shift(report))
+    faithful = calibration.format_faithfulness(report)
+    if faithful:
+        print()
+        print(faithful)
     print(f"\nwrote {args.out / 'calibration.json'} and reliability diagrams to {args.out}")
     return report
 

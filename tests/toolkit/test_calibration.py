@@ -31,6 +31,26 @@ def test_format_shift_and_methods_table():
     assert not set(options.TRAINED_METHODS) & set(calibration.default_methods("digits"))
 
 
+def test_faithfulness_of_the_default_row_against_full_all():
+    ours = dict(ENTRY, shift={"0": {"nll": 0.3, "ece": 0.02}, "45": {"nll": 1.1, "ece": 0.11}})
+    full = dict(ENTRY, in_distribution=dict(ENTRY["in_distribution"], nll=0.25, ece=0.025),
+                shift={"0": {"nll": 0.25, "ece": 0.025}, "45": {"nll": 1.0, "ece": 0.1}})
+    report = {"methods": {"lowrank_ggn_all": ours, "full_all": full}}
+    faithful = calibration.faithfulness(report)
+    assert faithful["in_distribution"] == pytest.approx({"nll": 0.2, "ece": -0.2})
+    assert faithful["shift"]["45"] == pytest.approx({"nll": 0.1, "ece": 0.1})
+    assert faithful["largest"] == pytest.approx(0.2)
+    lines = calibration.format_faithfulness(report).splitlines()
+    assert lines[0].split()[-3:] == ["in-dist", "0deg", "45deg"]
+    assert lines[1].split() == ["NLL", "20.0%", "20.0%", "10.0%"]
+    assert lines[2].split() == ["ECE", "-20.0%", "-20.0%", "10.0%"]
+    assert lines[3].endswith("20.0%")
+    # without the reference (MNIST), or where it failed: nothing
+    assert calibration.faithfulness({"methods": {"lowrank_ggn_all": ours}}) == {}
+    report["methods"]["full_all"] = {"error": "RuntimeError: out of memory"}
+    assert calibration.format_faithfulness(report) == ""
+
+
 def test_default_methods_and_notes():
     assert "full_all" in calibration.default_methods("digits")
     assert "full_all" not in calibration.default_methods("mnist")
