@@ -38,8 +38,8 @@ def test_power_law_tail():
     assert power_law_tail(1.0, 1.0, 3, 0).numel() == 0
 
 
-def _fit(residual, prior_kind="scalar", name="mlp-classification", rank=6, **options):
-    model, likelihood, X, y, loader = make_problem(name, n=40, batch_size=16)
+def _fit(residual, prior_kind="scalar", name="mlp-classification", rank=6, n=40, **options):
+    model, likelihood, X, y, loader = make_problem(name, n=n, batch_size=16)
     full = fit_reference(FullLaplace(model, likelihood), loader)
     la = LowRankGGNLaplace(model, likelihood, rank=rank, oversampling=30, residual=residual,
                            **options)
@@ -67,10 +67,11 @@ def reference_exponent(la, full, X):
 def reference_measured_variance(la, full, X, h, delta):
     """The complement variance measured on the probe, from dense Jacobians.
 
-    The complement GGN of the probe's ``m`` inputs (scaled by ``N / m``) and of its
-    first half, the probe's Jacobian energy on their eigenvectors, energy outside
-    the resolved ones (eigenvalues from ``1e-6`` of the probe's GGN trace) curved by
-    that floor, the two extrapolated to ``m = N`` and clamped.
+    A probe of all ``N`` inputs: the exact complement GGN and the probe's Jacobian
+    energy on its eigenvectors. A smaller one: each half's energy on the complement GGN
+    of the other half (scaled by ``N / n``), and the same with the halves' first halves,
+    extrapolated to ``n = N``. Energy outside the resolved eigenvectors (eigenvalues
+    from ``1e-6`` of the probe's GGN trace) is curved by that floor; the result clamped.
     """
     U, lam = la.H
     D = U.shape[0]
@@ -87,15 +88,28 @@ def reference_measured_variance(la, full, X, h, delta):
     ggn = [J.T @ H @ J for J, H in zip(Js, hess)]
     floor = 1e-6 * N / m * float(sum(G.trace() for G in ggn))
 
-    def variance(k):
-        mu, Q = torch.linalg.eigh(N / k * P @ sum(ggn[:k]) @ P)
-        mu, Q = mu[mu >= floor], Q[:, mu >= floor]
-        q = ((rows @ Q) ** 2).sum(0)
-        return ((q / (h * mu + delta)).sum() + (energy - q.sum()) / (h * floor + delta)) / energy
+    def spectrum(inputs):
+        mu, Q = torch.linalg.eigh(N / len(inputs) * P @ sum(ggn[i] for i in inputs) @ P)
+        return mu[mu >= floor], Q[:, mu >= floor]
 
-    v = variance(m)
-    if m // 2 >= 16 and m < N:
-        v = v - (variance(m // 2) - v) * (1 - m / N)
+    def variance(pairs, total):
+        terms, seen = 0.0, 0.0
+        for ggn_inputs, energy_inputs in pairs:
+            mu, Q = spectrum(ggn_inputs)
+            q = ((rows.reshape(m, -1, D)[energy_inputs].reshape(-1, D) @ Q) ** 2).sum(0)
+            terms, seen = terms + (q / (h * mu + delta)).sum(), seen + q.sum()
+        return (terms + (total - seen) / (h * floor + delta)) / total
+
+    if m >= N:
+        v = variance([(list(range(N)), list(range(N)))], energy)
+    else:
+        n = m // 2
+        a, b = list(range(n)), list(range(n, 2 * n))
+        total = (rows.reshape(m, -1, D)[: 2 * n] ** 2).sum()
+        v = variance([(a, b), (b, a)], total)
+        if n // 2 >= 16:
+            half = variance([(a[: n // 2], b), (b[: n // 2], a)], total)
+            v = v - (half - v) * (1 - n / N)
     return v.clamp(min=1 / (h * lam[-1] + delta), max=1 / delta)
 
 
@@ -433,15 +447,17 @@ def test_jacobian_exponent_is_state_and_settable():
 
 
 @pytest.mark.parametrize("name", ["mlp-classification", "mlp-regression"])
-@pytest.mark.parametrize("probe_size", [40, 32])
+@pytest.mark.parametrize("probe_size", [80, 64, 40])
 def test_measured_complement_against_dense_reference(name, probe_size):
-    """The measured complement variance: on all 40 inputs (the exact complement GGN)
-    and on 32 with the half-probe extrapolation, against dense Jacobians, at several
-    priors and noise levels; it survives ``state_dict`` and stays out of the log det."""
-    la, full, X = _fit("spectral", name=name, probe_size=probe_size)
+    """The measured complement variance: on all 80 inputs (the exact complement GGN),
+    on 64 (each half against the other's GGN, extrapolated with quarters) and on 40
+    (halves of 20, no extrapolation), against dense Jacobians, at several priors and
+    noise levels; it survives ``state_dict`` and stays out of the log det."""
+    la, full, X = _fit("spectral", name=name, probe_size=probe_size, n=80)
     measured = la.measured_complement
-    assert measured is not None and measured.fraction == probe_size / 40
-    assert (measured.mu_half is None) == (probe_size == 40)
+    assert measured is not None
+    assert measured.fraction == (1.0 if probe_size == 80 else probe_size // 2 / 80)
+    assert (measured.mu_half is None) == (probe_size != 64)
     logdet = la.log_det_posterior_precision
     for prior, sigma in [(0.7, 1.0), (3.0, 0.6), (1e-3, 1.0)]:
         la.prior_precision = full.prior_precision = prior
@@ -452,13 +468,13 @@ def test_measured_complement_against_dense_reference(name, probe_size):
         torch.testing.assert_close(la.log_det_posterior_precision, ref_logdet, **TOL)
     la.prior_precision, la.sigma_noise = 0.7, 1.0
     before = la.posterior_variance
-    model, likelihood, *_ = make_problem(name, n=40, batch_size=16)
+    model, likelihood, *_ = make_problem(name, n=80, batch_size=16)
     other = LowRankGGNLaplace(model, likelihood, rank=6)
     other.load_state_dict(la.state_dict())
     other.prior_precision = 0.7
     torch.testing.assert_close(other.posterior_variance, before, **TOL)
     # the model instead: another complement variance, the same log det
-    modelled, *_ = _fit("spectral", name=name, probe_size=probe_size,
+    modelled, *_ = _fit("spectral", name=name, probe_size=probe_size, n=80,
                         measure_complement=False)
     assert modelled.measured_complement is None
     torch.testing.assert_close(modelled.log_det_posterior_precision, logdet, **TOL)
