@@ -299,10 +299,11 @@ def format_faithfulness(report: dict) -> str:
         return ""
     columns = {"in-dist": faithful["in_distribution"]} | {
         f"{a}deg": rel for a, rel in faithful["shift"].items()}
-    lines = [f"{DEFAULT_ROW} / {REFERENCE_ROW} - 1".ljust(24)
-             + "".join(f"{c:>9}" for c in columns)]
+    title = f"{DEFAULT_ROW} / {REFERENCE_ROW} - 1"
+    width = max(24, len(title) + 1)
+    lines = [title.ljust(width) + "".join(f"{c:>9}" for c in columns)]
     for metric in ("nll", "ece"):
-        lines.append(f"{metric.upper():<24}" + "".join(
+        lines.append(metric.upper().ljust(width) + "".join(
             f"{100 * rel[metric]:>8.1f}%" if metric in rel else f"{'-':>9}"
             for rel in columns.values()))
     lines.append(f"largest deviation from the full GGN's posterior: "
