@@ -64,15 +64,17 @@ def probe_vector_cap(engine: Any, X: Any, memory_budget: Any) -> int:
     Raises:
         ValueError: If one vector of one input does not fit the budget.
     """
-    per_vector = engine.bytes_per_sample(X, 1)
-    budget = resolve_memory_budget(memory_budget, batch_device(X))
-    if per_vector > budget:
+    try:
+        cap, _ = samples_in_budget(engine, X, 1, memory_budget, False)
+    except ValueError as err:  # said for the probe, not for the fit's own V
+        budget = resolve_memory_budget(memory_budget, batch_device(X))
         raise ValueError(
             f"memory_budget={budget:,} bytes is too small for the spectral residual's "
-            f"Jacobian probe (about {per_vector:,} bytes per input): raise memory_budget, "
-            "pass probe_size=0 (no Jacobian weighting) or another residual model."
-        )
-    return int(budget // per_vector)
+            f"Jacobian probe (about {engine.bytes_per_sample(X, 1):,} bytes per input): "
+            "raise memory_budget, pass probe_size=0 (no Jacobian weighting) or another "
+            "residual model."
+        ) from err
+    return int(cap)
 
 
 def probe_residual(model: nn.Module, options: Any, probe: Tuple[List[Any], Any],
