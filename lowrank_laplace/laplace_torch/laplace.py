@@ -282,8 +282,11 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
         """
         previous = None if override or self.H is None else self._fit_result()
         module, to_inputs, params = self._curvature_target()
+        options = self.options  # only a scalar prior uses the measured complement
+        if options.measure_complement and torch.as_tensor(self.prior_precision).numel() > 1:
+            options = replace(options, measure_complement=False)
         result = fit_lowrank_ggn(
-            module, self.likelihood, train_loader, self.options, params=params,
+            module, self.likelihood, train_loader, options, params=params,
             to_inputs=to_inputs, dict_key_y=self.dict_key_y, device=self._device,
             previous=previous, process_group=process_group, progress_bar=progress_bar,
         )

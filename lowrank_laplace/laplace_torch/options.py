@@ -129,11 +129,12 @@ class LowRankOptions:
             instead of its ``C`` outputs (an unbiased estimate), or all ``C`` where
             that is not fewer; ``None`` always measures exactly.
         measure_complement: Measure the spectral residual's complement variance on
-            the probe (one more pass with all ``C`` outputs over as many probe inputs
-            as fit half the memory budget, at least 32; see
+            the probe (one more pass with all ``C`` outputs over the probe inputs of at
+            most 1,024 Jacobian columns that fit half the memory budget, at least 32; see
             :mod:`~lowrank_laplace.posterior.complement`) instead of modelling it
-            from the Jacobian energies. Applies to scalar and per-parameter priors;
-            a layerwise prior keeps each layer's modelled variance.
+            from the Jacobian energies. Only a scalar prior uses it (layerwise and
+            per-parameter priors keep each layer's modelled variance), so a fit under
+            another prior (e.g. inside ``marglik_training``) does not measure it.
         sketch_test_matrix: ``"kronecker"`` draws Khatri-Rao columns in the slices of
             matrix-shaped weights, so the factored linear layers' products with it
             come from their Kronecker factors and the slices are kept as those

@@ -78,8 +78,9 @@ class PosteriorQueries:
         """The complement variance measured on the probe (``measure_complement``).
 
         ``None`` where the fit did not measure it (the option off, another residual
-        model, fewer than 32 probe inputs fitting half the memory budget, or nothing
-        dropped); the spectral residual then models it. See
+        model, a layerwise or per-parameter prior at the fit, which would not use it,
+        fewer than 32 probe inputs fitting half the memory budget, or nothing dropped);
+        the spectral residual then models it. See
         :mod:`~lowrank_laplace.posterior.complement`.
         """
         return self._complement

@@ -615,3 +615,16 @@ def test_fitted_posterior_pickles_after_a_predictive():
     before = la(X[:4], pred_type="glm", link_approx="probit")
     again = pickle.loads(pickle.dumps(la))
     torch.testing.assert_close(again(X[:4], pred_type="glm", link_approx="probit"), before)
+
+
+def test_a_fit_under_a_layerwise_prior_does_not_measure_the_complement():
+    """Only a scalar prior uses the measurement: ``marglik_training``'s refits, under
+    layerwise priors, skip its pass."""
+    model, likelihood, X, y, loader = make_problem("mlp-classification", n=80, batch_size=16)
+    layers = len(list(model.parameters()))
+    la = LowRankGGNLaplace(model, likelihood, rank=6, prior_precision=torch.ones(layers))
+    la.fit(loader)
+    assert la.measured_complement is None and la.options.measure_complement
+    la.prior_precision = 1.0
+    la.fit(loader)
+    assert la.measured_complement is not None
