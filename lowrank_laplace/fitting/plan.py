@@ -60,13 +60,9 @@ PATHS = ("dense", "streaming", "sketch")
 #: ``eps32 * lambda_max``, and the fit warns.
 WIDE_SKETCH_SHARE = 0.25
 #: ``solver="auto"`` sketches with ``rank * (1 + AUTO_SKETCH_OVERSAMPLING)`` columns
-#: (or ``rank + oversampling`` if more): with the default 20% oversampling the sketch
-#: under-estimated the digits MLP's 50th eigenvalue by 30% and its posterior missed the
-#: full GGN's test NLL by 8%; with twice the rank of extra columns, by under 5% and 1%.
-#: On the digits CNN of the main job twice the rank still under-estimated the last kept
-#: eigenvalues by 5% and raised the marglik prior 19% above the full GGN's (in-
-#: distribution NLL 10% below); three times the rank: 13% and 7%, at 7-17% more fit
-#: time (docs/posterior_quality.md).
+#: (or ``rank + oversampling`` if more): fewer under-estimate the last kept eigenvalues
+#: enough to tune the marglik prior too strong (docs/benchmarks/design_measurements.md,
+#: docs/posterior_quality.md).
 AUTO_SKETCH_OVERSAMPLING = 3
 
 

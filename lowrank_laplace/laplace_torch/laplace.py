@@ -317,7 +317,7 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
         training inputs against their eigenvalues. Settable (``0``: the plain mean over
         random directions; ``1``: the training curvature's weighting). Where the fit
         measured the complement variance (:attr:`measured_complement`), only
-        layerwise priors use it.
+        layerwise and per-parameter priors use it.
         """
         return self._jacobian_exponent
 

@@ -41,9 +41,8 @@ from lowrank_laplace.utils.checks import check_batch
 #: Fewest probe inputs the complement variance is measured on (else it is modelled).
 MIN_MEASURED = 32
 #: Most Jacobian columns (inputs times outputs) of the measurement: its Gram matrix
-#: grows with their square, its eigenproblems with the cube of a half's. 102 inputs of
-#: 10 classes put the digits CNN's and MLP's default posteriors within 3% of the full
-#: GGN's test NLL at 0.1-0.2 s; 76 left the MLP 5% off, 153 cost twice as much.
+#: grows with their square, its eigenproblems with the cube of a half's; fewer columns
+#: leave more of the sub-sampled GGN's bias (docs/benchmarks/design_measurements.md).
 MAX_COLUMNS = 1024
 
 

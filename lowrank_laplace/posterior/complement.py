@@ -3,9 +3,9 @@ r"""The complement variance measured on a probe of training inputs.
 The spectral residual (:mod:`~lowrank_laplace.posterior.residual`) gives every
 direction outside the kept eigenvectors ``U`` one variance :math:`v`, which enters
 every predictive variance through the part of an input's Jacobian outside ``U``.
-Its modelled value weights a power-law tail by a fitted law of Jacobian energies; on a
-MAP-trained CNN that law missed the exact value by 15% (see the posterior-quality page
-of the docs). Here :math:`v` is measured instead, from ``m`` training inputs (the
+Its modelled value weights a power-law tail by a fitted law of Jacobian energies, which
+can miss the exact value on a MAP-trained CNN (see the posterior-quality page of the
+docs). Here :math:`v` is measured instead, from ``m`` training inputs (the
 *probe*) whose Jacobians :math:`J_n` (``C x D``) one backward pass gives:
 
 * the probe's Jacobian rows projected out of ``U``, :math:`J_c = (I - U U^\top) J^\top`
@@ -40,8 +40,8 @@ with the halves' first halves removes that term:
 :math:`v = v_n - (v_{n/2} - v_n)(1 - n / N)`, clamped to
 :math:`[1 / (h\lambda_r + \delta), 1 / \delta]` (no dropped direction is curved more
 than the last kept eigenvalue :math:`\lambda_r`). Weighing the probe against a GGN that
-holds its own inputs instead measured 38% too little on a diabetes regression MLP's
-test inputs.
+holds its own inputs instead under-states what test inputs see (measured on the
+posterior-quality page).
 
 Shape glossary:
     D: parameters; r: kept rank; m: probe inputs; C: outputs; V: loss-factor columns.
@@ -60,7 +60,7 @@ from torch import Tensor
 #: rounding, about ``eps`` times their trace, 1e-7 in float32. One floor for every dtype,
 #: so that float32 and float64 fits of one model agree even at tiny prior precisions.
 RESOLUTION = 1e-6
-#: Fewest probe inputs whose half the bias correction measures again.
+#: Fewest inputs of a sub-sampled GGN that the bias correction measures again on.
 MIN_HALF = 16
 _FIELDS = ("mu", "q", "mu_half", "q_half", "energy", "fraction", "floor")
 
@@ -196,10 +196,11 @@ def measure_complement(gram: Tensor, Z: Tensor, loss_sqrt: Tensor, num_data: int
     energy = M.diagonal().reshape(classes, m)[:, :2 * half].sum()
 
     def cross(ggn_sets):  # each half's GGN with the other half's energies
-        parts = [_spectrum(K[_index(num_vectors, m, g)][:, _index(num_vectors, m, g)],
-                           MS[_index(classes, m, e)][:, _index(num_vectors, m, g)],
-                           num_data / g.numel(), floor)
-                 for g, e in zip(ggn_sets, (second, first))]
+        parts = []
+        for g, e in zip(ggn_sets, (second, first)):
+            cols = _index(num_vectors, m, g)
+            parts.append(_spectrum(K[cols][:, cols], MS[_index(classes, m, e)][:, cols],
+                                   num_data / g.numel(), floor))
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     mu, q = cross((first, second))
