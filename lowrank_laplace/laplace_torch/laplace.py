@@ -42,6 +42,7 @@ from lowrank_laplace.laplace_torch.options import (
     resolve_residual,
 )
 from lowrank_laplace.laplace_torch.queries import PosteriorQueries
+from lowrank_laplace.laplace_torch.tuning import scalar_marglik_call, tune_scalar_prior
 from lowrank_laplace.posterior import GramCache, Residual
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.residual import DEFAULT_RESIDUAL, ResidualKind, check_residual
@@ -192,9 +193,19 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
         """laplace-torch's prior tuning (marginal likelihood, or grid search on data).
 
         Small posteriors are tuned on one CPU thread (see
-        :mod:`lowrank_laplace.utils.threads`). Arguments as in laplace-torch.
+        :mod:`lowrank_laplace.utils.threads`); a scalar prior's marginal likelihood
+        is tuned by the same Adam steps on its closed-form gradient
+        (:mod:`~lowrank_laplace.laplace_torch.tuning`). Arguments as in laplace-torch.
         """
-        return super().optimize_prior_precision(*args, **kwargs)
+        call = scalar_marglik_call(self, args, kwargs)
+        if call is None:
+            return super().optimize_prior_precision(*args, **kwargs)
+        # laplace-torch's checks, warnings and starting point, without its steps
+        super().optimize_prior_precision(**{**call, "n_steps": 0, "verbose": False})
+        tuned = tune_scalar_prior(self, float(self.prior_precision), call["n_steps"], call["lr"])
+        self.prior_precision = torch.tensor([tuned], device=self._device, dtype=self._dtype)
+        if call["verbose"]:
+            print(f"Optimized prior precision is {self.prior_precision}.")
 
     def _check_backend(self) -> None:
         """Refuse laplace-torch backend settings that ask for another curvature."""

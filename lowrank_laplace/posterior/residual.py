@@ -267,6 +267,43 @@ class Residual:
                                 logdet_offset=offset, gram_cache=gram_cache,
                                 layers=layered(rho))
 
+    def curvature_spectrum(self, eigenvalues: Tensor, scale: float,
+                           ) -> Optional[Tuple[Tensor, Tensor]]:
+        r"""The curvature's nonzero eigenvalues under a scalar prior, for the log det.
+
+        Under a scalar prior :math:`\delta` every model but ``"diagonal"`` gives
+        :math:`\log\det P = \sum_j c_j \log(a_j + \delta) + (D - \sum_j c_j)
+        \log\delta`: the kept :math:`h\lambda_k`, and the modelled dropped ones
+        (``"spectral"``: the tail :math:`h\tilde\lambda_i`; ``"isotropic"``: the mean
+        :math:`\rho` on all ``D - r`` dropped directions). The marginal likelihood's
+        dependence on :math:`\delta` is then a scalar function (see
+        :mod:`~lowrank_laplace.laplace_torch.tuning`). As :meth:`precision` with a
+        scalar prior, whose shift never exceeds the last kept eigenvalue.
+
+        Args:
+            eigenvalues: Kept ``lambda``, shape ``(r,)``.
+            scale: ``h = 1 / sigma^2 / T``.
+
+        Returns:
+            ``(a, c)``, float64 on the CPU, or ``None`` for ``"diagonal"`` (a
+            per-parameter residual).
+        """
+        if self.model == "diagonal":
+            return None
+        kept = eigenvalues.detach().to(device="cpu", dtype=torch.float64) * scale
+        values, counts = [kept], [torch.ones_like(kept)]
+        num = self.dim - kept.numel()
+        if self.model == "isotropic" and num > 0:
+            rho = scale * self.mass / num  # the kept directions hold max(h lambda, rho)
+            values = [kept.clamp(min=rho), kept.new_tensor([rho])]
+            counts.append(kept.new_tensor([float(num)]))
+        elif self.model == "spectral" and num > 0 and self.tail is not None:
+            values.append(self.tail.to(device="cpu", dtype=torch.float64) * scale)
+            counts.append(torch.ones_like(values[-1]))
+        values, counts = torch.cat(values), torch.cat(counts)
+        keep = values > 0
+        return values[keep], counts[keep]
+
     def _layer_precision(self, eigenvectors: Tensor, ell: Tensor, scale: Tensor,
                          prior: Tensor, gram_cache: Optional[GramCache],
                          layer_prior: Optional[Tuple[Sequence[int], Tensor]],
