@@ -22,6 +22,11 @@ from lowrank_laplace.utils.linalg import stored_transposed
 #: wide product instead of one product per column: faster on CPU for small layers,
 #: slower for large ones (docs/benchmarks/design_measurements.md).
 _ONE_PRODUCT_MAX = 2**14
+#: Those small layers' per-sample products ``acc`` (``c x K x out``) are formed for
+#: chunks of about this many entries, at least this many samples each
+#: (docs/benchmarks/design_measurements.md).
+_ACC_ENTRIES = 2**20
+_ACC_MIN_ROWS = 16
 
 if TYPE_CHECKING:
     from lowrank_laplace.factor.blocks import Block, Weight
@@ -185,13 +190,20 @@ class KronBlock:
         out_dim, in_dim = self.s.shape[2], self.z.shape[1]
         if stored_transposed(out):
             k = y.shape[1]
-            acc = torch.bmm(y.reshape(v, n, k).permute(1, 2, 0), self.s.transpose(0, 1))
             if out_dim * in_dim <= _ONE_PRODUCT_MAX:
-                # small layers: one wide product z^T (in, N) @ acc (N, K out), added
-                # through a transposed view (per-column products are too small to be fast)
-                prod = (self.z.T @ acc.reshape(n, -1)).view(in_dim, k, out_dim)
-                out.T.view(k, out_dim, in_dim).add_(prod.permute(1, 2, 0))
+                # small layers: wide products z^T (in, c) @ acc (c, K out) over chunks
+                # of c samples (the (N, K, out) acc of all samples is slower to write
+                # than to compute), added through a transposed view once (per-column
+                # products are too small to be fast)
+                ys, st = y.reshape(v, n, k).permute(1, 2, 0), self.s.transpose(0, 1)
+                rows = max(_ACC_MIN_ROWS, _ACC_ENTRIES // max(k * out_dim, 1))
+                prod = y.new_zeros(in_dim, k * out_dim)
+                for start in range(0, n, rows):
+                    acc = torch.bmm(ys[start : start + rows], st[start : start + rows])
+                    prod.addmm_(self.z[start : start + rows].T, acc.reshape(acc.shape[0], -1))
+                out.T.view(k, out_dim, in_dim).add_(prod.view(in_dim, k, out_dim).permute(1, 2, 0))
                 return out
+            acc = torch.bmm(y.reshape(v, n, k).permute(1, 2, 0), self.s.transpose(0, 1))
             # per column k: out^T_k (out, in) += acc_k (out, N) @ z (N, in), written
             # along the rows of out^T (per output unit; the strided rows cost extra)
             out.T.view(k, out_dim, in_dim).baddbmm_(acc.permute(1, 2, 0),
