@@ -5,7 +5,8 @@ The slice of a matrix-shaped weight ``(out, in)`` holds Khatri-Rao columns
 (``l x in``), never as ``l x out x in`` entries; every other slice is Gaussian and kept
 as an ``l x d`` tensor. Each operation the sketch needs works slice by slice:
 ``V^T Omega`` from a factor's blocks, ``Omega^T X``, ``Y += alpha Omega`` and
-``Omega^T Omega``.
+``Omega^T Omega``. :class:`BasisOmega` puts fixed basis columns (a warm start) before
+the random ones.
 
 Shape glossary:
     D: parameters; l: columns of the test matrix; K: columns of another matrix.
@@ -179,3 +180,60 @@ class Omega:
                 else part @ part.T
             total = prod if total is None else total.add_(prod)
         return total
+
+
+class BasisOmega:
+    r"""The test matrix :math:`[W, \Omega]`: fixed basis columns before random ones.
+
+    A sketch started from a known basis ``W`` (``D x b``, e.g. the eigenvectors of an
+    earlier fit of a model that has since moved) keeps the Nyström approximation's
+    guarantees, which hold for any test matrix (:math:`0 \preceq \hat H \preceq H`,
+    exact on the range of :math:`H^{1/2}[W, \Omega]`), and is exact on every
+    eigenvector ``W`` spans. The basis columns are kept as an explicit ``b x D``
+    tensor; the random ones as :class:`Omega`, whose interface this class shares.
+
+    Args:
+        basis: ``W``, shape ``(D, b)`` (any layout; copied in ``omega``'s dtype).
+        omega: The random columns.
+    """
+
+    def __init__(self, basis: Tensor, omega: Omega):
+        if basis.shape[0] != omega.dim:
+            raise ValueError(f"The basis has {basis.shape[0]} rows, the test matrix {omega.dim}.")
+        self.basis = basis.T.to(dtype=omega.dtype, device=omega.device).contiguous()  # (b, D)
+        self.omega = omega
+        self.cols, self.dim = basis.shape[1] + omega.cols, omega.dim
+        self.dtype, self.device, self.sizes = omega.dtype, omega.device, omega.sizes
+
+    def dense(self) -> Tensor:
+        """The whole matrix, ``(D, l)``: a view of a contiguous ``(l, D)`` tensor."""
+        return torch.cat([self.basis, self.omega.dense().T]).T
+
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return self.basis.numel() * self.basis.element_size() + self.omega.nbytes()
+
+    def block_products(self, blocks: Sequence[Block]) -> Tensor:
+        """``V^T [W, Omega]`` from a factor's blocks (one per slice), ``(M, l)``."""
+        total = None
+        for block, part in zip(blocks, self.basis.split(self.sizes, dim=1)):
+            prod = block.t_matmul(part.T)
+            total = prod if total is None else total.add_(prod)
+        return torch.cat([total, self.omega.block_products(blocks)], dim=1)
+
+    def t_matmul(self, x: Tensor) -> Tensor:
+        """``[W, Omega]^T x`` for ``x`` of shape ``(D, K)``, ``(l, K)``."""
+        return torch.cat([self.basis @ x, self.omega.t_matmul(x)])
+
+    def add_to_(self, y: Tensor, alpha: float) -> Tensor:
+        """``y += alpha [W, Omega]`` in place, for ``y`` of shape ``(D, l)``."""
+        b = self.basis.shape[0]
+        y[:, :b].add_(self.basis.T, alpha=alpha)
+        self.omega.add_to_(y[:, b:], alpha)
+        return y
+
+    def gram(self) -> Tensor:
+        """``[W, Omega]^T [W, Omega]``, ``(l, l)``."""
+        cross = self.omega.t_matmul(self.basis.T)  # Omega^T W, (l - b, b)
+        top = torch.cat([self.basis @ self.basis.T, cross.T], dim=1)
+        return torch.cat([top, torch.cat([cross, self.omega.gram()], dim=1)])

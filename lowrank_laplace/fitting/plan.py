@@ -64,6 +64,11 @@ WIDE_SKETCH_SHARE = 0.25
 #: enough to tune the marglik prior too strong (docs/benchmarks/design_measurements.md,
 #: docs/posterior_quality.md).
 AUTO_SKETCH_OVERSAMPLING = 3
+#: A sketch warm-started from a basis of ``b`` directions (``solver="auto"``; an earlier
+#: fit's eigenvectors) draws ``rank * WARM_SKETCH_OVERSAMPLING`` random columns besides
+#: them, at most as many columns as the cold sketch in all
+#: (docs/benchmarks/design_measurements.md).
+WARM_SKETCH_OVERSAMPLING = 2
 
 
 @dataclass(frozen=True)
@@ -350,7 +355,8 @@ def _agree(group: Any, X: Any, dense: bool, single: bool) -> Tuple[bool, bool]:
 
 def make_solver(plan: FitPlan, rank: int, oversampling: int, track_diagonal: bool,
                 seed: int = 0, test_matrix: str = "kronecker", like: Optional[Tensor] = None,
-                shapes: Optional[List[torch.Size]] = None) -> Solver:
+                shapes: Optional[List[torch.Size]] = None,
+                basis: Optional[Tensor] = None) -> Solver:
     """The solver a plan names.
 
     Args:
@@ -363,6 +369,10 @@ def make_solver(plan: FitPlan, rank: int, oversampling: int, track_diagonal: boo
         like: A parameter (dtype and device): a low-memory sketch draws its test
             matrix before the first pass, which needs its products.
         shapes: The parameters' shapes, in order (for that test matrix).
+        basis: A warm start for a sketch, ``(D, b)`` (``solver="auto"`` only): the sketch
+            has ``b + rank * WARM_SKETCH_OVERSAMPLING`` columns, at most the plan's,
+            and ignores it where that leaves no random column or the fit recomputes
+            its passes.
 
     Returns:
         A :class:`~lowrank_laplace.fitting.dense.DenseSum`,
@@ -375,8 +385,14 @@ def make_solver(plan: FitPlan, rank: int, oversampling: int, track_diagonal: boo
         oversampling = plan.keep - rank
     if plan.path == "streaming":
         return StreamingMerge(rank, oversampling, track_diagonal, lazy=plan.lazy)
+    if basis is not None:
+        columns = min(plan.keep, basis.shape[1] + rank * WARM_SKETCH_OVERSAMPLING)
+        if plan.low_memory or basis.shape[0] != plan.dim or columns <= basis.shape[1]:
+            basis = None
+        else:
+            oversampling = columns - rank
     sketch = SketchMerge(rank, oversampling, track_diagonal, seed=seed, test_matrix=test_matrix,
-                         accumulate=plan.sketch_dtype)
+                         accumulate=plan.sketch_dtype, basis=basis)
     if plan.low_memory:  # the first pass needs V^T Omega
         sketch.prepare(plan.dim, like, shapes)
     return sketch

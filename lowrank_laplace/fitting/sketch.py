@@ -1,9 +1,10 @@
 r"""One-pass randomized Nyström sketch of the GGN over a data set (``solver="sketch"``).
 
 An alternative to :class:`~lowrank_laplace.fitting.streaming.StreamingMerge` that trades
-accuracy for speed (``solver="auto"`` runs it with ``l = 3 rank`` columns where it is
-the cheaper fit: with ``l = 1.2 rank`` its posteriors missed the full GGN's test NLL by
-up to 8%, docs/posterior_quality.md). With a fixed random test matrix :math:`\Omega`
+accuracy for speed (``solver="auto"`` runs it with ``l = 4 rank`` columns where it is
+the cheaper fit, or from an earlier fit's eigenvectors and ``2 rank`` random columns:
+with ``l = 1.2 rank`` its posteriors missed the full GGN's test NLL by up to 8%,
+docs/posterior_quality.md). With a fixed random test matrix :math:`\Omega`
 (``D x l``, ``l = rank + oversampling``) every batch factor only adds to the sketch
 
 .. math::
@@ -68,14 +69,14 @@ Shape glossary:
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from lowrank_laplace.factor import KronBlock, cat_blocks
 from lowrank_laplace.fitting.base import Solver
-from lowrank_laplace.fitting.omega import Omega
+from lowrank_laplace.fitting.omega import BasisOmega, Omega
 from lowrank_laplace.utils.linalg import rotate, stored_transposed, sym_eigh
 
 #: Factored linear-layer blocks of consecutive passes are added to the sketch together,
@@ -118,6 +119,11 @@ class SketchMerge(Solver):
             ``torch.float64`` for float32 factors, whose blocks are then widened per
             pass); ``None``: the factors' dtype. Low-memory (recomputed) factors
             need ``None``.
+        basis: A warm start: ``b`` known directions, shape ``(D, b)`` (e.g. the
+            eigenvectors of an earlier fit of a model that has moved since), taken
+            as the first ``b`` of the ``l`` test columns
+            (:class:`~lowrank_laplace.fitting.omega.BasisOmega`); the other
+            ``l - b`` are random. ``None``: all random.
 
     Raises:
         ValueError: For ``rank < 1``, negative oversampling or an unknown
@@ -128,8 +134,13 @@ class SketchMerge(Solver):
 
     def __init__(self, rank: int, oversampling: int = 0, track_diagonal: bool = False,
                  seed: int = 0, test_matrix: str = "kronecker",
-                 accumulate: Optional[torch.dtype] = None):
+                 accumulate: Optional[torch.dtype] = None, basis: Optional[Tensor] = None):
         super().__init__(rank, oversampling, track_diagonal)
+        if basis is not None and not 0 < basis.shape[1] < self.keep:
+            raise ValueError(
+                f"A warm-start basis needs between 1 and {self.keep - 1} columns (fewer "
+                f"than the sketch's {self.keep}), got {basis.shape[1]}."
+            )
         if test_matrix not in ("kronecker", "gaussian"):
             raise ValueError(
                 f"test_matrix must be 'kronecker' or 'gaussian', got {test_matrix!r}."
@@ -138,7 +149,9 @@ class SketchMerge(Solver):
         self.seed = int(seed)
         self.accumulate = accumulate
         self._dtype: Optional[torch.dtype] = None  # the factors' dtype (of the result)
-        self._omega: Optional[Omega] = None  # the test matrix, per parameter slice
+        self.basis = basis  # the warm start's columns, until the test matrix is drawn
+        self.warm_columns = 0 if basis is None else basis.shape[1]
+        self._omega: Optional[Union[Omega, BasisOmega]] = None  # the test matrix
         self._projection: Optional[Tensor] = None  # Omega formed, for low-memory passes
         self._sketch: Optional[Tensor] = None  # Y = H Omega, laid out like Omega
         self.shift: Optional[float] = None  # nu of the last finalisation
@@ -160,8 +173,12 @@ class SketchMerge(Solver):
         (docs/benchmarks/design_measurements.md).
         """
         if self._omega is None:
-            self._omega = Omega(min(self.keep, dim), dim, like, self.seed, shapes,
+            warm = 0 if self.basis is None else self.basis.shape[1]
+            self._omega = Omega(min(self.keep, dim) - warm, dim, like, self.seed, shapes,
                                 kronecker=self.test_matrix == "kronecker")
+            if self.basis is not None:
+                self._omega = BasisOmega(self.basis, self._omega)
+                self.basis = None  # the test matrix holds its copy
         return self._omega
 
     def add_factor(self, factor: Any, group: int = 0, scale: float = 1.0) -> None:
@@ -336,60 +353,77 @@ class SketchMerge(Solver):
         return self._vectors
 
     def _finalize_sketch(self) -> None:
-        """Replace the sketch by the eigenpairs of its Nyström approximation.
-
-        Tropp et al.'s stable evaluation: ``B = Omega^T Y_nu = C^T C`` (Cholesky),
-        ``E = Y_nu C^{-1}`` (so ``H_nu = E E^T``), whose singular pairs give the
-        eigenpairs. ``E`` is conditioned like the square root of the approximation,
-        so its Gram matrix in working precision resolves them as the streaming
-        merge's Gram matrices do (``Y_nu``'s own Gram matrix would square ``H``'s
-        condition number instead).
-        """
+        """Replace the sketch by its eigenpairs (:func:`nystrom_eigenpairs`)."""
         if self._sketch is None:
             return
         self._add_deferred()
         Y, omega = self._sketch, self._omega
         self._sketch = self._omega = self._projection = None
-        dtype, eps = Y.dtype, torch.finfo(Y.dtype).eps
-        # nu: large enough that B is positive definite despite rounding. Tropp et
-        # al.'s sqrt(D) eps ||Y|| bounds the worst case of a working-precision
-        # product, but every Nyström eigenvalue picks up a share of nu's mass in all
-        # D directions: on float32 tests it moved the smallest kept eigenvalues by 2%.
-        # The typical rounding is ~eps ||Y||_F (test columns of about unit norm), and
-        # a Cholesky failure raises nu tenfold
-        norm = float(torch.linalg.vector_norm(Y))
-        if not math.isfinite(norm):
-            raise RuntimeError("The sketch is not finite: the GGN factors were not.")
-        nu = 2 * eps * norm if norm > 0 else 1.0
-        omega.add_to_(Y, nu)  # Y_nu, in place
-        B = omega.t_matmul(Y).double()
-        gram_o = None
-        for _ in range(8):
-            chol, info = torch.linalg.cholesky_ex((B + B.T) / 2, upper=True)
-            if int(info) == 0:
-                break
-            # rounding beyond the estimate: a larger shift
-            gram_o = omega.gram().double() if gram_o is None else gram_o
-            omega.add_to_(Y, 9 * nu)
-            B, nu = B + 9 * nu * gram_o, 10 * nu
-        else:
-            raise RuntimeError("The Nyström core stayed indefinite.")
-        del omega
-        self.shift = nu
-        eye = torch.eye(chol.shape[0], dtype=chol.dtype, device=chol.device)
-        inv = torch.linalg.solve_triangular(chol, eye, upper=True)  # C^{-1}
-        # E = Y_nu C^{-1} explicitly, in place: its Gram matrix has the condition
-        # number of the square root of H, where Y_nu's own would square H's
-        E = rotate(Y, inv.to(dtype), in_place=True)
-        sigma2, W = sym_eigh(E.T @ E)
-        lam = sigma2 - nu
-        tol = max(float(lam[0]) * 10 * eps, nu)  # below the shift: rounding
-        num = max(1, min(self.rank, int((lam > tol).sum())))
-        # the first num left singular vectors E W sigma^-1, in E's layout; E is freed
-        W = (W[:, :num] / sigma2[:num].clamp(min=nu).sqrt()).to(dtype)
-        vectors = (W.T @ E.T).T if stored_transposed(E) else E @ W
+        vectors, lam, self.shift = nystrom_eigenpairs(Y, omega, self.rank)
         self._vectors = vectors.to(self._dtype)
-        self.keep_eigenvalues(lam[:num], self._dtype)
+        self.keep_eigenvalues(lam, self._dtype)
+
+
+def nystrom_eigenpairs(Y: Tensor, omega: Any, rank: int) -> Tuple[Tensor, Tensor, float]:
+    """The leading eigenpairs of the Nyström approximation ``Y (Omega^T Y)^+ Y^T``.
+
+    Tropp et al.'s stable evaluation: ``B = Omega^T Y_nu = C^T C`` (Cholesky),
+    ``E = Y_nu C^{-1}`` (so ``H_nu = E E^T``), whose singular pairs give the
+    eigenpairs. ``E`` is conditioned like the square root of the approximation,
+    so its Gram matrix in working precision resolves them as the streaming
+    merge's Gram matrices do (``Y_nu``'s own Gram matrix would square ``H``'s
+    condition number instead).
+
+    Args:
+        Y: The sketch ``H Omega``, ``(D, l)``; overwritten.
+        omega: The test matrix (:class:`~lowrank_laplace.fitting.omega.Omega` or
+            :class:`~lowrank_laplace.fitting.omega.BasisOmega`).
+        rank: Eigenpairs wanted.
+
+    Returns:
+        ``(vectors, eigenvalues, nu)``: at most ``rank`` eigenpairs above the rounding
+        shift (at least one), in ``Y``'s dtype, and the shift.
+
+    Raises:
+        RuntimeError: For a sketch that is not finite, or a core that stays indefinite.
+    """
+    dtype, eps = Y.dtype, torch.finfo(Y.dtype).eps
+    # nu: large enough that B is positive definite despite rounding. Tropp et
+    # al.'s sqrt(D) eps ||Y|| bounds the worst case of a working-precision
+    # product, but every Nyström eigenvalue picks up a share of nu's mass in all
+    # D directions: on float32 tests it moved the smallest kept eigenvalues by 2%.
+    # The typical rounding is ~eps ||Y||_F (test columns of about unit norm), and
+    # a Cholesky failure raises nu tenfold
+    norm = float(torch.linalg.vector_norm(Y))
+    if not math.isfinite(norm):
+        raise RuntimeError("The sketch is not finite: the GGN factors were not.")
+    nu = 2 * eps * norm if norm > 0 else 1.0
+    omega.add_to_(Y, nu)  # Y_nu, in place
+    B = omega.t_matmul(Y).double()
+    gram_o = None
+    for _ in range(8):
+        chol, info = torch.linalg.cholesky_ex((B + B.T) / 2, upper=True)
+        if int(info) == 0:
+            break
+        # rounding beyond the estimate: a larger shift
+        gram_o = omega.gram().double() if gram_o is None else gram_o
+        omega.add_to_(Y, 9 * nu)
+        B, nu = B + 9 * nu * gram_o, 10 * nu
+    else:
+        raise RuntimeError("The Nyström core stayed indefinite.")
+    eye = torch.eye(chol.shape[0], dtype=chol.dtype, device=chol.device)
+    inv = torch.linalg.solve_triangular(chol, eye, upper=True)  # C^{-1}
+    # E = Y_nu C^{-1} explicitly, in place: its Gram matrix has the condition
+    # number of the square root of H, where Y_nu's own would square H's
+    E = rotate(Y, inv.to(dtype), in_place=True)
+    sigma2, W = sym_eigh(E.T @ E)
+    lam = sigma2 - nu
+    tol = max(float(lam[0]) * 10 * eps, nu)  # below the shift: rounding
+    num = max(1, min(rank, int((lam > tol).sum())))
+    # the first num left singular vectors E W sigma^-1, in E's layout; E is freed
+    W = (W[:, :num] / sigma2[:num].clamp(min=nu).sqrt()).to(dtype)
+    vectors = (W.T @ E.T).T if stored_transposed(E) else E @ W
+    return vectors, lam[:num], nu
 
 
 def _block_dtype(block: Any) -> torch.dtype:

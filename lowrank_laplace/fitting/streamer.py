@@ -54,6 +54,8 @@ class BatchStreamer:
             same path (``None``: this process alone).
         wide_sketch: Accumulate a float32 sketch in float64 where it fits (see
             :func:`plan_fit`).
+        warm_basis: Directions a sketch chosen by ``solver="auto"`` starts from, ``(D,
+            b)`` (see :func:`make_solver`; not for data-parallel fits).
 
     Attributes:
         plan: The :class:`FitPlan` (``None`` before the first batch).
@@ -66,7 +68,8 @@ class BatchStreamer:
                  micro_batch_size: Optional[int], track_diagonal: bool, low_memory: bool,
                  solver: str = "streaming", dense_max_dim: Optional[int] = 0,
                  test_matrix: str = "kronecker", sketch_seed: int = 0,
-                 process_group: Any = None, wide_sketch: bool = False):
+                 process_group: Any = None, wide_sketch: bool = False,
+                 warm_basis: Optional[Tensor] = None):
         self.engine, self.scale = engine, scale
         self.rank, self.oversampling = rank, oversampling
         self.mc_samples, self.fraction = mc_samples, subsample_fraction
@@ -75,6 +78,7 @@ class BatchStreamer:
         self.requested, self.dense_max_dim = solver, dense_max_dim
         self.test_matrix, self.sketch_seed = test_matrix, sketch_seed
         self.group, self.wide_sketch = process_group, wide_sketch
+        self.warm_basis = warm_basis
         self.generator = torch.Generator().manual_seed(seed)  # sub-sampling
         self.rng = PrivateRNG(seed, device)  # MC draws
         self.plan: Optional[FitPlan] = None
@@ -100,9 +104,10 @@ class BatchStreamer:
             wide_sketch=self.wide_sketch,
         )
         params = [p for p in self.engine.model.parameters() if p.requires_grad]
+        warm = self.warm_basis if self.requested == "auto" and self.group is None else None
         self.solver = make_solver(self.plan, self.rank, self.oversampling, self.track_diagonal,
                                   self.sketch_seed, self.test_matrix, params[0],
-                                  [p.shape for p in params])
+                                  [p.shape for p in params], basis=warm)
 
     def add(self, X: Any, y: Tensor, num_data: int) -> Tensor:
         """Stream one batch; returns its scaled loss.

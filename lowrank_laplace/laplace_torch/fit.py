@@ -60,6 +60,7 @@ class FitResult:
         jacobian_exponent: The spectral residual's exponent ``beta``.
         complement: The spectral residual's measured complement variance, or ``None``
             (see :mod:`~lowrank_laplace.laplace_torch.probe`).
+        warm_started: Whether the sketch started from a basis (see ``warm_basis``).
     """
 
     mean: Tensor
@@ -75,6 +76,7 @@ class FitResult:
     rank_bound: int
     jacobian_exponent: float
     complement: Optional[MeasuredComplement] = None
+    warm_started: bool = False
 
 
 def likelihood_loss(likelihood: str) -> Tuple[nn.Module, float]:
@@ -185,7 +187,8 @@ def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Iterable,
                     to_inputs: Callable[[Any], Any] = lambda X: X,
                     dict_key_y: str = "labels", device: Optional[torch.device] = None,
                     previous: Optional[FitResult] = None, process_group: Any = "default",
-                    progress_bar: bool = False) -> FitResult:
+                    progress_bar: bool = False,
+                    warm_basis: Optional[Tensor] = None) -> FitResult:
     """Fit the low-rank GGN of ``model`` over the whole loader.
 
     Data-parallel: when ``torch.distributed`` is initialised (or a group is passed),
@@ -208,6 +211,9 @@ def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Iterable,
         process_group: ``torch.distributed`` group to merge across; ``"default"``
             uses the default group if initialised, ``None`` this process alone.
         progress_bar: Show a tqdm progress bar over batches.
+        warm_basis: Directions, ``(D, b)``, that a sketch chosen by ``solver="auto"``
+            takes as its first test columns (an earlier fit's eigenvectors), with
+            fewer random ones (:func:`~lowrank_laplace.fitting.plan.make_solver`).
 
     Returns:
         The :class:`FitResult`.
@@ -230,7 +236,7 @@ def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Iterable,
     mean = parameters_to_vector(params).detach()
     group = resolve_process_group(process_group)
     args = (model, likelihood, loader, options, to_inputs, dict_key_y, device, group, known,
-            progress_bar, mean.dtype)
+            progress_bar, mean.dtype, warm_basis)
     stream, loss, num_data, probe = _stream_and_merge(*args)
     if _rounded(stream, params[0].dtype):  # a float32 sketch rounded a kept eigenvalue
         if stream.plan.widen:  # one more pass, in float64
@@ -254,16 +260,16 @@ def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Iterable,
         loss=loss, n_data=num_data, n_outputs=stream.n_outputs,
         factor_backend=stream.engine.backend, fit_path=stream.path,
         rank_bound=min(mean.numel(), samples * columns), jacobian_exponent=exponent,
-        complement=complement,
+        complement=complement, warm_started=getattr(solver, "warm_columns", 0) > 0,
     )
 
 
 def _stream_and_merge(model, likelihood, loader, options, to_inputs, dict_key_y, device,
-                      group, known, progress_bar, dtype, wide_sketch=False):
+                      group, known, progress_bar, dtype, warm_basis, wide_sketch=False):
     """Stream the loader and merge across processes: streamer, loss, samples, probe."""
     stream, loss, seen, probe = _stream(model, likelihood, loader, options, to_inputs,
                                         dict_key_y, device, group, known, progress_bar,
-                                        wide_sketch)
+                                        wide_sketch, warm_basis)
     num_data = seen if known is None else known
     if group is not None:
         import torch.distributed as dist
@@ -286,7 +292,7 @@ def _rounded(stream: BatchStreamer, dtype: torch.dtype) -> bool:
 
 
 def _stream(model, likelihood, loader, options, to_inputs, dict_key_y, device, group,
-            num_data, progress_bar, wide_sketch=False
+            num_data, progress_bar, wide_sketch=False, warm_basis=None
             ) -> Tuple[BatchStreamer, Any, int, Tuple[List[Any], Any]]:
     """Stream the loader: the streamer (solver filled), loss, samples, and the probe.
 
@@ -308,7 +314,7 @@ def _stream(model, likelihood, loader, options, to_inputs, dict_key_y, device, g
             track_diagonal=options.track_diagonal, low_memory=options.low_memory,
             solver=options.solver.value, dense_max_dim=options.dense_max_dim,
             test_matrix=options.sketch_test_matrix.value, sketch_seed=options.seed,
-            process_group=group, wide_sketch=wide_sketch,
+            process_group=group, wide_sketch=wide_sketch, warm_basis=warm_basis,
         )
         pbar = tqdm.tqdm(loader, disable=not progress_bar,
                          desc="[lowrank_ggn: merging GGN factors]")

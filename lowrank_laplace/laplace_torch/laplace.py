@@ -31,6 +31,7 @@ from laplace.baselaplace import ParametricLaplace
 from laplace.lllaplace import LLLaplace
 from torch import Tensor, nn
 
+from lowrank_laplace.laplace_torch import warm
 from lowrank_laplace.laplace_torch.fit import (
     FitResult,
     check_batch_types,
@@ -41,6 +42,7 @@ from lowrank_laplace.laplace_torch.options import (
     LowRankOptions,
     resolve_residual,
 )
+from lowrank_laplace.laplace_torch.persistence import StatePersistence
 from lowrank_laplace.laplace_torch.queries import PosteriorQueries
 from lowrank_laplace.laplace_torch.tuning import scalar_marglik_call, tune_scalar_prior
 from lowrank_laplace.posterior import GramCache, Residual
@@ -79,7 +81,7 @@ class _Option:
         return self if obj is None else getattr(obj.options, self.name)
 
 
-class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
+class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
     r"""Full-network Laplace with the GGN's exact leading eigenspace as curvature.
 
     Accepts every argument of laplace-torch's ``ParametricLaplace`` (``backend`` is
@@ -90,19 +92,23 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
     (``rank``, ``oversampling``, ``mc_samples``, ``subsample_fraction``,
     ``memory_budget``, ``micro_batch_size``, ``residual``, ``seed``, ``low_memory``,
     ``factor_backend``, ``solver``, ``dense_max_dim``, ``probe_size``,
-    ``probe_columns``, ``measure_complement``, ``sketch_test_matrix``), each readable
-    as an attribute (``la.rank``), and ``diagonal_correction``, a deprecated alias: ``True`` means
-    ``residual="diagonal"``, ``False`` means ``residual="none"``.
+    ``probe_columns``, ``measure_complement``, ``sketch_test_matrix``, ``warm_start``),
+    each readable as an attribute (``la.rank``), and ``diagonal_correction``, a
+    deprecated alias: ``True`` means ``residual="diagonal"``, ``False`` means
+    ``residual="none"``.
 
     Attributes:
         options: The validated :class:`LowRankOptions`.
         fit_path: ``"dense"``, ``"streaming"`` or ``"sketch"``: the path the last fit
             took (``None`` before a fit).
         factor_backend_used: The backend that computed ``V`` in the last fit.
+        warm_started: Whether the last fit's sketch started from an earlier fit's
+            eigenvectors (:mod:`~lowrank_laplace.laplace_torch.warm`).
     """
 
     _key = ("all", "lowrank_ggn")
     fit_path: Optional[str] = None
+    warm_started: bool = False
 
     rank = _Option()
     oversampling = _Option()
@@ -119,6 +125,7 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
     probe_columns = _Option()
     measure_complement = _Option()
     sketch_test_matrix = _Option()
+    warm_start = _Option()
 
     def __init__(self, model: nn.Module, likelihood: str,
                  sigma_noise: Union[float, Tensor] = 1.0,
@@ -138,6 +145,7 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
         )
         if not isinstance(self, LLLaplace):  # the last-layer class checks after its options
             self._check_backend()
+        self._warm = warm.capture(self)  # a live posterior of the same model, if fitted
 
     def _set_options(self, diagonal_correction: Optional[bool], options: dict) -> None:
         options["residual"] = resolve_residual(options.get("residual", DEFAULT_RESIDUAL),
@@ -296,11 +304,16 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
         options = self.options  # only a scalar prior uses the measured complement
         if options.measure_complement and torch.as_tensor(self.prior_precision).numel() > 1:
             options = replace(options, measure_complement=False)
+        start = warm.start_of(self) or getattr(self, "_warm", None)
         result = fit_lowrank_ggn(
             module, self.likelihood, train_loader, options, params=params,
             to_inputs=to_inputs, dict_key_y=self.dict_key_y, device=self._device,
             previous=previous, process_group=process_group, progress_bar=progress_bar,
+            warm_basis=warm.basis_for(start, params)
+            if options.warm_start and previous is None else None,
         )
+        self._warm, self.warm_started = None, result.warm_started
+        warm.remember(self)
         self.mean, self.H = result.mean, (result.eigenvectors, result.eigenvalues)
         self.n_outputs, self.loss, self.n_data = result.n_outputs, result.loss, result.n_data
         self.trace, self.residual_diagonal = result.trace, result.residual_diagonal
@@ -338,50 +351,6 @@ class LowRankGGNLaplace(PosteriorQueries, ParametricLaplace):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"jacobian_exponent must be finite and >= 0, got {value}.")
         self._jacobian_exponent = value
-        self._residual_model = None
-
-    # ------------------------------------------------------------- persistence
-    def state_dict(self) -> dict:
-        """laplace-torch's state plus the exact GGN trace and the rank options."""
-        state = super().state_dict()
-        state.update(trace=self.trace, rank=self.rank, mc_samples=self.mc_samples,
-                     residual_diagonal=self.residual_diagonal, residual=self.residual.value,
-                     rank_bound=self.rank_bound, jacobian_exponent=self._jacobian_exponent,
-                     measured_complement=None if self._complement is None
-                     else self._complement.state())
-        return state
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restore a fitted posterior.
-
-        Args:
-            state_dict: From :meth:`state_dict` of the same model type.
-
-        Raises:
-            ValueError: If the state belongs to another model or Laplace type.
-        """
-        super().load_state_dict(state_dict)
-        U = self.H[0]
-        expected = self._expected_dim()
-        if expected is not None and U.shape[0] != expected:
-            raise ValueError(
-                f"The saved eigenvectors have {U.shape[0]} rows but the model has "
-                f"{expected} Laplace parameters."
-            )
-        self.trace = state_dict.get("trace")
-        self.residual_diagonal = state_dict.get("residual_diagonal")
-        self.rank_bound = state_dict.get("rank_bound")
-        self._jacobian_exponent = float(state_dict.get("jacobian_exponent", 0.0))
-        self._complement = MeasuredComplement.from_state(state_dict.get("measured_complement"))
-        if self._complement is not None:
-            self._complement = self._complement.to(U.device)
-        saved = state_dict.get("residual", "diagonal" if self.residual_diagonal is not None
-                               else "none")
-        if saved != self.residual:
-            raise ValueError(
-                f"The state was fitted with residual={saved!r} but this object uses "
-                f"residual={self.residual!r}: construct it with residual={saved!r}."
-            )
         self._residual_model = None
 
 

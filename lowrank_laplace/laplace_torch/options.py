@@ -140,6 +140,12 @@ class LowRankOptions:
             come from their Kronecker factors and the slices are kept as those
             factors; ``"gaussian"`` draws every entry Gaussian (see
             :class:`~lowrank_laplace.fitting.SketchMerge`).
+        warm_start: A refit of a model whose parameters moved since the last fit of it
+            (the same object's, or a live posterior's of the same model, e.g. inside
+            ``marglik_training``) starts the sketch that ``solver="auto"`` chooses from
+            that fit's eigenvectors, with ``2 * rank`` random columns besides them
+            instead of ``4 * rank`` (:mod:`~lowrank_laplace.laplace_torch.warm`).
+            ``False``: every fit starts cold.
     """
 
     rank: int = DEFAULT_RANK
@@ -158,6 +164,7 @@ class LowRankOptions:
     probe_columns: Optional[int] = 512
     measure_complement: bool = True
     sketch_test_matrix: SketchTestMatrix = SketchTestMatrix.KRONECKER
+    warm_start: bool = True
 
     def __post_init__(self):
         _check_count("rank", self.rank, 1)
@@ -182,6 +189,7 @@ class LowRankOptions:
         set_(self, "seed", int(self.seed))
         set_(self, "low_memory", bool(self.low_memory))
         set_(self, "measure_complement", bool(self.measure_complement))
+        set_(self, "warm_start", bool(self.warm_start))
         set_(self, "residual", ResidualKind.parse(self.residual, "residual"))
         set_(self, "solver", SolverKind.parse(self.solver, "solver"))
         set_(self, "sketch_test_matrix",

@@ -5,7 +5,7 @@ import torch
 
 from lowrank_laplace.factor import dense_block
 from lowrank_laplace.factor.blocks import DenseBlock, KronBlock
-from lowrank_laplace.fitting.omega import Omega
+from lowrank_laplace.fitting.omega import BasisOmega, Omega
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 # a wide and a tall weight (both contraction orders), a vector, a convolution, a bias
@@ -76,3 +76,33 @@ def test_moves_and_casts_without_a_new_draw():
     assert omega.dense().dtype == torch.float64  # the original is unchanged
     with pytest.raises(ValueError, match="do not hold"):
         Omega(5, DIM + 1, torch.zeros(1), 0, SHAPES)
+
+
+def _basis_omega(cols=5, basis_cols=3, seed=0):
+    torch.manual_seed(seed + 7)
+    basis = torch.linalg.qr(torch.randn(DIM, basis_cols, dtype=torch.float64))[0]
+    omega, dense = _omega_and_dense(cols, seed)
+    return BasisOmega(basis, omega), torch.cat([basis, dense], dim=1)
+
+
+def test_basis_columns_come_first_in_every_product():
+    warm, dense = _basis_omega()
+    assert warm.cols == 8 and warm.dense().T.is_contiguous()
+    torch.testing.assert_close(warm.dense(), dense, rtol=0, atol=0)
+    torch.manual_seed(1)
+    x = torch.randn(DIM, 4, dtype=torch.float64)
+    torch.testing.assert_close(warm.t_matmul(x), dense.T @ x, **TOL)
+    torch.testing.assert_close(warm.gram(), dense.T @ dense, **TOL)
+    y = torch.randn(8, DIM, dtype=torch.float64).T  # the sketch's layout
+    expected = y + 0.3 * dense
+    torch.testing.assert_close(warm.add_to_(y, 0.3), expected, **TOL)
+    n, v = 4, 3
+    blocks = [KronBlock(torch.randn(v, n, s[0], dtype=torch.float64),
+                        torch.randn(n, s[1], dtype=torch.float64)) if len(s) == 2
+              else DenseBlock(torch.randn(v * n, s.numel(), dtype=torch.float64))
+              for s in SHAPES]
+    rows = torch.cat([b.to_dense() for b in blocks], dim=1)
+    torch.testing.assert_close(warm.block_products(blocks), rows @ dense, **TOL)
+    assert warm.nbytes() == 8 * 3 * DIM + warm.omega.nbytes()
+    with pytest.raises(ValueError, match="rows"):
+        BasisOmega(torch.zeros(DIM + 1, 2, dtype=torch.float64), warm.omega)

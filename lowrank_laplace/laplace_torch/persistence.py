@@ -1,0 +1,57 @@
+"""Saving and restoring a fitted low-rank posterior (laplace-torch's ``state_dict``)."""
+
+from __future__ import annotations
+
+from lowrank_laplace.posterior.complement import MeasuredComplement
+
+
+class StatePersistence:
+    """``state_dict`` / ``load_state_dict`` of :class:`~lowrank_laplace.LowRankGGNLaplace`.
+
+    laplace-torch's state (mean, curvature, hyperparameters) plus what the low-rank
+    posterior needs besides: the exact GGN trace, the rank options, the residual's
+    fitted quantities.
+    """
+
+    def state_dict(self) -> dict:
+        """laplace-torch's state plus the exact GGN trace and the rank options."""
+        state = super().state_dict()
+        state.update(trace=self.trace, rank=self.rank, mc_samples=self.mc_samples,
+                     residual_diagonal=self.residual_diagonal, residual=self.residual.value,
+                     rank_bound=self.rank_bound, jacobian_exponent=self._jacobian_exponent,
+                     measured_complement=None if self._complement is None
+                     else self._complement.state())
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a fitted posterior.
+
+        Args:
+            state_dict: From :meth:`state_dict` of the same model type.
+
+        Raises:
+            ValueError: If the state belongs to another model or Laplace type.
+        """
+        super().load_state_dict(state_dict)
+        U = self.H[0]
+        expected = self._expected_dim()
+        if expected is not None and U.shape[0] != expected:
+            raise ValueError(
+                f"The saved eigenvectors have {U.shape[0]} rows but the model has "
+                f"{expected} Laplace parameters."
+            )
+        self.trace = state_dict.get("trace")
+        self.residual_diagonal = state_dict.get("residual_diagonal")
+        self.rank_bound = state_dict.get("rank_bound")
+        self._jacobian_exponent = float(state_dict.get("jacobian_exponent", 0.0))
+        self._complement = MeasuredComplement.from_state(state_dict.get("measured_complement"))
+        if self._complement is not None:
+            self._complement = self._complement.to(U.device)
+        saved = state_dict.get("residual", "diagonal" if self.residual_diagonal is not None
+                               else "none")
+        if saved != self.residual:
+            raise ValueError(
+                f"The state was fitted with residual={saved!r} but this object uses "
+                f"residual={self.residual!r}: construct it with residual={saved!r}."
+            )
+        self._residual_model = None
