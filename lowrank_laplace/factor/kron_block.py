@@ -197,10 +197,14 @@ class KronBlock:
                 # products are too small to be fast)
                 ys, st = y.reshape(v, n, k).permute(1, 2, 0), self.s.transpose(0, 1)
                 rows = max(_ACC_MIN_ROWS, _ACC_ENTRIES // max(k * out_dim, 1))
+                # one buffer for every chunk: a fresh allocation per chunk is a fresh
+                # mapping of pages to fault in, which cost as much as the products
                 prod = y.new_zeros(in_dim, k * out_dim)
+                buffer = y.new_empty(min(rows, n), k, out_dim)
                 for start in range(0, n, rows):
-                    acc = torch.bmm(ys[start : start + rows], st[start : start + rows])
-                    prod.addmm_(self.z[start : start + rows].T, acc.reshape(acc.shape[0], -1))
+                    stop = min(start + rows, n)
+                    acc = torch.bmm(ys[start:stop], st[start:stop], out=buffer[: stop - start])
+                    prod.addmm_(self.z[start:stop].T, acc.view(stop - start, -1))
                 out.T.view(k, out_dim, in_dim).add_(prod.view(in_dim, k, out_dim).permute(1, 2, 0))
                 return out
             acc = torch.bmm(y.reshape(v, n, k).permute(1, 2, 0), self.s.transpose(0, 1))
