@@ -1,5 +1,6 @@
 """Scalar-prior marglik tuning on the closed-form gradient equals laplace-torch's loop."""
 
+import math
 import warnings
 
 import pytest
@@ -105,3 +106,18 @@ def test_unfitted_posterior_raises_laplace_torch_error():
     la = Laplace(model, "classification", "all", "lowrank_ggn")
     with pytest.raises(AttributeError, match="fit"):
         la.optimize_prior_precision(method="marglik", n_steps=2)
+
+
+@pytest.mark.parametrize("residual", ["spectral", "isotropic", "none"])
+@pytest.mark.parametrize("rank", [10, 1000])
+def test_curvature_spectrum_gives_the_posterior_log_determinant(residual, rank):
+    """``sum_j c_j log(a_j + delta) + (D - sum_j c_j) log delta`` is ``log det P``."""
+    la = _fit("regression", residual, rank=rank)
+    values, counts = la.residual_model.curvature_spectrum(la.H[1], float(la._H_factor))
+    for delta in (1e-3, 0.5, 30.0):
+        la.prior_precision = delta
+        expected = float(la.log_det_posterior_precision)
+        got = float((counts * torch.log(values + delta)).sum()
+                    + (la.n_params - counts.sum()) * math.log(delta))
+        assert got == pytest.approx(expected, rel=1e-10, abs=1e-8)
+    assert la.residual_model.curvature_spectrum(la.H[1], 1.0) is not None
