@@ -59,8 +59,9 @@ Shape glossary:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -153,10 +154,23 @@ class Residual:
     diagonal: Optional[Tensor] = None
     tail: Optional[Tensor] = None
     exponent: float = 0.0
-    layers: Optional[LayerTails] = None
     complement: Optional[MeasuredComplement] = None
     anchor: float = 0.0
     _whole: dict = field(default_factory=dict, repr=False, compare=False)
+    _layers: Optional[LayerTails] = field(default=None, repr=False, compare=False)
+    # builds _layers on first use: only layerwise and per-parameter priors read them
+    _split: Optional[Callable[[], LayerTails]] = field(default=None, repr=False, compare=False)
+
+    @property
+    def layers(self) -> Optional[LayerTails]:
+        """The tail split over layers (built on first use), or ``None``."""
+        if self._split is not None:
+            self._layers, self._split = self._split(), None
+        return self._layers
+
+    @layers.setter
+    def layers(self, value: Optional[LayerTails]) -> None:
+        self._layers, self._split = value, None
 
     @classmethod
     def from_fit(cls, model: str, eigenvalues: Tensor, trace: Tensor, dim: int,
@@ -209,12 +223,12 @@ class Residual:
             tail = power_law_tail(anchor, mass, max(rank, 1), count)
             if diagonal is not None and eigenvectors is not None and layer_sizes \
                     and mass > 0 and rank < dim:
-                layers = LayerTails.build(eigenvectors, eigenvalues, mass, diagonal,
-                                          layer_sizes, count)
+                layers = functools.partial(LayerTails.build, eigenvectors, eigenvalues, mass,
+                                           diagonal, layer_sizes, count)
         measured = complement if model == "spectral" and mass > 0 else None
         anchor = float(eigenvalues[-1]) if rank else 0.0
         return cls(model, dim, mass, diagonal if model == "diagonal" else None, tail,
-                   float(exponent), layers, measured, anchor)
+                   float(exponent), measured, anchor, _split=layers)
 
     def precision(self, eigenvectors: Tensor, eigenvalues: Tensor, scale: Tensor,
                   prior: Tensor, gram_cache: Optional[GramCache] = None,
@@ -254,7 +268,7 @@ class Residual:
         if self.model == "isotropic":
             rho = scale * self.mass / num
             d = prior + rho
-        elif self.layers is not None and prior.numel() > 1:
+        elif prior.numel() > 1 and self.layers is not None:  # builds the split on first use
             return self._layer_precision(eigenvectors, ell, scale, prior, gram_cache,
                                          layer_prior)
         else:

@@ -121,3 +121,16 @@ def test_curvature_spectrum_gives_the_posterior_log_determinant(residual, rank):
                     + (la.n_params - counts.sum()) * math.log(delta))
         assert got == pytest.approx(expected, rel=1e-10, abs=1e-8)
     assert la.residual_model.curvature_spectrum(la.H[1], 1.0) is not None
+
+
+def test_the_layer_split_is_built_only_for_a_layerwise_prior():
+    """A scalar prior's tuning and queries never need the tail's split over layers."""
+    la = _fit("classification", "spectral")
+    la.optimize_prior_precision(method="marglik", n_steps=5)
+    float(la.log_det_posterior_precision)
+    residual = la.residual_model
+    assert residual._split is not None and residual._layers is None
+    la.prior_precision = torch.ones(4, dtype=torch.float64)
+    float(la.log_det_posterior_precision)
+    assert residual._split is None and residual.layers is not None
+    assert residual.layers.num_layers == 4
