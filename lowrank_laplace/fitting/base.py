@@ -40,6 +40,8 @@ class Solver:
 
     #: The fit path this solver takes (``FitPlan.path``).
     solver = ""
+    #: Test columns taken from a warm-start basis (only a sketch takes any).
+    warm_columns = 0
 
     def __init__(self, rank: int, oversampling: int = 0, track_diagonal: bool = False):
         if isinstance(rank, bool) or int(rank) != rank or rank < 1:

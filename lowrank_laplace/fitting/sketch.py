@@ -173,9 +173,8 @@ class SketchMerge(Solver):
         (docs/benchmarks/design_measurements.md).
         """
         if self._omega is None:
-            warm = 0 if self.basis is None else self.basis.shape[1]
-            self._omega = Omega(min(self.keep, dim) - warm, dim, like, self.seed, shapes,
-                                kronecker=self.test_matrix == "kronecker")
+            self._omega = Omega(min(self.keep, dim) - self.warm_columns, dim, like, self.seed,
+                                shapes, kronecker=self.test_matrix == "kronecker")
             if self.basis is not None:
                 self._omega = BasisOmega(self.basis, self._omega)
                 self.basis = None  # the test matrix holds its copy

@@ -260,7 +260,7 @@ def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Iterable,
         loss=loss, n_data=num_data, n_outputs=stream.n_outputs,
         factor_backend=stream.engine.backend, fit_path=stream.path,
         rank_bound=min(mean.numel(), samples * columns), jacobian_exponent=exponent,
-        complement=complement, warm_started=getattr(solver, "warm_columns", 0) > 0,
+        complement=complement, warm_started=solver.warm_columns > 0,
     )
 
 

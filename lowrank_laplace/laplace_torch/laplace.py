@@ -205,12 +205,14 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         is tuned by the same Adam steps on its closed-form gradient
         (:mod:`~lowrank_laplace.laplace_torch.tuning`). Arguments as in laplace-torch.
         """
-        call = scalar_marglik_call(self, args, kwargs)
-        if call is None:
+        scalar = scalar_marglik_call(self, args, kwargs)
+        if scalar is None:
             return super().optimize_prior_precision(*args, **kwargs)
+        call, spectrum = scalar
         # laplace-torch's checks, warnings and starting point, without its steps
         super().optimize_prior_precision(**{**call, "n_steps": 0, "verbose": False})
-        tuned = tune_scalar_prior(self, float(self.prior_precision), call["n_steps"], call["lr"])
+        tuned = tune_scalar_prior(self, spectrum, float(self.prior_precision), call["n_steps"],
+                                  call["lr"])
         self.prior_precision = torch.tensor([tuned], device=self._device, dtype=self._dtype)
         if call["verbose"]:
             print(f"Optimized prior precision is {self.prior_precision}.")
@@ -304,7 +306,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         options = self.options  # only a scalar prior uses the measured complement
         if options.measure_complement and torch.as_tensor(self.prior_precision).numel() > 1:
             options = replace(options, measure_complement=False)
-        start = warm.start_of(self) or getattr(self, "_warm", None)
+        start = warm.start_of(self) or self._warm
         result = fit_lowrank_ggn(
             module, self.likelihood, train_loader, options, params=params,
             to_inputs=to_inputs, dict_key_y=self.dict_key_y, device=self._device,

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import numpy as np
 from laplace.baselaplace import ParametricLaplace
+from torch import Tensor
 
 #: ``torch.optim.Adam``'s defaults, which laplace-torch's loop uses.
 ADAM_BETAS = (0.9, 0.999)
@@ -39,7 +40,8 @@ ADAM_EPS = 1e-8
 _SIGNATURE = inspect.signature(ParametricLaplace.optimize_prior_precision)
 
 
-def scalar_marglik_call(la: Any, args: tuple, kwargs: dict) -> Optional[dict]:
+def scalar_marglik_call(la: Any, args: tuple, kwargs: dict
+                        ) -> Optional[Tuple[dict, Tuple[Tensor, Tensor]]]:
     """laplace-torch's arguments when a call tunes a scalar prior by marginal likelihood.
 
     Args:
@@ -48,7 +50,9 @@ def scalar_marglik_call(la: Any, args: tuple, kwargs: dict) -> Optional[dict]:
         kwargs: Its keyword arguments.
 
     Returns:
-        The bound arguments (defaults applied, without ``self``), or ``None`` when
+        The bound arguments (defaults applied, without ``self``) and the curvature's
+        spectrum at the posterior's scale
+        (:meth:`~lowrank_laplace.posterior.Residual.curvature_spectrum`), or ``None`` when
         the call is anything else (grid search, a layerwise or per-parameter prior, a
         ``"diagonal"`` residual, an unfitted posterior, arguments laplace-torch would
         refuse), which laplace-torch's own method then handles.
@@ -65,16 +69,18 @@ def scalar_marglik_call(la: Any, args: tuple, kwargs: dict) -> Optional[dict]:
     if call["method"] != "marglik" or not scalar_init \
             or call["prior_structure"] != "scalar" or getattr(la, "H", None) is None:
         return None
-    if la.residual_model.curvature_spectrum(la.H[1], 1.0) is None:
-        return None
-    return call
+    spectrum = la.residual_model.curvature_spectrum(la.H[1], float(la._H_factor))
+    return None if spectrum is None else (call, spectrum)
 
 
-def tune_scalar_prior(la: Any, init: float, n_steps: int, lr: float) -> float:
+def tune_scalar_prior(la: Any, spectrum: Tuple[Tensor, Tensor], init: float, n_steps: int,
+                      lr: float) -> float:
     """laplace-torch's Adam steps on ``log delta``, on the closed-form gradient.
 
     Args:
         la: The fitted Laplace object (its posterior under a scalar prior).
+        spectrum: The curvature's eigenvalues and their counts, from
+            :func:`scalar_marglik_call`.
         init: The starting prior precision.
         n_steps: Adam steps.
         lr: Adam's learning rate.
@@ -82,9 +88,7 @@ def tune_scalar_prior(la: Any, init: float, n_steps: int, lr: float) -> float:
     Returns:
         The tuned prior precision.
     """
-    scale = float(la._H_factor)
-    values, counts = la.residual_model.curvature_spectrum(la.H[1], scale)
-    a, c = values.numpy(), counts.numpy()
+    a, c = (t.numpy() for t in spectrum)
     diff = (la.mean - la.prior_mean).detach().double()
     scatter = float(diff @ diff)
     x, m, v = math.log(init), 0.0, 0.0

@@ -215,18 +215,17 @@ class Residual:
                 "keep: refit with residual='diagonal'."
             )
         tail, layers = None, None
+        anchor = float(eigenvalues[-1]) if rank else 0.0
         if model == "spectral":
             count = min(max(int(rank_bound), rank), dim) - rank
             if count == 0 and mass > 0:  # a bound that cannot hold the mass: spread it
                 count = dim - rank
-            anchor = float(eigenvalues[-1]) if rank else 0.0
             tail = power_law_tail(anchor, mass, max(rank, 1), count)
             if diagonal is not None and eigenvectors is not None and layer_sizes \
                     and mass > 0 and rank < dim:
                 layers = functools.partial(LayerTails.build, eigenvectors, eigenvalues, mass,
                                            diagonal, layer_sizes, count)
         measured = complement if model == "spectral" and mass > 0 else None
-        anchor = float(eigenvalues[-1]) if rank else 0.0
         return cls(model, dim, mass, diagonal if model == "diagonal" else None, tail,
                    float(exponent), measured, anchor, _split=layers)
 
