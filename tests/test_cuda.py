@@ -254,3 +254,31 @@ def test_cuda_default_budget_is_a_quarter_of_free_memory():
     assert budget >= DEFAULT_MEMORY_BUDGET
     assert abs(budget - max(DEFAULT_MEMORY_BUDGET, free // 4)) <= 2**26
     assert resolve_memory_budget(None, torch.device("cpu")) == DEFAULT_MEMORY_BUDGET
+
+
+def test_auto_sketches_on_the_device_where_the_cpu_cost_model_streams():
+    """``solver="auto"`` on a CUDA device takes the sketch wherever its float64 matrix
+    fits the budget's share: the CPU's cost model streams this conv net (D = 82,826,
+    512 samples, rank 100), whose sketch products are cheap on a GPU."""
+    from torch import nn
+
+    from lowrank_laplace.engine import FactorEngine
+    from lowrank_laplace.fitting.plan import plan_fit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                                nn.Linear(32 * 16 * 16, 10))
+    X = torch.randn(512, 3, 16, 16)
+    paths = {}
+    for device in ("cpu", DEVICE):
+        engine = FactorEngine(copy.deepcopy(model).to(device),
+                              nn.CrossEntropyLoss(reduction="sum"), eval_mode=True)
+        Xd = X.to(device)
+        with engine:
+            engine.compute(Xd[:1], torch.zeros(1, dtype=torch.long, device=device))
+            plan = plan_fit(engine, Xd, batch_size=64, num_data=512, keep=120, mc_samples=0,
+                            subsample_fraction=None, memory_budget=None,
+                            micro_batch_size=None, low_memory=False, solver="auto",
+                            dense_max_dim=0, rank=100)
+        paths[device] = (plan.path, plan.keep)
+    assert paths == {"cpu": ("streaming", 120), DEVICE: ("sketch", 400)}
