@@ -32,6 +32,9 @@ _WIDE_COLUMNS = 4096
 #: with Khatri-Rao columns, per chunk of rows (a wide range of chunk sizes around it
 #: performed alike; docs/benchmarks/design_measurements.md).
 _KHATRI_RAO_CHUNK = 2**22
+#: Entries squared per step of :meth:`DenseBlock.diag_outer` (about a core's L2 cache in
+#: float32; chunks of 2^20 entries were slower in float64).
+_DIAG_CHUNK_ENTRIES = 2**18
 
 
 class DenseBlock:
@@ -156,10 +159,13 @@ class DenseBlock:
     def diag_outer(self) -> Tensor:
         """Return the diagonal of ``B^T B`` (this parameter's GGN diagonal), ``(d,)``.
 
-        Squares a few rows at a time (no squared copy of the block).
+        Squares about ``2^18`` entries (at least 64 rows) at a time: no squared copy of
+        an expanded convolution block, and one step for a bias's few columns (64 rows at
+        a time took 20 steps of three operations per pass for a bias, launches that a
+        GPU fit waits on).
         """
         out = self.rows.new_zeros(self.rows.shape[1])
-        for chunk in self.rows.split(64):
+        for chunk in self.rows.split(max(64, _DIAG_CHUNK_ENTRIES // max(1, out.numel()))):
             out.add_((chunk * chunk).sum(0))
         return out
 
