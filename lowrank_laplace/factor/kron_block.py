@@ -27,6 +27,12 @@ _ONE_PRODUCT_MAX = 2**14
 #: (docs/benchmarks/design_measurements.md).
 _ACC_ENTRIES = 2**20
 _ACC_MIN_ROWS = 16
+#: A contiguous ``(D, K)`` output takes one product per output unit (batched) for at
+#: least this many columns and fewer than 512 samples, else wide products over slabs
+#: of output units: with 10 columns (a top-10 eigenvector map) the per-unit products
+#: took 124 ms against 12 ms for a 512 x 1,152 weight, with 64 or more they win
+#: (docs/benchmarks/design_measurements.md).
+_PER_UNIT_MIN_COLUMNS = 32
 
 if TYPE_CHECKING:
     from lowrank_laplace.factor.blocks import Block, Weight
@@ -215,12 +221,12 @@ class KronBlock:
             return out
         acc = self.s.permute(1, 2, 0) @ y.reshape(v, n, -1).transpose(0, 1)  # (N, out, K)
         view = out.view(out_dim, in_dim, -1)
-        if n < 512:
+        if n < 512 and acc.shape[2] >= _PER_UNIT_MIN_COLUMNS:
             # per output unit o: z^T (in, N) @ acc_o (N, K) added into the (out, in, K)
             # view; in place it is faster than forming the product and adding
             view.baddbmm_(self.z.T.expand(out_dim, in_dim, n), acc.transpose(0, 1))
             return out
-        # many samples: one wide product per slab of 16 output units (faster than per unit)
+        # many samples or few columns: one wide product per slab of 16 output units
         for start in range(0, out_dim, 16):
             slab = acc[:, start : start + 16].reshape(n, -1)
             prod = (self.z.T @ slab).view(in_dim, -1, view.shape[2])
