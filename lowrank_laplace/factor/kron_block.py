@@ -27,6 +27,10 @@ _ONE_PRODUCT_MAX = 2**14
 #: (docs/benchmarks/design_measurements.md).
 _ACC_ENTRIES = 2**20
 _ACC_MIN_ROWS = 16
+#: On a GPU, where each chunk is a few kernel launches that a small fit waits on and
+#: caches do not decide, the chunks hold up to this many entries (one chunk for a
+#: 128-sample pass of the MLP's 128 x 64 weight at 400 columns).
+_ACC_ENTRIES_DEVICE = 2**24
 #: A contiguous ``(D, K)`` output takes one product per output unit (batched) for at
 #: least this many columns and fewer than 512 samples, else wide products over slabs
 #: of output units: with 10 columns (a top-10 eigenvector map) the per-unit products
@@ -202,7 +206,8 @@ class KronBlock:
                 # than to compute), added through a transposed view once (per-column
                 # products are too small to be fast)
                 ys, st = y.reshape(v, n, k).permute(1, 2, 0), self.s.transpose(0, 1)
-                rows = max(_ACC_MIN_ROWS, _ACC_ENTRIES // max(k * out_dim, 1))
+                entries = _ACC_ENTRIES if y.device.type == "cpu" else _ACC_ENTRIES_DEVICE
+                rows = max(_ACC_MIN_ROWS, entries // max(k * out_dim, 1))
                 # one buffer for every chunk: a fresh allocation per chunk is a fresh
                 # mapping of pages to fault in, which cost as much as the products
                 prod = y.new_zeros(in_dim, k * out_dim)

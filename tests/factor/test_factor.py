@@ -170,6 +170,38 @@ def test_linear_gram_without_expansion():
 
 
 
+@pytest.mark.parametrize("n, k", [(5, 3), (5, 40), (520, 3)])
+def test_factored_products_into_contiguous_outputs_take_every_order(n, k):
+    """``out += B^T y`` of a factored weight into a ``(D, K)`` output: per output unit
+    in place (few samples, at least 32 columns) or over slabs of 16 output units (few
+    columns, such as top-k eigenvectors, or many samples)."""
+    torch.manual_seed(0)
+    kron = KronBlock(torch.randn(2, n, 35, dtype=torch.float64),
+                     torch.randn(n, 4, dtype=torch.float64))
+    dense = DenseBlock(kron.to_dense())
+    y = torch.randn(2 * n, k, dtype=torch.float64)
+    start = torch.randn(35 * 4, k, dtype=torch.float64)
+    torch.testing.assert_close(kron.matmul_add_(start.clone(), y),
+                               start + dense.rows.T @ y, **TOL)
+
+
+def test_small_factored_products_into_transposed_outputs_in_chunks(monkeypatch):
+    """A small weight's per-sample products into a transposed output are formed in
+    chunks of samples (here 16, 16 and 8) and reuse one buffer."""
+    from lowrank_laplace.factor import kron_block
+
+    monkeypatch.setattr(kron_block, "_ACC_ENTRIES", 1)
+    torch.manual_seed(0)
+    kron = KronBlock(torch.randn(3, 40, 5, dtype=torch.float64),
+                     torch.randn(40, 6, dtype=torch.float64))
+    dense = DenseBlock(kron.to_dense())
+    y = torch.randn(120, 4, dtype=torch.float64)
+    out_wide = torch.randn(4, 30, dtype=torch.float64)
+    expected = out_wide.T + dense.rows.T @ y
+    kron.matmul_add_(out_wide.T, y)
+    torch.testing.assert_close(out_wide.T, expected, **TOL)
+
+
 @pytest.mark.parametrize("one_product", [True, False])
 @pytest.mark.parametrize("wide", [False, True])
 def test_products_with_operands_stored_transposed(wide, one_product, monkeypatch):
