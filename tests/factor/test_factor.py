@@ -185,12 +185,14 @@ def test_factored_products_into_contiguous_outputs_take_every_order(n, k):
                                start + dense.rows.T @ y, **TOL)
 
 
-def test_small_factored_products_into_transposed_outputs_in_chunks(monkeypatch):
+@pytest.mark.parametrize("entries", [1, 2**30])
+def test_small_factored_products_into_transposed_outputs_in_chunks(monkeypatch, entries):
     """A small weight's per-sample products into a transposed output are formed in
-    chunks of samples (here 16, 16 and 8) and reuse one buffer."""
+    chunks of samples (here 16, 16 and 8, or all 40 at once, as on a GPU) and reuse one
+    buffer."""
     from lowrank_laplace.factor import kron_block
 
-    monkeypatch.setattr(kron_block, "_ACC_ENTRIES", 1)
+    monkeypatch.setattr(kron_block, "_ACC_ENTRIES", entries)
     torch.manual_seed(0)
     kron = KronBlock(torch.randn(3, 40, 5, dtype=torch.float64),
                      torch.randn(40, 6, dtype=torch.float64))
