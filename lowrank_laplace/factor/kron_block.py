@@ -196,6 +196,8 @@ class KronBlock:
         Returns:
             ``out``.
         """
+        if y.shape[1] == 0:  # no columns (an empty spectrum)
+            return out
         v, n = self.s.shape[:2]
         out_dim, in_dim = self.s.shape[2], self.z.shape[1]
         if stored_transposed(out):

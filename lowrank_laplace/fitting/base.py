@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lowrank_laplace.factor import DenseBlock, GGNFactor
 from lowrank_laplace.factor.wide import WIDE, wide_gram, wide_slices, wide_t_matmul, widen
-from lowrank_laplace.utils.linalg import rotate
+from lowrank_laplace.utils.linalg import rotate, squared_rows_dot
 
 
 class Solver:
@@ -172,7 +172,7 @@ class Solver:
         U, lam = vectors[:, :k], self.eigenvalues[:k]
         residual = None
         if self.track_diagonal:
-            residual = (self.diagonal - (U**2) @ lam).clamp(min=0)
+            residual = (self.diagonal - squared_rows_dot(U, lam)).clamp(min=0)
         exact = self._exact[1][:k] if self._exact is not None and \
             self._exact[0] is self.eigenvalues else lam.to(WIDE)
         trace = self.trace - exact.sum() + lam.to(WIDE).sum()

@@ -34,7 +34,7 @@ from lowrank_laplace.laplace_torch.probe import probe_residual, probe_vector_cap
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.residual import ResidualKind
 from lowrank_laplace.utils.batches import take, to_device
-from lowrank_laplace.utils.linalg import cpu_threads
+from lowrank_laplace.utils.linalg import cpu_threads, squared_rows_dot
 
 #: The likelihoods and the loss whose GGN is laplace-torch's, with its Hessian factor.
 LIKELIHOODS = ("classification", "regression")
@@ -400,6 +400,6 @@ def _merge_fits(options: LowRankOptions, previous: FitResult, current: tuple
     track = options.track_diagonal and previous.residual_diagonal is not None
     both = StreamingMerge(options.rank, options.oversampling, track)
     for U, lam, trace, residual in (first, current):
-        diagonal = residual + (U**2) @ lam if track else None
+        diagonal = residual + squared_rows_dot(U, lam) if track else None
         both.add_lowrank(U, lam, trace, diagonal)
     return both.result()

@@ -28,7 +28,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from lowrank_laplace.utils.linalg import eigh
+from lowrank_laplace.utils.linalg import eigh, squared_rows_dot
 
 _ROWS = 2**18  # rows per chunk of D x r products with a diagonal
 
@@ -213,7 +213,7 @@ class LowRankPrecision:
                 return wide
         if self.isotropic:
             coeff = 1 / (self.ell + self.d) - 1 / self.d
-            return (self.U**2) @ coeff + 1 / self.d
+            return squared_rows_dot(self.U, coeff) + 1 / self.d
         # P^{-1} = P_0^{-1} - A K^{-1} A^T with A = P_0^{-1} W, K = L L^T: the diagonal
         # subtracts the squared column norms of L^{-1} A^T, over row chunks
         chol, root = self.capacitance_cholesky, self.ell.sqrt()

@@ -1,5 +1,6 @@
 """Small dense linear algebra: float64 inner products and the eigenpair cutoff."""
 
+import pytest
 import torch
 
 from lowrank_laplace.utils.linalg import top_eigh, wide_inner
@@ -51,3 +52,16 @@ def test_float64_cutoff_is_unchanged():
     exact = torch.linalg.svdvals(Z) ** 2
     tol = 10 * torch.finfo(torch.float64).eps * float(exact[0])
     assert evals.numel() == int((exact > tol).sum())
+
+
+@pytest.mark.parametrize("entries", [7, 2**20])  # row chunks of one entry, or one chunk
+@pytest.mark.parametrize("transposed", [False, True])
+def test_squared_rows_dot_is_the_product_of_the_squares(entries, transposed):
+    from lowrank_laplace.utils.linalg import squared_rows_dot
+
+    torch.manual_seed(0)
+    mat = torch.randn(3, 50, dtype=torch.float64).T if transposed else \
+        torch.randn(50, 3, dtype=torch.float64)
+    for weights in (torch.rand(3, dtype=torch.float64), torch.rand(3, 2, dtype=torch.float64)):
+        torch.testing.assert_close(squared_rows_dot(mat, weights, entries),
+                                   (mat**2) @ weights, rtol=1e-12, atol=0)
