@@ -54,7 +54,8 @@ def squared_rows_dot(mat: Tensor, weights: Tensor, entries: int = 2**20) -> Tens
     The squared ``D x k`` copy of a basis is the largest temporary of a fit's end
     (716 MB for DeepOBS 3c3d at rank 100 in float64), and its fresh pages cost more
     than the arithmetic (0.5 s there on 2 CPU cores); one reused chunk does not.
-    A GPU takes chunks of ``64 * entries`` (fewer launches).
+    A GPU takes chunks of ``64 * entries`` (fewer launches); operands that autograd
+    tracks take the plain expression.
 
     Args:
         mat: Matrix ``(D, k)``.
@@ -67,7 +68,8 @@ def squared_rows_dot(mat: Tensor, weights: Tensor, entries: int = 2**20) -> Tens
     if mat.device.type != "cpu":
         entries *= 64
     rows = max(1, entries // max(1, mat.shape[1]))
-    if mat.shape[0] <= rows:
+    tracked = torch.is_grad_enabled() and (mat.requires_grad or weights.requires_grad)
+    if mat.shape[0] <= rows or tracked:
         return (mat * mat) @ weights
     out = mat.new_empty(mat.shape[0], *weights.shape[1:])
     buffer = mat.new_empty(rows, mat.shape[1])

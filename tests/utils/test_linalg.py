@@ -65,3 +65,13 @@ def test_squared_rows_dot_is_the_product_of_the_squares(entries, transposed):
     for weights in (torch.rand(3, dtype=torch.float64), torch.rand(3, 2, dtype=torch.float64)):
         torch.testing.assert_close(squared_rows_dot(mat, weights, entries),
                                    (mat**2) @ weights, rtol=1e-12, atol=0)
+
+
+def test_squared_rows_dot_keeps_autograd():
+    from lowrank_laplace.utils.linalg import squared_rows_dot
+
+    torch.manual_seed(0)
+    mat = torch.randn(50, 3, dtype=torch.float64)
+    weights = torch.rand(3, dtype=torch.float64, requires_grad=True)
+    squared_rows_dot(mat, weights, entries=7).sum().backward()
+    torch.testing.assert_close(weights.grad, (mat**2).sum(0), rtol=1e-12, atol=0)
