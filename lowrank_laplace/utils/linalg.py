@@ -28,13 +28,21 @@ def cpu_threads(num: Optional[int]) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def eigh(mat: Tensor) -> Tuple[Tensor, Tensor]:
-    """``torch.linalg.eigh`` that runs single-threaded on the CPU.
+#: From this many rows a CPU eigendecomposition runs on the cores idle at the call;
+#: smaller ones on one thread (docs/benchmarks/design_measurements.md).
+EIGH_PARALLEL_ROWS = 256
 
-    MKL's multi-threaded symmetric eigensolver was measured much slower than its
-    single-threaded one for the matrices met here (a few hundred to a few thousand
-    rows, on a loaded machine; docs/benchmarks/design_measurements.md), so the CPU
-    path pins one thread for the call and restores the setting afterwards.
+
+def eigh(mat: Tensor) -> Tuple[Tensor, Tensor]:
+    """``torch.linalg.eigh`` on as many CPU threads as cores are idle.
+
+    Beside a busy process MKL's multi-threaded symmetric eigensolver was measured
+    10-100x slower than its single-threaded one for the matrices met here (a few
+    hundred to a few thousand rows), while on idle cores two threads take 0.6-0.7x
+    one's time from about 200 rows. So the CPU path runs on the cores idle at the call
+    (:func:`~lowrank_laplace.utils.threads.idle_core_threads`; one thread where the
+    load is unknown) from :data:`EIGH_PARALLEL_ROWS` rows, on one thread below, and
+    restores the setting afterwards (docs/benchmarks/design_measurements.md).
 
     Args:
         mat: Symmetric matrix, shape ``(n, n)``.
@@ -44,7 +52,12 @@ def eigh(mat: Tensor) -> Tuple[Tensor, Tensor]:
     """
     if mat.device.type != "cpu":
         return torch.linalg.eigh(mat)
-    with cpu_threads(1):
+    threads: Optional[int] = 1
+    if mat.shape[0] >= EIGH_PARALLEL_ROWS:
+        from lowrank_laplace.utils.threads import idle_core_threads  # imports this module
+
+        threads = idle_core_threads()
+    with cpu_threads(threads):
         return torch.linalg.eigh(mat)
 
 

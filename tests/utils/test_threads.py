@@ -158,3 +158,38 @@ def test_idle_core_threads(monkeypatch, busy, expected):
         assert threads_module.idle_core_threads() == expected
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("busy, rows, expected", [(0, 300, 2), (1, 300, 1), (None, 300, 1),
+                                                  (0, 100, 1)])
+def test_cpu_eigh_takes_the_idle_cores_from_its_row_threshold(monkeypatch, busy, rows,
+                                                              expected):
+    """A CPU eigendecomposition of at least ``EIGH_PARALLEL_ROWS`` rows runs on the
+    idle cores (one where the load is unknown), smaller ones on one thread; the
+    user's setting comes back, and the result is the eigendecomposition."""
+    from lowrank_laplace.utils import linalg
+
+    seen = []
+    eigh = torch.linalg.eigh
+
+    def spy(mat):
+        seen.append(torch.get_num_threads())
+        return eigh(mat)
+
+    monkeypatch.setattr(linalg.torch.linalg, "eigh", spy)
+    monkeypatch.setattr(threads_module, "busy_elsewhere", lambda: busy)
+    monkeypatch.setattr(threads_module.os, "sched_getaffinity", lambda pid: {0, 1},
+                        raising=False)
+    assert linalg.EIGH_PARALLEL_ROWS == 256
+    torch.manual_seed(0)
+    a = torch.randn(rows, rows, dtype=torch.float64)
+    mat = a @ a.T
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        evals, evecs = linalg.eigh(mat)
+        assert seen == [expected] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(evecs @ torch.diag(evals) @ evecs.T, mat, rtol=0,
+                               atol=1e-9 * float(evals[-1]))
