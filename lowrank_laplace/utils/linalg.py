@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Iterator, Optional, Tuple
 
@@ -42,7 +43,9 @@ def eigh(mat: Tensor) -> Tuple[Tensor, Tensor]:
     one's time from about 200 rows. So the CPU path runs on the cores idle at the call
     (:func:`~lowrank_laplace.utils.threads.idle_core_threads`; one thread where the
     load is unknown) from :data:`EIGH_PARALLEL_ROWS` rows, on one thread below, and
-    restores the setting afterwards (docs/benchmarks/design_measurements.md).
+    restores the setting afterwards. Under ``OMP_WAIT_POLICY=PASSIVE`` it stays on one
+    thread: the solver's many short parallel regions each wake sleeping threads, and
+    the MLP's fit took 3.2 s instead of 2.4 s (docs/benchmarks/design_measurements.md).
 
     Args:
         mat: Symmetric matrix, shape ``(n, n)``.
@@ -53,7 +56,8 @@ def eigh(mat: Tensor) -> Tuple[Tensor, Tensor]:
     if mat.device.type != "cpu":
         return torch.linalg.eigh(mat)
     threads: Optional[int] = 1
-    if mat.shape[0] >= EIGH_PARALLEL_ROWS:
+    passive = os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
+    if mat.shape[0] >= EIGH_PARALLEL_ROWS and not passive:
         from lowrank_laplace.utils.threads import idle_core_threads  # imports this module
 
         threads = idle_core_threads()

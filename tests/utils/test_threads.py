@@ -160,14 +160,21 @@ def test_idle_core_threads(monkeypatch, busy, expected):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("busy, rows, expected", [(0, 300, 2), (1, 300, 1), (None, 300, 1),
-                                                  (0, 100, 1)])
+@pytest.mark.parametrize("busy, rows, policy, expected", [
+    (0, 300, None, 2), (1, 300, None, 1), (None, 300, None, 1), (0, 100, None, 1),
+    (0, 300, "PASSIVE", 1), (0, 300, "active", 2)])
 def test_cpu_eigh_takes_the_idle_cores_from_its_row_threshold(monkeypatch, busy, rows,
-                                                              expected):
+                                                              policy, expected):
     """A CPU eigendecomposition of at least ``EIGH_PARALLEL_ROWS`` rows runs on the
-    idle cores (one where the load is unknown), smaller ones on one thread; the
-    user's setting comes back, and the result is the eigendecomposition."""
+    idle cores (one where the load is unknown or OpenMP's threads sleep between
+    regions), smaller ones on one thread; the user's setting comes back, and the
+    result is the eigendecomposition."""
     from lowrank_laplace.utils import linalg
+
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
 
     seen = []
     eigh = torch.linalg.eigh
