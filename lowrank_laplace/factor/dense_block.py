@@ -136,6 +136,8 @@ class DenseBlock:
         Returns:
             The weighted Gram matrix.
         """
+        if _is_scalar(weight):  # scale the small result, not a copy of the rows
+            return (self.rows @ self.rows.T) * weight
         return (self.rows * weight) @ self.rows.T
 
     def sample_gram(self, num_vectors: int, weight: Weight = 1.0) -> Tensor:
@@ -149,6 +151,8 @@ class DenseBlock:
             Tensor of shape ``(N, V, V)``.
         """
         rows = self.rows.reshape(num_vectors, -1, self.rows.shape[1])
+        if _is_scalar(weight):  # the GLM predictive's scalar prior: no weighted copy
+            return torch.einsum("vnd,knd->nvk", rows, rows) * weight
         return torch.einsum("vnd,knd->nvk", rows * weight, rows)
 
     def row_sq_norms(self) -> Tensor:
@@ -259,3 +263,8 @@ class DenseBlock:
     def _read_along_d(self, y: Tensor) -> bool:
         """Whether ``B^T y`` is faster as ``(y^T B)^T`` (see ``_WIDE_COLUMNS``)."""
         return self.rows.shape[1] >= _WIDE_COLUMNS and self.rows.shape[0] >= 8 * y.shape[1]
+
+
+def _is_scalar(weight: Weight) -> bool:
+    """Whether a weight is one number (a Python scalar or a one-entry tensor)."""
+    return not isinstance(weight, torch.Tensor) or weight.numel() == 1

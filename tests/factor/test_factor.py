@@ -160,11 +160,15 @@ def test_linear_gram_without_expansion():
     torch.testing.assert_close(kron.cross(DenseBlock(other.to_dense())), dense.cross(other), **TOL)
     torch.testing.assert_close(dense.cross(other), dense.rows @ other.to_dense().T, **TOL)
     w = torch.rand(15, dtype=torch.float64)
-    for weight in (0.7, w):
+    for weight in (0.7, torch.tensor([0.7], dtype=torch.float64), w):
         torch.testing.assert_close(kron.weighted_gram(weight), dense.weighted_gram(weight), **TOL)
         torch.testing.assert_close(kron.sample_gram(3, weight), dense.sample_gram(3, weight), **TOL)
     expected = (dense.rows * w) @ dense.rows.T
     torch.testing.assert_close(dense.weighted_gram(w), expected, **TOL)
+    torch.testing.assert_close(dense.weighted_gram(0.7), 0.7 * dense.rows @ dense.rows.T, **TOL)
+    scalar_blocks = (0.7 * dense.rows @ dense.rows.T).reshape(3, 4, 3, 4)
+    torch.testing.assert_close(dense.sample_gram(3, 0.7),
+                               scalar_blocks.diagonal(dim1=1, dim2=3).permute(2, 0, 1), **TOL)
     blocks = expected.reshape(3, 4, 3, 4).diagonal(dim1=1, dim2=3).permute(2, 0, 1)
     torch.testing.assert_close(dense.sample_gram(3, w), blocks, **TOL)
 
