@@ -358,35 +358,32 @@ class SketchMerge(Solver):
         self._add_deferred()
         Y, omega = self._sketch, self._omega
         self._sketch = self._omega = self._projection = None
-        vectors, lam, self.shift = nystrom_eigenpairs(Y, omega, self.rank)
+        chol, self.shift = nystrom_core(Y, omega)
+        del omega  # the test matrix is freed before the eigenvectors are formed
+        vectors, lam = nystrom_eigenpairs(Y, chol, self.shift, self.rank)
         self._vectors = vectors.to(self._dtype)
         self.keep_eigenvalues(lam, self._dtype)
 
 
-def nystrom_eigenpairs(Y: Tensor, omega: Any, rank: int) -> Tuple[Tensor, Tensor, float]:
-    """The leading eigenpairs of the Nyström approximation ``Y (Omega^T Y)^+ Y^T``.
+def nystrom_core(Y: Tensor, omega: Any) -> Tuple[Tensor, float]:
+    """The shifted sketch ``Y_nu`` (in place) and the Cholesky factor of its core.
 
-    Tropp et al.'s stable evaluation: ``B = Omega^T Y_nu = C^T C`` (Cholesky),
-    ``E = Y_nu C^{-1}`` (so ``H_nu = E E^T``), whose singular pairs give the
-    eigenpairs. ``E`` is conditioned like the square root of the approximation,
-    so its Gram matrix in working precision resolves them as the streaming
-    merge's Gram matrices do (``Y_nu``'s own Gram matrix would square ``H``'s
-    condition number instead).
+    Tropp et al.'s stable evaluation of the Nyström approximation
+    ``Y (Omega^T Y)^+ Y^T``: ``Y_nu = Y + nu Omega`` and ``B = Omega^T Y_nu = C^T C``
+    (Cholesky); :func:`nystrom_eigenpairs` takes it from there, without the test matrix.
 
     Args:
-        Y: The sketch ``H Omega``, ``(D, l)``; overwritten.
+        Y: The sketch ``H Omega``, ``(D, l)``; overwritten by ``Y_nu``.
         omega: The test matrix (:class:`~lowrank_laplace.fitting.omega.Omega` or
             :class:`~lowrank_laplace.fitting.omega.BasisOmega`).
-        rank: Eigenpairs wanted.
 
     Returns:
-        ``(vectors, eigenvalues, nu)``: at most ``rank`` eigenpairs above the rounding
-        shift (at least one), in ``Y``'s dtype, and the shift.
+        ``(C, nu)``: the upper Cholesky factor, float64 ``(l, l)``, and the shift.
 
     Raises:
         RuntimeError: For a sketch that is not finite, or a core that stays indefinite.
     """
-    dtype, eps = Y.dtype, torch.finfo(Y.dtype).eps
+    eps = torch.finfo(Y.dtype).eps
     # nu: large enough that B is positive definite despite rounding. Tropp et
     # al.'s sqrt(D) eps ||Y|| bounds the worst case of a working-precision
     # product, but every Nyström eigenvalue picks up a share of nu's mass in all
@@ -403,13 +400,35 @@ def nystrom_eigenpairs(Y: Tensor, omega: Any, rank: int) -> Tuple[Tensor, Tensor
     for _ in range(8):
         chol, info = torch.linalg.cholesky_ex((B + B.T) / 2, upper=True)
         if int(info) == 0:
-            break
+            return chol, nu
         # rounding beyond the estimate: a larger shift
         gram_o = omega.gram().double() if gram_o is None else gram_o
         omega.add_to_(Y, 9 * nu)
         B, nu = B + 9 * nu * gram_o, 10 * nu
-    else:
-        raise RuntimeError("The Nyström core stayed indefinite.")
+    raise RuntimeError("The Nyström core stayed indefinite.")
+
+
+def nystrom_eigenpairs(Y: Tensor, chol: Tensor, nu: float, rank: int
+                       ) -> Tuple[Tensor, Tensor]:
+    """The leading eigenpairs of the Nyström approximation, from :func:`nystrom_core`.
+
+    ``E = Y_nu C^{-1}`` (so ``H_nu = E E^T``), whose singular pairs give the
+    eigenpairs. ``E`` is conditioned like the square root of the approximation,
+    so its Gram matrix in working precision resolves them as the streaming
+    merge's Gram matrices do (``Y_nu``'s own Gram matrix would square ``H``'s
+    condition number instead).
+
+    Args:
+        Y: The shifted sketch ``Y_nu``, ``(D, l)``; overwritten.
+        chol: The upper Cholesky factor ``C`` of its core.
+        nu: The shift.
+        rank: Eigenpairs wanted.
+
+    Returns:
+        ``(vectors, eigenvalues)``: at most ``rank`` eigenpairs above the rounding
+        shift (at least one), in ``Y``'s dtype.
+    """
+    dtype, eps = Y.dtype, torch.finfo(Y.dtype).eps
     eye = torch.eye(chol.shape[0], dtype=chol.dtype, device=chol.device)
     inv = torch.linalg.solve_triangular(chol, eye, upper=True)  # C^{-1}
     # E = Y_nu C^{-1} explicitly, in place: its Gram matrix has the condition
@@ -422,7 +441,7 @@ def nystrom_eigenpairs(Y: Tensor, omega: Any, rank: int) -> Tuple[Tensor, Tensor
     # the first num left singular vectors E W sigma^-1, in E's layout; E is freed
     W = (W[:, :num] / sigma2[:num].clamp(min=nu).sqrt()).to(dtype)
     vectors = (W.T @ E.T).T if stored_transposed(E) else E @ W
-    return vectors, lam[:num], nu
+    return vectors, lam[:num]
 
 
 def _block_dtype(block: Any) -> torch.dtype:

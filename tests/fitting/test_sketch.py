@@ -438,3 +438,38 @@ def test_sketch_streams_exactly_where_one_merge_covers_the_data():
     small.fit(loader)
     assert small.fit_path == "sketch"
     assert small.kept_fraction < sketch.kept_fraction
+
+
+def test_the_test_matrix_is_freed_before_the_eigenvectors_are_formed(monkeypatch):
+    """The finalisation drops its test matrix (Gaussian slices of ``l x d`` entries for
+    convolution weights) once the Nyström core is factored, before the ``D x r``
+    eigenvectors are formed, and the eigenpairs stay exact for a rank-8 curvature."""
+    import gc
+    import weakref
+
+    from lowrank_laplace.fitting import sketch as sketch_module
+
+    seen = {}
+    core, pairs = sketch_module.nystrom_core, sketch_module.nystrom_eigenpairs
+
+    def spy_core(Y, omega):
+        seen["omega"] = weakref.ref(omega)
+        return core(Y, omega)
+
+    def spy_pairs(*args):
+        gc.collect()
+        seen["alive"] = seen["omega"]() is not None
+        return pairs(*args)
+
+    monkeypatch.setattr(sketch_module, "nystrom_core", spy_core)
+    monkeypatch.setattr(sketch_module, "nystrom_eigenpairs", spy_pairs)
+    torch.manual_seed(0)
+    U = torch.linalg.qr(torch.randn(300, 8, dtype=torch.float64))[0]
+    lam = torch.arange(8, 0, -1, dtype=torch.float64)
+    solver = sketch_module.SketchMerge(5, 5)
+    solver.add_lowrank(U, lam, lam.sum())
+    V = solver.eigenvectors
+    assert seen == {"omega": seen["omega"], "alive": False}
+    torch.testing.assert_close(solver.eigenvalues[:5], lam[:5], rtol=1e-10, atol=0)
+    torch.testing.assert_close((V.T @ U[:, :5]).abs(), torch.eye(5, dtype=torch.float64),
+                               rtol=0, atol=1e-8)
