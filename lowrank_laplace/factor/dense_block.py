@@ -167,11 +167,10 @@ class DenseBlock:
         """Return the diagonal of ``B^T B`` (this parameter's GGN diagonal), ``(d,)``.
 
         No squared copy of the block: on the CPU a wide block (an expanded convolution)
-        adds one squared row at a time into the result, which stays in cache (25 ms
-        against 56 ms for 1,152 rows of 110,592 in float32, 39 ms against 334 ms in
-        float64); narrower blocks, and any on a GPU, square about ``2^18`` entries (at
-        least 64 rows) at a time: one step for a bias's few columns (64 rows at a time
-        took 20 steps of three operations per pass, launches that a GPU fit waits on).
+        adds one squared row at a time into the result, which stays in cache; narrower
+        blocks, and any on a GPU, square about ``2^18`` entries (at least 64 rows) at a
+        time, one step for a bias's few columns, whose fixed 64-row chunks were many
+        small launches that a GPU fit waits on (docs/benchmarks/design_measurements.md).
         """
         rows = self.rows
         out = rows.new_zeros(rows.shape[1])

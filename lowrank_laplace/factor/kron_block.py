@@ -33,8 +33,8 @@ _ACC_MIN_ROWS = 16
 _ACC_ENTRIES_DEVICE = 2**24
 #: A contiguous ``(D, K)`` output takes one product per output unit (batched) for at
 #: least this many columns and fewer than 512 samples, else wide products over slabs
-#: of output units: with 10 columns (a top-10 eigenvector map) the per-unit products
-#: took 124 ms against 12 ms for a 512 x 1,152 weight, with 64 or more they win
+#: of output units: with few columns (a top-k eigenvector map) the per-unit products
+#: were several times slower, with many they win
 #: (docs/benchmarks/design_measurements.md).
 _PER_UNIT_MIN_COLUMNS = 32
 

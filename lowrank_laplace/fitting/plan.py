@@ -305,9 +305,8 @@ def choose_solver(engine: Any, X: Any, rank: int, keep: int, mc_samples: int,
     (:func:`~lowrank_laplace.fitting.cost.streaming_cost`). That cost model is the
     CPU's: on a CUDA device the sketch's products take a few milliseconds, while every
     streaming merge waits on a small eigendecomposition, so there the sketch is taken
-    wherever it fits (on an H200, 3c3d's sketch of 400 columns took 0.98 s against
-    streaming's 1.58 s in a process's first fit and 0.32 s against 0.68 s in its second;
-    docs/benchmarks.md). Low-memory and data-parallel fits stream.
+    wherever it fits (3c3d on an H200: docs/benchmarks.md, "Default arguments and LoRA
+    adapters on an H200"). Low-memory and data-parallel fits stream.
 
     Args:
         engine: The :class:`~lowrank_laplace.engine.FactorEngine` that computes ``V``.

@@ -9,7 +9,7 @@ that takes them as its first test columns
 span and needs fewer random columns: where ``solver="auto"`` chooses the sketch, a
 warm start draws ``2 * rank`` random columns besides the ``rank`` of ``U``
 (:data:`~lowrank_laplace.fitting.plan.WARM_SKETCH_OVERSAMPLING`) instead of ``4 *
-rank``, and costs about 20% less. Along ``marglik_training`` on a digits MLP its
+rank``, and costs less. Along ``marglik_training`` on a digits MLP its
 kept eigenvalues stayed as close to the exact ones as the cold sketch's
 (docs/benchmarks/design_measurements.md).
 

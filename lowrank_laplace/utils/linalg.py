@@ -37,15 +37,15 @@ EIGH_PARALLEL_ROWS = 256
 def eigh(mat: Tensor) -> Tuple[Tensor, Tensor]:
     """``torch.linalg.eigh`` on as many CPU threads as cores are idle.
 
-    Beside a busy process MKL's multi-threaded symmetric eigensolver was measured
-    10-100x slower than its single-threaded one for the matrices met here (a few
-    hundred to a few thousand rows), while on idle cores two threads take 0.6-0.7x
-    one's time from about 200 rows. So the CPU path runs on the cores idle at the call
+    Beside a busy process MKL's multi-threaded symmetric eigensolver was measured far
+    slower than its single-threaded one for the matrices met here (a few hundred to a
+    few thousand rows), while on idle cores a second thread helps from about 200 rows.
+    So the CPU path runs on the cores idle at the call
     (:func:`~lowrank_laplace.utils.threads.idle_core_threads`; one thread where the
     load is unknown) from :data:`EIGH_PARALLEL_ROWS` rows, on one thread below, and
     restores the setting afterwards. Under ``OMP_WAIT_POLICY=PASSIVE`` it stays on one
-    thread: the solver's many short parallel regions each wake sleeping threads, and
-    the MLP's fit took 3.2 s instead of 2.4 s (docs/benchmarks/design_measurements.md).
+    thread: the solver's many short parallel regions each wake sleeping threads, which
+    made a fit slower (docs/benchmarks/design_measurements.md).
 
     Args:
         mat: Symmetric matrix, shape ``(n, n)``.
@@ -68,9 +68,9 @@ def eigh(mat: Tensor) -> Tuple[Tensor, Tensor]:
 def squared_rows_dot(mat: Tensor, weights: Tensor, entries: int = 2**20) -> Tensor:
     """``(mat ** 2) @ weights`` over row chunks of about ``entries`` entries.
 
-    The squared ``D x k`` copy of a basis is the largest temporary of a fit's end
-    (716 MB for DeepOBS 3c3d at rank 100 in float64), and its fresh pages cost more
-    than the arithmetic (0.5 s there on 2 CPU cores); one reused chunk does not.
+    The squared ``D x k`` copy of a basis is the largest temporary of a fit's end,
+    and faulting in its fresh pages cost more than the arithmetic; one reused chunk
+    does not (docs/benchmarks/design_measurements.md).
     A GPU takes chunks of ``64 * entries`` (fewer launches); operands that autograd
     tracks take the plain expression.
 
