@@ -266,8 +266,8 @@ def test_auto_sketches_on_the_device_where_the_cpu_cost_model_streams():
     from lowrank_laplace.fitting.plan import plan_fit
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Flatten(),
-                                nn.Linear(32 * 16 * 16, 10))
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(32 * 16 * 16, 10))
     X = torch.randn(512, 3, 16, 16)
     paths = {}
     for device in ("cpu", DEVICE):
