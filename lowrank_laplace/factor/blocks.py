@@ -22,24 +22,42 @@ Two representations exist:
 
 from __future__ import annotations
 
-from typing import List, Protocol, Union
+from typing import Iterator, List, Protocol, Tuple
 
 import torch
 from torch import Tensor
 
 from lowrank_laplace.factor.dense_block import DenseBlock
 from lowrank_laplace.factor.kron_block import KronBlock
-
-#: A scalar or per-entry weight of a parameter.
-Weight = Union[float, Tensor]
+from lowrank_laplace.factor.weights import Weight
 
 
 class Block(Protocol):
-    """What every block of ``V`` offers (:class:`DenseBlock`, :class:`KronBlock`)."""
+    """What every block of ``V`` offers (:class:`DenseBlock`, :class:`KronBlock`).
+
+    Consumers outside :mod:`lowrank_laplace.factor` use these methods only: a new kind
+    of block implements them, and nothing else changes.
+    """
+
+    #: Kept as factors: concatenated products of several blocks are cheap
+    #: (:func:`cat_blocks`); such blocks also offer ``num_vectors`` and ``num_samples``.
+    factored: bool
 
     @property
     def num_rows(self) -> int:
         """Rows ``M``."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The block's dtype."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the block holds."""
+
+    def wide_parts(self, U: Tensor, weight: Weight) -> Iterator[Tuple["Block", Tensor,
+                                                                     Weight]]:
+        """Float64 parts of the block with their products ``B_s diag(w_s) U_s``."""
 
     def to_dense(self) -> Tensor:
         """``B``, ``(M, d)``."""

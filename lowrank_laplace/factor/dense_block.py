@@ -6,15 +6,17 @@ Shape glossary:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator, Tuple
 
 import torch
 from torch import Tensor
 
+from lowrank_laplace.factor import weights
+from lowrank_laplace.factor.weights import SMALL_DTYPE, Weight, weight_slice, weighted_product
 from lowrank_laplace.utils.linalg import stored_transposed
 
 if TYPE_CHECKING:
-    from lowrank_laplace.factor.blocks import Block, Weight
+    from lowrank_laplace.factor.blocks import Block
 
 
 def _symmetrized(square: Tensor) -> Tensor:
@@ -33,10 +35,10 @@ _WIDE_COLUMNS = 4096
 #: performed alike; docs/benchmarks/design_measurements.md).
 _KHATRI_RAO_CHUNK = 2**22
 #: Entries squared per step of :meth:`DenseBlock.diag_outer` (about a core's L2 cache in
-#: float32; chunks of 2^20 entries were slower in float64).
+#: float32; docs/benchmarks/design_measurements.md).
 _DIAG_CHUNK_ENTRIES = 2**18
-#: From this many columns a CPU block's diagonal adds one squared row at a time (at
-#: 18,432 columns chunks were still 10-20% faster; docs/benchmarks/design_measurements.md).
+#: From this many columns a CPU block's diagonal adds one squared row at a time (below,
+#: chunks were faster; docs/benchmarks/design_measurements.md).
 _ROW_WISE_DIAG_COLUMNS = 2**15
 
 
@@ -47,6 +49,9 @@ class DenseBlock:
         rows: The block, shape ``(M, d)``.
     """
 
+    #: Kept as factors (see :attr:`KronBlock.factored`): no, explicit rows.
+    factored = False
+
     def __init__(self, rows: Tensor):
         self.rows = rows
 
@@ -54,6 +59,39 @@ class DenseBlock:
     def num_rows(self) -> int:
         """Number of rows ``M``."""
         return self.rows.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The block's dtype."""
+        return self.rows.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the block holds."""
+        return self.rows.numel() * self.rows.element_size()
+
+    def wide_parts(self, U: Tensor, weight: Weight
+                   ) -> Iterator[Tuple["DenseBlock", Tensor, Weight]]:
+        """Float64 slices of the block with their products ``B_s diag(w_s) U_s``.
+
+        Slices of ``d`` keep each widened copy of rows and of ``U`` near
+        :data:`~lowrank_laplace.factor.weights.WIDE_ENTRIES` entries; the rows of ``U``
+        of a slice are contiguous. No large float64 copy is made.
+
+        Args:
+            U: Shape ``(d, r)``.
+            weight: The parameter's weight (scalar or ``(d,)``).
+
+        Yields:
+            ``(float64 slice of the block, its product, its weight)``.
+        """
+        rows = self.rows
+        step = max(1, weights.WIDE_ENTRIES // max(rows.shape[0] + U.shape[1], 1))
+        for lo in range(0, rows.shape[1], step):
+            params = slice(lo, min(lo + step, rows.shape[1]))
+            sliced = DenseBlock(rows[:, params].to(SMALL_DTYPE))
+            yield (sliced, weighted_product(sliced, U, weight, params),
+                   weight_slice(weight, params))
 
     def to(self, dtype: torch.dtype) -> "DenseBlock":
         """Return the block in ``dtype`` (itself if it already is)."""

@@ -11,11 +11,13 @@ Shape glossary:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator, Tuple
 
 import torch
 from torch import Tensor
 
+from lowrank_laplace.factor import weights
+from lowrank_laplace.factor.weights import SMALL_DTYPE, Weight, weight_slice, weighted_product
 from lowrank_laplace.utils.linalg import stored_transposed
 
 #: Weights of at most this many entries add ``B^T y`` into a transposed output with one
@@ -39,7 +41,7 @@ _ACC_ENTRIES_DEVICE = 2**24
 _PER_UNIT_MIN_COLUMNS = 32
 
 if TYPE_CHECKING:
-    from lowrank_laplace.factor.blocks import Block, Weight
+    from lowrank_laplace.factor.blocks import Block
 
 
 class KronBlock:
@@ -52,6 +54,10 @@ class KronBlock:
         z: Layer inputs, shape ``(N, in)``.
     """
 
+    #: Kept as factors: products of several passes' blocks concatenated
+    #: (:func:`~lowrank_laplace.factor.blocks.cat_blocks`) cost little more than one's.
+    factored = True
+
     def __init__(self, s: Tensor, z: Tensor):
         self.s = s
         self.z = z
@@ -61,8 +67,56 @@ class KronBlock:
         """Number of rows ``M = V * N``."""
         return self.s.shape[0] * self.s.shape[1]
 
+    @property
+    def num_vectors(self) -> int:
+        """Vectors per sample ``V``."""
+        return self.s.shape[0]
+
+    @property
+    def num_samples(self) -> int:
+        """Samples ``N``."""
+        return self.s.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The block's dtype (of its backpropagated vectors)."""
+        return self.s.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the block's factors hold."""
+        return self.s.numel() * self.s.element_size() + self.z.numel() * self.z.element_size()
+
     def _flat_s(self) -> Tensor:
         return self.s.reshape(self.num_rows, self.s.shape[2])
+
+    def wide_parts(self, U: Tensor, weight: Weight
+                   ) -> Iterator[Tuple["KronBlock", Tensor, Weight]]:
+        """The float64 block whole, with its product ``B diag(w) U``.
+
+        ``U`` is widened a slice of output units at a time (its rows are ordered
+        ``(out, in)``, so a slice is contiguous), each slice holding all columns of ``U``
+        near :data:`~lowrank_laplace.factor.weights.WIDE_ENTRIES` entries: chunks of
+        columns instead left one column per product for large weights
+        (docs/benchmarks/design_measurements.md).
+
+        Args:
+            U: Shape ``(out * in, r)``.
+            weight: The parameter's weight (scalar or ``(out * in,)``).
+
+        Yields:
+            ``(the float64 block, its product, its weight)``, once.
+        """
+        wide = self.to(SMALL_DTYPE)
+        out_dim, in_dim = wide.s.shape[2], wide.z.shape[1]
+        step = max(1, weights.WIDE_ENTRIES // max(in_dim * U.shape[1], 1))
+        product = 0
+        for lo in range(0, out_dim, step):
+            hi = min(lo + step, out_dim)
+            sub = KronBlock(wide.s[:, :, lo:hi], wide.z)
+            product = product + weighted_product(sub, U, weight,
+                                                 slice(lo * in_dim, hi * in_dim))
+        yield wide, product, weight_slice(weight, slice(None))
 
     def to(self, dtype: torch.dtype) -> "KronBlock":
         """Return the block in ``dtype``, still factored (itself if it already is)."""

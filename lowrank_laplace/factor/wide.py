@@ -21,13 +21,12 @@ from typing import Iterator, Tuple, Union
 import torch
 from torch import Tensor
 
+from lowrank_laplace.factor import weights
 from lowrank_laplace.factor.dense_block import DenseBlock
 from lowrank_laplace.factor.kron_block import KronBlock
 
 #: The dtype of the products.
 WIDE = torch.float64
-#: Float64 entries of a widened slice (32 MiB).
-_WIDE_CHUNK = 2**22
 
 
 def widen(block: Union[DenseBlock, KronBlock]) -> Union[DenseBlock, KronBlock]:
@@ -55,7 +54,8 @@ def wide_gram(block: Union[DenseBlock, KronBlock]) -> Tensor:
     if rows.dtype == WIDE:
         return block.gram()
     gram = 0
-    for lo, hi in _ranges(rows.shape[1], max(1, _WIDE_CHUNK // max(rows.shape[0], 1))):
+    step = max(1, weights.WIDE_ENTRIES // max(rows.shape[0], 1))
+    for lo, hi in _ranges(rows.shape[1], step):
         part = rows[:, lo:hi].to(WIDE)
         gram = gram + part @ part.T
     return (gram + gram.T) / 2
@@ -83,7 +83,8 @@ def wide_slices(block: Union[DenseBlock, KronBlock], width: int
 
     A factored block is sliced by output units (its entries are ordered
     ``(out, in)``), a dense one by columns, each slice small enough that it and a
-    ``(slice, width)`` float64 matrix stay near ``_WIDE_CHUNK`` entries.
+    ``(slice, width)`` float64 matrix stay near
+    :data:`~lowrank_laplace.factor.weights.WIDE_ENTRIES` entries.
 
     Args:
         block: A dense or factored block.
@@ -96,12 +97,12 @@ def wide_slices(block: Union[DenseBlock, KronBlock], width: int
     if isinstance(block, KronBlock):
         wide = block.to(WIDE)
         in_dim = wide.z.shape[1]
-        step = max(1, _WIDE_CHUNK // max(in_dim * width, 1))
+        step = max(1, weights.WIDE_ENTRIES // max(in_dim * width, 1))
         for lo, hi in _ranges(wide.s.shape[2], step):
             yield lo * in_dim, hi * in_dim, KronBlock(wide.s[:, :, lo:hi], wide.z)
         return
     rows = block.rows
-    step = max(1, _WIDE_CHUNK // max(rows.shape[0] + width, 1))
+    step = max(1, weights.WIDE_ENTRIES // max(rows.shape[0] + width, 1))
     for lo, hi in _ranges(rows.shape[1], step):
         yield lo, hi, DenseBlock(rows[:, lo:hi].to(WIDE))
 

@@ -26,14 +26,11 @@ from torch import Tensor, nn
 
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.factor import GGNFactor
-from lowrank_laplace.factor.blocks import DenseBlock, KronBlock, Weight
+from lowrank_laplace.factor.weights import SMALL_DTYPE, Weight
 from lowrank_laplace.fitting import budget
 from lowrank_laplace.posterior.precision import LowRankPrecision
 from lowrank_laplace.utils.batches import take
 from lowrank_laplace.utils.checks import check_batch
-
-_SMALL_DTYPE = torch.float64  # dtype of the small products (see _small_products)
-_WIDE_CHUNK = 2**22  # float64 entries of P_0^{-1} U widened at a time (32 MiB)
 
 
 def jacobian_factor(engine: FactorEngine, inputs: Tensor) -> GGNFactor:
@@ -88,12 +85,10 @@ def _small_products(factor: GGNFactor, precision: LowRankPrecision, weights: Lis
                     joint: bool) -> Tuple[Tensor, Tensor]:
     """``J P_0^{-1} J^T`` and ``J P_0^{-1} W`` in float64, one parameter at a time.
 
-    ``V = sqrt(2) J^T``. Each block is widened to float64 on its own, so the
-    predictive variance, a difference of these products that cancels when ``J``
-    lies mostly in the kept subspace, keeps float64 accuracy for a float32 model.
-    A dense block (e.g. a convolution weight) is widened in slices of its ``d``
-    parameters together with the matching contiguous rows of ``U``; a factored
-    linear block whole, against slices of its output units' rows of ``U``. No large
+    ``V = sqrt(2) J^T``. Each block is widened to float64 on its own, a slice of its
+    entries at a time (:meth:`~lowrank_laplace.factor.blocks.Block.wide_parts`), so the
+    predictive variance, a difference of these products that cancels when ``J`` lies
+    mostly in the kept subspace, keeps float64 accuracy for a float32 model. No large
     float64 copy is made.
 
     Returns:
@@ -102,73 +97,13 @@ def _small_products(factor: GGNFactor, precision: LowRankPrecision, weights: Lis
     """
     jdj, jdw = 0, 0
     for block, U, w in zip(factor.group_blocks(0), factor.split_flat(precision.U, 0), weights):
-        if isinstance(block, DenseBlock):
-            parts = _dense_slices(block, U, w)
-        else:
-            parts = _factored_products(block.to(_SMALL_DTYPE), U, w)
-        for wide, product, w_wide in parts:  # (float64 block, B P_0^{-1} U, its weight)
+        for wide, product, w_wide in block.wide_parts(U, w):
             if joint:
                 jdj = jdj + wide.weighted_gram(w_wide)
             else:
                 jdj = jdj + wide.sample_gram(factor.num_vectors, w_wide)
             jdw = jdw + product
-    return jdj / 2, jdw * precision.ell.to(_SMALL_DTYPE).sqrt() / 2**0.5
-
-
-def _factored_products(block: KronBlock, U: Tensor, w: Weight
-                       ) -> Iterator[Tuple[KronBlock, Tensor, Weight]]:
-    """The float64 factored block with its product ``B P_0^{-1} U`` and weight.
-
-    ``U`` is widened a slice of output units at a time (its rows are ordered
-    ``(out, in)``, so a slice is contiguous), each slice holding all columns of ``U``
-    near ``_WIDE_CHUNK`` entries: chunks of columns instead left one column per
-    product for large weights, which made the GLM predictive much slower
-    (docs/benchmarks/design_measurements.md).
-    """
-    out_dim, in_dim = block.s.shape[2], block.z.shape[1]
-    step = max(1, _WIDE_CHUNK // max(in_dim * U.shape[1], 1))
-    product = 0
-    for lo in range(0, out_dim, step):
-        hi = min(lo + step, out_dim)
-        sub = KronBlock(block.s[:, :, lo:hi], block.z)
-        product = product + _weighted_product(sub, U, w, slice(lo * in_dim, hi * in_dim))
-    yield block, product, _weight_slice(w, slice(None))
-
-
-def _dense_slices(block: DenseBlock, U: Tensor, w: Weight
-                  ) -> Iterator[Tuple[DenseBlock, Tensor, Weight]]:
-    """Float64 slices of a dense block with their products ``B_s P_0^{-1} U_s``.
-
-    Slices of ``d`` keep each widened copy of rows and of ``U`` near
-    ``_WIDE_CHUNK`` entries; the rows of ``U`` of a slice are contiguous.
-    """
-    rows = block.rows
-    step = max(1, _WIDE_CHUNK // max(rows.shape[0] + U.shape[1], 1))
-    for lo in range(0, rows.shape[1], step):
-        hi = min(lo + step, rows.shape[1])
-        sliced = DenseBlock(rows[:, lo:hi].to(_SMALL_DTYPE))
-        params = slice(lo, hi)
-        yield sliced, _weighted_product(sliced, U, w, params), _weight_slice(w, params)
-
-
-def _weighted_product(block: Any, U: Tensor, w: Weight, params: slice) -> Tensor:
-    """``B P_0^{-1} U_s`` in float64 for the rows ``params`` of ``U`` (``B`` float64).
-
-    A per-parameter prior variance scales the rows of ``U_s`` before the product, a
-    scalar one the product's columns after it.
-    """
-    w_s = _weight_slice(w, params)
-    U_s = U[params].to(_SMALL_DTYPE)
-    if isinstance(w_s, Tensor) and w_s.numel() > 1:
-        return block.t_matmul(U_s * w_s[:, None])
-    return block.t_matmul(U_s) * w_s
-
-
-def _weight_slice(w: Weight, params: slice) -> Weight:
-    """The prior variances of the parameters ``params`` in float64 (a scalar whole)."""
-    if not isinstance(w, Tensor):
-        return w
-    return (w[params] if w.numel() > 1 else w).to(_SMALL_DTYPE)
+    return jdj / 2, jdw * precision.ell.to(SMALL_DTYPE).sqrt() / 2**0.5
 
 
 def batched_glm_moments(
