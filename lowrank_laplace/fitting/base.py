@@ -14,12 +14,12 @@ Shape glossary:
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from lowrank_laplace.factor import DenseBlock, GGNFactor
+from lowrank_laplace.factor import GGNFactor
 from lowrank_laplace.factor.wide import WIDE, wide_gram, wide_slices, wide_t_matmul, widen
 from lowrank_laplace.utils.linalg import rotate, squared_rows_dot
 
@@ -39,7 +39,7 @@ class Solver:
     """
 
     #: The fit path this solver takes (``FitPlan.path``).
-    solver = ""
+    path = ""
     #: Test columns taken from a warm-start basis (only a sketch takes any).
     warm_columns = 0
 
@@ -261,8 +261,8 @@ def wide_products(factor: Any, blocks: Optional[List[Any]], targets: Sequence[Te
 
 def wide_combine(factor: Any, blocks: Optional[List[Any]], y: Tensor, dtype: torch.dtype,
                  group: int = 0, basis: Optional[Tensor] = None,
-                 rotation: Optional[Tensor] = None, in_place: bool = False,
-                 correction: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
+                 rotation: Union[Tensor, Tuple[Tensor, Tensor], None] = None,
+                 in_place: bool = False) -> Tensor:
     """``basis @ rotation + V y``, each slice of rows formed in float64 and rounded once.
 
     A merge's new eigenvectors ``U P + V C`` are unit vectors formed from much longer
@@ -279,15 +279,15 @@ def wide_combine(factor: Any, blocks: Optional[List[Any]], y: Tensor, dtype: tor
         dtype: The result's dtype.
         group: Group index.
         basis: Shape ``(D, r)``, or ``None`` for zero.
-        rotation: ``(r, K)``, or ``None`` for the identity (then ``r = K``).
+        rotation: ``(r, K)``; or a pair ``(A, B)`` (``r x m`` each): the rotation
+            ``I + A B^T``, applied without the ``D r^2`` product; or ``None`` for the
+            identity (then ``r = K``).
         in_place: Write into ``basis`` (``rotation`` square or ``None``).
-        correction: ``(A, B)``: ``rotation`` is ``I + A B^T`` (``r x m`` each;
-            ``rotation`` itself must be ``None``), applied without the ``D r^2``
-            product.
 
     Returns:
         Shape ``(D, K)``.
     """
+    correction = rotation if isinstance(rotation, tuple) else None
     if correction is not None:
         rotation = torch.eye(y.shape[1], dtype=WIDE, device=y.device) + \
             correction[0].to(WIDE) @ correction[1].to(WIDE).T
@@ -332,5 +332,4 @@ def factor_dtype(factor: Any, group: int = 0) -> torch.dtype:
     """The dtype of a factor's blocks (of its Gram matrix for one without blocks)."""
     if not isinstance(factor, GGNFactor) or factor.recomputed:
         return factor.gram(group).dtype
-    block = factor.group_blocks(group)[0]
-    return (block.rows if isinstance(block, DenseBlock) else block.s).dtype
+    return factor.group_blocks(group)[0].dtype

@@ -6,8 +6,6 @@ Shape glossary:
 
 from __future__ import annotations
 
-from typing import Optional
-
 #: Fixed cost of one merge (its small operations, as timed on CPU) in Gram multiply-adds
 #: (docs/benchmarks/design_measurements.md).
 OVERHEAD = 7.5e8
@@ -91,47 +89,6 @@ def dense_bytes(dim: int, itemsize: int) -> int:
     return dim * dim * (itemsize + 3 * 8)
 
 
-def choose_dense(dim: int, columns_per_sample: int, keep: int, gram_dim: int,
-                 num_data: int, samples_per_merge: int, budget: int, itemsize: int,
-                 dense_max_dim: Optional[int], solver: str = "streaming") -> bool:
-    """Whether to sum ``H`` densely (exact) instead of streaming truncated merges.
-
-    Dense needs the ``D x D`` sum and its eigendecomposition to fit the memory
-    budget; then it is taken when it is cheaper than streaming (:func:`dense_cost`
-    against :func:`streaming_cost`), and also, up to ``dense_max_dim`` parameters,
-    whenever streaming would truncate (the GGN's rank over the data exceeds the
-    ``k`` kept eigenpairs), so that small problems stay exact.
-
-    Args:
-        dim: Parameters ``D``.
-        columns_per_sample: Columns of ``V`` per sample.
-        keep: Eigenpairs kept while streaming ``k``.
-        gram_dim: ``D_gram`` (see :func:`merge_size`).
-        num_data: Samples streamed.
-        samples_per_merge: Samples per streaming merge (the merge plan).
-        budget: Memory budget in bytes.
-        itemsize: Bytes per entry of ``H``.
-        dense_max_dim: Largest ``D`` summed densely whatever the cost when streaming
-            would truncate; ``0`` never sums densely; ``None``: only the cost decides.
-        solver: ``"streaming"`` merges or a one-pass ``"sketch"``
-            (:func:`sketch_cost`), the alternative the dense sum competes with.
-
-    Returns:
-        ``True`` for the dense path.
-    """
-    if dense_max_dim == 0 or dense_bytes(dim, itemsize) > budget:
-        return False
-    truncates = min(dim, num_data * columns_per_sample) > keep
-    if truncates and dense_max_dim is not None and dim <= dense_max_dim:
-        return True
-    if solver == "sketch":
-        stream = sketch_cost(columns_per_sample, keep, dim, gram_dim, num_data)
-    else:
-        stream = streaming_cost(columns_per_sample, keep, dim, gram_dim, num_data,
-                                samples_per_merge)
-    return dense_cost(dim, num_data * columns_per_sample) < stream
-
-
 def merge_size(columns_per_sample: int, keep: int, dim: int, gram_dim: int, num_data: int,
                limit: int) -> int:
     """Samples per streaming merge, from a cost model of the merge.
@@ -141,7 +98,7 @@ def merge_size(columns_per_sample: int, keep: int, dim: int, gram_dim: int, num_
     an eigendecomposition of size ``k + M`` (``~ (k + M)^3``) and the Gram matrix of
     the merged columns (``~ M^2 D_gram``, with ``D_gram`` the expanded parameters plus
     ``out + in`` per factored linear weight). Weighted in Gram multiply-adds as
-    measured on CPU (the float64 eigh costs ~28 ``(k + M)^3``, the basis passes ~180
+    measured on CPU (the float64 eigh costs ``EIGH_WEIGHT (k + M)^3``, the basis passes ~180
     ``D k``, and a merge has a fixed overhead ``OVERHEAD`` of small operations), the size
     minimises their sum over the ``num_data`` samples, remainder merge included.
 

@@ -20,12 +20,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lowrank_laplace.factor import weights
 from lowrank_laplace.factor.wide import WIDE
 from lowrank_laplace.fitting.base import Solver
 from lowrank_laplace.utils.linalg import top_eigh
-
-#: Float64 entries of a widened slice of columns of ``V`` (32 MiB).
-_WIDE_CHUNK = 2**22
 
 
 class DenseSum(Solver):
@@ -37,7 +35,7 @@ class DenseSum(Solver):
         track_diagonal: Keep the exact diagonal of the sum.
     """
 
-    solver = "dense"
+    path = "dense"
 
     def __init__(self, rank: int, oversampling: int = 0, track_diagonal: bool = False):
         super().__init__(rank, oversampling, track_diagonal)
@@ -63,7 +61,7 @@ class DenseSum(Solver):
             self._dense = V.new_zeros(V.shape[0], V.shape[0], dtype=WIDE)
             self._dtype = V.dtype
         trace = V.new_zeros((), dtype=WIDE)
-        for cols in V.split(max(1, _WIDE_CHUNK // max(V.shape[0], 1)), dim=1):
+        for cols in V.split(max(1, weights.WIDE_ENTRIES // max(V.shape[0], 1)), dim=1):
             cols = cols.to(WIDE)
             self._dense.addmm_(cols, cols.T, alpha=scale)
             trace = trace + scale * (cols * cols).sum()
@@ -88,7 +86,7 @@ class DenseSum(Solver):
         # identity costs M^2 memory and a product per column;
         # docs/benchmarks/design_measurements.md)
         samples = factor.num_curv_samples
-        step = max(1, _WIDE_CHUNK // max(factor.group_dim(group) * factor.num_vectors, 1))
+        step = max(1, weights.WIDE_ENTRIES // max(factor.group_dim(group) * factor.num_vectors, 1))
         trace = factor.trace(group).new_zeros((), dtype=WIDE)
         for start in range(0, samples, step):
             part = factor if step >= samples else factor.take_samples(

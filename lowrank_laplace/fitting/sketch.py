@@ -2,8 +2,8 @@ r"""One-pass randomized Nyström sketch of the GGN over a data set (``solver="sk
 
 An alternative to :class:`~lowrank_laplace.fitting.streaming.StreamingMerge` that trades
 accuracy for speed (``solver="auto"`` runs it with ``l = 4 rank`` columns where it is
-the cheaper fit, or from an earlier fit's eigenvectors and ``2 rank`` random columns:
-with ``l = 1.2 rank`` its posteriors missed the full GGN's test NLL by up to 8%,
+the cheaper fit, or from the same posterior's last eigenvectors and ``2 rank`` random
+columns: with ``l = 1.2 rank`` its posteriors missed the full GGN's test NLL by more,
 docs/posterior_quality.md). With a fixed random test matrix :math:`\Omega`
 (``D x l``, ``l = rank + oversampling``) every batch factor only adds to the sketch
 
@@ -74,7 +74,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from lowrank_laplace.factor import KronBlock, cat_blocks
+from lowrank_laplace.factor import Block, cat_blocks
 from lowrank_laplace.fitting.base import Solver
 from lowrank_laplace.fitting.omega import BasisOmega, Omega
 from lowrank_laplace.utils.linalg import rotate, stored_transposed, sym_eigh
@@ -86,8 +86,13 @@ from lowrank_laplace.utils.linalg import rotate, stored_transposed, sym_eigh
 #: (docs/benchmarks/design_measurements.md).
 _KRON_SAMPLES = 256
 _KRON_BYTES = 64 * 2**20
+#: The test matrix of the fit's sketches: ``"kronecker"`` draws Khatri-Rao columns in
+#: the slices of matrix-shaped weights, so the factored linear layers' products with it
+#: come from their Kronecker factors and the slices are kept as those factors;
+#: ``"gaussian"`` draws every entry Gaussian (``benchmarks/bench_sketch_test_matrix.py``).
+TEST_MATRIX = "kronecker"
 #: A float32 sketch keeps its eigenpairs when every kept eigenvalue is this many times
-#: its rounding shift ``nu`` (accurate to ~0.1%); else the fit redoes it in float64
+#: its rounding shift ``nu`` (accurate to about its inverse); else the fit redoes it in float64
 #: (:meth:`SketchMerge.resolves`).
 RESOLVED_RATIO = 1e3
 
@@ -130,7 +135,7 @@ class SketchMerge(Solver):
             ``test_matrix``.
     """
 
-    solver = "sketch"
+    path = "sketch"
 
     def __init__(self, rank: int, oversampling: int = 0, track_diagonal: bool = False,
                  seed: int = 0, test_matrix: str = "kronecker",
@@ -157,7 +162,7 @@ class SketchMerge(Solver):
         self.shift: Optional[float] = None  # nu of the last finalisation
         self._vectors: Optional[Tensor] = None  # the eigenvectors, once finalised
         # parameter index -> (blocks, scaled V^T Omega rows, sketch slice) not yet added
-        self._kron: Dict[int, Tuple[List[KronBlock], List[Tensor], Tensor]] = {}
+        self._kron: Dict[int, Tuple[List[Block], List[Tensor], Tensor]] = {}
 
     # ------------------------------------------------------------------ streaming
     def _test_matrix(self, dim: int, like: Tensor,
@@ -201,7 +206,7 @@ class SketchMerge(Solver):
             self._dtype = proj.dtype
         else:
             blocks = factor.group_blocks(group)
-            self._dtype = _block_dtype(blocks[0])
+            self._dtype = blocks[0].dtype
             if self.accumulate is not None:  # widened per pass
                 blocks = [block.to(self.accumulate) for block in blocks]
             omega = self._test_matrix(dim, trace.to(self.accumulate or self._dtype),
@@ -215,27 +220,27 @@ class SketchMerge(Solver):
             return
         for index, block, part in zip(factor.groups[group], blocks,
                                       factor.split_flat(self._sketch, group)):
-            if isinstance(block, KronBlock):
+            if block.factored:
                 self._defer(index, block, proj, part)
             else:
                 block.matmul_add_(part, proj)
 
-    def _defer(self, index: int, block: KronBlock, proj: Tensor, part: Tensor) -> None:
+    def _defer(self, index: int, block: Block, proj: Tensor, part: Tensor) -> None:
         """Queue a factored block's product ``part += B^T proj`` (see ``_KRON_SAMPLES``)."""
         queued = self._kron.get(index)
-        if queued and queued[0][0].s.shape[0] != block.s.shape[0]:  # other vectors per sample
+        if queued and queued[0][0].num_vectors != block.num_vectors:  # other vectors/sample
             self._add_deferred(index)
         blocks, projs, _ = self._kron.setdefault(index, ([], [], part))
         blocks.append(block)
         projs.append(proj)
-        if sum(b.s.shape[1] for b in blocks) >= _KRON_SAMPLES:
+        if sum(b.num_samples for b in blocks) >= _KRON_SAMPLES:
             self._add_deferred(index)
         elif self._queued_bytes() >= _KRON_BYTES:
             self._add_deferred()
 
     def _queued_bytes(self) -> int:
         """Bytes of the queued factors (a batch's ``V^T Omega`` counted per parameter)."""
-        return sum((b.s.numel() + b.z.numel() + p.numel()) * p.element_size()
+        return sum(b.nbytes + p.numel() * p.element_size()
                    for blocks, projs, _ in self._kron.values()
                    for b, p in zip(blocks, projs))
 
@@ -246,7 +251,7 @@ class SketchMerge(Solver):
             if len(blocks) == 1:
                 blocks[0].matmul_add_(part, projs[0])
                 continue
-            vecs = blocks[0].s.shape[0]
+            vecs = blocks[0].num_vectors
             proj = torch.cat([p.view(vecs, -1, p.shape[1]) for p in projs], dim=1)
             merged = cat_blocks(blocks, [1.0] * len(blocks), vecs)
             merged.matmul_add_(part, proj.view(-1, proj.shape[2]))
@@ -387,7 +392,7 @@ def nystrom_core(Y: Tensor, omega: Any) -> Tuple[Tensor, float]:
     # nu: large enough that B is positive definite despite rounding. Tropp et
     # al.'s sqrt(D) eps ||Y|| bounds the worst case of a working-precision
     # product, but every Nyström eigenvalue picks up a share of nu's mass in all
-    # D directions: on float32 tests it moved the smallest kept eigenvalues by 2%.
+    # D directions, which moved the smallest kept eigenvalues on float32 tests.
     # The typical rounding is ~eps ||Y||_F (test columns of about unit norm), and
     # a Cholesky failure raises nu tenfold
     norm = float(torch.linalg.vector_norm(Y))
@@ -442,11 +447,6 @@ def nystrom_eigenpairs(Y: Tensor, chol: Tensor, nu: float, rank: int
     W = (W[:, :num] / sigma2[:num].clamp(min=nu).sqrt()).to(dtype)
     vectors = (W.T @ E.T).T if stored_transposed(E) else E @ W
     return vectors, lam[:num]
-
-
-def _block_dtype(block: Any) -> torch.dtype:
-    """The dtype of a :class:`~lowrank_laplace.factor.DenseBlock` or :class:`KronBlock`."""
-    return block.s.dtype if isinstance(block, KronBlock) else block.rows.dtype
 
 
 def _storage(mat: Tensor) -> Tensor:

@@ -56,7 +56,7 @@ from lowrank_laplace.fitting.base import (
     wide_merge,
     wide_products,
 )
-from lowrank_laplace.utils.linalg import eigh, rotate, top_eigh, wide_inner
+from lowrank_laplace.utils.linalg import rotate, top_eigh, wide_inner
 
 #: A float32 merge stays float32 while its kept eigenvalues all exceed this multiple
 #: of ``eps lambda_max`` (see :func:`~lowrank_laplace.fitting.base.wide_merge`).
@@ -81,7 +81,7 @@ class StreamingMerge(Solver):
         ValueError: For ``rank < 1`` or negative oversampling.
     """
 
-    solver = "streaming"
+    path = "streaming"
 
     def __init__(self, rank: int, oversampling: int = 0, track_diagonal: bool = False,
                  lazy: bool = True):
@@ -128,11 +128,11 @@ class StreamingMerge(Solver):
             )
             inner = chol.T @ coords
         else:  # numerically rank-deficient basis: symmetric inverse square root
-            g, Z = eigh(gram)
+            g, Z = torch.linalg.eigh(gram)
             g = g.clamp(min=g[-1] * torch.finfo(basis.dtype).eps)
             to_orth, inner = Z / g.sqrt(), (Z * g.sqrt()).T @ coords
         lam = self.eigenvalues.double()
-        evals, q = eigh((inner * lam) @ inner.T)
+        evals, q = torch.linalg.eigh((inner * lam) @ inner.T)
         evals, q = evals.flip(0), q.flip(1)
         self._basis = rotate(basis, (to_orth @ q).to(basis.dtype), in_place=not self._shared)
         self._coords = None
@@ -281,7 +281,7 @@ class StreamingMerge(Solver):
         if deferred > self.max_deferred or growing:
             self._flush()
         wide_combine(factor, blocks, C.double() @ coords_inv, basis.dtype, group,
-                     self._basis, in_place=True, correction=correction)
+                     self._basis, correction, in_place=True)
         self._coords = coords  # float64, like every small matrix of the merge
         self.num_lazy_corrections += m
         return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lowrank_laplace.posterior import residual_class
 from lowrank_laplace.posterior.complement import MeasuredComplement
 
 
@@ -17,7 +18,7 @@ class StatePersistence:
         """laplace-torch's state plus the exact GGN trace and the rank options."""
         state = super().state_dict()
         state.update(trace=self.trace, rank=self.rank, mc_samples=self.mc_samples,
-                     residual_diagonal=self.residual_diagonal, residual=self.residual.value,
+                     residual_diagonal=self.residual_diagonal, residual=self.residual,
                      rank_bound=self.rank_bound, jacobian_exponent=self._jacobian_exponent,
                      measured_complement=None if self._complement is None
                      else self._complement.state())
@@ -49,7 +50,7 @@ class StatePersistence:
             self._complement = self._complement.to(U.device)
         saved = state_dict.get("residual", "diagonal" if self.residual_diagonal is not None
                                else "none")
-        if saved != self.residual:
+        if residual_class(saved) is not self.options.residual_model:
             raise ValueError(
                 f"The state was fitted with residual={saved!r} but this object uses "
                 f"residual={self.residual!r}: construct it with residual={saved!r}."

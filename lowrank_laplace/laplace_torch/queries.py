@@ -21,16 +21,11 @@ import torch
 from torch import Tensor
 
 from lowrank_laplace.fitting.budget import dense_identity
-from lowrank_laplace.posterior import LowRankPrecision, Residual
+from lowrank_laplace.posterior import DroppedCurvature, LowRankPrecision, Residual
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.predictive import glm_predictive, prior_variance_weights
 from lowrank_laplace.utils.batches import to_device
-from lowrank_laplace.utils.threads import (
-    SMALL_WORK,
-    on_idle_cores,
-    on_one_thread_if_small,
-    scoped_backward,
-)
+from lowrank_laplace.utils.threads import SMALL_WORK, on_one_thread_if_small, scoped_backward
 
 
 class PosteriorQueries:
@@ -75,7 +70,7 @@ class PosteriorQueries:
 
     @property
     def measured_complement(self) -> Optional[MeasuredComplement]:
-        """The complement variance measured on the probe (``measure_complement``).
+        """The complement variance measured on the probe (:mod:`~lowrank_laplace.posterior.probe`).
 
         ``None`` where the fit did not measure it (the option off, another residual
         model, a layerwise or per-parameter prior at the fit, which would not use it,
@@ -90,12 +85,11 @@ class PosteriorQueries:
         """The fitted :class:`~lowrank_laplace.posterior.Residual` (the dropped curvature)."""
         self._check_H_init()
         if self._residual_model is None:
-            self._residual_model = Residual.from_fit(
-                self.residual, self.H[1], self.trace, self.n_params,
-                self.rank_bound or self.n_params, self.residual_diagonal,
-                self._jacobian_exponent, eigenvectors=self.H[0],
-                layer_sizes=self._layer_sizes(), complement=self._complement,
-            )
+            self._residual_model = self.options.residual_model.from_fit(DroppedCurvature(
+                self.H[0], self.H[1], self.trace, self.rank_bound or self.n_params,
+                self.residual_diagonal, self._jacobian_exponent, self._layer_sizes(),
+                self._complement,
+            ))
         return self._residual_model
 
     def _layer_sizes(self) -> Optional[List[int]]:
@@ -298,7 +292,6 @@ class PosteriorQueries:
         return self.sample_from_noise(eps)
 
     # -------------------------------------------------------------- predictive
-    @on_idle_cores
     def _glm_predictive_distribution(self, X: Union[Tensor, MutableMapping],
                                      joint: bool = False, diagonal_output: bool = False
                                      ) -> Tuple[Tensor, Tensor]:
@@ -307,7 +300,8 @@ class PosteriorQueries:
         precision = self._precision()
         sizes = [p.numel() for p in self._curvature_target()[2]]
         prior = torch.as_tensor(self.prior_precision)
-        per_layer = (self.residual != "diagonal" and prior.numel() == len(sizes)
+        per_layer = (self.options.residual_model.constant_per_layer
+                     and prior.numel() == len(sizes)
                      and prior.numel() != self.n_params)
         weights = prior_variance_weights(precision, sizes, per_layer)
         f_mu, f_var = glm_predictive(

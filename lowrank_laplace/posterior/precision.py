@@ -28,29 +28,15 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from lowrank_laplace.utils.linalg import eigh, squared_rows_dot
+from lowrank_laplace.utils.linalg import squared_rows_dot, wide_inner
 
 _ROWS = 2**18  # rows per chunk of D x r products with a diagonal
 
 
-def wide_gram(U: Tensor) -> Tensor:
-    """``U^T U`` in float64, over row chunks each cast on its own (no ``D x r`` copy).
-
-    Args:
-        U: Shape ``(D, r)``.
-
-    Returns:
-        Shape ``(r, r)``, float64.
-    """
-    gram = 0
-    for rows in U.split(_ROWS):
-        rows = rows.to(torch.float64)
-        gram = gram + rows.T @ rows
-    return gram
-
-
 class GramCache:
-    """``U^T U`` in float64 (:func:`wide_gram`), recomputed only for a new ``U``.
+    """``U^T U`` in float64, recomputed only for a new ``U``.
+
+    Formed by :func:`~lowrank_laplace.utils.linalg.wide_inner`.
 
     A weak reference and the tensor's version counter identify ``U``: a refit (new
     tensor) or an in-place change (new version) recomputes, and the cache keeps no
@@ -75,7 +61,7 @@ class GramCache:
         """The float64 Gram matrix of ``U``, shape ``(r, r)``."""
         self._current(U)
         if self._gram is None:
-            self._gram = wide_gram(U)
+            self._gram = wide_inner(U)
         return self._gram
 
     def layer_grams(self, U: Tensor, sizes: Sequence[int]) -> Tensor:
@@ -88,7 +74,7 @@ class GramCache:
         self._current(U)
         sizes = tuple(int(n) for n in sizes)
         if self._layers is None or self._layers[0] != sizes:
-            grams = torch.stack([wide_gram(part) for part in U.split(list(sizes))])
+            grams = torch.stack([wide_inner(part) for part in U.split(list(sizes))])
             self._layers = (sizes, grams)
         return self._layers[1]
 
@@ -246,7 +232,7 @@ class LowRankPrecision:
         if int(info) != 0:
             return None
         R = chol.T  # U^T U = R^T R
-        s, W = eigh((R * self.ell.to(wide)) @ R.T)
+        s, W = torch.linalg.eigh((R * self.ell.to(wide)) @ R.T)
         T = torch.linalg.solve_triangular(R, W, upper=True)  # R^{-1} W
         d = self.d.to(wide)
         inverse = 1 / (s.clamp(min=0) + d)
@@ -320,7 +306,7 @@ class LowRankPrecision:
             if self._sqrt_parts is None:
                 d_sqrt = self.d.sqrt()
                 Q, R = torch.linalg.qr((self.U * self.ell.sqrt()) / d_sqrt[:, None])
-                s, Y = eigh(R @ R.T)
+                s, Y = torch.linalg.eigh(R @ R.T)
                 QY = Q @ Y
                 self._sqrt_parts = (d_sqrt, QY, 1 / (1 + s.clamp(min=0)).sqrt() - 1)
             d_sqrt, QY, coeff = self._sqrt_parts

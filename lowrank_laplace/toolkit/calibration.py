@@ -56,7 +56,6 @@ from lowrank_laplace.toolkit.posteriors import (
     predict_batched,
 )
 from lowrank_laplace.toolkit.training import make_cnn, marglik_train, train_or_load
-from lowrank_laplace.utils.threads import idle_cores
 
 __all__ = [
     "LAPLACE_METHODS", "METHODS", "TABLE_COLUMNS", "CalibrationConfig", "UserError",
@@ -218,16 +217,15 @@ def run(config: CalibrationConfig, log: Callable[[str], None] = silent) -> dict:
     fitted: dict = {}
     for i, name in enumerate(config.methods, 1):
         try:
-            with idle_cores(device):  # every method on the cores idle when it starts
-                start = time.perf_counter()
-                if name in TRAINED_METHODS:  # a network of its own, trained with it
-                    la = marglik_train(config, split, device, TRAINED_METHODS[name], log)
-                else:
-                    la = None if name == "map" else \
-                        fit_laplace(name, model, config, loaders, fitted)
-                fit_s = time.perf_counter() - start
-                entry, probs = evaluate(make_predictor(name, model, la), split, ood, config,
-                                        device)
+            start = time.perf_counter()
+            if name in TRAINED_METHODS:  # a network of its own, trained with it
+                la = marglik_train(config, split, device, TRAINED_METHODS[name], log)
+            else:
+                la = None if name == "map" else \
+                    fit_laplace(name, model, config, loaders, fitted)
+            fit_s = time.perf_counter() - start
+            entry, probs = evaluate(make_predictor(name, model, la), split, ood, config,
+                                    device)
         except (RuntimeError, MemoryError, ValueError, NotImplementedError) as err:
             report["methods"][name] = {"error": f"{type(err).__name__}: {err}"}
             log(f"[{i}/{len(config.methods)}] {name}: could not run ({type(err).__name__})")

@@ -15,7 +15,6 @@ from torch import nn
 
 from lowrank_laplace.toolkit import datasets
 from lowrank_laplace.toolkit.options import CalibrationConfig, UserError
-from lowrank_laplace.utils.threads import idle_cores
 
 
 def make_cnn(dataset: str) -> nn.Module:
@@ -76,14 +75,13 @@ def train_or_load(config: CalibrationConfig, split: datasets.Split, device: torc
     decay = config.weight_decay / (2 * len(split.train[1]))  # Gaussian prior, mean loss
     for epoch in range(config.epochs):
         start, total, count = time.perf_counter(), 0.0, 0
-        with idle_cores(device):  # each epoch on the cores idle when it starts
-            for X, y in loader:
-                opt.zero_grad()
-                loss = loss_func(model(X.to(device)), y.to(device))
-                penalty = decay * sum((p**2).sum() for p in model.parameters())
-                (loss + penalty).backward()
-                opt.step()
-                total, count = total + float(loss.detach()) * len(y), count + len(y)
+        for X, y in loader:
+            opt.zero_grad()
+            loss = loss_func(model(X.to(device)), y.to(device))
+            penalty = decay * sum((p**2).sum() for p in model.parameters())
+            (loss + penalty).backward()
+            opt.step()
+            total, count = total + float(loss.detach()) * len(y), count + len(y)
         log(f"training epoch {epoch + 1}/{config.epochs}: loss {total / max(count, 1):.4f} "
             f"({time.perf_counter() - start:.1f} s)")
     if config.save_checkpoint is not None:

@@ -2,67 +2,10 @@
 
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
-from typing import Iterator, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
-
-
-@contextmanager
-def cpu_threads(num: Optional[int]) -> Iterator[None]:
-    """Run a block with ``num`` PyTorch CPU threads, restoring the setting afterwards.
-
-    Args:
-        num: Threads for the block; ``None`` or more than the current setting leaves
-            it unchanged.
-    """
-    threads = torch.get_num_threads()
-    if num is None or num >= threads:
-        yield
-        return
-    torch.set_num_threads(num)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-#: From this many rows a CPU eigendecomposition runs on the cores idle at the call;
-#: smaller ones on one thread (docs/benchmarks/design_measurements.md).
-EIGH_PARALLEL_ROWS = 256
-
-
-def eigh(mat: Tensor) -> Tuple[Tensor, Tensor]:
-    """``torch.linalg.eigh`` on as many CPU threads as cores are idle.
-
-    Beside a busy process MKL's multi-threaded symmetric eigensolver was measured far
-    slower than its single-threaded one for the matrices met here (a few hundred to a
-    few thousand rows), while on idle cores a second thread helps from about 200 rows.
-    So the CPU path runs on the cores idle at the call
-    (:func:`~lowrank_laplace.utils.threads.idle_core_threads`; one thread where the
-    load is unknown) from :data:`EIGH_PARALLEL_ROWS` rows, on one thread below, and
-    restores the setting afterwards. Under ``OMP_WAIT_POLICY=PASSIVE`` it stays on one
-    thread: the solver's many short parallel regions each wake sleeping threads, which
-    made a fit slower (docs/benchmarks/design_measurements.md).
-
-    Args:
-        mat: Symmetric matrix, shape ``(n, n)``.
-
-    Returns:
-        Ascending eigenvalues ``(n,)`` and eigenvectors ``(n, n)``.
-    """
-    if mat.device.type != "cpu":
-        return torch.linalg.eigh(mat)
-    threads: Optional[int] = 1
-    passive = os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
-    if mat.shape[0] >= EIGH_PARALLEL_ROWS and not passive:
-        from lowrank_laplace.utils.threads import idle_core_threads  # imports this module
-
-        threads = idle_core_threads()
-    with cpu_threads(threads):
-        return torch.linalg.eigh(mat)
 
 
 def squared_rows_dot(mat: Tensor, weights: Tensor, entries: int = 2**20) -> Tensor:
@@ -181,7 +124,7 @@ def top_eigh(mat: Tensor, keep: int, factor_dtype: Optional[torch.dtype] = None,
         Descending eigenvalues ``(k,)`` (positive) and eigenvectors ``(n, k)``, in
         ``mat``'s dtype.
     """
-    evals, evecs = eigh(mat.double())
+    evals, evecs = torch.linalg.eigh(mat.double())
     evals, evecs = evals.flip(0), evecs.flip(1)
     eps_f = torch.finfo(factor_dtype or mat.dtype).eps
     eps_p = torch.finfo(formed_in or mat.dtype).eps
@@ -195,5 +138,5 @@ def top_eigh(mat: Tensor, keep: int, factor_dtype: Optional[torch.dtype] = None,
 def sym_eigh(mat: Tensor) -> Tuple[Tensor, Tensor]:
     """Descending eigenpairs of the symmetric part of a matrix, in float64."""
     mat = mat.double()
-    evals, evecs = eigh((mat + mat.T) / 2)
+    evals, evecs = torch.linalg.eigh((mat + mat.T) / 2)
     return evals.flip(0), evecs.flip(1)

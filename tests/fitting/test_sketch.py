@@ -10,13 +10,12 @@ from lowrank_laplace import LowRankGGNLaplace
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.factor import GGNFactor
 from lowrank_laplace.fitting import plan
-from lowrank_laplace.fitting.budget import micro_batch_size
+from lowrank_laplace.fitting.config import FitConfig
 from lowrank_laplace.fitting.cost import sketch_cost, streaming_cost
-from lowrank_laplace.fitting.plan import merge_plan
+from lowrank_laplace.fitting.plan import measure_sizes, merge_plan
 from lowrank_laplace.fitting.sketch import SketchMerge
 from lowrank_laplace.fitting.streaming import StreamingMerge
-from lowrank_laplace.laplace_torch import options
-from tests.conftest import make_case
+from tests.conftest import make_case, set_tuning
 from tests.laplace_torch.test_laplace import dense_H, fit_reference, make_problem
 from tests.reference import ggn
 
@@ -26,7 +25,7 @@ TOL = dict(rtol=1e-7, atol=1e-9)
 @pytest.fixture(autouse=True)
 def streaming(monkeypatch):
     """The toy models are small enough for the dense path, which the sketch keeps."""
-    monkeypatch.setattr(options, "DEFAULT_DENSE_MAX_DIM", 0)
+    set_tuning(monkeypatch, dense_max_dim=0)
 
 
 def _factors(arch, batches, n=4, seed=0, dtype=torch.float64):
@@ -282,10 +281,11 @@ def test_laplace_with_full_rank_equals_full_laplace(name, low_memory):
     torch.testing.assert_close(la(X[:3]), full(X[:3]), rtol=1e-5, atol=1e-8)
 
 
-def test_laplace_truncated_keeps_less_than_streaming_and_low_memory_agrees():
+def test_laplace_truncated_keeps_less_than_streaming_and_low_memory_agrees(tune):
     model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
     full = fit_reference(FullLaplace(model, likelihood), loader)
-    kw = dict(rank=6, oversampling=10, residual="diagonal")
+    tune(oversampling=10 / 6)
+    kw = dict(rank=6, residual="diagonal")
     # passes of 16 samples: one streaming merge no longer covers the data
     sketch = LowRankGGNLaplace(model, likelihood, solver="sketch", micro_batch_size=16, **kw)
     sketch.fit(loader)
@@ -308,12 +308,13 @@ def test_laplace_truncated_keeps_less_than_streaming_and_low_memory_agrees():
     torch.testing.assert_close(low.residual_diagonal, sketch.residual_diagonal, **TOL)
 
 
-def test_solver_is_validated_and_kept_in_the_last_layer_class():
+def test_solver_is_validated_and_kept_in_the_last_layer_class(tune):
     model, likelihood, X, y, loader = make_problem("mlp-classification")
     with pytest.raises(ValueError, match="solver must be one of"):
         LowRankGGNLaplace(model, likelihood, solver="lanczos")
+    tune(oversampling=0.5)
     la = Laplace(model, likelihood, subset_of_weights="last_layer",
-                 hessian_structure="lowrank_ggn", rank=2, oversampling=1, solver="sketch",
+                 hessian_structure="lowrank_ggn", rank=2, solver="sketch",
                  micro_batch_size=4)
     la.fit(loader)
     assert la.solver == "sketch" and la.fit_path == "sketch" and la.H[1].shape == (2,)
@@ -325,25 +326,29 @@ def test_plan_and_cost_model(monkeypatch):
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
     X = torch.randn(16, 4)
     with FactorEngine(model, nn.CrossEntropyLoss(reduction="sum")) as engine:
-        for kwargs in (dict(budget=None, cap=None), dict(budget=4000, cap=None),
-                       dict(budget=None, cap=5), dict(budget=None, cap=40, low_memory=True)):
-            micro, chunk = merge_plan(engine, X, 0, 16, 64, 10, solver="sketch", **kwargs)
-            assert micro == merge_plan(engine, X, 0, 16, 64, 10, **kwargs)[0]
-            limit = micro_batch_size(engine, X, None, kwargs["budget"], kwargs["cap"],
-                                     one_block=kwargs.get("low_memory", False))
-            if kwargs.get("low_memory"):  # every micro-batch is one merge
+        for budget, cap, low in ((None, None, False), (4000, None, False), (None, 5, False),
+                                 (None, 40, True)):
+            config = FitConfig(memory_budget=budget, micro_batch_size=cap)
+            sizes = measure_sizes(engine, X, 16, 64, config)
+            micro, chunk = merge_plan(sizes, config, 10, low, "sketch")
+            assert micro == merge_plan(sizes, config, 10, low)[0]
+            limit = min(sizes.limit(low)[0], cap or 2**62)
+            if low:  # every micro-batch is one merge
                 assert chunk == micro
                 continue
             size = min(micro, 16)  # whole passes, pending factors and their copy fit
             assert chunk % size == 0 and (chunk == size or 2 * chunk <= limit)
         # merges span passes only up to SKETCH_MERGE_BYTES of V
         monkeypatch.setattr(plan, "SKETCH_MERGE_BYTES", 1)
-        assert merge_plan(engine, X, 0, 16, 64, 10, None, None, solver="sketch") == \
-            (merge_plan(engine, X, 0, 16, 64, 10, None, None)[0], 16)
+        config = FitConfig()
+        sizes = measure_sizes(engine, X, 16, 64, config)
+        assert merge_plan(sizes, config, 10, path="sketch") == \
+            (merge_plan(sizes, config, 10)[0], 16)
     assert sketch_cost(9, 120, 10**5, 400, 1000) < streaming_cost(9, 120, 10**5, 400, 1000, 30)
 
 
-def test_sketch_posterior_tracks_the_full_ggn_on_real_data():
+@pytest.mark.slow
+def test_sketch_posterior_tracks_the_full_ggn_on_real_data(tune):
     """Real data (sklearn digits), rank 5% of D: the held-out NLL within 10% of the
     full GGN's. The sketch's eigenvalues under-estimate, so its marglik prior is
     larger than the full GGN's (1.53x here; streaming: 1.10x); more sketch columns
@@ -356,8 +361,8 @@ def test_sketch_posterior_tracks_the_full_ggn_on_real_data():
     full.optimize_prior_precision(method="marglik", n_steps=300, lr=0.1)
     kept, prior = {}, {}
     for oversampling in (None, 140):
-        la = LowRankGGNLaplace(model, "classification", rank=60, solver="sketch",
-                               oversampling=oversampling)
+        tune(oversampling=0.2 if oversampling is None else oversampling / 60)
+        la = LowRankGGNLaplace(model, "classification", rank=60, solver="sketch")
         la.fit(loader)
         la.optimize_prior_precision(method="marglik", n_steps=300, lr=0.1)
         kept[oversampling] = float(la.kept_fraction)
@@ -367,24 +372,25 @@ def test_sketch_posterior_tracks_the_full_ggn_on_real_data():
     assert 1 < prior[140] < prior[None] < 1.8, prior
 
 
-def test_small_models_stay_on_the_exact_dense_path(monkeypatch):
+def test_small_models_stay_on_the_exact_dense_path(tune):
     """The dense sum (exact) takes precedence over the sketch where it applies."""
     model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
     full = fit_reference(FullLaplace(model, likelihood), loader)
-    la = LowRankGGNLaplace(model, likelihood, rank=6, solver="sketch", residual="none",
-                           dense_max_dim=2048)
+    tune(dense_max_dim=2048)
+    la = LowRankGGNLaplace(model, likelihood, rank=6, solver="sketch", residual="none")
     la.fit(loader)
     assert la.fit_path == "dense"
     evals = torch.linalg.eigvalsh(full.H).flip(0)[:6]
     torch.testing.assert_close(la.H[1], evals, rtol=1e-8, atol=0)
 
 
-def test_sketch_streams_whole_equal_passes(monkeypatch):
+def test_sketch_streams_whole_equal_passes(monkeypatch, tune):
     """A sketch is linear in its factors: loader batches split into equal passes, no
     pass is ever split at a merge boundary, and the result does not depend on the
     pass size."""
     model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
-    kw = dict(rank=6, oversampling=10, solver="sketch")
+    tune(oversampling=10 / 6)
+    kw = dict(rank=6, solver="sketch")
     one = LowRankGGNLaplace(model, likelihood, micro_batch_size=16, **kw)  # the batches
     one.fit(loader)
     sizes = []
@@ -408,11 +414,12 @@ def test_sketch_streams_whole_equal_passes(monkeypatch):
                                atol=1e-9 * one.H[1].max())
 
 
-def test_sketch_streams_exactly_where_one_merge_covers_the_data():
+def test_sketch_streams_exactly_where_one_merge_covers_the_data(tune):
     """One streaming merge of all columns multiplies V once, the sketch twice: where
     the plan allows it, solver='sketch' takes that merge, the exact truncation."""
     model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
-    kw = dict(rank=6, oversampling=4)
+    tune(oversampling=4 / 6)
+    kw = dict(rank=6)
     sketch = LowRankGGNLaplace(model, likelihood, solver="sketch", **kw)
     sketch.fit(loader)
     stream = LowRankGGNLaplace(model, likelihood, **kw)

@@ -14,6 +14,7 @@ from lowrank_laplace.toolkit.cli import build_parser, main
 TINY = ["spectrum", "--epochs", "0", "--batch-size", "24", "--top-k", "3", "--model", "mlp"]
 
 
+@pytest.mark.slow
 def test_spectrum_writes_report(tmp_path, capsys):
     assert main(TINY + ["--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -136,6 +137,7 @@ def test_spectrum_top_k_beyond_the_subsample(capsys):
     assert "--top-k must be at most 3" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_command_output_has_no_warnings(tmp_path):
     # a fresh process: import-time warnings count too
     proc = subprocess.run([sys.executable, "-W", "default", "-m", "lowrank_laplace"] + TINY
@@ -145,6 +147,7 @@ def test_command_output_has_no_warnings(tmp_path):
     assert "Warning" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_library_import_keeps_warning_filters():
     # third-party packages add their own filters when imported; ours adds none
     code = ("import warnings, torch, numpy, scipy, sklearn, backpack, torchmetrics\n"
@@ -222,7 +225,7 @@ def test_parsing_imports_no_command():
 def test_residual_names_match_the_library():
     from lowrank_laplace.posterior.residual import RESIDUALS
 
-    assert options.RESIDUAL_MODELS == RESIDUALS
+    assert options.RESIDUAL_MODELS == tuple(RESIDUALS)
     assert build_parser().parse_args(["rank-study"]).residuals == ",".join(RESIDUALS)
 
 
@@ -230,6 +233,7 @@ CAL = ["calibrate", "--dataset", "digits", "--epochs", "1", "--n-train", "300", 
        "--rank", "20", "--angles", "0,45"]
 
 
+@pytest.mark.slow
 def test_calibrate_marglik_trained_row(tmp_path, capsys):
     """The opt-in row trains its own network with marglik_training and its posterior."""
     assert main(CAL + ["--out", str(tmp_path), "--methods", "map,lowrank_ggn_marglik"]) == 0
@@ -245,6 +249,7 @@ def test_calibrate_marglik_trained_row(tmp_path, capsys):
 SCHEMA_ID = {"accuracy", "nll", "ece", "mce", "brier", "confidence"}
 
 
+@pytest.mark.slow
 def test_calibrate_end_to_end(tmp_path, capsys):
     ckpt = tmp_path / "cnn.pt"
     with warnings.catch_warnings(record=True) as caught:
@@ -332,6 +337,7 @@ def test_calibrate_cuda_absent(tmp_path, capsys):
     assert "CUDA is not available" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_option_tables_match_the_studies():
     # repeated in options so that the checks need no torch
     from lowrank_laplace.toolkit import datasets, training

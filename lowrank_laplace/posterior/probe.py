@@ -1,12 +1,13 @@
 r"""The spectral residual's probe: what a fit measures on a few training inputs.
 
 After the eigenpairs, a fit with ``residual="spectral"`` runs the model's Jacobian
-(an MSE-sum engine, no targets) over the first ``probe_size`` training inputs:
+(an MSE-sum engine, no targets) over the first :data:`PROBE_SIZE` training inputs,
+which the fit kept (:class:`~lowrank_laplace.fitting.fit.ProbeInputs`):
 
 * the kept eigenvectors' Jacobian energies, whose law against the eigenvalues gives
   the exponent :math:`\beta` of the modelled complement variance
-  (:func:`~lowrank_laplace.posterior.residual.jacobian_exponent`);
-* with ``measure_complement`` (the default), the complement variance itself
+  (:func:`jacobian_exponent`);
+* with :data:`MEASURE_COMPLEMENT` (under a scalar prior), the complement variance itself
   (:mod:`~lowrank_laplace.posterior.complement`): one pass with all ``C`` outputs over
   the first ``MAX_COLUMNS / C`` probe inputs (as many as fit half the memory budget),
   their Gram matrix, and the small eigenproblems it gives.
@@ -32,12 +33,28 @@ from lowrank_laplace.fitting.budget import (
     resolve_memory_budget,
     samples_in_budget,
 )
+from lowrank_laplace.fitting.config import FitConfig
+from lowrank_laplace.fitting.fit import FitResult
+from lowrank_laplace.fitting.loader import likelihood_loss
 from lowrank_laplace.posterior.complement import MeasuredComplement, measure_complement
 from lowrank_laplace.posterior.predictive import jacobian_energies
-from lowrank_laplace.posterior.residual import jacobian_exponent
 from lowrank_laplace.utils.batches import batch_device, take
 from lowrank_laplace.utils.checks import check_batch
 
+#: Training inputs (the first the loader yields) a fit with the spectral residual keeps
+#: for its probe pass: the kept eigenvectors' Jacobian energies on them give the
+#: residual's exponent, and the complement variance is measured on them.
+PROBE_SIZE = 256
+#: Random output combinations over the whole probe for those energies: each input
+#: carries ``ceil(PROBE_COLUMNS / inputs)`` of them instead of its ``C`` outputs (an
+#: unbiased estimate), or all ``C`` where that is not fewer; ``None`` always measures
+#: exactly.
+PROBE_COLUMNS = 512
+#: Measure the spectral residual's complement variance on the probe (one more pass with
+#: all ``C`` outputs over the probe inputs of at most :data:`MAX_COLUMNS` Jacobian
+#: columns that fit half the memory budget, at least :data:`MIN_MEASURED` inputs)
+#: instead of modelling it from the Jacobian energies. Only a scalar prior uses it.
+MEASURE_COMPLEMENT = True
 #: Fewest probe inputs the complement variance is measured on (else it is modelled).
 MIN_MEASURED = 32
 #: Most Jacobian columns (inputs times outputs) of the measurement: its Gram matrix
@@ -46,44 +63,13 @@ MIN_MEASURED = 32
 MAX_COLUMNS = 1024
 
 
-def probe_vector_cap(engine: Any, X: Any, memory_budget: Any) -> int:
-    """The most vectors per input the Jacobian probe's pass may carry within the budget.
-
-    Checked at the first batch, so that a budget too small for the probe fails before
-    the fit instead of after it.
-
-    Args:
-        engine: The fit's engine (the same model).
-        X: The first batch's inputs.
-        memory_budget: ``memory_budget`` as given by the user.
-
-    Returns:
-        Vectors per input, ``>= 1``.
-
-    Raises:
-        ValueError: If one vector of one input does not fit the budget.
-    """
-    try:
-        cap, _ = samples_in_budget(engine, X, 1, memory_budget, False)
-    except ValueError as err:  # said for the probe, not for the fit's own V
-        budget = resolve_memory_budget(memory_budget, batch_device(X))
-        raise ValueError(
-            f"memory_budget={budget:,} bytes is too small for the spectral residual's "
-            f"Jacobian probe (about {engine.bytes_per_sample(X, 1):,} bytes per input): "
-            "raise memory_budget, pass probe_size=0 (no Jacobian weighting) or another "
-            "residual model."
-        ) from err
-    return int(cap)
-
-
-def probe_residual(model: nn.Module, options: Any, probe: Tuple[List[Any], Any],
-                   U: Tensor, lam: Tensor, group: Any, stream: Any, num_data: int,
-                   loss: Tuple[nn.Module, float]
+def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig, likelihood: str,
+                   group: Any = None, measure: bool = True
                    ) -> Tuple[float, Optional[MeasuredComplement]]:
     """``beta`` of the spectral residual and the measured complement variance.
 
     ``beta`` takes one extra backward pass per probe micro-batch, carrying random
-    output combinations per input (``probe_columns``; drawn in the fit's private
+    output combinations per input (:data:`PROBE_COLUMNS`; drawn in the fit's private
     stream) or all outputs. The measurement takes another, with all outputs, over
     the probe inputs whose Jacobian factor fits half the memory budget, at most
     :data:`MAX_COLUMNS` Jacobian columns (at least :data:`MIN_MEASURED` inputs, else
@@ -91,49 +77,80 @@ def probe_residual(model: nn.Module, options: Any, probe: Tuple[List[Any], Any],
 
     Args:
         model: The module whose GGN was fitted.
-        options: The fit's :class:`~lowrank_laplace.laplace_torch.options.LowRankOptions`.
-        probe: ``(input batches, vectors per input that fit the budget)``.
-        U: Kept eigenvectors, ``(D, r)``.
-        lam: Kept eigenvalues, ``(r,)``.
+        fit: The fit, with its probe inputs (``fit.probe``).
+        config: The fit's options (backend, memory budget, passes).
+        likelihood: ``"classification"`` or ``"regression"``.
         group: The data-parallel process group, or ``None``.
-        stream: The fit's :class:`~lowrank_laplace.fitting.streamer.BatchStreamer`.
-        num_data: Samples the GGN sums over (all processes).
-        loss: The likelihood's summed loss and laplace-torch's factor on it.
+        measure: Measure the complement variance too (where
+            :data:`MEASURE_COMPLEMENT`).
 
     Returns:
         ``(beta, measurement or None)``.
     """
-    probe, cap = probe
-    if U.shape[1] in (0, U.shape[0]) or not probe:  # nothing kept, or nothing dropped
+    U, lam, probe = fit.eigenvectors, fit.eigenvalues, fit.probe
+    if U.shape[1] in (0, U.shape[0]) or probe is None:  # nothing kept, or nothing dropped
         return 0.0, None
+    measure = measure and MEASURE_COMPLEMENT
     with FactorEngine(model, nn.MSELoss(reduction="sum"), eval_mode=True,
-                      backend=options.factor_backend) as engine:
-        inputs = sum(check_batch(x, None) for x in probe)
-        projections = None if options.probe_columns is None else \
-            -(-options.probe_columns // max(inputs, 1))
-        if projections is not None and projections >= stream.n_outputs:
+                      backend=config.factor_backend) as engine:
+        inputs = sum(check_batch(x, None) for x in probe.batches)
+        projections = None if PROBE_COLUMNS is None else -(-PROBE_COLUMNS // max(inputs, 1))
+        if projections is not None and projections >= fit.n_outputs:
             projections = None  # no cheaper than the exact energies
-        if (projections or stream.n_outputs) > cap:  # fewer random ones fit the budget
-            projections = cap
-        micro = micro_batch_size(engine, probe[0], projections, options.memory_budget,
-                                 options.micro_batch_size)
-        energy = jacobian_energies(engine, probe, U, micro, projections, stream.rng)
+        if (projections or fit.n_outputs) > probe.cap:  # fewer random ones fit the budget
+            projections = probe.cap
+        micro = micro_batch_size(engine, probe.batches[0], projections, config.memory_budget,
+                                 config.micro_batch_size)
+        energy = jacobian_energies(engine, probe.batches, U, micro, projections, probe.rng)
         measured = None
-        if options.measure_complement and (group is None or _rank(group) == 0):
-            measured = _measure(engine, probe, U, options, num_data, loss)
+        if measure and (group is None or _rank(group) == 0):
+            measured = _measure(engine, probe.batches, U, config,
+                                (fit.n_data, likelihood_loss(likelihood)))
     if group is not None:
         import torch.distributed as dist
 
         dist.all_reduce(energy, group=group)
-        if options.measure_complement:
+        if measure:
             measured = _broadcast(measured, U, group)
     return jacobian_exponent(lam, energy), measured
 
 
-def _measure(engine: FactorEngine, probe: List[Any], U: Tensor, options: Any,
-             num_data: int, loss: Tuple[nn.Module, float]) -> Optional[MeasuredComplement]:
-    """The complement measurement on the probe inputs whose factor fits the budget."""
-    budget = resolve_memory_budget(options.memory_budget, batch_device(probe[0]))
+def jacobian_exponent(eigenvalues: Tensor, energies: Tensor) -> float:
+    r"""The exponent :math:`\beta` of :math:`e_k \propto \lambda_k^\beta`, clamped to ``[0, 1]``.
+
+    Least squares of :math:`\log e_k` on :math:`\log \lambda_k` with an intercept,
+    over the pairs where both are positive (eigenvalues above ``1e-12`` of the
+    largest). Fewer than two such pairs, or eigenvalues that are all equal, give 0.
+
+    Args:
+        eigenvalues: Kept GGN eigenvalues ``lambda``, shape ``(r,)``.
+        energies: Jacobian energies ``e_k = sum_n ||J_n u_k||^2`` of the kept
+            eigenvectors, shape ``(r,)``.
+
+    Returns:
+        ``beta`` as a float.
+    """
+    lam = eigenvalues.detach().to(torch.float64).cpu()
+    energy = energies.detach().to(torch.float64).cpu()
+    if lam.numel() == 0:
+        return 0.0
+    valid = (lam > 1e-12 * lam.max().clamp(min=0)) & (energy > 0) & (lam > 0)
+    x, y = lam[valid].log(), energy[valid].log()
+    if x.numel() < 2 or float(x.max() - x.min()) < 1e-9:
+        return 0.0
+    x = x - x.mean()
+    beta = float((x * (y - y.mean())).sum() / (x * x).sum())
+    return min(max(beta, 0.0), 1.0)
+
+
+def _measure(engine: FactorEngine, probe: List[Any], U: Tensor, config: FitConfig,
+             data: Tuple[int, Tuple[nn.Module, float]]) -> Optional[MeasuredComplement]:
+    """The complement measurement on the probe inputs whose factor fits the budget.
+
+    ``data`` is the number of training inputs and the likelihood's loss with its factor.
+    """
+    num_data, loss = data
+    budget = resolve_memory_budget(config.memory_budget, batch_device(probe[0]))
     try:
         fits, _ = samples_in_budget(engine, probe[0], None, budget / 2, False)
     except ValueError:  # not one input's C vectors: the model stays
@@ -142,8 +159,8 @@ def _measure(engine: FactorEngine, probe: List[Any], U: Tensor, options: Any,
     m = min(total, fits, num_data, MAX_COLUMNS // max(engine.num_outputs or 1, 1))
     if m < MIN_MEASURED:
         return None
-    micro = micro_batch_size(engine, probe[0], None, options.memory_budget,
-                             options.micro_batch_size)
+    micro = micro_batch_size(engine, probe[0], None, config.memory_budget,
+                             config.micro_batch_size)
     factors, left = [], m
     for inputs in probe:
         n = check_batch(inputs, None)

@@ -1,0 +1,379 @@
+r"""A loader's GGN as its leading eigenpairs: one engine, one plan, one pass.
+
+laplace-torch's curvature is a sum over the training data: :class:`LoaderFit` streams
+every batch's factor ``V`` (:mod:`~lowrank_laplace.engine`) into the solver its plan
+names (:mod:`~lowrank_laplace.fitting.plan`), merges across processes when fitting
+data-parallel and with an earlier fit for online updates, and keeps the first
+training inputs for a probe pass after it (:mod:`~lowrank_laplace.posterior.probe`).
+Its plan, and with it the thread count, is decided at the first batch and holds
+until the fit is closed. :func:`fit_lowrank_ggn` is the same without laplace-torch.
+
+Shape glossary:
+    D: parameters; r: kept rank; C: model outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+import tqdm
+from torch import Tensor, nn
+from torch.nn.utils import parameters_to_vector
+
+from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.fitting import loader as loaders
+from lowrank_laplace.fitting.config import FitConfig
+from lowrank_laplace.fitting.distributed import process_rank, resolve_process_group
+from lowrank_laplace.fitting.plan import (
+    FitPlan,
+    agree,
+    choose_plan,
+    keep_while_fitting,
+    make_solver,
+    measure_sizes,
+)
+from lowrank_laplace.fitting.streamer import BatchStreamer
+from lowrank_laplace.fitting.streaming import StreamingMerge
+from lowrank_laplace.utils.batches import take, to_device
+from lowrank_laplace.utils.linalg import squared_rows_dot
+from lowrank_laplace.utils.threads import cpu_threads
+
+
+def _identity(X: Any) -> Any:
+    return X
+
+
+@dataclass(frozen=True)
+class FitTarget:
+    """What a fit computes the GGN of.
+
+    Attributes:
+        model: The module whose GGN is computed (its trainable parameters).
+        likelihood: ``"classification"`` or ``"regression"`` (laplace-torch's GGN).
+        params: The parameters of the mean (``None``: ``model``'s trainable ones).
+        to_inputs: Maps a batch's inputs to ``model``'s (e.g. last-layer features).
+        dict_key_y: The key of the targets in dict batches.
+        device: Where the fit runs (``None``: the parameters' device).
+    """
+
+    model: nn.Module
+    likelihood: str
+    params: Optional[List[Tensor]] = None
+    to_inputs: Callable[[Any], Any] = _identity
+    dict_key_y: str = "labels"
+    device: Optional[torch.device] = None
+
+
+@dataclass
+class ProbeInputs:
+    """Training inputs a fit kept for a probe pass after it.
+
+    Attributes:
+        batches: The first inputs the loader yielded, as batches.
+        cap: The most vectors per input a pass may carry within the memory budget.
+        rng: The fit's private random stream (a probe's random draws continue it).
+    """
+
+    batches: List[Any]
+    cap: int
+    rng: Any
+
+
+@dataclass
+class FitResult:
+    """A fitted low-rank GGN over a training set, on the GGN's own scale.
+
+    Attributes:
+        mean: The parameters at the fit (the posterior mean), ``(D,)``.
+        eigenvectors: Kept orthonormal eigenvectors ``U``, ``(D, r)``.
+        eigenvalues: Kept eigenvalues ``lambda``, ``(r,)``.
+        trace: The exact GGN trace over the data.
+        residual_diagonal: Diagonal of the dropped curvature (``track_diagonal``),
+            ``(D,)``, else ``None``.
+        loss: The summed loss times laplace-torch's Hessian factor.
+        n_data: Samples fitted (over all processes).
+        n_outputs: Model outputs ``C``.
+        factor_backend: The backend that computed ``V``.
+        fit_path: ``"dense"``, ``"streaming"`` or ``"sketch"``.
+        rank_bound: Upper bound on the GGN's rank (``min(D, samples * columns)``).
+        warm_started: Whether the sketch started from a basis.
+        probe: The inputs kept for a probe pass (``config.probe_inputs``), or ``None``.
+    """
+
+    mean: Tensor
+    eigenvectors: Tensor
+    eigenvalues: Tensor
+    trace: Tensor
+    residual_diagonal: Optional[Tensor]
+    loss: Any
+    n_data: int
+    n_outputs: int
+    factor_backend: str
+    fit_path: str
+    rank_bound: int
+    warm_started: bool = False
+    probe: Optional[ProbeInputs] = field(default=None, repr=False)
+
+
+class LoaderFit:
+    """A fit over a loader: one engine, one plan and one thread setting until closed.
+
+    Use as a context manager; everything run inside the ``with`` block after
+    :meth:`run` (e.g. the probe pass of a residual model) keeps the fit's thread
+    setting, and the user's setting comes back on exit.
+
+    Args:
+        target: What the GGN is computed of.
+        config: The fit's options.
+        process_group: ``torch.distributed`` group to merge across; ``"default"`` uses
+            the default group if initialised, ``None`` this process alone.
+
+    Attributes:
+        group: The process group merged across (``None``: this process alone).
+    """
+
+    def __init__(self, target: FitTarget, config: FitConfig, process_group: Any = "default"):
+        self.target, self.config = target, config
+        self.params = [p for p in target.model.parameters() if p.requires_grad] \
+            if target.params is None else target.params
+        loaders.check_params(self.params)
+        self.device = self.params[0].device if target.device is None else target.device
+        self.group = resolve_process_group(process_group)
+        self.loss_func, self.scale = loaders.likelihood_loss(target.likelihood)
+        self._scope = contextlib.ExitStack()
+        self.engine: Optional[FactorEngine] = None
+        self.plan: Optional[FitPlan] = None
+        self.probe: Optional[ProbeInputs] = None
+        self._probe_cap = 1
+
+    def __enter__(self) -> "LoaderFit":
+        self.engine = self._scope.enter_context(FactorEngine(
+            self.target.model, self.loss_func, eval_mode=True,
+            backend=self.config.factor_backend))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._scope.close()
+
+    def run(self, loader: Any, previous: Optional[FitResult] = None,
+            warm_basis: Optional[Tensor] = None, progress_bar: bool = False) -> FitResult:
+        """Fit the low-rank GGN over the whole loader.
+
+        Data-parallel: every process streams the shard its loader yields into a local
+        solver; the solvers are then combined, so every process ends with the same
+        result, and ``n_data`` counts the samples of all processes together.
+
+        Args:
+            loader: Yields ``(X, y)`` batches or dict batches; ``loader.dataset`` gives
+                the number of data points.
+            previous: An earlier fit to add this loader's curvature to (laplace-torch's
+                online updates, ``override=False``); exact whenever the total rank fits.
+            warm_basis: Directions, ``(D, b)``, that a sketch chosen by ``solver="auto"``
+                takes as its first test columns (the same posterior's last
+                eigenvectors), with fewer random ones (:func:`make_solver`).
+            progress_bar: Show a tqdm progress bar over batches.
+
+        Returns:
+            The :class:`FitResult`.
+
+        Raises:
+            ValueError: For a loader without ``dataset``, an empty loader, mismatched
+                targets, or a memory budget too small for one sample.
+        """
+        known = loaders.loader_size(loader)
+        mean = parameters_to_vector(self.params).detach()
+        stream, loss, seen = self._pass(loader, known, warm_basis, progress_bar)
+        if self._rounded(stream):  # a float32 sketch rounded a kept eigenvalue
+            if self.plan.widen:  # one more pass, in float64
+                self.plan = self.plan.widened()
+                stream, loss, seen = self._pass(loader, known, warm_basis, False)
+            else:
+                _warn_low_precision_sketch(self.params[0].dtype)
+        loss, num_data = self._reduce(stream, loss, seen, known, mean.dtype)
+        U, lam, trace, residual = stream.solver.result()
+        if previous is not None:
+            U, lam, trace, residual = merge_fits(self.config, previous, (U, lam, trace,
+                                                                         residual))
+            loss, num_data = previous.loss + loss, previous.n_data + num_data
+        if float(trace) <= 0:  # a zero GGN has no eigenpairs, not a fake tiny one
+            U, lam = U[:, :0], lam[:0]
+        samples = math.ceil(num_data * (self.config.subsample_fraction or 1.0))
+        columns = loaders.columns_per_sample(self.target.likelihood, self.config.mc_samples,
+                                             stream.n_outputs)
+        return FitResult(
+            mean=mean, eigenvectors=U, eigenvalues=lam, trace=trace,
+            residual_diagonal=residual, loss=loss, n_data=num_data,
+            n_outputs=stream.n_outputs, factor_backend=self.engine.backend,
+            fit_path=self.plan.path, rank_bound=min(mean.numel(), samples * columns),
+            warm_started=stream.solver.warm_columns > 0, probe=self.probe,
+        )
+
+    def _pass(self, loader: Any, known: Optional[int], warm_basis: Optional[Tensor],
+              progress_bar: bool) -> Tuple[BatchStreamer, Any, int]:
+        """One pass over the loader: the streamer (its solver filled), loss and samples.
+
+        The first batch decides the plan (and the fit's thread setting) where none is
+        decided yet; the first ``probe_inputs`` inputs are kept.
+        """
+        config, target = self.config, self.target
+        stream, kept, loss, seen = None, [], 0.0, 0
+        pbar = tqdm.tqdm(loaders.batches(loader, target.dict_key_y), disable=not progress_bar,
+                         desc="[lowrank_ggn: merging GGN factors]")
+        for X, y in pbar:
+            X, y = target.to_inputs(to_device(X, self.device)), y.to(self.device)
+            loaders.check_likelihood_targets(target.likelihood, y)
+            if stream is None:  # the first batch: plan, solver, streamer
+                stream = self._start(X, len(y),
+                                     loaders.planned_samples(loader, known, len(y)), warm_basis)
+            if seen < config.probe_inputs:  # inputs for a probe pass after the fit
+                kept.append(take(X, slice(0, config.probe_inputs - seen), len(y)))
+            loss = loss + stream.add(X, y)
+            seen += len(y)
+            if progress_bar and stream.solver.eigenvalues is not None:
+                share = float(stream.solver.eigenvalues[: config.rank].sum()
+                              / stream.solver.trace)
+                pbar.set_postfix(kept_trace=f"{share:.3f}")
+        if stream is None:
+            raise ValueError("train_loader yielded no batches: nothing to fit.")
+        stream.flush()
+        self.probe = ProbeInputs(kept, self._probe_cap, stream.rng) if kept else None
+        return stream, loss, seen
+
+    def _start(self, X: Any, batch: int, num_data: int, warm_basis: Optional[Tensor]
+               ) -> BatchStreamer:
+        """At the first batch: plan, probe budget, solver and streamer.
+
+        The plan is decided once and its thread setting entered; the probe's budget is
+        checked before any work.
+        """
+        if self.plan is None:
+            sizes = measure_sizes(self.engine, X, batch, num_data, self.config,
+                                  self.group is not None)
+            plan = choose_plan(sizes, self.config)
+            if self.group is not None:
+                plan = choose_plan(sizes, self.config, agree(self.group, plan, self.device))
+            self.plan = plan
+            self._scope.enter_context(cpu_threads(plan.threads))
+            if self.config.probe_inputs:
+                self._probe_cap = probe_cap(sizes)
+        solver = make_solver(self.plan, self.config, self.params,
+                             basis=None if self.group is not None else warm_basis)
+        offset = 0 if self.group is None else process_rank(self.group)
+        return BatchStreamer(self.engine, self.plan, self.config, solver, self.scale,
+                             self.config.seed + offset, self.device)
+
+    def _rounded(self, stream: BatchStreamer) -> bool:
+        """Whether a sketch accumulated below float64 rounded its kept eigenvalues."""
+        plan = self.plan
+        if plan.path != "sketch" or self.params[0].dtype == torch.float64 \
+                or plan.sketch_dtype is not None:
+            return False
+        return not stream.solver.resolves()
+
+    def _reduce(self, stream: BatchStreamer, loss: Any, seen: int, known: Optional[int],
+                dtype: torch.dtype) -> Tuple[Any, int]:
+        """Merge the solvers across processes; the loss and sample count of all of them."""
+        num_data = seen if known is None else known
+        if self.group is None:
+            return loss, num_data
+        import torch.distributed as dist
+
+        stream.solver.merge_across(self.group)
+        totals = torch.stack([torch.as_tensor(loss, dtype=dtype, device=self.device),
+                              torch.tensor(float(seen), dtype=dtype, device=self.device)])
+        dist.all_reduce(totals, group=self.group)
+        return totals[0], int(totals[1])
+
+
+def probe_cap(sizes: Any) -> int:
+    """The most vectors per input a probe pass may carry within the memory budget.
+
+    Checked at the first batch, so that a budget too small for the probe fails before
+    the fit instead of after it.
+
+    Args:
+        sizes: The fit's :class:`~lowrank_laplace.fitting.plan.FitSizes`.
+
+    Returns:
+        Vectors per input, ``>= 1``.
+
+    Raises:
+        ValueError: If one vector of one input does not fit the budget.
+    """
+    if sizes.vector_bytes > sizes.budget:
+        raise ValueError(
+            f"memory_budget={sizes.budget:,} bytes is too small for the residual model's "
+            f"probe pass (about {sizes.vector_bytes:,} bytes per input): raise "
+            "memory_budget, or pass a residual model without a probe (e.g. "
+            "residual='isotropic')."
+        )
+    return max(1, sizes.budget // sizes.vector_bytes)
+
+
+def merge_fits(config: FitConfig, previous: FitResult, current: tuple
+               ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Merge an earlier fit's ``(U, lam, trace, residual)`` with this one's.
+
+    Args:
+        config: The fit's options (rank, whether the diagonal is tracked).
+        previous: The earlier fit.
+        current: This fit's ``(U, lam, trace, residual diagonal)``.
+
+    Returns:
+        The merged ``(U, lam, trace, residual diagonal)``.
+    """
+    first = (previous.eigenvectors, previous.eigenvalues, previous.trace,
+             previous.residual_diagonal)
+    # a previous fit without the diagonal (an older state) merges without it
+    track = config.track_diagonal and previous.residual_diagonal is not None
+    both = StreamingMerge(config.rank, keep_while_fitting(config.rank) - config.rank, track)
+    for U, lam, trace, residual in (first, current):
+        diagonal = residual + squared_rows_dot(U, lam) if track else None
+        both.add_lowrank(U, lam, trace, diagonal)
+    return both.result()
+
+
+def _warn_low_precision_sketch(dtype: torch.dtype) -> None:
+    """Say that a float32 sketch rounded away small kept eigenvalues.
+
+    A float32 model's sketch is redone in float64 where its ``D x l`` float64 matrix
+    is small against the memory budget (:func:`~lowrank_laplace.fitting.plan.choose_plan`);
+    this warns only where it could not be (a large sketch, or a low-memory fit).
+    """
+    warnings.warn(
+        f"solver='sketch' accumulated its sketch in {dtype} (its float64 D x l matrix "
+        "exceeds a quarter of memory_budget, or low_memory=True) and rounded kept "
+        "eigenvalues: eigenvalues below about eps * lambda_max are lost, and "
+        "variances in weakly determined directions can be far off at small prior "
+        "precisions. solver='streaming', a larger memory_budget (or a float64 "
+        "model) resolves them.",
+        UserWarning, stacklevel=4,
+    )
+
+
+def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Any, config: FitConfig, *,
+                    previous: Optional[FitResult] = None, process_group: Any = "default",
+                    progress_bar: bool = False) -> FitResult:
+    """Fit the low-rank GGN of ``model``'s trainable parameters over the whole loader.
+
+    :class:`LoaderFit` for one call (see :meth:`LoaderFit.run`).
+
+    Args:
+        model: The module whose GGN is computed.
+        likelihood: ``"classification"`` or ``"regression"``.
+        loader: Yields ``(X, y)`` batches or dict batches (targets under ``"labels"``).
+        config: The fit's options.
+        previous: An earlier fit to add this loader's curvature to.
+        process_group: ``torch.distributed`` group to merge across.
+        progress_bar: Show a tqdm progress bar over batches.
+
+    Returns:
+        The :class:`FitResult`.
+    """
+    with LoaderFit(FitTarget(model, likelihood), config, process_group) as fit:
+        return fit.run(loader, previous=previous, progress_bar=progress_bar)
