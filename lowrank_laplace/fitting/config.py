@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from lowrank_laplace.engine import check_backend
 from lowrank_laplace.utils.batches import parse_memory
@@ -30,7 +30,7 @@ class SolverKind(Choice):
     SKETCH = "sketch"
 
 
-def check_count(name: str, value, minimum: int, allow_none: bool = False) -> None:
+def check_count(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
     """Refuse anything but an integer of at least ``minimum`` (or ``None`` if allowed).
 
     Args:
