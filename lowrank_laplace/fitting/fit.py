@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -27,7 +27,7 @@ from torch.nn.utils import parameters_to_vector
 
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.fitting import loader as loaders
-from lowrank_laplace.fitting.config import FitConfig
+from lowrank_laplace.fitting.config import FitConfig, SolverKind
 from lowrank_laplace.fitting.distributed import process_rank, resolve_process_group
 from lowrank_laplace.fitting.plan import (
     FitPlan,
@@ -84,6 +84,32 @@ class ProbeInputs:
     rng: Any
 
 
+#: A sketch passes its check when the leading ``rank`` eigenvalues from half its random
+#: columns reach this share of the whole sketch's (:func:`~lowrank_laplace.fitting.sketch.
+#: sub_sketch_share`); below it they were still growing, and ``solver="auto"`` streams
+#: the data instead (docs/posterior_quality.md).
+SKETCH_CONVERGED = 0.95
+
+
+@dataclass(frozen=True)
+class FastPathCheck:
+    """A fast path's own check after the fit, and what the fit did about it.
+
+    Attributes:
+        name: What was checked (``"sketch convergence"``).
+        value: The measured quantity (for the sketch: :attr:`SketchMerge.convergence`).
+        threshold: The value it must reach.
+        passed: Whether it did.
+        action: ``"kept"``, ``"streamed instead"`` or ``"warned"``.
+    """
+
+    name: str
+    value: float
+    threshold: float
+    passed: bool
+    action: str
+
+
 @dataclass
 class FitResult:
     """A fitted low-rank GGN over a training set, on the GGN's own scale.
@@ -103,6 +129,7 @@ class FitResult:
         rank_bound: Upper bound on the GGN's rank (``min(D, samples * columns)``).
         warm_started: Whether the sketch started from a basis.
         probe: The inputs kept for a probe pass (``config.probe_inputs``), or ``None``.
+        check: The sketch's own check (``None`` where no sketch ran).
     """
 
     mean: Tensor
@@ -118,6 +145,7 @@ class FitResult:
     rank_bound: int
     warm_started: bool = False
     probe: Optional[ProbeInputs] = field(default=None, repr=False)
+    check: Optional[FastPathCheck] = None
 
 
 class LoaderFit:
@@ -195,6 +223,11 @@ class LoaderFit:
             else:
                 _warn_low_precision_sketch(self.params[0].dtype)
         loss, num_data = self._reduce(stream, loss, seen, known, mean.dtype)
+        check = self._check(stream)
+        if check is not None and check.action == "streamed instead":
+            self.plan = choose_plan(self._sizes, replace(self.config, solver="streaming"))
+            stream, loss, seen = self._pass(loader, known, None, False)
+            loss, num_data = self._reduce(stream, loss, seen, known, mean.dtype)
         U, lam, trace, residual = stream.solver.result()
         if previous is not None:
             U, lam, trace, residual = merge_fits(self.config, previous, (U, lam, trace,
@@ -210,7 +243,7 @@ class LoaderFit:
             residual_diagonal=residual, loss=loss, n_data=num_data,
             n_outputs=stream.n_outputs, factor_backend=self.engine.backend,
             fit_path=self.plan.path, rank_bound=min(mean.numel(), samples * columns),
-            warm_started=stream.solver.warm_columns > 0, probe=self.probe,
+            warm_started=stream.solver.warm_columns > 0, probe=self.probe, check=check,
         )
 
     def _pass(self, loader: Any, known: Optional[int], warm_basis: Optional[Tensor],
@@ -257,7 +290,7 @@ class LoaderFit:
             plan = choose_plan(sizes, self.config)
             if self.group is not None:
                 plan = choose_plan(sizes, self.config, agree(self.group, plan, self.device))
-            self.plan = plan
+            self.plan, self._sizes = plan, sizes
             self._scope.enter_context(cpu_threads(plan.threads))
             if self.config.probe_inputs:
                 self._probe_cap = probe_cap(sizes)
@@ -266,6 +299,28 @@ class LoaderFit:
         offset = 0 if self.group is None else process_rank(self.group)
         return BatchStreamer(self.engine, self.plan, self.config, solver, self.scale,
                              self.config.seed + offset, self.device)
+
+    def _check(self, stream: BatchStreamer) -> Optional[FastPathCheck]:
+        """The sketch's convergence check (finalises it), and what to do about it.
+
+        A sketch that ``solver="auto"`` chose and that has not converged streams the data
+        instead; one the user asked for keeps its result and warns with the number.
+        """
+        if self.plan.path != "sketch":
+            return None
+        value = stream.solver.convergence
+        passed = value >= SKETCH_CONVERGED
+        auto = self.config.solver == SolverKind.AUTO and self.group is None
+        action = "kept" if passed else ("streamed instead" if auto else "warned")
+        if action == "warned":
+            warnings.warn(
+                f"solver='sketch' has not converged: its leading {self.config.rank} "
+                f"eigenvalues grew by {1 / max(value, 1e-12) - 1:.0%} when the second half "
+                "of its columns was added, so they under-estimate the GGN's by more (a "
+                "flat spectrum). solver='streaming' (or 'auto') keeps more of it.",
+                UserWarning, stacklevel=4,
+            )
+        return FastPathCheck("sketch convergence", value, SKETCH_CONVERGED, passed, action)
 
     def _rounded(self, stream: BatchStreamer) -> bool:
         """Whether a sketch accumulated below float64 rounded its kept eigenvalues."""

@@ -160,6 +160,7 @@ class SketchMerge(Solver):
         self._projection: Optional[Tensor] = None  # Omega formed, for low-memory passes
         self._sketch: Optional[Tensor] = None  # Y = H Omega, laid out like Omega
         self.shift: Optional[float] = None  # nu of the last finalisation
+        self._convergence = 1.0  # sub_sketch_share of the last finalisation
         self._vectors: Optional[Tensor] = None  # the eigenvectors, once finalised
         # parameter index -> (blocks, scaled V^T Omega rows, sketch slice) not yet added
         self._kron: Dict[int, Tuple[List[Block], List[Tensor], Tensor]] = {}
@@ -351,6 +352,12 @@ class SketchMerge(Solver):
         return float(lam[: self.rank].min()) >= ratio * self.shift
 
     @property
+    def convergence(self) -> float:
+        """:func:`sub_sketch_share` of the sketch: ``1.0`` where it converged (finalises it)."""
+        self._finalize_sketch()
+        return self._convergence
+
+    @property
     def eigenvectors(self) -> Optional[Tensor]:
         """The leading orthonormal eigenvectors of the sketch's approximation."""
         self._finalize_sketch()
@@ -365,9 +372,11 @@ class SketchMerge(Solver):
         self._sketch = self._omega = self._projection = None
         chol, self.shift = nystrom_core(Y, omega)
         del omega  # the test matrix is freed before the eigenvectors are formed
-        vectors, lam = nystrom_eigenpairs(Y, chol, self.shift, self.rank)
+        vectors, lam, gram = nystrom_eigenpairs(Y, chol, self.shift, self.rank)
         self._vectors = vectors.to(self._dtype)
         self.keep_eigenvalues(lam, self._dtype)
+        half = self.warm_columns + (chol.shape[0] - self.warm_columns) // 2
+        self._convergence = sub_sketch_share(chol, gram, self.shift, self.rank, half)
 
 
 def nystrom_core(Y: Tensor, omega: Any) -> Tuple[Tensor, float]:
@@ -430,8 +439,9 @@ def nystrom_eigenpairs(Y: Tensor, chol: Tensor, nu: float, rank: int
         rank: Eigenpairs wanted.
 
     Returns:
-        ``(vectors, eigenvalues)``: at most ``rank`` eigenpairs above the rounding
-        shift (at least one), in ``Y``'s dtype.
+        ``(vectors, eigenvalues, E^T E)``: at most ``rank`` eigenpairs above the
+        rounding shift (at least one), in ``Y``'s dtype, and the float64 ``(l, l)``
+        Gram matrix of ``E`` (for :func:`sub_sketch_share`).
     """
     dtype, eps = Y.dtype, torch.finfo(Y.dtype).eps
     eye = torch.eye(chol.shape[0], dtype=chol.dtype, device=chol.device)
@@ -439,14 +449,51 @@ def nystrom_eigenpairs(Y: Tensor, chol: Tensor, nu: float, rank: int
     # E = Y_nu C^{-1} explicitly, in place: its Gram matrix has the condition
     # number of the square root of H, where Y_nu's own would square H's
     E = rotate(Y, inv.to(dtype), in_place=True)
-    sigma2, W = sym_eigh(E.T @ E)
+    gram = (E.T @ E).double()
+    sigma2, W = sym_eigh(gram)
     lam = sigma2 - nu
     tol = max(float(lam[0]) * 10 * eps, nu)  # below the shift: rounding
     num = max(1, min(rank, int((lam > tol).sum())))
     # the first num left singular vectors E W sigma^-1, in E's layout; E is freed
     W = (W[:, :num] / sigma2[:num].clamp(min=nu).sqrt()).to(dtype)
     vectors = (W.T @ E.T).T if stored_transposed(E) else E @ W
-    return vectors, lam[:num]
+    return vectors, lam[:num], gram
+
+
+def sub_sketch_share(chol: Tensor, gram: Tensor, nu: float, rank: int, columns: int
+                     ) -> float:
+    r"""How much of the kept eigenvalues' sum the sketch's first ``columns`` columns give.
+
+    The Nyström approximation of a column subset ``S`` of the test matrix is that of the
+    sketch ``Y_S``: its eigenvalues are those of :math:`B_S^{-1/2} (Y^\top Y)_{SS}
+    B_S^{-1/2}` less the shift, with :math:`B = \Omega^\top Y = C^\top C` and
+    :math:`Y^\top Y = C^\top (E^\top E) C`, so nothing of size ``D`` is touched. A
+    sketch whose leading eigenvalues still grow when the second half of its columns is
+    added has not converged: the GGN's spectrum is too flat for its columns, and its
+    eigenvalues under-estimate the exact ones by more than the growth says.
+
+    Args:
+        chol: The upper Cholesky factor ``C`` of the sketch's core (float64, ``(l, l)``).
+        gram: ``E^T E`` (float64, ``(l, l)``) of :func:`nystrom_eigenpairs`.
+        nu: The shift.
+        rank: Eigenpairs kept.
+        columns: The subset: the first ``columns`` columns.
+
+    Returns:
+        The subset's sum of its leading ``rank`` eigenvalues over the whole sketch's
+        (``1.0`` where the subset is the whole sketch).
+    """
+    if columns >= chol.shape[0] or columns < 1:
+        return 1.0
+    core = chol.T @ chol
+    full_gram = chol.T @ gram @ chol  # Y_nu^T Y_nu
+    sub = torch.linalg.cholesky_ex(core[:columns, :columns], upper=True)[0]
+    inv = torch.linalg.solve_triangular(
+        sub, torch.eye(columns, dtype=sub.dtype, device=sub.device), upper=True)
+    sigma2, _ = sym_eigh(inv.T @ full_gram[:columns, :columns] @ inv)
+    sums = [float((values[:rank] - nu).clamp(min=0).sum())
+            for values in (sigma2, torch.linalg.eigvalsh(gram).flip(0))]
+    return sums[0] / sums[1] if sums[1] > 0 else 1.0
 
 
 def _storage(mat: Tensor) -> Tensor:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from laplace import FullLaplace, Laplace
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from lowrank_laplace import LowRankGGNLaplace
 from lowrank_laplace.engine import FactorEngine
@@ -12,6 +12,7 @@ from lowrank_laplace.factor import GGNFactor
 from lowrank_laplace.fitting import plan
 from lowrank_laplace.fitting.config import FitConfig
 from lowrank_laplace.fitting.cost import sketch_cost, streaming_cost
+from lowrank_laplace.fitting.fit import LoaderFit
 from lowrank_laplace.fitting.plan import measure_sizes, merge_plan
 from lowrank_laplace.fitting.sketch import SketchMerge
 from lowrank_laplace.fitting.streaming import StreamingMerge
@@ -480,3 +481,72 @@ def test_the_test_matrix_is_freed_before_the_eigenvectors_are_formed(monkeypatch
     torch.testing.assert_close(solver.eigenvalues[:5], lam[:5], rtol=1e-10, atol=0)
     torch.testing.assert_close((V.T @ U[:, :5]).abs(), torch.eye(5, dtype=torch.float64),
                                rtol=0, atol=1e-8)
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_sub_sketch_share_is_the_dense_nystrom_of_the_first_columns(warm):
+    """The convergence check: the top-``r`` Nyström eigenvalues of the first columns of
+    the test matrix (a warm start's basis and half the random ones) over all columns'."""
+    model, loss_func, X, y, factors = _factors("mlp", batches=6, n=3)
+    G = ggn(model, loss_func, X, y)
+    rank = 4
+    basis = torch.linalg.qr(torch.randn(G.shape[0], 2, dtype=torch.float64))[0] \
+        if warm else None
+    merge = SketchMerge(rank, 8, seed=3, basis=basis)
+    for f in factors:
+        merge.add_factor(f)
+    omega = merge._omega.dense().clone()
+    first = (2 if warm else 0) + (12 - (2 if warm else 0)) // 2
+    expected = _nystrom_top(G, omega[:, :first], rank)[0].sum() / \
+        _nystrom_top(G, omega, rank)[0].sum()
+    assert merge.convergence == pytest.approx(float(expected), rel=1e-6)
+    assert 0 < merge.convergence <= 1 + 1e-9
+
+
+def _flat_problem(n=256):
+    """An untrained tanh MLP on random data: a flat GGN spectrum at rank 10."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 10)).double()
+    X = torch.randn(n, 32, dtype=torch.float64)
+    y = torch.randint(0, 10, (n,))
+    return model, DataLoader(TensorDataset(X, y), batch_size=64)
+
+
+def test_auto_streams_where_its_sketch_did_not_converge(tune):
+    """A flat spectrum: the sketch's eigenvalues still grow with its columns, so
+    ``solver="auto"`` streams the data instead; a decaying one keeps the sketch."""
+    from lowrank_laplace.fitting.fit import SKETCH_CONVERGED
+
+    tune(dense_max_dim=0)
+    model, loader = _flat_problem()
+    checks = []
+    fit = LoaderFit.run
+
+    def recorded(self, *args, **kwargs):
+        result = fit(self, *args, **kwargs)
+        checks.append(result.check)
+        return result
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LoaderFit, "run", recorded)
+        auto = LowRankGGNLaplace(model, "classification", rank=10)
+        auto.fit(loader)
+    stream = LowRankGGNLaplace(model, "classification", rank=10, solver="streaming")
+    stream.fit(loader)
+    check = checks[0]
+    assert check.name == "sketch convergence" and not check.passed
+    assert check.value < SKETCH_CONVERGED and check.action == "streamed instead"
+    assert auto.fit_path == "streaming"
+    torch.testing.assert_close(dense_H(auto), dense_H(stream), rtol=0,
+                               atol=1e-9 * stream.H[1].max())
+    with pytest.warns(UserWarning, match=r"solver='sketch' has not converged: .* grew by"):
+        LowRankGGNLaplace(model, "classification", rank=10, solver="sketch").fit(loader)
+    # a spectrum that decays within the sketch's columns: the check passes, it stays
+    model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
+    tune(oversampling=6.0)  # 21 columns for rank 3
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LoaderFit, "run", recorded)
+        kept = LowRankGGNLaplace(model, likelihood, rank=3, micro_batch_size=16,
+                                 solver="sketch")
+        kept.fit(loader)
+    assert kept.fit_path == "sketch" and checks[-1].passed and checks[-1].action == "kept"

@@ -19,10 +19,14 @@ RANK = 5
 
 
 def _problem(seed=0, n=200):
-    """A 283-weight MLP on 200 points, where ``solver="auto"`` sketches 20 columns."""
+    """A 283-weight MLP on 200 points, where ``solver="auto"`` sketches 20 columns.
+
+    The inputs span two dimensions, so the GGN's spectrum decays within the sketch's
+    columns and its convergence check passes (a flat one would stream instead).
+    """
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(10, 20), nn.Tanh(), nn.Linear(20, 3)).double()
-    X = torch.randn(n, 10, dtype=torch.float64)
+    X = torch.randn(n, 2, dtype=torch.float64) @ torch.randn(2, 10, dtype=torch.float64)
     y = torch.randint(0, 3, (n,))
     return model, X, y, DataLoader(TensorDataset(X, y), batch_size=50)
 
