@@ -39,6 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks import _harness, _problems
+from benchmarks._report import machine_info
 
 #: Substrings of profiler event names, by what they count.
 PATTERNS = {
@@ -151,7 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "kept_fraction": float(la.kept_fraction),
         "events": count_events(prof),
         **top,
-        "machine": _harness.machine_info(str(device)),  # date, CPU/GPU, package versions
+        "machine": machine_info(str(device)),  # date, CPU/GPU, package versions
     }
     return record
 
