@@ -62,14 +62,16 @@ def machine_info(device: str, packages: Sequence[str] = DEFAULT_PACKAGES) -> dic
 
 def progress_line(key: str, record: dict[str, Any]) -> str:
     """One line about a finished run: every phase's time or status, and what it found."""
-    parts = []
+    parts, said = [], set()
     for phase, r in record["phases"].items():
         if r.get("status") == "ok":
             parts.append(f"{phase} {r['time_s']:.3g} s (+{r['peak_delta_bytes'] / GiB:.2f} "
                          "GiB)")
-        else:
-            parts.append(f"{phase} {str(r.get('status')).upper()}: "
-                         f"{str(r.get('reason'))[:120]}")
+        else:  # each reason once
+            reason = str(r.get("reason"))[:120]
+            parts.append(f"{phase} {str(r.get('status')).upper()}" +
+                         ("" if reason in said else f": {reason}"))
+            said.add(reason)
     found = {k: v for r in record["phases"].values() for k, v in r.items()}
     for name, text in (("kept_fraction", "kept {:.3f}"), ("num_products", "{} GGNVPs"),
                        ("num_matvecs", "{} GGNVPs"), ("factor_backend_used", "engine {}"),

@@ -166,9 +166,10 @@ def test_benchmark_modules_follow_the_house_rules(path):
         assert not (isinstance(node, ast.ImportFrom) and "utils.threads" in (node.module or ""))
 
 
+@pytest.mark.slow
 def test_gpu_trace_profiles_the_first_fit_on_the_cpu(tmp_path):
     """``benchmarks/gpu_trace.py --top`` falls back to the CPU without CUDA, profiles the
-    process's first fit and lists its costliest operators by host time."""
+    first fit of its worker process and lists its costliest operators by host time."""
     from benchmarks import gpu_trace
 
     record = gpu_trace.main(["--device", "cpu", "--problem", "mlp", "--n-train", "64",
