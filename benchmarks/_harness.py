@@ -41,9 +41,7 @@ from typing import Any
 from benchmarks import _load
 from benchmarks._load import BUSY_WARN_PERCENT, REPO_ROOT, CpuShare
 from benchmarks._report import progress_line
-from benchmarks._worker import MARKER, GiB, failures_reported
-
-__all__ = ["BUSY_WARN_PERCENT", "GiB", "REPO_ROOT"]
+from benchmarks._worker import MARKER, failures_reported
 
 #: Default output folder of the scripts (git-ignored).
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -200,8 +198,11 @@ def _collect(proc: subprocess.Popen, lines: queue.Queue, record: dict[str, Any],
             if _missing(record) is None or any(r.get("status") != "ok" for r in reported):
                 return None
             return dict(zip(("status", "reason"), classify_exit(proc.returncode)))
-        if line.startswith(MARKER):
-            entry = json.loads(line[len(MARKER):])
+        try:
+            entry = json.loads(line[len(MARKER):]) if line.startswith(MARKER) else None
+        except ValueError:  # a garbled line (the worker's own output in between)
+            entry = None
+        if entry is not None:
             if entry["phase"] == "setup":
                 record["setup"] = entry
             else:
@@ -274,11 +275,16 @@ def run_worker(module: str, config: dict[str, Any], args: argparse.Namespace) ->
                                 daemon=True)]
     for reader in readers:
         reader.start()
-    failure = _collect(proc, lines, record, config.get("timeout") or args.timeout)
     try:
+        failure = _collect(proc, lines, record, config.get("timeout") or args.timeout)
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         _load.kill_group(proc)
+    except BaseException:  # the driver is interrupted: leave no process behind
+        _load.kill_group(proc)
+        if load is not None:
+            load.stop()
+        raise
     for reader in readers:
         reader.join(timeout=5)
     shares = share.stop()  # before the load is stopped and reaped

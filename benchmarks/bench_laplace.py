@@ -104,11 +104,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _harness
-from benchmarks._harness import GiB
 from benchmarks._laplace_report import plot, summarize
 from benchmarks._laplace_worker import METHODS, PHASES, worker_main
 from benchmarks._problems import LAPLACE_NUM_CLASSES, LAPLACE_NUM_PARAMS, LAPLACE_PROBLEMS
 from benchmarks._report import DEFAULT_PACKAGES, machine_info, read_run
+from benchmarks._worker import GiB
 
 # ``full`` needs about this many D x D float32 matrices (curvature, posterior
 # precision and its Cholesky factor / inverse).
