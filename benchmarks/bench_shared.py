@@ -1,7 +1,7 @@
 """Benchmark Laplace where users run it: shared machines, defaults, marglik training.
 
-Problem: scikit-learn's digits and the 64-50-50-10 tanh MLP of ``_laplace_worker``
-(``make_digits``: D = 6,310 weights), float32, 1,400 training points in batches of 128,
+Problem: scikit-learn's digits and the 64-50-50-10 tanh MLP of ``bench_laplace``
+(``_problems.make_digits``: D = 6,310 weights), float32, 1,400 training points in batches of 128,
 397 held-out test points. Two parts:
 
 ``fit``
@@ -23,10 +23,10 @@ Problem: scikit-learn's digits and the 64-50-50-10 tanh MLP of ``_laplace_worker
     NLL and accuracy of the returned posterior (GLM probit), the learned per-layer prior
     precisions. One run per configuration (a fresh process), to keep the run short.
 
-Conditions: ``quiet`` and ``loaded``: beside a competing process
-(``_load.CompetingLoad``) running a loop of ``--load-size`` x ``--load-size`` float32 matmuls
-(default 1500) on ``--load-threads`` torch threads (default 2), started before the
-measured worker and killed (its process group) after it. ``fit`` runs both conditions;
+Conditions: ``quiet`` and ``loaded``: beside a competing process (``_load.CompetingLoad``)
+running a loop of ``--load-size`` x ``--load-size`` float32 matmuls (default 1500) on
+``--load-threads`` torch threads (default 2), started before the measured worker and
+stopped (its process group killed if it lingers) after it. ``fit`` runs both conditions;
 ``train`` runs ``quiet`` (and ``loaded`` with ``--load``).
 
 The workers run the way a user runs the library: torch's default number of threads and,
@@ -36,8 +36,8 @@ harness's settings). Imports, data and MAP training are not timed. Peak memory i
 worker's RSS high-water mark. Before every worker the driver records the load average
 and the CPU share other processes use (``_load.wait_for_idle_cpu``); during each
 measured phase, the CPU share of other processes (not counting the synthetic load) and
-of the load (``_load.CpuShare``). The workers record the git commit of the library and a hash of its
-sources.
+of the load (``_load.CpuShare``). The workers record the git commit of the library and a
+hash of its sources.
 
 Targets (printed with PASS/FAIL; ratios within one run):
 
