@@ -387,6 +387,11 @@ class Plan:
         settings: The run's settings; entries left ``None`` are filled from the workers'
             setup records (e.g. ``D``).
         info: :func:`machine_info` of the run.
+
+    Attributes:
+        run_one: One run of a configuration (default: :func:`run_worker`).
+        label: Printed before a configuration's name in the progress lines (``''``: the
+            name is printed in brackets).
     """
 
     def __init__(self, module: str, configs: list[dict], key: Sequence[str], path: Path,
@@ -394,10 +399,15 @@ class Plan:
         self.module, self.configs, self.key_fields = module, configs, tuple(key)
         self.path, self.settings, self.info = Path(path), settings, info
         self.run_one: Callable[[str, dict, argparse.Namespace], dict] = run_worker
+        self.label = ""
 
     def key(self, config: dict[str, Any]) -> str:
         """A configuration's name, e.g. ``'small/sdpa/quiet/kron'``."""
         return "/".join(str(config[f]) for f in self.key_fields)
+
+    def head(self, key: str) -> str:
+        """How a configuration's progress line starts, e.g. ``'[3c3d] lowrank_exact'``."""
+        return f"[{self.label}] {key}" if self.label else f"[{key}]"
 
     def previous(self, args: argparse.Namespace, same: Sequence[str]) -> dict[str, dict]:
         """Records of the file's earlier run, by key, if its ``same`` settings match."""
@@ -419,7 +429,8 @@ class Plan:
         for ``--resume`` to reuse a record)."""
         done = self.previous(args, same)
         for key, record in done.items():
-            print(progress_line(key, record) + " (from the previous run)", flush=True)
+            print(progress_line(self.head(key), record) + " (from the previous run)",
+                  flush=True)
         runs: dict[str, list] = {self.key(c): [] for c in self.configs
                                  if self.key(c) not in done}
         rounds = max([c.get("repeat", getattr(args, "repeat", 1)) for c in self.configs],
@@ -432,7 +443,7 @@ class Plan:
                     continue
                 runs[key].append(self.skipped(config) if config.get("skip") else
                                  run_config(self.module, config, args, self.run_one))
-                print(progress_line(key, runs[key][-1]) +
+                print(progress_line(self.head(key), runs[key][-1]) +
                       (f" (run {round_ + 1} of {n})" if n > 1 else ""), flush=True)
                 self.write(self.records(done, runs), None, args)
         return self.records(done, runs)

@@ -92,6 +92,7 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
                    for k in args.ks for method in args.methods]
         plan = _harness.Plan("benchmarks.bench_eigh", configs, ("method", "k"),
                              out / f"eigh_{problem}.json", settings, info)
+        plan.label = f"{problem} N={N}"
         records = plan.run(args)
         rows = [flat(r) for r in records]
         summaries[problem] = summarize(problem, N, rows, args.methods, args.ks)

@@ -161,14 +161,15 @@ def run_method(module: str, config: dict[str, Any], args: argparse.Namespace) ->
             break
         more = _harness.run_worker(module, {**config, "phases": lost}, args)
         refit = more["phases"].pop("fit", None)
-        record["phases"]["fit"].setdefault("refits", []).append(
-            {k: (refit or {}).get(k) for k in ("status", "time_s", "peak_delta_bytes")})
+        if refit is not None:
+            record["phases"]["fit"].setdefault("refits", []).append(
+                {k: refit.get(k) for k in ("status", "time_s", "peak_delta_bytes")})
+        failed = None if refit and refit.get("status") == "ok" else \
+            refit or more["phases"][lost[0]]  # the refit failed, or its worker died
         for phase in lost:
-            record["phases"][phase] = more["phases"][phase]
-            if refit is None or refit.get("status") != "ok":
-                why = (refit or more["phases"][lost[0]]).get("reason")
-                record["phases"][phase] = {"phase": phase, "status": (refit or {}).get(
-                    "status", "error"), "reason": f"refit before this phase failed: {why}"}
+            record["phases"][phase] = more["phases"][phase] if failed is None else {
+                "phase": phase, "status": failed.get("status"),
+                "reason": f"refit before this phase failed: {failed.get('reason')}"}
         record.setdefault("restarts", []).append(
             {k: more.get(k) for k in ("setup", "subprocess_wall_s", "other_cpu_percent_during",
                                       "cpu_busy_before_percent")})
@@ -227,7 +228,7 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
         plan = _harness.Plan("benchmarks.bench_laplace", configurations(problem, args),
                              ("method",), Path(args.out) / f"laplace_{problem}.json",
                              settings, info)
-        plan.run_one = run_method
+        plan.run_one, plan.label = run_method, problem
         records = plan.run(args, RESUME_KEYS)
         summaries[problem] = summarize(problem, records, args)
         plan.write(records, summaries[problem], args)

@@ -24,7 +24,7 @@ import json, os, signal, sys, time
 config = json.loads(sys.argv[sys.argv.index("--config") + 1])
 def emit(record):
     print(MARKER + json.dumps(record), flush=True)
-todo = config.get("todo", {}) if "fit" in config["phases"] else {}  # a rerun behaves
+todo = config.get("todo" if "fit" in config["phases"] else "rerun", {})
 if todo.get("setup") == "exit":
     sys.exit(3)
 emit({"phase": "setup", "status": todo.get("setup", "ok"), "reason": "no data",
@@ -97,6 +97,11 @@ def test_a_killed_predictive_leaves_the_next_ones_to_a_new_worker(fake):
     assert record["phases"]["fit"]["refits"] == [
         {"status": "ok", "time_s": 1.0, "peak_delta_bytes": 30}]
     assert len(record["restarts"]) == 1
+    config["rerun"] = {"fit": "hang"}  # the new worker's refit times out too
+    record = bench_laplace.run_method(fake, config, args)
+    assert record["phases"]["nn"]["status"] == "timeout"
+    assert record["phases"]["nn"]["reason"].startswith("refit before this phase failed")
+    assert "refits" not in record["phases"]["fit"]
 
 
 def test_repeats_give_median_times_and_largest_peaks():
