@@ -74,7 +74,7 @@ def summarize(results: Sequence[dict], settings: dict[str, Any]) -> dict[str, An
     """Evaluate the targets.
 
     Args:
-        results: Configuration results of :func:`run_config`.
+        results: The configurations' records.
         settings: The run's settings (``models``, ``parts``).
 
     Returns:
