@@ -41,6 +41,7 @@ from lowrank_laplace.laplace_torch.options import (
 )
 from lowrank_laplace.laplace_torch.persistence import StatePersistence
 from lowrank_laplace.laplace_torch.queries import PosteriorQueries
+from lowrank_laplace.laplace_torch.report import FitReport
 from lowrank_laplace.laplace_torch.tuning import scalar_marglik_call, tune_scalar_prior
 from lowrank_laplace.laplace_torch.warm import warm_basis
 from lowrank_laplace.posterior import GramCache, Residual, residual_class
@@ -133,6 +134,13 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         self.rank_bound: Optional[int] = None
         self._residual_model: Optional[Residual] = None
         self._fitted_residual: Optional[str] = None
+        #: How faithful the last fit is (:class:`FitReport`; ``None`` before a fit).
+        self.fit_report: Optional[FitReport] = None
+
+    def __repr__(self) -> str:
+        head = (f"{type(self).__name__}(rank={self.rank}, residual={self.residual!r}, "
+                f"solver={str(self.solver)!r})")
+        return head if self.fit_report is None else f"{head}\n{self.fit_report}"
 
     def _expected_dim(self) -> Optional[int]:
         """Number of Laplace parameters a loaded state must have (``None``: unknown yet)."""
@@ -288,19 +296,26 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         target = FitTarget(module, self.likelihood, params, to_inputs, self.dict_key_y,
                            self._device)
         basis = warm_basis(self, params) if options.warm_start and previous is None else None
-        # only a scalar prior uses the measured complement
-        scalar = torch.as_tensor(self.prior_precision).numel() == 1
+        # only a scalar prior uses the measured complement (and the rank check)
+        prior = torch.as_tensor(self.prior_precision)
+        prior = (float(self._H_factor), float(prior)) if prior.numel() == 1 else None
         with LoaderFit(target, options, process_group) as run:
             result = run.run(train_loader, previous, basis, progress_bar)
-            exponent, complement = probe_residual(module, result, options, self.likelihood,
-                                                  run.group, measure=scalar)
+            probed = probe_residual(module, result, options, self.likelihood, run.group,
+                                    prior)
         self.warm_started = result.warm_started
         self.mean, self.H = result.mean, (result.eigenvectors, result.eigenvalues)
         self.n_outputs, self.loss, self.n_data = result.n_outputs, result.loss, result.n_data
         self.trace, self.residual_diagonal = result.trace, result.residual_diagonal
         self.factor_backend_used, self.fit_path = result.factor_backend, result.fit_path
-        self.rank_bound, self._jacobian_exponent = result.rank_bound, exponent
-        self._complement = complement
+        self.rank_bound, self._jacobian_exponent = result.rank_bound, probed.exponent
+        self._complement = probed.complement
+        self.fit_report = FitReport(
+            rank=result.eigenvalues.numel(), num_params=result.mean.numel(),
+            kept_fraction=float(self.kept_fraction), fit_path=result.fit_path,
+            factor_backend=result.factor_backend, residual=self.residual,
+            check=result.check, variance_change=probed.variance_change,
+            warm_started=result.warm_started)
         self._fitted_residual, self._residual_model = self.residual, None
 
     def _fit_result(self) -> FitResult:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lowrank_laplace.laplace_torch.report import FitReport
 from lowrank_laplace.posterior import residual_class
 from lowrank_laplace.posterior.complement import MeasuredComplement
 
@@ -21,7 +22,8 @@ class StatePersistence:
                      residual_diagonal=self.residual_diagonal, residual=self.residual,
                      rank_bound=self.rank_bound, jacobian_exponent=self._jacobian_exponent,
                      measured_complement=None if self._complement is None
-                     else self._complement.state())
+                     else self._complement.state(),
+                     fit_report=None if self.fit_report is None else self.fit_report.as_dict())
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -56,3 +58,4 @@ class StatePersistence:
                 f"residual={self.residual!r}: construct it with residual={saved!r}."
             )
         self._residual_model = None
+        self.fit_report = FitReport.from_dict(state_dict.get("fit_report"))

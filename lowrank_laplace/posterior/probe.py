@@ -21,6 +21,7 @@ Shape glossary:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -63,17 +64,37 @@ MIN_MEASURED = 32
 MAX_COLUMNS = 1024
 
 
+@dataclass(frozen=True)
+class ProbeResult:
+    """What the probe pass measured.
+
+    Attributes:
+        exponent: The spectral residual's Jacobian-weighting exponent ``beta``.
+        complement: The measured complement variance (``None``: modelled).
+        variance_change: The median relative change of the probe inputs' predictive
+            variance when the posterior keeps only the leading half of its eigenpairs
+            (its own complement measured for that half): how much the rank still moves
+            the predictive (:func:`variance_change`). ``None`` where not measured.
+    """
+
+    exponent: float = 0.0
+    complement: Optional[MeasuredComplement] = None
+    variance_change: Optional[float] = None
+
+
 def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig, likelihood: str,
-                   group: Any = None, measure: bool = True
-                   ) -> Tuple[float, Optional[MeasuredComplement]]:
-    """``beta`` of the spectral residual and the measured complement variance.
+                   group: Any = None, prior: Optional[Tuple[float, float]] = None
+                   ) -> ProbeResult:
+    """``beta`` of the spectral residual, the measured complement and the rank check.
 
     ``beta`` takes one extra backward pass per probe micro-batch, carrying random
     output combinations per input (:data:`PROBE_COLUMNS`; drawn in the fit's private
     stream) or all outputs. The measurement takes another, with all outputs, over
     the probe inputs whose Jacobian factor fits half the memory budget, at most
     :data:`MAX_COLUMNS` Jacobian columns (at least :data:`MIN_MEASURED` inputs, else
-    ``None``).
+    none): the complement variance, and from the same products the change of the
+    predictive variance between the leading half of the kept eigenpairs and all of
+    them.
 
     Args:
         model: The module whose GGN was fitted.
@@ -81,16 +102,17 @@ def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig, likeliho
         config: The fit's options (backend, memory budget, passes).
         likelihood: ``"classification"`` or ``"regression"``.
         group: The data-parallel process group, or ``None``.
-        measure: Measure the complement variance too (where
-            :data:`MEASURE_COMPLEMENT`).
+        prior: ``(h, delta)``: the GGN's scale and a scalar prior precision, under which
+            the complement is measured (where :data:`MEASURE_COMPLEMENT`) and the rank
+            check evaluated; ``None`` (another prior) measures neither.
 
     Returns:
-        ``(beta, measurement or None)``.
+        The :class:`ProbeResult`.
     """
     U, lam, probe = fit.eigenvectors, fit.eigenvalues, fit.probe
     if U.shape[1] in (0, U.shape[0]) or probe is None:  # nothing kept, or nothing dropped
-        return 0.0, None
-    measure = measure and MEASURE_COMPLEMENT
+        return ProbeResult()
+    measure = prior is not None and MEASURE_COMPLEMENT
     with FactorEngine(model, nn.MSELoss(reduction="sum"), eval_mode=True,
                       backend=config.factor_backend) as engine:
         inputs = sum(check_batch(x, None) for x in probe.batches)
@@ -102,17 +124,17 @@ def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig, likeliho
         micro = micro_batch_size(engine, probe.batches[0], projections, config.memory_budget,
                                  config.micro_batch_size)
         energy = jacobian_energies(engine, probe.batches, U, micro, projections, probe.rng)
-        measured = None
+        measured = (None, None)
         if measure and (group is None or _rank(group) == 0):
-            measured = _measure(engine, probe.batches, U, config,
-                                (fit.n_data, likelihood_loss(likelihood)))
+            measured = _measure(engine, probe.batches, (U, lam), config,
+                                (fit.n_data, likelihood_loss(likelihood), prior))
     if group is not None:
         import torch.distributed as dist
 
         dist.all_reduce(energy, group=group)
         if measure:
-            measured = _broadcast(measured, U, group)
-    return jacobian_exponent(lam, energy), measured
+            measured = (_broadcast(measured[0], U, group), None)
+    return ProbeResult(jacobian_exponent(lam, energy), *measured)
 
 
 def jacobian_exponent(eigenvalues: Tensor, energies: Tensor) -> float:
@@ -143,22 +165,25 @@ def jacobian_exponent(eigenvalues: Tensor, energies: Tensor) -> float:
     return min(max(beta, 0.0), 1.0)
 
 
-def _measure(engine: FactorEngine, probe: List[Any], U: Tensor, config: FitConfig,
-             data: Tuple[int, Tuple[nn.Module, float]]) -> Optional[MeasuredComplement]:
-    """The complement measurement on the probe inputs whose factor fits the budget.
+def _measure(engine: FactorEngine, probe: List[Any], kept: Tuple[Tensor, Tensor],
+             config: FitConfig, data: tuple
+             ) -> Tuple[Optional[MeasuredComplement], Optional[float]]:
+    """The complement measured on the probe inputs that fit the budget, and the rank check.
 
-    ``data`` is the number of training inputs and the likelihood's loss with its factor.
+    The rank check: the predictive variance's change from half the kept eigenpairs to
+    all (:func:`variance_change`). ``kept`` is ``(U, lambda)``; ``data`` the number of
+    training inputs, the likelihood's loss with its factor, and ``(h, delta)``.
     """
-    num_data, loss = data
+    (U, lam), (num_data, loss, prior) = kept, data
     budget = resolve_memory_budget(config.memory_budget, batch_device(probe[0]))
     try:
         fits, _ = samples_in_budget(engine, probe[0], None, budget / 2, False)
     except ValueError:  # not one input's C vectors: the model stays
-        return None
+        return None, None
     total = sum(check_batch(x, None) for x in probe)
     m = min(total, fits, num_data, MAX_COLUMNS // max(engine.num_outputs or 1, 1))
     if m < MIN_MEASURED:
-        return None
+        return None, None
     micro = micro_batch_size(engine, probe[0], None, config.memory_budget,
                              config.micro_batch_size)
     factors, left = [], m
@@ -174,7 +199,76 @@ def _measure(engine: FactorEngine, probe: List[Any], U: Tensor, config: FitConfi
     gram, Z, outputs = _assemble(factors, U, classes, m)
     loss_func, factor = loss
     S = hessian_sqrt(loss_func, outputs.to(torch.float64), 0, None) * factor ** 0.5
-    return measure_complement(gram, Z, S, num_data)
+    full = measure_complement(gram, Z, S, num_data)
+    half = lam.numel() // 2
+    if full is None or half == 0:
+        return full, None
+    probe = ProbeColumns(gram.diagonal() / 2, Z / 2**0.5, classes)
+    change = variance_change(probe, (lam, full), (lam[:half], measure_complement(
+        gram, Z[:, :half], S, num_data)), prior)
+    return full, change
+
+
+@dataclass(frozen=True)
+class ProbeColumns:
+    """The measured probe inputs' Jacobians, as the rank check needs them.
+
+    Attributes:
+        norms: ``||J_nc||^2`` per Jacobian column, ordered ``(c, n)``, ``(C m,)``.
+        projections: ``J_nc U``, ``(C m, r)``, float64.
+        classes: Outputs ``C``.
+    """
+
+    norms: Tensor
+    projections: Tensor
+    classes: int
+
+
+def predictive_variance(probe: ProbeColumns, kept: tuple, prior: Tuple[float, float]
+                        ) -> Tensor:
+    r"""Each probe input's GLM predictive variance, summed over outputs.
+
+    The spectral residual's posterior (scalar prior): the kept directions have precision
+    :math:`h\lambda_k + \delta`, every direction outside them the measured variance
+    :math:`v`, so :math:`\sum_c \big(\sum_k z_{nck}^2 / (h\lambda_k + \delta) + v
+    (\|J_{nc}\|^2 - \sum_k z_{nck}^2)\big)`.
+
+    Args:
+        probe: The probe's Jacobian columns.
+        kept: ``(lambda, complement)``: the kept eigenvalues (the leading ones of the
+            projections' columns) and the complement measured outside them.
+        prior: ``(h, delta)``.
+
+    Returns:
+        Shape ``(m,)``, float64.
+    """
+    (lam, complement), (scale, delta) = kept, prior
+    lam = lam.to(probe.projections)
+    z2 = probe.projections[:, : lam.numel()] ** 2
+    inside = z2 @ (1 / (scale * lam + delta))
+    outside = (probe.norms - z2.sum(1)).clamp(min=0)
+    v = complement.variance(torch.tensor(scale), torch.tensor(delta), float(lam[-1]))
+    return (inside + v.to(inside) * outside).reshape(probe.classes, -1).sum(0)
+
+
+def variance_change(probe: ProbeColumns, full: tuple, half: tuple,
+                    prior: Tuple[float, float]) -> Optional[float]:
+    """Median relative change of the probe inputs' predictive variance from half to all.
+
+    Args:
+        probe: The probe's Jacobian columns.
+        full: ``(lambda, complement)`` of all kept eigenpairs.
+        half: The same for the leading half (``complement`` ``None``: not measurable).
+        prior: ``(h, delta)``.
+
+    Returns:
+        ``median |var_half - var| / var`` over the inputs, or ``None``.
+    """
+    if half[1] is None:
+        return None
+    var = predictive_variance(probe, full, prior)
+    var_half = predictive_variance(probe, half, prior)
+    return float(((var_half - var).abs() / var.clamp(min=1e-300)).median())
 
 
 def _assemble(factors: List[Any], U: Tensor, classes: int, m: int

@@ -643,3 +643,46 @@ def test_a_fit_under_a_layerwise_prior_does_not_measure_the_complement():
     la.prior_precision = 1.0
     la.fit(loader)
     assert la.measured_complement is not None
+
+
+def test_probe_predictive_variance_is_the_dense_posteriors():
+    """The rank check's variance: the trace of ``J P^{-1} J^T`` for the precision with
+    ``h lambda + delta`` on the kept directions and ``1 / v`` outside them."""
+    from lowrank_laplace.posterior.complement import MeasuredComplement
+    from lowrank_laplace.posterior.probe import ProbeColumns, predictive_variance
+
+    torch.manual_seed(0)
+    D, r, m, C, h, delta = 30, 4, 5, 3, 0.7, 0.4
+    U = torch.linalg.qr(torch.randn(D, r, dtype=torch.float64))[0]
+    lam = torch.tensor([9.0, 5.0, 2.0, 1.0], dtype=torch.float64)
+    J = torch.randn(C * m, D, dtype=torch.float64)  # rows (c, n)
+    # a measurement whose variance is one value: all energy on one resolved eigenvalue
+    energy = torch.tensor(1.0, dtype=torch.float64)
+    complement = MeasuredComplement(torch.tensor([0.6], dtype=torch.float64), energy[None],
+                                    None, None, energy, 1.0)
+    v = float(complement.variance(torch.tensor(h), torch.tensor(delta), float(lam[-1])))
+    P = U @ torch.diag(h * lam + delta) @ U.T + (torch.eye(D, dtype=torch.float64)
+                                                  - U @ U.T) / v
+    dense = (J @ torch.linalg.inv(P) * J).sum(1).reshape(C, m).sum(0)
+    probe = ProbeColumns((J**2).sum(1), J @ U, C)
+    torch.testing.assert_close(predictive_variance(probe, (lam, complement), (h, delta)),
+                               dense, rtol=1e-10, atol=1e-12)
+
+
+def test_fit_report_says_what_ran_and_survives_the_state_dict(tune):
+    tune(dense_max_dim=0)
+    model, likelihood, X, y, loader = make_problem("mlp-classification", n=80, batch_size=16)
+    la = LowRankGGNLaplace(model, likelihood, rank=6, solver="streaming")
+    assert la.fit_report is None and repr(la).startswith("LowRankGGNLaplace(rank=6")
+    la.fit(loader)
+    report = la.fit_report
+    assert (report.rank, report.fit_path, report.residual) == (6, "streaming", "spectral")
+    assert report.kept_fraction == pytest.approx(float(la.kept_fraction))
+    assert report.check is None and 0 <= report.variance_change < 10
+    assert "kept share of the GGN trace" in repr(la) and "from rank 3 to 6" in str(report)
+    other = LowRankGGNLaplace(model, likelihood, rank=6, solver="streaming")
+    other.load_state_dict(la.state_dict())
+    assert other.fit_report == report
+    iso = LowRankGGNLaplace(model, likelihood, rank=6, residual="isotropic")
+    iso.fit(loader)
+    assert iso.fit_report.variance_change is None  # no probe pass
