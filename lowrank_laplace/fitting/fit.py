@@ -178,6 +178,7 @@ class LoaderFit:
         self.plan: Optional[FitPlan] = None
         self.probe: Optional[ProbeInputs] = None
         self._probe_cap = 1
+        self._sizes: Optional[Any] = None
 
     def __enter__(self) -> "LoaderFit":
         self.engine = self._scope.enter_context(FactorEngine(
@@ -277,6 +278,16 @@ class LoaderFit:
         self.probe = ProbeInputs(kept, self._probe_cap, stream.rng) if kept else None
         return stream, loss, seen
 
+    def reconfigure(self, config: FitConfig) -> None:
+        """Fit again with other options (another rank): a new plan at the next pass.
+
+        The thread setting entered at the first plan holds (one per fit).
+
+        Args:
+            config: The new options.
+        """
+        self.config, self.plan = config, None
+
     def _start(self, X: Any, batch: int, num_data: int, warm_basis: Optional[Tensor]
                ) -> BatchStreamer:
         """At the first batch: plan, probe budget, solver and streamer.
@@ -290,8 +301,9 @@ class LoaderFit:
             plan = choose_plan(sizes, self.config)
             if self.group is not None:
                 plan = choose_plan(sizes, self.config, agree(self.group, plan, self.device))
+            if self._sizes is None:  # the fit's one thread setting
+                self._scope.enter_context(cpu_threads(plan.threads))
             self.plan, self._sizes = plan, sizes
-            self._scope.enter_context(cpu_threads(plan.threads))
             if self.config.probe_inputs:
                 self._probe_cap = probe_cap(sizes)
         solver = make_solver(self.plan, self.config, self.params,

@@ -41,6 +41,7 @@ from lowrank_laplace.laplace_torch.options import (
 )
 from lowrank_laplace.laplace_torch.persistence import StatePersistence
 from lowrank_laplace.laplace_torch.queries import PosteriorQueries
+from lowrank_laplace.laplace_torch.rank import AUTO, next_rank
 from lowrank_laplace.laplace_torch.report import FitReport
 from lowrank_laplace.laplace_torch.tuning import scalar_marglik_call, tune_scalar_prior
 from lowrank_laplace.laplace_torch.warm import warm_basis
@@ -299,10 +300,19 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         # only a scalar prior uses the measured complement (and the rank check)
         prior = torch.as_tensor(self.prior_precision)
         prior = (float(self._H_factor), float(prior)) if prior.numel() == 1 else None
-        with LoaderFit(target, options, process_group) as run:
-            result = run.run(train_loader, previous, basis, progress_bar)
-            probed = probe_residual(module, result, options, self.likelihood, run.group,
-                                    prior)
+        rank, history = options.first_rank, []
+        with LoaderFit(target, options.at_rank(rank), process_group) as run:
+            while rank is not None:  # one fit, or rank="auto"'s doubling ranks
+                result = run.run(train_loader, previous, basis, progress_bar)
+                probed = probe_residual(module, result, options, self.likelihood, run.group,
+                                        prior)
+                history.append((result.eigenvalues.numel(), probed.variance_change))
+                rank = None if options.rank != AUTO or run.group is not None else next_rank(
+                    rank, probed.variance_change, (result.rank_bound, result.mean.numel(),
+                                                   options.memory_budget, self._device))
+                if rank is not None:
+                    run.reconfigure(options.at_rank(rank))
+                    basis = result.eigenvectors if options.warm_start else None
         self.warm_started = result.warm_started
         self.mean, self.H = result.mean, (result.eigenvectors, result.eigenvalues)
         self.n_outputs, self.loss, self.n_data = result.n_outputs, result.loss, result.n_data
@@ -315,7 +325,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             kept_fraction=float(self.kept_fraction), fit_path=result.fit_path,
             factor_backend=result.factor_backend, residual=self.residual,
             check=result.check, variance_change=probed.variance_change,
-            warm_started=result.warm_started)
+            warm_started=result.warm_started, ranks_tried=tuple(history))
         self._fitted_residual, self._residual_model = self.residual, None
 
     def _fit_result(self) -> FitResult:

@@ -12,10 +12,11 @@ Shape glossary:
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Optional, Tuple, Type
 
 from lowrank_laplace.fitting.config import FitConfig
+from lowrank_laplace.laplace_torch import rank as auto_rank
 from lowrank_laplace.posterior import probe
 from lowrank_laplace.posterior.residual import DEFAULT_RESIDUAL, Residual, residual_class
 
@@ -29,6 +30,9 @@ class LowRankOptions(FitConfig):
     ``seed``, ``low_memory``, ``factor_backend``, ``solver``) and:
 
     Attributes:
+        rank: Eigenpairs kept, or ``"auto"``: the rank chosen from the data, doubled from
+            100 while the probe inputs' predictive variance still moves with it
+            (:mod:`~lowrank_laplace.laplace_torch.rank`).
         residual: Model of the curvature the rank truncation drops (see
             :mod:`lowrank_laplace.posterior.residual`): ``"spectral"`` (default: a
             power-law tail continuing the kept spectrum, holding the exact dropped
@@ -57,7 +61,21 @@ class LowRankOptions(FitConfig):
         set_(self, "warm_start", bool(self.warm_start))
         set_(self, "track_diagonal", model.tracks_diagonal)
         set_(self, "probe_inputs", probe.PROBE_SIZE if model.needs_probe else 0)
+        auto = isinstance(self.rank, str) and self.rank == auto_rank.AUTO
+        if auto:  # the rest validated as for the first rank it fits
+            set_(self, "rank", auto_rank.AUTO_RANK_START)
         super().__post_init__()
+        if auto:
+            set_(self, "rank", auto_rank.AUTO)
+
+    def at_rank(self, rank: int) -> "LowRankOptions":
+        """These options with an integer rank (what a fit of ``rank="auto"`` runs)."""
+        return replace(self, rank=rank)
+
+    @property
+    def first_rank(self) -> int:
+        """The rank a fit starts with (``AUTO_RANK_START`` for ``rank="auto"``)."""
+        return auto_rank.AUTO_RANK_START if self.rank == auto_rank.AUTO else self.rank
 
     @property
     def residual_model(self) -> Type[Residual]:

@@ -9,7 +9,7 @@ data: the share of the GGN's curvature the rank keeps, whether the fast path tha
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from lowrank_laplace.fitting.fit import FastPathCheck
 
@@ -35,6 +35,8 @@ class FitReport:
             variance from the leading half of the kept eigenpairs to all, at the fit's
             prior (``None``: not measured, e.g. without the spectral residual's probe).
         warm_started: Whether the sketch started from this posterior's last fit.
+        ranks_tried: ``(rank, variance change)`` of every fit (``rank="auto"`` fits
+            several).
     """
 
     rank: int
@@ -46,6 +48,7 @@ class FitReport:
     check: Optional[FastPathCheck] = None
     variance_change: Optional[float] = None
     warm_started: bool = False
+    ranks_tried: Tuple[Tuple[int, Optional[float]], ...] = ()
 
     def __str__(self) -> str:
         lines = [f"lowrank_ggn fit: rank {self.rank} of {self.num_params:,} parameters, "
@@ -62,6 +65,10 @@ class FitReport:
             lines.append(f"  predictive variance on the probe inputs: changes by "
                          f"{self.variance_change:.1%} from rank {self.rank // 2} to "
                          f"{self.rank}")
+        if len(self.ranks_tried) > 1:
+            tried = ", ".join(f"{r} ({'-' if c is None else f'{c:.1%}'})"
+                              for r, c in self.ranks_tried)
+            lines.append(f"  rank='auto' tried: {tried}")
         return "\n".join(lines)
 
     def as_dict(self) -> Dict[str, Any]:
@@ -75,4 +82,5 @@ class FitReport:
             return None
         values = dict(values)
         check = values.pop("check", None)
+        values["ranks_tried"] = tuple(tuple(t) for t in values.get("ranks_tried", ()))
         return cls(**values, check=None if check is None else FastPathCheck(**check))
