@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from typing import Any, Iterator, List, Optional, Tuple
 
+import torch
 from torch import Tensor, nn
 
 #: The likelihoods whose GGN is laplace-torch's.
@@ -188,7 +189,30 @@ def unpack(data: Any, dict_key_y: str) -> Tuple[Any, Tensor]:
     else:
         X, y = data
     check_batch_types(X, y)
+    check_finite_inputs(X)
     return X, y
+
+
+def check_finite_inputs(X: Any) -> None:
+    """Refuse inputs holding NaN or infinite values (a dict batch: its float tensors).
+
+    A saturating network maps an infinite input to finite outputs and loss, but its
+    Jacobian to NaN, which would reach the posterior unnoticed.
+
+    Args:
+        X: A batch's inputs.
+
+    Raises:
+        ValueError: Naming the entry.
+    """
+    entries = X.items() if isinstance(X, MutableMapping) else [("inputs", X)]
+    for key, value in entries:
+        if isinstance(value, Tensor) and value.is_floating_point() and \
+                not bool(torch.isfinite(value).all()):
+            raise ValueError(
+                f"The loader's {key!r} hold NaN or infinite values: the GGN of such an "
+                "input is not defined. Clean or clip the data first."
+            )
 
 
 def batches(loader: Any, dict_key_y: str) -> Iterator[Tuple[Any, Tensor]]:

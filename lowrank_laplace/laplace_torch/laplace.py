@@ -72,6 +72,24 @@ def _check_positive(name: str, value) -> None:
         )
 
 
+def refuse_inference_mode(what: str) -> None:
+    """Refuse a call under ``torch.inference_mode()``, which forbids its backward passes.
+
+    Args:
+        what: The call, for the message.
+
+    Raises:
+        RuntimeError: Under ``torch.inference_mode()``.
+    """
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"lowrank_ggn's {what} differentiates the model (the GGN factor comes from "
+            "backward passes), which torch.inference_mode() forbids: call it outside, or "
+            "under torch.no_grad() instead (it enables gradients where it needs them). "
+            "In Lightning, Trainer(inference_mode=False)."
+        )
+
+
 class _Option:
     """A read-only view of one field of the object's :class:`LowRankOptions`."""
 
@@ -284,6 +302,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             ValueError: For a loader without ``dataset``, an empty loader, mismatched
                 targets, or a memory budget too small for one sample.
         """
+        refuse_inference_mode("fit")
         previous = None if override or self.H is None else self._fit_result()
         options = self.options
         if previous is not None and options.residual_model.needs_diagonal \
@@ -297,11 +316,11 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         target = FitTarget(module, self.likelihood, params, to_inputs, self.dict_key_y,
                            self._device)
         basis = warm_basis(self, params) if options.warm_start and previous is None else None
-        # only a scalar prior uses the measured complement (and the rank check)
-        prior = torch.as_tensor(self.prior_precision)
-        prior = (float(self._H_factor), float(prior)) if prior.numel() == 1 else None
         rank, history = options.first_rank, []
         with LoaderFit(target, options.at_rank(rank), process_group) as run:
+            # only a scalar prior uses the measured complement (and the rank check)
+            prior = torch.as_tensor(self.prior_precision)
+            prior = (float(self._H_factor), float(prior)) if prior.numel() == 1 else None
             while rank is not None:  # one fit, or rank="auto"'s doubling ranks
                 result = run.run(train_loader, previous, basis, progress_bar)
                 probed = probe_residual(module, result, options, self.likelihood, run.group,

@@ -297,6 +297,12 @@ class PosteriorQueries:
                                      ) -> Tuple[Tensor, Tensor]:
         if self.enable_backprop:
             return super()._glm_predictive_distribution(X, joint, diagonal_output)
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "lowrank_ggn's GLM predictive forms Jacobians by backward passes, which "
+                "torch.inference_mode() forbids: predict under torch.no_grad() instead (in "
+                "Lightning, Trainer(inference_mode=False)), or use pred_type='nn'."
+            )
         precision = self._precision()
         sizes = [p.numel() for p in self._curvature_target()[2]]
         prior = torch.as_tensor(self.prior_precision)

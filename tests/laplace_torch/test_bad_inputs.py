@@ -224,3 +224,45 @@ def test_a_float32_sketch_says_what_it_loses_only_where_it_stays_float32(recwarn
     with pytest.warns(UserWarning, match="solver='sketch' accumulated its sketch in torch.float32"):
         Laplace(model, "classification", "all", "lowrank_ggn", memory_budget=budget,
                 **kw).fit(loader)
+
+
+def test_inference_mode_is_refused_with_the_way_out():
+    """torch-uncertainty's Lightning test loop runs under inference_mode: the fit and the
+    GLM predictive, which need backward passes, say to use no_grad instead."""
+    la = Laplace(_mlp(), "classification", "all", "lowrank_ggn", rank=5)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="under torch.no_grad"):
+        la.fit(_loader())
+    la.fit(_loader())
+    X, _ = _data()
+    with torch.no_grad():
+        probs = la(X[:3], pred_type="glm", link_approx="probit")
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="GLM predictive .*no_grad"):
+        la(X[:3], pred_type="glm", link_approx="probit")
+    assert probs.shape == (3, 2)
+
+
+def test_non_finite_training_inputs_fail_with_a_clear_error():
+    X, y = _data()
+    X[5, 0] = float("inf")  # a tanh network maps it to finite outputs, NaN Jacobians
+    la = Laplace(_mlp(), "classification", "all", "lowrank_ggn", rank=5)
+    with pytest.raises(ValueError, match="hold NaN or infinite values"):
+        la.fit(DataLoader(TensorDataset(X, y), batch_size=8))
+
+
+def test_states_of_another_curvature_or_tampered_ones_are_refused():
+    la = Laplace(_mlp(), "classification", "all", "lowrank_ggn", rank=5, mc_samples=1)
+    la.fit(_loader())
+    state = la.state_dict()
+    exact = Laplace(_mlp(), "classification", "all", "lowrank_ggn", rank=5)
+    with pytest.raises(ValueError, match="fitted with mc_samples=1 .* uses mc_samples=0"):
+        exact.load_state_dict(state)
+    assert exact.H is None  # nothing was loaded
+    same = Laplace(_mlp(), "classification", "all", "lowrank_ggn", rank=5, mc_samples=1)
+    U, lam = state["H"]
+    for H in ((U, -lam), (2 * U, lam), (U, lam * float("nan"))):
+        with pytest.raises(ValueError, match="not a low-rank GGN"):
+            same.load_state_dict({**state, "H": H})
+    with pytest.raises(ValueError, match="trace is below the sum"):
+        same.load_state_dict({**state, "trace": lam.sum() / 2})
+    same.load_state_dict(state)
+    torch.testing.assert_close(same.H[1], lam)
