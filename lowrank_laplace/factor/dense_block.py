@@ -229,6 +229,9 @@ class DenseBlock:
         Returns:
             Tensor of shape ``(M, K)``.
         """
+        if x.dtype != self.dtype:  # blocks of several dtypes: the wider one
+            wide = torch.promote_types(self.dtype, x.dtype)
+            return self.to(wide).t_matmul(x.to(wide))
         return self.rows @ x
 
     def t_matmul_khatri_rao(self, p: Tensor, q: Tensor) -> Tensor:
@@ -250,6 +253,9 @@ class DenseBlock:
         Returns:
             Tensor of shape ``(M, K)``.
         """
+        if p.dtype != self.dtype:  # blocks of several dtypes: the wider one
+            wide = torch.promote_types(self.dtype, p.dtype)
+            return self.to(wide).t_matmul_khatri_rao(p.to(wide), q.to(wide))
         (k, out_dim), in_dim = p.shape, q.shape[1]
         if out_dim * in_dim != self.rows.shape[1]:
             raise ValueError(
@@ -279,6 +285,9 @@ class DenseBlock:
         Returns:
             Tensor of shape ``(d, K)``.
         """
+        if y.dtype != self.dtype:  # blocks of several dtypes: the wider one
+            wide = torch.promote_types(self.dtype, y.dtype)
+            return self.to(wide).matmul(y.to(wide))
         if self._read_along_d(y):
             return (y.T @ self.rows).T
         return self.rows.T @ y
@@ -293,6 +302,8 @@ class DenseBlock:
         Returns:
             ``out``.
         """
+        if out.dtype != self.dtype or y.dtype != out.dtype:  # blocks of several dtypes
+            return self.to(out.dtype).matmul_add_(out, y.to(out.dtype))
         if self._read_along_d(y) and not stored_transposed(out):
             return out.add_((y.T @ self.rows).T)
         return out.addmm_(self.rows.T, y)  # a transposed out gets wide K x d rows

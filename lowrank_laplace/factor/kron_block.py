@@ -191,6 +191,9 @@ class KronBlock:
         Returns:
             Tensor of shape ``(M, K)``.
         """
+        if x.dtype != self.dtype:  # blocks of several dtypes: the wider one
+            wide = torch.promote_types(self.dtype, x.dtype)
+            return self.to(wide).t_matmul(x.to(wide))
         out_dim, in_dim = self.s.shape[2], self.z.shape[1]
         if stored_transposed(x):
             # per column k: z (N, in) @ X_k^T (in, out), read along the rows of x^T;
@@ -220,6 +223,9 @@ class KronBlock:
         Returns:
             Tensor of shape ``(M, K)``.
         """
+        if p.dtype != self.dtype:  # blocks of several dtypes: the wider one
+            wide = torch.promote_types(self.dtype, p.dtype)
+            return self.to(wide).t_matmul_khatri_rao(p.to(wide), q.to(wide))
         if p.shape[1] != self.s.shape[2] or q.shape[1] != self.z.shape[1]:
             raise ValueError(
                 f"Khatri-Rao factors of sizes {p.shape[1]} x {q.shape[1]} do not match "
@@ -236,6 +242,9 @@ class KronBlock:
         Returns:
             Tensor of shape ``(out * in, K)``.
         """
+        if y.dtype != self.dtype:  # blocks of several dtypes: the wider one
+            wide = torch.promote_types(self.dtype, y.dtype)
+            return self.to(wide).matmul(y.to(wide))
         out = y.new_zeros(self.s.shape[2] * self.z.shape[1], y.shape[1])
         return self.matmul_add_(out, y)
 
@@ -250,6 +259,8 @@ class KronBlock:
         Returns:
             ``out``.
         """
+        if out.dtype != self.dtype or y.dtype != out.dtype:  # blocks of several dtypes
+            return self.to(out.dtype).matmul_add_(out, y.to(out.dtype))
         if y.shape[1] == 0:  # no columns (an empty spectrum)
             return out
         v, n = self.s.shape[:2]

@@ -140,6 +140,16 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         if not isinstance(self, LLLaplace):  # the last-layer class checks after its options
             self._check_backend()
 
+    @property
+    def _dtype(self) -> torch.dtype:
+        """The Laplace parameters' dtype.
+
+        laplace-torch takes the model's first parameter's, which may be a frozen
+        bfloat16 base beside float32 adapters.
+        """
+        params = getattr(self, "params", None)
+        return params[0].dtype if params else next(self.model.parameters()).dtype
+
     def _set_options(self, diagonal_correction: Optional[bool], options: dict) -> None:
         options["residual"] = resolve_residual(options.get("residual", DEFAULT_RESIDUAL),
                                                diagonal_correction)

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.factor import GGNFactor
 from lowrank_laplace.factor.weights import SMALL_DTYPE, Weight
+from lowrank_laplace.factor.wide import wide_factor_t_matmul
 from lowrank_laplace.fitting import budget
 from lowrank_laplace.posterior.precision import LowRankPrecision
 from lowrank_laplace.utils.batches import take
@@ -78,7 +79,9 @@ def glm_moments(
         f_var = precision.functional_variance(jdj, jdw.reshape(num_in * num_out, -1))
     else:
         f_var = precision.functional_variance(jdj, jdw)
-    return factor.outputs, f_var.to(factor.outputs.dtype)
+    # a bfloat16 head's outputs are given in the posterior's own dtype
+    dtype = torch.promote_types(factor.outputs.dtype, precision.U.dtype)
+    return factor.outputs.to(dtype), f_var.to(dtype)
 
 
 def _small_products(factor: GGNFactor, precision: LowRankPrecision, weights: List[Weight],
@@ -224,7 +227,8 @@ def jacobian_energies(engine: FactorEngine, batches: List, U: Tensor,
                 with rng if rng is not None else contextlib.nullcontext():
                     factor = engine.compute(chunk, None, mc_samples=projections,
                                             gradient=False)
-            energy += (factor.t_matmul(U) ** 2).sum(0) / 2  # E[V V^T] = 2 J^T J
+            products = wide_factor_t_matmul(factor, U).to(U.dtype)
+            energy += (products ** 2).sum(0) / 2  # E[V V^T] = 2 J^T J
     return energy
 
 

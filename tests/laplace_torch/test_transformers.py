@@ -2,6 +2,9 @@
 adapters over dict batches, in laplace-torch's own recipe (a wrapper returning the
 logits, ``dict_key_y``), exact at full rank against ``FullLaplace(CurvlinopsGGN)``."""
 
+import copy
+import warnings
+
 import pytest
 import torch
 from laplace import FullLaplace, Laplace
@@ -140,3 +143,42 @@ class _ModelOutput(nn.Module):
 
     def forward(self, batch):
         return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+
+
+@pytest.mark.parametrize("solver", ["auto", "streaming", "sketch", "low_memory"])
+def test_bfloat16_base_with_float32_adapters(tune, solver):
+    """As LLM users load them: a bfloat16 model, PEFT's float32 LoRA adapters and a
+    bfloat16 head trained beside them. Every path fits, the spectral residual's probe
+    included, and the posterior (its prior, its probabilities) is the Laplace parameters'
+    float32, as a float64 copy of the same network says to bfloat16's precision."""
+    tune(dense_max_dim=0)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16, num_labels=3,
+        pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    base = transformers.GPT2ForSequenceClassification(config).to(torch.bfloat16)
+    lora = peft.LoraConfig(r=2, target_modules=["c_attn"], modules_to_save=["score"],
+                           task_type="SEQ_CLS")
+    model = Logits(peft.get_peft_model(base, lora)).eval()
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    assert dtypes == {torch.bfloat16, torch.float32}  # adapters float32, head bfloat16
+    options = dict(rank=8, solver=solver) if solver != "low_memory" else \
+        dict(rank=8, solver="streaming", low_memory=True)
+    if solver == "sketch":
+        options["micro_batch_size"] = 4
+    loader = DataLoader(Sequences(40), batch_size=8)
+    la = Laplace(model, "classification", subset_of_weights="all",
+                 hessian_structure="lowrank_ggn", **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a small sketch may say it has not converged
+        la.fit(loader)
+    la.optimize_prior_precision(method="marglik", n_steps=20)
+    probs = la(next(iter(loader)), pred_type="glm", link_approx="probit")
+    assert la.prior_precision.dtype == probs.dtype == torch.float32
+    assert la.H[0].dtype == torch.float32 and la.measured_complement is not None
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(1), torch.ones(8))
+    wide = copy.deepcopy(model).double()
+    ref = Laplace(wide, "classification", subset_of_weights="all",
+                  hessian_structure="lowrank_ggn", rank=8, solver="streaming")
+    ref.fit(loader)
+    assert abs(float(la.trace / ref.trace) - 1) < 0.05  # bfloat16 activations
