@@ -1,23 +1,23 @@
 r"""The hooks backend: ``V`` from batched backward passes, without per-sample vmap.
 
 For models whose *trainable* parameters all sit in layers of known per-sample
-structure (``nn.Linear`` and Hugging Face's ``Conv1D`` weights and biases,
-``nn.Embedding`` weights, ``nn.LayerNorm`` and RMSNorm affine parameters, ``nn.PReLU``
-slopes: LoRA adapters, classification heads, norms), whatever frozen modules sit
-between them (attention in any kernel, SDPA and flash included, rotary embeddings, custom
-modules). One forward pass of the whole
+structure (the rules of :mod:`~lowrank_laplace.engine.hooks_rules`: ``nn.Linear`` and
+Hugging Face's ``Conv1D`` weights and biases, ``nn.Embedding`` weights, ``nn.LayerNorm``
+and RMSNorm affine parameters, ``nn.PReLU`` slopes: LoRA adapters, classification
+heads, norms), whatever frozen modules sit between them (attention in any kernel, SDPA
+and flash included, rotary embeddings, custom modules). One forward pass of the whole
 batch records each trainable layer's input ``a`` and adds a zero shift to its output;
 one backward pass per column of the loss-Hessian square root (``C``, ``C - 1`` or
 ``M``) gives the vectors ``g = J^T s`` at every layer's output as the gradient w.r.t.
 the shift; autograd only backpropagates through the frozen modules. A sample's block
-row is then the layer's per-sample gradient formula, e.g. ``sum_t g_t a_t^T`` for a
-linear weight over the positions ``t`` of a token model (kept factored as
+row is then the layer rule's per-sample gradient formula, e.g. ``sum_t g_t a_t^T`` for
+a linear weight over the positions ``t`` of a token model (kept factored as
 :class:`~lowrank_laplace.factor.KronBlock` where there is one position, expanded where
 the expanded row is the smaller). The loss gradient's pass gives the mini-batch and
 per-sample gradients the same way.
 
 A check on the first batch guards what this relies on: the gradients from the layer
-formulas must equal autograd's (a trainable parameter used outside its module, or a
+rules must equal autograd's (a trainable parameter used outside its module, or a
 norm whose formula differs raise ``NotImplementedError``, so ``backend='auto'`` moves
 on to the torch.func backend). That samples are independent in the forward pass,
 which every backend needs, :class:`~lowrank_laplace.engine.FactorEngine` checks.
@@ -33,126 +33,49 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from lowrank_laplace.engine.base import EngineBase
+from lowrank_laplace.engine.hooks_rules import LayerRule, rule_for, supported_parameters
 from lowrank_laplace.engine.request import Collector
-from lowrank_laplace.factor import DenseBlock, KronBlock
-from lowrank_laplace.factor.blocks import Block
 from lowrank_laplace.factor.loss_sqrt import hessian_sqrt
 from lowrank_laplace.utils import batches, checks
 
-#: The parameters each layer kind may hold trainable.
-LAYER_PARAMS = {
-    "linear": ("weight", "bias"),
-    "conv1d": ("weight", "bias"),
-    "embedding": ("weight",),
-    "layer_norm": ("weight", "bias"),
-    "rms_norm": ("weight",),
-    "prelu": ("weight",),
-}
 
-
-def layer_kind(module: nn.Module) -> Optional[str]:
-    """The kind of a layer whose per-sample gradients the hooks backend knows.
-
-    Args:
-        module: A module.
-
-    Returns:
-        A key of :data:`LAYER_PARAMS`, or ``None``.
-    """
-    if isinstance(module, nn.Linear):
-        return "linear"
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # Hugging Face
-        return "conv1d"
-    if isinstance(module, nn.Embedding):
-        return "embedding"
-    if isinstance(module, nn.LayerNorm):
-        return "layer_norm"
-    if isinstance(module, nn.PReLU):
-        return "prelu"
-    if type(module).__name__.endswith("RMSNorm") and isinstance(
-            getattr(module, "weight", None), nn.Parameter):
-        return "rms_norm"
-    return None
-
-
-def trainable_layers(model: nn.Module) -> Dict[str, Tuple[nn.Module, str]]:
-    """Every module holding trainable parameters, with its kind.
+def trainable_layers(model: nn.Module) -> Dict[str, Tuple[nn.Module, LayerRule]]:
+    """Every module holding trainable parameters, with its rule.
 
     Args:
         model: The network.
 
     Returns:
-        Module name -> ``(module, kind)``.
+        Module name -> ``(module, rule)``
+        (:func:`~lowrank_laplace.engine.hooks_rules.rule_for`).
 
     Raises:
-        NotImplementedError: Naming the trainable parameters no layer kind covers, or
-            that several modules share.
+        NotImplementedError: Naming the trainable parameters no rule covers, or that
+            several modules share.
     """
     layers, problems = {}, []
     for name, module in model.named_modules():
         own = [p for p, t in module.named_parameters(recurse=False) if t.requires_grad]
         if not own:
             continue
-        kind = layer_kind(module)
-        outside = [p for p in own if kind is None or p not in LAYER_PARAMS[kind]]
+        rule = rule_for(module)
+        outside = [p for p in own if rule is None or p not in rule.params]
         if outside:
             problems += [f"{name}.{p} ({type(module).__name__})" for p in outside]
         else:
-            layers[name] = (module, kind)
+            layers[name] = (module, rule)
     params = dict(model.named_parameters(remove_duplicate=False))
     problems += [f"{' = '.join(names)} (tied)" for names in checks.shared_parameters(model)
                  if params[names[0]].requires_grad]
     if problems:
         raise NotImplementedError(
-            "The hooks backend takes models whose trainable parameters are weights and "
-            "biases of nn.Linear / Conv1D, nn.Embedding weights, LayerNorm / RMSNorm "
-            f"affine parameters or PReLU slopes, each owned by one module; not: "
+            "The hooks backend takes models whose trainable parameters are "
+            f"{supported_parameters()}, each owned by one module; not: "
             f"{', '.join(problems)}."
         )
     return layers
-
-
-def layer_block(kind: str, module: nn.Module, param: str, a: Tensor, g: Tensor) -> Block:
-    """Rows ``(v, n)`` of ``V^T`` for one parameter from its layer's input and vectors.
-
-    Args:
-        kind: The layer kind (:func:`layer_kind`).
-        module: The layer.
-        param: ``"weight"`` or ``"bias"``.
-        a: The layer's input, ``(N, *, in)`` (indices for an embedding).
-        g: The vectors at the layer's output, ``(V, N, *, out)``.
-
-    Returns:
-        The block, ``V N`` rows.
-    """
-    num_vectors, n = g.shape[:2]
-    if kind == "prelu":  # y = max(0, x) + w min(0, x), w shared or one per channel
-        rows = g * a.clamp(max=0).to(g.dtype)[None]
-        if module.weight.numel() == 1:
-            return DenseBlock(rows.reshape(num_vectors * n, -1).sum(1, keepdim=True))
-        channels = rows.movedim(-1 if a.dim() == 2 else 2, -1)
-        return DenseBlock(channels.reshape(num_vectors, n, -1, module.weight.numel())
-                          .sum(2).reshape(num_vectors * n, -1))
-    width = g.shape[-1]
-    if kind in ("layer_norm", "rms_norm"):
-        width = module.weight.numel()
-    gs = g.reshape(num_vectors, n, -1, width)  # positions flattened
-    if param == "bias":
-        return DenseBlock(gs.sum(2).reshape(num_vectors * n, width))
-    if kind == "linear" and a.dim() == 2:
-        return KronBlock(g, a)
-    if kind in ("linear", "conv1d"):
-        a3 = a.reshape(n, -1, a.shape[-1])
-        pattern = "vnto,nti->vnoi" if kind == "linear" else "vnto,nti->vnio"
-        rows = torch.einsum(pattern, gs, a3.to(gs.dtype))
-        return DenseBlock(rows.reshape(num_vectors * n, -1))
-    if kind == "embedding":
-        return DenseBlock(_embedding_rows(module, a, gs))
-    return DenseBlock((gs * _normalized(kind, module, a)[None]).sum(2)
-                      .reshape(num_vectors * n, width))
 
 
 def per_sample(a: Tensor, g: Tensor, n: int) -> Tuple[Tensor, Tensor]:
@@ -182,32 +105,6 @@ def per_sample(a: Tensor, g: Tensor, n: int) -> Tuple[Tensor, Tensor]:
             "backend cannot tell which rows belong to which sample.")
     return a.reshape(n, rows // n, *a.shape[1:]), g.reshape(g.shape[0], n, rows // n,
                                                               *g.shape[2:])
-
-
-def _embedding_rows(module: nn.Embedding, idx: Tensor, gs: Tensor) -> Tensor:
-    """``sum_t e_{idx_t} g_t^T`` per row, flat: ``(V N, num_embeddings * dim)``."""
-    num_vectors, n, positions, dim = gs.shape
-    idx = idx.reshape(n, positions)
-    if module.padding_idx is not None:  # its rows get no gradient
-        gs = gs * (idx != module.padding_idx)[None, :, :, None].to(gs.dtype)
-    offsets = idx + torch.arange(n, device=idx.device)[:, None] * module.num_embeddings
-    rows = gs.new_zeros(num_vectors, n * module.num_embeddings, dim)
-    rows.index_add_(1, offsets.reshape(-1), gs.reshape(num_vectors, n * positions, dim))
-    return rows.reshape(num_vectors * n, module.num_embeddings * dim)
-
-
-def _normalized(kind: str, module: nn.Module, a: Tensor) -> Tensor:
-    """A norm layer's input normalised (before its affine), ``(N, T, d)``."""
-    dims = module.weight.dim()
-    if kind == "layer_norm":
-        x = F.layer_norm(a, module.normalized_shape, None, None, module.eps)
-    else:
-        eps = getattr(module, "eps", None)
-        eps = getattr(module, "variance_epsilon", eps)
-        eps = torch.finfo(a.dtype).eps if eps is None else eps
-        axes = tuple(range(-dims, 0))
-        x = a * torch.rsqrt(a.pow(2).mean(axes, keepdim=True) + eps)
-    return x.reshape(a.shape[0], -1, module.weight.numel())
 
 
 class HooksEngine(EngineBase):
@@ -320,7 +217,7 @@ class HooksEngine(EngineBase):
         idx = torch.tensor(curv, device=outputs.device)
         grad = {}
         for name, (a_rows, g_loss, g_cols) in found.items():
-            module, kind = self._layers[name]
+            module, rule = self._layers[name]
             a, g = per_sample(a_rows, torch.stack(g_cols), n)
             if gradient:
                 g_loss = per_sample(a_rows, g_loss[None], n)[1][0]
@@ -332,10 +229,10 @@ class HooksEngine(EngineBase):
                     continue
                 grads = None
                 if gradient:
-                    grads = layer_block(kind, module, pname, a, g_loss[None])
+                    grads = rule.block(module, pname, a, g_loss[None])
                     # the rows' sum, B^T 1: a factored block is not expanded for it
                     grad[i] = grads.matmul(g_loss.new_ones(n, 1))[:, 0]
-                collector.add(i, layer_block(kind, module, pname, a_curv, g),
+                collector.add(i, rule.block(module, pname, a_curv, g),
                               grads if collector.batch_grad else None)
         return outputs, loss, grad
 
@@ -400,7 +297,7 @@ class HooksEngine(EngineBase):
             raise NotImplementedError(
                 f"The hooks backend's per-sample gradients differ from autograd's for "
                 f"{sorted(wrong)}: a trainable parameter is used outside its module, its "
-                "layer computes something else than the layer kind it looks like, or its "
+                "layer computes something else than the rule of its type assumes, or its "
                 "rows do not belong to the samples in order."
             )
 
@@ -409,11 +306,10 @@ class HooksEngine(EngineBase):
         """Per-sample gradient rows ``(n, d)`` of every parameter from pulled vectors."""
         ours = {}
         for name, g in zip(order, pulled):
-            module, kind = self._layers[name]
+            module, rule = self._layers[name]
             g = torch.zeros_like(record[name][1]) if g is None else g
             a, g = per_sample(record[name][0], g[None], n)
             for pname, param in module.named_parameters(recurse=False):
                 if param.requires_grad:
-                    ours[self._index[id(param)]] = \
-                        layer_block(kind, module, pname, a, g).to_dense()
+                    ours[self._index[id(param)]] = rule.block(module, pname, a, g).to_dense()
         return ours
