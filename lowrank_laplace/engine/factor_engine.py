@@ -115,8 +115,16 @@ class FactorEngine:
                 return cls(self.model, self.loss_func, self.eval_mode)
             except NotImplementedError as err:
                 if not self._candidates:
-                    raise
+                    raise self._refused_by_all(err) from err
                 self.rejected[cls.backend] = str(err)
+
+    def _refused_by_all(self, err: NotImplementedError) -> NotImplementedError:
+        """The last candidate's refusal, with the reasons of those passed over before."""
+        if not self.rejected:
+            return err
+        others = "; ".join(f"{name}: {why}" for name, why in self.rejected.items())
+        return NotImplementedError(f"{err} (No other backend takes the model either: "
+                                   f"{others})")
 
     @property
     def backpack_problem(self) -> Optional[str]:
@@ -150,8 +158,9 @@ class FactorEngine:
                 self._impl.probe(inputs, targets)
                 self._confirmed = True
             except NotImplementedError as err:
+                if not self._candidates:
+                    raise self._refused_by_all(err) from err
                 self._impl = self._next_backend(err)
-                self._confirmed = not self._candidates
         return self._impl
 
     @property

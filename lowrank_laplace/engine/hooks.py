@@ -133,7 +133,12 @@ class HooksEngine(EngineBase):
         return self.dense_param_count(largest=one_block) + sum(feature_sizes)
 
     def _record(self, names: List[str]) -> Tuple[Dict[str, Tuple[Tensor, Tensor]], list]:
-        """Forward hooks keeping each named layer's input and shifting its output."""
+        """Forward hooks keeping each named layer's input and shifting its output.
+
+        The caller removes them before any backward pass: a non-reentrant gradient
+        checkpoint recomputes its layers there, and the shifts of the forward pass
+        are the ones differentiated.
+        """
         record: Dict[str, Tuple[Tensor, Tensor]] = {}
 
         def hook_for(name):
@@ -142,6 +147,13 @@ class HooksEngine(EngineBase):
                     raise NotImplementedError(
                         f"Layer {name!r} runs more than once per forward pass: the hooks "
                         "backend needs each trainable layer called once.")
+                if not torch.is_grad_enabled():  # its shift would get no gradient
+                    raise NotImplementedError(
+                        f"Layer {name!r} runs with gradient tracking off (inside "
+                        "torch.utils.checkpoint(..., use_reentrant=True), or "
+                        "torch.no_grad()): the hooks backend cannot see its gradients. "
+                        "Ways out: checkpoint with use_reentrant=False (the hooks backend "
+                        "takes it), or freeze the layer (requires_grad_(False)).")
                 shift = torch.zeros_like(out, requires_grad=True)
                 record[name] = (args[0].detach(), shift)
                 return out + shift
@@ -267,32 +279,31 @@ class HooksEngine(EngineBase):
         try:
             with torch.enable_grad():
                 outputs = self._net(first)
-                checks.check_outputs(outputs)
-                if targets is None:  # any targets will do: the gradients are compared
-                    targets = outputs.detach().argmax(1) if isinstance(
-                        self.loss_func, nn.CrossEntropyLoss) else torch.zeros_like(outputs)
-                n = outputs.shape[0]
-                order = [name for name in self._layers if name in record]
-                shifts = [record[k][1] for k in order]
-                wrong = set()
-                for k in range(n):
-                    loss = self._loss(outputs[k:k + 1], targets[k:k + 1])
-                    exact = torch.autograd.grad(loss, list(params.values()), retain_graph=True,
-                                                allow_unused=True)
-                    pulled = torch.autograd.grad(loss, shifts, retain_graph=True,
-                                                 allow_unused=True)
-                    ours = self._rows(order, record, pulled, n, k)
-                    for (i, p), e in zip(params.items(), exact):
-                        e = torch.zeros_like(p).flatten() if e is None else e.flatten()
-                        o = ours.get(i, torch.zeros(n, e.numel(), dtype=e.dtype,
-                                                    device=e.device))
-                        target = torch.zeros_like(o)
-                        target[k] = e
-                        if float((o - target).norm()) > 1e-4 * float(e.norm()) + 1e-9:
-                            wrong.add(names[i])
         finally:
             for h in handles:
                 h.remove()
+        checks.check_outputs(outputs)
+        if targets is None:  # any targets will do: the gradients are compared
+            targets = outputs.detach().argmax(1) if isinstance(
+                self.loss_func, nn.CrossEntropyLoss) else torch.zeros_like(outputs)
+        n = outputs.shape[0]
+        order = [name for name in self._layers if name in record]
+        shifts = [record[k][1] for k in order]
+        wrong = set()
+        for k in range(n):
+            with torch.enable_grad():
+                loss = self._loss(outputs[k:k + 1], targets[k:k + 1])
+            exact = torch.autograd.grad(loss, list(params.values()), retain_graph=True,
+                                        allow_unused=True)
+            pulled = torch.autograd.grad(loss, shifts, retain_graph=True, allow_unused=True)
+            ours = self._rows(order, record, pulled, n, k)
+            for (i, p), e in zip(params.items(), exact):
+                e = torch.zeros_like(p).flatten() if e is None else e.flatten()
+                o = ours.get(i, torch.zeros(n, e.numel(), dtype=e.dtype, device=e.device))
+                target = torch.zeros_like(o)
+                target[k] = e
+                if float((o - target).norm()) > 1e-4 * float(e.norm()) + 1e-9:
+                    wrong.add(names[i])
         if wrong:
             raise NotImplementedError(
                 f"The hooks backend's per-sample gradients differ from autograd's for "

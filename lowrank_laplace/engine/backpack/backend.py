@@ -148,6 +148,58 @@ def checked_forward(model: nn.Module, inputs: Tensor) -> Tensor:
     return outputs
 
 
+def graph_problem(net: nn.Module, sample: Tensor) -> Optional[str]:
+    """What BackPACK's backward pass would miss, from one sample's forward and backward.
+
+    BackPACK reads every module's input and output in the forward pass and runs its
+    extensions in one backward pass. A module that runs with gradient tracking off
+    (inside ``torch.utils.checkpoint(..., use_reentrant=True)`` or ``torch.no_grad()``)
+    gives it nothing to backpropagate, and one that runs again in the backward pass (a
+    checkpoint recomputing it) overwrites what it read.
+
+    Args:
+        net: The extended network.
+        sample: One input sample, ``(1, ...)``.
+
+    Returns:
+        The first problem, or ``None``.
+
+    Raises:
+        RuntimeError: What the forward or backward pass raises otherwise (in-place
+            operations on BackPACK's views among them).
+    """
+    names = {m: n for n, m in net.named_modules()}
+    backward, problems = [False], []
+
+    def hook(module, args):
+        if backward[0]:
+            problems.append(f"module {names[module]!r} runs again in the backward pass "
+                            "(gradient checkpointing recomputes it)")
+        elif not torch.is_grad_enabled():
+            problems.append(f"module {names[module]!r} runs with gradient tracking off "
+                            "(torch.utils.checkpoint(..., use_reentrant=True), or "
+                            "torch.no_grad())")
+
+    handles = [m.register_forward_pre_hook(hook) for m in net.modules()
+               if not list(m.children())]
+    try:
+        out = net(sample)
+        backward[0] = True
+        params = [p for p in net.parameters() if p.requires_grad]
+        if isinstance(out, Tensor) and out.requires_grad and params:
+            with warnings.catch_warnings():  # BackPACK's hooks are installed but idle
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                torch.autograd.grad(out.sum(), params, allow_unused=True)
+    except RuntimeError as err:
+        if not problems and "checkpoint" not in str(err):
+            raise
+        problems.append(f"gradient checkpointing ({err})")
+    finally:
+        for h in handles:
+            h.remove()
+    return problems[0] if problems else None
+
+
 class BackpackEngine(EngineBase):
     """The BackPACK backend of :class:`~lowrank_laplace.engine.FactorEngine`.
 
@@ -210,7 +262,7 @@ class BackpackEngine(EngineBase):
         self._handles = CTX.hook_handles[num_handles:]
         with torch.enable_grad(), torch.random.fork_rng(devices=devices):
             try:  # BackPACK's module hooks return views that in-place operations break
-                self._net(inputs[:1])
+                problem = graph_problem(self._net, inputs[:1])
             except RuntimeError as err:
                 if "inplace" not in str(err):
                     raise
@@ -220,6 +272,13 @@ class BackpackEngine(EngineBase):
                     "layer output, which BackPACK's hooks cannot take: the hooks and "
                     "functorch backends can (backend='auto')."
                 ) from err
+        if problem is not None:
+            self.close()
+            raise NotImplementedError(
+                f"BackPACK cannot compute this model's GGN factor: {problem}. Ways out: "
+                "backend='auto' (the hooks backend takes non-reentrant checkpointing, "
+                "use_reentrant=False), or fit without checkpointing."
+            )
 
     def _converted(self, sample: Tensor, problem: NotImplementedError) -> nn.Module:
         """The model rewritten into BackPACK modules, checked on one sample.
