@@ -9,8 +9,10 @@ matrices, kept blocks, ``V y``, ``V^T x``, diagonals, cross terms with the
 per-sample gradients) and frees what is not kept, so the Gram, merge and predictive
 code never knows which backend ran.
 
-Every backend works on a private copy of the model (without the user's hooks), into
-which the user's parameter values, buffers and modes are copied before each pass.
+Every backend works on a private copy of the model
+(:func:`~lowrank_laplace.engine.model_copy.private_copy`: with the user's forward hooks
+and pre-hooks, which are part of the function it computes, without backward hooks),
+into which the user's parameter values, buffers and modes are copied before each pass.
 
 Shape glossary:
     N: batch size; N_S: curvature samples; C: outputs; M: columns of ``V``.
@@ -25,39 +27,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from lowrank_laplace.engine.model_copy import private_copy
 from lowrank_laplace.engine.request import Collector, Request
 from lowrank_laplace.factor import GGNFactor, factor_columns
 from lowrank_laplace.utils import batches, checks
-
-_HOOK_DICTS = (
-    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
-    "_backward_pre_hooks", "_is_full_backward_hook",
-)
-
-
-def private_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of the model without the hooks registered on its modules.
-
-    The engine's internal passes must not run the user's forward or backward hooks
-    (they would fire once per pass and see internal inputs). Global hooks
-    (``torch.nn.modules.module.register_module_forward_hook``) still apply.
-
-    Args:
-        model: The user's network (unchanged).
-
-    Returns:
-        The copy.
-    """
-    clone = copy.deepcopy(model)
-    for module in clone.modules():
-        for name in _HOOK_DICTS:
-            hooks = getattr(module, name, None)
-            if isinstance(hooks, dict):
-                hooks.clear()
-            elif name == "_is_full_backward_hook" and hooks is not None:
-                module._is_full_backward_hook = None
-    return clone
 
 
 class EngineBase:

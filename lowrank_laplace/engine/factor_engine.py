@@ -71,10 +71,12 @@ def check_backend(backend: str) -> str:
 class FactorEngine:
     """Computes :class:`GGNFactor` objects for a model without touching it.
 
-    The engine works on a private copy of the model (without the user's hooks) and
-    copies the user's current parameter values, buffers and modes into it before
-    every computation; the user's model keeps its parameters, mode,
-    ``requires_grad`` flags and hooks, and gets no new ones.
+    The engine works on a private copy of the model (with the user's forward hooks
+    and pre-hooks, part of the function, and without backward hooks: see
+    :func:`~lowrank_laplace.engine.model_copy.private_copy`) and copies the user's current
+    parameter values, buffers and modes into it before every computation; the user's
+    model keeps its parameters, mode, ``requires_grad`` flags and hooks, and gets no
+    new ones.
 
     Args:
         model: The network; its output must have shape ``(N, C)``.

@@ -244,7 +244,9 @@ class FuncEngine(EngineBase):
                         for alias in names}
                 full.update(fixed)
                 inputs_of = {}
-                handles = [module.register_forward_hook(_shift_hook(name, delta, inputs_of))
+                # before the user's forward hooks, which act on the shifted output
+                handles = [module.register_forward_hook(_shift_hook(name, delta, inputs_of),
+                                                        prepend=True)
                            for name, module in factored.items()]
                 try:
                     with _plain_rnn(self._has_rnn):

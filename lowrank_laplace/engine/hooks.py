@@ -159,7 +159,9 @@ class HooksEngine(EngineBase):
                 return out + shift
             return hook
 
-        handles = [self._layers[name][0].register_forward_hook(hook_for(name))
+        # before the user's forward hooks: the shift is the layer's own output's, and
+        # what their hooks make of it is part of the function
+        handles = [self._layers[name][0].register_forward_hook(hook_for(name), prepend=True)
                    for name in names]
         return record, handles
 

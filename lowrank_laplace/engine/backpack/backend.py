@@ -38,6 +38,7 @@ from lowrank_laplace.engine.backpack.extensions import (
     supported_modules,
 )
 from lowrank_laplace.engine.base import EngineBase
+from lowrank_laplace.engine.model_copy import function_hooks
 from lowrank_laplace.engine.request import Collector
 from lowrank_laplace.factor.blocks import Block, DenseBlock, KronBlock
 from lowrank_laplace.utils import checks
@@ -234,7 +235,8 @@ class BackpackEngine(EngineBase):
 
         Raises:
             NotImplementedError: If BackPACK cannot handle the forward pass (layers
-                it does not know, dict batches, in-place operations on layer outputs).
+                it does not know, dict batches, in-place operations on layer outputs,
+                forward hooks that change the function, gradient checkpointing).
         """
         if self._handles is not None:
             return
@@ -245,11 +247,23 @@ class BackpackEngine(EngineBase):
             )
         self._sync()
         devices = [inputs.device] if inputs.device.type == "cuda" else []
+        problem = None
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            try:
-                checked_forward(self._copy, inputs[:1])
-            except NotImplementedError as err:
-                self._net = self._converted(inputs[:1], err)
+            with function_hooks(self._copy) as found:
+                try:
+                    checked_forward(self._copy, inputs[:1])
+                except NotImplementedError as err:
+                    problem = err
+        if found:
+            raise NotImplementedError(
+                f"Module {found[0]!r} has forward hooks or pre-hooks that are part of the "
+                "model's function (they change its output, its input or its attributes, "
+                "as torch.nn.utils.prune and weight_norm do): BackPACK's layer "
+                "derivatives do not see them. The hooks and functorch backends run them "
+                "(backend='auto')."
+            )
+        if problem is not None:
+            self._net = self._converted(inputs[:1], problem)
         num_handles = len(CTX.hook_handles)
         for module in self._net.modules():  # containers are traced through, not hooked
             # a user model extended elsewhere (e.g. by laplace-torch's BackPACK backend)
