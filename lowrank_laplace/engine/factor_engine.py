@@ -152,9 +152,8 @@ class FactorEngine:
         if self._closed:
             raise RuntimeError("The engine is closed: create a new FactorEngine.")
         checks.check_batch(inputs, targets)
-        if not self._independence_checked:
-            self._impl.check_independent(inputs)
-            self._independence_checked = True
+        if not self._independence_checked:  # until a batch has two distinct samples
+            self._independence_checked = self._impl.check_independent(inputs)
         while not self._confirmed:
             try:
                 self._impl.probe(inputs, targets)
