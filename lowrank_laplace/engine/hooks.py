@@ -16,11 +16,13 @@ a linear weight over the positions ``t`` of a token model (kept factored as
 the expanded row is the smaller). The loss gradient's pass gives the mini-batch and
 per-sample gradients the same way.
 
-A check on the first batch guards what this relies on: the gradients from the layer
-rules must equal autograd's (a trainable parameter used outside its module, or a
-norm whose formula differs raise ``NotImplementedError``, so ``backend='auto'`` moves
-on to the torch.func backend). That samples are independent in the forward pass,
-which every backend needs, :class:`~lowrank_laplace.engine.FactorEngine` checks.
+A check on the first batch guards what this relies on: the per-sample gradients of two
+samples (distinct where the batch has them) from the layer rules must equal
+autograd's (a trainable parameter used outside its module, a norm whose formula
+differs, or a layer whose rows are not grouped by sample raise
+``NotImplementedError``, so ``backend='auto'`` moves on to the torch.func backend).
+That samples are independent in the forward pass, which every backend needs,
+:class:`~lowrank_laplace.engine.FactorEngine` checks.
 
 Shape glossary:
     N: batch size; N_S: curvature samples; T: positions per sample (1 without a token
@@ -34,7 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from lowrank_laplace.engine.base import EngineBase
+from lowrank_laplace.engine.base import EngineBase, distinct_sample
 from lowrank_laplace.engine.hooks_rules import LayerRule, rule_for, supported_parameters
 from lowrank_laplace.engine.request import Collector
 from lowrank_laplace.factor.loss_sqrt import hessian_sqrt
@@ -251,7 +253,7 @@ class HooksEngine(EngineBase):
         return outputs, loss, grad
 
     def probe(self, inputs: Any, targets: Optional[Tensor] = None) -> None:
-        """Check on the first samples that the layer formulas give autograd's gradient.
+        """Check on two samples that the layer rules give autograd's per-sample gradients.
 
         See :meth:`~lowrank_laplace.engine.base.EngineBase.probe` for the contract.
 
@@ -263,17 +265,22 @@ class HooksEngine(EngineBase):
         self._sync()
         n = batches.batch_size(inputs)
         device = batches.batch_device(inputs)
-        first = batches.take(inputs, slice(0, min(n, 2)), n)
-        y = None if targets is None else targets[: min(n, 2)]
+        # two samples, distinct where the batch has them; a one-sample batch's sample
+        # twice: each sample's rows must be found among the rows of two
+        j = distinct_sample(inputs, n)
+        pair = [0, j if j is not None else min(1, n - 1)]
+        first = batches.take(inputs, pair, n)
+        y = None if targets is None else targets[pair]
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             self._check_gradients(first, y)
         self._probed = True
 
     def _check_gradients(self, first: Any, targets: Optional[Tensor]) -> None:
-        """Each of the first samples' gradients from the layer formulas equals autograd's.
+        """Each of two samples' gradients from the layer rules equals autograd's.
 
         Per sample (not summed), so that a layer whose rows belong to the samples in
-        another order than assumed is caught too.
+        another order than assumed (a sequence-first layer) is caught too; two
+        samples, so that the grouping of rows is tested even on one-sample batches.
         """
         params = {i: p for i, p in enumerate(self._copy_params) if p.requires_grad}
         names = [n for n, _ in self._copy.named_parameters()]

@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import lowrank_laplace as ll
+from lowrank_laplace.engine import FactorEngine
 from tests import reference as ref
 
 TOL = dict(rtol=1e-8, atol=1e-10)
@@ -101,3 +102,34 @@ def test_backpack_refuses_checkpointing_before_any_pass(reentrant):
     plain = nn.Sequential(model.inp, model.block, model.head)
     torch.testing.assert_close(res.eigenvectors @ torch.diag(res.eigenvalues)
                                @ res.eigenvectors.T, ref.ggn(plain, loss_func, X, y), **TOL)
+
+
+class SequenceFirst(nn.Module):
+    """A trainable ``Linear`` on ``(T, N, d)``: its rows are positions, not samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x):  # x: (N, T, d)
+        h = torch.tanh(self.lin(x.transpose(0, 1)))  # (T, N, d)
+        return self.head(h.mean(0))
+
+
+def test_a_one_sample_first_batch_does_not_hide_rows_split_wrongly():
+    """The gradient check runs on two samples even when the first batch holds one."""
+    torch.manual_seed(0)
+    model = SequenceFirst().double()
+    X, y = torch.randn(5, 4, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    loss_func = nn.CrossEntropyLoss(reduction="sum")
+    with FactorEngine(model, loss_func) as engine:
+        engine.compute(X[:1], y[:1])
+        factor = engine.compute(X[1:], y[1:])
+        assert engine.backend == "functorch"
+        assert "differ from autograd's for ['lin.bias', 'lin.weight']" in \
+            engine.rejected["hooks"]
+    V = factor.matmul(torch.eye(factor.num_columns, dtype=torch.float64))
+    torch.testing.assert_close(V @ V.T, ref.ggn(model, loss_func, X[1:], y[1:]), **TOL)
+    with pytest.raises(NotImplementedError, match="differ from autograd's"):
+        with FactorEngine(model, loss_func, backend="hooks") as engine:
+            engine.compute(X[:1], y[:1])
