@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List
 
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
@@ -22,6 +22,17 @@ from torch.utils._pytree import tree_flatten
 _BACKWARD_HOOK_DICTS = ("_backward_hooks", "_backward_pre_hooks")
 #: Where a module keeps its forward hooks and pre-hooks: part of the function, kept.
 _FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+
+
+#: Module options that change how the backward pass forms gradients, not the function
+#: the module computes: the copy takes the neutral value, so that every backend
+#: computes the function's GGN and gradients. ``scale_grad_by_freq`` divides an
+#: embedding row's gradient by its token's count in the mini-batch (an optimiser
+#: heuristic that forward-mode derivatives do not see).
+BACKWARD_OPTIONS: Dict[type, Dict[str, Any]] = {
+    nn.Embedding: {"scale_grad_by_freq": False},
+    nn.EmbeddingBag: {"scale_grad_by_freq": False},
+}
 
 
 def private_copy(model: nn.Module) -> nn.Module:
@@ -35,7 +46,8 @@ def private_copy(model: nn.Module) -> nn.Module:
     ``extend`` (on a model extended by laplace-torch's BackPACK backend), which are
     machinery. Global hooks (``torch.nn.modules.module.register_module_forward_hook``)
     still apply. Tensors a pre-hook computed from parameters (a pruned ``weight``)
-    are copied detached: the pre-hook computes them anew on the copy.
+    are copied detached: the pre-hook computes them anew on the copy. Options of the
+    backward pass only take their neutral values (:data:`BACKWARD_OPTIONS`).
 
     Args:
         model: The user's network (unchanged).
@@ -58,6 +70,10 @@ def private_copy(model: nn.Module) -> nn.Module:
                 del hooks[key]
         if getattr(module, "_is_full_backward_hook", None) is not None:
             module._is_full_backward_hook = None
+        for cls, options in BACKWARD_OPTIONS.items():
+            if isinstance(module, cls):
+                for name, value in options.items():
+                    setattr(module, name, value)
     return clone
 
 
