@@ -9,6 +9,10 @@ module it knows, each called once, and each parameter owned by one module: model
 outside that class go to the torch.func backend (:mod:`~lowrank_laplace.engine.functorch`).
 This is the only module that imports BackPACK besides its extensions.
 
+Threads: BackPACK's state during a backward pass is process-wide, so the BackPACK
+passes of engines in several threads take turns (one lock); the hooks and torch.func
+backends run side by side.
+
 Sub-sampling: with ``subsampling=S`` the curvature is that of the loss evaluated on
 the samples ``S`` only, with the loss's own reduction (``1/|S|`` for ``'mean'``),
 while gradients still use the whole batch.
@@ -20,7 +24,9 @@ Shape glossary:
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 import warnings
 from collections.abc import MutableMapping
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -44,6 +50,31 @@ from lowrank_laplace.factor.blocks import Block, DenseBlock, KronBlock
 from lowrank_laplace.utils import checks
 
 _ADAPTIVE_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
+
+#: BackPACK keeps a backward pass's state in process-wide globals (``CTX``: the active
+#: extensions, the extension hook, the installed hooks), and its hooks on an extended
+#: module run whatever extensions are active in any thread. Every backward pass through
+#: an extended network and every change to the installed hooks holds this lock, so
+#: engines in several threads wait for each other's BackPACK passes (a lock changes no
+#: answer). Re-entrant: a probe that fails closes the engine.
+_BACKPACK_LOCK = threading.RLock()
+
+
+def serialized(method):
+    """Run a method of :class:`BackpackEngine` holding the lock on BackPACK's globals.
+
+    Args:
+        method: The method.
+
+    Returns:
+        The method, locked.
+    """
+    @functools.wraps(method)
+    def locked(*args, **kwargs):
+        with _BACKPACK_LOCK:
+            return method(*args, **kwargs)
+
+    return locked
 
 
 def check_model(model: nn.Module, supported: Sequence[type]) -> None:
@@ -223,6 +254,7 @@ class BackpackEngine(EngineBase):
         checks.check_batchnorm_mode(model, eval_mode)
         check_model(model, supported_modules())
 
+    @serialized
     def probe(self, inputs: Any, targets: Optional[Tensor] = None) -> None:
         """Check the forward pass on one sample, then install BackPACK's hooks.
 
@@ -349,6 +381,7 @@ class BackpackEngine(EngineBase):
         # expanded blocks plus the backpropagated vectors at the widest layer output
         return self.dense_param_count(largest=one_block) + 2 * max(feature_sizes)
 
+    @serialized
     def close(self) -> None:
         """Remove every BackPACK hook the engine installed."""
         handles = self._handles or []
@@ -359,11 +392,13 @@ class BackpackEngine(EngineBase):
         self._handles = []
         super().close()
 
+    @serialized
     def _autograd(self, loss: Tensor, params: List[Tensor]):
         with warnings.catch_warnings():  # BackPACK's hooks are installed but idle
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             return torch.autograd.grad(loss, params, allow_unused=True)
 
+    @serialized
     def _pass(self, inputs: Tensor, targets: Optional[Tensor], mc_samples: int,
               subsampling: Optional[List[int]], collector: Collector
               ) -> Tuple[Tensor, Tensor, Dict[int, Tensor]]:
