@@ -53,6 +53,7 @@ class EngineBase:
 
     def __init__(self, model: nn.Module, loss_func: nn.Module, eval_mode: bool = False):
         checks.check_loss_func(loss_func)
+        checks.check_model_runs(model)
         self._check_model(model, eval_mode)
         self.eval_mode = eval_mode
         self.model = model

@@ -28,10 +28,11 @@ _FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
 #: the module computes: the copy takes the neutral value, so that every backend
 #: computes the function's GGN and gradients. ``scale_grad_by_freq`` divides an
 #: embedding row's gradient by its token's count in the mini-batch (an optimiser
-#: heuristic that forward-mode derivatives do not see).
+#: heuristic that forward-mode derivatives do not see); ``sparse`` gives the gradient
+#: as a sparse tensor.
 BACKWARD_OPTIONS: Dict[type, Dict[str, Any]] = {
-    nn.Embedding: {"scale_grad_by_freq": False},
-    nn.EmbeddingBag: {"scale_grad_by_freq": False},
+    nn.Embedding: {"scale_grad_by_freq": False, "sparse": False},
+    nn.EmbeddingBag: {"scale_grad_by_freq": False, "sparse": False},
 }
 
 

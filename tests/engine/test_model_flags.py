@@ -1,6 +1,8 @@
 """Module options that change how gradients are formed but not the function the model
 computes (``Embedding(scale_grad_by_freq=True)``, ``sparse=True``) do not change its GGN:
-every backend computes the function's GGN, against a dense float64 reference."""
+every backend computes the function's GGN, against a dense float64 reference. Models no
+backend can run (scripted, on the meta device) are refused before any work; a trainable
+layer that is computed but unused gets its zero block."""
 
 import pytest
 import torch
@@ -37,7 +39,7 @@ def test_scale_grad_by_freq_changes_the_gradient_not_the_function():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("option", ["scale_grad_by_freq"])
+@pytest.mark.parametrize("option", ["scale_grad_by_freq", "sparse"])
 def test_embedding_options_of_the_backward_pass_keep_the_functions_ggn(option, backend):
     model, X, y = _tokens(**{option: True})
     loss_func = nn.CrossEntropyLoss()
@@ -51,3 +53,58 @@ def test_embedding_options_of_the_backward_pass_keep_the_functions_ggn(option, b
                                      backend=backend)
     torch.testing.assert_close(grad, expected, **TOL)
     assert getattr(model[0], option)  # the user's model keeps its option
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+
+
+def _data():
+    torch.manual_seed(1)
+    return torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("compile_with", ["script", "trace"])
+def test_scripted_models_are_refused_before_any_work(compile_with, backend):
+    X, y = _data()
+    model = torch.jit.script(_mlp()) if compile_with == "script" else \
+        torch.jit.trace(_mlp(), X)
+    with pytest.raises(TypeError, match=r"TorchScript module .*pass the nn.Module"):
+        ll.ggn_eigh(model, nn.CrossEntropyLoss(), X, y, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_meta_tensors_are_refused_before_any_work(backend):
+    X, y = _data()
+    with pytest.raises(ValueError, match="inputs are on the meta device"):
+        ll.ggn_eigh(_mlp(), nn.CrossEntropyLoss(), X.to("meta"), y, backend=backend)
+    with pytest.raises(ValueError, match="targets are on the meta device"):
+        ll.ggn_eigh(_mlp(), nn.CrossEntropyLoss(), X, y.to("meta"), backend=backend)
+    with pytest.raises(ValueError, match=r"parameters are on the meta device \(0.weight"):
+        ll.ggn_eigh(_mlp().to("meta"), nn.CrossEntropyLoss(), X, y, backend=backend)
+
+
+class Unused(nn.Module):
+    """A trainable layer whose output the model computes and drops."""
+
+    def __init__(self):
+        super().__init__()
+        self.seq, self.unused = _mlp(), nn.Linear(3, 4).double()
+
+    def forward(self, x):
+        self.unused(x)
+        return self.seq(x)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_computed_but_unused_layer_gets_zero_blocks(backend):
+    model, (X, y) = Unused(), _data()
+    loss_func = nn.CrossEntropyLoss()
+    res = ll.ggn_eigh(model, loss_func, X, y, top_k=None, backend=backend)
+    assert res.backend == ("backpack" if backend == "auto" else backend)
+    G = ref.ggn(model, loss_func, X, y)
+    assert torch.count_nonzero(G[-16:]) == 0 and G.trace() > 0
+    torch.testing.assert_close(res.eigenvectors @ torch.diag(res.eigenvalues)
+                               @ res.eigenvectors.T, G, **TOL)

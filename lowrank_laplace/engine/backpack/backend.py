@@ -46,6 +46,7 @@ from lowrank_laplace.engine.backpack.extensions import (
 from lowrank_laplace.engine.base import EngineBase
 from lowrank_laplace.engine.model_copy import function_hooks
 from lowrank_laplace.engine.request import Collector
+from lowrank_laplace.factor import factor_columns
 from lowrank_laplace.factor.blocks import Block, DenseBlock, KronBlock
 from lowrank_laplace.utils import checks
 
@@ -180,21 +181,23 @@ def checked_forward(model: nn.Module, inputs: Tensor) -> Tensor:
     return outputs
 
 
-def graph_problem(net: nn.Module, sample: Tensor) -> Optional[str]:
+def probe_graph(net: nn.Module, sample: Tensor) -> Tuple[Optional[str], List[Tensor]]:
     """What BackPACK's backward pass would miss, from one sample's forward and backward.
 
     BackPACK reads every module's input and output in the forward pass and runs its
     extensions in one backward pass. A module that runs with gradient tracking off
     (inside ``torch.utils.checkpoint(..., use_reentrant=True)`` or ``torch.no_grad()``)
     gives it nothing to backpropagate, and one that runs again in the backward pass (a
-    checkpoint recomputing it) overwrites what it read.
+    checkpoint recomputing it) overwrites what it read. A trainable parameter the
+    output does not depend on (a layer computed but unused) gets no block from it.
 
     Args:
         net: The extended network.
         sample: One input sample, ``(1, ...)``.
 
     Returns:
-        The first problem, or ``None``.
+        The first problem (or ``None``), and the trainable parameters the output does
+        not depend on.
 
     Raises:
         RuntimeError: What the forward or backward pass raises otherwise (in-place
@@ -214,14 +217,15 @@ def graph_problem(net: nn.Module, sample: Tensor) -> Optional[str]:
 
     handles = [m.register_forward_pre_hook(hook) for m in net.modules()
                if not list(m.children())]
+    params = [p for p in net.parameters() if p.requires_grad]
+    grads = [None] * len(params)
     try:
         out = net(sample)
         backward[0] = True
-        params = [p for p in net.parameters() if p.requires_grad]
         if isinstance(out, Tensor) and out.requires_grad and params:
             with warnings.catch_warnings():  # BackPACK's hooks are installed but idle
                 warnings.filterwarnings("ignore", message="Full backward hook is firing")
-                torch.autograd.grad(out.sum(), params, allow_unused=True)
+                grads = torch.autograd.grad(out.sum(), params, allow_unused=True)
     except RuntimeError as err:
         if not problems and "checkpoint" not in str(err):
             raise
@@ -229,7 +233,8 @@ def graph_problem(net: nn.Module, sample: Tensor) -> Optional[str]:
     finally:
         for h in handles:
             h.remove()
-    return problems[0] if problems else None
+    return (problems[0] if problems else None,
+            [p for p, g in zip(params, grads) if g is None])
 
 
 class BackpackEngine(EngineBase):
@@ -249,6 +254,9 @@ class BackpackEngine(EngineBase):
     def __init__(self, model: nn.Module, loss_func: nn.Module, eval_mode: bool = False):
         super().__init__(model, loss_func, eval_mode)
         self._handles = None  # BackPACK hooks, installed at the first pass
+        #: Trainable parameters the output does not depend on (found by the probe):
+        #: BackPACK gives them no block, their blocks are zero.
+        self._unused: set = set()
 
     def _check_model(self, model: nn.Module, eval_mode: bool) -> None:
         checks.check_batchnorm_mode(model, eval_mode)
@@ -308,7 +316,7 @@ class BackpackEngine(EngineBase):
         self._handles = CTX.hook_handles[num_handles:]
         with torch.enable_grad(), torch.random.fork_rng(devices=devices):
             try:  # BackPACK's module hooks return views that in-place operations break
-                problem = graph_problem(self._net, inputs[:1])
+                problem, unused = probe_graph(self._net, inputs[:1])
             except RuntimeError as err:
                 if "inplace" not in str(err):
                     raise
@@ -318,6 +326,7 @@ class BackpackEngine(EngineBase):
                     "layer output, which BackPACK's hooks cannot take: the hooks and "
                     "functorch backends can (backend='auto')."
                 ) from err
+        self._unused = {self._index[id(p)] for p in unused if id(p) in self._index}
         if problem is not None:
             self.close()
             raise NotImplementedError(
@@ -438,6 +447,12 @@ class BackpackEngine(EngineBase):
                     loss.backward()
             finally:
                 torch.set_default_dtype(default_dtype)
+        num_vectors = factor_columns(self.loss_func, outputs.shape, mc_samples)
+        for i in self._unused.intersection(collector.missing()):
+            size = self._copy_params[i].numel()
+            collector.add(i, DenseBlock(outputs.new_zeros(num_vectors * n_curv, size)),
+                          DenseBlock(outputs.new_zeros(n, size)) if collector.batch_grad
+                          else None)
         grad = {}
         for i in collector.group_of:
             p = self._copy_params[i]
