@@ -29,7 +29,7 @@ import math
 import threading
 import warnings
 from collections.abc import MutableMapping
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from backpack import backpack, extend
@@ -61,7 +61,7 @@ _ADAPTIVE_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPoo
 _BACKPACK_LOCK = threading.RLock()
 
 
-def serialized(method):
+def serialized(method: Callable[..., Any]) -> Callable[..., Any]:
     """Run a method of :class:`BackpackEngine` holding the lock on BackPACK's globals.
 
     Args:
