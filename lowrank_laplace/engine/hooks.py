@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from lowrank_laplace.engine.base import EngineBase, distinct_sample
 from lowrank_laplace.engine.hooks_rules import LayerRule, rule_for, supported_parameters
 from lowrank_laplace.engine.request import Collector
+from lowrank_laplace.engine.rng import rng_state, set_rng_state
 from lowrank_laplace.factor.loss_sqrt import hessian_sqrt
 from lowrank_laplace.utils import batches, checks
 
@@ -80,31 +81,39 @@ def trainable_layers(model: nn.Module) -> Dict[str, Tuple[nn.Module, LayerRule]]
     return layers
 
 
-def per_sample(a: Tensor, g: Tensor, n: int) -> Tuple[Tensor, Tensor]:
+def per_sample(a: Tensor, g: Tensor, n: int, name: str) -> Tuple[Tensor, Tensor]:
     """A layer's input and vectors with the samples' rows grouped per sample.
 
     A layer may see several rows per sample (a pairwise reward model reshapes
     ``(B, 2, d)`` inputs to ``(2 B, d)``): rows ``k n .. k n + k - 1`` are taken to be
     sample ``n``'s, as a reshape gives; the first batch's gradient check confirms it.
+    A layer may also see one row shared by all samples (BERT looks its position
+    embeddings up once for the batch, and the result broadcasts): its output's shift
+    then has a row per sample, so each sample's vectors at the shared row are its own,
+    and the input is the same for every sample.
 
     Args:
         a: The layer's input, ``(N', ...)``.
-        g: Its output vectors, ``(V, N', ...)``.
-        n: Samples ``N`` of the batch (``N'`` a multiple of it).
+        g: Its output vectors, ``(V, N', ...)`` (``(V, N, ...)`` for a shared row).
+        n: Samples ``N`` of the batch (``N'`` a multiple of it, or 1).
+        name: The layer's name, for the message.
 
     Returns:
         ``a`` as ``(N, ...)`` and ``g`` as ``(V, N, ...)`` (positions merged).
 
     Raises:
-        NotImplementedError: If ``N'`` is not a multiple of ``N``.
+        NotImplementedError: If ``N'`` is neither a multiple of ``N`` nor 1.
     """
+    if a.shape[0] == 1 and g.shape[1] == n:
+        a = a.expand(n, *a.shape[1:])
     rows = a.shape[0]
     if rows == n:
         return a, g
     if rows % n:
         raise NotImplementedError(
-            f"A trainable layer sees {rows} rows for a batch of {n} samples: the hooks "
-            "backend cannot tell which rows belong to which sample.")
+            f"Layer {name!r} sees {rows} rows for a batch of {n} samples: the hooks "
+            "backend cannot tell which rows belong to which sample (rows must be "
+            "grouped by sample, or one row shared by all).")
     return a.reshape(n, rows // n, *a.shape[1:]), g.reshape(g.shape[0], n, rows // n,
                                                               *g.shape[2:])
 
@@ -134,12 +143,15 @@ class HooksEngine(EngineBase):
         # expanded blocks plus the vectors at every layer output of a backward pass
         return self.dense_param_count(largest=one_block) + sum(feature_sizes)
 
-    def _record(self, names: List[str]) -> Tuple[Dict[str, Tuple[Tensor, Tensor]], list]:
+    def _record(self, names: List[str], n: int
+                ) -> Tuple[Dict[str, Tuple[Tensor, Tensor]], list]:
         """Forward hooks keeping each named layer's input and shifting its output.
 
-        The caller removes them before any backward pass: a non-reentrant gradient
-        checkpoint recomputes its layers there, and the shifts of the forward pass
-        are the ones differentiated.
+        An output with one row for a batch of ``n > 1`` samples (a lookup shared by
+        the batch, broadcast later) gets a shift with a row per sample, so that each
+        sample's vectors there stay apart. The caller removes the hooks before any
+        backward pass: a non-reentrant gradient checkpoint recomputes its layers
+        there, and the shifts of the forward pass are the ones differentiated.
         """
         record: Dict[str, Tuple[Tensor, Tensor]] = {}
 
@@ -156,7 +168,10 @@ class HooksEngine(EngineBase):
                         "torch.no_grad()): the hooks backend cannot see its gradients. "
                         "Ways out: checkpoint with use_reentrant=False (the hooks backend "
                         "takes it), or freeze the layer (requires_grad_(False)).")
-                shift = torch.zeros_like(out, requires_grad=True)
+                if out.shape[0] == 1 and n > 1:  # shared by the samples: one row each
+                    shift = out.new_zeros(n, *out.shape[1:], requires_grad=True)
+                else:
+                    shift = torch.zeros_like(out, requires_grad=True)
                 record[name] = (args[0].detach(), shift)
                 return out + shift
             return hook
@@ -175,7 +190,7 @@ class HooksEngine(EngineBase):
         ``columns(outputs)`` gives the grad-outputs ``(V, N, C)`` of the curvature
         passes (or ``None``); ``gradient=False`` skips the loss's backward pass.
         """
-        record, handles = self._record(names)
+        record, handles = self._record(names, batches.batch_size(inputs))
         try:
             with torch.enable_grad():
                 outputs, loss = self._forward_loss(inputs, targets)
@@ -234,9 +249,9 @@ class HooksEngine(EngineBase):
         grad = {}
         for name, (a_rows, g_loss, g_cols) in found.items():
             module, rule = self._layers[name]
-            a, g = per_sample(a_rows, torch.stack(g_cols), n)
+            a, g = per_sample(a_rows, torch.stack(g_cols), n, name)
             if gradient:
-                g_loss = per_sample(a_rows, g_loss[None], n)[1][0]
+                g_loss = per_sample(a_rows, g_loss[None], n, name)[1][0]
             g = g[:, idx] if subsampling is not None else g
             a_curv = a if subsampling is None else a[idx]
             for pname, param in module.named_parameters(recurse=False):
@@ -284,14 +299,7 @@ class HooksEngine(EngineBase):
         """
         params = {i: p for i, p in enumerate(self._copy_params) if p.requires_grad}
         names = [n for n, _ in self._copy.named_parameters()]
-        record, handles = self._record(list(self._layers))
-        try:
-            with torch.enable_grad():
-                outputs = self._net(first)
-        finally:
-            for h in handles:
-                h.remove()
-        checks.check_outputs(outputs)
+        outputs, record = self._hooked_forward(first)
         if targets is None:  # any targets will do: the gradients are compared
             targets = outputs.detach().argmax(1) if isinstance(
                 self.loss_func, nn.CrossEntropyLoss) else torch.zeros_like(outputs)
@@ -321,6 +329,40 @@ class HooksEngine(EngineBase):
                 "rows do not belong to the samples in order."
             )
 
+    def _hooked_forward(self, first: Any) -> Tuple[Tensor, Dict[str, Tuple[Tensor, Tensor]]]:
+        """The forward pass with the engine's hooks, checked against the plain one.
+
+        The hooks shift the trainable layers' outputs by zeros (with a row per sample
+        where an output is shared by the samples): the model must compute what it
+        computes without them, with the same random draws.
+        """
+        device = batches.batch_device(first)
+        state = rng_state(device)
+        with torch.no_grad():
+            plain = self._net(first)
+        checks.check_outputs(plain)
+        set_rng_state(state, device)
+        record, handles = self._record(list(self._layers), batches.batch_size(first))
+        try:
+            with torch.enable_grad():
+                outputs = self._net(first)
+        except NotImplementedError:  # a refusal of the hooks, already explained
+            raise
+        except (RuntimeError, ValueError, IndexError) as err:
+            raise NotImplementedError(
+                f"The model fails with the hooks backend's zero shifts on its trainable "
+                f"layers' outputs ({type(err).__name__}: {err}): a layer's output is "
+                "used in a way that depends on its shape.") from err
+        finally:
+            for h in handles:
+                h.remove()
+        if outputs.shape != plain.shape or not torch.allclose(outputs.detach(), plain):
+            raise NotImplementedError(
+                "The model computes other outputs with the hooks backend's zero shifts on "
+                "its trainable layers' outputs: a layer's output is used in a way that "
+                "depends on its shape.")
+        return outputs, record
+
     def _rows(self, order: List[str], record: dict, pulled: tuple, n: int, k: int
               ) -> Dict[int, Tensor]:
         """Per-sample gradient rows ``(n, d)`` of every parameter from pulled vectors."""
@@ -328,7 +370,7 @@ class HooksEngine(EngineBase):
         for name, g in zip(order, pulled):
             module, rule = self._layers[name]
             g = torch.zeros_like(record[name][1]) if g is None else g
-            a, g = per_sample(record[name][0], g[None], n)
+            a, g = per_sample(record[name][0], g[None], n, name)
             for pname, param in module.named_parameters(recurse=False):
                 if param.requires_grad:
                     ours[self._index[id(param)]] = rule.block(module, pname, a, g).to_dense()
