@@ -310,9 +310,9 @@ class HooksEngine(EngineBase):
         for k in range(n):
             with torch.enable_grad():
                 loss = self._loss(outputs[k:k + 1], targets[k:k + 1])
-            exact = torch.autograd.grad(loss, list(params.values()), retain_graph=True,
-                                        allow_unused=True)
-            pulled = torch.autograd.grad(loss, shifts, retain_graph=True, allow_unused=True)
+            both = torch.autograd.grad(loss, [*params.values(), *shifts], retain_graph=True,
+                                       allow_unused=True)  # one backward pass for both
+            exact, pulled = both[:len(params)], both[len(params):]
             ours = self._rows(order, record, pulled, n, k)
             for (i, p), e in zip(params.items(), exact):
                 e = torch.zeros_like(p).flatten() if e is None else e.flatten()
