@@ -9,8 +9,10 @@ matrices, kept blocks, ``V y``, ``V^T x``, diagonals, cross terms with the
 per-sample gradients) and frees what is not kept, so the Gram, merge and predictive
 code never knows which backend ran.
 
-Every backend works on a private copy of the model (without the user's hooks), into
-which the user's parameter values, buffers and modes are copied before each pass.
+Every backend works on a private copy of the model
+(:func:`~lowrank_laplace.engine.model_copy.private_copy`: with the user's forward hooks
+and pre-hooks, which are part of the function it computes, without backward hooks),
+into which the user's parameter values, buffers and modes are copied before each pass.
 
 Shape glossary:
     N: batch size; N_S: curvature samples; C: outputs; M: columns of ``V``.
@@ -25,39 +27,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from lowrank_laplace.engine.model_copy import private_copy
 from lowrank_laplace.engine.request import Collector, Request
 from lowrank_laplace.factor import GGNFactor, factor_columns
 from lowrank_laplace.utils import batches, checks
-
-_HOOK_DICTS = (
-    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
-    "_backward_pre_hooks", "_is_full_backward_hook",
-)
-
-
-def private_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of the model without the hooks registered on its modules.
-
-    The engine's internal passes must not run the user's forward or backward hooks
-    (they would fire once per pass and see internal inputs). Global hooks
-    (``torch.nn.modules.module.register_module_forward_hook``) still apply.
-
-    Args:
-        model: The user's network (unchanged).
-
-    Returns:
-        The copy.
-    """
-    clone = copy.deepcopy(model)
-    for module in clone.modules():
-        for name in _HOOK_DICTS:
-            hooks = getattr(module, name, None)
-            if isinstance(hooks, dict):
-                hooks.clear()
-            elif name == "_is_full_backward_hook" and hooks is not None:
-                module._is_full_backward_hook = None
-    return clone
 
 
 class EngineBase:
@@ -80,6 +53,7 @@ class EngineBase:
 
     def __init__(self, model: nn.Module, loss_func: nn.Module, eval_mode: bool = False):
         checks.check_loss_func(loss_func)
+        checks.check_model_runs(model)
         self._check_model(model, eval_mode)
         self.eval_mode = eval_mode
         self.model = model
@@ -175,14 +149,17 @@ class EngineBase:
             self.num_outputs = outputs.shape[-1]
         return outputs, sizes
 
-    def check_independent(self, inputs: Any) -> None:
+    def check_independent(self, inputs: Any) -> bool:
         """See :func:`check_independent_samples` (on the private copy, synchronised).
 
         Args:
             inputs: A batch.
+
+        Returns:
+            Whether the batch was checked (``False``: check a later batch).
         """
         self._sync()
-        check_independent_samples(self._net, inputs)
+        return check_independent_samples(self._net, inputs)
 
     def dense_param_count(self, largest: bool = False) -> int:
         """Entries of ``V``'s rows that are stored explicitly, per column.
@@ -335,16 +312,73 @@ class EngineBase:
         )
 
 
-def check_independent_samples(net: nn.Module, inputs: Any) -> None:
+def distinct_sample(inputs: Any, n: int) -> Optional[int]:
+    """The first sample whose inputs differ from the first sample's.
+
+    Args:
+        inputs: A tensor or dict batch (entries with ``n`` rows are per sample).
+        n: The batch size.
+
+    Returns:
+        Its index, or ``None`` (one sample, or all alike).
+    """
+    if n < 2:
+        return None
+    rows = [inputs] if isinstance(inputs, Tensor) else [
+        v for v in inputs.values() if isinstance(v, Tensor) and v.ndim and v.shape[0] == n]
+    differs = None
+    for t in rows:
+        here = (t[1:] != t[:1]).reshape(n - 1, -1).any(1)
+        differs = here if differs is None else differs | here.to(differs.device)
+    found = [] if differs is None else differs.nonzero()
+    return int(found[0, 0]) + 1 if len(found) else None
+
+
+def perturbed_pair(inputs: Any, n: int) -> Optional[Any]:
+    """The first sample next to a copy of it whose floating-point entries are shifted.
+
+    Args:
+        inputs: A tensor or dict batch.
+        n: The batch size.
+
+    Returns:
+        A batch of two distinct samples, or ``None`` where no per-sample entry is
+        floating point (token indices cannot be perturbed safely).
+    """
+    pair = batches.take(inputs, [0, 0], n)
+    entries = {None: pair} if isinstance(pair, Tensor) else {
+        k: v for k, v in pair.items()
+        if isinstance(inputs[k], Tensor) and inputs[k].ndim and inputs[k].shape[0] == n}
+    shifted = False
+    for key, t in entries.items():
+        if not t.is_floating_point():
+            continue
+        x = t[1]
+        ramp = torch.linspace(1.0, 2.0, x.numel(), dtype=x.dtype, device=x.device)
+        t = torch.stack([t[0], x + 0.5 * (1.0 + x.abs().max()) * ramp.reshape(x.shape)])
+        shifted = True
+        if key is None:
+            return t
+        pair[key] = t
+    return pair if shifted else None
+
+
+def check_independent_samples(net: nn.Module, inputs: Any) -> bool:
     """Refuse a batch whose first sample's outputs depend on the other samples.
 
     Per-sample curvature needs ``f(x_n)`` to depend on row ``n`` only: the first
-    sample's outputs alone and next to the second are compared (in eval mode, without
-    drawing from the caller's generators; the modes are restored).
+    sample's outputs alone and next to a *distinct* sample are compared (in eval
+    mode, without drawing from the caller's generators; the modes are restored). The
+    distinct sample is the first one whose inputs differ, else a copy of the first
+    with its floating-point entries shifted; a batch with neither (one sample or
+    identical rows of token indices) is left unchecked.
 
     Args:
         net: The network.
-        inputs: A batch (fewer than two samples pass).
+        inputs: A batch.
+
+    Returns:
+        Whether the batch was checked (``False``: check a later batch).
 
     Raises:
         ValueError: For coupled samples (batch statistics in the forward pass, or a
@@ -352,9 +386,10 @@ def check_independent_samples(net: nn.Module, inputs: Any) -> None:
             batch size), naming the dict entries with one row per sample.
     """
     n = batches.batch_size(inputs)
-    if n < 2:
-        return
-    first = batches.take(inputs, slice(0, 2), n)
+    j = distinct_sample(inputs, n)
+    first = batches.take(inputs, [0, j], n) if j is not None else perturbed_pair(inputs, n)
+    if first is None:
+        return False
     modes = [m.training for m in net.modules()]
     net.eval()
     device = batches.batch_device(inputs)
@@ -369,11 +404,11 @@ def check_independent_samples(net: nn.Module, inputs: Any) -> None:
             module.training = mode
     if not isinstance(both, Tensor) or both.ndim != 2 or not both.is_floating_point() \
             or not bool(torch.isfinite(both).all()):
-        return  # check_outputs and check_finite name the problem
+        return True  # check_outputs and check_finite name the problem
     both, alone = both[0], alone[0]
     tol = max(1e-4, 50 * torch.finfo(both.dtype).eps) * (float(both.abs().max()) + 1.0)
     if float((both - alone).abs().max()) <= tol:
-        return
+        return True
     per_sample = []
     if isinstance(inputs, MutableMapping):
         per_sample = [k for k, v in inputs.items()

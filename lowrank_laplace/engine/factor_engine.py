@@ -71,10 +71,12 @@ def check_backend(backend: str) -> str:
 class FactorEngine:
     """Computes :class:`GGNFactor` objects for a model without touching it.
 
-    The engine works on a private copy of the model (without the user's hooks) and
-    copies the user's current parameter values, buffers and modes into it before
-    every computation; the user's model keeps its parameters, mode,
-    ``requires_grad`` flags and hooks, and gets no new ones.
+    The engine works on a private copy of the model (with the user's forward hooks
+    and pre-hooks, part of the function, and without backward hooks: see
+    :func:`~lowrank_laplace.engine.model_copy.private_copy`) and copies the user's current
+    parameter values, buffers and modes into it before every computation; the user's
+    model keeps its parameters, mode, ``requires_grad`` flags and hooks, and gets no
+    new ones.
 
     Args:
         model: The network; its output must have shape ``(N, C)``.
@@ -115,8 +117,16 @@ class FactorEngine:
                 return cls(self.model, self.loss_func, self.eval_mode)
             except NotImplementedError as err:
                 if not self._candidates:
-                    raise
+                    raise self._refused_by_all(err) from err
                 self.rejected[cls.backend] = str(err)
+
+    def _refused_by_all(self, err: NotImplementedError) -> NotImplementedError:
+        """The last candidate's refusal, with the reasons of those passed over before."""
+        if not self.rejected:
+            return err
+        others = "; ".join(f"{name}: {why}" for name, why in self.rejected.items())
+        return NotImplementedError(f"{err} (No other backend takes the model either: "
+                                   f"{others})")
 
     @property
     def backpack_problem(self) -> Optional[str]:
@@ -142,16 +152,16 @@ class FactorEngine:
         if self._closed:
             raise RuntimeError("The engine is closed: create a new FactorEngine.")
         checks.check_batch(inputs, targets)
-        if not self._independence_checked:
-            self._impl.check_independent(inputs)
-            self._independence_checked = True
+        if not self._independence_checked:  # until a batch has two distinct samples
+            self._independence_checked = self._impl.check_independent(inputs)
         while not self._confirmed:
             try:
                 self._impl.probe(inputs, targets)
                 self._confirmed = True
             except NotImplementedError as err:
+                if not self._candidates:
+                    raise self._refused_by_all(err) from err
                 self._impl = self._next_backend(err)
-                self._confirmed = not self._candidates
         return self._impl
 
     @property

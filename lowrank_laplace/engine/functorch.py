@@ -167,9 +167,10 @@ class FuncEngine(EngineBase):
                     ) -> Dict[str, nn.Module]:
         """Linear weights whose factored blocks equal the expanded ones on a sample.
 
-        A weight qualifies if its layer is called once on a ``(1, in)`` input and the
-        weight is used nowhere else (checked numerically: a weight reused outside
-        its layer, e.g. tied through ``F.linear``, gives different rows). Both
+        A weight qualifies if its layer is called once on a ``(1, in)`` input (not on a
+        table of rows shared by the samples) and the weight is used nowhere else
+        (checked numerically: a weight reused outside its layer, e.g. tied through
+        ``F.linear``, gives different rows). Both
         products draw the same dropout masks. Draws from the global generator: the
         caller forks it.
         """
@@ -180,8 +181,9 @@ class FuncEngine(EngineBase):
             if isinstance(module, nn.Linear) and name in params and len(aliases[name]) == 1:
                 candidates[name] = module
 
-        def count(module, inp, out):
-            calls[module] = calls.get(module, 0) + (1 if inp[0].ndim == 2 else 2)
+        def count(module, inp, out):  # once, on the sample's one row
+            once = inp[0].ndim == 2 and inp[0].shape[0] == 1
+            calls[module] = calls.get(module, 0) + (1 if once else 2)
 
         handles = [m.register_forward_hook(count) for m in candidates.values()]
         try:
@@ -244,7 +246,9 @@ class FuncEngine(EngineBase):
                         for alias in names}
                 full.update(fixed)
                 inputs_of = {}
-                handles = [module.register_forward_hook(_shift_hook(name, delta, inputs_of))
+                # before the user's forward hooks, which act on the shifted output
+                handles = [module.register_forward_hook(_shift_hook(name, delta, inputs_of),
+                                                        prepend=True)
                            for name, module in factored.items()]
                 try:
                     with _plain_rnn(self._has_rnn):

@@ -53,6 +53,36 @@ def shared_parameters(model: nn.Module) -> List[List[str]]:
     return [names for names in owners.values() if len(names) > 1]
 
 
+def check_model_runs(model: nn.Module) -> None:
+    """Refuse models the engine cannot run: TorchScript modules, meta-device tensors.
+
+    Args:
+        model: The network.
+
+    Raises:
+        TypeError: For a TorchScript module (``torch.jit.script`` / ``trace``) in the
+            model: the engine needs module hooks and ``torch.func``, which they do
+            not take.
+        ValueError: For parameters or buffers on the meta device (no values).
+    """
+    scripted = [name or type(model).__name__ for name, m in model.named_modules()
+                if isinstance(m, torch.jit.ScriptModule)]
+    if scripted:
+        raise TypeError(
+            f"{scripted[0]!r} is a TorchScript module (torch.jit.script / trace): the "
+            "engine needs module hooks and torch.func, which TorchScript modules do not "
+            "take; pass the nn.Module it was compiled from."
+        )
+    meta = [name for name, t in (*model.named_parameters(), *model.named_buffers())
+            if t.is_meta]
+    if meta:
+        raise ValueError(
+            f"The model's parameters are on the meta device ({', '.join(meta[:3])}"
+            f"{', ...' if len(meta) > 3 else ''}), which holds shapes but no values: "
+            "materialise them first (model.to_empty(device=...) and load_state_dict)."
+        )
+
+
 def check_loss_func(loss_func: nn.Module) -> None:
     """Check that the loss is supported and uses mean or sum reduction.
 
@@ -95,7 +125,8 @@ def check_batch(inputs: Any, targets: Optional[Tensor]) -> int:
 
     Raises:
         TypeError: If inputs or targets are not tensors.
-        ValueError: If the batch is empty or the batch sizes differ.
+        ValueError: If the batch is empty, on the meta device, or the batch sizes
+            differ.
     """
     if isinstance(inputs, MutableMapping):
         if targets is None and not any(isinstance(v, Tensor) and v.ndim
@@ -110,6 +141,13 @@ def check_batch(inputs: Any, targets: Optional[Tensor]) -> int:
         raise ValueError("Empty batch: inputs must have shape (N, ...) with N >= 1.")
     if targets is not None and not isinstance(targets, Tensor):
         raise TypeError("targets must be a torch.Tensor.")
+    tensors = [inputs] if isinstance(inputs, Tensor) else list(inputs.values())
+    for what, values in (("inputs", tensors), ("targets", [targets])):
+        if any(isinstance(t, Tensor) and t.is_meta for t in values):
+            raise ValueError(
+                f"The {what} are on the meta device, which holds shapes but no values: "
+                "move the batch to a device with data (e.g. .to('cpu'))."
+            )
     n = batch_size(inputs) if targets is None else (targets.shape[0] if targets.ndim else 0)
     if n == 0:
         raise ValueError("Empty batch: the batch must hold at least one sample.")

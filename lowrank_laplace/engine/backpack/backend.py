@@ -9,6 +9,10 @@ module it knows, each called once, and each parameter owned by one module: model
 outside that class go to the torch.func backend (:mod:`~lowrank_laplace.engine.functorch`).
 This is the only module that imports BackPACK besides its extensions.
 
+Threads: BackPACK's state during a backward pass is process-wide, so the BackPACK
+passes of engines in several threads take turns (one lock); the hooks and torch.func
+backends run side by side.
+
 Sub-sampling: with ``subsampling=S`` the curvature is that of the loss evaluated on
 the samples ``S`` only, with the loss's own reduction (``1/|S|`` for ``'mean'``),
 while gradients still use the whole batch.
@@ -20,10 +24,12 @@ Shape glossary:
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 import warnings
 from collections.abc import MutableMapping
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from backpack import backpack, extend
@@ -38,11 +44,38 @@ from lowrank_laplace.engine.backpack.extensions import (
     supported_modules,
 )
 from lowrank_laplace.engine.base import EngineBase
+from lowrank_laplace.engine.model_copy import function_hooks
 from lowrank_laplace.engine.request import Collector
+from lowrank_laplace.factor import factor_columns
 from lowrank_laplace.factor.blocks import Block, DenseBlock, KronBlock
 from lowrank_laplace.utils import checks
 
 _ADAPTIVE_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
+
+#: BackPACK keeps a backward pass's state in process-wide globals (``CTX``: the active
+#: extensions, the extension hook, the installed hooks), and its hooks on an extended
+#: module run whatever extensions are active in any thread. Every backward pass through
+#: an extended network and every change to the installed hooks holds this lock, so
+#: engines in several threads wait for each other's BackPACK passes (a lock changes no
+#: answer). Re-entrant: a probe that fails closes the engine.
+_BACKPACK_LOCK = threading.RLock()
+
+
+def serialized(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a method of :class:`BackpackEngine` holding the lock on BackPACK's globals.
+
+    Args:
+        method: The method.
+
+    Returns:
+        The method, locked.
+    """
+    @functools.wraps(method)
+    def locked(*args, **kwargs):
+        with _BACKPACK_LOCK:
+            return method(*args, **kwargs)
+
+    return locked
 
 
 def check_model(model: nn.Module, supported: Sequence[type]) -> None:
@@ -148,6 +181,62 @@ def checked_forward(model: nn.Module, inputs: Tensor) -> Tensor:
     return outputs
 
 
+def probe_graph(net: nn.Module, sample: Tensor) -> Tuple[Optional[str], List[Tensor]]:
+    """What BackPACK's backward pass would miss, from one sample's forward and backward.
+
+    BackPACK reads every module's input and output in the forward pass and runs its
+    extensions in one backward pass. A module that runs with gradient tracking off
+    (inside ``torch.utils.checkpoint(..., use_reentrant=True)`` or ``torch.no_grad()``)
+    gives it nothing to backpropagate, and one that runs again in the backward pass (a
+    checkpoint recomputing it) overwrites what it read. A trainable parameter the
+    output does not depend on (a layer computed but unused) gets no block from it.
+
+    Args:
+        net: The extended network.
+        sample: One input sample, ``(1, ...)``.
+
+    Returns:
+        The first problem (or ``None``), and the trainable parameters the output does
+        not depend on.
+
+    Raises:
+        RuntimeError: What the forward or backward pass raises otherwise (in-place
+            operations on BackPACK's views among them).
+    """
+    names = {m: n for n, m in net.named_modules()}
+    backward, problems = [False], []
+
+    def hook(module, args):
+        if backward[0]:
+            problems.append(f"module {names[module]!r} runs again in the backward pass "
+                            "(gradient checkpointing recomputes it)")
+        elif not torch.is_grad_enabled():
+            problems.append(f"module {names[module]!r} runs with gradient tracking off "
+                            "(torch.utils.checkpoint(..., use_reentrant=True), or "
+                            "torch.no_grad())")
+
+    handles = [m.register_forward_pre_hook(hook) for m in net.modules()
+               if not list(m.children())]
+    params = [p for p in net.parameters() if p.requires_grad]
+    grads = [None] * len(params)
+    try:
+        out = net(sample)
+        backward[0] = True
+        if isinstance(out, Tensor) and out.requires_grad and params:
+            with warnings.catch_warnings():  # BackPACK's hooks are installed but idle
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                grads = torch.autograd.grad(out.sum(), params, allow_unused=True)
+    except RuntimeError as err:
+        if not problems and "checkpoint" not in str(err):
+            raise
+        problems.append(f"gradient checkpointing ({err})")
+    finally:
+        for h in handles:
+            h.remove()
+    return (problems[0] if problems else None,
+            [p for p, g in zip(params, grads) if g is None])
+
+
 class BackpackEngine(EngineBase):
     """The BackPACK backend of :class:`~lowrank_laplace.engine.FactorEngine`.
 
@@ -165,11 +254,15 @@ class BackpackEngine(EngineBase):
     def __init__(self, model: nn.Module, loss_func: nn.Module, eval_mode: bool = False):
         super().__init__(model, loss_func, eval_mode)
         self._handles = None  # BackPACK hooks, installed at the first pass
+        #: Trainable parameters the output does not depend on (found by the probe):
+        #: BackPACK gives them no block, their blocks are zero.
+        self._unused: set = set()
 
     def _check_model(self, model: nn.Module, eval_mode: bool) -> None:
         checks.check_batchnorm_mode(model, eval_mode)
         check_model(model, supported_modules())
 
+    @serialized
     def probe(self, inputs: Any, targets: Optional[Tensor] = None) -> None:
         """Check the forward pass on one sample, then install BackPACK's hooks.
 
@@ -182,7 +275,8 @@ class BackpackEngine(EngineBase):
 
         Raises:
             NotImplementedError: If BackPACK cannot handle the forward pass (layers
-                it does not know, dict batches, in-place operations on layer outputs).
+                it does not know, dict batches, in-place operations on layer outputs,
+                forward hooks that change the function, gradient checkpointing).
         """
         if self._handles is not None:
             return
@@ -193,11 +287,23 @@ class BackpackEngine(EngineBase):
             )
         self._sync()
         devices = [inputs.device] if inputs.device.type == "cuda" else []
+        problem = None
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            try:
-                checked_forward(self._copy, inputs[:1])
-            except NotImplementedError as err:
-                self._net = self._converted(inputs[:1], err)
+            with function_hooks(self._copy) as found:
+                try:
+                    checked_forward(self._copy, inputs[:1])
+                except NotImplementedError as err:
+                    problem = err
+        if found:
+            raise NotImplementedError(
+                f"Module {found[0]!r} has forward hooks or pre-hooks that are part of the "
+                "model's function (they change its output, its input or its attributes, "
+                "as torch.nn.utils.prune and weight_norm do): BackPACK's layer "
+                "derivatives do not see them. The hooks and functorch backends run them "
+                "(backend='auto')."
+            )
+        if problem is not None:
+            self._net = self._converted(inputs[:1], problem)
         num_handles = len(CTX.hook_handles)
         for module in self._net.modules():  # containers are traced through, not hooked
             # a user model extended elsewhere (e.g. by laplace-torch's BackPACK backend)
@@ -210,7 +316,7 @@ class BackpackEngine(EngineBase):
         self._handles = CTX.hook_handles[num_handles:]
         with torch.enable_grad(), torch.random.fork_rng(devices=devices):
             try:  # BackPACK's module hooks return views that in-place operations break
-                self._net(inputs[:1])
+                problem, unused = probe_graph(self._net, inputs[:1])
             except RuntimeError as err:
                 if "inplace" not in str(err):
                     raise
@@ -220,6 +326,14 @@ class BackpackEngine(EngineBase):
                     "layer output, which BackPACK's hooks cannot take: the hooks and "
                     "functorch backends can (backend='auto')."
                 ) from err
+        self._unused = {self._index[id(p)] for p in unused if id(p) in self._index}
+        if problem is not None:
+            self.close()
+            raise NotImplementedError(
+                f"BackPACK cannot compute this model's GGN factor: {problem}. Ways out: "
+                "backend='auto' (the hooks backend takes non-reentrant checkpointing, "
+                "use_reentrant=False), or fit without checkpointing."
+            )
 
     def _converted(self, sample: Tensor, problem: NotImplementedError) -> nn.Module:
         """The model rewritten into BackPACK modules, checked on one sample.
@@ -276,6 +390,7 @@ class BackpackEngine(EngineBase):
         # expanded blocks plus the backpropagated vectors at the widest layer output
         return self.dense_param_count(largest=one_block) + 2 * max(feature_sizes)
 
+    @serialized
     def close(self) -> None:
         """Remove every BackPACK hook the engine installed."""
         handles = self._handles or []
@@ -286,11 +401,13 @@ class BackpackEngine(EngineBase):
         self._handles = []
         super().close()
 
+    @serialized
     def _autograd(self, loss: Tensor, params: List[Tensor]):
         with warnings.catch_warnings():  # BackPACK's hooks are installed but idle
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             return torch.autograd.grad(loss, params, allow_unused=True)
 
+    @serialized
     def _pass(self, inputs: Tensor, targets: Optional[Tensor], mc_samples: int,
               subsampling: Optional[List[int]], collector: Collector
               ) -> Tuple[Tensor, Tensor, Dict[int, Tensor]]:
@@ -330,6 +447,12 @@ class BackpackEngine(EngineBase):
                     loss.backward()
             finally:
                 torch.set_default_dtype(default_dtype)
+        num_vectors = factor_columns(self.loss_func, outputs.shape, mc_samples)
+        for i in self._unused.intersection(collector.missing()):
+            size = self._copy_params[i].numel()
+            collector.add(i, DenseBlock(outputs.new_zeros(num_vectors * n_curv, size)),
+                          DenseBlock(outputs.new_zeros(n, size)) if collector.batch_grad
+                          else None)
         grad = {}
         for i in collector.group_of:
             p = self._copy_params[i]

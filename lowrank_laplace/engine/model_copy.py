@@ -1,0 +1,132 @@
+r"""The engine's private copy of the user's model, and the hooks that are part of its function.
+
+Every backend computes on a deep copy of the model (the user's model is never
+touched). Forward hooks and pre-hooks are part of the function the model computes
+(an output scaled by a hook, an input shifted by a pre-hook, the re-parametrisations
+of ``torch.nn.utils.prune`` and ``weight_norm``): they stay on the copy, and each
+backend either computes the GGN of that function or refuses the model, BackPACK
+those hooks that change a layer's output, input or attributes
+(:func:`function_hooks`). Backward hooks change no function and are dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Callable, Dict, Iterator, List
+
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+#: Where a module keeps its backward hooks: they change no function and are dropped.
+_BACKWARD_HOOK_DICTS = ("_backward_hooks", "_backward_pre_hooks")
+#: Where a module keeps its forward hooks and pre-hooks: part of the function, kept.
+_FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+
+
+#: Module options that change how the backward pass forms gradients, not the function
+#: the module computes: the copy takes the neutral value, so that every backend
+#: computes the function's GGN and gradients. ``scale_grad_by_freq`` divides an
+#: embedding row's gradient by its token's count in the mini-batch (an optimiser
+#: heuristic that forward-mode derivatives do not see); ``sparse`` gives the gradient
+#: as a sparse tensor.
+BACKWARD_OPTIONS: Dict[type, Dict[str, Any]] = {
+    nn.Embedding: {"scale_grad_by_freq": False, "sparse": False},
+    nn.EmbeddingBag: {"scale_grad_by_freq": False, "sparse": False},
+}
+
+
+def private_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of the model with its forward hooks but without its backward hooks.
+
+    Forward hooks and pre-hooks are part of the function the model computes (a hook
+    scaling a layer's output, a pre-hook shifting its input, the re-parametrisations
+    of ``torch.nn.utils.prune`` and ``weight_norm``), so they stay on the copy and
+    fire in the engine's passes. Backward hooks change no function (they would fire
+    once per internal pass): the copy has none, nor the hooks of BackPACK's
+    ``extend`` (on a model extended by laplace-torch's BackPACK backend), which are
+    machinery. Global hooks (``torch.nn.modules.module.register_module_forward_hook``)
+    still apply. Tensors a pre-hook computed from parameters (a pruned ``weight``)
+    are copied detached: the pre-hook computes them anew on the copy. Options of the
+    backward pass only take their neutral values (:data:`BACKWARD_OPTIONS`).
+
+    Args:
+        model: The user's network (unchanged).
+
+    Returns:
+        The copy.
+    """
+    memo = {id(value): value.detach().clone() for module in model.modules()
+            for value in vars(module).values()
+            if isinstance(value, Tensor) and not value.is_leaf}
+    clone = copy.deepcopy(model, memo)
+    for module in clone.modules():
+        for name in _BACKWARD_HOOK_DICTS:
+            hooks = getattr(module, name, None)
+            if isinstance(hooks, dict):
+                hooks.clear()
+        for name in _FORWARD_HOOK_DICTS:  # BackPACK's own (a model extended elsewhere)
+            hooks = getattr(module, name, {})
+            for key in [k for k, h in hooks.items() if _is_backpack(h)]:
+                del hooks[key]
+        if getattr(module, "_is_full_backward_hook", None) is not None:
+            module._is_full_backward_hook = None
+        for cls, options in BACKWARD_OPTIONS.items():
+            if isinstance(module, cls):
+                for name, value in options.items():
+                    setattr(module, name, value)
+    return clone
+
+
+def _is_backpack(hook: Callable) -> bool:
+    """Whether a hook is BackPACK's (``extend`` stores each module's input and output)."""
+    return (getattr(hook, "__module__", None) or "").split(".")[0] == "backpack"
+
+
+@contextlib.contextmanager
+def function_hooks(net: nn.Module) -> Iterator[List[str]]:
+    """Find the forward hooks that take part in the function while the context runs.
+
+    Within the context every forward hook and pre-hook of ``net`` is watched: one
+    that returns a value, changes the tensors it receives in place, or changes its
+    module's attributes (as pruning and ``weight_norm`` set the weight) is part of the
+    function; one that only looks (records features, logs shapes) is not. The hooks
+    are restored on exit.
+
+    Args:
+        net: The (private copy of the) network.
+
+    Yields:
+        The names of the modules with hooks that take part, filled as they run.
+    """
+    found: List[str] = []
+    saved = []
+    for name, module in net.named_modules():
+        for attr in _FORWARD_HOOK_DICTS:
+            hooks = getattr(module, attr)
+            saved.append((hooks, dict(hooks)))
+            for key, hook in list(hooks.items()):
+                hooks[key] = _watched(hook, name or type(net).__name__, found)
+    try:
+        yield found
+    finally:
+        for hooks, original in saved:
+            hooks.update(original)
+
+
+def _watched(hook: Callable, name: str, found: List[str]) -> Callable:
+    """A hook that notes ``name`` in ``found`` when it takes part in the function."""
+    def state(module: nn.Module, rest: tuple) -> list:
+        tensors = [t for t in tree_flatten(rest)[0] if isinstance(t, Tensor)]
+        return ([(k, id(v)) for k, v in vars(module).items()]
+                + [id(v) for v in (*module._parameters.values(), *module._buffers.values())]
+                + [(id(t), t._version) for t in tensors])
+
+    def watched(module: nn.Module, *rest: Any) -> Any:
+        before = state(module, rest)
+        result = hook(module, *rest)
+        if (result is not None or state(module, rest) != before) and name not in found:
+            found.append(name)
+        return result
+
+    return watched
