@@ -147,7 +147,7 @@ class FuncEngine(EngineBase):
                     self.vectorize = vectorize
                     stack.clear()
                     try:
-                        self._products(first, y, params, aliases, 0, True, 1, 1, {})
+                        self._products(first, y, params, aliases, 0, True, (1, 1), {})
                         break
                     except Exception:  # noqa: BLE001 - vmap failed: one sample at a time
                         if vectorize:
@@ -196,9 +196,9 @@ class FuncEngine(EngineBase):
         if not candidates:
             return {}
         state = rng_state(device)
-        _, plain, _ = self._products(first, y, params, aliases, 0, True, 1, 1, {})
+        _, plain, _ = self._products(first, y, params, aliases, 0, True, (1, 1), {})
         set_rng_state(state, device)
-        _, rows, zs = self._products(first, y, params, aliases, 0, True, 1, 1, candidates)
+        _, rows, zs = self._products(first, y, params, aliases, 0, True, (1, 1), candidates)
         return {n: m for n, m in candidates.items()
                 if torch.allclose(plain[n].flatten(2),
                                   (rows[n][..., None] * zs[n][:, None, None, :]).flatten(2))}
@@ -211,12 +211,12 @@ class FuncEngine(EngineBase):
 
     def _products(self, inputs: Any, targets: Optional[Tensor], params: Dict[str, Tensor],
                   aliases: Dict[str, List[str]], mc_samples: int, curvature: bool,
-                  rho_grad: float, rho_curv: float, factored: Dict[str, nn.Module]
+                  rho: Tuple[float, float], factored: Dict[str, nn.Module]
                   ) -> Tuple[Tensor, Dict[str, Tensor], Dict[str, Tensor]]:
         """Outputs, product rows ``(N_c, V + 1, *shape)`` and factored layers' inputs.
 
-        The first ``V`` rows (with ``curvature``; else none) are ``sqrt(rho_curv) J_n^T
-        s_{nv}``, the last is the per-sample gradient ``rho_grad J_n^T grad l_n``. For a
+        With ``rho = (r_g, r_c)``, the first ``V`` rows (with ``curvature``) are
+        ``sqrt(r_c) J_n^T s_{nv}``, the last the per-sample gradient ``r_g J_n^T g_n``. For a
         weight in ``factored`` the rows are the vectors at its layer's output,
         ``(N_c, V + 1, out)``, and its inputs are returned, ``(N_c, in)``.
         """
@@ -259,9 +259,9 @@ class FuncEngine(EngineBase):
                 return out.squeeze(0), {k: z.squeeze(0) for k, z in inputs_of.items()}
 
             out, pull, zs = vjp(f, free, shifts, has_aux=True)
-            rows = [rho_grad * _output_gradient(loss, out, y)[None]]
+            rows = [rho[0] * _output_gradient(loss, out, y)[None]]
             if curvature:
-                rows.insert(0, rho_curv**0.5 * hessian_sqrt(
+                rows.insert(0, rho[1]**0.5 * hessian_sqrt(
                     loss, out[None], mc_samples, None if nz is None else nz[None])[:, 0])
             cotangents = torch.cat(rows)
             if vectorize:
@@ -322,8 +322,8 @@ class FuncEngine(EngineBase):
                     warnings.filterwarnings("ignore", message=_NO_BATCHING_RULE)
                     out, rows, zs = self._products(
                         batches.take(inputs, idx, n), targets[idx], params, aliases,
-                        mc_samples, curvature, 1 / n if mean else 1.0,
-                        1 / len(curv) if mean else 1.0, factored,
+                        mc_samples, curvature,
+                        (1 / n if mean else 1.0, 1 / len(curv) if mean else 1.0), factored,
                     )
                 outputs[idx] = out
                 for name, z in zs.items():
@@ -442,11 +442,11 @@ def _cannot_differentiate(err: Exception, module: str) -> NotImplementedError:
     )
 
 
+#: The words of this backend's warning that it loops over samples (a regular expression
+#: that ``warnings.filterwarnings`` matches at the start of the message).
+LOOPING = ".*so the functorch backend computes V one sample at a time"
 #: torch.func's warning that an operation has no batching rule (it then loops).
 _NO_BATCHING_RULE = "There is a performance drop because we have not yet implemented"
-#: The looping warnings given so far (each is given once: fit, predictive and prior
-#: tuning each build an engine, and the user needs to hear it only once).
-_LOOP_WARNINGS: set = set()
 
 
 def _warn_if_looping(caught: list, vectorized: bool) -> None:
@@ -454,7 +454,9 @@ def _warn_if_looping(caught: list, vectorized: bool) -> None:
 
     ``vmap`` runs an operation without a batching rule (fused attention kernels,
     for one) one sample at a time, and a model vmap cannot batch at all is looped
-    here: both are slow, and the user should hear it from us, once.
+    here: both are slow, and the user should hear it from us, once: the fit's engine
+    says it, the later passes over the same model (probe, predictive) do not
+    (:data:`LOOPING`).
     """
     loops = set()
     for w in caught:
@@ -465,14 +467,13 @@ def _warn_if_looping(caught: list, vectorized: bool) -> None:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     what = (f"torch.func has no batching rule for {', '.join(sorted(loops))}"
             if vectorized else "torch.func cannot vmap this model")
-    if (loops or not vectorized) and what not in _LOOP_WARNINGS:  # once per process
-        _LOOP_WARNINGS.add(what)
+    if loops or not vectorized:
         warnings.warn(
             f"{what}, so the functorch backend computes V one sample at a time (slow). "
             "The hooks backend needs no vmap: it takes models whose trainable "
             "parameters are linear, embedding or norm layers (e.g. LoRA adapters and "
             "heads over a frozen model); 'eager' attention also batches.",
-            UserWarning, stacklevel=6,
+            UserWarning, stacklevel=1,
         )
 
 

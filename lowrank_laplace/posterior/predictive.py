@@ -19,12 +19,14 @@ Shape glossary:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.engine.functorch import LOOPING
 from lowrank_laplace.factor import GGNFactor
 from lowrank_laplace.factor.weights import SMALL_DTYPE, Weight
 from lowrank_laplace.factor.wide import wide_factor_t_matmul
@@ -32,6 +34,27 @@ from lowrank_laplace.fitting import budget
 from lowrank_laplace.posterior.precision import LowRankPrecision
 from lowrank_laplace.utils.batches import take
 from lowrank_laplace.utils.checks import check_batch
+
+
+@contextlib.contextmanager
+def jacobian_engine(model: nn.Module, backend: str) -> Iterator[FactorEngine]:
+    """An MSE-sum engine on the model in eval mode: its ``V`` is ``sqrt(2) J^T``.
+
+    Its passes come after a fit of the same model, which already said whether the
+    functorch backend loops over samples, so they do not say it again.
+
+    Args:
+        model: The network (left unchanged).
+        backend: The engine's backend.
+
+    Yields:
+        The open engine.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=LOOPING)
+        with FactorEngine(model, nn.MSELoss(reduction="sum"), eval_mode=True,
+                          backend=backend) as engine:
+            yield engine
 
 
 def jacobian_factor(engine: FactorEngine, inputs: Tensor) -> GGNFactor:
@@ -182,8 +205,7 @@ def glm_predictive(model: nn.Module, X: Any, precision: LowRankPrecision,
     Returns:
         ``f_mu`` ``(B, C)`` and ``f_var`` ``(B, C, C)`` (or the joint form).
     """
-    with FactorEngine(model, nn.MSELoss(reduction="sum"), eval_mode=True,
-                      backend=backend) as engine:
+    with jacobian_engine(model, backend) as engine:
         if joint:
             f_mu, f_var = glm_moments(engine, X, precision, weights, joint=True)
             return f_mu.flatten(), f_var

@@ -39,7 +39,7 @@ from lowrank_laplace.fitting.config import FitConfig
 from lowrank_laplace.fitting.fit import FitResult
 from lowrank_laplace.fitting.loader import likelihood_loss
 from lowrank_laplace.posterior.complement import MeasuredComplement, measure_complement
-from lowrank_laplace.posterior.predictive import jacobian_energies
+from lowrank_laplace.posterior.predictive import jacobian_energies, jacobian_engine
 from lowrank_laplace.utils.batches import batch_device, take
 from lowrank_laplace.utils.checks import check_batch
 
@@ -114,8 +114,7 @@ def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig, likeliho
     if U.shape[1] in (0, U.shape[0]) or probe is None:  # nothing kept, or nothing dropped
         return ProbeResult()
     measure = prior is not None and MEASURE_COMPLEMENT
-    with FactorEngine(model, nn.MSELoss(reduction="sum"), eval_mode=True,
-                      backend=config.factor_backend) as engine:
+    with jacobian_engine(model, config.factor_backend) as engine:
         inputs = sum(check_batch(x, None) for x in probe.batches)
         projections = None if PROBE_COLUMNS is None else -(-PROBE_COLUMNS // max(inputs, 1))
         if projections is not None and projections >= fit.n_outputs:

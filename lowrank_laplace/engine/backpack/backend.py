@@ -47,7 +47,7 @@ from lowrank_laplace.engine.base import EngineBase
 from lowrank_laplace.engine.model_copy import function_hooks
 from lowrank_laplace.engine.request import Collector
 from lowrank_laplace.factor import factor_columns
-from lowrank_laplace.factor.blocks import Block, DenseBlock, KronBlock
+from lowrank_laplace.factor.blocks import Block, DenseBlock
 from lowrank_laplace.utils import checks
 
 _ADAPTIVE_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
@@ -473,6 +473,6 @@ def _as_block(value, lead: int) -> Block:
     Returns:
         The block.
     """
-    if isinstance(value, (DenseBlock, KronBlock)):
+    if not isinstance(value, Tensor):  # already a block
         return value
     return DenseBlock(value.detach().reshape(math.prod(value.shape[:lead]), -1))
