@@ -85,9 +85,9 @@ class ProbeInputs:
 
 
 #: A sketch passes its check when the leading ``rank`` eigenvalues from half its random
-#: columns reach this share of the whole sketch's (:func:`~lowrank_laplace.fitting.sketch.
-#: sub_sketch_share`); below it they were still growing, and ``solver="auto"`` streams
-#: the data instead (docs/posterior_quality.md).
+#: columns reach this share of the whole sketch's
+#: (:func:`~lowrank_laplace.fitting.nystrom.sub_sketch_share`); below it they were still
+#: growing, and ``solver="auto"`` streams the data instead (docs/posterior_quality.md).
 SKETCH_CONVERGED = 0.95
 
 
