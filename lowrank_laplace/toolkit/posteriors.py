@@ -1,29 +1,24 @@
-"""The studies' Laplace posteriors: fitting, prior tuning, prediction and a summary.
+"""The studies' Laplace posteriors: fitting, prior tuning, prediction and scores.
 
-Shared by :mod:`~lowrank_laplace.toolkit.calibration` and
-:mod:`~lowrank_laplace.toolkit.rank_study`: the methods of
-:data:`~lowrank_laplace.toolkit.options.LAPLACE_METHODS` are fitted with laplace-torch's
-``Laplace(...)`` (``lowrank_ggn`` registered by this library), their scalar prior
-precision is tuned, and they predict with the GLM predictive (probit).
+The methods of :data:`~lowrank_laplace.toolkit.options.LAPLACE_METHODS` are fitted with
+laplace-torch's ``Laplace(...)``, their scalar prior precision is tuned, and they predict
+with the GLM predictive (probit).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from lowrank_laplace.toolkit.options import (
-    LAPLACE_METHODS,
-    SHARED_RESIDUALS,
-    SMALL_ONLY,
-    CalibrationConfig,
-    fits,
-)
+from lowrank_laplace.toolkit import datasets, metrics
+from lowrank_laplace.toolkit.options import LAPLACE_METHODS, SHARED_RESIDUALS, SMALL_ONLY, fits
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
+
+    from lowrank_laplace.toolkit.options import CalibrationConfig
 
 
 def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
@@ -60,28 +55,20 @@ def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
                          f"{' or '.join(SMALL_ONLY[name])}")
     residual = options.get("residual", "spectral")
     key = (subset, structure, residual if residual not in SHARED_RESIDUALS else "shared")
-    if key in fitted:
-        la = fitted[key]
-        la.residual = residual
-        tune_prior(la, config, loaders, prior)
-        return la
-    if structure == "lowrank_ggn":
-        kwargs = dict(rank=config.rank, mc_samples=config.mc_samples, solver=config.solver,
-                      **options)
-        if residual in SHARED_RESIDUALS:  # the spectral fit also measures its weighting
-            kwargs["residual"] = "spectral"
-    else:
-        # laplace-torch's default (curvlinops) GLM predictive computes Jacobians with
-        # torch.func; its BackPACK backend is much faster for these small CNNs
-        from laplace.curvature import BackPackGGN
+    if key not in fitted:
+        if structure == "lowrank_ggn":  # a shared fit is spectral: it measures its weighting
+            kwargs = dict(rank=config.rank, mc_samples=config.mc_samples, solver=config.solver,
+                          **options) | ({"residual": "spectral"} if key[2] == "shared" else {})
+        else:  # laplace-torch's BackPACK backend: far faster GLM Jacobians for these CNNs
+            from laplace.curvature import BackPackGGN
 
-        kwargs = dict(backend=BackPackGGN, **options)
-    la = Laplace(model, "classification", subset_of_weights=subset, hessian_structure=structure,
-                 **kwargs)
-    la.fit(loaders["train"])
+            kwargs = dict(backend=BackPackGGN, **options)
+        fitted[key] = Laplace(model, "classification", subset_of_weights=subset,
+                              hessian_structure=structure, **kwargs)
+        fitted[key].fit(loaders["train"])
+    la = fitted[key]
     if structure == "lowrank_ggn":
         la.residual = residual
-    fitted[key] = la
     tune_prior(la, config, loaders, prior)
     return la
 
@@ -114,8 +101,7 @@ def marglik_prior_full(la: Any, n_steps: int = 100, lr: float = 0.1) -> float:
     r"""laplace-torch's marglik prior tuning of a ``FullLaplace``, from one eigendecomposition.
 
     ``FullLaplace.optimize_prior_precision`` factors the ``D x D`` precision at every
-    Adam step (slow for a few thousand weights on a CPU). With the eigenvalues
-    :math:`\lambda` of ``H`` the objective is
+    Adam step. With the eigenvalues :math:`\lambda` of ``H`` the objective is
     :math:`\tfrac12 (\sum \log(h\lambda_i + \delta) - D \log\delta + \delta \|\theta - \mu_0\|^2)`,
     minimised here by the same Adam steps on :math:`\log\delta` (from ``delta = 1``).
 
@@ -127,8 +113,7 @@ def marglik_prior_full(la: Any, n_steps: int = 100, lr: float = 0.1) -> float:
     Returns:
         The tuned scalar prior precision.
     """
-    # the factor h of the GGN in the posterior precision (laplace-torch's own formula)
-    h_factor = 1 / la.sigma_noise.square() / la.temperature
+    h_factor = 1 / la.sigma_noise.square() / la.temperature  # laplace-torch's own formula
     lam = torch.linalg.eigvalsh(la.H.double()).clamp(min=0) * float(h_factor)
     scatter = float(((la.mean - la.prior_mean).double() ** 2).sum())
     log_delta = torch.zeros((), dtype=torch.float64, requires_grad=True)
@@ -197,3 +182,27 @@ def predict_batched(predict: Callable[[Tensor], Tensor], X: Tensor, batch_size: 
     with torch.no_grad():
         out = [predict(chunk.to(device)).detach().cpu() for chunk in torch.split(X, batch_size)]
     return torch.cat(out)
+
+
+def rotation_scores(predict: Callable[[Tensor], Tensor], test: Tuple[Tensor, Tensor],
+                    config: CalibrationConfig, device: torch.device,
+                    keys: Sequence[str]) -> dict:
+    """Metrics of a predictor on the test images rotated by each of ``config.angles``.
+
+    Args:
+        predict: Inputs -> class probabilities.
+        test: The test images and labels.
+        config: The options (angles, batch size).
+        device: Where the network lives.
+        keys: Which :func:`~lowrank_laplace.toolkit.metrics.classification_metrics` to keep.
+
+    Returns:
+        ``{"<angle>": {key: value}}``.
+    """
+    out = {}
+    for angle in config.angles:
+        probs = predict_batched(predict, datasets.rotate(test[0], angle), config.batch_size,
+                                device)
+        scores = metrics.classification_metrics(probs, test[1])
+        out[f"{angle:g}"] = {k: scores[k] for k in keys}
+    return out

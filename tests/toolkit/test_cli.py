@@ -45,9 +45,10 @@ def _numeric_options():
     cases = []
     for name, sub in build_parser()._subparsers._group_actions[0].choices.items():
         for action in sub._actions:
-            if action.type in (cli.POSITIVE, cli.NONNEGATIVE, cli.SEED):
-                bad = ["-1", "abc", "1.5", "nan"] + (["0"] if action.type is cli.POSITIVE else [])
-                bad += [str(2**32)] if action.type is cli.SEED else []
+            if action.type in (options.POSITIVE, options.NONNEGATIVE, options.SEED):
+                bad = ["-1", "abc", "1.5", "nan"] + (["0"] if action.type is options.POSITIVE
+                                                     else [])
+                bad += [str(2**32)] if action.type is options.SEED else []
                 cases += [(name, action.option_strings[0], v) for v in bad]
             elif action.dest == "ranks":
                 cases += [(name, "--ranks", v) for v in ("0", "abc", "10,-1", ",", "2.5")]
@@ -347,6 +348,7 @@ def test_option_tables_match_the_studies():
         assert sum(p.numel() for p in training.make_cnn(name).parameters()) == count
         y = datasets.image_split(name).test[1]
         assert len(set(y.tolist())) == options.NUM_CLASSES
+    assert len(datasets.load_images("digits")[1]) == options.DIGITS_SIZE
 
 
 @pytest.fixture
@@ -486,13 +488,14 @@ def test_wrong_checkpoint_refused_before_loading_data(tmp_path, capsys, monkeypa
 def test_limits_accepted(argv, tmp_path, monkeypatch):
     # the largest values the checks take reach the command, with the options as given
     seen = []
-    for name in ("calibrate", "rank_study_command", "spectrum"):
-        monkeypatch.setattr(cli, name, seen.append)
+    for name, command in cli.COMMANDS.items():
+        monkeypatch.setitem(cli.COMMANDS, name, command._replace(
+            run=lambda checked, name=name: seen.append((name, checked))))
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + ["--out", str(tmp_path / "o")]
     assert main(argv) == 0
-    assert [args.command for args in seen] == [argv[0]]
+    assert [name for name, _ in seen] == [argv[0]]
     if argv[0] == "calibrate":
-        config = cli._calibration_config(seen[0])
+        config = seen[0][1]
         assert config.methods == (["full_all"] if "full_all" in argv else None)
         assert config.out == str(tmp_path / "o") and (tmp_path / "o").is_dir()
 
@@ -500,9 +503,10 @@ def test_limits_accepted(argv, tmp_path, monkeypatch):
 def test_out_dot_is_the_current_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     seen = []
-    monkeypatch.setattr(cli, "calibrate", seen.append)
+    monkeypatch.setitem(cli.COMMANDS, "calibrate", cli.COMMANDS["calibrate"]._replace(
+        run=seen.append))
     assert main(["calibrate", "--out", "."]) == 0
-    assert cli._calibration_config(seen[0]).out == "."
+    assert seen[0].out == "."
 
 
 def test_library_refuses_what_the_command_refuses(tmp_path):
