@@ -51,8 +51,8 @@ from lowrank_laplace.toolkit.training import make_cnn, marglik_train, train_or_l
 
 __all__ = [
     "LAPLACE_METHODS", "METHODS", "TABLE_COLUMNS", "CalibrationConfig", "UserError",
-    "default_methods", "faithfulness", "format_faithfulness", "format_notes", "format_report",
-    "format_shift", "format_table", "load_split", "make_cnn", "marglik_prior_full", "run",
+    "default_methods", "faithfulness", "format_report", "load_split", "make_cnn",
+    "marglik_prior_full", "run",
 ]
 
 _DISPLAY_NAMES = {"mnist": "MNIST", "digits": "scikit-learn digits"}
@@ -207,15 +207,8 @@ def faithfulness(report: dict) -> dict:
     return out
 
 
-def format_faithfulness(report: dict) -> str:
-    """The default row against ``full_all``, as a text table (empty without both rows).
-
-    Args:
-        report: From :func:`run`.
-
-    Returns:
-        The table and its largest deviation.
-    """
+def _format_faithfulness(report: dict) -> str:
+    """The default row against ``full_all`` and its largest deviation (or nothing)."""
     faithful = report.get("faithfulness") or faithfulness(report)
     if not faithful:
         return ""
@@ -247,15 +240,8 @@ TABLE_COLUMNS: Tuple[Tuple[str, Callable[[dict], float], str], ...] = tuple(
 )
 
 
-def format_table(report: dict) -> str:
-    """The report as a text table: a row per method, a column per :data:`TABLE_COLUMNS` entry.
-
-    Args:
-        report: From :func:`run`.
-
-    Returns:
-        The table.
-    """
+def _format_table(report: dict) -> str:
+    """A row per method, a column per :data:`TABLE_COLUMNS` entry."""
     widths = [max(len(header) + 2, 9) for header, _, _ in TABLE_COLUMNS]
     header = f"{'method':<24}" + "".join(
         f"{h:>{w}}" for (h, _, _), w in zip(TABLE_COLUMNS, widths))
@@ -269,15 +255,8 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def format_notes(report: dict) -> str:
-    """How to read the table: the low-rank posteriors' rank, kept trace and residual model.
-
-    Args:
-        report: From :func:`run`.
-
-    Returns:
-        A few lines of text.
-    """
+def _format_notes(report: dict) -> str:
+    """How to read the table: the low-rank posteriors' rank, kept trace and residual model."""
     lines = ["prior: tuned prior precision; kept: share of the exact GGN trace the rank keeps."]
     for name, m in report["methods"].items():
         info = m.get("posterior", {})
@@ -292,15 +271,8 @@ def format_notes(report: dict) -> str:
     return "\n".join(lines)
 
 
-def format_shift(report: dict) -> str:
-    """ECE under rotation per method and angle, as a text table.
-
-    Args:
-        report: From :func:`run`.
-
-    Returns:
-        The table (empty without a method that ran).
-    """
+def _format_shift(report: dict) -> str:
+    """ECE under rotation per method and angle (or nothing, where no method ran)."""
     methods = {n: m for n, m in report["methods"].items() if "shift" in m}
     if not methods:
         return ""
@@ -312,14 +284,16 @@ def format_shift(report: dict) -> str:
 
 
 def format_report(report: dict) -> str:
-    """Everything the command prints: the table, its notes, the shift and faithfulness tables.
+    """The report as the command prints it: methods, how to read them, ECE under rotation.
+
+    With ``full_all``, the default row's deviations from it follow.
 
     Args:
-        report: From :func:`run`.
+        report: From :func:`run` (``"methods"`` is all it needs).
 
     Returns:
         The text.
     """
-    faithful = format_faithfulness(report)
-    return "\n".join([format_table(report), format_notes(report), "", format_shift(report)]
+    faithful = _format_faithfulness(report)
+    return "\n".join([_format_table(report), _format_notes(report), "", _format_shift(report)]
                      + (["", faithful] if faithful else []))
