@@ -1,11 +1,9 @@
 """The commands' options, the studies' methods, and the checks run before any work.
 
-Every option is one row of a table (:class:`Option`: name, default, help, check): the
-command's parser (:mod:`~lowrank_laplace.toolkit.cli`) and the studies' configs
-(:data:`CalibrationConfig`, :data:`RankStudyConfig`) are built from the tables, and a
-config is checked by the same parsers that read the command line. Plain Python: torch is
-imported only to check a GPU device or load a checkpoint, so ``--help`` and refused runs
-take a fraction of a second.
+Every option is one row of a table (:class:`Option`: name, default, help, check), from
+which the command's parser and the studies' configs are built; a config is checked by the
+parsers that read the command line. Plain Python: torch is imported only to check a GPU
+device or load a checkpoint, so ``--help`` and refused runs take a fraction of a second.
 """
 
 from __future__ import annotations
@@ -43,10 +41,9 @@ RESIDUAL_MODELS = ("spectral", "isotropic", "diagonal", "none")
 TRAINED_METHODS = {"lowrank_ggn_marglik": "lowrank_ggn"}
 #: Every method, in report order (``map``: the trained network alone).
 METHODS = ("map",) + tuple(LAPLACE_METHODS) + tuple(TRAINED_METHODS)
-#: The parameter count of each data set's CNN (the largest rank its posterior can have),
-#: the classes of both data sets and the images of ``digits``. These and the residual
-#: names are repeated here so that options are checked without torch or data (a test
-#: checks that they agree).
+#: The parameter count of each data set's CNN (the largest rank of its posterior), the
+#: classes of both and the images of ``digits``: repeated (as are the residual names) so
+#: that options are checked without torch or data; a test checks that they agree.
 CNN_PARAMETERS = {"mnist": 20522, "digits": 3658}
 NUM_CLASSES = 10
 DIGITS_SIZE = 1797
@@ -82,7 +79,7 @@ def fits(method: str, dataset: str) -> bool:
 
 
 def default_methods(dataset: str) -> List[str]:
-    """Every method that fits the data set's network, but the opt-in trained ones.
+    """Every method that fits the data set's network but the opt-in trained ones.
 
     Args:
         dataset: ``'mnist'`` or ``'digits'``.
@@ -191,13 +188,11 @@ class Option:
         name: The config's field; the flag is ``--`` and the name with ``-`` for ``_``.
         default: The default as the command line spells it (``--help`` shows it).
         help: The option's line in ``--help``.
-        parse: Reads and checks the command line's text (an argparse ``type``, whose
-            errors name the flag); ``None`` keeps the text.
+        parse: Reads and checks the text (an argparse ``type``); ``None`` keeps the text.
         choices: The values accepted (empty: any).
         unknown: The error for a value outside ``choices`` (``{!r}``: the value).
         listed: Whether argparse lists the ``choices`` in ``--help`` and refuses others.
-        convert: Turns the parsed value into the config's; raises :class:`UserError` for
-            a value no run can use.
+        convert: Turns the parsed value into the config's, or raises :class:`UserError`.
     """
 
     name: str
@@ -358,10 +353,7 @@ def study_config(args: argparse.Namespace, config_class: type) -> Any:
 
 
 def check_study(config: Any) -> None:
-    """Every check of a study's options, then create the output directory.
-
-    The command runs it before the study's imports, data loading and training, and the
-    study again; the directory is created last, so a refused run leaves nothing behind.
+    """Every check of a study's options, then create the output directory (last).
 
     Args:
         config: A :data:`CalibrationConfig` or :data:`RankStudyConfig`.

@@ -1,8 +1,7 @@
-"""The studies' Laplace posteriors: fitting, prior tuning, prediction and scores.
+"""The studies' Laplace posteriors: fitted, prior tuned, predicting (GLM, probit).
 
-The methods of :data:`~lowrank_laplace.toolkit.options.LAPLACE_METHODS` are fitted with
-laplace-torch's ``Laplace(...)``, their scalar prior precision is tuned, and they predict
-with the GLM predictive (probit).
+Each method of :data:`~lowrank_laplace.toolkit.options.LAPLACE_METHODS` is a
+laplace-torch ``Laplace(...)``.
 """
 
 from __future__ import annotations
@@ -24,23 +23,18 @@ if TYPE_CHECKING:
 def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
                 loaders: Dict[str, DataLoader], fitted: dict,
                 prior: Optional[Tensor] = None) -> Any:
-    """Fit a method's posterior (or reuse a fit) and tune its prior precision.
-
-    Residual models other than ``diagonal`` share one fit: a posterior found in
-    ``fitted`` under the same (subset, structure) only switches its residual model.
+    """Fit a method's posterior, or switch the residual model of a shared fit, and tune it.
 
     Args:
         name: A key of :data:`~lowrank_laplace.toolkit.options.LAPLACE_METHODS`.
         model: The trained network.
         config: The options (rank, Monte-Carlo samples, solver, prior tuning, dataset).
-        loaders: ``{"train", "val", ...}`` data loaders; the fit uses ``train``,
-            grid search ``val``.
-        fitted: Fits made so far, updated in place (pass the same dict to share fits).
-        prior: A prior precision to keep instead of tuning one (e.g. the layerwise
-            priors ``marglik_training`` learned).
+        loaders: Fit on ``loaders["train"]``, grid search on ``loaders["val"]``.
+        fitted: Fits so far, updated (all residual models but ``diagonal`` share one).
+        prior: A prior precision to keep instead of tuning (e.g. learned layerwise).
 
     Returns:
-        The laplace-torch posterior, its prior precision tuned (or ``prior``).
+        The laplace-torch posterior.
 
     Raises:
         ValueError: For a dense posterior on a data set too large for it.
@@ -69,23 +63,13 @@ def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
     la = fitted[key]
     if structure == "lowrank_ggn":
         la.residual = residual
-    tune_prior(la, config, loaders, prior)
+    _tune_prior(la, config, loaders, prior)
     return la
 
 
-def tune_prior(la: Any, config: CalibrationConfig, loaders: Dict[str, DataLoader],
-               prior: Optional[Tensor] = None) -> None:
-    """Tune a scalar prior precision by marglik or by grid search on the validation split.
-
-    Both start afresh (marglik from 1, the grid from its own values), so a shared fit
-    tuned for an earlier residual model does not bias the next.
-
-    Args:
-        la: A fitted laplace-torch posterior; its ``prior_precision`` is set.
-        config: The options (``prior``: ``'marglik'`` or ``'gridsearch'``).
-        loaders: Data loaders; grid search scores on ``loaders["val"]``.
-        prior: A prior precision to set instead of tuning (``None``: tune).
-    """
+def _tune_prior(la: Any, config: CalibrationConfig, loaders: Dict[str, DataLoader],
+                prior: Optional[Tensor]) -> None:
+    """Set ``prior``, or tune a scalar prior afresh (marglik, or grid search on ``val``)."""
     if prior is not None:
         la.prior_precision = prior.clone()
     elif config.prior == "marglik" and type(la).__name__ == "FullLaplace":
@@ -100,10 +84,10 @@ def tune_prior(la: Any, config: CalibrationConfig, loaders: Dict[str, DataLoader
 def marglik_prior_full(la: Any, n_steps: int = 100, lr: float = 0.1) -> float:
     r"""laplace-torch's marglik prior tuning of a ``FullLaplace``, from one eigendecomposition.
 
-    ``FullLaplace.optimize_prior_precision`` factors the ``D x D`` precision at every
-    Adam step. With the eigenvalues :math:`\lambda` of ``H`` the objective is
-    :math:`\tfrac12 (\sum \log(h\lambda_i + \delta) - D \log\delta + \delta \|\theta - \mu_0\|^2)`,
-    minimised here by the same Adam steps on :math:`\log\delta` (from ``delta = 1``).
+    Instead of a ``D x D`` factorisation per Adam step, the same Adam steps on
+    :math:`\log\delta` (from ``delta = 1``) minimise, with the eigenvalues :math:`\lambda`
+    of ``H``, :math:`\tfrac12 (\sum \log(h\lambda_i + \delta) - D \log\delta + \delta
+    \|\theta - \mu_0\|^2)`.
 
     Args:
         la: A fitted ``FullLaplace`` (scalar prior).
@@ -131,12 +115,11 @@ def posterior_info(la: Optional[object]) -> dict:
     """Tuned prior precision and, for ``lowrank_ggn``, rank, kept trace and residual model.
 
     Args:
-        la: A fitted posterior, or ``None`` (the MAP network).
+        la: A fitted posterior, or ``None`` (the MAP network: ``{}``).
 
     Returns:
-        ``{"prior_precision"}`` (the mean; a layerwise or per-parameter prior also
-        ``"prior_precisions"``, all of them), plus ``"rank"``, ``"kept_fraction"`` and
-        ``"residual"`` for ``lowrank_ggn``; empty for ``None``.
+        ``{"prior_precision"}`` (the mean; a layerwise one also ``"prior_precisions"``)
+        and, for ``lowrank_ggn``, ``"rank"``, ``"kept_fraction"`` and ``"residual"``.
     """
     if la is None:
         return {}

@@ -1,11 +1,9 @@
 """The rank study behind ``lowrank-laplace rank-study``: posterior quality against rank.
 
-Trains (or loads) the calibration study's CNN, fits the all-weights ``lowrank_ggn``
-posterior at every rank for every residual model (``spectral``, ``isotropic`` and
-``none`` share one fit per rank), tunes each one's scalar prior like the calibration
-study, and scores the GLM predictive (probit) on the test images, unrotated and rotated:
-NLL, ECE and Brier score. MAP, laplace-torch's ``kron`` and ``diag`` and, where it fits,
-the full GGN (``--dataset digits``) are the references. The report's schema::
+Fits the calibration study's all-weights ``lowrank_ggn`` posterior at every rank for every
+residual model, tunes each one's prior like the calibration study, and scores the GLM
+predictive (probit) on the test images, unrotated and rotated: NLL, ECE and Brier score.
+MAP, ``kron``, ``diag`` and (``--dataset digits``) the full GGN are the references::
 
     {"config": {...},
      "references": {name: {"<angle>": {"nll", "ece", "brier", "accuracy"}, ...,
@@ -14,10 +12,10 @@ the full GGN (``--dataset digits``) are the references. The report's schema::
                   "prior_precision", "jacobian_exponent", "fit_s",
                   "scores": {"<angle>": {...}}}, ...]}
 
-``fit_s`` is the fit plus the prior tuning (a model that reuses its rank's shared fit
-counts its tuning only). With ``train="marglik"`` the network is the one laplace-torch's
-``marglik_training`` learns together with layerwise prior precisions (reference
-``lowrank_ggn_marglik``), and every posterior keeps those priors instead of tuning its own.
+``fit_s`` is the fit plus the prior tuning (only the tuning where a residual model reuses
+its rank's shared fit). With ``train="marglik"`` the network is the one ``marglik_training``
+learns with layerwise priors (reference ``lowrank_ggn_marglik``), and every posterior
+keeps those priors.
 """
 
 from __future__ import annotations
@@ -112,20 +110,12 @@ def run(config: RankStudyConfig, log: Callable[[str], None] = silent) -> dict:
         log(f"rank {rank} done")
     out = Path(config.out)
     (out / "rank_study.json").write_text(json.dumps(report, indent=2))
-    plots.close(plot(report, out / "rank_study.png"))
+    plots.close(_plot(report, out / "rank_study.png"))
     return report
 
 
-def plot(report: dict, path: Path) -> Figure:
-    """NLL, ECE and Brier score against rank, one row per angle, references as lines.
-
-    Args:
-        report: The study's report.
-        path: Where to save the PNG.
-
-    Returns:
-        The matplotlib figure.
-    """
+def _plot(report: dict, path: Path) -> Figure:
+    """NLL, ECE and Brier score against rank, a row per angle, references as lines."""
     import matplotlib.pyplot as plt
 
     angles = [f"{a:g}" for a in report["config"]["angles"]]
@@ -145,10 +135,8 @@ def plot(report: dict, path: Path) -> Figure:
                 color, style = styles.get(name, ("0.5", "-"))
                 ax.axhline(scores[angle][metric], color=color, linestyle=style, linewidth=1,
                            label=name)
-            ax.set_xscale("log")
-            ax.set_xlabel("Rank")
-            ax.set_ylabel(plots.metric_name(metric))
-            ax.set_title(f"{plots.metric_name(metric)}, rotation {angle} deg")
+            name = plots.metric_name(metric)
+            ax.set(xscale="log", xlabel="Rank", ylabel=name, title=f"{name}, rotation {angle} deg")
     axes[0, -1].legend(fontsize=7)
     fig.suptitle(f"Posterior quality against rank ({report['config']['dataset']}, "
                  f"D = {report['config']['num_params']:,})")

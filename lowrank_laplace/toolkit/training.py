@@ -39,19 +39,16 @@ def make_cnn(dataset: str) -> nn.Module:
 
 def train_or_load(config: CalibrationConfig, split: datasets.Split, device: torch.device,
                   log: Callable[[str], None]) -> nn.Module:
-    """The data set's CNN, loaded from ``config.checkpoint`` or trained (MAP under the prior).
+    """The data set's CNN, loaded from ``config.checkpoint`` or trained and saved if asked.
 
     Training minimises the mean cross-entropy plus ``weight_decay / (2 N) ||theta||^2``
-    (a Gaussian prior of precision ``weight_decay``, so the MAP is the mode of the
-    posterior the Laplace methods approximate) with Adam for ``config.epochs`` epochs on
-    the seeded training loader, and saves the ``state_dict`` to ``config.save_checkpoint``
-    if given.
+    with Adam: the MAP under the Gaussian prior the Laplace methods assume.
 
     Args:
         config: The options (dataset, checkpoints, epochs, batch size, weight decay, seed).
         split: The data; its training part is used.
         device: Where the network lives.
-        log: Receives one progress line per epoch (or one for the loaded checkpoint).
+        log: Receives a line per epoch (or one for the loaded checkpoint).
 
     Returns:
         The network in eval mode.
@@ -86,10 +83,8 @@ def marglik_train(config: CalibrationConfig, split: datasets.Split, device: torc
                   structure: str, log: Callable[[str], None]) -> Any:
     """Train a fresh CNN with laplace-torch's ``marglik_training`` and return its posterior.
 
-    Weights and layerwise prior precisions are learned together (Immer et al. 2021): each
-    epoch trains the network under the current priors, fits the posterior and takes
-    laplace-torch's marginal-likelihood steps on the priors; Adam as in the MAP training,
-    from laplace-torch's initial prior precision 1, on the seeded loader and initialisation.
+    Weights and layerwise prior precisions are learned together (Immer et al. 2021), with
+    Adam as in :func:`train_or_load`.
 
     Args:
         config: The options (dataset, epochs, batch size, seed).
