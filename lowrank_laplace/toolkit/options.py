@@ -265,6 +265,7 @@ STUDY_OPTIONS = (
     Option("out", "results", "output directory (. for the current one)", _out_dir,
            convert=str),
 )
+#: ``calibrate``'s options, in ``--help`` order (also :data:`CalibrationConfig`'s fields).
 CALIBRATE_OPTIONS = STUDY_OPTIONS + (
     Option("rank", 100, "rank of the lowrank_ggn posteriors (at most the CNN's parameter "
            f"count: {_counts()})", POSITIVE),
@@ -276,6 +277,7 @@ CALIBRATE_OPTIONS = STUDY_OPTIONS + (
            + " (trains its own network with laplace-torch's marglik_training, layerwise "
            "priors)", convert=_methods),
 )
+#: ``rank-study``'s options, in ``--help`` order.
 RANK_STUDY_OPTIONS = STUDY_OPTIONS + (
     Option("ranks", "10,30,100,300,1000", "comma-separated ranks (each at most the CNN's "
            f"parameter count: {_counts()})", _ranks),
@@ -288,6 +290,7 @@ RANK_STUDY_OPTIONS = STUDY_OPTIONS + (
            unknown=f"unknown training {{!r}}: choose from {', '.join(TRAININGS)}"),
     Option("angles", "0,60,90", "rotation angles in degrees (0 is always scored)", _angles),
 )
+#: ``spectrum``'s options, in ``--help`` order.
 SPECTRUM_OPTIONS = (
     Option("dataset", "digits", "data set (only digits)", choices=("digits",),
            unknown="unknown dataset {!r}: the spectrum demo uses 'digits'"),

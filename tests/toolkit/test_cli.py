@@ -98,17 +98,31 @@ def test_numeric_nonsense_exits_2_as_a_command():
         "got '0' (see lowrank-laplace calibrate --help)"]
 
 
-@pytest.mark.parametrize("field, value", [
-    ("rank", 0), ("epochs", -1), ("n_train", -5), ("batch_size", 0), ("mc_samples", -1),
-    ("n_test", 2.5), ("seed", -3), ("angles", [0.0, float("nan")]), ("angles", []),
-    ("solver", "lanczos"), ("rank", 3659), ("mc_samples", 11), ("methods", ["map", "map"]),
+@pytest.mark.parametrize("field, value, message", [
+    ("rank", 0, "rank"), ("epochs", -1, "epochs"), ("n_train", -5, "n_train"),
+    ("batch_size", 0, "batch_size"), ("mc_samples", -1, "mc_samples"), ("n_test", 2.5, "n_test"),
+    ("seed", -3, "seed"), ("angles", [0.0, float("nan")], "angles"), ("angles", [], "angles"),
+    ("solver", "lanczos", "solver"), ("rank", 3659, "rank"), ("mc_samples", 11, "mc_samples"),
+    ("methods", ["map", "map"], "listed twice"), ("seed", 2**32, "seed"),
+    ("epochs", "3", "invalid epochs '3'"), ("out", "", "use --out . for the current folder"),
 ])
-def test_calibration_config_checked_before_any_work(field, value, tmp_path):
+def test_calibration_config_checked_before_any_work(field, value, message, tmp_path):
     config = calibration.CalibrationConfig(dataset="digits", out=str(tmp_path / "out"))
     setattr(config, field, value)
-    with pytest.raises(calibration.UserError, match={"methods": "listed twice"}.get(field, field)):
+    with pytest.raises(calibration.UserError, match=message):
         calibration.run(config)
     assert not (tmp_path / "out").exists()
+
+
+def test_config_defaults_are_the_commands():
+    # the configs and the parser read their defaults from the same option table
+    args = build_parser().parse_args(["calibrate"])
+    config = calibration.CalibrationConfig()
+    assert config.angles == args.angles and config.out == str(args.out) == "results"
+    assert (config.rank, config.epochs, config.weight_decay) == (args.rank, 30, 10.0)
+    study = rank_study.RankStudyConfig()
+    assert study.ranks == [10, 30, 100, 300, 1000] and study.angles == [0.0, 60.0, 90.0]
+    assert study.residuals == list(options.RESIDUAL_MODELS) and study.methods is None
 
 
 def test_help_shows_every_default(monkeypatch):
@@ -181,7 +195,11 @@ def test_command_restores_warning_filters(tmp_path):
     (["--model", "resnet"], "unknown model 'resnet'"),
     (["--batch-size", "3"], "--batch-size must lie in"),
 ])
-def test_user_errors_are_one_line(args, message, capsys):
+def test_user_errors_are_one_line(args, message, capsys, monkeypatch):
+    def no_data(*args, **kwargs):
+        raise AssertionError("data loaded before the options were checked")
+
+    monkeypatch.setattr(spectrum_demo, "load_digits", no_data)
     assert main(TINY + args) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
