@@ -1,16 +1,11 @@
 """The ``lowrank-laplace`` command (also ``python -m lowrank_laplace``).
 
-``calibrate`` (the main job) trains a small CNN on real MNIST images that ship offline,
-fits Laplace posteriors and reports calibration, rotation shift and OOD detection
-(:mod:`~lowrank_laplace.toolkit.calibration`); ``rank-study`` scores the all-weights
-``lowrank_ggn`` posterior against rank (:mod:`~lowrank_laplace.toolkit.rank_study`);
-``spectrum`` prints the mini-batch GGN spectrum of the four ViViT approximation cases
-(:mod:`~lowrank_laplace.toolkit.spectrum_demo`).
-
-The parser is built from the option tables of :mod:`~lowrank_laplace.toolkit.options`,
-and every option is checked before a command imports its study (laplace-torch,
-matplotlib), loads data or trains: ``--help`` and refused runs take a fraction of a
-second, and a refused run prints one line and exits with code 2.
+``calibrate`` (the main job, :mod:`~lowrank_laplace.toolkit.calibration`), ``rank-study``
+(:mod:`~lowrank_laplace.toolkit.rank_study`) and ``spectrum``
+(:mod:`~lowrank_laplace.toolkit.spectrum_demo`). The parser is built from the option
+tables of :mod:`~lowrank_laplace.toolkit.options`, and every option is checked before a
+command imports its study (laplace-torch, matplotlib), loads data or trains: ``--help``
+and refused runs take a fraction of a second; a refused run prints one line, exit code 2.
 """
 
 from __future__ import annotations

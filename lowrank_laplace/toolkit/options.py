@@ -229,7 +229,7 @@ def _check(option: Option, value: Any) -> None:
         message = str(err)
         raise UserError(message if message.startswith(option.name)
                         else f"{option.name}: {message}") from None
-    if read != value:
+    if read != (list(value) if isinstance(value, tuple) else value):
         raise UserError(f"invalid {option.name} {value!r}")
 
 

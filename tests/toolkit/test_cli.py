@@ -114,7 +114,7 @@ def test_calibration_config_checked_before_any_work(field, value, message, tmp_p
     assert not (tmp_path / "out").exists()
 
 
-def test_config_defaults_are_the_commands():
+def test_config_defaults_are_the_commands(tmp_path):
     # the configs and the parser read their defaults from the same option table
     args = build_parser().parse_args(["calibrate"])
     config = calibration.CalibrationConfig()
@@ -123,6 +123,8 @@ def test_config_defaults_are_the_commands():
     study = rank_study.RankStudyConfig()
     assert study.ranks == [10, 30, 100, 300, 1000] and study.angles == [0.0, 60.0, 90.0]
     assert study.residuals == list(options.RESIDUAL_MODELS) and study.methods is None
+    options.check_study(rank_study.RankStudyConfig(  # sequences may be tuples
+        dataset="digits", angles=(0, 45), ranks=(4,), residuals=("none",), out=str(tmp_path)))
 
 
 def test_help_shows_every_default(monkeypatch):
