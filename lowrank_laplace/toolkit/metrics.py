@@ -1,8 +1,8 @@
-"""Calibration and uncertainty metrics, built on torchmetrics where it has them.
+"""Calibration and uncertainty metrics, on torchmetrics where it has them.
 
-Classification metrics take predictive probabilities ``probs`` of shape ``(N, C)``
-and integer targets of shape ``(N,)``; regression metrics take a predictive mean
-and variance of shape ``(N, 1)`` (or ``(N,)``) and targets of the same shape.
+Classification metrics take predictive probabilities ``probs`` ``(N, C)`` and class
+indices ``targets`` ``(N,)``; regression metrics take a predictive mean and variance
+``(N, 1)`` (or ``(N,)``) and targets of the same shape. Logarithms are natural.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ _EPS = 1e-12
 
 
 def accuracy(probs: Tensor, targets: Tensor) -> float:
-    """Fraction of correct top-1 predictions (torchmetrics).
+    """Fraction of correct top-1 predictions.
 
     Args:
-        probs: Predictive probabilities, shape ``(N, C)``.
-        targets: Class indices, shape ``(N,)``.
+        probs: Predictive probabilities.
+        targets: Class indices.
 
     Returns:
         Accuracy in ``[0, 1]``.
@@ -39,55 +39,52 @@ def nll(probs: Tensor, targets: Tensor) -> float:
     """Mean negative log predictive probability of the true class.
 
     Args:
-        probs: Predictive probabilities, shape ``(N, C)``.
-        targets: Class indices, shape ``(N,)``.
+        probs: Predictive probabilities.
+        targets: Class indices.
 
     Returns:
-        The NLL (natural log).
+        The NLL.
     """
     picked = probs.gather(1, targets[:, None]).squeeze(1)
     return float(-torch.log(picked.clamp_min(_EPS)).mean())
 
 
 def ece(probs: Tensor, targets: Tensor, n_bins: int = 15) -> float:
-    """Expected calibration error over equal-width confidence bins (torchmetrics).
+    """Expected calibration error: confidence-accuracy gaps of equal-width bins, weighted.
 
     Args:
-        probs: Predictive probabilities, shape ``(N, C)``.
-        targets: Class indices, shape ``(N,)``.
+        probs: Predictive probabilities.
+        targets: Class indices.
         n_bins: Number of bins.
 
     Returns:
-        ECE in ``[0, 1]``: the bins' gaps between confidence and accuracy, weighted
-        by their share of the points.
+        ECE in ``[0, 1]``.
     """
     return float(multiclass_calibration_error(probs, targets, num_classes=probs.shape[1],
                                               n_bins=n_bins, norm="l1"))
 
 
 def mce(probs: Tensor, targets: Tensor, n_bins: int = 15) -> float:
-    """Maximum calibration error over confidence bins (torchmetrics).
+    """Maximum calibration error: the largest gap of the bins of :func:`ece`.
 
     Args:
-        probs: Predictive probabilities, shape ``(N, C)``.
-        targets: Class indices, shape ``(N,)``.
-        n_bins: Number of equal-width bins (as for :func:`ece`).
+        probs: Predictive probabilities.
+        targets: Class indices.
+        n_bins: Number of bins.
 
     Returns:
-        MCE in ``[0, 1]``: the largest gap between a bin's confidence and accuracy.
+        MCE in ``[0, 1]``.
     """
     return float(multiclass_calibration_error(probs, targets, num_classes=probs.shape[1],
                                               n_bins=n_bins, norm="max"))
 
 
 def brier(probs: Tensor, targets: Tensor) -> float:
-    """Multiclass Brier score: mean over samples of ``sum_c (p_c - 1[c = y])^2``.
-
-    (torchmetrics has no multiclass Brier score.)
+    """Multiclass Brier score, ``sum_c (p_c - 1[c = y])^2`` averaged over samples.
 
     Args:
-        probs: Predictive probabilities, shape ``(N, C)``.
-        targets: Class indices, shape ``(N,)``.
+        probs: Predictive probabilities.
+        targets: Class indices.
 
     Returns:
         Brier score in ``[0, 2]``.
@@ -100,7 +97,7 @@ def confidence(probs: Tensor) -> float:
     """Mean top-1 predictive probability.
 
     Args:
-        probs: Predictive probabilities, shape ``(N, C)``.
+        probs: Predictive probabilities.
 
     Returns:
         Mean confidence.
@@ -112,10 +109,10 @@ def entropy(probs: Tensor) -> Tensor:
     """Predictive entropy of every sample.
 
     Args:
-        probs: Predictive probabilities, shape ``(N, C)``.
+        probs: Predictive probabilities.
 
     Returns:
-        Entropies (natural log), shape ``(N,)``.
+        Entropies, shape ``(N,)``.
     """
     return -(probs * torch.log(probs.clamp_min(_EPS))).sum(1)
 
@@ -126,67 +123,59 @@ def ood_auroc(probs_in: Tensor, probs_out: Tensor, score: str = "entropy") -> fl
     Args:
         probs_in: Predictive probabilities on in-distribution data, ``(N, C)``.
         probs_out: Predictive probabilities on OOD data, ``(M, C)``.
-        score: ``'entropy'`` (predictive entropy) or ``'max_prob'`` (one minus the
-            top-1 probability); higher means "more likely OOD".
+        score: ``'entropy'`` or ``'max_prob'`` (one minus the top-1 probability); higher
+            means "more likely OOD".
 
     Returns:
-        AUROC in ``[0, 1]`` (torchmetrics), 0.5 is chance.
+        AUROC in ``[0, 1]``, 0.5 is chance.
 
     Raises:
         ValueError: For an unknown score.
     """
-    if score == "entropy":
-        s_in, s_out = entropy(probs_in), entropy(probs_out)
-    elif score == "max_prob":
-        s_in, s_out = 1 - probs_in.max(1).values, 1 - probs_out.max(1).values
-    else:
+    scores = {"entropy": entropy, "max_prob": lambda p: 1 - p.max(1).values}
+    if score not in scores:
         raise ValueError(f"score must be 'entropy' or 'max_prob', got {score!r}.")
-    scores = torch.cat([s_in, s_out])
+    s_in, s_out = scores[score](probs_in), scores[score](probs_out)
     labels = torch.cat([torch.zeros_like(s_in), torch.ones_like(s_out)]).long()
-    return float(binary_auroc(scores, labels))
+    return float(binary_auroc(torch.cat([s_in, s_out]), labels))
 
 
 def classification_metrics(probs: Tensor, targets: Tensor) -> Dict[str, float]:
-    """All in-distribution classification metrics of the report schema.
+    """All in-distribution classification metrics of the studies' reports.
 
     Args:
-        probs: Predictive probabilities, shape ``(N, C)``.
-        targets: Class indices, shape ``(N,)``.
+        probs: Predictive probabilities.
+        targets: Class indices.
 
     Returns:
         ``{"accuracy", "nll", "ece", "mce", "brier", "confidence"}``.
     """
     probs, targets = probs.detach().float().cpu(), targets.cpu()
-    return {
-        "accuracy": accuracy(probs, targets),
-        "nll": nll(probs, targets),
-        "ece": ece(probs, targets),
-        "mce": mce(probs, targets),
-        "brier": brier(probs, targets),
-        "confidence": confidence(probs),
-    }
+    return {"accuracy": accuracy(probs, targets), "nll": nll(probs, targets),
+            "ece": ece(probs, targets), "mce": mce(probs, targets),
+            "brier": brier(probs, targets), "confidence": confidence(probs)}
 
 
 def gaussian_nll(mean: Tensor, var: Tensor, targets: Tensor) -> float:
-    """Mean negative log density of the targets under ``N(mean, var)``.
+    """Mean negative log density of the targets under ``N(mean, var)``, constant included.
 
     Args:
         mean: Predictive means.
-        var: Predictive variances (including observation noise).
-        targets: Targets of the same shape.
+        var: Predictive variances (observation noise included).
+        targets: Targets.
 
     Returns:
-        The NLL (natural log, with the ``log(2 pi)/2`` constant).
+        The NLL.
     """
     return float(torch.nn.functional.gaussian_nll_loss(mean, targets, var, full=True))
 
 
 def rmse(mean: Tensor, targets: Tensor) -> float:
-    """Root mean squared error (torchmetrics).
+    """Root mean squared error.
 
     Args:
         mean: Predictive means.
-        targets: Targets of the same shape.
+        targets: Targets.
 
     Returns:
         The RMSE.
@@ -208,11 +197,8 @@ def interval_coverage(mean: Tensor, var: Tensor, targets: Tensor,
         ``{level: observed coverage}``; calibrated predictions have coverage = level.
     """
     z = ((targets - mean).abs() / var.sqrt()).flatten()
-    out = {}
-    for level in levels:
-        half_width = math.sqrt(2) * float(torch.special.erfinv(torch.tensor(level)))
-        out[level] = float((z <= half_width).float().mean())
-    return out
+    return {level: float((z <= math.sqrt(2) * float(torch.special.erfinv(torch.tensor(level))))
+                         .float().mean()) for level in levels}
 
 
 def regression_metrics(mean: Tensor, var: Tensor, targets: Tensor) -> Dict[str, float]:
@@ -220,13 +206,12 @@ def regression_metrics(mean: Tensor, var: Tensor, targets: Tensor) -> Dict[str, 
 
     Args:
         mean: Predictive means.
-        var: Predictive variances (including observation noise).
+        var: Predictive variances (observation noise included).
         targets: Targets.
 
     Returns:
-        ``{"nll", "rmse", "interval_calibration_error"}`` where the last is the mean
-        absolute gap between coverage and level over the levels of
-        :func:`interval_coverage`.
+        ``{"nll", "rmse", "interval_calibration_error"}``, the last the mean absolute gap
+        between coverage and level over the levels of :func:`interval_coverage`.
     """
     coverage = interval_coverage(mean, var, targets)
     gap = sum(abs(c - level) for level, c in coverage.items()) / len(coverage)
