@@ -16,7 +16,7 @@ Shape glossary:
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Tuple, Union
+from typing import Iterator, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -75,24 +75,6 @@ def wide_t_matmul(block: Union[DenseBlock, KronBlock], x: Tensor) -> Tensor:
         return sum(sub.t_matmul(x[lo:hi].to(WIDE))
                    for lo, hi, sub in wide_slices(block, x.shape[1]))
     return block.rows @ x.to(WIDE)
-
-
-def wide_factor_t_matmul(factor: Any, x: Tensor, group: int = 0) -> Tensor:
-    """``V^T x`` of a factor's kept blocks in float64 (:func:`wide_t_matmul` per block).
-
-    Also for blocks of several dtypes (a bfloat16 head beside float32 adapters).
-
-    Args:
-        factor: A :class:`~lowrank_laplace.factor.GGNFactor` with kept blocks.
-        x: Flat vectors over the group's parameters, ``(D, K)``.
-        group: Group index.
-
-    Returns:
-        Shape ``(M, K)``, float64.
-    """
-    parts = factor.split_flat(x, group)
-    return sum(wide_t_matmul(block, part)
-               for block, part in zip(factor.group_blocks(group), parts))
 
 
 def wide_slices(block: Union[DenseBlock, KronBlock], width: int

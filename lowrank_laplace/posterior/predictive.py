@@ -29,7 +29,6 @@ from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.engine.functorch import LOOPING
 from lowrank_laplace.factor import GGNFactor
 from lowrank_laplace.factor.weights import SMALL_DTYPE, Weight
-from lowrank_laplace.factor.wide import wide_factor_t_matmul
 from lowrank_laplace.fitting import budget
 from lowrank_laplace.posterior.precision import LowRankPrecision
 from lowrank_laplace.utils.batches import take
@@ -249,8 +248,7 @@ def jacobian_energies(engine: FactorEngine, batches: List, U: Tensor,
                 with rng if rng is not None else contextlib.nullcontext():
                     factor = engine.compute(chunk, None, mc_samples=projections,
                                             gradient=False)
-            products = wide_factor_t_matmul(factor, U).to(U.dtype)
-            energy += (products ** 2).sum(0) / 2  # E[V V^T] = 2 J^T J
+            energy += (factor.t_matmul(U) ** 2).sum(0) / 2  # E[V V^T] = 2 J^T J
     return energy
 
 

@@ -29,7 +29,6 @@ from torch import Tensor, nn
 
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.factor.loss_sqrt import hessian_sqrt
-from lowrank_laplace.factor.wide import wide_factor_t_matmul
 from lowrank_laplace.fitting.budget import (
     micro_batch_size,
     resolve_memory_budget,
@@ -283,7 +282,8 @@ def _assemble(factors: List[Any], U: Tensor, classes: int, m: int
         start += f.num_samples
     for i, (fi, si) in enumerate(zip(factors, spans)):
         ni = fi.num_samples
-        Z[:, si] = wide_factor_t_matmul(fi, U).reshape(classes, ni, -1)
+        # the factor's dtype, as its Gram matrix: M = (F^T F - Z Z^T) / 2 cancels alike
+        Z[:, si] = fi.t_matmul(U).to(wide).reshape(classes, ni, -1)
         for fj, sj in zip(factors[i:], spans[i:]):
             block = sum(a.cross(b) for a, b in zip(fi.group_blocks(), fj.group_blocks()))
             block = block.to(wide).reshape(classes, ni, classes, fj.num_samples)
