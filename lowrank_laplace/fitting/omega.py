@@ -1,12 +1,8 @@
-r"""The sketch's random test matrix :math:`\Omega` (``D x l``), kept per parameter slice.
+r"""The sketch's random test matrix ``Omega`` (``D x l``), kept per parameter slice.
 
-The slice of a matrix-shaped weight ``(out, in)`` holds Khatri-Rao columns
-:math:`p_k \otimes q_k` and is kept as its factors ``p`` (``l x out``) and ``q``
-(``l x in``), never as ``l x out x in`` entries; every other slice is Gaussian and kept
-as an ``l x d`` tensor. Each operation the sketch needs works slice by slice:
-``V^T Omega`` from a factor's blocks, ``Omega^T X``, ``Y += alpha Omega`` and
-``Omega^T Omega``. :class:`BasisOmega` puts fixed basis columns (a warm start) before
-the random ones.
+A matrix-shaped weight's slice holds Khatri-Rao columns ``p_k (x) q_k``, kept as ``p``
+(``l x out``) and ``q`` (``l x in``); other slices are Gaussian ``l x d`` tensors.
+:class:`BasisOmega` puts warm-start basis columns first.
 
 Shape glossary:
     D: parameters; l: columns of the test matrix; K: columns of another matrix.
@@ -36,10 +32,9 @@ class Omega:
     Args:
         cols: Columns ``l``.
         dim: Rows ``D``.
-        like: A tensor with the dtype and device of the draw.
+        like: A tensor with the draw's dtype and device.
         seed: Seed; the draw depends only on it, the shapes and the device type.
-        shapes: The parameter shapes the rows run over, in order (``None``: one
-            Gaussian slice).
+        shapes: The parameter shapes, in order (``None``: one Gaussian slice).
         kronecker: Give matrix-shaped parameters Khatri-Rao slices.
 
     Raises:
@@ -132,13 +127,7 @@ class Omega:
 
     # -------------------------------------------------------------- products
     def block_products(self, blocks: Sequence[Block]) -> Tensor:
-        """``V^T Omega`` from a factor's blocks (one per slice, in order), ``(M, l)``.
-
-        A factored block against a Khatri-Rao slice costs ``(V N out + N in) l``
-        multiply-adds (:meth:`~lowrank_laplace.factor.blocks.KronBlock.t_matmul_khatri_rao`);
-        an explicit one the multiply-adds of its product with the slice, which is not
-        formed (:meth:`~lowrank_laplace.factor.blocks.DenseBlock.t_matmul_khatri_rao`).
-        """
+        """``V^T Omega`` from a factor's blocks (one per slice), ``(M, l)``; slices unformed."""
         total = None
         for position, block in enumerate(blocks):
             pq = self.factors(position)
@@ -183,17 +172,12 @@ class Omega:
 
 
 class BasisOmega:
-    r"""The test matrix :math:`[W, \Omega]`: fixed basis columns before random ones.
+    r"""The test matrix ``[W, Omega]``: a warm start's basis columns before random ones.
 
-    A sketch started from a known basis ``W`` (``D x b``, e.g. the eigenvectors of an
-    earlier fit of a model that has since moved) keeps the Nyström approximation's
-    guarantees, which hold for any test matrix (:math:`0 \preceq \hat H \preceq H`,
-    exact on the range of :math:`H^{1/2}[W, \Omega]`), and is exact on every
-    eigenvector ``W`` spans. The basis columns are kept as an explicit ``b x D``
-    tensor; the random ones as :class:`Omega`, whose interface this class shares.
+    Shares :class:`Omega`'s interface (docs/concepts.md, "One-pass sketch").
 
     Args:
-        basis: ``W``, shape ``(D, b)`` (any layout; copied in ``omega``'s dtype).
+        basis: ``W``, ``(D, b)`` (copied in ``omega``'s dtype).
         omega: The random columns.
     """
 
