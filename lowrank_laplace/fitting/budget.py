@@ -68,7 +68,15 @@ def samples_in_budget(engine: Any, X: Any, num_vectors: Optional[int],
         ValueError: If one sample does not fit the budget.
     """
     per_sample = engine.bytes_per_sample(X, num_vectors, one_block=one_block)
-    budget = resolve_memory_budget(budget, batch_device(X))
+    return samples_that_fit(per_sample, resolve_memory_budget(budget, batch_device(X)))
+
+
+def samples_that_fit(per_sample: int, budget: int) -> Tuple[int, int]:
+    """Samples of ``per_sample`` bytes that fit ``budget`` bytes, and ``per_sample``.
+
+    Raises:
+        ValueError: If one sample does not fit the budget.
+    """
     if per_sample > budget:
         raise ValueError(
             f"memory_budget={budget:,} bytes is too small for one sample (about "

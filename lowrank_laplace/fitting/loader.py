@@ -15,8 +15,6 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-#: The likelihoods whose GGN is laplace-torch's.
-LIKELIHOODS = ("classification", "regression")
 #: Samples planned for a dataset without a length (the plan streams; ``n_data`` is counted).
 UNKNOWN_SIZE = 2**40
 

@@ -21,7 +21,7 @@ from torch import Tensor
 from lowrank_laplace.factor import factor_columns
 from lowrank_laplace.fitting import cost, sketch
 from lowrank_laplace.fitting.base import Solver
-from lowrank_laplace.fitting.budget import resolve_memory_budget
+from lowrank_laplace.fitting.budget import resolve_memory_budget, samples_that_fit
 from lowrank_laplace.fitting.config import FitConfig, SolverKind
 from lowrank_laplace.fitting.dense import DenseSum
 from lowrank_laplace.fitting.sketch import SketchMerge
@@ -45,8 +45,6 @@ SINGLE_THREAD_SKETCH_WORK = 2**34
 SKETCH_MERGE_BYTES = 2**28
 #: Below this many parameters per kept eigenpair, merges rotate the basis explicitly.
 LAZY_MIN_DIM_PER_EIGENPAIR = 200
-#: The fit paths: a dense sum, streaming merges, a one-pass sketch.
-PATHS = ("dense", "streaming", "sketch")
 #: A float32 sketch that rounded its kept eigenvalues is redone in float64 where its
 #: float64 ``D x l`` matrix takes at most this share of the budget (else it warns);
 #: ``solver="auto"`` sketches only within it.
@@ -102,15 +100,8 @@ class FitSizes:
         Raises:
             ValueError: If one sample does not fit the budget.
         """
-        budget = self.budget if budget is None else budget
         per_sample = self.columns * (self.block_bytes if low_memory else self.vector_bytes)
-        if per_sample > budget:
-            raise ValueError(
-                f"memory_budget={budget:,} bytes is too small for one sample (about "
-                f"{per_sample:,} bytes of V): raise memory_budget, use mc_samples=1, or "
-                "subset_of_weights='last_layer'."
-            )
-        return max(1, budget // per_sample), per_sample
+        return samples_that_fit(per_sample, self.budget if budget is None else budget)
 
 
 def measure_sizes(engine: Any, X: Any, batch_size: int, num_data: int, config: FitConfig,
