@@ -11,7 +11,7 @@ Shape glossary:
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -24,6 +24,14 @@ _TEST_ENTRIES = 2**20
 _SEED_STRIDE = 1_000_003
 
 Part = Union[Tensor, Tuple[Tensor, Tensor]]
+
+
+def _summed(products: Iterable[Tensor]) -> Tensor:
+    """The products' sum, accumulated in place into the first, in order."""
+    total = None
+    for prod in products:
+        total = prod if total is None else total.add_(prod)
+    return total
 
 
 class Omega:
@@ -83,7 +91,6 @@ class Omega:
                 fill(job)
         self.parts: List[Part] = parts  # type: ignore[assignment]
 
-    # ------------------------------------------------------------------ slices
     def factors(self, position: int) -> Optional[Tuple[Tensor, Tensor]]:
         """``(p, q)`` of a Khatri-Rao slice, ``None`` for a Gaussian one."""
         part = self.parts[position]
@@ -125,29 +132,18 @@ class Omega:
                        for part in self.parts]
         return other
 
-    # -------------------------------------------------------------- products
     def block_products(self, blocks: Sequence[Block]) -> Tensor:
         """``V^T Omega`` from a factor's blocks (one per slice), ``(M, l)``; slices unformed."""
-        total = None
-        for position, block in enumerate(blocks):
-            pq = self.factors(position)
-            if pq is not None:
-                prod = block.t_matmul_khatri_rao(*pq)
-            else:
-                prod = block.t_matmul(self.parts[position].T)
-            total = prod if total is None else total.add_(prod)
-        return total
+        return _summed(block.t_matmul(self.parts[i].T) if self.factors(i) is None
+                       else block.t_matmul_khatri_rao(*self.factors(i))
+                       for i, block in enumerate(blocks))
 
     def t_matmul(self, x: Tensor) -> Tensor:
         """``Omega^T x`` for ``x`` of shape ``(D, K)`` (any layout), ``(l, K)``."""
-        total = None
-        for position, xs in enumerate(x.split(self.sizes)):
-            pq = self.factors(position)
-            # a Khatri-Rao slice: the columns of x as rows of an explicit block
-            prod = self.parts[position] @ xs if pq is None else \
-                DenseBlock(xs.T).t_matmul_khatri_rao(*pq).T
-            total = prod if total is None else total.add_(prod)
-        return total
+        # a Khatri-Rao slice: the columns of x as rows of an explicit block
+        return _summed(self.parts[i] @ xs if self.factors(i) is None
+                       else DenseBlock(xs.T).t_matmul_khatri_rao(*self.factors(i)).T
+                       for i, xs in enumerate(x.split(self.sizes)))
 
     def add_to_(self, y: Tensor, alpha: float) -> Tensor:
         """``y += alpha Omega`` in place, for ``y`` of shape ``(D, l)``."""
@@ -163,12 +159,8 @@ class Omega:
 
     def gram(self) -> Tensor:
         """``Omega^T Omega``, ``(l, l)``; a Khatri-Rao slice gives ``(p p^T) * (q q^T)``."""
-        total = None
-        for part in self.parts:
-            prod = (part[0] @ part[0].T) * (part[1] @ part[1].T) if isinstance(part, tuple) \
-                else part @ part.T
-            total = prod if total is None else total.add_(prod)
-        return total
+        return _summed((p[0] @ p[0].T) * (p[1] @ p[1].T) if isinstance(p, tuple) else p @ p.T
+                       for p in self.parts)
 
 
 class BasisOmega:
@@ -199,11 +191,9 @@ class BasisOmega:
 
     def block_products(self, blocks: Sequence[Block]) -> Tensor:
         """``V^T [W, Omega]`` from a factor's blocks (one per slice), ``(M, l)``."""
-        total = None
-        for block, part in zip(blocks, self.basis.split(self.sizes, dim=1)):
-            prod = block.t_matmul(part.T)
-            total = prod if total is None else total.add_(prod)
-        return torch.cat([total, self.omega.block_products(blocks)], dim=1)
+        own = _summed(block.t_matmul(part.T)
+                      for block, part in zip(blocks, self.basis.split(self.sizes, dim=1)))
+        return torch.cat([own, self.omega.block_products(blocks)], dim=1)
 
     def t_matmul(self, x: Tensor) -> Tensor:
         """``[W, Omega]^T x`` for ``x`` of shape ``(D, K)``, ``(l, K)``."""

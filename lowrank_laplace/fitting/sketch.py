@@ -86,7 +86,6 @@ class SketchMerge(Solver):
         # parameter index -> (blocks, scaled V^T Omega rows, sketch slice) not yet added
         self._kron: Dict[int, Tuple[List[Block], List[Tensor], Tensor]] = {}
 
-    # ------------------------------------------------------------------ streaming
     def _test_matrix(self, dim: int, like: Tensor,
                      shapes: Optional[List[torch.Size]] = None) -> Omega:
         """The test matrix, drawn once, at most ``D`` columns (the sketch is stored ``(l, D)``)."""
@@ -222,7 +221,6 @@ class SketchMerge(Solver):
         if self.track_diagonal:
             dist.all_reduce(self.diagonal, group=group)
 
-    # ---------------------------------------------------------------- finalising
     def resolves(self, ratio: Optional[float] = None) -> bool:
         """Whether every kept eigenvalue is ``ratio`` times its shift ``nu`` (finalises).
 
