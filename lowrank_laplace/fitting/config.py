@@ -1,11 +1,7 @@
-"""The options of a fit over a loader, validated once, in one frozen record.
+"""The options of a fit, validated once in one frozen record read by every step.
 
-:class:`FitConfig` is what every step of a fit reads: the plan
-(:func:`~lowrank_laplace.fitting.plan.choose_plan`), the batch loop and the solver.
-laplace-torch's classes extend it with the posterior's own options
-(:class:`~lowrank_laplace.laplace_torch.options.LowRankOptions`) and pass that same
-object down. Tuning constants that users do not decide are module constants next to
-the code that reads them (e.g. :data:`~lowrank_laplace.fitting.plan.DENSE_MAX_DIM`).
+laplace-torch's classes extend it (``LowRankOptions``); tuning constants users do not
+decide live next to the code that reads them.
 """
 
 from __future__ import annotations
@@ -34,7 +30,7 @@ def check_count(name: str, value: Any, minimum: int, allow_none: bool = False) -
     """Refuse anything but an integer of at least ``minimum`` (or ``None`` if allowed).
 
     Args:
-        name: The option's name, for the message.
+        name: The option's name.
         value: Its value.
         minimum: The smallest value allowed.
         allow_none: Whether ``None`` is allowed.
@@ -61,43 +57,18 @@ class FitConfig:
     r"""The options of a fit, validated and normalised when the record is made.
 
     Attributes:
-        rank: Number of leading GGN eigenpairs kept (default 100). Exact whenever the
-            GGN's rank over the whole training set fits.
-        mc_samples: ``0`` for the exact GGN, ``M >= 1`` for a Monte-Carlo GGN with
-            ``M`` sampled outputs per sample (classification).
-        subsample_fraction: Curvature from this random fraction of every batch
-            (rescaled to stay unbiased); ``None`` uses every sample.
-        memory_budget: Bytes (or a fraction of free memory, or a size such as
-            ``"2GiB"``) one micro-batch's ``V`` may take; batches are split
-            automatically. Default: 1 GiB on the CPU, a quarter of the free device
-            memory (at least 1 GiB) on CUDA.
-        micro_batch_size: Upper bound on samples per backward pass; ``None`` chooses
-            it from the memory budget and a cost model of the merge.
-        seed: Seed for curvature sub-sampling, the Monte-Carlo draws of
-            ``mc_samples`` (offset by the process rank when fitting data-parallel)
-            and the sketch's test matrix; the fit leaves the global random state
-            untouched.
-        low_memory: Never hold a micro-batch's whole ``V``: each micro-batch is one
-            merge computed by two backward passes (Gram matrix, diagonal and
-            products with the basis; then the basis update ``V C``), each holding one
-            layer's block at a time, so ``memory_budget`` buys larger micro-batches
-            for about 1.5 times the backward cost. Ignored when the fit sums densely.
-        factor_backend: What computes the GGN factor ``V`` (laplace-torch's
-            ``backend`` names its own curvature class, hence another name):
-            ``"backpack"``, ``"hooks"``, ``"functorch"`` or ``"auto"`` (the first of
-            these that takes the model; see :class:`~lowrank_laplace.engine.FactorEngine`).
-        solver: ``"auto"`` (default: a one-pass sketch where the cost model finds it
-            cheaper than streaming merges and its float64 matrix fits the budget's
-            share, else streaming merges; see
-            :func:`~lowrank_laplace.fitting.plan.choose_plan`), ``"streaming"``
-            (truncated merges, :class:`~lowrank_laplace.fitting.StreamingMerge`) or
-            ``"sketch"`` (a one-pass randomized Nyström sketch,
-            :class:`~lowrank_laplace.fitting.SketchMerge`). All are exact when the
-            GGN's rank over the data fits, and none applies when the fit sums densely.
-        track_diagonal: Also accumulate the exact GGN diagonal (the residual models
-            that need it set this).
-        probe_inputs: Training inputs (the first the loader yields) the fit keeps for
-            a probe pass after it (the residual models that need one set this).
+        rank: Leading GGN eigenpairs kept; exact whenever the GGN's rank fits.
+        mc_samples: ``0`` for the exact GGN, ``M >= 1`` sampled outputs per sample.
+        subsample_fraction: Curvature from this random fraction of every batch (unbiased).
+        memory_budget: What one micro-batch's ``V`` may take (see ``resolve_memory_budget``).
+        micro_batch_size: Upper bound on samples per backward pass.
+        seed: Seed of sub-sampling, MC draws (plus the process rank) and the sketch.
+        low_memory: Never hold a micro-batch's whole ``V``: two backward passes per merge,
+            one layer's block at a time (ignored by the dense sum).
+        factor_backend: ``"backpack"``, ``"hooks"``, ``"functorch"`` or ``"auto"``.
+        solver: ``"auto"`` (``choose_plan``), ``"streaming"`` or ``"sketch"``.
+        track_diagonal: Also accumulate the exact GGN diagonal.
+        probe_inputs: First training inputs kept for a probe pass after the fit.
     """
 
     rank: int = DEFAULT_RANK

@@ -1,37 +1,40 @@
 """The cost model that sizes a fit: merges, sketches and the dense sum in Gram multiply-adds.
 
+A merge of ``M`` columns into the ``D x k`` basis costs, besides the products with ``V``
+that every column pays once (``~2 D k`` per sample for factored linear weights,
+``2 D_gram k`` per column for the rest), a few memory passes over the basis (``~180 D
+k``), a float64 eigendecomposition of size ``k + M`` (``EIGH_WEIGHT (k + M)^3``), the
+Gram matrix of its columns (``M^2 D_gram``, ``D_gram`` the expanded parameters plus
+``out + in`` per factored linear weight) and a fixed ``OVERHEAD``; the weights were
+measured on CPU (docs/benchmarks/design_measurements.md).
+
 Shape glossary:
-    D: parameters; k: kept eigenpairs (rank + oversampling); M: columns of a merge.
+    D: parameters; k: kept eigenpairs (rank + oversampling); M: columns of a merge;
+    l: sketch columns.
 """
 
 from __future__ import annotations
 
-#: Fixed cost of one merge (its small operations, as timed on CPU) in Gram multiply-adds
-#: (docs/benchmarks/design_measurements.md).
+#: Fixed cost of one merge's small operations, in Gram multiply-adds.
 OVERHEAD = 7.5e8
-#: A float64 eigendecomposition of size ``n`` costs ~``EIGH_WEIGHT n^3`` Gram multiply-adds.
+#: A float64 eigendecomposition of size ``n`` costs ~``EIGH_WEIGHT n^3``.
 EIGH_WEIGHT = 28.0
 def merge_cost(samples: int, columns_per_sample: int, keep: int, dim: int,
                 gram_dim: int) -> float:
-    """Cost of one streaming merge of ``samples`` samples (see :func:`merge_size`)."""
+    """Cost of one streaming merge of ``samples`` samples."""
     m = samples * columns_per_sample
     return EIGH_WEIGHT * (keep + m) ** 3 + 180.0 * dim * keep + m * m * gram_dim + OVERHEAD
 
 
 def streaming_cost(columns_per_sample: int, keep: int, dim: int, gram_dim: int,
                    num_data: int, samples: int) -> float:
-    """Gram multiply-adds of streaming ``num_data`` samples in merges of ``samples``.
-
-    The merges themselves (see :func:`merge_size`), remainder merge included, plus
-    the products ``V^T B`` and ``V C`` with the ``D x k`` basis that every sample
-    pays once (``~2 D k`` per sample for factored linear weights, ``2 D_gram k``
-    per column for the rest).
+    """Cost of streaming ``num_data`` samples in merges of ``samples`` (remainder included).
 
     Args:
         columns_per_sample: Columns of ``V`` per sample.
-        keep: Eigenpairs kept while streaming ``k``.
-        dim: Parameters ``D``.
-        gram_dim: ``D_gram`` (see :func:`merge_size`).
+        keep: ``k``.
+        dim: ``D``.
+        gram_dim: ``D_gram``.
         num_data: Samples streamed.
         samples: Samples per merge.
 
@@ -48,17 +51,13 @@ def streaming_cost(columns_per_sample: int, keep: int, dim: int, gram_dim: int,
 
 def sketch_cost(columns_per_sample: int, keep: int, dim: int, gram_dim: int,
                 num_data: int) -> float:
-    """Gram multiply-adds of a one-pass sketch (:class:`~lowrank_laplace.fitting.SketchMerge`).
-
-    The products ``V^T Omega`` and ``V (V^T Omega)`` of every sample (as in
-    :func:`streaming_cost`, without the merges), drawing the ``D x l`` test matrix and
-    the final ``l x l`` Gram matrices over ``D``.
+    """Cost of a one-pass sketch: the two products with ``V`` and the final ``D l^2`` work.
 
     Args:
         columns_per_sample: Columns of ``V`` per sample.
-        keep: Sketch columns ``l``.
-        dim: Parameters ``D``.
-        gram_dim: ``D_gram`` (see :func:`merge_size`).
+        keep: ``l``.
+        dim: ``D``.
+        gram_dim: ``D_gram``.
         num_data: Samples streamed.
 
     Returns:
@@ -69,13 +68,10 @@ def sketch_cost(columns_per_sample: int, keep: int, dim: int, gram_dim: int,
 
 
 def dense_cost(dim: int, num_columns: int) -> float:
-    """Gram multiply-adds of summing ``H`` densely and eigendecomposing it once.
-
-    ``D^2`` per column of ``V`` for the sum, ``EIGH_WEIGHT D^3`` for the float64
-    eigendecomposition.
+    """Cost of summing ``H`` densely (``D^2`` per column) and one float64 eigh.
 
     Args:
-        dim: Parameters ``D``.
+        dim: ``D``.
         num_columns: Columns of ``V`` over the data.
 
     Returns:
@@ -91,21 +87,12 @@ def dense_bytes(dim: int, itemsize: int) -> int:
 
 def merge_size(columns_per_sample: int, keep: int, dim: int, gram_dim: int, num_data: int,
                limit: int) -> int:
-    """Samples per streaming merge, from a cost model of the merge.
-
-    A merge of ``M`` columns into the ``D x k`` basis costs, besides the products with
-    ``V`` that every column pays once, a few memory passes over the basis (``~ D k``),
-    an eigendecomposition of size ``k + M`` (``~ (k + M)^3``) and the Gram matrix of
-    the merged columns (``~ M^2 D_gram``, with ``D_gram`` the expanded parameters plus
-    ``out + in`` per factored linear weight). Weighted in Gram multiply-adds as
-    measured on CPU (the float64 eigh costs ``EIGH_WEIGHT (k + M)^3``, the basis passes ~180
-    ``D k``, and a merge has a fixed overhead ``OVERHEAD`` of small operations), the size
-    minimises their sum over the ``num_data`` samples, remainder merge included.
+    """Samples per streaming merge that minimise :func:`streaming_cost`.
 
     Args:
         columns_per_sample: Columns of ``V`` per sample.
-        keep: Eigenpairs kept while streaming ``k``.
-        dim: Parameters ``D``.
+        keep: ``k``.
+        dim: ``D``.
         gram_dim: ``D_gram``.
         num_data: Samples streamed by this process.
         limit: Largest admissible merge (memory budget).

@@ -1,12 +1,8 @@
 r"""A loader's GGN as its leading eigenpairs: one engine, one plan, one pass.
 
-laplace-torch's curvature is a sum over the training data: :class:`LoaderFit` streams
-every batch's factor ``V`` (:mod:`~lowrank_laplace.engine`) into the solver its plan
-names (:mod:`~lowrank_laplace.fitting.plan`), merges across processes when fitting
-data-parallel and with an earlier fit for online updates, and keeps the first
-training inputs for a probe pass after it (:mod:`~lowrank_laplace.posterior.probe`).
-Its plan, and with it the thread count, is decided at the first batch and holds
-until the fit is closed. :func:`fit_lowrank_ggn` is the same without laplace-torch.
+:class:`LoaderFit` streams every batch's factor into the solver its plan names, merges
+across processes and with an earlier fit, and keeps the first inputs for a probe pass;
+the plan and thread count hold until it is closed. :func:`fit_lowrank_ggn` is one call.
 
 Shape glossary:
     D: parameters; r: kept rank; C: model outputs.
@@ -57,8 +53,8 @@ class FitTarget:
         likelihood: ``"classification"`` or ``"regression"`` (laplace-torch's GGN).
         params: The parameters of the mean (``None``: ``model``'s trainable ones).
         to_inputs: Maps a batch's inputs to ``model``'s (e.g. last-layer features).
-        dict_key_y: The key of the targets in dict batches.
-        device: Where the fit runs (``None``: the parameters' device).
+        dict_key_y: The targets' key in dict batches.
+        device: Where the fit runs (``None``: the parameters').
     """
 
     model: nn.Module
@@ -75,8 +71,8 @@ class ProbeInputs:
 
     Attributes:
         batches: The first inputs the loader yielded, as batches.
-        cap: The most vectors per input a pass may carry within the memory budget.
-        rng: The fit's private random stream (a probe's random draws continue it).
+        cap: Most vectors per input a pass may carry within the budget.
+        rng: The fit's private random stream, continued by the probe.
     """
 
     batches: List[Any]
@@ -97,7 +93,7 @@ class FastPathCheck:
 
     Attributes:
         name: What was checked (``"sketch convergence"``).
-        value: The measured quantity (for the sketch: :attr:`SketchMerge.convergence`).
+        value: The measured quantity (``SketchMerge.convergence``).
         threshold: The value it must reach.
         passed: Whether it did.
         action: ``"kept"``, ``"streamed instead"`` or ``"warned"``.
@@ -119,16 +115,15 @@ class FitResult:
         eigenvectors: Kept orthonormal eigenvectors ``U``, ``(D, r)``.
         eigenvalues: Kept eigenvalues ``lambda``, ``(r,)``.
         trace: The exact GGN trace over the data.
-        residual_diagonal: Diagonal of the dropped curvature (``track_diagonal``),
-            ``(D,)``, else ``None``.
+        residual_diagonal: Diagonal of the dropped curvature, ``(D,)``, or ``None``.
         loss: The summed loss times laplace-torch's Hessian factor.
         n_data: Samples fitted (over all processes).
         n_outputs: Model outputs ``C``.
         factor_backend: The backend that computed ``V``.
         fit_path: ``"dense"``, ``"streaming"`` or ``"sketch"``.
-        rank_bound: Upper bound on the GGN's rank (``min(D, samples * columns)``).
+        rank_bound: ``min(D, samples * columns)``.
         warm_started: Whether the sketch started from a basis.
-        probe: The inputs kept for a probe pass (``config.probe_inputs``), or ``None``.
+        probe: The inputs kept for a probe pass, or ``None``.
         check: The sketch's own check (``None`` where no sketch ran).
     """
 
@@ -151,15 +146,13 @@ class FitResult:
 class LoaderFit:
     """A fit over a loader: one engine, one plan and one thread setting until closed.
 
-    Use as a context manager; everything run inside the ``with`` block after
-    :meth:`run` (e.g. the probe pass of a residual model) keeps the fit's thread
-    setting, and the user's setting comes back on exit.
+    A context manager: work inside it after :meth:`run` (a probe pass) keeps the fit's
+    thread setting; the user's comes back on exit.
 
     Args:
         target: What the GGN is computed of.
         config: The fit's options.
-        process_group: ``torch.distributed`` group to merge across; ``"default"`` uses
-            the default group if initialised, ``None`` this process alone.
+        process_group: Group to merge across; ``"default"``: the initialised default one.
 
     Attributes:
         group: The process group merged across (``None``: this process alone).
@@ -193,26 +186,21 @@ class LoaderFit:
             warm_basis: Optional[Tensor] = None, progress_bar: bool = False) -> FitResult:
         """Fit the low-rank GGN over the whole loader.
 
-        Data-parallel: every process streams the shard its loader yields into a local
-        solver; the solvers are then combined, so every process ends with the same
-        result, and ``n_data`` counts the samples of all processes together.
+        Data-parallel, every process streams its shard and the solvers are combined:
+        all end with the same result, ``n_data`` counting all samples.
 
         Args:
-            loader: Yields ``(X, y)`` batches or dict batches; ``loader.dataset`` gives
-                the number of data points.
-            previous: An earlier fit to add this loader's curvature to (laplace-torch's
-                online updates, ``override=False``); exact whenever the total rank fits.
-            warm_basis: Directions, ``(D, b)``, that a sketch chosen by ``solver="auto"``
-                takes as its first test columns (the same posterior's last
-                eigenvectors), with fewer random ones (:func:`make_solver`).
+            loader: Yields ``(X, y)`` or dict batches; ``loader.dataset`` has a length.
+            previous: An earlier fit to add to (online updates, ``override=False``).
+            warm_basis: ``(D, b)`` first test columns of an auto sketch (the last eigenvectors).
             progress_bar: Show a tqdm progress bar over batches.
 
         Returns:
             The :class:`FitResult`.
 
         Raises:
-            ValueError: For a loader without ``dataset``, an empty loader, mismatched
-                targets, or a memory budget too small for one sample.
+            ValueError: For a loader without ``dataset``, an empty loader, bad targets, or a
+                budget too small for one sample.
         """
         known = loaders.loader_size(loader)
         mean = parameters_to_vector(self.params).detach()
@@ -249,11 +237,7 @@ class LoaderFit:
 
     def _pass(self, loader: Any, known: Optional[int], warm_basis: Optional[Tensor],
               progress_bar: bool) -> Tuple[BatchStreamer, Any, int]:
-        """One pass over the loader: the streamer (its solver filled), loss and samples.
-
-        The first batch decides the plan (and the fit's thread setting) where none is
-        decided yet; the first ``probe_inputs`` inputs are kept.
-        """
+        """One pass: the streamer (its solver filled), loss and samples; keeps probe inputs."""
         config, target = self.config, self.target
         stream, kept, loss, seen = None, [], 0.0, 0
         pbar = tqdm.tqdm(loaders.batches(loader, target.dict_key_y), disable=not progress_bar,
@@ -279,9 +263,7 @@ class LoaderFit:
         return stream, loss, seen
 
     def reconfigure(self, config: FitConfig) -> None:
-        """Fit again with other options (another rank): a new plan at the next pass.
-
-        The thread setting entered at the first plan holds (one per fit).
+        """Fit again with other options (another rank): a new plan, the same threads.
 
         Args:
             config: The new options.
@@ -290,11 +272,7 @@ class LoaderFit:
 
     def _start(self, X: Any, batch: int, num_data: int, warm_basis: Optional[Tensor]
                ) -> BatchStreamer:
-        """At the first batch: plan, probe budget, solver and streamer.
-
-        The plan is decided once and its thread setting entered; the probe's budget is
-        checked before any work.
-        """
+        """At the first batch: plan (threads entered once), probe budget, solver, streamer."""
         if self.plan is None:
             sizes = measure_sizes(self.engine, X, batch, num_data, self.config,
                                   self.group is not None)
@@ -313,11 +291,7 @@ class LoaderFit:
                              self.config.seed + offset, self.device)
 
     def _check(self, stream: BatchStreamer) -> Optional[FastPathCheck]:
-        """The sketch's convergence check (finalises it), and what to do about it.
-
-        A sketch that ``solver="auto"`` chose and that has not converged streams the data
-        instead; one the user asked for keeps its result and warns with the number.
-        """
+        """The sketch's convergence check: an unconverged auto sketch streams, else warns."""
         if self.plan.path != "sketch":
             return None
         value = stream.solver.convergence
@@ -358,10 +332,7 @@ class LoaderFit:
 
 
 def probe_cap(sizes: Any) -> int:
-    """The most vectors per input a probe pass may carry within the memory budget.
-
-    Checked at the first batch, so that a budget too small for the probe fails before
-    the fit instead of after it.
+    """The most vectors per input a probe pass may carry (checked before the fit).
 
     Args:
         sizes: The fit's :class:`~lowrank_laplace.fitting.plan.FitSizes`.
@@ -387,12 +358,12 @@ def merge_fits(config: FitConfig, previous: FitResult, current: tuple
     """Merge an earlier fit's ``(U, lam, trace, residual)`` with this one's.
 
     Args:
-        config: The fit's options (rank, whether the diagonal is tracked).
+        config: The fit's options.
         previous: The earlier fit.
         current: This fit's ``(U, lam, trace, residual diagonal)``.
 
     Returns:
-        The merged ``(U, lam, trace, residual diagonal)``.
+        The merged tuple.
     """
     first = (previous.eigenvectors, previous.eigenvalues, previous.trace,
              previous.residual_diagonal)
@@ -406,12 +377,7 @@ def merge_fits(config: FitConfig, previous: FitResult, current: tuple
 
 
 def _warn_low_precision_sketch(dtype: torch.dtype) -> None:
-    """Say that a float32 sketch rounded away small kept eigenvalues.
-
-    A float32 model's sketch is redone in float64 where its ``D x l`` float64 matrix
-    is small against the memory budget (:func:`~lowrank_laplace.fitting.plan.choose_plan`);
-    this warns only where it could not be (a large sketch, or a low-memory fit).
-    """
+    """Warn that a float32 sketch that could not be redone in float64 rounded eigenvalues."""
     warnings.warn(
         f"solver='sketch' accumulated its sketch in {dtype} (its float64 D x l matrix "
         "exceeds a quarter of memory_budget, or low_memory=True) and rounded kept "
@@ -426,14 +392,12 @@ def _warn_low_precision_sketch(dtype: torch.dtype) -> None:
 def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Any, config: FitConfig, *,
                     previous: Optional[FitResult] = None, process_group: Any = "default",
                     progress_bar: bool = False) -> FitResult:
-    """Fit the low-rank GGN of ``model``'s trainable parameters over the whole loader.
-
-    :class:`LoaderFit` for one call (see :meth:`LoaderFit.run`).
+    """Fit the low-rank GGN of ``model``'s trainable parameters (:meth:`LoaderFit.run`).
 
     Args:
         model: The module whose GGN is computed.
         likelihood: ``"classification"`` or ``"regression"``.
-        loader: Yields ``(X, y)`` batches or dict batches (targets under ``"labels"``).
+        loader: Yields ``(X, y)`` or dict batches (targets under ``"labels"``).
         config: The fit's options.
         previous: An earlier fit to add this loader's curvature to.
         process_group: ``torch.distributed`` group to merge across.

@@ -1,9 +1,7 @@
-"""What a fit reads from a training loader: its size, its batches, their targets.
+"""What a fit reads from a training loader: its size, batches and targets, checked.
 
-laplace-torch's loaders yield ``(X, y)`` tensor batches or dict batches (Hugging Face
-style, the targets under ``dict_key_y``); ``loader.dataset`` gives the number of data
-points. Everything here refuses what a fit cannot use, with the way out, before any
-work.
+Batches are ``(X, y)`` tensors or dict batches (targets under ``dict_key_y``); what a fit
+cannot use is refused, with the way out, before any work.
 
 Shape glossary:
     N: samples of a batch; C: model outputs.
@@ -17,10 +15,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-#: The likelihoods whose GGN is laplace-torch's.
-LIKELIHOODS = ("classification", "regression")
-#: The sample count a fit plans for when the loader's dataset has no length (an
-#: ``IterableDataset``): many samples, so the plan streams; ``n_data`` is then counted.
+#: Samples planned for a dataset without a length (the plan streams; ``n_data`` is counted).
 UNKNOWN_SIZE = 2**40
 
 
@@ -31,8 +26,7 @@ def likelihood_loss(likelihood: str) -> Tuple[nn.Module, float]:
         likelihood: ``"classification"`` or ``"regression"``.
 
     Returns:
-        ``(loss, factor)``: ``CrossEntropyLoss(sum)`` and 1, or ``MSELoss(sum)`` and
-        0.5.
+        ``(CrossEntropyLoss(sum), 1)`` or ``(MSELoss(sum), 0.5)``.
     """
     if likelihood == "regression":
         return nn.MSELoss(reduction="sum"), 0.5
@@ -43,7 +37,7 @@ def check_likelihood_targets(likelihood: str, y: Tensor) -> None:
     """Refuse targets that do not match the likelihood.
 
     Args:
-        likelihood: ``"classification"`` or ``"regression"``.
+        likelihood: The likelihood.
         y: A batch's targets.
 
     Raises:
@@ -66,12 +60,12 @@ def columns_per_sample(likelihood: str, mc_samples: int, n_outputs: Optional[int
     """Columns of ``V`` per curvature sample: the GGN's rank per data point.
 
     Args:
-        likelihood: ``"classification"`` or ``"regression"``.
-        mc_samples: ``0`` or Monte-Carlo samples.
-        n_outputs: Model outputs ``C`` (``None``: unknown, counted as 1).
+        likelihood: The likelihood.
+        mc_samples: ``0`` or Monte-Carlo samples ``M``.
+        n_outputs: Model outputs ``C`` (``None``: counted as 1).
 
     Returns:
-        ``M``, ``C`` (regression) or ``C - 1`` (classification, at least 1).
+        ``M``, ``C`` (regression) or ``max(C - 1, 1)`` (classification).
     """
     if mc_samples:
         return mc_samples
@@ -80,14 +74,13 @@ def columns_per_sample(likelihood: str, mc_samples: int, n_outputs: Optional[int
 
 
 def loader_size(loader: Any) -> Optional[int]:
-    """The number of data points of a loader's dataset (``None``: it has no length).
+    """The number of data points of a loader's dataset.
 
     Args:
         loader: A training loader.
 
     Returns:
-        ``len(loader.dataset)``, or ``None`` for a dataset without ``__len__`` (then
-        the fit counts the samples it streams).
+        ``len(loader.dataset)``, or ``None`` for a dataset without ``__len__``.
 
     Raises:
         ValueError: For a loader without ``dataset`` or an empty dataset.
@@ -105,7 +98,7 @@ def loader_size(loader: Any) -> Optional[int]:
 
 
 def planned_samples(loader: Any, num_data: Optional[int], batch: int) -> int:
-    """Samples this process streams, as far as the loader tells (for the fit's plan).
+    """Samples this process streams, as far as the loader tells.
 
     Args:
         loader: The training loader.
@@ -113,7 +106,7 @@ def planned_samples(loader: Any, num_data: Optional[int], batch: int) -> int:
         batch: Samples of its first batch.
 
     Returns:
-        The count (:data:`UNKNOWN_SIZE` where nothing tells).
+        The count, or :data:`UNKNOWN_SIZE`.
     """
     planned = UNKNOWN_SIZE if num_data is None else num_data
     try:
@@ -123,7 +116,7 @@ def planned_samples(loader: Any, num_data: Optional[int], batch: int) -> int:
 
 
 def check_params(params: List[Tensor]) -> None:
-    """Refuse a fit without trainable parameters or with parameters holding no data.
+    """Refuse a fit without trainable parameters, or with parameters on ``meta``.
 
     Args:
         params: The parameters to fit.
@@ -144,15 +137,14 @@ def check_params(params: List[Tensor]) -> None:
 
 
 def check_batch_types(X: Any, y: Any) -> None:
-    """Refuse batches that do not hold tensors (laplace-torch's loaders yield tensors).
+    """Refuse batches that do not hold tensors.
 
     Args:
         X: A batch's inputs.
         y: Its targets.
 
     Raises:
-        TypeError: For inputs that are neither a tensor nor a dict batch, or targets
-            that are not a tensor.
+        TypeError: For inputs neither a tensor nor a dict, or targets not a tensor.
     """
     if not isinstance(X, (Tensor, MutableMapping)) or not isinstance(y, Tensor):
         raise TypeError(
@@ -163,13 +155,11 @@ def check_batch_types(X: Any, y: Any) -> None:
 
 
 def unpack(data: Any, dict_key_y: str) -> Tuple[Any, Tensor]:
-    """A loader's batch as ``(inputs, targets)``, checked.
-
-    A dict batch goes to the model whole, its targets read under ``dict_key_y``.
+    """A loader's batch as checked ``(inputs, targets)``; a dict batch is the inputs whole.
 
     Args:
         data: What the loader yielded.
-        dict_key_y: The key of the targets in dict batches.
+        dict_key_y: The targets' key in dict batches.
 
     Returns:
         ``(X, y)``.
@@ -194,10 +184,7 @@ def unpack(data: Any, dict_key_y: str) -> Tuple[Any, Tensor]:
 
 
 def check_finite_inputs(X: Any) -> None:
-    """Refuse inputs holding NaN or infinite values (a dict batch: its float tensors).
-
-    A saturating network maps an infinite input to finite outputs and loss, but its
-    Jacobian to NaN, which would reach the posterior unnoticed.
+    """Refuse inputs holding NaN or inf (a saturating network hides them until the GGN).
 
     Args:
         X: A batch's inputs.
@@ -220,7 +207,7 @@ def batches(loader: Any, dict_key_y: str) -> Iterator[Tuple[Any, Tensor]]:
 
     Args:
         loader: The training loader.
-        dict_key_y: The key of the targets in dict batches.
+        dict_key_y: The targets' key in dict batches.
 
     Yields:
         ``(X, y)`` per batch.

@@ -1,12 +1,9 @@
-"""The fit's plan: one pure function of the first batch's sizes and the options.
+"""The fit's plan: a pure function of the first batch's sizes and the options.
 
-:func:`measure_sizes` reads what one sample's ``V`` costs (one forward pass of a
-sample) and the memory budget; :func:`choose_plan` turns those sizes and the
-:class:`~lowrank_laplace.fitting.config.FitConfig` into a frozen :class:`FitPlan`
-(the path: a dense sum, streaming merges or a one-pass sketch; the sizes of passes and
-merges; the thread count), asking the cost model
-(:mod:`~lowrank_laplace.fitting.cost`); :func:`make_solver` builds the solver the plan
-names. Nothing changes after the first batch.
+:func:`measure_sizes` reads the sizes, :func:`choose_plan` makes the frozen
+:class:`FitPlan` (path, pass and merge sizes, threads) from the cost model, and
+:func:`make_solver` builds its solver. Measurements behind the constants:
+docs/benchmarks/design_measurements.md.
 
 Shape glossary:
     D: parameters; k: kept eigenpairs (rank + oversampling); M: columns of a merge.
@@ -24,59 +21,39 @@ from torch import Tensor
 from lowrank_laplace.factor import factor_columns
 from lowrank_laplace.fitting import cost, sketch
 from lowrank_laplace.fitting.base import Solver
-from lowrank_laplace.fitting.budget import resolve_memory_budget
+from lowrank_laplace.fitting.budget import resolve_memory_budget, samples_that_fit
 from lowrank_laplace.fitting.config import FitConfig, SolverKind
 from lowrank_laplace.fitting.dense import DenseSum
 from lowrank_laplace.fitting.sketch import SketchMerge
 from lowrank_laplace.fitting.streaming import StreamingMerge
 from lowrank_laplace.utils.batches import batch_device
 
-#: Extra eigenpairs kept while streaming, as a share of the rank (``rank // 5``):
-#: merges that keep only ``rank`` lose accuracy in the last kept eigenpairs.
+#: Extra eigenpairs kept while streaming, as a share of the rank (keeping only ``rank``
+#: loses accuracy in the last kept eigenpairs).
 OVERSAMPLING = 0.2
-#: Up to this many parameters (typically a last layer) the fit sums the GGN densely
-#: and eigendecomposes it once (exact) wherever streaming would truncate and the
-#: ``D x D`` matrix fits the memory budget (:func:`choose_dense`); ``0`` never sums
-#: densely, ``None`` leaves the choice to the cost model alone.
+#: Up to this many parameters the fit sums densely wherever streaming would truncate
+#: and the matrix fits; ``0``: never, ``None``: the cost model decides alone.
 DENSE_MAX_DIM = 2048
-#: Streaming fits whose merges of ``S`` samples into a ``D x k`` basis have ``S D k``
-#: below this, and whose passes hold fewer than :data:`SINGLE_THREAD_PASS_ENTRIES`
-#: entries of ``V``, run on one CPU thread: their many small products would wake the
-#: thread team for too little work each time, and beside another busy process every
-#: wake-up waits for a core (docs/benchmarks/design_measurements.md).
+#: Streaming fits with merges below this ``S D k`` and passes below
+#: :data:`SINGLE_THREAD_PASS_ENTRIES` entries of ``V`` run on one CPU thread.
 SINGLE_THREAD_MERGE_WORK = 2**26
-#: See :data:`SINGLE_THREAD_MERGE_WORK`: entries of ``V`` in one backward pass.
+#: See :data:`SINGLE_THREAD_MERGE_WORK`.
 SINGLE_THREAD_PASS_ENTRIES = 2**22
-#: Sketch fits whose whole sketch (:func:`~lowrank_laplace.fitting.cost.sketch_cost`,
-#: in Gram multiply-adds) costs less than this run on one CPU thread too: their
-#: products are still too small to share between threads beside a busy process
-#: (docs/benchmarks/design_measurements.md).
+#: Sketch fits whose ``sketch_cost`` is below this run on one CPU thread.
 SINGLE_THREAD_SKETCH_WORK = 2**34
-#: Sketch merges span several passes up to this many bytes of ``V``: larger products
-#: are faster for factored linear layers, while for expanded convolution blocks merging
-#: passes only adds concatenated copies (docs/benchmarks/design_measurements.md).
+#: Sketch merges span several passes up to this many bytes of ``V``.
 SKETCH_MERGE_BYTES = 2**28
-#: Below this many parameters per kept eigenpair, a merge rotates the ``D x k`` basis
-#: explicitly (``D k^2``, cheap) instead of the lazy update's ``k x k`` SVD and
-#: bookkeeping.
+#: Below this many parameters per kept eigenpair, merges rotate the basis explicitly.
 LAZY_MIN_DIM_PER_EIGENPAIR = 200
-#: The fit paths: a dense sum, streaming merges, a one-pass sketch.
-PATHS = ("dense", "streaming", "sketch")
-#: A sketch of float32 factors is redone in float64 (when its float32 pass rounded
-#: its kept eigenvalues) where its ``D x l`` float64 matrix takes at most this share of
-#: the memory budget; elsewhere it stays float32, which rounds away eigenvalues below
-#: ``eps32 * lambda_max``, and the fit warns. ``solver="auto"`` sketches only where it
-#: fits this share.
+#: A float32 sketch that rounded its kept eigenvalues is redone in float64 where its
+#: float64 ``D x l`` matrix takes at most this share of the budget (else it warns);
+#: ``solver="auto"`` sketches only within it.
 WIDE_SKETCH_SHARE = 0.25
 #: ``solver="auto"`` sketches with ``rank * (1 + AUTO_SKETCH_OVERSAMPLING)`` columns
-#: (or ``rank + oversampling`` if more): fewer under-estimate the last kept eigenvalues
-#: enough to tune the marglik prior too strong (docs/benchmarks/design_measurements.md,
-#: docs/posterior_quality.md).
+#: (fewer tune the marglik prior too strong; docs/posterior_quality.md).
 AUTO_SKETCH_OVERSAMPLING = 3
-#: A sketch warm-started from a basis of ``b`` directions (``solver="auto"``; the same
-#: posterior's last eigenvectors) draws ``rank * WARM_SKETCH_OVERSAMPLING`` random
-#: columns besides them, at most as many columns as the cold sketch in all
-#: (docs/benchmarks/design_measurements.md).
+#: A warm-started sketch draws ``rank * WARM_SKETCH_OVERSAMPLING`` random columns
+#: besides its basis, at most the cold sketch's columns in all.
 WARM_SKETCH_OVERSAMPLING = 2
 
 
@@ -87,21 +64,21 @@ def keep_while_fitting(rank: int) -> int:
 
 @dataclass(frozen=True)
 class FitSizes:
-    """What the first batch tells a plan: sizes, the memory budget and the device.
+    """What the first batch tells a plan.
 
     Attributes:
         dim: Parameters ``D``.
-        gram_dim: Entries of ``V``'s rows stored explicitly per column (``D_gram``).
-        columns: Columns of ``V`` per curvature sample (``C``, ``C - 1`` or ``M``).
-        vector_bytes: Bytes one column of one sample's ``V`` takes in a pass.
-        block_bytes: The same for a pass that holds one block at a time.
+        gram_dim: ``D_gram`` (see :mod:`~lowrank_laplace.fitting.cost`).
+        columns: Columns of ``V`` per curvature sample.
+        vector_bytes: Bytes of one column of one sample's ``V`` in a pass.
+        block_bytes: The same for a pass holding one block at a time.
         itemsize: Bytes per parameter entry.
         batch_size: Samples of the loader's batches.
         num_data: Samples this process streams.
         budget: The memory budget in bytes.
         device: ``"cpu"``, ``"cuda"``, ...
         float64: Whether the parameters are float64.
-        grouped: A data-parallel fit (every process takes the same path).
+        grouped: A data-parallel fit.
     """
 
     dim: int
@@ -123,15 +100,8 @@ class FitSizes:
         Raises:
             ValueError: If one sample does not fit the budget.
         """
-        budget = self.budget if budget is None else budget
         per_sample = self.columns * (self.block_bytes if low_memory else self.vector_bytes)
-        if per_sample > budget:
-            raise ValueError(
-                f"memory_budget={budget:,} bytes is too small for one sample (about "
-                f"{per_sample:,} bytes of V): raise memory_budget, use mc_samples=1, or "
-                "subset_of_weights='last_layer'."
-            )
-        return max(1, budget // per_sample), per_sample
+        return samples_that_fit(per_sample, self.budget if budget is None else budget)
 
 
 def measure_sizes(engine: Any, X: Any, batch_size: int, num_data: int, config: FitConfig,
@@ -139,11 +109,11 @@ def measure_sizes(engine: Any, X: Any, batch_size: int, num_data: int, config: F
     """The :class:`FitSizes` of a fit from its first batch (one forward pass of a sample).
 
     Args:
-        engine: The :class:`~lowrank_laplace.engine.FactorEngine` that computes ``V``.
+        engine: The ``FactorEngine``.
         X: The first batch of inputs.
         batch_size: Samples of the loader's batches.
         num_data: Samples this process streams.
-        config: The fit's options (``mc_samples``, ``memory_budget``).
+        config: The fit's options.
         grouped: A data-parallel fit.
 
     Returns:
@@ -168,19 +138,17 @@ class FitPlan:
     """How a fit runs, decided once at its first batch.
 
     Attributes:
-        path: ``"dense"``, ``"streaming"`` or ``"sketch"``: the solver.
+        path: ``"dense"``, ``"streaming"`` or ``"sketch"``.
         micro: Samples per backward pass.
         chunk: Samples per merge.
-        low_memory: Every micro-batch is one merge computed by recomputing passes.
+        low_memory: Every micro-batch is one merge from recomputing passes.
         lazy: Streaming merges update the basis lazily.
-        threads: CPU threads of the fit (``1`` for small fits; ``None``: the user's
-            setting).
+        threads: CPU threads (``1`` for small fits; ``None``: the user's setting).
         dim: Parameters ``D``.
         keep: Eigenpairs (or sketch columns) kept while fitting.
         sketch_dtype: The dtype a sketch accumulates in (``None``: the factors').
-        widen: A float32 sketch whose float64 matrix fits: redone in float64 if its
-            first pass rounded its kept eigenvalues (:meth:`widened`).
-        dense: Whether the dense sum was chosen (every process agrees on it).
+        widen: A float32 sketch to redo in float64 if it rounded (:meth:`widened`).
+        dense: Whether the dense sum was chosen.
         single: Whether one streaming merge replaces a requested sketch.
     """
 
@@ -204,26 +172,20 @@ class FitPlan:
 
 def merge_plan(sizes: FitSizes, config: FitConfig, keep: int, low_memory: bool = False,
                path: str = "streaming") -> Tuple[int, int]:
-    """Samples per backward pass and samples per merge.
+    """Samples per backward pass and per merge (``cost.merge_size``).
 
-    The merge size comes from :func:`~lowrank_laplace.fitting.cost.merge_size`;
-    merges spanning several batches hold their factors and one concatenated copy, so
-    they are limited to half the memory budget.
+    Merges spanning several batches hold their factors and a concatenated copy, so
+    they get half the budget.
 
     Args:
         sizes: The first batch's sizes.
-        config: The options (``micro_batch_size`` caps passes).
-        keep: Eigenpairs kept while streaming (rank + oversampling).
-        low_memory: Every micro-batch is one merge computed by passes that hold one
-            block of ``V`` at a time (no concatenated copies).
-        path: ``"streaming"`` or ``"sketch"`` (passes sized as for streaming, merges
-            of one pass or of whole passes up to :data:`SKETCH_MERGE_BYTES` of ``V``
-            and half the budget).
+        config: The options.
+        keep: Eigenpairs kept while streaming.
+        low_memory: One merge per micro-batch, by recomputing passes.
+        path: ``"streaming"`` or ``"sketch"`` (up to :data:`SKETCH_MERGE_BYTES` a merge).
 
     Returns:
-        ``(micro-batch size, merge size)`` in samples. Without ``low_memory`` a
-        micro-batch (one backward pass) may be larger than a merge and is then
-        merged in pieces.
+        ``(micro-batch size, merge size)``; a larger pass is merged in pieces.
     """
     limit, per_sample = sizes.limit(low_memory)
     cap = config.micro_batch_size
@@ -236,14 +198,10 @@ def merge_plan(sizes: FitSizes, config: FitConfig, keep: int, low_memory: bool =
     )
     if low_memory:
         return chunk, chunk
-    # a pass may feed several merges (GGNFactor.take_samples): fewer, larger passes
-    # of whole merges, with room for the pending samples and a merge's concatenated copy
+    # a pass may feed several whole merges, with room for pending samples and a copy
     micro = min(chunk, limit) * max(1, (limit - 2 * chunk) // max(1, chunk))
     if path == "sketch":
-        # no eigenproblem per merge: a merge is one pass, or whole passes up to
-        # SKETCH_MERGE_BYTES of V and half the budget (their factors and the
-        # concatenated copy). Passes as large as streaming's, not larger: BackPACK's
-        # intermediates grow with the pass, and so does the fit's peak
+        # passes no larger than streaming's: BackPACK's intermediates grow with them
         size = min(micro, batch)  # a pass never spans loader batches
         span = min(limit // 2, SKETCH_MERGE_BYTES // per_sample)
         return micro, size * max(1, span // size)
@@ -253,15 +211,10 @@ def merge_plan(sizes: FitSizes, config: FitConfig, keep: int, low_memory: bool =
 def choose_solver(sizes: FitSizes, config: FitConfig) -> Tuple[str, int]:
     """What ``solver="auto"`` runs: a sketch where it is cheaper, else streaming merges.
 
-    The sketch has ``max(keep, rank * (1 + AUTO_SKETCH_OVERSAMPLING))`` columns. It is
-    taken where its ``D x l`` matrix accumulates in float64 within
-    :data:`WIDE_SKETCH_SHARE` of the budget, so that a float32 model loses nothing to
-    it, and, on the CPU, its cost (:func:`~lowrank_laplace.fitting.cost.sketch_cost`)
-    is below streaming's (:func:`~lowrank_laplace.fitting.cost.streaming_cost`). That
-    cost model is the CPU's: on a CUDA device the sketch's products take milliseconds,
-    while every streaming merge waits on a small eigendecomposition, so there the
-    sketch is taken wherever it fits (docs/benchmarks.md, "Default arguments and LoRA
-    adapters on an H200"). Low-memory and data-parallel fits stream.
+    A sketch needs its float64 ``D x l`` within :data:`WIDE_SKETCH_SHARE` of the budget
+    and, on the CPU, a lower cost than streaming; on CUDA, where every merge waits on a
+    small eigendecomposition, fitting is enough (docs/benchmarks.md, "Default arguments
+    and LoRA adapters on an H200"). Low-memory and data-parallel fits stream.
 
     Args:
         sizes: The first batch's sizes.
@@ -290,18 +243,13 @@ def choose_plan(sizes: FitSizes, config: FitConfig,
                 agreed: Optional[Tuple[bool, bool]] = None) -> FitPlan:
     """Decide the fit's path and sizes: a pure function of sizes and options.
 
-    The dense sum is chosen by :func:`choose_dense`
-    (up to :data:`DENSE_MAX_DIM` parameters wherever streaming would truncate); a
-    requested sketch whose data one streaming merge covers takes that merge instead (it
-    multiplies ``V`` once where the sketch multiplies it twice, and it is the exact
-    truncation); a dense sum needs ``V y`` products, so it drops ``low_memory``.
+    Dense by :func:`choose_dense`; a sketch whose data one streaming merge covers takes
+    that merge (cheaper, and the exact truncation); a dense sum drops ``low_memory``.
 
     Args:
-        sizes: The first batch's sizes (:func:`measure_sizes`).
+        sizes: The first batch's sizes.
         config: The options.
-        agreed: ``(dense, single)`` as every process of a data-parallel fit agreed on
-            them (the minimum of each process's own plan's :attr:`FitPlan.dense` and
-            :attr:`FitPlan.single`); ``None``: this plan's own.
+        agreed: ``(dense, single)`` of all processes (:func:`agree`); ``None``: its own.
 
     Returns:
         The plan.
@@ -336,22 +284,16 @@ def choose_plan(sizes: FitSizes, config: FitConfig,
 
 def choose_dense(sizes: FitSizes, keep: int, samples: int, merge_samples: int,
                  rival: str = "streaming") -> bool:
-    """Whether to sum ``H`` densely (exact) instead of streaming truncated merges.
+    """Whether to sum ``H`` densely (exact): fits the budget and is cheaper, or is small.
 
-    Dense needs the ``D x D`` sum and its eigendecomposition to fit the memory
-    budget; then it is taken when it is cheaper than its rival
-    (:func:`~lowrank_laplace.fitting.cost.dense_cost` against the rival's cost), and
-    also, up to :data:`DENSE_MAX_DIM` parameters, whenever streaming would truncate
-    (the GGN's rank over the data exceeds the ``k`` kept eigenpairs), so that small
-    problems stay exact. ``DENSE_MAX_DIM = 0`` never sums densely; ``None`` leaves the
-    choice to the cost alone.
+    Small: up to :data:`DENSE_MAX_DIM` parameters wherever streaming would truncate.
 
     Args:
         sizes: The first batch's sizes.
-        keep: Eigenpairs kept while streaming ``k``.
+        keep: Eigenpairs kept while streaming.
         samples: Curvature samples streamed.
-        merge_samples: Samples per streaming merge (the merge plan).
-        rival: ``"streaming"`` merges or a one-pass ``"sketch"``.
+        merge_samples: Samples per streaming merge.
+        rival: ``"streaming"`` or ``"sketch"``.
 
     Returns:
         ``True`` for the dense path.
@@ -389,12 +331,7 @@ def _frozen_plan(sizes: FitSizes, path: str, passes: Tuple[int, int], low_memory
 
 def _small_fit(sizes: FitSizes, path: str, keep: int, samples: int, chunk: int,
                pass_entries: int) -> bool:
-    """Whether a streaming or sketch fit is small enough for one CPU thread.
-
-    Streaming: merges below :data:`SINGLE_THREAD_MERGE_WORK`; sketch: the whole sketch
-    below :data:`SINGLE_THREAD_SKETCH_WORK`; both: passes below
-    :data:`SINGLE_THREAD_PASS_ENTRIES` entries of ``V``.
-    """
+    """Whether a fit is small enough for one CPU thread (the ``SINGLE_THREAD_*`` limits)."""
     if pass_entries >= SINGLE_THREAD_PASS_ENTRIES:
         return False
     if path == "sketch":
@@ -405,15 +342,15 @@ def _small_fit(sizes: FitSizes, path: str, keep: int, samples: int, chunk: int,
 
 
 def agree(group: Any, plan: FitPlan, device: torch.device) -> Tuple[bool, bool]:
-    """The plan's ``(dense, single)``, true only where they are true on every process.
+    """The plan's ``(dense, single)``, true only where true on every process.
 
     Args:
-        group: The ``torch.distributed`` process group.
+        group: The process group.
         plan: This process's own plan.
         device: Where the collective runs.
 
     Returns:
-        The agreed flags, for :func:`choose_plan`.
+        The agreed flags.
     """
     import torch.distributed as dist
 
@@ -428,18 +365,12 @@ def make_solver(plan: FitPlan, config: FitConfig, params: List[Tensor],
 
     Args:
         plan: The fit's plan.
-        config: The options (rank, diagonal, seed of a sketch's test matrix).
-        params: The fitted parameters (a low-memory sketch draws its test matrix
-            before the first pass, in their dtype, device and shapes).
-        basis: A warm start for a sketch that ``solver="auto"`` chose, ``(D, b)``:
-            the sketch has ``b + rank * WARM_SKETCH_OVERSAMPLING`` columns, at most
-            the plan's, and ignores it where that leaves no random column or the fit
-            recomputes its passes.
+        config: The options.
+        params: The fitted parameters (a low-memory sketch draws its test matrix first).
+        basis: ``(D, b)`` warm start of an auto sketch, where it leaves random columns.
 
     Returns:
-        A :class:`~lowrank_laplace.fitting.dense.DenseSum`,
-        :class:`~lowrank_laplace.fitting.streaming.StreamingMerge` or
-        :class:`~lowrank_laplace.fitting.sketch.SketchMerge`.
+        A ``DenseSum``, ``StreamingMerge`` or ``SketchMerge``.
     """
     rank, track = config.rank, config.track_diagonal
     oversampling = max(plan.keep, keep_while_fitting(rank)) - rank
@@ -461,16 +392,13 @@ def make_solver(plan: FitPlan, config: FitConfig, params: List[Tensor],
 
 
 def equal_parts(total: int, largest: int) -> int:
-    """Size of the fewest, most equal parts of ``total`` of at most ``largest`` each.
-
-    Slicing by this step gives equal parts where ``total`` allows (128 in parts of at
-    most 38: four of 32, not 38, 38, 38 and 14), else a smaller last one.
+    """Size of the fewest, most equal parts of ``total`` (128 by 38: four of 32).
 
     Args:
         total: What is split.
-        largest: The largest part allowed (``>= 1``).
+        largest: The largest part allowed.
 
     Returns:
-        The step ``ceil(total / ceil(total / largest))``.
+        ``ceil(total / ceil(total / largest))``.
     """
     return -(-total // -(-total // max(1, largest)))

@@ -22,27 +22,19 @@ from lowrank_laplace.utils.batches import take
 
 
 class BatchStreamer:
-    """Streams loader batches into the solver the :class:`FitPlan` names.
-
-    Every batch is split into micro-batches that fit the memory budget; the curvature
-    sub-samples and Monte-Carlo samples come from private streams; groups of
-    micro-batch factors of the plan's merge size are merged together (or, with
-    ``low_memory``, every micro-batch on its own through a :class:`RecomputedFactor`).
+    """Streams loader batches, in micro-batches, into the plan's solver in merges.
 
     Args:
-        engine: The fit's :class:`~lowrank_laplace.engine.FactorEngine`.
+        engine: The fit's ``FactorEngine``.
         plan: The fit's plan.
-        config: The fit's options (``mc_samples``, ``subsample_fraction``,
-            ``track_diagonal``).
-        solver: The solver that receives the factors
-            (:func:`~lowrank_laplace.fitting.plan.make_solver`).
-        scale: Factor applied to every batch's GGN (the likelihood's Hessian scale).
+        config: The fit's options.
+        solver: The solver that receives the factors.
+        scale: Factor on every batch's GGN (the likelihood's Hessian scale).
         seed: Seed of the private streams (sub-sampling, MC draws).
         device: The fit's device.
 
     Attributes:
-        rng: The private stream of the Monte-Carlo draws (later draws of the same
-            fit, e.g. a probe's random projections, continue it).
+        rng: The private stream of the MC draws (a probe's draws continue it).
         n_outputs: Model outputs ``C`` (known after the first batch).
     """
 
@@ -93,12 +85,8 @@ class BatchStreamer:
     def _merges(self, batch: GGNFactor, sub_scale: float) -> Iterator[GGNFactor]:
         """Queue a pass's factor; yield whole merges of up to ``chunk`` samples.
 
-        A merge never straddles passes: a pass that does not fit the pending merge
-        flushes it first, and a pass larger than ``chunk`` is merged in equal pieces
-        (:meth:`~lowrank_laplace.factor.GGNFactor.take_samples`), or whole by sketches
-        and dense sums, which are linear in their factors. Merging a pass's tail with
-        the next pass's head would copy the split pass's blocks and then the
-        concatenated merge.
+        A merge never straddles passes (that would copy blocks twice); a larger pass is
+        streamed in equal pieces, or whole by the linear sketch and dense sum.
         """
         chunk, total = self.plan.chunk, batch.num_curv_samples
         pending = sum(f.num_curv_samples for f in self.pending)
@@ -134,7 +122,7 @@ def subsample_indices(n: int, fraction: Optional[float], generator: torch.Genera
 
     Args:
         n: Samples in the micro-batch.
-        fraction: ``subsample_fraction`` (``None`` or 1: all samples).
+        fraction: ``subsample_fraction`` (``None`` or 1: all).
         generator: The fit's private generator.
 
     Returns:

@@ -1,19 +1,9 @@
-r"""The spectral residual's probe: what a fit measures on a few training inputs.
+r"""The spectral residual's probe: what a fit measures on its first training inputs.
 
-After the eigenpairs, a fit with ``residual="spectral"`` runs the model's Jacobian
-(an MSE-sum engine, no targets) over the first :data:`PROBE_SIZE` training inputs,
-which the fit kept (:class:`~lowrank_laplace.fitting.fit.ProbeInputs`):
-
-* the kept eigenvectors' Jacobian energies, whose law against the eigenvalues gives
-  the exponent :math:`\beta` of the modelled complement variance
-  (:func:`jacobian_exponent`);
-* with :data:`MEASURE_COMPLEMENT` (under a scalar prior), the complement variance itself
-  (:mod:`~lowrank_laplace.posterior.complement`): one pass with all ``C`` outputs over
-  the first ``MAX_COLUMNS / C`` probe inputs (as many as fit half the memory budget),
-  their Gram matrix, and the small eigenproblems it gives.
-
-Data-parallel fits sum the energies over processes and take process 0's
-measurement, so every process ends with the same posterior.
+One Jacobian pass gives the kept eigenvectors' Jacobian energies (the exponent
+``beta``, :func:`jacobian_exponent`); under a scalar prior another, with all outputs,
+measures the complement variance (:mod:`~lowrank_laplace.posterior.complement`) and
+the rank check. Data-parallel fits sum the energies and take process 0's measurement.
 
 Shape glossary:
     D: Laplace parameters; r: kept rank; m: measured probe inputs; C: outputs.
@@ -42,25 +32,17 @@ from lowrank_laplace.posterior.predictive import jacobian_energies, jacobian_eng
 from lowrank_laplace.utils.batches import batch_device, take
 from lowrank_laplace.utils.checks import check_batch
 
-#: Training inputs (the first the loader yields) a fit with the spectral residual keeps
-#: for its probe pass: the kept eigenvectors' Jacobian energies on them give the
-#: residual's exponent, and the complement variance is measured on them.
+#: Training inputs (the first) a fit with the spectral residual keeps for its probe.
 PROBE_SIZE = 256
-#: Random output combinations over the whole probe for those energies: each input
-#: carries ``ceil(PROBE_COLUMNS / inputs)`` of them instead of its ``C`` outputs (an
-#: unbiased estimate), or all ``C`` where that is not fewer; ``None`` always measures
-#: exactly.
+#: Random output combinations over the whole probe for the energies (each input
+#: carries ``ceil(PROBE_COLUMNS / inputs)``, or all ``C`` if not fewer); ``None``: exact.
 PROBE_COLUMNS = 512
-#: Measure the spectral residual's complement variance on the probe (one more pass with
-#: all ``C`` outputs over the probe inputs of at most :data:`MAX_COLUMNS` Jacobian
-#: columns that fit half the memory budget, at least :data:`MIN_MEASURED` inputs)
-#: instead of modelling it from the Jacobian energies. Only a scalar prior uses it.
+#: Measure the complement variance on the probe (scalar priors) instead of modelling it.
 MEASURE_COMPLEMENT = True
 #: Fewest probe inputs the complement variance is measured on (else it is modelled).
 MIN_MEASURED = 32
-#: Most Jacobian columns (inputs times outputs) of the measurement: its Gram matrix
-#: grows with their square, its eigenproblems with the cube of a half's; fewer columns
-#: leave more of the sub-sampled GGN's bias (docs/benchmarks/design_measurements.md).
+#: Most Jacobian columns (inputs times outputs) of the measurement: its cost grows with
+#: their square and cube, its sub-sampling bias falls with them.
 MAX_COLUMNS = 1024
 
 
@@ -69,12 +51,10 @@ class ProbeResult:
     """What the probe pass measured.
 
     Attributes:
-        exponent: The spectral residual's Jacobian-weighting exponent ``beta``.
+        exponent: The Jacobian-weighting exponent ``beta``.
         complement: The measured complement variance (``None``: modelled).
-        variance_change: The median relative change of the probe inputs' predictive
-            variance when the posterior keeps only the leading half of its eigenpairs
-            (its own complement measured for that half): how much the rank still moves
-            the predictive (:func:`variance_change`). ``None`` where not measured.
+        variance_change: :func:`variance_change` from the leading half of the kept
+            eigenpairs to all (``None``: not measured).
     """
 
     exponent: float = 0.0
@@ -87,24 +67,17 @@ def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig, likeliho
                    ) -> ProbeResult:
     """``beta`` of the spectral residual, the measured complement and the rank check.
 
-    ``beta`` takes one extra backward pass per probe micro-batch, carrying random
-    output combinations per input (:data:`PROBE_COLUMNS`; drawn in the fit's private
-    stream) or all outputs. The measurement takes another, with all outputs, over
-    the probe inputs whose Jacobian factor fits half the memory budget, at most
-    :data:`MAX_COLUMNS` Jacobian columns (at least :data:`MIN_MEASURED` inputs, else
-    none): the complement variance, and from the same products the change of the
-    predictive variance between the leading half of the kept eigenpairs and all of
-    them.
+    The measurement covers the probe inputs within half the memory budget and
+    :data:`MAX_COLUMNS` columns (none below :data:`MIN_MEASURED` inputs).
 
     Args:
         model: The module whose GGN was fitted.
-        fit: The fit, with its probe inputs (``fit.probe``).
-        config: The fit's options (backend, memory budget, passes).
+        fit: The fit, with its probe inputs.
+        config: The fit's options.
         likelihood: ``"classification"`` or ``"regression"``.
         group: The data-parallel process group, or ``None``.
-        prior: ``(h, delta)``: the GGN's scale and a scalar prior precision, under which
-            the complement is measured (where :data:`MEASURE_COMPLEMENT`) and the rank
-            check evaluated; ``None`` (another prior) measures neither.
+        prior: ``(h, delta)`` of a scalar prior to measure under; ``None``: no
+            measurement.
 
     Returns:
         The :class:`ProbeResult`.
@@ -137,19 +110,17 @@ def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig, likeliho
 
 
 def jacobian_exponent(eigenvalues: Tensor, energies: Tensor) -> float:
-    r"""The exponent :math:`\beta` of :math:`e_k \propto \lambda_k^\beta`, clamped to ``[0, 1]``.
+    r"""The exponent ``beta`` of ``e_k ~ lambda_k^beta``, clamped to ``[0, 1]``.
 
-    Least squares of :math:`\log e_k` on :math:`\log \lambda_k` with an intercept,
-    over the pairs where both are positive (eigenvalues above ``1e-12`` of the
-    largest). Fewer than two such pairs, or eigenvalues that are all equal, give 0.
+    Least squares of ``log e_k`` on ``log lambda_k`` over pairs with both positive
+    (``lambda`` above ``1e-12`` of the largest); 0 with fewer than two distinct ones.
 
     Args:
-        eigenvalues: Kept GGN eigenvalues ``lambda``, shape ``(r,)``.
-        energies: Jacobian energies ``e_k = sum_n ||J_n u_k||^2`` of the kept
-            eigenvectors, shape ``(r,)``.
+        eigenvalues: Kept ``lambda``, ``(r,)``.
+        energies: Jacobian energies ``e_k = sum_n ||J_n u_k||^2``, ``(r,)``.
 
     Returns:
-        ``beta`` as a float.
+        ``beta``.
     """
     lam = eigenvalues.detach().to(torch.float64).cpu()
     energy = energies.detach().to(torch.float64).cpu()
@@ -167,11 +138,9 @@ def jacobian_exponent(eigenvalues: Tensor, energies: Tensor) -> float:
 def _measure(engine: FactorEngine, probe: List[Any], kept: Tuple[Tensor, Tensor],
              config: FitConfig, data: tuple
              ) -> Tuple[Optional[MeasuredComplement], Optional[float]]:
-    """The complement measured on the probe inputs that fit the budget, and the rank check.
+    """The complement on the probe inputs that fit, and :func:`variance_change`.
 
-    The rank check: the predictive variance's change from half the kept eigenpairs to
-    all (:func:`variance_change`). ``kept`` is ``(U, lambda)``; ``data`` the number of
-    training inputs, the likelihood's loss with its factor, and ``(h, delta)``.
+    ``kept``: ``(U, lambda)``; ``data``: ``(N, (loss, factor), (h, delta))``.
     """
     (U, lam), (num_data, loss, prior) = kept, data
     budget = resolve_memory_budget(config.memory_budget, batch_device(probe[0]))
@@ -213,7 +182,7 @@ class ProbeColumns:
     """The measured probe inputs' Jacobians, as the rank check needs them.
 
     Attributes:
-        norms: ``||J_nc||^2`` per Jacobian column, ordered ``(c, n)``, ``(C m,)``.
+        norms: ``||J_nc||^2``, ordered ``(c, n)``, ``(C m,)``.
         projections: ``J_nc U``, ``(C m, r)``, float64.
         classes: Outputs ``C``.
     """
@@ -225,21 +194,18 @@ class ProbeColumns:
 
 def predictive_variance(probe: ProbeColumns, kept: tuple, prior: Tuple[float, float]
                         ) -> Tensor:
-    r"""Each probe input's GLM predictive variance, summed over outputs.
+    r"""Each probe input's GLM variance summed over outputs, under the spectral residual.
 
-    The spectral residual's posterior (scalar prior): the kept directions have precision
-    :math:`h\lambda_k + \delta`, every direction outside them the measured variance
-    :math:`v`, so :math:`\sum_c \big(\sum_k z_{nck}^2 / (h\lambda_k + \delta) + v
-    (\|J_{nc}\|^2 - \sum_k z_{nck}^2)\big)`.
+    ``sum_c (sum_k z_nck^2 / (h lambda_k + delta) + v (||J_nc||^2 - sum_k z_nck^2))``.
 
     Args:
         probe: The probe's Jacobian columns.
-        kept: ``(lambda, complement)``: the kept eigenvalues (the leading ones of the
-            projections' columns) and the complement measured outside them.
+        kept: ``(lambda, complement)``: the leading eigenvalues kept and the complement
+            measured outside them.
         prior: ``(h, delta)``.
 
     Returns:
-        Shape ``(m,)``, float64.
+        ``(m,)``, float64.
     """
     (lam, complement), (scale, delta) = kept, prior
     lam = lam.to(probe.projections)
@@ -257,7 +223,7 @@ def variance_change(probe: ProbeColumns, full: tuple, half: tuple,
     Args:
         probe: The probe's Jacobian columns.
         full: ``(lambda, complement)`` of all kept eigenpairs.
-        half: The same for the leading half (``complement`` ``None``: not measurable).
+        half: The same for the leading half (complement ``None``: not measurable).
         prior: ``(h, delta)``.
 
     Returns:

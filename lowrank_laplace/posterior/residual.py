@@ -1,53 +1,11 @@
 r"""Models of the curvature a rank-``r`` truncation drops: one class per model.
 
-The fit keeps the leading eigenpairs :math:`U \mathrm{diag}(\lambda) U^\top` of the GGN
-sum :math:`H` and knows the dropped curvature's total exactly: the *residual mass*
-:math:`T = \mathrm{tr}(H) - \sum_i \lambda_i`. Leaving the residual
-:math:`R = H - U \mathrm{diag}(\lambda) U^\top` out (``"none"``) gives the
-``D - r`` dropped directions the prior variance only, and its log-determinant, in
-which only ``r`` eigenvalues depend on the prior precision, drives the marginal
-likelihood towards weak priors. Each model is one consistent posterior, found by its
-name in :data:`RESIDUALS`:
-
-:class:`SpectralResidual` (``"spectral"``, default)
-    The dropped eigenvalues follow a power law that continues the kept spectrum,
-    :math:`\tilde\lambda_i = \lambda_r (i / r)^{-\alpha}` for
-    :math:`i = r+1 \dots n`, with :math:`\alpha` fixed by the exact mass
-    :math:`\sum_i \tilde\lambda_i = T` and :math:`n` the GGN's rank bound
-    (``min(D, N x columns per sample)``). Their eigenvectors are unknown, so they are
-    taken at random in the complement of ``U``: every member of that family has the
-    same :math:`\log\det P` (used by the marginal likelihood). The covariance is the
-    kept part plus the complement with one variance :math:`v`, which enters every
-    predictive variance through the part of an input's Jacobian outside ``U``. One
-    estimator of :math:`v` per prior structure: under a scalar prior, the variance
-    measured on a probe of training inputs after the fit
-    (:mod:`~lowrank_laplace.posterior.complement`; where it could not be measured,
-    the tail's variances weighted by the Jacobian law
-    :math:`w_i = \tilde\lambda_i^\beta`, :math:`\beta` fitted on the kept eigenpairs by
-    :func:`~lowrank_laplace.posterior.probe.jacobian_exponent`); under a layerwise or
-    per-parameter prior, the tail split over layers, each with its exact share of the
-    mass (:mod:`~lowrank_laplace.posterior.layer_tail`; a single layer, or a fit
-    without the GGN diagonal, keeps the scalar prior's estimator at the prior's mean).
-:class:`IsotropicResidual` (``"isotropic"``)
-    :math:`R \approx \rho (I - U U^\top)` with :math:`\rho = T / (D - r)`, the mean
-    dropped eigenvalue (probabilistic PCA's noise term).
-:class:`DiagonalResidual` (``"diagonal"``)
-    :math:`R \approx \mathrm{diag}(H) - \mathrm{diag}(U \mathrm{diag}(\lambda) U^\top)`,
-    the exact diagonal of the residual (the fit tracks the GGN diagonal).
-:class:`NoResidual` (``"none"``)
-    :math:`R = 0` (laplace-torch's plain low-rank semantics).
-
-The isotropic and spectral models enter the algebra of
-:class:`~lowrank_laplace.posterior.LowRankPrecision` as a shift,
-:math:`P = U \mathrm{diag}(h\lambda - \rho) U^\top + (P_0 + \rho I)`, plus (spectral)
-a log-determinant offset; nothing costs more than the model without residual. Why the
-spectral model is the default: a flat residual overstates
-:math:`\log\det(R + \delta I)` of a decaying tail (by Jensen's inequality), so the
-marginal likelihood of the isotropic and diagonal models overshoots the prior
-precision; measured on the posterior-quality page of the docs.
-
-A new model is one subclass (its name, what its fit needs, :meth:`Residual.precision`
-and :meth:`Residual.curvature_spectrum`) and one entry of :data:`RESIDUALS`.
+A fit knows the dropped mass ``T = tr(H) - sum(lambda)`` exactly. Each model, found by
+name in :data:`RESIDUALS`, is one consistent posterior (log det, marglik, predictive,
+samples): :class:`SpectralResidual` (default, a power-law tail with a measured or
+modelled complement variance), :class:`IsotropicResidual`, :class:`DiagonalResidual`
+and :class:`NoResidual`. The derivations and measurements: docs/posterior_quality.md;
+a new model: docs/contributing.md.
 
 Shape glossary:
     D: parameters; r: kept rank; n: rank bound of the GGN.
@@ -75,11 +33,11 @@ class DroppedCurvature:
     """What a fit tells about the curvature its rank drops, on the GGN's own scale.
 
     Attributes:
-        eigenvectors: Kept ``U``, shape ``(D, r)``.
-        eigenvalues: Kept ``lambda`` (descending), shape ``(r,)``.
+        eigenvectors: Kept ``U``, ``(D, r)``.
+        eigenvalues: Kept ``lambda`` (descending), ``(r,)``.
         trace: The exact trace of ``H``.
-        rank_bound: Upper bound on the rank of ``H`` (e.g. ``N (C - 1)``).
-        diagonal: The residual diagonal ``diag(H - U diag(lambda) U^T)``, or ``None``.
+        rank_bound: Upper bound on the rank of ``H``.
+        diagonal: ``diag(H - U diag(lambda) U^T)``, or ``None``.
         exponent: The Jacobian-weighting exponent ``beta`` (spectral).
         layer_sizes: Parameters per layer (laplace-torch's parameter tensors).
         complement: The complement variance measured on the probe (spectral).
@@ -96,12 +54,7 @@ class DroppedCurvature:
 
     @property
     def mass(self) -> float:
-        """The exact dropped curvature ``tr(H) - sum(lambda)`` (``>= 0``).
-
-        In float64: a float32 sum is rounded at ``eps lambda_max``, which can exceed the
-        mass of a few dropped eigenvalues (a fit's trace is float64 for this); a trace
-        held in lower precision leaves its rounding undecided: zero.
-        """
+        """The exact dropped curvature ``tr(H) - sum(lambda)``, zero within the trace's rounding."""
         trace = self.trace
         dtype = trace.dtype if torch.is_tensor(trace) and trace.is_floating_point() \
             else torch.float64
@@ -124,8 +77,7 @@ class Residual:
     tracks_diagonal: ClassVar[bool] = False
     #: The model cannot be built without the residual diagonal.
     needs_diagonal: ClassVar[bool] = False
-    #: A fit with this model keeps probe inputs for a probe pass after it
-    #: (:mod:`~lowrank_laplace.posterior.probe`).
+    #: A fit with this model keeps probe inputs for a probe pass after it.
     needs_probe: ClassVar[bool] = False
     #: The precision's diagonal is constant over a layer under a layerwise prior.
     constant_per_layer: ClassVar[bool] = True
@@ -162,20 +114,16 @@ class Residual:
         r"""The posterior precision with this residual.
 
         Args:
-            eigenvectors: Kept ``U``, shape ``(D, r)``.
-            eigenvalues: Kept ``lambda``, shape ``(r,)``.
-            scale: ``h = 1 / sigma^2 / T`` (laplace-torch's ``_H_factor``); may carry
-                gradients.
-            prior: Prior precision ``d``: a scalar tensor or shape ``(D,)``; may carry
-                gradients.
-            gram_cache: Passed on to
-                :class:`~lowrank_laplace.posterior.LowRankPrecision`.
-            layer_prior: ``(sizes, delta_l)`` for a prior constant over each layer
-                (laplace-torch's layerwise prior, ``prior`` its expansion): the
-                precision's algebra then costs ``O(L r^2)``, not ``O(D r^2)``.
+            eigenvectors: Kept ``U``, ``(D, r)``.
+            eigenvalues: Kept ``lambda``, ``(r,)``.
+            scale: ``h = 1 / sigma^2 / T`` (laplace-torch's ``_H_factor``).
+            prior: Prior precision ``d``, scalar or ``(D,)``.
+            gram_cache: Passed on to ``LowRankPrecision``.
+            layer_prior: ``(sizes, delta_l)`` for a layerwise prior (``prior`` its
+                expansion): ``O(L r^2)`` algebra.
 
         Returns:
-            The :class:`~lowrank_laplace.posterior.LowRankPrecision`.
+            The ``LowRankPrecision`` (differentiable in ``scale`` and ``prior``).
         """
         ell = scale * eigenvalues
         if self.dim == eigenvalues.numel():  # nothing dropped
@@ -191,17 +139,14 @@ class Residual:
 
     def curvature_spectrum(self, eigenvalues: Tensor, scale: float
                            ) -> Optional[Tuple[Tensor, Tensor]]:
-        r"""The curvature's nonzero eigenvalues under a scalar prior, for the log det.
+        r"""Nonzero curvature eigenvalues ``a_j`` and counts ``c_j`` under a scalar prior.
 
-        Under a scalar prior :math:`\delta` the models with a scalar shift give
-        :math:`\log\det P = \sum_j c_j \log(a_j + \delta) + (D - \sum_j c_j)
-        \log\delta`: the kept :math:`h\lambda_k`, and the modelled dropped ones. The
-        marginal likelihood's dependence on :math:`\delta` is then a scalar function
-        (see :mod:`~lowrank_laplace.laplace_torch.tuning`).
+        ``log det P = sum_j c_j log(a_j + delta) + (D - sum_j c_j) log delta``: the kept
+        ``h lambda`` and the modelled dropped ones.
 
         Args:
-            eigenvalues: Kept ``lambda``, shape ``(r,)``.
-            scale: ``h = 1 / sigma^2 / T``.
+            eigenvalues: Kept ``lambda``, ``(r,)``.
+            scale: ``h``.
 
         Returns:
             ``(a, c)``, float64 on the CPU, or ``None`` for a per-parameter residual.
@@ -279,7 +224,7 @@ class SpectralResidual(Residual):
     """A power-law tail continuing the kept spectrum, in random dropped directions.
 
     Attributes:
-        tail: Modelled dropped eigenvalues, shape ``(n - r,)``.
+        tail: Modelled dropped eigenvalues, ``(n - r,)``.
         exponent: Jacobian-weighting exponent ``beta``.
         complement: The measured complement variance (``None``: modelled).
     """
@@ -333,14 +278,7 @@ class SpectralResidual(Residual):
         return [tail], [torch.ones_like(tail)]
 
     def _layer_precision(self, eigenvectors, ell, scale, prior, extra):
-        r"""The spectral model with one tail per layer.
-
-        The complement of layer ``l`` gets precision :math:`\delta + \rho_l`; the kept
-        directions keep :math:`h\lambda_k + \delta` on the diagonal of ``U``'s basis
-        (:math:`\ell_k - \sum_l \rho_l \|U_{l,k}\|^2`). The log-determinant offset
-        trades the complement's :math:`\sum_l c_l \log(\delta_l + \rho_l)` for the
-        tails'.
-        """
+        """The spectral model with one tail per layer (docs/posterior_quality.md)."""
         gram_cache, layer_prior = extra
         layers = self.layers
         rho, tail_logdet = layers.shift(scale, prior, self.exponent, ell.device)
@@ -362,25 +300,10 @@ class SpectralResidual(Residual):
 
     def _shift(self, scale: Tensor, prior: Tensor, num: int,
                device: torch.device) -> Tuple[Tensor, Tensor]:
-        r"""The network-wide shift :math:`\rho` and the tail's log-determinant.
+        """The network-wide shift ``rho = 1 / v - delta`` and the tail's log det (float64).
 
-        :math:`\rho = 1 / v - \delta`: with the measured complement variance where the
-        fit measured it (at the prior's mean for a per-parameter prior), else
-        :math:`\sum_i w_i t_i / (t_i + \delta) \big/ \sum_i w_i / (t_i + \delta)`, a ratio
-        of positive sums (the form :math:`\delta m / (1 - m)`, with :math:`m` the
-        weighted mean of :math:`t / (t + \delta)`, cancels to nothing once
-        :math:`\delta \ll t`). Both in float64 (they sum ``n - r`` terms),
-        differentiable in ``scale`` and ``prior``.
-
-        Args:
-            scale: ``h``.
-            prior: The prior precision (its mean stands for a non-scalar one).
-            num: Dropped directions ``D - r``.
-            device: Where the posterior lives.
-
-        Returns:
-            ``rho`` and :math:`\sum_i \log(t_i + \delta)` over all ``D - r`` dropped
-            directions, both float64 scalars.
+        ``v`` is the measured complement variance where there is one (at the prior's
+        mean), else the Jacobian-weighted tail variance.
         """
         whole = self._whole.get(num)
         if whole is None:  # one layer, the network; kept with its prior-free factors
