@@ -1,9 +1,7 @@
 """The GGN factor ``V`` of a mini-batch: its per-parameter blocks and what they offer.
 
-Every backend of :mod:`lowrank_laplace.engine` produces the same blocks
-(:mod:`~lowrank_laplace.factor.blocks`) collected in a
-:class:`~lowrank_laplace.factor.ggn.GGNFactor`; the loss-Hessian square roots they
-backpropagate are shared (:mod:`~lowrank_laplace.factor.loss_sqrt`).
+Every backend of :mod:`lowrank_laplace.engine` produces these blocks, collected in a
+:class:`~lowrank_laplace.factor.ggn.GGNFactor`.
 """
 
 from lowrank_laplace.factor.blocks import Block, DenseBlock, KronBlock, Weight, cat_blocks

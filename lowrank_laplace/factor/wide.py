@@ -1,13 +1,7 @@
-r"""Gram matrices and products of ``V`` in float64, from blocks of lower precision.
+"""Gram matrices and products of ``V`` in float64, from blocks of lower precision.
 
-A float32 Gram matrix ``V^T V`` (or cross product ``V^T U``) is rounded at about
-``eps lambda_max``, so its eigenvalues below that are noise, although the float32
-factor ``V`` itself determines them far more finely (an eigenvalue ``mu`` moves by
-about ``eps sqrt(mu lambda_max)`` when ``V`` is rounded). The fit's eigenproblems are
-small, so their inputs are formed here in float64: each block is widened a slice at a
-time (a dense block by columns, a factored linear block by output units), so no
-float64 copy of a whole block or of the ``D x K`` matrix is made. For float64 blocks
-these are the ordinary products.
+Each block is widened a slice at a time, so no float64 copy of a whole block or of a
+``D x K`` matrix is made (why: docs/concepts.md, "Float64 eigenproblems").
 
 Shape glossary:
     M: rows of a block (columns of ``V``); d: entries of the parameter; K: columns of
@@ -30,19 +24,15 @@ WIDE = torch.float64
 
 
 def widen(block: Union[DenseBlock, KronBlock]) -> Union[DenseBlock, KronBlock]:
-    """A factored block in float64 (its factors are small); a dense block as it is.
-
-    Widen a factor's blocks once for all of a merge's products: a dense block is
-    widened a slice at a time by each product instead.
-    """
+    """A factored block in float64 (small factors, widened once per merge); a dense one as is."""
     return block.to(WIDE) if isinstance(block, KronBlock) else block
 
 
 def wide_gram(block: Union[DenseBlock, KronBlock]) -> Tensor:
-    """``B B^T`` in float64, shape ``(M, M)``, exactly symmetric.
+    """``B B^T`` in float64, ``(M, M)``, exactly symmetric.
 
     Args:
-        block: A dense or factored block.
+        block: A block.
 
     Returns:
         The Gram matrix.
@@ -62,11 +52,11 @@ def wide_gram(block: Union[DenseBlock, KronBlock]) -> Tensor:
 
 
 def wide_t_matmul(block: Union[DenseBlock, KronBlock], x: Tensor) -> Tensor:
-    """``B x`` in float64, shape ``(M, K)``, for ``x`` of shape ``(d, K)``.
+    """``B x`` in float64, ``(M, K)``.
 
     Args:
-        block: A dense or factored block.
-        x: The matrix (any floating dtype).
+        block: A block.
+        x: Shape ``(d, K)``, any floating dtype.
 
     Returns:
         The product.
@@ -78,9 +68,7 @@ def wide_t_matmul(block: Union[DenseBlock, KronBlock], x: Tensor) -> Tensor:
 
 
 def wide_factor_t_matmul(factor: Any, x: Tensor, group: int = 0) -> Tensor:
-    """``V^T x`` of a factor's kept blocks in float64 (:func:`wide_t_matmul` per block).
-
-    Also for blocks of several dtypes (a bfloat16 head beside float32 adapters).
+    """``V^T x`` of a factor's kept blocks in float64, also for blocks of several dtypes.
 
     Args:
         factor: A :class:`~lowrank_laplace.factor.GGNFactor` with kept blocks.
@@ -97,20 +85,17 @@ def wide_factor_t_matmul(factor: Any, x: Tensor, group: int = 0) -> Tensor:
 
 def wide_slices(block: Union[DenseBlock, KronBlock], width: int
                 ) -> Iterator[Tuple[int, int, Union[DenseBlock, KronBlock]]]:
-    """The block over slices of its parameter's entries, in float64.
+    """The block in float64 over slices of its entries (a factored block by output units).
 
-    A factored block is sliced by output units (its entries are ordered
-    ``(out, in)``), a dense one by columns, each slice small enough that it and a
-    ``(slice, width)`` float64 matrix stay near
+    Each slice and a ``(slice, width)`` float64 matrix stay near
     :data:`~lowrank_laplace.factor.weights.WIDE_ENTRIES` entries.
 
     Args:
-        block: A dense or factored block.
+        block: A block.
         width: Columns of the matrices the slices will be multiplied with.
 
     Yields:
-        ``(lo, hi, sub)``: entries ``lo:hi`` of the parameter and the float64 block
-        over them.
+        ``(lo, hi, sub)``: entries ``lo:hi`` of the parameter and the float64 block on them.
     """
     if isinstance(block, KronBlock):
         wide = block.to(WIDE)
@@ -126,6 +111,6 @@ def wide_slices(block: Union[DenseBlock, KronBlock], width: int
 
 
 def _ranges(total: int, step: int) -> Iterator[Tuple[int, int]]:
-    """``(lo, hi)`` of consecutive ranges of ``step`` covering ``range(total)``."""
+    """Consecutive ``(lo, hi)`` ranges of ``step`` covering ``range(total)``."""
     for lo in range(0, total, step):
         yield lo, min(lo + step, total)

@@ -1,8 +1,4 @@
-"""Batches and devices: sizes and slices of tensor or dict batches, free memory.
-
-A batch is a tensor of ``N`` samples or a dict (laplace-torch's Hugging Face batches)
-whose tensors with ``N`` rows are split per sample.
-"""
+"""Tensor or dict batches (a dict's tensors with ``N`` rows are per sample), and memory."""
 
 from __future__ import annotations
 
@@ -16,11 +12,10 @@ from torch import Tensor
 
 
 def batch_size(inputs: Any) -> int:
-    """Number of samples of a tensor or dict batch.
+    """Number of samples ``N`` of a tensor or dict batch (its first tensor with a batch axis).
 
     Args:
-        inputs: A tensor ``(N, ...)`` or a dict batch (its first tensor with a
-            batch axis gives ``N``).
+        inputs: A tensor or dict batch.
 
     Returns:
         ``N``.
@@ -35,13 +30,13 @@ def take(inputs: Any, index: Any, n: Optional[int] = None) -> Any:
     """Select samples of a tensor or dict batch.
 
     Args:
-        inputs: A tensor ``(N, ...)`` or a dict batch.
-        index: A slice or index tensor/list along the batch axis.
-        n: The batch size (entries of a dict with another leading size are kept
-            whole); ``None`` uses :func:`batch_size`.
+        inputs: A tensor or dict batch.
+        index: A slice or indices along the batch axis.
+        n: The batch size (dict entries with another leading size stay whole);
+            ``None``: :func:`batch_size`.
 
     Returns:
-        The selected samples, of the same type as ``inputs``.
+        The samples, of the type of ``inputs``.
     """
     if isinstance(inputs, Tensor):
         return inputs[index]
@@ -64,9 +59,8 @@ def available_memory(device: torch.device) -> int:
         device: The device.
 
     Returns:
-        CUDA: the driver's free memory; CPU: ``MemAvailable`` of ``/proc/meminfo``
-        (free plus reclaimable page cache), or the free physical pages where that
-        file does not exist.
+        CUDA: the driver's free memory; CPU: ``MemAvailable`` of ``/proc/meminfo``,
+        else the free physical pages.
     """
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -84,13 +78,13 @@ def parse_memory(budget: Any) -> Any:
     """Turn a memory size with a unit (``"1GB"``, ``"512 MiB"``) into bytes.
 
     Args:
-        budget: A string with a unit, or anything else (returned unchanged).
+        budget: A string with a unit, or bytes, a fraction or ``None`` (returned as is).
 
     Returns:
         Bytes as ``int`` for a string, else ``budget``.
 
     Raises:
-        ValueError: For a string that is not a number with a unit.
+        ValueError: For anything else, or a string that is not a number with a unit.
     """
     if not isinstance(budget, str):
         if budget is not None and (isinstance(budget, bool)
@@ -121,11 +115,11 @@ def to_device(inputs: Any, device: torch.device) -> Any:
     """Move a tensor or the tensors of a dict batch to a device.
 
     Args:
-        inputs: A tensor or a dict batch.
+        inputs: A tensor or dict batch.
         device: The target device.
 
     Returns:
-        The moved batch, of the same type.
+        The batch on ``device``.
     """
     if isinstance(inputs, Tensor):
         return inputs.to(device)

@@ -21,7 +21,7 @@ def check_batchnorm_mode(model: nn.Module, allow_train: bool) -> None:
 
     Args:
         model: The network.
-        allow_train: The engine evaluates in eval mode (laplace-torch's fits).
+        allow_train: The passes run in eval mode (laplace-torch's fits).
 
     Raises:
         ValueError: For a BatchNorm layer in training mode.
@@ -44,7 +44,7 @@ def shared_parameters(model: nn.Module) -> List[List[str]]:
         model: The network.
 
     Returns:
-        One list of names per shared (tied) parameter.
+        One list of names per tied parameter.
     """
     owners: Dict[int, List[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
@@ -54,16 +54,14 @@ def shared_parameters(model: nn.Module) -> List[List[str]]:
 
 
 def check_model_runs(model: nn.Module) -> None:
-    """Refuse models the engine cannot run: TorchScript modules, meta-device tensors.
+    """Refuse models the engine cannot run.
 
     Args:
         model: The network.
 
     Raises:
-        TypeError: For a TorchScript module (``torch.jit.script`` / ``trace``) in the
-            model: the engine needs module hooks and ``torch.func``, which they do
-            not take.
-        ValueError: For parameters or buffers on the meta device (no values).
+        TypeError: For a TorchScript module in the model.
+        ValueError: For parameters or buffers on the meta device.
     """
     scripted = [name or type(model).__name__ for name, m in model.named_modules()
                 if isinstance(m, torch.jit.ScriptModule)]
@@ -87,12 +85,11 @@ def check_loss_func(loss_func: nn.Module) -> None:
     """Check that the loss is supported and uses mean or sum reduction.
 
     Args:
-        loss_func: The loss function module.
+        loss_func: The loss module.
 
     Raises:
         TypeError: If the loss is not ``CrossEntropyLoss`` or ``MSELoss``.
-        ValueError: If the reduction is not ``'mean'`` or ``'sum'``, or the
-            cross-entropy loss uses class weights or label smoothing.
+        ValueError: For another reduction, class weights or label smoothing.
     """
     if not isinstance(loss_func, SUPPORTED_LOSSES):
         raise TypeError(
@@ -116,17 +113,15 @@ def check_batch(inputs: Any, targets: Optional[Tensor]) -> int:
     """Check a mini-batch and return its size.
 
     Args:
-        inputs: Inputs, shape ``(N, ...)``, or a dict batch (``MutableMapping``)
-            passed whole to the model.
-        targets: Targets, shape ``(N, ...)``, or ``None`` (MSE without targets).
+        inputs: Inputs ``(N, ...)``, or a dict batch passed whole to the model.
+        targets: Targets ``(N, ...)``, or ``None`` (MSE).
 
     Returns:
         The batch size ``N``.
 
     Raises:
         TypeError: If inputs or targets are not tensors.
-        ValueError: If the batch is empty, on the meta device, or the batch sizes
-            differ.
+        ValueError: For an empty batch, meta tensors, or differing batch sizes.
     """
     if isinstance(inputs, MutableMapping):
         if targets is None and not any(isinstance(v, Tensor) and v.ndim
@@ -163,10 +158,7 @@ def check_batch(inputs: Any, targets: Optional[Tensor]) -> int:
 
 
 def check_padding(batch: MutableMapping) -> None:
-    """Refuse sequences that are padding only (an ``attention_mask`` row of zeros).
-
-    A transformer pools or attends over no token for them: its output is undefined
-    (NaN or an arbitrary position), and so would the curvature be.
+    """Refuse sequences that are padding only: a transformer's output on them is undefined.
 
     Args:
         batch: A dict batch.
@@ -192,7 +184,7 @@ def check_outputs(outputs: Any) -> None:
         outputs: The model output.
 
     Raises:
-        ValueError: Otherwise, with the way out.
+        ValueError: Otherwise.
     """
     if not isinstance(outputs, Tensor) or outputs.ndim != 2:
         shape = tuple(outputs.shape) if isinstance(outputs, Tensor) else type(outputs).__name__
@@ -210,8 +202,8 @@ def check_targets(loss_func: nn.Module, outputs: Tensor, targets: Tensor) -> Non
     """Check that targets match the loss and the model outputs.
 
     Args:
-        loss_func: The loss function.
-        outputs: Model outputs, shape ``(N, C)``.
+        loss_func: The loss module.
+        outputs: Model outputs ``(N, C)``.
         targets: Targets.
 
     Raises:
@@ -253,7 +245,7 @@ def check_subsampling(subsampling: Optional[Sequence[int]], n: int) -> Optional[
     """Validate curvature sub-sampling indices.
 
     Args:
-        subsampling: Indices into the batch, or ``None`` for all samples.
+        subsampling: Indices into the batch, or ``None`` (all).
         n: Batch size.
 
     Returns:
@@ -285,7 +277,7 @@ def check_mc_samples(mc_samples: int) -> int:
     """Validate the number of Monte-Carlo samples.
 
     Args:
-        mc_samples: ``0`` for the exact GGN, ``M >= 1`` for the MC approximation.
+        mc_samples: ``0`` (exact GGN) or ``M >= 1``.
 
     Returns:
         The number as ``int``.
@@ -303,21 +295,18 @@ def check_mc_samples(mc_samples: int) -> int:
 def resolve_param_groups(
     model: nn.Module, param_groups: Optional[List[Dict[str, Any]]]
 ) -> List[List[int]]:
-    """Turn optimizer-style parameter groups into lists of parameter indices.
-
-    Indices refer to ``list(model.parameters())``.
+    """Turn optimizer-style parameter groups into indices into ``list(model.parameters())``.
 
     Args:
         model: The network.
-        param_groups: ``None`` (one group of all parameters with
-            ``requires_grad=True``) or a list of dicts with key ``"params"``.
+        param_groups: Dicts with key ``"params"``; ``None``: one group of the
+            trainable parameters.
 
     Returns:
-        One list of parameter indices per group.
+        One list of indices per group.
 
     Raises:
-        ValueError: For empty groups, foreign parameters, or a parameter in
-            several groups.
+        ValueError: For empty groups, foreign parameters, or a parameter in several.
     """
     params = list(model.parameters())
     position = {id(p): i for i, p in enumerate(params)}
@@ -354,14 +343,13 @@ def resolve_param_groups(
 
 
 def layerwise_param_groups(model: nn.Module) -> List[Dict[str, Any]]:
-    """One parameter group per layer (module owning trainable parameters).
+    """One parameter group per module owning trainable parameters.
 
     Args:
         model: The network.
 
     Returns:
-        Optimizer-style groups ``[{"params": [...], "name": layer_name}, ...]`` for a
-        per-layer block-diagonal GGN.
+        Groups ``[{"params": [...], "name": layer_name}, ...]``.
     """
     groups = []
     for name, module in model.named_modules():
@@ -375,7 +363,7 @@ def check_finite(loss: Tensor) -> None:
     """Raise if the loss is NaN or infinite.
 
     Args:
-        loss: Scalar loss.
+        loss: The loss.
 
     Raises:
         ValueError: If the loss is not finite.
@@ -388,14 +376,14 @@ def check_finite(loss: Tensor) -> None:
 
 
 def check_damping(damping: Any, positive: bool = False) -> None:
-    """Refuse a NaN, infinite or negative (``positive``: non-positive) damping.
+    """Refuse a damping that is not a finite non-negative number.
 
     Args:
         damping: The value given.
         positive: Also refuse zero.
 
     Raises:
-        ValueError: For a value outside the admissible range, or not a number.
+        ValueError: Otherwise.
     """
     try:
         value = math.nan if isinstance(damping, (str, bytes)) else float(damping)
@@ -408,11 +396,7 @@ def check_damping(damping: Any, positive: bool = False) -> None:
 
 
 class Choice(str, Enum):
-    """A named choice among fixed strings; compares equal to its value.
-
-    ``repr`` and ``str`` give the value, so messages read as they would with the
-    plain string.
-    """
+    """A named choice among fixed strings; equal to, printed and repr'd as its value."""
 
     def __str__(self) -> str:
         return self.value

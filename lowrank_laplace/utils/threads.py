@@ -1,14 +1,9 @@
 """Small work on one CPU thread, set once per public call and restored afterwards.
 
-PyTorch runs a matrix product, a batched product or an MKL vector function (``exp``,
-``log``) on every thread of its pool, however small the operands. On a quiet machine
-the cost is a wake-up of the pool per operation; beside another busy process every
-wake-up waits for a core, and the algebra of a small model (a few thousand
-parameters, a few hundred kept eigenpairs), which makes thousands of such calls,
-stalls (docs/benchmarks/design_measurements.md). So a public call whose largest
-operation is small runs on one thread, decided from sizes alone (the machine's load
-is never read), and the user's setting comes back when the call returns. Large work
-runs on the user's setting.
+Beside a busy process every wake-up of PyTorch's thread pool waits for a core, and the
+thousands of small operations of a small model's algebra stall
+(docs/benchmarks/design_measurements.md). So a call whose largest operation is small
+runs on one thread, decided from sizes alone, never from the machine's load.
 """
 
 from __future__ import annotations
@@ -31,8 +26,7 @@ def cpu_threads(num: Optional[int]) -> Iterator[None]:
     """Run a block with ``num`` PyTorch CPU threads, restoring the setting afterwards.
 
     Args:
-        num: Threads for the block; ``None`` or more than the current setting leaves
-            it unchanged.
+        num: Threads; ``None`` or more than the current setting changes nothing.
 
     Yields:
         Nothing.
@@ -52,8 +46,8 @@ def small_work(work: float, device: Any) -> ContextManager[None]:
     """One CPU thread for work below :data:`SMALL_WORK`, else the user's setting.
 
     Args:
-        work: Size of the call's largest operation (multiply-adds).
-        device: Where it runs (only the CPU has a thread pool to spare).
+        work: Multiply-adds of the call's largest operation.
+        device: Where it runs (only the CPU has a pool to spare).
 
     Returns:
         A context manager.
@@ -101,10 +95,9 @@ def scoped_backward(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tens
                     work: float, device: Any) -> torch.Tensor:
     """``fn(*inputs)``, differentiable in ``inputs``, its backward under :func:`small_work`.
 
-    A user's ``loss.backward()`` runs outside any scope a query sets, on every thread of
-    the pool: the many small operations of a marginal-likelihood gradient then stall
-    beside other work as the forward would. Gradients reach ``inputs`` only: ``fn``
-    must not depend on other tensors that require them.
+    A user's ``loss.backward()`` runs outside any scope a query sets; this keeps a
+    marginal-likelihood gradient's small operations on one thread too. Gradients reach
+    ``inputs`` only: ``fn`` must not depend on other tensors that require them.
 
     Args:
         fn: Scalar function of the inputs.
