@@ -58,6 +58,19 @@ class Block(Protocol):
             ``(float64 part, its product (M, r), its weight)``.
         """
 
+    def wide_slices(self, width: int) -> Iterator[Tuple[int, int, "Block"]]:
+        """The block in float64 over slices of its entries (a factored one by output units).
+
+        Each slice and a ``(slice, width)`` float64 matrix stay near
+        :data:`~lowrank_laplace.factor.weights.WIDE_ENTRIES` entries.
+
+        Args:
+            width: Columns of the matrices the slices will be multiplied with.
+
+        Yields:
+            ``(lo, hi, sub)``: entries ``lo:hi`` and the float64 block on them.
+        """
+
     def to(self, dtype: torch.dtype) -> "Block":
         """The block in ``dtype`` (itself if it already is)."""
 

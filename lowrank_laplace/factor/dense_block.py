@@ -63,14 +63,19 @@ class DenseBlock:
         """Bytes the block holds."""
         return self.rows.numel() * self.rows.element_size()
 
+    def wide_slices(self, width: int) -> Iterator[Tuple[int, int, "DenseBlock"]]:
+        """See ``Block.wide_slices``: slices of columns."""
+        rows = self.rows
+        step = max(1, weights.WIDE_ENTRIES // max(rows.shape[0] + width, 1))
+        for lo in range(0, rows.shape[1], step):
+            hi = min(lo + step, rows.shape[1])
+            yield lo, hi, DenseBlock(rows[:, lo:hi].to(SMALL_DTYPE))
+
     def wide_parts(self, U: Tensor, weight: Weight
                    ) -> Iterator[Tuple["DenseBlock", Tensor, Weight]]:
-        """See ``Block.wide_parts``: slices of ``d``, rows of ``U`` contiguous."""
-        rows = self.rows
-        step = max(1, weights.WIDE_ENTRIES // max(rows.shape[0] + U.shape[1], 1))
-        for lo in range(0, rows.shape[1], step):
-            params = slice(lo, min(lo + step, rows.shape[1]))
-            sliced = DenseBlock(rows[:, params].to(SMALL_DTYPE))
+        """See ``Block.wide_parts``: the slices of :meth:`wide_slices`."""
+        for lo, hi, sliced in self.wide_slices(U.shape[1]):
+            params = slice(lo, hi)
             yield (sliced, weighted_product(sliced, U, weight, params),
                    weight_slice(weight, params))
 
@@ -171,8 +176,7 @@ class DenseBlock:
         if out_dim * in_dim != self.rows.shape[1]:
             raise ValueError(
                 f"Khatri-Rao factors of sizes {out_dim} x {in_dim} do not match the "
-                f"block's {self.rows.shape[1]} columns."
-            )
+                f"block's {self.rows.shape[1]} columns.")
         if self.num_rows >= max(out_dim, in_dim):
             return self.rows @ (p[:, :, None] * q[:, None, :]).reshape(k, -1).T
         first, second = (q.T.contiguous(), p.T.contiguous()) if in_dim >= out_dim else \

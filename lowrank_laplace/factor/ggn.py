@@ -8,21 +8,21 @@ Shape glossary:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
 
-from lowrank_laplace.factor.blocks import Block, Weight
+from lowrank_laplace.factor.blocks import Block
 
 
 @dataclass
 class GGNFactor:
     """The GGN factor ``V`` of one mini-batch, split into parameter groups.
 
-    Linear weights are kept factored (:class:`~lowrank_laplace.factor.blocks.KronBlock`).
     The dicts are keyed by parameter index (into ``list(model.parameters())``) unless
-    said otherwise; what the pass did not collect is empty.
+    said otherwise; what the pass did not collect is empty. Methods act on the
+    parameters of group ``group`` (default 0), flat in group order.
 
     Attributes:
         groups: Parameter indices per group.
@@ -73,24 +73,11 @@ class GGNFactor:
         return self.num_vectors * self.num_curv_samples
 
     def group_dim(self, group: int = 0) -> int:
-        """Parameters ``D`` of a group.
-
-        Args:
-            group: Group index.
-
-        Returns:
-            The count.
-        """
+        """Parameters ``D`` of the group."""
         return sum(self.shapes[i].numel() for i in self.groups[group])
 
     def projected_flat(self, group: int = 0) -> Tensor:
-        """``V y`` of a group from the projection pass, ``(D, K)``.
-
-        Args:
-            group: Group index.
-
-        Returns:
-            The product, flat over the group's parameters.
+        """``V y`` of the group from the projection pass, ``(D, K)``.
 
         Raises:
             RuntimeError: If the group was not projected.
@@ -102,12 +89,12 @@ class GGNFactor:
                 from err
 
     def split_flat(self, x: Tensor, group: int = 0) -> List[Tensor]:
-        """Views of a flat ``(D, K)`` matrix's rows per parameter of a group."""
+        """Views of a flat ``(D, K)`` matrix's rows per parameter of the group."""
         sizes = [self.shapes[i].numel() for i in self.groups[group]]
         return list(torch.split(x, sizes, dim=0))
 
     def group_blocks(self, group: int = 0) -> List[Block]:
-        """The kept blocks of a group's parameters, in order.
+        """The kept blocks of the group's parameters, in order.
 
         Raises:
             RuntimeError: If the blocks were not kept.
@@ -116,8 +103,7 @@ class GGNFactor:
             return [self.blocks[i] for i in self.groups[group]]
         except KeyError as err:
             raise RuntimeError(
-                "V was not kept for this group (it was computed with keep_blocks=False)."
-            ) from err
+                "V was not kept for this group (it was computed with keep_blocks=False).") from err
 
     def take_samples(self, start: int, stop: int) -> "GGNFactor":
         """The factor of curvature samples ``start:stop``, blocks only (``loss`` zero).
@@ -137,18 +123,10 @@ class GGNFactor:
             self, blocks=blocks, grams=[], grad={}, batch_grads={}, projected={},
             t_projected={}, t_batch_grads={}, diagonals={}, outputs=None,
             num_curv_samples=stop - start, num_samples=stop - start,
-            loss=torch.zeros_like(self.loss),
-        )
+            loss=torch.zeros_like(self.loss))
 
     def gram(self, group: int = 0) -> Tensor:
-        """``V^T V`` of a group, ``(M, M)``, computed once.
-
-        Args:
-            group: Group index.
-
-        Returns:
-            The Gram matrix.
-        """
+        """``V^T V`` of the group, ``(M, M)``, computed once."""
         if len(self.grams) > group and self.grams[group] is not None:
             return self.grams[group]
         gram = sum(b.gram() for b in self.group_blocks(group))
@@ -158,120 +136,35 @@ class GGNFactor:
         return gram
 
     def trace(self, group: int = 0) -> Tensor:
-        """The exact GGN trace ``tr(V^T V)`` of a group.
-
-        Args:
-            group: Group index.
-
-        Returns:
-            Scalar tensor.
-        """
+        """The exact GGN trace ``tr(V^T V)`` of the group."""
         if len(self.grams) > group and self.grams[group] is not None:
             return self.grams[group].diagonal().sum()
         return sum(b.row_sq_norms().sum() for b in self.group_blocks(group))
 
-    def weighted_gram(self, weights: Sequence[Weight], group: int = 0) -> Tensor:
-        """``V^T diag(w) V``, ``(M, M)``.
-
-        Args:
-            weights: One weight (scalar or ``(d,)``) per parameter of the group.
-            group: Group index.
-
-        Returns:
-            The weighted Gram matrix.
-        """
-        return sum(b.weighted_gram(w) for b, w in zip(self.group_blocks(group), weights))
-
-    def sample_gram(self, weights: Sequence[Weight], group: int = 0) -> Tensor:
-        """Per-sample blocks of ``V^T diag(w) V``, ``(N_S, num_vectors, num_vectors)``.
-
-        Args:
-            weights: One weight (scalar or ``(d,)``) per parameter of the group.
-            group: Group index.
-
-        Returns:
-            The blocks.
-        """
-        return sum(
-            b.sample_gram(self.num_vectors, w) for b, w in zip(self.group_blocks(group), weights)
-        )
-
     def diag(self, group: int = 0) -> Tensor:
-        """The exact diagonal of ``G = V V^T`` over a group, ``(D,)``.
-
-        Args:
-            group: Group index.
-
-        Returns:
-            The GGN diagonal.
-        """
+        """The exact diagonal of ``G = V V^T`` over the group, ``(D,)``."""
         if self.diagonals and all(i in self.diagonals for i in self.groups[group]):
             return torch.cat([self.diagonals[i] for i in self.groups[group]])
         return torch.cat([b.diag_outer() for b in self.group_blocks(group)])
 
     def t_matmul(self, x: Tensor, group: int = 0) -> Tensor:
-        """``V^T x``, ``(M, K)``.
-
-        Args:
-            x: Flat vectors over the group's parameters, ``(D, K)``.
-            group: Group index.
-
-        Returns:
-            The product.
-        """
+        """``V^T x`` for ``x`` ``(D, K)``, ``(M, K)``."""
         parts = self.split_flat(x, group)
         return sum(b.t_matmul(p) for b, p in zip(self.group_blocks(group), parts))
 
     def matmul(self, y: Tensor, group: int = 0) -> Tensor:
-        """``V y``, flat over the group's parameters, ``(D, K)``.
-
-        Args:
-            y: Shape ``(M, K)``.
-            group: Group index.
-
-        Returns:
-            The product.
-        """
+        """``V y`` for ``y`` ``(M, K)``, ``(D, K)``."""
         out = y.new_zeros(self.group_dim(group), y.shape[1])
         return self.matmul_add_(out, y, group)
 
     def matmul_add_(self, out: Tensor, y: Tensor, group: int = 0) -> Tensor:
-        """``out += V y`` in place, one parameter's rows at a time.
-
-        Args:
-            out: Shape ``(D, K)``.
-            y: Shape ``(M, K)``.
-            group: Group index.
-
-        Returns:
-            ``out``.
-        """
+        """``out += V y`` in place for ``out`` ``(D, K)``, by parameter; returns ``out``."""
         for block, part in zip(self.group_blocks(group), self.split_flat(out, group)):
             block.matmul_add_(part, y)
         return out
 
-    def block_slices(self, x: Tensor, group: int = 0) -> List[Tuple[int, Block, Tensor]]:
-        """``(parameter index, block, rows of x)`` per parameter of a group (views of ``x``).
-
-        Args:
-            x: Shape ``(D, K)``.
-            group: Group index.
-
-        Returns:
-            The triples.
-        """
-        return list(zip(self.groups[group], self.group_blocks(group), self.split_flat(x, group)))
-
     def matvec(self, x: Tensor, group: int = 0) -> Tensor:
-        """GGN-vector products ``G x = V (V^T x)``, ``(D, K)``.
-
-        Args:
-            x: Shape ``(D, K)``.
-            group: Group index.
-
-        Returns:
-            The products.
-        """
+        """GGN-vector products ``G x = V (V^T x)``, ``(D, K)``."""
         return self.matmul(self.t_matmul(x, group), group)
 
     def grad_dtype(self) -> torch.dtype:
@@ -283,30 +176,15 @@ class GGNFactor:
         return next(iter(self.grad.values())).device
 
     def grad_flat(self, group: int = 0) -> Tensor:
-        """The mini-batch gradient, flat over a group's parameters, ``(D,)``.
-
-        Args:
-            group: Group index.
-
-        Returns:
-            The gradient.
-        """
+        """The group's mini-batch gradient, ``(D,)``."""
         return torch.cat([self.grad[i] for i in self.groups[group]])
 
     def t_matmul_batch_grads(self, group: int = 0) -> Tensor:
-        """``V^T [g_1, ..., g_N]`` with the per-sample gradients of ``rho l_n``, ``(M, N)``.
-
-        Args:
-            group: Group index.
-
-        Returns:
-            The product.
-        """
+        """``V^T [g_1, ..., g_N]`` with the per-sample gradients of ``rho l_n``, ``(M, N)``."""
         if group in self.t_batch_grads:
             return self.t_batch_grads[group]
         return sum(
-            self.blocks[i].cross(self.batch_grads[i]) for i in self.groups[group]
-        )
+            self.blocks[i].cross(self.batch_grads[i]) for i in self.groups[group])
 
 
 def damped_gram_solve(gram: Tensor, rhs: Tensor, damping: float) -> Tensor:

@@ -83,17 +83,21 @@ class KronBlock:
 
     def wide_parts(self, U: Tensor, weight: Weight
                    ) -> Iterator[Tuple["KronBlock", Tensor, Weight]]:
-        """See ``Block.wide_parts``: the whole block, ``U`` widened by output units."""
+        """See ``Block.wide_parts``: the whole block, ``U`` widened by :meth:`wide_slices`."""
         wide = self.to(SMALL_DTYPE)
-        out_dim, in_dim = wide.s.shape[2], wide.z.shape[1]
-        step = max(1, weights.WIDE_ENTRIES // max(in_dim * U.shape[1], 1))
         product = 0
-        for lo in range(0, out_dim, step):
-            hi = min(lo + step, out_dim)
-            sub = KronBlock(wide.s[:, :, lo:hi], wide.z)
-            product = product + weighted_product(sub, U, weight,
-                                                 slice(lo * in_dim, hi * in_dim))
+        for lo, hi, sub in wide.wide_slices(U.shape[1]):
+            product = product + weighted_product(sub, U, weight, slice(lo, hi))
         yield wide, product, weight_slice(weight, slice(None))
+
+    def wide_slices(self, width: int) -> Iterator[Tuple[int, int, "KronBlock"]]:
+        """See ``Block.wide_slices``: slices of output units, rows ``(out, in)`` contiguous."""
+        wide = self.to(SMALL_DTYPE)
+        in_dim = wide.z.shape[1]
+        step = max(1, weights.WIDE_ENTRIES // max(in_dim * width, 1))
+        for lo in range(0, wide.s.shape[2], step):
+            hi = min(lo + step, wide.s.shape[2])
+            yield lo * in_dim, hi * in_dim, KronBlock(wide.s[:, :, lo:hi], wide.z)
 
     def to(self, dtype: torch.dtype) -> "KronBlock":
         """See ``Block.to`` (still factored)."""
@@ -164,8 +168,7 @@ class KronBlock:
         if p.shape[1] != self.s.shape[2] or q.shape[1] != self.z.shape[1]:
             raise ValueError(
                 f"Khatri-Rao factors of sizes {p.shape[1]} x {q.shape[1]} do not match "
-                f"the block's {self.s.shape[2]} x {self.z.shape[1]}."
-            )
+                f"the block's {self.s.shape[2]} x {self.z.shape[1]}.")
         return ((self.s @ p.T) * (self.z @ q.T)).reshape(self.num_rows, -1)
 
     def matmul(self, y: Tensor) -> Tensor:

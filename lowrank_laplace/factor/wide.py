@@ -85,29 +85,16 @@ def wide_factor_t_matmul(factor: Any, x: Tensor, group: int = 0) -> Tensor:
 
 def wide_slices(block: Union[DenseBlock, KronBlock], width: int
                 ) -> Iterator[Tuple[int, int, Union[DenseBlock, KronBlock]]]:
-    """The block in float64 over slices of its entries (a factored block by output units).
-
-    Each slice and a ``(slice, width)`` float64 matrix stay near
-    :data:`~lowrank_laplace.factor.weights.WIDE_ENTRIES` entries.
+    """``block.wide_slices(width)`` (``Block.wide_slices``).
 
     Args:
         block: A block.
         width: Columns of the matrices the slices will be multiplied with.
 
-    Yields:
-        ``(lo, hi, sub)``: entries ``lo:hi`` of the parameter and the float64 block on them.
+    Returns:
+        ``(lo, hi, sub)`` triples: entries ``lo:hi`` and the float64 block on them.
     """
-    if isinstance(block, KronBlock):
-        wide = block.to(WIDE)
-        in_dim = wide.z.shape[1]
-        step = max(1, weights.WIDE_ENTRIES // max(in_dim * width, 1))
-        for lo, hi in _ranges(wide.s.shape[2], step):
-            yield lo * in_dim, hi * in_dim, KronBlock(wide.s[:, :, lo:hi], wide.z)
-        return
-    rows = block.rows
-    step = max(1, weights.WIDE_ENTRIES // max(rows.shape[0] + width, 1))
-    for lo, hi in _ranges(rows.shape[1], step):
-        yield lo, hi, DenseBlock(rows[:, lo:hi].to(WIDE))
+    return block.wide_slices(width)
 
 
 def _ranges(total: int, step: int) -> Iterator[Tuple[int, int]]:
