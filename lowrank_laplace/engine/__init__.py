@@ -1,9 +1,7 @@
 """Computes the GGN factor ``V`` of a mini-batch: the contract and one module per backend.
 
-:class:`~lowrank_laplace.engine.factor_engine.FactorEngine` picks the backend that
-fits the model; every backend subclasses
-:class:`~lowrank_laplace.engine.base.EngineBase` and hands the same blocks to the same
-consumers.
+:class:`~lowrank_laplace.engine.factor_engine.FactorEngine` picks the backend that fits
+the model; every backend subclasses :class:`~lowrank_laplace.engine.base.EngineBase`.
 """
 
 from lowrank_laplace.engine.base import EngineBase

@@ -1,19 +1,9 @@
 r"""The hooks backend's layer rules: one small class per layer type, found in a table.
 
-A rule knows one layer type: which of its parameters may be trainable
-(:attr:`LayerRule.params`) and how the block of ``V^T`` rows of each of them follows
-from the layer's input ``a`` and the vectors ``g`` backpropagated to its output
-(:meth:`LayerRule.block`), the layer's own per-sample gradient formula (a norm's
-normalisation included). :data:`RULES` maps module types to rules (a subclass takes
-its closest base's rule); :data:`NAMED_RULES` holds the rules of layers known by
-their class name only (Hugging Face's ``Conv1D``, any ``*RMSNorm``), each deciding
-with :meth:`LayerRule.matches`. :func:`rule_for` looks a module up in both.
-
-A new layer type is one rule class and one row in one of the two tables; its float64
-test against the dense torch.func reference goes into ``tests/engine/test_hooks.py``
-(see ``docs/contributing.md``). The backend's first-batch check compares every
-rule's per-sample gradients with autograd's, so a layer that computes something else
-than its rule assumes is refused, not mis-measured.
+A rule knows which parameters of its layer may be trainable and forms their blocks
+from the layer's input ``a`` and output vectors ``g``. :data:`RULES` maps module types
+to rules, :data:`NAMED_RULES` matches layers by class name; adding one:
+``docs/contributing.md``.
 
 Shape glossary:
     V: vectors per sample; N: samples; T: positions per sample (flattened, 1 without
@@ -49,7 +39,7 @@ def bias_rows(gs: Tensor) -> Block:
     """A bias's rows: the vectors summed over the positions, ``(V N, width)``.
 
     Args:
-        gs: The vectors, ``(V, N, T, width)`` (:func:`positions`).
+        gs: The vectors ``(V, N, T, width)``.
 
     Returns:
         The block.
@@ -62,10 +52,10 @@ def weight_rows(pattern: str, gs: Tensor, a: Tensor) -> Block:
     """A matrix weight's rows ``sum_t g_t a_t^T``, expanded, ``(V N, out * in)``.
 
     Args:
-        pattern: The einsum from ``(V, N, T, out)`` and ``(N, T, in)`` to the
-            weight's layout per row (``"vnto,nti->vnoi"`` for ``(out, in)``).
-        gs: The vectors, ``(V, N, T, out)`` (:func:`positions`).
-        a: The layer's input, ``(N, *, in)``.
+        pattern: The einsum from ``(V, N, T, out)`` and ``(N, T, in)`` to the weight's
+            layout per row (``"vnto,nti->vnoi"`` for ``(out, in)``).
+        gs: The vectors ``(V, N, T, out)``.
+        a: The layer's input ``(N, *, in)``.
 
     Returns:
         The block.
@@ -101,8 +91,8 @@ class LayerRule:
         Args:
             module: The layer.
             param: The parameter's name in the layer (one of :attr:`params`).
-            a: The layer's input, ``(N, *, in)`` (indices for an embedding).
-            g: The vectors at the layer's output, ``(V, N, *, out)``.
+            a: The layer's input ``(N, *, in)`` (indices for an embedding).
+            g: The vectors at the layer's output ``(V, N, *, out)``.
 
         Returns:
             The block, ``V N`` rows.
@@ -169,7 +159,7 @@ class NormRule(LayerRule):
 
         Args:
             module: The layer.
-            a: Its input, ``(N, *, d)``.
+            a: Its input ``(N, *, d)``.
 
         Returns:
             ``x_hat``, ``(N, T, d)``.
@@ -199,11 +189,7 @@ class LayerNormRule(NormRule):
 
 
 class RMSNormRule(NormRule):
-    """Any ``*RMSNorm`` with a weight: ``x_hat = a / sqrt(mean(a^2) + eps)``.
-
-    The epsilon is read from ``variance_epsilon`` (Hugging Face) or ``eps``, else the
-    dtype's machine epsilon (``nn.RMSNorm(eps=None)``).
-    """
+    """Any ``*RMSNorm`` with a weight: ``x_hat = a / sqrt(mean(a^2) + eps)``."""
 
     params = ("weight",)
     label = "*RMSNorm weights"
@@ -271,6 +257,6 @@ def supported_parameters() -> str:
     """The trainable parameters the rules cover, for messages.
 
     Returns:
-        A comma-separated list of the rules' labels.
+        The rules' labels, comma-separated.
     """
     return ", ".join(rule.label for rule in (*RULES.values(), *NAMED_RULES))

@@ -11,13 +11,12 @@ from torch import Tensor
 class RNGReplay:
     """Replay the random draws of an engine pass (MC samples, dropout) in later passes.
 
-    Created before the first pass, it saves the global RNG state (and that of a CUDA
-    device); :meth:`mark` records the state after the first pass. Every ``with``
-    block restores the saved state, so the pass inside draws the same numbers, and
-    on exit the caller's RNG is left as after the first pass only.
+    It saves the global RNG state (and a CUDA device's) when created, :meth:`mark` the
+    state after the first pass; every ``with`` block starts from the saved state and
+    leaves the RNG as after the first pass.
 
     Args:
-        device: The device of the inputs (its generator is replayed too if CUDA).
+        device: The device of the inputs.
     """
 
     def __init__(self, device: torch.device):
@@ -46,9 +45,7 @@ class RNGReplay:
 class PrivateRNG:
     """Runs code on a private, seeded stream of the global RNG (BackPACK's MC draws).
 
-    Each ``with`` block continues the private stream and restores the caller's
-    global state on exit, so the fit neither depends on nor advances it (the
-    loader's shuffling still uses the caller's RNG).
+    Each ``with`` block continues the stream and restores the caller's state on exit.
     """
 
     def __init__(self, seed: int, device: torch.device):
@@ -76,7 +73,7 @@ def rng_state(device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
     """The global CPU generator's state and, for a CUDA device, that device's.
 
     Args:
-        device: The device whose generator is saved besides the CPU's.
+        device: The device.
 
     Returns:
         ``(cpu_state, cuda_state or None)``.

@@ -96,8 +96,7 @@ def parse_memory(budget: Any) -> Any:
             raise ValueError(
                 f"memory_budget={budget!r} is not a size: a float is a fraction of free "
                 "memory in (0, 1] (or a whole number of bytes); pass bytes as an int or "
-                "a string such as '2GiB'."
-            )
+                "a string such as '2GiB'.")
         return budget
     text = budget.strip().lower().replace(" ", "")
     number = text.rstrip("kmgtib")
@@ -107,8 +106,7 @@ def parse_memory(budget: Any) -> Any:
     except (KeyError, ValueError):
         raise ValueError(
             f"memory_budget {budget!r} is not a size: use bytes (int), a fraction of "
-            "free memory (float in (0, 1]) or a string such as '512MB' or '2GiB'."
-        ) from None
+            "free memory (float in (0, 1]) or a string such as '512MB' or '2GiB'.") from None
 
 
 def to_device(inputs: Any, device: torch.device) -> Any:

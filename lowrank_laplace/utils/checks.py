@@ -33,8 +33,7 @@ def check_batchnorm_mode(model: nn.Module, allow_train: bool) -> None:
             raise ValueError(
                 f"Layer {name or type(model).__name__!r} ({type(module).__name__}) is in "
                 "training mode, which couples the samples of a batch: call model.eval() "
-                "first."
-            )
+                "first.")
 
 
 def shared_parameters(model: nn.Module) -> List[List[str]]:
@@ -69,16 +68,14 @@ def check_model_runs(model: nn.Module) -> None:
         raise TypeError(
             f"{scripted[0]!r} is a TorchScript module (torch.jit.script / trace): the "
             "engine needs module hooks and torch.func, which TorchScript modules do not "
-            "take; pass the nn.Module it was compiled from."
-        )
+            "take; pass the nn.Module it was compiled from.")
     meta = [name for name, t in (*model.named_parameters(), *model.named_buffers())
             if t.is_meta]
     if meta:
         raise ValueError(
             f"The model's parameters are on the meta device ({', '.join(meta[:3])}"
             f"{', ...' if len(meta) > 3 else ''}), which holds shapes but no values: "
-            "materialise them first (model.to_empty(device=...) and load_state_dict)."
-        )
+            "materialise them first (model.to_empty(device=...) and load_state_dict).")
 
 
 def check_loss_func(loss_func: nn.Module) -> None:
@@ -94,19 +91,16 @@ def check_loss_func(loss_func: nn.Module) -> None:
     if not isinstance(loss_func, SUPPORTED_LOSSES):
         raise TypeError(
             f"Unsupported loss {type(loss_func).__name__}: use nn.CrossEntropyLoss "
-            "(classification) or nn.MSELoss (regression)."
-        )
+            "(classification) or nn.MSELoss (regression).")
     if loss_func.reduction not in ("mean", "sum"):
         raise ValueError(
             f"Loss reduction {loss_func.reduction!r} is not supported: the GGN needs "
-            "reduction='mean' or reduction='sum'."
-        )
+            "reduction='mean' or reduction='sum'.")
     if isinstance(loss_func, nn.CrossEntropyLoss):
         if loss_func.weight is not None or loss_func.label_smoothing != 0.0:
             raise ValueError(
                 "CrossEntropyLoss with class weights or label smoothing is not "
-                "supported: create it as nn.CrossEntropyLoss(reduction=...)."
-            )
+                "supported: create it as nn.CrossEntropyLoss(reduction=...).")
 
 
 def check_batch(inputs: Any, targets: Optional[Tensor]) -> int:
@@ -130,8 +124,7 @@ def check_batch(inputs: Any, targets: Optional[Tensor]) -> int:
     elif not isinstance(inputs, Tensor):
         raise TypeError(
             "inputs must be a torch.Tensor or a dict batch (MutableMapping), got "
-            f"{type(inputs).__name__}."
-        )
+            f"{type(inputs).__name__}.")
     elif inputs.ndim == 0 or inputs.shape[0] == 0:
         raise ValueError("Empty batch: inputs must have shape (N, ...) with N >= 1.")
     if targets is not None and not isinstance(targets, Tensor):
@@ -141,8 +134,7 @@ def check_batch(inputs: Any, targets: Optional[Tensor]) -> int:
         if any(isinstance(t, Tensor) and t.is_meta for t in values):
             raise ValueError(
                 f"The {what} are on the meta device, which holds shapes but no values: "
-                "move the batch to a device with data (e.g. .to('cpu'))."
-            )
+                "move the batch to a device with data (e.g. .to('cpu')).")
     n = batch_size(inputs) if targets is None else (targets.shape[0] if targets.ndim else 0)
     if n == 0:
         raise ValueError("Empty batch: the batch must hold at least one sample.")
@@ -150,8 +142,7 @@ def check_batch(inputs: Any, targets: Optional[Tensor]) -> int:
             targets.ndim == 0 or targets.shape[0] != inputs.shape[0])):
         raise ValueError(
             f"inputs have {inputs.shape[0]} samples but targets have shape "
-            f"{tuple(targets.shape)}: the first dimensions must match."
-        )
+            f"{tuple(targets.shape)}: the first dimensions must match.")
     if isinstance(inputs, MutableMapping):
         check_padding(inputs)
     return n
@@ -173,8 +164,7 @@ def check_padding(batch: MutableMapping) -> None:
     if empty:
         raise ValueError(
             f"Samples {empty[:10]} of the batch are padding only (attention_mask all "
-            "zero): drop them from the data before fitting or predicting."
-        )
+            "zero): drop them from the data before fitting or predicting.")
 
 
 def check_outputs(outputs: Any) -> None:
@@ -194,8 +184,7 @@ def check_outputs(outputs: Any) -> None:
                     "forward returns model(**batch).logits, as laplace-torch's example does)")
         raise ValueError(
             f"The model output must have shape (N, C) (a tensor), got {shape}{hint}; add "
-            "an nn.Flatten layer, or wrap the model so that it returns the logits."
-        )
+            "an nn.Flatten layer, or wrap the model so that it returns the logits.")
 
 
 def check_targets(loss_func: nn.Module, outputs: Tensor, targets: Tensor) -> None:
@@ -212,33 +201,28 @@ def check_targets(loss_func: nn.Module, outputs: Tensor, targets: Tensor) -> Non
     if outputs.ndim != 2:
         raise ValueError(
             f"The model output must have shape (N, C), got {tuple(outputs.shape)}; "
-            "add an nn.Flatten layer."
-        )
+            "add an nn.Flatten layer.")
     if isinstance(loss_func, nn.CrossEntropyLoss):
         if targets.dtype != torch.long or targets.shape != outputs.shape[:1]:
             raise ValueError(
                 "CrossEntropyLoss needs class-index targets of dtype torch.long and "
                 f"shape (N,) = {tuple(outputs.shape[:1])}, got dtype {targets.dtype} "
-                f"and shape {tuple(targets.shape)}."
-            )
+                f"and shape {tuple(targets.shape)}.")
         ignore = loss_func.ignore_index
         if bool((targets == ignore).any()):
             raise ValueError(
                 f"targets contain ignore_index={ignore}: the loss skips those samples, "
-                "which the GGN engine does not support; drop them from the batch."
-            )
+                "which the GGN engine does not support; drop them from the batch.")
         if bool(((targets < 0) | (targets >= outputs.shape[1])).any()):  # one device sync
             raise ValueError(
                 f"Class indices must lie in [0, {outputs.shape[1]}), got values in "
-                f"[{int(targets.min())}, {int(targets.max())}]."
-            )
+                f"[{int(targets.min())}, {int(targets.max())}].")
     else:
         if targets.shape != outputs.shape or not targets.is_floating_point():
             raise ValueError(
                 "MSELoss needs floating-point targets of the output's shape "
                 f"{tuple(outputs.shape)}, got dtype {targets.dtype} and shape "
-                f"{tuple(targets.shape)}."
-            )
+                f"{tuple(targets.shape)}.")
 
 
 def check_subsampling(subsampling: Optional[Sequence[int]], n: int) -> Optional[List[int]]:
@@ -266,8 +250,7 @@ def check_subsampling(subsampling: Optional[Sequence[int]], n: int) -> Optional[
     if min(indices) < 0 or max(indices) >= n:
         raise ValueError(
             f"subsampling indices must lie in [0, {n}) for a batch of {n} samples, "
-            f"got values in [{min(indices)}, {max(indices)}]."
-        )
+            f"got values in [{min(indices)}, {max(indices)}].")
     if len(set(indices)) != len(indices):
         raise ValueError("subsampling contains duplicate indices.")
     return indices
@@ -287,8 +270,7 @@ def check_mc_samples(mc_samples: int) -> int:
     """
     if isinstance(mc_samples, bool) or int(mc_samples) != mc_samples or mc_samples < 0:
         raise ValueError(
-            f"mc_samples must be 0 (exact GGN) or a positive integer, got {mc_samples!r}."
-        )
+            f"mc_samples must be 0 (exact GGN) or a positive integer, got {mc_samples!r}.")
     return int(mc_samples)
 
 
@@ -314,8 +296,7 @@ def resolve_param_groups(
         raise ValueError("param_groups must be a list of dicts with key 'params'.")
     if param_groups is not None and len(param_groups) == 0:
         raise ValueError(
-            "param_groups is empty: pass None for one group of all trainable parameters."
-        )
+            "param_groups is empty: pass None for one group of all trainable parameters.")
     if param_groups is None:
         group = [i for i, p in enumerate(params) if p.requires_grad]
         if not group:
@@ -325,8 +306,7 @@ def resolve_param_groups(
     for g, group in enumerate(param_groups):
         if not isinstance(group, dict) or "params" not in group:
             raise ValueError(
-                f"param_groups[{g}] must be a dict with key 'params' (optimizer style)."
-            )
+                f"param_groups[{g}] must be a dict with key 'params' (optimizer style).")
         members = list(group["params"])
         if not members:
             raise ValueError(f"param_groups[{g}] has no parameters.")
@@ -371,8 +351,7 @@ def check_finite(loss: Tensor) -> None:
     if not torch.isfinite(loss).all():
         raise ValueError(
             f"The loss is not finite ({loss.item()}): check inputs, targets and "
-            "parameters for NaN/inf."
-        )
+            "parameters for NaN/inf.")
 
 
 def check_damping(damping: Any, positive: bool = False) -> None:
