@@ -1,11 +1,9 @@
 """Per-parameter blocks ``B`` (``(M, d)``) of ``V^T``: rows are ``V``'s columns on a parameter.
 
 :class:`DenseBlock` holds ``B``; :class:`KronBlock` keeps a linear weight's rows
-``vec(s_{vn} z_n^T)`` as the factors ``s`` and ``z`` (docs/concepts.md).
-
-Shape glossary:
-    M: columns of ``V`` (``C * N`` exact, ``mc_samples * N``, ``N`` for gradients);
-    d: entries of the parameter; K: vectors in a product.
+``vec(s_{vn} z_n^T)`` as the factors ``s`` and ``z``. Shapes: ``M`` columns of ``V``
+(``C N`` exact, ``mc_samples N``, ``N`` for gradients); ``d`` entries of the
+parameter; ``K`` vectors in a product.
 """
 
 from __future__ import annotations
@@ -45,92 +43,71 @@ class Block(Protocol):
 
     def wide_parts(self, U: Tensor, weight: Weight) -> Iterator[Tuple["Block", Tensor,
                                                                      Weight]]:
-        """Float64 parts ``B_s`` of the block with their products ``B_s diag(w_s) U_s``.
+        """Yield ``(B_s, B_s diag(w_s) U_s, w_s)`` for float64 parts ``B_s`` of the block.
 
         Each part and its widened rows of ``U`` stay near
-        :data:`~lowrank_laplace.factor.weights.WIDE_ENTRIES` entries.
+        :data:`~lowrank_laplace.factor.weights.WIDE_ENTRIES` entries; products are ``(M, r)``.
 
         Args:
             U: Shape ``(d, r)``.
             weight: The parameter's weight (scalar or ``(d,)``).
-
-        Yields:
-            ``(float64 part, its product (M, r), its weight)``.
         """
 
     def wide_slices(self, width: int) -> Iterator[Tuple[int, int, "Block"]]:
-        """The block in float64 over slices of its entries (a factored one by output units).
+        """Yield ``(lo, hi, sub)``: the block in float64 on entries ``lo:hi``, slice by slice.
 
-        Each slice and a ``(slice, width)`` float64 matrix stay near
-        :data:`~lowrank_laplace.factor.weights.WIDE_ENTRIES` entries.
+        A factored block is sliced by output units. Each slice and a ``(slice, width)``
+        float64 matrix stay near :data:`~lowrank_laplace.factor.weights.WIDE_ENTRIES` entries.
 
         Args:
             width: Columns of the matrices the slices will be multiplied with.
-
-        Yields:
-            ``(lo, hi, sub)``: entries ``lo:hi`` and the float64 block on them.
         """
 
     def to(self, dtype: torch.dtype) -> "Block":
         """The block in ``dtype`` (itself if it already is)."""
 
     def scale_(self, alpha: float) -> "Block":
-        """Scale the block in place.
+        """Scale the block in place and return it.
 
         Args:
             alpha: Scalar factor.
-
-        Returns:
-            The block.
         """
 
     def to_dense(self) -> Tensor:
         """``B``, ``(M, d)``."""
 
     def take_samples(self, start: int, stop: int, num_vectors: int) -> "Block":
-        """The rows of samples ``start:stop`` (rows are ordered ``(v, n)``).
+        """Return the rows ``(v, n)`` of samples ``start:stop`` (``num_vectors`` per sample).
 
         Args:
             start: First sample.
             stop: One past the last sample.
             num_vectors: Vectors per sample.
-
-        Returns:
-            A block of ``num_vectors * (stop - start)`` rows.
         """
 
     def gram(self) -> Tensor:
         """``B B^T``, ``(M, M)``."""
 
     def cross(self, other: "Block") -> Tensor:
-        """``B B'^T`` with another block of the same parameter.
+        """Return ``B B'^T`` ``(M, M')`` with another block of the same parameter.
 
         Args:
             other: Block of ``M'`` rows.
-
-        Returns:
-            Shape ``(M, M')``.
         """
 
     def weighted_gram(self, weight: Weight) -> Tensor:
-        """``B diag(w) B^T``, ``(M, M)``.
+        """Return ``B diag(w) B^T``, ``(M, M)``.
 
         Args:
             weight: Scalar or ``(d,)``.
-
-        Returns:
-            The weighted Gram matrix.
         """
 
     def sample_gram(self, num_vectors: int, weight: Weight = 1.0) -> Tensor:
-        """Per-sample diagonal blocks of ``B diag(w) B^T``.
+        """Return the per-sample diagonal blocks ``(N, V, V)`` of ``B diag(w) B^T``.
 
         Args:
             num_vectors: Vectors per sample ``V`` (``M = V N``).
             weight: Scalar or ``(d,)``.
-
-        Returns:
-            Shape ``(N, V, V)``.
         """
 
     def row_sq_norms(self) -> Tensor:
@@ -140,61 +117,48 @@ class Block(Protocol):
         """``diag(B^T B)`` (the parameter's GGN diagonal), ``(d,)``."""
 
     def t_matmul(self, x: Tensor) -> Tensor:
-        """``B x`` (``V^T x`` on this parameter).
+        """Return ``B x`` ``(M, K)`` (``V^T x`` on this parameter).
 
         Args:
             x: Shape ``(d, K)``.
-
-        Returns:
-            Shape ``(M, K)``.
         """
 
     def t_matmul_khatri_rao(self, p: Tensor, q: Tensor) -> Tensor:
-        r"""``B x`` for ``x`` of Khatri-Rao columns ``x_k = p_k \otimes q_k``.
+        r"""Return ``B x`` ``(M, K)`` for ``x`` of Khatri-Rao columns ``x_k = p_k \otimes q_k``.
 
         Args:
             p: Output factors ``(K, out)``.
             q: Input factors ``(K, in)``.
-
-        Returns:
-            Shape ``(M, K)``.
 
         Raises:
             ValueError: If the factors' sizes do not match the parameter's.
         """
 
     def matmul(self, y: Tensor) -> Tensor:
-        """``B^T y`` (``V y`` on this parameter).
+        """Return ``B^T y`` ``(d, K)`` (``V y`` on this parameter).
 
         Args:
             y: Shape ``(M, K)``.
-
-        Returns:
-            Shape ``(d, K)``.
         """
 
     def matmul_add_(self, out: Tensor, y: Tensor) -> Tensor:
-        """``out += B^T y`` in place.
+        """Add ``B^T y`` into ``out`` in place and return ``out``.
 
         Args:
             out: Shape ``(d, K)``.
             y: Shape ``(M, K)``.
-
-        Returns:
-            ``out``.
         """
 
 
 def cat_blocks(blocks: List[Block], alphas: list, num_vectors: int) -> Block:
-    """Concatenate scaled blocks of one parameter along the samples (rows stay ``(v, n)``).
+    """Return scaled blocks of one parameter concatenated along the samples (rows stay ``(v, n)``).
+
+    The result has ``num_vectors * sum(N_i)`` rows and is factored if all blocks were.
 
     Args:
         blocks: Blocks, each with ``num_vectors * N_i`` rows.
         alphas: One scalar factor per block.
         num_vectors: Vectors per sample.
-
-    Returns:
-        A block of ``num_vectors * sum(N_i)`` rows, factored if all were.
     """
     if all(isinstance(b, KronBlock) for b in blocks):
         s = torch.cat([b.s if a == 1 else b.s * a for b, a in zip(blocks, alphas)], dim=1)

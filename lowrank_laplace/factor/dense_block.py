@@ -1,8 +1,4 @@
-"""An explicit block ``B`` (``(M, d)``) of ``V^T``; its methods are documented at ``Block``.
-
-Shape glossary:
-    M: rows (columns of ``V``); d: entries of the parameter; K: vectors in a product.
-"""
+"""An explicit block ``B`` (``(M, d)``) of ``V^T``; its methods are documented at ``Block``."""
 
 from __future__ import annotations
 

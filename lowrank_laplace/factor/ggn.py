@@ -106,16 +106,13 @@ class GGNFactor:
                 "V was not kept for this group (it was computed with keep_blocks=False).") from err
 
     def take_samples(self, start: int, stop: int) -> "GGNFactor":
-        """The factor of curvature samples ``start:stop``, blocks only (``loss`` zero).
+        """Return the factor of curvature samples ``start:stop``, blocks only (``loss`` zero).
 
         One pass can thus feed several merges.
 
         Args:
             start: First curvature sample.
             stop: One past the last one.
-
-        Returns:
-            The factor of ``stop - start`` samples.
         """
         blocks = {i: b.take_samples(start, stop, self.num_vectors)
                   for i, b in self.blocks.items()}

@@ -1,10 +1,7 @@
 r"""A linear layer's block of ``V^T``, rows ``vec(s_{vn} z_n^T)`` kept as the factors ``s``, ``z``.
 
-Its methods are documented at ``Block``.
-
-Shape glossary:
-    V: vectors per sample; N: samples; M = V N rows; d = out in entries; K: vectors in
-    a product.
+Its methods are documented at ``Block``. Shapes: ``V`` vectors per sample, ``N``
+samples, ``M = V N`` rows, ``d = out in`` entries, ``K`` vectors in a product.
 """
 
 from __future__ import annotations

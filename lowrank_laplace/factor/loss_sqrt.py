@@ -1,8 +1,4 @@
-"""Square roots of the loss Hessian w.r.t. the model outputs, shared by every backend.
-
-Shape glossary:
-    N: batch size; C: model outputs.
-"""
+"""Square roots of the loss Hessian w.r.t. the ``(N, C)`` model outputs, shared by every backend."""
 
 from __future__ import annotations
 
@@ -31,19 +27,16 @@ def factor_columns(loss_func: nn.Module, output_shape: tuple, mc_samples: int) -
 
 
 def reduced_cross_entropy_sqrt(logits: Tensor, reduction: str) -> Tensor:
-    """A ``C - 1``-column square root ``S`` of the cross-entropy Hessian w.r.t. the logits.
+    """Return a ``C - 1``-column square root ``(C - 1, N, C)`` of the cross-entropy Hessian.
 
     With ``t = sqrt(softmax(logits))`` and the Householder reflection
     ``H = I - 2 u u^T / (u^T u)``, ``u = t + e_C`` (``H t = -e_C``), the first ``C - 1``
     columns of ``H`` span ``t``'s complement and ``S = diag(t) H[:, :C-1]`` gives
-    ``S S^T = diag(p) - p p^T``.
+    ``S S^T = diag(p) - p p^T``; returned in BackPACK's layout.
 
     Args:
         logits: Shape ``(N, C)``, ``C >= 2``.
         reduction: The loss's reduction (``"mean"`` divides by ``sqrt(N)``).
-
-    Returns:
-        Backpropagated vectors in BackPACK's layout, ``(C - 1, N, C)``.
     """
     num, classes = logits.shape
     t = logits.detach().softmax(1).sqrt()
@@ -60,21 +53,18 @@ def reduced_cross_entropy_sqrt(logits: Tensor, reduction: str) -> Tensor:
 
 
 def per_sample_scale(loss: nn.Module, num_outputs: int) -> float:
-    """``c`` with ``l_n = c *`` the sum-reduced loss of sample ``n`` (``1/C`` for MSE mean).
+    """Return ``c`` with ``l_n = c *`` the sum-reduced loss of sample ``n`` (``1/C`` for MSE mean).
 
     Args:
         loss: The loss module.
         num_outputs: Model outputs ``C``.
-
-    Returns:
-        The factor.
     """
     return 1 / num_outputs if isinstance(loss, nn.MSELoss) and loss.reduction == "mean" else 1.0
 
 
 def hessian_sqrt(loss: nn.Module, out: Tensor, mc_samples: int,
                  noise: Optional[Tensor]) -> Tensor:
-    """Rows ``s_vn`` with ``sum_v s_vn s_vn^T`` = (an MC estimate of) ``l_n``'s Hessian.
+    """Return ``s`` ``(V, N, C)``: ``sum_v s_vn s_vn^T`` is (an MC estimate of) ``l_n``'s Hessian.
 
     Tensor operations over the batch only, so that it also runs under ``torch.func.vmap``.
 
@@ -83,9 +73,6 @@ def hessian_sqrt(loss: nn.Module, out: Tensor, mc_samples: int,
         out: Outputs ``(N, C)``.
         mc_samples: ``0`` exact, else ``M``.
         noise: ``(N, M)`` uniforms (cross-entropy) or ``(N, M, C)`` normals (MSE).
-
-    Returns:
-        Shape ``(V, N, C)``.
     """
     num, classes = out.shape
     if isinstance(loss, nn.MSELoss):

@@ -1,11 +1,8 @@
 """Gram matrices and products of ``V`` in float64, from blocks of lower precision.
 
 Each block is widened a slice at a time, so no float64 copy of a whole block or of a
-``D x K`` matrix is made (why: docs/concepts.md, "Float64 eigenproblems").
-
-Shape glossary:
-    M: rows of a block (columns of ``V``); d: entries of the parameter; K: columns of
-    a product.
+``D x K`` matrix is made (why: docs/concepts.md). Shapes: ``M`` rows of a block,
+``d`` entries of its parameter, ``K`` columns of a product.
 """
 
 from __future__ import annotations
@@ -29,13 +26,10 @@ def widen(block: Union[DenseBlock, KronBlock]) -> Union[DenseBlock, KronBlock]:
 
 
 def wide_gram(block: Union[DenseBlock, KronBlock]) -> Tensor:
-    """``B B^T`` in float64, ``(M, M)``, exactly symmetric.
+    """Return ``B B^T`` ``(M, M)`` in float64, exactly symmetric.
 
     Args:
         block: A block.
-
-    Returns:
-        The Gram matrix.
     """
     if isinstance(block, KronBlock):
         gram = block.to(WIDE).gram()
@@ -52,14 +46,11 @@ def wide_gram(block: Union[DenseBlock, KronBlock]) -> Tensor:
 
 
 def wide_t_matmul(block: Union[DenseBlock, KronBlock], x: Tensor) -> Tensor:
-    """``B x`` in float64, ``(M, K)``.
+    """Return ``B x`` ``(M, K)`` in float64.
 
     Args:
         block: A block.
         x: Shape ``(d, K)``, any floating dtype.
-
-    Returns:
-        The product.
     """
     if isinstance(block, KronBlock) or block.rows.dtype != WIDE:
         return sum(sub.t_matmul(x[lo:hi].to(WIDE))
@@ -68,15 +59,12 @@ def wide_t_matmul(block: Union[DenseBlock, KronBlock], x: Tensor) -> Tensor:
 
 
 def wide_factor_t_matmul(factor: Any, x: Tensor, group: int = 0) -> Tensor:
-    """``V^T x`` of a factor's kept blocks in float64, also for blocks of several dtypes.
+    """Return ``V^T x`` ``(M, K)`` of a factor's kept blocks in float64 (blocks of any dtypes).
 
     Args:
         factor: A :class:`~lowrank_laplace.factor.GGNFactor` with kept blocks.
         x: Flat vectors over the group's parameters, ``(D, K)``.
         group: Group index.
-
-    Returns:
-        Shape ``(M, K)``, float64.
     """
     parts = factor.split_flat(x, group)
     return sum(wide_t_matmul(block, part)
@@ -85,14 +73,11 @@ def wide_factor_t_matmul(factor: Any, x: Tensor, group: int = 0) -> Tensor:
 
 def wide_slices(block: Union[DenseBlock, KronBlock], width: int
                 ) -> Iterator[Tuple[int, int, Union[DenseBlock, KronBlock]]]:
-    """``block.wide_slices(width)`` (``Block.wide_slices``).
+    """Return ``block.wide_slices(width)`` (``Block.wide_slices``).
 
     Args:
         block: A block.
         width: Columns of the matrices the slices will be multiplied with.
-
-    Returns:
-        ``(lo, hi, sub)`` triples: entries ``lo:hi`` and the float64 block on them.
     """
     return block.wide_slices(width)
 

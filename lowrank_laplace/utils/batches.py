@@ -12,13 +12,10 @@ from torch import Tensor
 
 
 def batch_size(inputs: Any) -> int:
-    """Number of samples ``N`` of a tensor or dict batch (its first tensor with a batch axis).
+    """Return the number of samples ``N`` of a tensor or dict batch (its first batched tensor).
 
     Args:
         inputs: A tensor or dict batch.
-
-    Returns:
-        ``N``.
     """
     if isinstance(inputs, Tensor):
         return inputs.shape[0] if inputs.ndim else 0
@@ -27,16 +24,13 @@ def batch_size(inputs: Any) -> int:
 
 
 def take(inputs: Any, index: Any, n: Optional[int] = None) -> Any:
-    """Select samples of a tensor or dict batch.
+    """Return the samples ``index`` of a tensor or dict batch, of the type of ``inputs``.
 
     Args:
         inputs: A tensor or dict batch.
         index: A slice or indices along the batch axis.
         n: The batch size (dict entries with another leading size stay whole);
             ``None``: :func:`batch_size`.
-
-    Returns:
-        The samples, of the type of ``inputs``.
     """
     if isinstance(inputs, Tensor):
         return inputs[index]
@@ -110,14 +104,11 @@ def parse_memory(budget: Any) -> Any:
 
 
 def to_device(inputs: Any, device: torch.device) -> Any:
-    """Move a tensor or the tensors of a dict batch to a device.
+    """Return a tensor or dict batch with its tensors moved to ``device``.
 
     Args:
         inputs: A tensor or dict batch.
         device: The target device.
-
-    Returns:
-        The batch on ``device``.
     """
     if isinstance(inputs, Tensor):
         return inputs.to(device)

@@ -37,13 +37,10 @@ def check_batchnorm_mode(model: nn.Module, allow_train: bool) -> None:
 
 
 def shared_parameters(model: nn.Module) -> List[List[str]]:
-    """Names under which each parameter used by several modules is registered.
+    """Return the names of each parameter used by several modules, one list per parameter.
 
     Args:
         model: The network.
-
-    Returns:
-        One list of names per tied parameter.
     """
     owners: Dict[int, List[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
@@ -104,14 +101,11 @@ def check_loss_func(loss_func: nn.Module) -> None:
 
 
 def check_batch(inputs: Any, targets: Optional[Tensor]) -> int:
-    """Check a mini-batch and return its size.
+    """Check a mini-batch and return its size ``N``.
 
     Args:
         inputs: Inputs ``(N, ...)``, or a dict batch passed whole to the model.
         targets: Targets ``(N, ...)``, or ``None`` (MSE).
-
-    Returns:
-        The batch size ``N``.
 
     Raises:
         TypeError: If inputs or targets are not tensors.
@@ -226,14 +220,11 @@ def check_targets(loss_func: nn.Module, outputs: Tensor, targets: Tensor) -> Non
 
 
 def check_subsampling(subsampling: Optional[Sequence[int]], n: int) -> Optional[List[int]]:
-    """Validate curvature sub-sampling indices.
+    """Return curvature sub-sampling indices as a list (``None``: all samples).
 
     Args:
-        subsampling: Indices into the batch, or ``None`` (all).
+        subsampling: Indices into the batch, or ``None``.
         n: Batch size.
-
-    Returns:
-        The indices as a list, or ``None``.
 
     Raises:
         ValueError: For an empty list, indices out of range or duplicates.
@@ -257,13 +248,10 @@ def check_subsampling(subsampling: Optional[Sequence[int]], n: int) -> Optional[
 
 
 def check_mc_samples(mc_samples: int) -> int:
-    """Validate the number of Monte-Carlo samples.
+    """Return the number of Monte-Carlo samples as ``int``, checked.
 
     Args:
         mc_samples: ``0`` (exact GGN) or ``M >= 1``.
-
-    Returns:
-        The number as ``int``.
 
     Raises:
         ValueError: If negative or not an integer.
@@ -277,15 +265,12 @@ def check_mc_samples(mc_samples: int) -> int:
 def resolve_param_groups(
     model: nn.Module, param_groups: Optional[List[Dict[str, Any]]]
 ) -> List[List[int]]:
-    """Turn optimizer-style parameter groups into indices into ``list(model.parameters())``.
+    """Return optimizer-style groups as indices into ``list(model.parameters())``, per group.
 
     Args:
         model: The network.
         param_groups: Dicts with key ``"params"``; ``None``: one group of the
             trainable parameters.
-
-    Returns:
-        One list of indices per group.
 
     Raises:
         ValueError: For empty groups, foreign parameters, or a parameter in several.
@@ -323,13 +308,10 @@ def resolve_param_groups(
 
 
 def layerwise_param_groups(model: nn.Module) -> List[Dict[str, Any]]:
-    """One parameter group per module owning trainable parameters.
+    """Return a group ``{"params": [...], "name": name}`` per module owning trainable parameters.
 
     Args:
         model: The network.
-
-    Returns:
-        Groups ``[{"params": [...], "name": layer_name}, ...]``.
     """
     groups = []
     for name, module in model.named_modules():
@@ -385,14 +367,11 @@ class Choice(str, Enum):
 
     @classmethod
     def parse(cls, value: Any, name: str) -> "Choice":
-        """The member for ``value``.
+        """Return the member for ``value`` (a member or its string).
 
         Args:
-            value: A member or its string.
+            value: The value given.
             name: The argument's name, for the message.
-
-        Returns:
-            The member.
 
         Raises:
             ValueError: For any other value.

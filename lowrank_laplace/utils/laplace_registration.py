@@ -33,11 +33,7 @@ def _quiet_laplace_import() -> Iterator[None]:
 
 
 def import_laplace_classes() -> ModuleType:
-    """Import :data:`LAPLACE_CLASSES` (and laplace-torch), which registers them.
-
-    Returns:
-        The module.
-    """
+    """Return :data:`LAPLACE_CLASSES`, imported (with laplace-torch), which registers them."""
     with _quiet_laplace_import():
         return importlib.import_module(LAPLACE_CLASSES)
 
@@ -51,15 +47,12 @@ class LaplaceFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None,
                   target: Optional[ModuleType] = None
                   ) -> Optional[importlib.machinery.ModuleSpec]:
-        """``laplace``'s own spec, its module's execution followed by ours; else ``None``.
+        """Return ``laplace``'s own spec, its module's execution followed by ours; else ``None``.
 
         Args:
             fullname: The dotted module path being imported.
             path: Passed on to the other finders.
             target: Passed on to the other finders.
-
-        Returns:
-            The spec or ``None``.
         """
         if fullname != "laplace":
             return None

@@ -57,15 +57,12 @@ def rotate(basis: Tensor, mat: Tensor, in_place: bool, rows: int = 2**16) -> Ten
 
 
 def wide_inner(a: Tensor, b: Optional[Tensor] = None, rows: int = 2**18) -> Tensor:
-    """``a^T b`` in float64, one row chunk cast at a time (see docs/concepts.md).
+    """Return ``a^T b`` ``(k, l)`` in float64, one row chunk cast at a time (see docs/concepts.md).
 
     Args:
         a: Shape ``(D, k)``.
         b: Shape ``(D, l)``; ``None``: ``a`` (the result is then exactly symmetric).
         rows: Rows per chunk.
-
-    Returns:
-        Shape ``(k, l)``, float64.
     """
     other = a if b is None else b
     out = a.new_zeros(a.shape[1], other.shape[1], dtype=torch.float64)

@@ -43,14 +43,11 @@ def cpu_threads(num: Optional[int]) -> Iterator[None]:
 
 
 def small_work(work: float, device: Any) -> ContextManager[None]:
-    """One CPU thread for work below :data:`SMALL_WORK`, else the user's setting.
+    """Return a context of one CPU thread for work below :data:`SMALL_WORK`, else a null one.
 
     Args:
         work: Multiply-adds of the call's largest operation.
         device: Where it runs (only the CPU has a pool to spare).
-
-    Returns:
-        A context manager.
     """
     if torch.device(device).type != "cpu" or work >= SMALL_WORK:
         return contextlib.nullcontext()
@@ -93,7 +90,7 @@ class _ScopedBackward(torch.autograd.Function):
 
 def scoped_backward(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
                     work: float, device: Any) -> torch.Tensor:
-    """``fn(*inputs)``, differentiable in ``inputs``, its backward under :func:`small_work`.
+    """Return ``fn(*inputs)``, differentiable in ``inputs``, its backward under :func:`small_work`.
 
     A user's ``loss.backward()`` runs outside any scope a query sets; this keeps a
     marginal-likelihood gradient's small operations on one thread too. Gradients reach
@@ -104,8 +101,5 @@ def scoped_backward(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tens
         inputs: Tensors, some requiring gradients.
         work: Size of the largest operation (see :func:`small_work`).
         device: Where it runs.
-
-    Returns:
-        The value, whose gradient flows to ``inputs``.
     """
     return _ScopedBackward.apply(fn, work, device, *inputs)
