@@ -3,10 +3,8 @@
 A backend subclasses :class:`EngineBase` and implements one pass,
 :meth:`EngineBase._pass`, handing every trainable parameter's block to a
 :class:`~lowrank_laplace.engine.request.Collector`; it works on a private copy of the
-model (docs/concepts.md, "The backends").
-
-Shape glossary:
-    N: batch size; N_S: curvature samples; C: outputs; M: columns of ``V``.
+model (docs/concepts.md, "The backends"). Shapes: ``N`` batch size, ``N_S`` curvature
+samples, ``C`` outputs, ``M`` columns of ``V``.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from lowrank_laplace.engine.model_copy import private_copy
+from lowrank_laplace.engine.model_copy import private_copy, removing
 from lowrank_laplace.engine.request import Collector, Request
 from lowrank_laplace.factor import GGNFactor, factor_columns
 from lowrank_laplace.utils import batches, checks
@@ -95,13 +93,12 @@ class EngineBase:
             dst.training = False if self.eval_mode else src.training
 
     def sizing_forward(self, inputs: Any) -> Tuple[Tensor, List[int]]:
-        """Forward pass on one sample, in the passes' mode, drawing no random numbers.
+        """Return the outputs ``(1, C)`` and leaf output sizes of a forward pass on one sample.
+
+        In the passes' mode, drawing no random numbers.
 
         Args:
             inputs: A batch of inputs.
-
-        Returns:
-            ``(outputs (1, C), output sizes of the leaf modules)``.
         """
         sizes = [0]
 
@@ -114,51 +111,38 @@ class EngineBase:
         handles = [m.register_forward_hook(hook) for m in leaves]
         device = batches.batch_device(inputs)
         devices = [device] if device.type == "cuda" else []
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                outputs = self._copy(batches.take(inputs, slice(0, 1)))
-        finally:
-            for h in handles:
-                h.remove()
+        with removing(handles), torch.no_grad(), torch.random.fork_rng(devices=devices):
+            outputs = self._copy(batches.take(inputs, slice(0, 1)))
         if isinstance(outputs, Tensor) and outputs.ndim == 2:
             self.num_outputs = outputs.shape[-1]
         return outputs, sizes
 
     def check_independent(self, inputs: Any) -> bool:
-        """:func:`check_independent_samples` on the synchronised private copy.
+        """Return whether :func:`check_independent_samples` could check this batch (on the copy).
 
         Args:
             inputs: A batch.
-
-        Returns:
-            Whether the batch was checked (``False``: check a later batch).
         """
         self._sync()
         return check_independent_samples(self._net, inputs)
 
     def dense_param_count(self, largest: bool = False) -> int:
-        """Entries of ``V``'s rows stored explicitly, per column.
+        """Return the entries of ``V``'s rows stored explicitly, per column.
 
         Args:
             largest: Count only the largest single parameter's block.
-
-        Returns:
-            The count.
         """
         sizes = [0] + [p.numel() for p in self.model.parameters() if p.requires_grad]
         return max(sizes) if largest else sum(sizes)
 
     def bytes_per_sample(self, inputs: Any, num_vectors: Optional[int] = None,
                          one_block: bool = False) -> int:
-        """Estimated memory one sample adds to a computation of ``V``.
+        """Return the estimated bytes one sample adds to a computation of ``V``.
 
         Args:
             inputs: A batch of inputs (the first sample is used).
             num_vectors: Vectors per sample; ``None``: the exact GGN's.
             one_block: Count only the largest block (passes that keep no blocks).
-
-        Returns:
-            Bytes.
         """
         outputs, feature_sizes = self.sizing_forward(inputs)
         checks.check_outputs(outputs)
@@ -194,15 +178,12 @@ class EngineBase:
 
     def gradient(self, inputs: Any, targets: Optional[Tensor],
                  param_groups: Optional[List[dict]] = None) -> List[Tensor]:
-        """The mini-batch gradient per group from a plain backward pass.
+        """Return the mini-batch gradient per group, flat, from a plain backward pass.
 
         Args:
             inputs: Inputs ``(N, ...)`` or a dict batch.
             targets: Targets (``None`` for ``MSELoss`` uses zeros).
             param_groups: Optimizer-style groups; ``None`` is one group.
-
-        Returns:
-            One flat gradient ``(D_g,)`` per group.
         """
         self._check_open()
         checks.check_batch(inputs, targets)
@@ -223,7 +204,7 @@ class EngineBase:
                 subsampling: Optional[Sequence[int]] = None,
                 param_groups: Optional[List[dict]] = None,
                 request: Optional[Request] = None, **flags: Any) -> GGNFactor:
-        """Run one pass and collect ``V`` (and gradients).
+        """Return the factor (and gradients) of one pass.
 
         Args:
             inputs: Inputs ``(N, ...)``, or a dict batch passed whole to the model (its
@@ -236,9 +217,6 @@ class EngineBase:
                 parameters.
             request: What the pass collects (default: the blocks).
             **flags: The fields of a :class:`Request` instead.
-
-        Returns:
-            The factor.
 
         Raises:
             RuntimeError: If the engine was closed, or a parameter got no block.
@@ -280,14 +258,11 @@ class EngineBase:
 
 
 def distinct_sample(inputs: Any, n: int) -> Optional[int]:
-    """The first sample whose inputs differ from the first sample's.
+    """Return the index of the first sample whose inputs differ from the first's, or ``None``.
 
     Args:
         inputs: A tensor or dict batch.
         n: The batch size.
-
-    Returns:
-        Its index, or ``None``.
     """
     if n < 2:
         return None
@@ -302,14 +277,11 @@ def distinct_sample(inputs: Any, n: int) -> Optional[int]:
 
 
 def perturbed_pair(inputs: Any, n: int) -> Optional[Any]:
-    """The first sample next to a copy of it with its floating-point entries shifted.
+    """Return the first sample beside a copy with its floating-point entries shifted, or ``None``.
 
     Args:
         inputs: A tensor or dict batch.
         n: The batch size.
-
-    Returns:
-        A batch of two distinct samples, or ``None`` where nothing is floating point.
     """
     pair = batches.take(inputs, [0, 0], n)
     entries = {None: pair} if isinstance(pair, Tensor) else {

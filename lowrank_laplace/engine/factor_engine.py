@@ -2,10 +2,6 @@
 
 ``'backpack'``, ``'hooks'`` and ``'functorch'`` produce the same blocks; ``'auto'`` takes
 the first, in this order, that accepts the model (docs/concepts.md, "The backends").
-
-Shape glossary:
-    N: batch size; N_S: curvature samples (``len(subsampling)`` or N); C: model outputs;
-    M: columns of ``V`` (``C * N_S`` exact, ``mc_samples * N_S``).
 """
 
 from __future__ import annotations
@@ -34,13 +30,10 @@ CANDIDATES = {
 
 
 def check_backend(backend: str) -> str:
-    """Validate a ``backend`` argument.
+    """Return a valid ``backend`` argument (one of :data:`BACKENDS`).
 
     Args:
-        backend: One of :data:`BACKENDS`.
-
-    Returns:
-        The name.
+        backend: The value given.
 
     Raises:
         ValueError: For another value.

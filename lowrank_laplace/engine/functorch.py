@@ -4,11 +4,8 @@ Each sample's loss-Hessian factor columns, and its loss gradient for the per-sam
 gradients, are pulled back by one VJP each, vmapped over columns and the samples of a
 chunk; a parameter's rows become a :class:`~lowrank_laplace.factor.blocks.DenseBlock`,
 except an ``nn.Linear`` weight called once on vector inputs, which stays a
-:class:`~lowrank_laplace.factor.blocks.KronBlock`. Tied weights are exact.
-
-Shape glossary:
-    N: batch size; N_S: curvature samples; N_c: samples of a chunk.
-    C: outputs; V: vectors per sample; d: entries of one parameter.
+:class:`~lowrank_laplace.factor.blocks.KronBlock`. Tied weights are exact. Shapes:
+``N_c`` samples of a chunk, ``V`` vectors per sample.
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_map
 
 from lowrank_laplace.engine.base import EngineBase
+from lowrank_laplace.engine.model_copy import removing
 from lowrank_laplace.engine.request import Collector
 from lowrank_laplace.engine.rng import rng_state, set_rng_state
 from lowrank_laplace.factor.blocks import DenseBlock, KronBlock
@@ -101,28 +99,26 @@ class FuncEngine(EngineBase):
         y = outputs.new_zeros(1, outputs.shape[1]) if targets is None else targets[:1]
         self._sync()
         params, aliases = self._param_dicts(None)
-        try:
-            # train-mode dropout draws from a forked generator: the caller's do not move
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                    warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                for vectorize in (True, False):
-                    self.vectorize = vectorize
-                    stack.clear()
-                    try:
-                        self._products(first, y, params, aliases, 0, True, (1, 1), {})
-                        break
-                    except Exception:  # noqa: BLE001 - vmap failed: one sample at a time
-                        if vectorize:
-                            continue
-                        raise
-                self._factored = self._factorable(first, y, params, aliases, device)
-            _warn_if_looping(caught, self.vectorize)
-        except Exception as err:  # noqa: BLE001 - re-raised with the module named
-            raise _cannot_differentiate(err, stack[-1] if stack else "") from err
-        finally:
-            for h in handles:
-                h.remove()
+        with removing(handles):
+            try:
+                # train-mode dropout draws from a forked generator: the caller's do not move
+                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                        warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    for vectorize in (True, False):
+                        self.vectorize = vectorize
+                        stack.clear()
+                        try:
+                            self._products(first, y, params, aliases, 0, True, (1, 1), {})
+                            break
+                        except Exception:  # noqa: BLE001 - vmap failed: one sample at a time
+                            if vectorize:
+                                continue
+                            raise
+                    self._factored = self._factorable(first, y, params, aliases, device)
+                _warn_if_looping(caught, self.vectorize)
+            except Exception as err:  # noqa: BLE001 - re-raised with the module named
+                raise _cannot_differentiate(err, stack[-1] if stack else "") from err
         self._features = sum(sizes)
 
     def _factorable(self, first: Any, y: Tensor, params: Dict[str, Tensor],
@@ -141,12 +137,8 @@ class FuncEngine(EngineBase):
             calls[module] = calls.get(module, 0) + (1 if once else 2)
 
         handles = [m.register_forward_hook(count) for m in candidates.values()]
-        try:
-            with torch.no_grad():
-                self._copy(first)
-        finally:
-            for h in handles:
-                h.remove()
+        with removing(handles), torch.no_grad():
+            self._copy(first)
         candidates = {n: m for n, m in candidates.items() if calls.get(m) == 1}
         if not candidates:
             return {}
@@ -202,12 +194,8 @@ class FuncEngine(EngineBase):
                 handles = [module.register_forward_hook(_shift_hook(name, delta, inputs_of),
                                                         prepend=True)
                            for name, module in factored.items()]
-                try:
-                    with _plain_rnn(self._has_rnn):
-                        out = functional_call(model, full, (batched,), tie_weights=False)
-                finally:
-                    for h in handles:
-                        h.remove()
+                with removing(handles), _plain_rnn(self._has_rnn):
+                    out = functional_call(model, full, (batched,), tie_weights=False)
                 return out.squeeze(0), {k: z.squeeze(0) for k, z in inputs_of.items()}
 
             out, pull, zs = vjp(f, free, shifts, has_aux=True)

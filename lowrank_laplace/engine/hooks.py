@@ -1,15 +1,10 @@
 """The hooks backend: ``V`` from batched backward passes, without vmap (docs/concepts.md).
 
 For models whose trainable parameters all sit in layers with a rule
-(:mod:`~lowrank_laplace.engine.hooks_rules`), whatever frozen modules sit between them:
-one forward pass records each trainable layer's input ``a`` and shifts its output by
-zero; one backward pass per loss-Hessian column gives the vectors ``g`` at the outputs;
-the rule turns ``a`` and ``g`` into the block. A first-batch check against autograd's
-per-sample gradients refuses what the rules would get wrong.
-
-Shape glossary:
-    N: batch size; N_S: curvature samples; T: positions per sample (1 without a token
-    axis); V: vectors per sample; C: outputs.
+(:mod:`~lowrank_laplace.engine.hooks_rules`): one forward pass records each trainable
+layer's input ``a`` and shifts its output by zero; one backward pass per loss-Hessian
+column gives the vectors ``g`` at the outputs; the rule turns them into the block.
+Shapes: ``N`` samples, ``T`` positions per sample, ``V`` vectors per sample.
 """
 
 from __future__ import annotations
@@ -21,6 +16,7 @@ from torch import Tensor, nn
 
 from lowrank_laplace.engine.base import EngineBase, distinct_sample
 from lowrank_laplace.engine.hooks_rules import LayerRule, rule_for, supported_parameters
+from lowrank_laplace.engine.model_copy import removing
 from lowrank_laplace.engine.request import Collector
 from lowrank_laplace.engine.rng import rng_state, set_rng_state
 from lowrank_laplace.factor.loss_sqrt import hessian_sqrt
@@ -28,13 +24,10 @@ from lowrank_laplace.utils import batches, checks
 
 
 def trainable_layers(model: nn.Module) -> Dict[str, Tuple[nn.Module, LayerRule]]:
-    """Every module holding trainable parameters, with its rule.
+    """Return every module holding trainable parameters, with its rule: name -> ``(module, rule)``.
 
     Args:
         model: The network.
-
-    Returns:
-        Module name -> ``(module, rule)``.
 
     Raises:
         NotImplementedError: Naming the trainable parameters no rule covers, or tied ones.
@@ -62,7 +55,7 @@ def trainable_layers(model: nn.Module) -> Dict[str, Tuple[nn.Module, LayerRule]]
 
 
 def per_sample(a: Tensor, g: Tensor, n: int, name: str) -> Tuple[Tensor, Tensor]:
-    """A layer's input and vectors with the rows grouped per sample.
+    """Return a layer's input ``(N, ...)`` and vectors ``(V, N, ...)`` with rows grouped per sample.
 
     Several rows per sample (``(B, 2, d)`` pairs reshaped to ``(2 B, d)``) are taken
     ``k`` consecutive rows per sample, as a reshape gives (the gradient check confirms);
@@ -74,9 +67,6 @@ def per_sample(a: Tensor, g: Tensor, n: int, name: str) -> Tuple[Tensor, Tensor]
         g: Its output vectors ``(V, N', ...)`` (``(V, N, ...)`` for a shared row).
         n: Samples ``N`` (``N'`` a multiple of it, or 1).
         name: The layer's name, for the message.
-
-    Returns:
-        ``a`` as ``(N, ...)`` and ``g`` as ``(V, N, ...)``.
 
     Raises:
         NotImplementedError: If ``N'`` is neither a multiple of ``N`` nor 1.
@@ -154,12 +144,8 @@ class HooksEngine(EngineBase):
                  ) -> Tuple[Tensor, Tensor, Dict[str, Tuple[Tensor, Optional[Tensor], list]]]:
         """One forward pass; per layer its input, the loss's vectors and the ``columns``' ones."""
         record, handles = self._record(names, batches.batch_size(inputs))
-        try:
-            with torch.enable_grad():
-                outputs, loss = self._forward_loss(inputs, targets)
-        finally:
-            for h in handles:
-                h.remove()
+        with removing(handles), torch.enable_grad():
+            outputs, loss = self._forward_loss(inputs, targets)
         order = [name for name in names if name in record]
         shifts = [record[name][1] for name in order]
         cols = columns(outputs.detach())
@@ -288,19 +274,17 @@ class HooksEngine(EngineBase):
         checks.check_outputs(plain)
         set_rng_state(state, device)
         record, handles = self._record(list(self._layers), batches.batch_size(first))
-        try:
-            with torch.enable_grad():
-                outputs = self._net(first)
-        except NotImplementedError:  # a refusal of the hooks, already explained
-            raise
-        except (RuntimeError, ValueError, IndexError) as err:
-            raise NotImplementedError(
-                f"The model fails with the hooks backend's zero shifts on its trainable "
-                f"layers' outputs ({type(err).__name__}: {err}): a layer's output is "
-                "used in a way that depends on its shape.") from err
-        finally:
-            for h in handles:
-                h.remove()
+        with removing(handles):
+            try:
+                with torch.enable_grad():
+                    outputs = self._net(first)
+            except NotImplementedError:  # a refusal of the hooks, already explained
+                raise
+            except (RuntimeError, ValueError, IndexError) as err:
+                raise NotImplementedError(
+                    f"The model fails with the hooks backend's zero shifts on its trainable "
+                    f"layers' outputs ({type(err).__name__}: {err}): a layer's output is "
+                    "used in a way that depends on its shape.") from err
         if outputs.shape != plain.shape or not torch.allclose(outputs.detach(), plain):
             raise NotImplementedError(
                 "The model computes other outputs with the hooks backend's zero shifts on "

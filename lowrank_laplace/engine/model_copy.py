@@ -27,7 +27,7 @@ BACKWARD_OPTIONS: Dict[type, Dict[str, Any]] = {
 
 
 def private_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of the model with its forward hooks but without backward hooks.
+    """Return a deep copy of the model with its forward hooks but without backward hooks.
 
     Also without BackPACK's ``extend`` hooks; global module hooks still apply. Tensors a
     pre-hook computed from parameters (a pruned ``weight``) are copied detached; options
@@ -35,9 +35,6 @@ def private_copy(model: nn.Module) -> nn.Module:
 
     Args:
         model: The user's network (unchanged).
-
-    Returns:
-        The copy.
     """
     memo = {id(value): value.detach().clone() for module in model.modules()
             for value in vars(module).values()
@@ -59,6 +56,23 @@ def private_copy(model: nn.Module) -> nn.Module:
                 for name, value in options.items():
                     setattr(module, name, value)
     return clone
+
+
+@contextlib.contextmanager
+def removing(handles: List[Any]) -> Iterator[None]:
+    """Remove hooks when the block exits, however it exits.
+
+    Args:
+        handles: The hooks' handles.
+
+    Yields:
+        Nothing.
+    """
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _is_backpack(hook: Callable) -> bool:

@@ -1,10 +1,8 @@
 """What one pass collects: a :class:`Request`, and the :class:`Collector` that serves it.
 
 The collector feeds each block of ``V`` to the consumers asked for and frees what is
-not kept.
-
-Shape glossary:
-    N: batch size; M: columns of ``V``; D_g: parameters of a group; K: vectors.
+not kept. Shapes: ``N`` batch size, ``M`` columns of ``V``, ``D_g`` parameters of a
+group, ``K`` vectors.
 """
 
 from __future__ import annotations

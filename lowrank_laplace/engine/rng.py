@@ -70,13 +70,10 @@ class PrivateRNG:
 
 
 def rng_state(device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
-    """The global CPU generator's state and, for a CUDA device, that device's.
+    """Return the global CPU generator's state and, for a CUDA device, that device's (or ``None``).
 
     Args:
         device: The device.
-
-    Returns:
-        ``(cpu_state, cuda_state or None)``.
     """
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return torch.get_rng_state(), cuda

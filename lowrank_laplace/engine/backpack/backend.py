@@ -2,10 +2,6 @@
 
 The only module importing BackPACK besides its extensions. With ``subsampling=S`` the
 curvature is that of the loss on ``S`` with its own reduction; gradients use the batch.
-
-Shape glossary:
-    N: batch size; N_S: curvature samples (``len(subsampling)`` or N); C: model outputs;
-    M: columns of ``V`` (``C * N_S`` exact, ``mc_samples * N_S``).
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ from lowrank_laplace.engine.backpack.extensions import (
     supported_modules,
 )
 from lowrank_laplace.engine.base import EngineBase
-from lowrank_laplace.engine.model_copy import function_hooks
+from lowrank_laplace.engine.model_copy import function_hooks, removing
 from lowrank_laplace.engine.request import Collector
 from lowrank_laplace.factor import factor_columns
 from lowrank_laplace.factor.blocks import Block, DenseBlock
@@ -44,13 +40,10 @@ _BACKPACK_LOCK = threading.RLock()
 
 
 def serialized(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a method holding the lock on BackPACK's globals.
+    """Return the method, run holding the lock on BackPACK's globals.
 
     Args:
-        method: The method.
-
-    Returns:
-        The method, locked.
+        method: A method of :class:`BackpackEngine`.
     """
     @functools.wraps(method)
     def locked(*args, **kwargs):
@@ -97,14 +90,11 @@ def check_model(model: nn.Module, supported: Sequence[type]) -> None:
 
 
 def checked_forward(model: nn.Module, inputs: Tensor) -> Tensor:
-    """Forward pass that verifies every operation is a module BackPACK sees.
+    """Return the output of a forward pass that verifies every operation is a module BackPACK sees.
 
     Args:
         model: The (private copy of the) network.
         inputs: Inputs.
-
-    Returns:
-        The model output.
 
     Raises:
         NotImplementedError: For a functional operation between modules, a module
@@ -139,11 +129,8 @@ def checked_forward(model: nn.Module, inputs: Tensor) -> Tensor:
 
     leaves = [m for m in model.modules() if not list(m.children())]
     handles = [m.register_forward_hook(hook) for m in leaves]
-    try:
+    with removing(handles):
         outputs = model(inputs)
-    finally:
-        for h in handles:
-            h.remove()
     if id(outputs) not in produced and not problems:
         problems.append("the model output is not the output of a module")
     if problems:
@@ -189,20 +176,18 @@ def probe_graph(net: nn.Module, sample: Tensor) -> Tuple[Optional[str], List[Ten
                if not list(m.children())]
     params = [p for p in net.parameters() if p.requires_grad]
     grads = [None] * len(params)
-    try:
-        out = net(sample)
-        backward[0] = True
-        if isinstance(out, Tensor) and out.requires_grad and params:
-            with warnings.catch_warnings():  # BackPACK's hooks are installed but idle
-                warnings.filterwarnings("ignore", message="Full backward hook is firing")
-                grads = torch.autograd.grad(out.sum(), params, allow_unused=True)
-    except RuntimeError as err:
-        if not problems and "checkpoint" not in str(err):
-            raise
-        problems.append(f"gradient checkpointing ({err})")
-    finally:
-        for h in handles:
-            h.remove()
+    with removing(handles):
+        try:
+            out = net(sample)
+            backward[0] = True
+            if isinstance(out, Tensor) and out.requires_grad and params:
+                with warnings.catch_warnings():  # BackPACK's hooks are installed but idle
+                    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                    grads = torch.autograd.grad(out.sum(), params, allow_unused=True)
+        except RuntimeError as err:
+            if not problems and "checkpoint" not in str(err):
+                raise
+            problems.append(f"gradient checkpointing ({err})")
     return (problems[0] if problems else None,
             [p for p, g in zip(params, grads) if g is None])
 
@@ -285,18 +270,7 @@ class BackpackEngine(EngineBase):
                 "use_reentrant=False), or fit without checkpointing.")
 
     def _converted(self, sample: Tensor, problem: NotImplementedError) -> nn.Module:
-        """The model rewritten into BackPACK modules, checked on one sample.
-
-        Args:
-            sample: One input sample ``(1, ...)``.
-            problem: Why the model itself does not work.
-
-        Returns:
-            The converted network (sharing the private copy's parameters).
-
-        Raises:
-            NotImplementedError: ``problem``, if the conversion fails or computes another function.
-        """
+        """The model rewritten into BackPACK modules and checked on ``sample``, else ``problem``."""
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the converter warns about leftovers

@@ -80,12 +80,9 @@ def _functional_to_modules(model: nn.Module) -> GraphModule:
 
 
 def convert(model: nn.Module) -> GraphModule:
-    """A network of BackPACK modules computing ``model``'s function, sharing its parameters.
+    """Return a network of BackPACK modules computing ``model``'s function, sharing its parameters.
 
     Args:
         model: The (private copy of the) network.
-
-    Returns:
-        The converted network.
     """
     return convert_module_to_backpack(_functional_to_modules(model), debug=False)

@@ -75,7 +75,9 @@ def _conv_weight(module: nn.Module, mat: Tensor, subsampling) -> Optional[DenseB
 
 def unfold_input(x: Tensor, kernel: Tuple[int, int], dilation: Tuple[int, int],
                  padding: Tuple[int, int], stride: Tuple[int, int]) -> Tensor:
-    """Patches of a 2d convolution's input, as ``F.unfold`` gives them, from strided views.
+    """Return the patches ``(N, C kh kw, H' W')`` of a 2d convolution's input (as ``F.unfold``).
+
+    Built from strided views and one copy.
 
     Args:
         x: Input ``(N, C, H, W)``.
@@ -83,9 +85,6 @@ def unfold_input(x: Tensor, kernel: Tuple[int, int], dilation: Tuple[int, int],
         dilation: Dilation ``(dh, dw)``.
         padding: Zero padding ``(ph, pw)``.
         stride: Stride ``(sh, sw)``.
-
-    Returns:
-        Patches ``(N, C kh kw, P)``, ``P = H' W'``.
     """
     x = pad(x, (padding[1], padding[1], padding[0], padding[0]))
     for d in range(2):
@@ -191,14 +190,13 @@ _EXTRA_SQRT_GGN = {
 
 
 def sqrt_ggn_extension(mc_samples: int, subsampling: Optional[List[int]]) -> BackpropExtension:
-    """BackPACK's ``SqrtGGNExact``/``SqrtGGNMC`` with the tuned layer extensions.
+    """Return BackPACK's ``SqrtGGNExact``/``SqrtGGNMC`` with the tuned layer extensions.
+
+    Results are stored under ``ext.savefield``.
 
     Args:
         mc_samples: ``0`` (exact GGN) or ``M >= 1``.
         subsampling: Active sample indices or ``None``.
-
-    Returns:
-        The extension; results are stored under ``ext.savefield``.
     """
     if mc_samples:
         ext = SqrtGGNMC(mc_samples=mc_samples, subsampling=subsampling)
@@ -216,11 +214,7 @@ def sqrt_ggn_extension(mc_samples: int, subsampling: Optional[List[int]]) -> Bac
 
 
 def batch_grad_extension() -> BatchGrad:
-    """BackPACK's ``BatchGrad`` with factored linear and fast conv weights.
-
-    Returns:
-        The extension; results are stored under ``grad_batch``.
-    """
+    """Return BackPACK's ``BatchGrad`` (results under ``grad_batch``) with the tuned weights."""
     ext = BatchGrad()
     ext.set_module_extension(
         nn.Linear, _batch_grad(BatchGradLinear, _linear_weight)(), overwrite=True)
