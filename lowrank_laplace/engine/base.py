@@ -33,8 +33,7 @@ class EngineBase:
 
     #: The backend's name, as in ``backend=...``.
     backend = ""
-    #: A pass draws its random numbers once for ``V`` and the per-sample gradients, so
-    #: ``V^T g`` comes from a Gram pass with ``batch_grad`` (else: another, replayed pass).
+    #: ``V`` and the per-sample gradients share a pass's random draws (``V^T g`` needs no replay).
     gradient_in_factor_pass = False
 
     def __init__(self, model: nn.Module, loss_func: nn.Module, eval_mode: bool = False):
@@ -213,8 +212,7 @@ class EngineBase:
                 as the GGN of MSE does not depend on them.
             mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte Carlo.
             subsampling: Indices of the samples used for the curvature.
-            param_groups: Optimizer-style groups; ``None`` is one group of all trainable
-                parameters.
+            param_groups: Optimizer-style groups; ``None``: one of all trainable parameters.
             request: What the pass collects (default: the blocks).
             **flags: The fields of a :class:`Request` instead.
 
@@ -304,9 +302,8 @@ def perturbed_pair(inputs: Any, n: int) -> Optional[Any]:
 def check_independent_samples(net: nn.Module, inputs: Any) -> bool:
     """Refuse a batch whose first sample's outputs depend on the other samples.
 
-    The first sample's outputs alone and next to a distinct sample
-    (:func:`distinct_sample`, else :func:`perturbed_pair`) are compared in eval mode,
-    drawing no random numbers.
+    Its outputs alone and beside a distinct sample (:func:`distinct_sample`, else
+    :func:`perturbed_pair`) are compared in eval mode, drawing no random numbers.
 
     Args:
         net: The network.

@@ -49,8 +49,7 @@ class FactorEngine:
     Args:
         model: The network; its output must have shape ``(N, C)``.
         loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss`` with mean/sum reduction.
-        eval_mode: Evaluate in eval mode whatever the model's mode (as laplace-torch's
-            fits do); ``False`` mirrors the model's mode.
+        eval_mode: Evaluate in eval mode (as laplace-torch's fits); ``False`` mirrors the model.
         backend: ``'auto'``, ``'backpack'``, ``'hooks'`` or ``'functorch'``.
 
     Attributes:
@@ -143,6 +142,9 @@ class FactorEngine:
                      low_memory: bool, caller: str) -> None:
         """Refuse, before any backward pass, a ``V`` the device cannot hold.
 
+        The estimate is :meth:`bytes_per_sample` (with ``low_memory``: of the largest block)
+        times the curvature samples.
+
         Args:
             inputs: The batch.
             subsampling: Curvature samples (``None``: all).
@@ -151,8 +153,7 @@ class FactorEngine:
             caller: The function's name, for the message.
 
         Raises:
-            MemoryError: If :meth:`bytes_per_sample` times the samples exceeds the memory
-                available, naming the ways out.
+            MemoryError: If the estimate exceeds the available memory, naming the ways out.
         """
         n = checks.check_batch(inputs, None)
         n = len(subsampling) if subsampling is not None else n
@@ -189,10 +190,10 @@ class FactorEngine:
                             coefficients: Callable[[GGNFactor], List[Tensor]],
                             replay: Optional[RNGReplay] = None, **first: Any
                             ) -> Tuple[GGNFactor, GGNFactor]:
-        """Two passes that never hold all of ``V``: Gram matrices, then ``V y``.
+        """Return the factors of two passes never holding all of ``V``: Gram matrices, then ``V y``.
 
-        ``coefficients`` turns the first pass's factor into ``y`` per group; the second pass
-        replays the first's random draws (MC samples, dropout masks).
+        ``coefficients`` turns the first factor into ``y`` per group; the second pass, whose
+        factor holds ``projected``, replays the first's random draws.
 
         Args:
             inputs: Inputs.
@@ -203,9 +204,6 @@ class FactorEngine:
             coefficients: The first pass's factor -> ``y`` ``(M, K)`` per group.
             replay: The draws to replay (default: those of the first pass, from now).
             **first: More :class:`~lowrank_laplace.engine.request.Request` fields of the first pass.
-
-        Returns:
-            ``(first, second)``: the Gram pass's factor and the one holding ``projected``.
         """
         replay = RNGReplay(batches.batch_device(inputs)) if replay is None else replay
         args = (inputs, targets, mc_samples, subsampling, param_groups)

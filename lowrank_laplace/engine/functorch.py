@@ -29,8 +29,7 @@ from lowrank_laplace.factor.blocks import DenseBlock, KronBlock
 from lowrank_laplace.factor.loss_sqrt import factor_columns, hessian_sqrt, per_sample_scale
 from lowrank_laplace.utils import batches, checks
 
-#: Bytes the vmapped products of one chunk may take, intermediates included
-#: (docs/benchmarks/design_measurements.md).
+#: Bytes of a chunk's vmapped products (docs/benchmarks/design_measurements.md).
 CHUNK_BUDGET = 2**30
 
 
@@ -74,7 +73,6 @@ class FuncEngine(EngineBase):
         # all of V is held (no factored layers), plus the products' intermediates
         return self.dense_param_count() + sum(feature_sizes)
 
-    # ------------------------------------------------------------- the pass
     def probe(self, inputs: Any, targets: Optional[Tensor] = None) -> None:
         """See :meth:`EngineBase.probe`: the products on one sample, vmapped else looped."""
         outputs, sizes = self.sizing_forward(inputs)
@@ -160,11 +158,7 @@ class FuncEngine(EngineBase):
                   aliases: Dict[str, List[str]], mc_samples: int, curvature: bool,
                   rho: Tuple[float, float], factored: Dict[str, nn.Module]
                   ) -> Tuple[Tensor, Dict[str, Tensor], Dict[str, Tensor]]:
-        """Outputs, rows ``(N_c, V + 1, *shape)`` and factored layers' inputs ``(N_c, in)``.
-
-        With ``rho = (r_g, r_c)`` the first ``V`` rows are ``sqrt(r_c) J_n^T s_nv``, the last
-        ``r_g J_n^T g_n``; a factored weight's rows are the vectors at its layer's output.
-        """
+        """Outputs, rows ``(N_c, V + 1, ...)`` (``rho``-scaled VJPs of ``s`` and ``g``), inputs."""
         n = batches.batch_size(inputs)
         model, loss = self._copy, self.loss_func
         mse = isinstance(loss, nn.MSELoss)
@@ -297,16 +291,7 @@ class FuncEngine(EngineBase):
 
 @contextlib.contextmanager
 def _plain_rnn(has_rnn: bool):
-    """Run recurrent layers without cuDNN, whose weight flattening torch.func cannot trace.
-
-    Only ``torch.backends.cudnn.enabled`` changes, only with recurrent layers, restored on exit.
-
-    Args:
-        has_rnn: Whether the model has recurrent layers.
-
-    Yields:
-        Nothing.
-    """
+    """Run RNNs (``has_rnn``) without cuDNN, whose weight flattening fails on torch.func tensors."""
     before = torch.backends.cudnn.enabled
     if has_rnn:
         torch.backends.cudnn.enabled = False
@@ -326,7 +311,7 @@ def _shift_hook(name: str, delta: Dict[str, Tensor], inputs_of: Dict[str, Tensor
 
 
 def _aliases(model: nn.Module) -> Dict[str, List[str]]:
-    """Parameter name -> its names under every distinct owning module (for ``functional_call``)."""
+    """Parameter name -> its names under each owning module object, once each (functional_call)."""
     canonical = {id(p): name for name, p in model.named_parameters()}
     aliases: Dict[str, List[str]] = {name: [] for name in canonical.values()}
     for prefix, module in model.named_modules():

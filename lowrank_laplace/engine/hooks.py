@@ -106,11 +106,7 @@ class HooksEngine(EngineBase):
 
     def _record(self, names: List[str], n: int
                 ) -> Tuple[Dict[str, Tuple[Tensor, Tensor]], list]:
-        """Forward hooks keeping each named layer's input and shifting its output by zero.
-
-        A shared output row gets a shift row per sample. The caller removes the hooks
-        before any backward pass (a non-reentrant checkpoint recomputes its layers there).
-        """
+        """Hooks keeping layers' inputs and adding zero shifts (a row per sample) to outputs."""
         record: Dict[str, Tuple[Tensor, Tensor]] = {}
 
         def hook_for(name):

@@ -20,9 +20,7 @@ from lowrank_laplace.factor.blocks import Block
 
 
 def positions(g: Tensor, width: int) -> Tensor:
-    """Return the vectors ``(V, N, *, out)`` at a layer's output with positions on one axis.
-
-    The result is ``(V, N, T, width)``.
+    """Return the vectors ``(V, N, *, out)`` at a layer's output as ``(V, N, T, width)``.
 
     Args:
         g: The vectors.
@@ -170,7 +168,10 @@ class LayerNormRule(NormRule):
 
 
 class RMSNormRule(NormRule):
-    """Any ``*RMSNorm`` with a weight: ``x_hat = a / sqrt(mean(a^2) + eps)``."""
+    """Any ``*RMSNorm`` with a weight: ``x_hat = a / sqrt(mean(a^2) + eps)``.
+
+    ``eps``: ``variance_epsilon`` (Hugging Face), ``eps``, else the dtype's machine epsilon.
+    """
 
     params = ("weight",)
     label = "*RMSNorm weights"

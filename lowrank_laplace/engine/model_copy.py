@@ -17,9 +17,8 @@ _BACKWARD_HOOK_DICTS = ("_backward_hooks", "_backward_pre_hooks")
 _FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
 
 
-#: Options of the backward pass only, set neutral on the copy so that every backend
-#: computes the function's GGN (``scale_grad_by_freq`` divides a row's gradient by its
-#: token count; ``sparse`` gives sparse gradients).
+#: Options of the backward pass only, neutral on the copy (``scale_grad_by_freq``
+#: divides a row's gradient by its token count; ``sparse`` gives sparse gradients).
 BACKWARD_OPTIONS: Dict[type, Dict[str, Any]] = {
     nn.Embedding: {"scale_grad_by_freq": False, "sparse": False},
     nn.EmbeddingBag: {"scale_grad_by_freq": False, "sparse": False},
@@ -82,17 +81,14 @@ def _is_backpack(hook: Callable) -> bool:
 
 @contextlib.contextmanager
 def function_hooks(net: nn.Module) -> Iterator[List[str]]:
-    """Find the forward hooks that take part in the function while the context runs.
+    """Yield the names of modules whose forward hooks take part in the function, as they run.
 
     A hook that returns a value, changes its tensors in place or changes its module's
-    attributes (as pruning does) takes part; one that only looks does not. The hooks
-    are restored on exit.
+    attributes (as pruning does) takes part; one that only looks does not. The hooks are
+    restored on exit.
 
     Args:
         net: The (private copy of the) network.
-
-    Yields:
-        The names of the modules with such hooks, filled as they run.
     """
     found: List[str] = []
     saved = []

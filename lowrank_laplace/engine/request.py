@@ -26,19 +26,15 @@ class Request:
         keep_blocks: Keep the blocks of ``V`` (``False``: free each once consumed).
         compute_grams: Accumulate each group's Gram matrix (``grams``).
         batch_grad: Also compute per-sample gradients (``batch_grads``).
-        cross_batch_grads: With ``batch_grad``: accumulate ``V^T [g_1, ..., g_N]``
-            instead of keeping them (``t_batch_grads``).
+        cross_batch_grads: Accumulate ``V^T [g_1, ..., g_N]`` instead (``t_batch_grads``).
         compute_diag: Accumulate the GGN diagonal (``diagonals``).
         project: Per group ``y`` ``(M, K)``: form ``V y`` (``projected``).
-        t_project: Per group ``x`` ``(D_g, K)`` or a list of them: accumulate ``V^T x``
-            (``t_projected``, a list where a list was given).
+        t_project: Per group ``x`` ``(D_g, K)`` or a list of them: ``V^T x`` (``t_projected``).
         project_into: Per group ``(out (D_g, K), y (M, K))``: ``out += V y`` in place.
-        gradient: Also return the mini-batch gradient (``grad``); the hooks backend spends
-            a backward pass on it, the others always do it.
+        gradient: Also return the mini-batch gradient (``grad``; free except with hooks).
 
     Raises:
-        ValueError: If nothing is requested that a pass could return, or
-            ``cross_batch_grads`` without ``batch_grad``.
+        ValueError: For nothing to return, or ``cross_batch_grads`` without ``batch_grad``.
     """
 
     keep_blocks: bool = True

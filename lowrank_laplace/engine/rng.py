@@ -11,12 +11,11 @@ from torch import Tensor
 class RNGReplay:
     """Replay the random draws of an engine pass (MC samples, dropout) in later passes.
 
-    It saves the global RNG state (and a CUDA device's) when created, :meth:`mark` the
-    state after the first pass; every ``with`` block starts from the saved state and
-    leaves the RNG as after the first pass.
+    Every ``with`` block starts from the state saved at creation and leaves the RNG as
+    :meth:`mark` found it after the first pass.
 
     Args:
-        device: The device of the inputs.
+        device: The device of the inputs (its CUDA generator is replayed too).
     """
 
     def __init__(self, device: torch.device):
@@ -43,9 +42,9 @@ class RNGReplay:
 
 
 class PrivateRNG:
-    """Runs code on a private, seeded stream of the global RNG (BackPACK's MC draws).
+    """Runs ``with`` blocks on a private, seeded stream of the global RNG (BackPACK's MC draws).
 
-    Each ``with`` block continues the stream and restores the caller's state on exit.
+    The fit neither depends on nor advances the caller's RNG (the loader's shuffling uses it).
     """
 
     def __init__(self, seed: int, device: torch.device):
@@ -80,11 +79,11 @@ def rng_state(device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
 
 
 def set_rng_state(state: Tuple[Tensor, Optional[Tensor]], device: torch.device) -> None:
-    """Restore a state from :func:`rng_state`.
+    """Restore a state from :func:`rng_state` (the CUDA one on ``device``).
 
     Args:
         state: ``(cpu_state, cuda_state or None)``.
-        device: The device the CUDA state belongs to.
+        device: The device.
     """
     torch.set_rng_state(state[0])
     if state[1] is not None:

@@ -45,8 +45,7 @@ class Block(Protocol):
                                                                      Weight]]:
         """Yield ``(B_s, B_s diag(w_s) U_s, w_s)`` for float64 parts ``B_s`` of the block.
 
-        Each part and its widened rows of ``U`` stay near
-        :data:`~lowrank_laplace.factor.weights.WIDE_ENTRIES` entries; products are ``(M, r)``.
+        Each part and its widened rows of ``U`` stay near ``WIDE_ENTRIES`` entries.
 
         Args:
             U: Shape ``(d, r)``.
@@ -56,8 +55,8 @@ class Block(Protocol):
     def wide_slices(self, width: int) -> Iterator[Tuple[int, int, "Block"]]:
         """Yield ``(lo, hi, sub)``: the block in float64 on entries ``lo:hi``, slice by slice.
 
-        A factored block is sliced by output units. Each slice and a ``(slice, width)``
-        float64 matrix stay near :data:`~lowrank_laplace.factor.weights.WIDE_ENTRIES` entries.
+        Factored blocks are sliced by output units; a slice and a ``(slice, width)`` float64
+        matrix stay near ``WIDE_ENTRIES`` entries.
 
         Args:
             width: Columns of the matrices the slices will be multiplied with.
@@ -151,9 +150,9 @@ class Block(Protocol):
 
 
 def cat_blocks(blocks: List[Block], alphas: list, num_vectors: int) -> Block:
-    """Return scaled blocks of one parameter concatenated along the samples (rows stay ``(v, n)``).
+    """Return scaled blocks of one parameter concatenated along the samples, rows ``(v, n)``.
 
-    The result has ``num_vectors * sum(N_i)`` rows and is factored if all blocks were.
+    Factored if all blocks are.
 
     Args:
         blocks: Blocks, each with ``num_vectors * N_i`` rows.

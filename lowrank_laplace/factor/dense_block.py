@@ -20,8 +20,8 @@ def _symmetrized(square: Tensor) -> Tensor:
     return (square + square.T) / 2
 
 
-#: Tuning constants, measured in docs/benchmarks/design_measurements.md.
-#: ``B^T y`` is formed as ``(y^T B)^T`` from ``d >= _WIDE_COLUMNS`` and ``M >= 8 K``.
+#: ``B^T y`` is ``(y^T B)^T`` from ``d >= _WIDE_COLUMNS``, ``M >= 8 K`` (tuning constants:
+#: docs/benchmarks/design_measurements.md).
 _WIDE_COLUMNS = 4096
 #: Intermediate elements per row chunk of :meth:`DenseBlock.t_matmul_khatri_rao`.
 _KHATRI_RAO_CHUNK = 2**22
@@ -38,7 +38,7 @@ class DenseBlock:
         rows: ``B``, ``(M, d)``.
     """
 
-    #: Kept as factors (see :attr:`KronBlock.factored`): no, explicit rows.
+    #: Kept as factors (see ``Block.factored``).
     factored = False
 
     def __init__(self, rows: Tensor):

@@ -185,15 +185,12 @@ class GGNFactor:
 
 
 def damped_gram_solve(gram: Tensor, rhs: Tensor, damping: float) -> Tensor:
-    """``(delta I + V^T V)^{-1} rhs`` by a Cholesky factor.
+    """Return ``(delta I + V^T V)^{-1} rhs`` ``(M, K)`` by a Cholesky factor.
 
     Args:
         gram: ``V^T V``, ``(M, M)``.
         rhs: Shape ``(M, K)``.
         damping: ``delta > 0``.
-
-    Returns:
-        Shape ``(M, K)``.
     """
     eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
     return torch.cholesky_solve(rhs, torch.linalg.cholesky(gram + damping * eye))

@@ -15,9 +15,8 @@ from lowrank_laplace.factor import weights
 from lowrank_laplace.factor.weights import SMALL_DTYPE, Weight, weight_slice, weighted_product
 from lowrank_laplace.utils.linalg import stored_transposed
 
-#: Tuning constants of ``KronBlock.matmul_add_``, measured in
-#: docs/benchmarks/design_measurements.md. Weights of at most this many entries add
-#: into a transposed output with one wide product instead of one per column.
+#: ``KronBlock.matmul_add_`` (docs/benchmarks/design_measurements.md): weights of at
+#: most this many entries add into a transposed output by one wide product.
 _ONE_PRODUCT_MAX = 2**14
 #: Those small layers' per-sample products ``acc`` (``c x K x out``) are formed for
 #: chunks of about this many entries, at least this many samples each.
@@ -25,8 +24,7 @@ _ACC_ENTRIES = 2**20
 _ACC_MIN_ROWS = 16
 #: The chunks on a GPU, where each is a few kernel launches a small fit waits on.
 _ACC_ENTRIES_DEVICE = 2**24
-#: A contiguous output takes one product per output unit from this many columns
-#: (below 512 samples), else wide products over slabs of 16 output units.
+#: From this many columns (and below 512 samples) one product per output unit.
 _PER_UNIT_MIN_COLUMNS = 32
 
 if TYPE_CHECKING:
@@ -41,8 +39,7 @@ class KronBlock:
         z: Layer inputs, ``(N, in)``.
     """
 
-    #: Kept as factors: products of several passes' blocks concatenated
-    #: (:func:`~lowrank_laplace.factor.blocks.cat_blocks`) cost little more than one's.
+    #: Kept as factors (see ``Block.factored``).
     factored = True
 
     def __init__(self, s: Tensor, z: Tensor):
@@ -144,8 +141,7 @@ class KronBlock:
             return self.to(wide).t_matmul(x.to(wide))
         out_dim, in_dim = self.s.shape[2], self.z.shape[1]
         if stored_transposed(x):
-            # per column k: z (N, in) @ X_k^T (in, out), read along the rows of x^T;
-            # the (K, N, out) result serves the per-sample product without a copy
+            # per column k: z (N, in) @ X_k^T (in, out), read along the rows of x^T
             k, n = x.shape[1], self.z.shape[0]
             x_t = x.T.view(k, out_dim, in_dim)
             zx = torch.bmm(self.z.expand(k, n, in_dim), x_t.transpose(1, 2))
@@ -187,8 +183,7 @@ class KronBlock:
         if stored_transposed(out):
             k = y.shape[1]
             if out_dim * in_dim <= _ONE_PRODUCT_MAX:
-                # small layers: wide products z^T (in, c) @ acc (c, K out) over chunks
-                # of c samples, added through a transposed view once
+                # small layers: z^T (in, c) @ acc (c, K out) per chunk of c samples
                 ys, st = y.reshape(v, n, k).permute(1, 2, 0), self.s.transpose(0, 1)
                 entries = _ACC_ENTRIES if y.device.type == "cpu" else _ACC_ENTRIES_DEVICE
                 rows = max(_ACC_MIN_ROWS, entries // max(k * out_dim, 1))

@@ -9,15 +9,12 @@ from torch import Tensor, nn
 
 
 def factor_columns(loss_func: nn.Module, output_shape: tuple, mc_samples: int) -> int:
-    """Columns of ``V`` per sample.
+    """Return the columns of ``V`` per sample: ``mc_samples``, ``C - 1`` (exact CE), else ``C``.
 
     Args:
         loss_func: The loss module.
         output_shape: Shape of a batch's outputs, ``(N, C, ...)``.
         mc_samples: ``0`` (exact GGN) or Monte-Carlo samples.
-
-    Returns:
-        ``mc_samples``, ``C - 1`` for exact cross-entropy on ``(N, C)`` logits, else ``C``.
     """
     if mc_samples:
         return mc_samples

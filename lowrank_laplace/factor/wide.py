@@ -73,7 +73,7 @@ def wide_factor_t_matmul(factor: Any, x: Tensor, group: int = 0) -> Tensor:
 
 def wide_slices(block: Union[DenseBlock, KronBlock], width: int
                 ) -> Iterator[Tuple[int, int, Union[DenseBlock, KronBlock]]]:
-    """Return ``block.wide_slices(width)`` (``Block.wide_slices``).
+    """Return ``block.wide_slices(width)``.
 
     Args:
         block: A block.

@@ -29,8 +29,7 @@ def take(inputs: Any, index: Any, n: Optional[int] = None) -> Any:
     Args:
         inputs: A tensor or dict batch.
         index: A slice or indices along the batch axis.
-        n: The batch size (dict entries with another leading size stay whole);
-            ``None``: :func:`batch_size`.
+        n: The batch size (dict entries of another leading size stay whole); ``None``: found.
     """
     if isinstance(inputs, Tensor):
         return inputs[index]

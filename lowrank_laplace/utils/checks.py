@@ -269,8 +269,7 @@ def resolve_param_groups(
 
     Args:
         model: The network.
-        param_groups: Dicts with key ``"params"``; ``None``: one group of the
-            trainable parameters.
+        param_groups: Dicts with key ``"params"``; ``None``: one of the trainable ones.
 
     Raises:
         ValueError: For empty groups, foreign parameters, or a parameter in several.
@@ -322,7 +321,7 @@ def layerwise_param_groups(model: nn.Module) -> List[Dict[str, Any]]:
 
 
 def check_finite(loss: Tensor) -> None:
-    """Raise if the loss is NaN or infinite.
+    """Refuse a NaN or infinite loss.
 
     Args:
         loss: The loss.

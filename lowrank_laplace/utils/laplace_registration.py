@@ -21,11 +21,7 @@ LAPLACE_CLASSES = "lowrank_laplace.laplace_torch"
 
 @contextlib.contextmanager
 def _quiet_laplace_import() -> Iterator[None]:
-    """Hide, inside the block only, laplace-torch's import warning (asdl's ``torch.jit.script``).
-
-    Yields:
-        Nothing.
-    """
+    """Hide laplace-torch's import warning (asdl's ``torch.jit.script``) inside the block only."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated",
                                 category=FutureWarning)

@@ -9,7 +9,7 @@ from torch import Tensor
 
 
 def squared_rows_dot(mat: Tensor, weights: Tensor, entries: int = 2**20) -> Tensor:
-    """``(mat ** 2) @ weights`` over row chunks of about ``entries`` entries, in one buffer.
+    """Return ``(mat ** 2) @ weights`` ``(D,)`` or ``(D, j)``, squaring row chunks in one buffer.
 
     A fresh squared ``D x k`` copy costs more in page faults than in arithmetic
     (docs/benchmarks/design_measurements.md). A GPU takes ``64 * entries``; operands
@@ -19,9 +19,6 @@ def squared_rows_dot(mat: Tensor, weights: Tensor, entries: int = 2**20) -> Tens
         mat: Matrix ``(D, k)``.
         weights: ``(k,)`` or ``(k, j)``, of ``mat``'s dtype.
         entries: Entries squared at a time on the CPU.
-
-    Returns:
-        Shape ``(D,)`` or ``(D, j)``.
     """
     if mat.device.type != "cpu":
         entries *= 64
@@ -74,21 +71,17 @@ def wide_inner(a: Tensor, b: Optional[Tensor] = None, rows: int = 2**18) -> Tens
 
 def top_eigh(mat: Tensor, keep: int, factor_dtype: Optional[torch.dtype] = None,
              formed_in: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
-    """Leading eigenpairs of a symmetric PSD Gram matrix, in float64, unresolved ones dropped.
+    """Return the leading eigenpairs of a PSD Gram matrix, in float64, unresolved ones dropped.
 
     Pairs below ``eps_f^2 tr(mat)`` (the factors' rounding) or ``10 eps_p lambda_max``
-    (the product's; ``0.1 eps_p lambda_max`` for a product formed below float64) are
-    dropped: docs/concepts.md, "Float64 eigenproblems".
+    (the product's; ``0.1 eps_p lambda_max`` below float64) are dropped (docs/concepts.md).
+    Eigenvalues ``(k,)`` (descending, positive) and vectors ``(n, k)`` are in ``mat``'s dtype.
 
     Args:
         mat: Symmetric PSD matrix ``(n, n)``.
         keep: Most eigenpairs returned (at least one is).
-        factor_dtype: Dtype (``eps_f``) of the factors ``Z``, ``mat = Z^T Z``
-            (``None``: ``mat``'s).
+        factor_dtype: Dtype (``eps_f``) of the factors ``Z``, ``mat = Z^T Z`` (``None``: same).
         formed_in: Dtype (``eps_p``) its entries were computed in (``None``: ``mat``'s).
-
-    Returns:
-        Descending positive eigenvalues ``(k,)`` and eigenvectors ``(n, k)``, ``mat``'s dtype.
     """
     evals, evecs = torch.linalg.eigh(mat.double())
     evals, evecs = evals.flip(0), evecs.flip(1)

@@ -14,8 +14,7 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence, 
 
 import torch
 
-#: Work (e.g. ``D r`` multiply-adds per product) below which a posterior's queries run
-#: on one CPU thread.
+#: Work (e.g. ``D r`` multiply-adds) below which a posterior's queries run on one thread.
 SMALL_WORK = 2**24
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -90,11 +89,9 @@ class _ScopedBackward(torch.autograd.Function):
 
 def scoped_backward(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
                     work: float, device: Any) -> torch.Tensor:
-    """Return ``fn(*inputs)``, differentiable in ``inputs``, its backward under :func:`small_work`.
+    """Return ``fn(*inputs)``, its backward (a user's ``loss.backward()``) under :func:`small_work`.
 
-    A user's ``loss.backward()`` runs outside any scope a query sets; this keeps a
-    marginal-likelihood gradient's small operations on one thread too. Gradients reach
-    ``inputs`` only: ``fn`` must not depend on other tensors that require them.
+    Gradients reach ``inputs`` only: ``fn`` must not depend on other tensors requiring them.
 
     Args:
         fn: Scalar function of the inputs.

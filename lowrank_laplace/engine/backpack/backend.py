@@ -143,22 +143,18 @@ def checked_forward(model: nn.Module, inputs: Tensor) -> Tensor:
 
 
 def probe_graph(net: nn.Module, sample: Tensor) -> Tuple[Optional[str], List[Tensor]]:
-    """What BackPACK's backward pass would miss, from one sample's forward and backward.
+    """Return what BackPACK's pass would miss: the first problem (or ``None``), unused parameters.
 
     A module running with gradient tracking off (reentrant checkpointing, ``no_grad``)
-    gives it nothing; one running again in the backward pass overwrites what it read.
+    gives it nothing; one running again in the backward pass overwrites what it read; a
+    trainable parameter the output does not depend on gets no block.
 
     Args:
         net: The extended network.
         sample: One input sample ``(1, ...)``.
 
-    Returns:
-        The first problem (or ``None``), and the trainable parameters the output does
-        not depend on (they get no block).
-
     Raises:
-        RuntimeError: What the passes raise otherwise (in-place operations on BackPACK's
-            views among them).
+        RuntimeError: What the passes raise otherwise (e.g. in-place operations on views).
     """
     names = {m: n for n, m in net.named_modules()}
     backward, problems = [False], []
@@ -242,8 +238,7 @@ class BackpackEngine(EngineBase):
             self._net = self._converted(inputs[:1], problem)
         num_handles = len(CTX.hook_handles)
         for module in self._net.modules():  # containers are traced through, not hooked
-            # a user model extended elsewhere (e.g. by laplace-torch's BackPACK backend)
-            # carries the flag into the copy, whose hooks were dropped: extend anew
+            # a model extended elsewhere carries the flag but not the hooks: extend anew
             if hasattr(module, "_backpack_extend"):
                 del module._backpack_extend
             if not list(module.children()):

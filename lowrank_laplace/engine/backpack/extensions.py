@@ -1,18 +1,12 @@
-"""BackPACK extensions tuned for the GGN factor ``V`` (docs/benchmarks/design_measurements.md).
+"""BackPACK extensions tuned for ``V`` (docs/benchmarks/design_measurements.md).
 
-* ``nn.Linear`` weights on 2d inputs give a :class:`KronBlock`, not the expanded block.
-* ``nn.Conv1d``/``nn.Conv2d`` weights (``groups=1``, zero padding) are expanded by one
-  batched product with the unfolded input per vector, not BackPACK's grouped convolution.
-* ``nn.AdaptiveAvgPool{1,2,3}d`` get the ``SqrtGGN`` mapping BackPACK lacks.
-* Exact ``nn.CrossEntropyLoss`` on ``(N, C)`` logits backpropagates ``C - 1`` columns: the
-  Hessian ``diag(p) - p p^T`` has rank ``C - 1``
-  (:func:`~lowrank_laplace.factor.reduced_cross_entropy_sqrt`).
-* Elementwise activations multiply the backpropagated matrices in place where nothing
-  else reads them.
-
-Shape glossary:
-    V: vectors per sample (C exact, mc_samples for MC, 1 for gradients).
-    N: samples; P: output positions of a conv layer; Q: ``in * prod(kernel)``.
+Linear weights on 2d inputs stay factored; ``Conv1d``/``Conv2d`` weights (``groups=1``,
+zero padding) are expanded by one batched product with the unfolded input per vector;
+adaptive average pools get the ``SqrtGGN`` mapping BackPACK lacks; exact cross-entropy
+backpropagates ``C - 1`` columns (:func:`~lowrank_laplace.factor.reduced_cross_entropy_sqrt`);
+elementwise activations multiply in place where nothing else reads the matrix.
+Shapes: ``V`` vectors per sample, ``N`` samples, ``P`` output positions of a conv
+layer, ``Q = in * prod(kernel)``.
 """
 
 from __future__ import annotations
@@ -145,11 +139,7 @@ class _SqrtGGNCrossEntropy(SqrtGGNCrossEntropyLoss):
 
 
 def _in_place_elementwise(base):
-    """An elementwise activation's extension that multiplies the backpropagated matrix in place.
-
-    Only where nothing else can read it: contiguous, and sharing no storage with a
-    quantity BackPACK keeps (a branch point saves one matrix for several inputs).
-    """
+    """An activation's extension multiplying in place where nothing else reads the matrix."""
 
     class _InPlace(base):
         def backpropagate(self, ext, module, g_inp, g_out, backproped):  # noqa: D102
