@@ -1,32 +1,10 @@
-r"""The hooks backend: ``V`` from batched backward passes, without per-sample vmap.
+"""The hooks backend: ``V`` from batched backward passes, without vmap (docs/concepts.md).
 
-For models whose *trainable* parameters all sit in layers of known per-sample
-structure (the rules of :mod:`~lowrank_laplace.engine.hooks_rules`: ``nn.Linear`` and
-Hugging Face's ``Conv1D`` weights and biases, ``nn.Embedding`` weights, ``nn.LayerNorm``
-and RMSNorm affine parameters, ``nn.PReLU`` slopes: LoRA adapters, classification
-heads, norms), whatever frozen modules sit between them (attention in any kernel, SDPA
-and flash included, rotary embeddings, custom modules). One forward pass of the whole
-batch records each trainable layer's input ``a`` and adds a zero shift to its output;
-one backward pass per column of the loss-Hessian square root (``C``, ``C - 1`` or
-``M``) gives the vectors ``g = J^T s`` at every layer's output as the gradient w.r.t.
-the shift; autograd only backpropagates through the frozen modules. A sample's block
-row is then the layer rule's per-sample gradient formula, e.g. ``sum_t g_t a_t^T`` for
-a linear weight over the positions ``t`` of a token model (kept factored as
-:class:`~lowrank_laplace.factor.KronBlock` where there is one position, expanded where
-the expanded row is the smaller). The loss gradient's pass gives the mini-batch and
-per-sample gradients the same way.
-
-A check on the first batch guards what this relies on: the per-sample gradients of two
-samples (distinct where the batch has them) from the layer rules must equal
-autograd's (a trainable parameter used outside its module, a norm whose formula
-differs, or a layer whose rows are not grouped by sample raise
-``NotImplementedError``, so ``backend='auto'`` moves on to the torch.func backend).
-That samples are independent in the forward pass, which every backend needs,
-:class:`~lowrank_laplace.engine.FactorEngine` checks.
-
-Shape glossary:
-    N: batch size; N_S: curvature samples; T: positions per sample (1 without a token
-    axis); V: vectors per sample; C: outputs.
+For models whose trainable parameters all sit in layers with a rule
+(:mod:`~lowrank_laplace.engine.hooks_rules`): one forward pass records each trainable
+layer's input ``a`` and shifts its output by zero; one backward pass per loss-Hessian
+column gives the vectors ``g`` at the outputs; the rule turns them into the block.
+Shapes: ``N`` samples, ``T`` positions per sample, ``V`` vectors per sample.
 """
 
 from __future__ import annotations
@@ -38,6 +16,7 @@ from torch import Tensor, nn
 
 from lowrank_laplace.engine.base import EngineBase, distinct_sample
 from lowrank_laplace.engine.hooks_rules import LayerRule, rule_for, supported_parameters
+from lowrank_laplace.engine.model_copy import removing
 from lowrank_laplace.engine.request import Collector
 from lowrank_laplace.engine.rng import rng_state, set_rng_state
 from lowrank_laplace.factor.loss_sqrt import hessian_sqrt
@@ -45,18 +24,13 @@ from lowrank_laplace.utils import batches, checks
 
 
 def trainable_layers(model: nn.Module) -> Dict[str, Tuple[nn.Module, LayerRule]]:
-    """Every module holding trainable parameters, with its rule.
+    """Return every module holding trainable parameters, with its rule: name -> ``(module, rule)``.
 
     Args:
         model: The network.
 
-    Returns:
-        Module name -> ``(module, rule)``
-        (:func:`~lowrank_laplace.engine.hooks_rules.rule_for`).
-
     Raises:
-        NotImplementedError: Naming the trainable parameters no rule covers, or that
-            several modules share.
+        NotImplementedError: Naming the trainable parameters no rule covers, or tied ones.
     """
     layers, problems = {}, []
     for name, module in model.named_modules():
@@ -76,30 +50,23 @@ def trainable_layers(model: nn.Module) -> Dict[str, Tuple[nn.Module, LayerRule]]
         raise NotImplementedError(
             "The hooks backend takes models whose trainable parameters are "
             f"{supported_parameters()}, each owned by one module; not: "
-            f"{', '.join(problems)}."
-        )
+            f"{', '.join(problems)}.")
     return layers
 
 
 def per_sample(a: Tensor, g: Tensor, n: int, name: str) -> Tuple[Tensor, Tensor]:
-    """A layer's input and vectors with the samples' rows grouped per sample.
+    """Return a layer's input ``(N, ...)`` and vectors ``(V, N, ...)`` with rows grouped per sample.
 
-    A layer may see several rows per sample (a pairwise reward model reshapes
-    ``(B, 2, d)`` inputs to ``(2 B, d)``): rows ``k n .. k n + k - 1`` are taken to be
-    sample ``n``'s, as a reshape gives; the first batch's gradient check confirms it.
-    A layer may also see one row shared by all samples (BERT looks its position
-    embeddings up once for the batch, and the result broadcasts): its output's shift
-    then has a row per sample, so each sample's vectors at the shared row are its own,
-    and the input is the same for every sample.
+    Several rows per sample (``(B, 2, d)`` pairs reshaped to ``(2 B, d)``) are taken
+    ``k`` consecutive rows per sample, as a reshape gives (the gradient check confirms);
+    one row shared by all samples (a lookup broadcast later) is expanded, each sample's
+    vectors there being its own.
 
     Args:
-        a: The layer's input, ``(N', ...)``.
-        g: Its output vectors, ``(V, N', ...)`` (``(V, N, ...)`` for a shared row).
-        n: Samples ``N`` of the batch (``N'`` a multiple of it, or 1).
+        a: The layer's input ``(N', ...)``.
+        g: Its output vectors ``(V, N', ...)`` (``(V, N, ...)`` for a shared row).
+        n: Samples ``N`` (``N'`` a multiple of it, or 1).
         name: The layer's name, for the message.
-
-    Returns:
-        ``a`` as ``(N, ...)`` and ``g`` as ``(V, N, ...)`` (positions merged).
 
     Raises:
         NotImplementedError: If ``N'`` is neither a multiple of ``N`` nor 1.
@@ -119,13 +86,7 @@ def per_sample(a: Tensor, g: Tensor, n: int, name: str) -> Tuple[Tensor, Tensor]
 
 
 class HooksEngine(EngineBase):
-    """The hooks backend of :class:`~lowrank_laplace.engine.FactorEngine`.
-
-    Args:
-        model: The network; its output must have shape ``(N, C)``.
-        loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss`` with mean/sum reduction.
-        eval_mode: Evaluate in eval mode whatever the model's mode.
-    """
+    """The hooks backend (arguments as :class:`~lowrank_laplace.engine.base.EngineBase`'s)."""
 
     backend = "hooks"
     gradient_in_factor_pass = True  # one forward pass: the gradient shares its draws
@@ -145,14 +106,7 @@ class HooksEngine(EngineBase):
 
     def _record(self, names: List[str], n: int
                 ) -> Tuple[Dict[str, Tuple[Tensor, Tensor]], list]:
-        """Forward hooks keeping each named layer's input and shifting its output.
-
-        An output with one row for a batch of ``n > 1`` samples (a lookup shared by
-        the batch, broadcast later) gets a shift with a row per sample, so that each
-        sample's vectors there stay apart. The caller removes the hooks before any
-        backward pass: a non-reentrant gradient checkpoint recomputes its layers
-        there, and the shifts of the forward pass are the ones differentiated.
-        """
+        """Hooks keeping layers' inputs and adding zero shifts (a row per sample) to outputs."""
         record: Dict[str, Tuple[Tensor, Tensor]] = {}
 
         def hook_for(name):
@@ -176,8 +130,7 @@ class HooksEngine(EngineBase):
                 return out + shift
             return hook
 
-        # before the user's forward hooks: the shift is the layer's own output's, and
-        # what their hooks make of it is part of the function
+        # before the user's forward hooks, which are part of the function
         handles = [self._layers[name][0].register_forward_hook(hook_for(name), prepend=True)
                    for name in names]
         return record, handles
@@ -185,18 +138,10 @@ class HooksEngine(EngineBase):
     def _vectors(self, inputs: Any, targets: Optional[Tensor], names: List[str],
                  columns, gradient: bool = True
                  ) -> Tuple[Tensor, Tensor, Dict[str, Tuple[Tensor, Optional[Tensor], list]]]:
-        """One forward pass; per layer its input, the loss's vectors and ``columns``'.
-
-        ``columns(outputs)`` gives the grad-outputs ``(V, N, C)`` of the curvature
-        passes (or ``None``); ``gradient=False`` skips the loss's backward pass.
-        """
+        """One forward pass; per layer its input, the loss's vectors and the ``columns``' ones."""
         record, handles = self._record(names, batches.batch_size(inputs))
-        try:
-            with torch.enable_grad():
-                outputs, loss = self._forward_loss(inputs, targets)
-        finally:
-            for h in handles:
-                h.remove()
+        with removing(handles), torch.enable_grad():
+            outputs, loss = self._forward_loss(inputs, targets)
         order = [name for name in names if name in record]
         shifts = [record[name][1] for name in order]
         cols = columns(outputs.detach())
@@ -268,20 +213,13 @@ class HooksEngine(EngineBase):
         return outputs, loss, grad
 
     def probe(self, inputs: Any, targets: Optional[Tensor] = None) -> None:
-        """Check on two samples that the layer rules give autograd's per-sample gradients.
-
-        See :meth:`~lowrank_laplace.engine.base.EngineBase.probe` for the contract.
-
-        Raises:
-            NotImplementedError: If a gradient differs.
-        """
+        """See :meth:`EngineBase.probe`: the rules' per-sample gradients are autograd's."""
         if self._probed:
             return
         self._sync()
         n = batches.batch_size(inputs)
         device = batches.batch_device(inputs)
-        # two samples, distinct where the batch has them; a one-sample batch's sample
-        # twice: each sample's rows must be found among the rows of two
+        # two samples, distinct where the batch has them (else the one sample twice)
         j = distinct_sample(inputs, n)
         pair = [0, j if j is not None else min(1, n - 1)]
         first = batches.take(inputs, pair, n)
@@ -291,12 +229,7 @@ class HooksEngine(EngineBase):
         self._probed = True
 
     def _check_gradients(self, first: Any, targets: Optional[Tensor]) -> None:
-        """Each of two samples' gradients from the layer rules equals autograd's.
-
-        Per sample (not summed), so that a layer whose rows belong to the samples in
-        another order than assumed (a sequence-first layer) is caught too; two
-        samples, so that the grouping of rows is tested even on one-sample batches.
-        """
+        """Each sample's gradients from the rules equal autograd's (per sample, not summed)."""
         params = {i: p for i, p in enumerate(self._copy_params) if p.requires_grad}
         names = [n for n, _ in self._copy.named_parameters()]
         outputs, record = self._hooked_forward(first)
@@ -326,16 +259,10 @@ class HooksEngine(EngineBase):
                 f"The hooks backend's per-sample gradients differ from autograd's for "
                 f"{sorted(wrong)}: a trainable parameter is used outside its module, its "
                 "layer computes something else than the rule of its type assumes, or its "
-                "rows do not belong to the samples in order."
-            )
+                "rows do not belong to the samples in order.")
 
     def _hooked_forward(self, first: Any) -> Tuple[Tensor, Dict[str, Tuple[Tensor, Tensor]]]:
-        """The forward pass with the engine's hooks, checked against the plain one.
-
-        The hooks shift the trainable layers' outputs by zeros (with a row per sample
-        where an output is shared by the samples): the model must compute what it
-        computes without them, with the same random draws.
-        """
+        """The forward pass with the zero shifts, checked against the plain one (same draws)."""
         device = batches.batch_device(first)
         state = rng_state(device)
         with torch.no_grad():
@@ -343,19 +270,17 @@ class HooksEngine(EngineBase):
         checks.check_outputs(plain)
         set_rng_state(state, device)
         record, handles = self._record(list(self._layers), batches.batch_size(first))
-        try:
-            with torch.enable_grad():
-                outputs = self._net(first)
-        except NotImplementedError:  # a refusal of the hooks, already explained
-            raise
-        except (RuntimeError, ValueError, IndexError) as err:
-            raise NotImplementedError(
-                f"The model fails with the hooks backend's zero shifts on its trainable "
-                f"layers' outputs ({type(err).__name__}: {err}): a layer's output is "
-                "used in a way that depends on its shape.") from err
-        finally:
-            for h in handles:
-                h.remove()
+        with removing(handles):
+            try:
+                with torch.enable_grad():
+                    outputs = self._net(first)
+            except NotImplementedError:  # a refusal of the hooks, already explained
+                raise
+            except (RuntimeError, ValueError, IndexError) as err:
+                raise NotImplementedError(
+                    f"The model fails with the hooks backend's zero shifts on its trainable "
+                    f"layers' outputs ({type(err).__name__}: {err}): a layer's output is "
+                    "used in a way that depends on its shape.") from err
         if outputs.shape != plain.shape or not torch.allclose(outputs.detach(), plain):
             raise NotImplementedError(
                 "The model computes other outputs with the hooks backend's zero shifts on "

@@ -1,23 +1,10 @@
-r"""The hooks backend's layer rules: one small class per layer type, found in a table.
+"""The hooks backend's layer rules: one small class per layer type, found in a table.
 
-A rule knows one layer type: which of its parameters may be trainable
-(:attr:`LayerRule.params`) and how the block of ``V^T`` rows of each of them follows
-from the layer's input ``a`` and the vectors ``g`` backpropagated to its output
-(:meth:`LayerRule.block`), the layer's own per-sample gradient formula (a norm's
-normalisation included). :data:`RULES` maps module types to rules (a subclass takes
-its closest base's rule); :data:`NAMED_RULES` holds the rules of layers known by
-their class name only (Hugging Face's ``Conv1D``, any ``*RMSNorm``), each deciding
-with :meth:`LayerRule.matches`. :func:`rule_for` looks a module up in both.
-
-A new layer type is one rule class and one row in one of the two tables; its float64
-test against the dense torch.func reference goes into ``tests/engine/test_hooks.py``
-(see ``docs/contributing.md``). The backend's first-batch check compares every
-rule's per-sample gradients with autograd's, so a layer that computes something else
-than its rule assumes is refused, not mis-measured.
-
-Shape glossary:
-    V: vectors per sample; N: samples; T: positions per sample (flattened, 1 without
-    a token axis); ``in``, ``out``: the layer's input and output features.
+A rule knows which parameters of its layer may be trainable and forms their blocks
+from the layer's input ``a`` and output vectors ``g``. :data:`RULES` maps module types
+to rules, :data:`NAMED_RULES` matches layers by class name; adding one:
+``docs/contributing.md``. Shapes: ``V`` vectors per sample, ``N`` samples, ``T``
+positions per sample (1 without a token axis), ``in``/``out`` features.
 """
 
 from __future__ import annotations
@@ -33,42 +20,33 @@ from lowrank_laplace.factor.blocks import Block
 
 
 def positions(g: Tensor, width: int) -> Tensor:
-    """The vectors with every sample's positions on one axis, ``(V, N, T, width)``.
+    """Return the vectors ``(V, N, *, out)`` at a layer's output as ``(V, N, T, width)``.
 
     Args:
-        g: The vectors at a layer's output, ``(V, N, *, out)``.
+        g: The vectors.
         width: The features per position.
-
-    Returns:
-        The reshaped vectors.
     """
     return g.reshape(g.shape[0], g.shape[1], -1, width)
 
 
 def bias_rows(gs: Tensor) -> Block:
-    """A bias's rows: the vectors summed over the positions, ``(V N, width)``.
+    """Return a bias's rows ``(V N, width)``: the vectors summed over the positions.
 
     Args:
-        gs: The vectors, ``(V, N, T, width)`` (:func:`positions`).
-
-    Returns:
-        The block.
+        gs: The vectors ``(V, N, T, width)``.
     """
     num_vectors, n, _, width = gs.shape
     return DenseBlock(gs.sum(2).reshape(num_vectors * n, width))
 
 
 def weight_rows(pattern: str, gs: Tensor, a: Tensor) -> Block:
-    """A matrix weight's rows ``sum_t g_t a_t^T``, expanded, ``(V N, out * in)``.
+    """Return a matrix weight's rows ``sum_t g_t a_t^T``, expanded, ``(V N, out * in)``.
 
     Args:
-        pattern: The einsum from ``(V, N, T, out)`` and ``(N, T, in)`` to the
-            weight's layout per row (``"vnto,nti->vnoi"`` for ``(out, in)``).
-        gs: The vectors, ``(V, N, T, out)`` (:func:`positions`).
-        a: The layer's input, ``(N, *, in)``.
-
-    Returns:
-        The block.
+        pattern: The einsum from ``(V, N, T, out)`` and ``(N, T, in)`` to the weight's
+            layout per row (``"vnto,nti->vnoi"`` for ``(out, in)``).
+        gs: The vectors ``(V, N, T, out)``.
+        a: The layer's input ``(N, *, in)``.
     """
     num_vectors, n = gs.shape[:2]
     a3 = a.reshape(n, -1, a.shape[-1])
@@ -85,27 +63,21 @@ class LayerRule:
     label = ""
 
     def matches(self, module: nn.Module) -> bool:
-        """Whether the rule takes a module (rules in :data:`NAMED_RULES` only).
+        """Return whether the rule takes a module (rules in :data:`NAMED_RULES` only).
 
         Args:
             module: A module.
-
-        Returns:
-            ``True`` if it does.
         """
         return False
 
     def block(self, module: nn.Module, param: str, a: Tensor, g: Tensor) -> Block:
-        """Rows ``(v, n)`` of ``V^T`` for one parameter.
+        """Return the block of rows ``(v, n)`` of ``V^T`` for one parameter, ``V N`` rows.
 
         Args:
             module: The layer.
             param: The parameter's name in the layer (one of :attr:`params`).
-            a: The layer's input, ``(N, *, in)`` (indices for an embedding).
-            g: The vectors at the layer's output, ``(V, N, *, out)``.
-
-        Returns:
-            The block, ``V N`` rows.
+            a: The layer's input ``(N, *, in)`` (indices for an embedding).
+            g: The vectors at the layer's output ``(V, N, *, out)``.
         """
         raise NotImplementedError
 
@@ -165,14 +137,11 @@ class NormRule(LayerRule):
     """A norm's affine parameters: ``y = w * x_hat + b`` with ``x_hat`` the normalised input."""
 
     def normalized(self, module: nn.Module, a: Tensor) -> Tensor:
-        """The layer's input normalised, before its affine parameters.
+        """Return the layer's input normalised, before its affine parameters, ``(N, T, d)``.
 
         Args:
             module: The layer.
-            a: Its input, ``(N, *, d)``.
-
-        Returns:
-            ``x_hat``, ``(N, T, d)``.
+            a: Its input ``(N, *, d)``.
         """
         raise NotImplementedError
 
@@ -201,8 +170,7 @@ class LayerNormRule(NormRule):
 class RMSNormRule(NormRule):
     """Any ``*RMSNorm`` with a weight: ``x_hat = a / sqrt(mean(a^2) + eps)``.
 
-    The epsilon is read from ``variance_epsilon`` (Hugging Face) or ``eps``, else the
-    dtype's machine epsilon (``nn.RMSNorm(eps=None)``).
+    ``eps``: ``variance_epsilon`` (Hugging Face), ``eps``, else the dtype's machine epsilon.
     """
 
     params = ("weight",)
@@ -253,13 +221,10 @@ NAMED_RULES: Tuple[LayerRule, ...] = (Conv1DRule(), RMSNormRule())
 
 
 def rule_for(module: nn.Module) -> Optional[LayerRule]:
-    """The rule of a layer whose per-sample gradients the hooks backend knows.
+    """Return the rule of a layer whose per-sample gradients the hooks backend knows, or ``None``.
 
     Args:
         module: A module.
-
-    Returns:
-        Its rule, or ``None``.
     """
     for cls in type(module).__mro__:
         if cls in RULES:
@@ -268,9 +233,5 @@ def rule_for(module: nn.Module) -> Optional[LayerRule]:
 
 
 def supported_parameters() -> str:
-    """The trainable parameters the rules cover, for messages.
-
-    Returns:
-        A comma-separated list of the rules' labels.
-    """
+    """Return the rules' labels, comma-separated, for messages."""
     return ", ".join(rule.label for rule in (*RULES.values(), *NAMED_RULES))

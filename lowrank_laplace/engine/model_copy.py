@@ -1,12 +1,7 @@
 r"""The engine's private copy of the user's model, and the hooks that are part of its function.
 
-Every backend computes on a deep copy of the model (the user's model is never
-touched). Forward hooks and pre-hooks are part of the function the model computes
-(an output scaled by a hook, an input shifted by a pre-hook, the re-parametrisations
-of ``torch.nn.utils.prune`` and ``weight_norm``): they stay on the copy, and each
-backend either computes the GGN of that function or refuses the model, BackPACK
-those hooks that change a layer's output, input or attributes
-(:func:`function_hooks`). Backward hooks change no function and are dropped.
+Forward hooks and pre-hooks stay on the copy, backward hooks are dropped
+(docs/concepts.md, "The backends").
 """
 
 from __future__ import annotations
@@ -18,18 +13,12 @@ from typing import Any, Callable, Dict, Iterator, List
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-#: Where a module keeps its backward hooks: they change no function and are dropped.
 _BACKWARD_HOOK_DICTS = ("_backward_hooks", "_backward_pre_hooks")
-#: Where a module keeps its forward hooks and pre-hooks: part of the function, kept.
 _FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
 
 
-#: Module options that change how the backward pass forms gradients, not the function
-#: the module computes: the copy takes the neutral value, so that every backend
-#: computes the function's GGN and gradients. ``scale_grad_by_freq`` divides an
-#: embedding row's gradient by its token's count in the mini-batch (an optimiser
-#: heuristic that forward-mode derivatives do not see); ``sparse`` gives the gradient
-#: as a sparse tensor.
+#: Options of the backward pass only, neutral on the copy (``scale_grad_by_freq``
+#: divides a row's gradient by its token count; ``sparse`` gives sparse gradients).
 BACKWARD_OPTIONS: Dict[type, Dict[str, Any]] = {
     nn.Embedding: {"scale_grad_by_freq": False, "sparse": False},
     nn.EmbeddingBag: {"scale_grad_by_freq": False, "sparse": False},
@@ -37,24 +26,14 @@ BACKWARD_OPTIONS: Dict[type, Dict[str, Any]] = {
 
 
 def private_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of the model with its forward hooks but without its backward hooks.
+    """Return a deep copy of the model with its forward hooks but without backward hooks.
 
-    Forward hooks and pre-hooks are part of the function the model computes (a hook
-    scaling a layer's output, a pre-hook shifting its input, the re-parametrisations
-    of ``torch.nn.utils.prune`` and ``weight_norm``), so they stay on the copy and
-    fire in the engine's passes. Backward hooks change no function (they would fire
-    once per internal pass): the copy has none, nor the hooks of BackPACK's
-    ``extend`` (on a model extended by laplace-torch's BackPACK backend), which are
-    machinery. Global hooks (``torch.nn.modules.module.register_module_forward_hook``)
-    still apply. Tensors a pre-hook computed from parameters (a pruned ``weight``)
-    are copied detached: the pre-hook computes them anew on the copy. Options of the
-    backward pass only take their neutral values (:data:`BACKWARD_OPTIONS`).
+    Also without BackPACK's ``extend`` hooks; global module hooks still apply. Tensors a
+    pre-hook computed from parameters (a pruned ``weight``) are copied detached; options
+    of the backward pass take their neutral values (:data:`BACKWARD_OPTIONS`).
 
     Args:
         model: The user's network (unchanged).
-
-    Returns:
-        The copy.
     """
     memo = {id(value): value.detach().clone() for module in model.modules()
             for value in vars(module).values()
@@ -78,6 +57,23 @@ def private_copy(model: nn.Module) -> nn.Module:
     return clone
 
 
+@contextlib.contextmanager
+def removing(handles: List[Any]) -> Iterator[None]:
+    """Remove hooks when the block exits, however it exits.
+
+    Args:
+        handles: The hooks' handles.
+
+    Yields:
+        Nothing.
+    """
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _is_backpack(hook: Callable) -> bool:
     """Whether a hook is BackPACK's (``extend`` stores each module's input and output)."""
     return (getattr(hook, "__module__", None) or "").split(".")[0] == "backpack"
@@ -85,19 +81,14 @@ def _is_backpack(hook: Callable) -> bool:
 
 @contextlib.contextmanager
 def function_hooks(net: nn.Module) -> Iterator[List[str]]:
-    """Find the forward hooks that take part in the function while the context runs.
+    """Yield the names of modules whose forward hooks take part in the function, as they run.
 
-    Within the context every forward hook and pre-hook of ``net`` is watched: one
-    that returns a value, changes the tensors it receives in place, or changes its
-    module's attributes (as pruning and ``weight_norm`` set the weight) is part of the
-    function; one that only looks (records features, logs shapes) is not. The hooks
-    are restored on exit.
+    A hook that returns a value, changes its tensors in place or changes its module's
+    attributes (as pruning does) takes part; one that only looks does not. The hooks are
+    restored on exit.
 
     Args:
         net: The (private copy of the) network.
-
-    Yields:
-        The names of the modules with hooks that take part, filled as they run.
     """
     found: List[str] = []
     saved = []

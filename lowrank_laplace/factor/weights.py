@@ -1,12 +1,8 @@
-"""Products of a block with a matrix under a diagonal weight, in float64 slices.
+"""Products ``B diag(w) U`` of a block under a diagonal weight (prior variances), in float64.
 
-The GLM predictive forms ``B P_0^{-1} U`` block by block (``P_0^{-1}`` the prior
-variances, a scalar or one per parameter entry): a block widens itself to float64 a
-slice of its parameter's entries at a time (:meth:`DenseBlock.wide_parts`,
-:meth:`KronBlock.wide_parts`), and these helpers weight the matching rows of ``U``.
-
-Shape glossary:
-    M: rows of a block; d: entries of the parameter; r: columns of ``U``.
+Blocks widen a slice of entries at a time (``Block.wide_parts``); these helpers weight
+the matching rows of ``U``. Shapes: ``M`` rows of a block, ``d`` entries of the
+parameter, ``r`` columns of ``U``.
 """
 
 from __future__ import annotations
@@ -25,14 +21,11 @@ WIDE_ENTRIES = 2**22
 
 
 def weight_slice(w: Weight, params: slice) -> Weight:
-    """The weights of the entries ``params`` in float64 (a scalar whole).
+    """Return the weights of the entries ``params`` in float64 (a scalar whole).
 
     Args:
         w: A scalar or per-entry weight.
         params: The entries.
-
-    Returns:
-        Their weight.
     """
     if not isinstance(w, Tensor):
         return w
@@ -40,19 +33,13 @@ def weight_slice(w: Weight, params: slice) -> Weight:
 
 
 def weighted_product(block: Any, U: Tensor, w: Weight, params: slice) -> Tensor:
-    """``B diag(w) U_s`` in float64 for the rows ``params`` of ``U`` (``B`` float64).
-
-    A per-entry weight scales the rows of ``U_s`` before the product, a scalar one the
-    product's columns after it.
+    """Return ``B diag(w) U_s`` ``(M, r)`` in float64 for a float64 block over the rows ``params``.
 
     Args:
         block: A float64 block over the entries ``params``.
-        U: Shape ``(d, r)`` (all of the parameter's entries).
+        U: Shape ``(d, r)``, all of the parameter's entries.
         w: The parameter's weight.
         params: The entries of the block.
-
-    Returns:
-        Shape ``(M, r)``.
     """
     w_s = weight_slice(w, params)
     U_s = U[params].to(SMALL_DTYPE)

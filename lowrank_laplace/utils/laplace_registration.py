@@ -1,10 +1,8 @@
 """Registering ``hessian_structure="lowrank_ggn"`` with laplace-torch, in either import order.
 
-laplace-torch's ``Laplace`` factory finds ``hessian_structure="lowrank_ggn"`` among the
-subclasses of its base classes when it is called, so :mod:`lowrank_laplace.laplace_torch`
-must be imported before the first call. ``import lowrank_laplace`` does not import
-torch; :func:`register_with_laplace` imports the classes at once if laplace-torch is
-already imported, and otherwise right after laplace-torch's own import finishes.
+``Laplace`` finds the structure among its base classes' subclasses when called, so
+:mod:`lowrank_laplace.laplace_torch` is imported at once if ``laplace`` is, else right
+after laplace-torch's own import (``import lowrank_laplace`` does not import torch).
 """
 
 from __future__ import annotations
@@ -23,15 +21,7 @@ LAPLACE_CLASSES = "lowrank_laplace.laplace_torch"
 
 @contextlib.contextmanager
 def _quiet_laplace_import() -> Iterator[None]:
-    """Hide the one warning importing laplace-torch prints, inside the block only.
-
-    Importing laplace-torch imports its optional asdl backend, which calls the
-    deprecated ``torch.jit.script``: nothing a user can act on. The user's warning
-    filters are the same before and after.
-
-    Yields:
-        Nothing.
-    """
+    """Hide laplace-torch's import warning (asdl's ``torch.jit.script``) inside the block only."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated",
                                 category=FutureWarning)
@@ -39,11 +29,7 @@ def _quiet_laplace_import() -> Iterator[None]:
 
 
 def import_laplace_classes() -> ModuleType:
-    """Import :data:`LAPLACE_CLASSES` (and with it laplace-torch), which registers them.
-
-    Returns:
-        The module.
-    """
+    """Return :data:`LAPLACE_CLASSES`, imported (with laplace-torch), which registers them."""
     with _quiet_laplace_import():
         return importlib.import_module(LAPLACE_CLASSES)
 
@@ -51,22 +37,18 @@ def import_laplace_classes() -> ModuleType:
 class LaplaceFinder(importlib.abc.MetaPathFinder):
     """Imports :data:`LAPLACE_CLASSES` as soon as the top-level ``laplace`` module has run.
 
-    It finds nothing itself: it asks the other finders for ``laplace``'s spec and wraps
-    that spec's loader's ``exec_module`` for this one import.
+    It finds nothing itself: it wraps the ``exec_module`` of ``laplace``'s own spec's loader.
     """
 
     def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None,
                   target: Optional[ModuleType] = None
                   ) -> Optional[importlib.machinery.ModuleSpec]:
-        """``laplace``'s own spec, its module's execution followed by ours; else ``None``.
+        """Return ``laplace``'s own spec, its module's execution followed by ours; else ``None``.
 
         Args:
             fullname: The dotted module path being imported.
             path: Passed on to the other finders.
             target: Passed on to the other finders.
-
-        Returns:
-            The spec or ``None``.
         """
         if fullname != "laplace":
             return None
@@ -101,10 +83,7 @@ def _uninstall_laplace_finder() -> None:
 
 
 def register_with_laplace() -> None:
-    """Register the laplace-torch classes now if ``laplace`` is imported, else when it is.
-
-    Importing :mod:`lowrank_laplace` calls this; a second call changes nothing.
-    """
+    """Register the laplace-torch classes now if ``laplace`` is imported, else when it is."""
     if "laplace" in sys.modules:
         import_laplace_classes()
     elif not any(isinstance(f, LaplaceFinder) for f in sys.meta_path):

@@ -1,14 +1,9 @@
 """Small work on one CPU thread, set once per public call and restored afterwards.
 
-PyTorch runs a matrix product, a batched product or an MKL vector function (``exp``,
-``log``) on every thread of its pool, however small the operands. On a quiet machine
-the cost is a wake-up of the pool per operation; beside another busy process every
-wake-up waits for a core, and the algebra of a small model (a few thousand
-parameters, a few hundred kept eigenpairs), which makes thousands of such calls,
-stalls (docs/benchmarks/design_measurements.md). So a public call whose largest
-operation is small runs on one thread, decided from sizes alone (the machine's load
-is never read), and the user's setting comes back when the call returns. Large work
-runs on the user's setting.
+Beside a busy process every wake-up of PyTorch's thread pool waits for a core, and the
+thousands of small operations of a small model's algebra stall
+(docs/benchmarks/design_measurements.md). So a call whose largest operation is small
+runs on one thread, decided from sizes alone, never from the machine's load.
 """
 
 from __future__ import annotations
@@ -19,8 +14,7 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence, 
 
 import torch
 
-#: Work (e.g. ``D r`` multiply-adds per product) below which a posterior's queries run
-#: on one CPU thread.
+#: Work (e.g. ``D r`` multiply-adds) below which a posterior's queries run on one thread.
 SMALL_WORK = 2**24
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -31,8 +25,7 @@ def cpu_threads(num: Optional[int]) -> Iterator[None]:
     """Run a block with ``num`` PyTorch CPU threads, restoring the setting afterwards.
 
     Args:
-        num: Threads for the block; ``None`` or more than the current setting leaves
-            it unchanged.
+        num: Threads; ``None`` or more than the current setting changes nothing.
 
     Yields:
         Nothing.
@@ -49,14 +42,11 @@ def cpu_threads(num: Optional[int]) -> Iterator[None]:
 
 
 def small_work(work: float, device: Any) -> ContextManager[None]:
-    """One CPU thread for work below :data:`SMALL_WORK`, else the user's setting.
+    """Return a context of one CPU thread for work below :data:`SMALL_WORK`, else a null one.
 
     Args:
-        work: Size of the call's largest operation (multiply-adds).
-        device: Where it runs (only the CPU has a thread pool to spare).
-
-    Returns:
-        A context manager.
+        work: Multiply-adds of the call's largest operation.
+        device: Where it runs (only the CPU has a pool to spare).
     """
     if torch.device(device).type != "cpu" or work >= SMALL_WORK:
         return contextlib.nullcontext()
@@ -99,20 +89,14 @@ class _ScopedBackward(torch.autograd.Function):
 
 def scoped_backward(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
                     work: float, device: Any) -> torch.Tensor:
-    """``fn(*inputs)``, differentiable in ``inputs``, its backward under :func:`small_work`.
+    """Return ``fn(*inputs)``, its backward (a user's ``loss.backward()``) under :func:`small_work`.
 
-    A user's ``loss.backward()`` runs outside any scope a query sets, on every thread of
-    the pool: the many small operations of a marginal-likelihood gradient then stall
-    beside other work as the forward would. Gradients reach ``inputs`` only: ``fn``
-    must not depend on other tensors that require them.
+    Gradients reach ``inputs`` only: ``fn`` must not depend on other tensors requiring them.
 
     Args:
         fn: Scalar function of the inputs.
         inputs: Tensors, some requiring gradients.
         work: Size of the largest operation (see :func:`small_work`).
         device: Where it runs.
-
-    Returns:
-        The value, whose gradient flows to ``inputs``.
     """
     return _ScopedBackward.apply(fn, work, device, *inputs)
