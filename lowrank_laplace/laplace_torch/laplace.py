@@ -2,19 +2,14 @@ r"""``hessian_structure="lowrank_ggn"`` for laplace-torch.
 
 After ``import lowrank_laplace``, laplace-torch's own factory returns these classes::
 
-    from laplace import Laplace
     la = Laplace(model, "classification", subset_of_weights="all",
                  hessian_structure="lowrank_ggn")
     la.fit(train_loader)
 
-The curvature is laplace-torch's GGN (a sum over the training data, times
-``1/sigma^2/T``), represented by its exact leading eigenpairs, which
-:class:`~lowrank_laplace.fitting.fit.LoaderFit` computes from the engine's
-factors ``V``. The posterior precision ``P = U diag(ell) U^T + P_0`` is handled by
-:class:`~lowrank_laplace.posterior.LowRankPrecision` (determinant lemma, Woodbury),
-shifted by the residual model, and the GLM predictive by
-:mod:`lowrank_laplace.posterior.predictive` without materialising the ``(B, C, D)``
-Jacobian. The classes store the fit and serve laplace-torch's interface.
+The curvature is the GGN's exact leading eigenpairs
+(:class:`~lowrank_laplace.fitting.fit.LoaderFit`); the posterior
+precision ``U diag(ell) U^T + P_0``, shifted by the residual model, is a
+:class:`~lowrank_laplace.posterior.LowRankPrecision`.
 """
 
 from __future__ import annotations
@@ -54,11 +49,7 @@ from lowrank_laplace.utils.threads import on_one_thread_if_small
 
 
 def _check_positive(name: str, value) -> None:
-    """Refuse a non-numeric, non-positive or non-finite hyperparameter where it is set.
-
-    Raises the ``ValueError`` laplace-torch raises for a value of the wrong type
-    (e.g. the text ``"1.0"``), before any conversion.
-    """
+    """Refuse a non-numeric (laplace-torch's ``ValueError``), non-positive or infinite value."""
     if isinstance(value, bool) or not isinstance(value, (Tensor, numbers.Real)):
         raise ValueError(
             f"{name} must be a positive float or a torch.Tensor, got {value!r} of type "
@@ -109,24 +100,20 @@ class _Option:
 class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
     r"""Full-network Laplace with the GGN's exact leading eigenspace as curvature.
 
-    Accepts every argument of laplace-torch's ``ParametricLaplace`` (``backend`` is
-    accepted for compatibility and only used by inherited code paths, e.g. the
-    Jacobian fallback when ``enable_backprop=True``; an empirical-Fisher or Hessian
-    backend raises, since the curvature is always the GGN), plus the keyword options
-    of :class:`~lowrank_laplace.laplace_torch.options.LowRankOptions` (``rank``,
-    ``mc_samples``, ``subsample_fraction``, ``memory_budget``, ``micro_batch_size``,
-    ``seed``, ``low_memory``, ``factor_backend``, ``solver``, ``residual``,
-    ``warm_start``), each readable as an attribute (``la.rank``), and
-    ``diagonal_correction``, a deprecated alias: ``True`` means
-    ``residual="diagonal"``, ``False`` means ``residual="none"``.
+    Accepts laplace-torch's ``ParametricLaplace`` arguments (``backend`` only serves
+    inherited paths such as ``enable_backprop=True``; an empirical-Fisher or Hessian
+    backend raises) and the options of
+    :class:`~lowrank_laplace.laplace_torch.options.LowRankOptions`, each readable as an
+    attribute (``la.rank``). ``diagonal_correction`` is a deprecated alias
+    (``True``: ``residual="diagonal"``, ``False``: ``residual="none"``).
 
     Attributes:
         options: The validated :class:`LowRankOptions`.
-        fit_path: ``"dense"``, ``"streaming"`` or ``"sketch"``: the path the last fit
-            took (``None`` before a fit).
+        fit_path: ``"dense"``, ``"streaming"`` or ``"sketch"`` (``None`` before a fit).
         factor_backend_used: The backend that computed ``V`` in the last fit.
         warm_started: Whether the last fit's sketch started from this posterior's
-            previous eigenvectors (:mod:`~lowrank_laplace.laplace_torch.warm`).
+            previous eigenvectors.
+        fit_report: How faithful the last fit is (:class:`FitReport`).
     """
 
     _key = ("all", "lowrank_ggn")
@@ -163,7 +150,6 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         self.rank_bound: Optional[int] = None
         self._residual_model: Optional[Residual] = None
         self._fitted_residual: Optional[str] = None
-        #: How faithful the last fit is (:class:`FitReport`; ``None`` before a fit).
         self.fit_report: Optional[FitReport] = None
 
     def __repr__(self) -> str:
