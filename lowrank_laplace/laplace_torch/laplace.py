@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from collections.abc import MutableMapping
 from dataclasses import replace
 from typing import Any, List, Optional, Tuple
 
@@ -27,7 +26,6 @@ from laplace.lllaplace import LLLaplace
 from torch import Tensor, nn
 
 from lowrank_laplace.fitting.fit import FitResult, FitTarget, LoaderFit
-from lowrank_laplace.fitting.loader import check_batch_types, loader_size
 from lowrank_laplace.laplace_torch.options import (
     OPTION_NAMES,
     LowRankOptions,
@@ -44,11 +42,10 @@ from lowrank_laplace.posterior import GramCache, Residual, residual_class
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.probe import probe_residual
 from lowrank_laplace.posterior.residual import DEFAULT_RESIDUAL
-from lowrank_laplace.utils.batches import batch_size
 from lowrank_laplace.utils.threads import on_one_thread_if_small
 
 
-def _check_positive(name: str, value) -> None:
+def check_positive(name: str, value) -> None:
     """Refuse a non-numeric (laplace-torch's ``ValueError``), non-positive or infinite value."""
     if isinstance(value, bool) or not isinstance(value, (Tensor, numbers.Real)):
         raise ValueError(
@@ -169,7 +166,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
 
     @prior_precision.setter
     def prior_precision(self, value) -> None:
-        _check_positive("prior_precision", value)
+        check_positive("prior_precision", value)
         ParametricLaplace.prior_precision.fset(self, value)
 
     @property
@@ -179,7 +176,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
 
     @sigma_noise.setter
     def sigma_noise(self, value) -> None:
-        _check_positive("sigma_noise", value)
+        check_positive("sigma_noise", value)
         ParametricLaplace.sigma_noise.fset(self, value)
 
     @property
@@ -189,7 +186,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
 
     @temperature.setter
     def temperature(self, value) -> None:
-        _check_positive("temperature", value)
+        check_positive("temperature", value)
         self._temperature = value
 
     @on_one_thread_if_small
@@ -372,91 +369,6 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             raise ValueError(f"jacobian_exponent must be finite and >= 0, got {value}.")
         self._jacobian_exponent = value
         self._residual_model = None
-
-
-class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
-    """Last-layer Laplace with the last layer's exact low-rank GGN.
-
-    Same options as :class:`LowRankGGNLaplace` plus laplace-torch's last-layer
-    arguments (``last_layer_name``, ``feature_reduction``).
-    """
-
-    _key = ("last_layer", "lowrank_ggn")
-
-    def __init__(self, model: nn.Module, likelihood: str, *args: Any,
-                 diagonal_correction: Optional[bool] = None, **kwargs: Any):
-        options = split_options(kwargs)
-        super().__init__(model, likelihood, *args, **kwargs)
-        self._set_options(diagonal_correction, options)
-        self._check_backend()
-        if self.model.last_layer is None:  # laplace-torch checks the prior at fit
-            _check_positive("prior_precision", self._prior_precision)
-
-    def fit(self, train_loader: Any, override: bool = True,
-            progress_bar: bool = False) -> None:
-        """Find the last layer on the loader's first batch, then fit its low-rank GGN.
-
-        Args:
-            train_loader: As in :meth:`LowRankGGNLaplace.fit`.
-            override: Must be ``True`` (laplace-torch's last-layer posteriors have no
-                online updates).
-            progress_bar: Show a tqdm progress bar over batches.
-
-        Raises:
-            ValueError: For a loader without ``dataset``, an empty loader, a frozen
-                last layer, or what :meth:`LowRankGGNLaplace.fit` refuses.
-            TypeError: For batches that do not hold tensors.
-        """
-        loader_size(train_loader)
-        if self.model.last_layer is None:  # laplace-torch feeds it the first batch
-            data = next(iter(train_loader), None)
-            if data is None:
-                raise ValueError("train_loader yielded no batches: nothing to fit.")
-            if not isinstance(data, MutableMapping):
-                check_batch_types(*data)
-        LLLaplace.fit(self, train_loader, override=override, progress_bar=progress_bar)
-
-    def _expected_dim(self) -> Optional[int]:
-        last = getattr(self.model, "last_layer", None)
-        return None if last is None else sum(p.numel() for p in last.parameters())
-
-    def _curvature_target(self):
-        last = self.model.last_layer
-        if not all(p.requires_grad for p in last.parameters()):
-            raise ValueError(
-                "The last layer's parameters must require gradients: the last-layer "
-                "posterior covers all of them. Unfreeze them (requires_grad_(True))."
-            )
-        extractor = self.model
-
-        def features(X):
-            with torch.no_grad():
-                phi = extractor.forward_with_features(X)[1].detach()
-            n = batch_size(X)  # several rows per sample (reward pairs): grouped per sample
-            return phi if phi.shape[0] == n else phi.reshape(n, -1, *phi.shape[1:])
-
-        return _LastLayer(last), features, list(last.parameters())
-
-    def _glm_predictive_distribution(self, X, joint: bool = False,
-                                     diagonal_output: bool = False):
-        self._check_H_init()  # before laplace-torch looks for the last layer
-        return LLLaplace._glm_predictive_distribution(self, X, joint, diagonal_output)
-
-
-class _LastLayer(nn.Module):
-    """The last layer on per-sample features; ``(N, k, d)`` features give ``(N, k C)``.
-
-    A pairwise reward model scores the two items of a sample with its last layer and
-    returns them side by side: its curvature's outputs are the ``k`` scores of a sample.
-    """
-
-    def __init__(self, last: nn.Module):
-        super().__init__()
-        self.last = last
-
-    def forward(self, features: Tensor) -> Tensor:
-        out = self.last(features)
-        return out.flatten(1) if out.dim() == 3 else out
 
 
 for _name in OPTION_NAMES:  # la.rank, la.solver, ...: read-only views of la.options

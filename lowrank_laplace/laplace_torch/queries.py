@@ -283,6 +283,11 @@ class PosteriorQueries:
                                      ) -> Tuple[Tensor, Tensor]:
         if self.enable_backprop:
             return super()._glm_predictive_distribution(X, joint, diagonal_output)
+        return self._engine_predictive(self.model, X, joint, diagonal_output)
+
+    def _engine_predictive(self, module: torch.nn.Module, X: Union[Tensor, MutableMapping],
+                           joint: bool, diagonal_output: bool) -> Tuple[Tensor, Tensor]:
+        """The GLM predictive with ``module``'s Jacobians from the fit's engine."""
         if torch.is_inference_mode_enabled():
             raise RuntimeError(
                 "lowrank_ggn's GLM predictive forms Jacobians by backward passes, which "
@@ -297,7 +302,7 @@ class PosteriorQueries:
                      and prior.numel() != self.n_params)
         weights = prior_variance_weights(precision, sizes, per_layer)
         f_mu, f_var = glm_predictive(
-            self.model, to_device(X, self._device), precision, weights,
+            module, to_device(X, self._device), precision, weights,
             backend=self.factor_backend, joint=joint, memory_budget=self.memory_budget,
             micro_batch_size=self.micro_batch_size,
         )
