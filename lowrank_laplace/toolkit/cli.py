@@ -1,11 +1,10 @@
 """The ``lowrank-laplace`` command (also ``python -m lowrank_laplace``).
 
-``calibrate`` (the main job, :mod:`~lowrank_laplace.toolkit.calibration`), ``rank-study``
+``calibrate`` (:mod:`~lowrank_laplace.toolkit.calibration`), ``rank-study``
 (:mod:`~lowrank_laplace.toolkit.rank_study`) and ``spectrum``
-(:mod:`~lowrank_laplace.toolkit.spectrum_demo`). The parser is built from the option
-tables of :mod:`~lowrank_laplace.toolkit.options`, and every option is checked before a
-command imports its study (laplace-torch, matplotlib), loads data or trains: ``--help``
-and refused runs take a fraction of a second; a refused run prints one line, exit code 2.
+(:mod:`~lowrank_laplace.toolkit.spectrum_demo`), their parser built from the tables of
+:mod:`~lowrank_laplace.toolkit.options`. Every option is checked before a command imports
+its study, loads data or trains; a refused run prints one line, exit code 2.
 """
 
 from __future__ import annotations
@@ -131,20 +130,12 @@ class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line (``prog: error: ...``), exit code 2."""
 
     def error(self, message: str):
-        """Report a usage error in one line and exit with code 2.
-
-        Args:
-            message: What is wrong.
-        """
+        """Report a usage error in one line and exit with code 2."""
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Build the argument parser from :data:`COMMANDS`; ``--help`` shows every default.
-
-    Returns:
-        The parser.
-    """
+    """Return the argument parser built from :data:`COMMANDS` (``--help`` shows defaults)."""
     fmt = argparse.ArgumentDefaultsHelpFormatter
     parser = _Parser(prog="lowrank-laplace", formatter_class=fmt, description="Low-rank GGN "
                      "curvature and Laplace posteriors for PyTorch networks.")
@@ -160,13 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of the ``lowrank-laplace`` command.
+    """Return the exit code of the ``lowrank-laplace`` command run on ``argv``.
 
     Args:
         argv: Arguments (default: ``sys.argv[1:]``).
-
-    Returns:
-        The exit code.
     """
     try:
         args = build_parser().parse_args(argv)

@@ -146,13 +146,10 @@ def _plot(report: dict, path: Path) -> Figure:
 
 
 def format_table(report: dict) -> str:
-    """The report as text: a row per reference and per (rank, residual), per angle.
+    """Return the report as a table: a row per reference and per (rank, residual).
 
     Args:
         report: The study's report.
-
-    Returns:
-        The table.
     """
     angles = [f"{a:g}" for a in report["config"]["angles"]]
     head = f"{'posterior':<34}" + "".join(f"{m + '@' + a:>12}" for a in angles for m in METRICS)

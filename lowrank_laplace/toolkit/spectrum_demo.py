@@ -41,13 +41,10 @@ COLUMNS = (("case", "<24"), ("rank", ">6"), ("lambda_1", ">11"), ("trace", ">11"
 
 
 def load_digits(seed: int) -> Tuple[Tensor, Tensor]:
-    """scikit-learn's digits as ``(N, 1, 8, 8)`` images in ``[0, 1]``, shuffled.
+    """Return scikit-learn's digits, shuffled: ``(N, 1, 8, 8)`` images in ``[0, 1]``, labels.
 
     Args:
         seed: Seed of the shuffling permutation.
-
-    Returns:
-        The images and their ``long`` labels.
     """
     X, y = datasets.load_images("digits")
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
