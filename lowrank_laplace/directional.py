@@ -1,14 +1,8 @@
-r"""Per-sample directional derivatives along GGN eigenvectors and their SNRs.
+"""Per-sample directional derivatives along GGN eigenvectors and their SNRs.
 
-Along a GGN eigenvector :math:`e_k` the quadratic model of sample ``n`` has slope
-:math:`\gamma_{nk} = e_k^\top g_n` and curvature :math:`\lambda_{nk} = e_k^\top G_n
-e_k`, where :math:`g_n, G_n` are gradient and GGN of the sample's own loss
-:math:`\ell_n` (the batch loss is their mean or sum). Both come from the Gram
-space: with :math:`e_k = V \tilde g_k / \sqrt{\lambda_k}`,
-:math:`\lambda_{nk} = s\,\lambda_k \sum_c \tilde g_{k,(c,n)}^2` (``s = N`` for mean,
-``1`` for sum reduction) and :math:`\gamma_{nk} = s\,\tilde g_k^\top (V^\top
-g^{(\rho)}_n) / \sqrt{\lambda_k}` with BackPACK's per-sample gradients
-:math:`g^{(\rho)}_n` of the reduced loss.
+Slopes ``gamma_nk = e_k^T g_n`` and curvatures ``lambda_nk = e_k^T G_n e_k`` of each
+sample's own loss, both from the Gram space (derivation: concepts page, "Directional
+derivatives").
 
 Shape glossary:
     N: batch size; N_S: curvature samples; K: eigenpairs; D: parameters.
@@ -72,13 +66,9 @@ class DirectionalDerivatives:
         return snr(self.lambdas)
 
 
-def directional_from_factor(
-    factor: GGNFactor,
-    group: int = 0,
-    top_k: Optional[int] = 10,
-    threshold: Optional[float] = None,
-    indices: Optional[Sequence[int]] = None,
-) -> DirectionalDerivatives:
+def directional_from_factor(factor: GGNFactor, group: int = 0, top_k: Optional[int] = 10,
+                            threshold: Optional[float] = None,
+                            indices: Optional[Sequence[int]] = None) -> DirectionalDerivatives:
     """Return one group's directional derivatives along the selected eigenvectors.
 
     Args:
@@ -112,24 +102,19 @@ def _directional(factor: GGNFactor, group: int, evals: Tensor, gvecs: Tensor,
     grad_scale = factor.num_samples if factor.reduction == "mean" else 1
     proj = factor.t_matmul_batch_grads(group)  # (M, N)
     gammas = grad_scale * (proj.T @ gvecs) / evals.sqrt()
-    return DirectionalDerivatives(
-        gammas=gammas,
-        lambdas=lambdas,
-        eigenvalues=evals,
-        eigenvectors=eigenvectors,
-        reduction=factor.reduction,
-        backend=factor.backend,
-    )
+    return DirectionalDerivatives(gammas, lambdas, evals, eigenvectors, factor.reduction,
+                                  factor.backend)
 
 
 def directional_derivatives(model: nn.Module, loss_func: nn.Module, inputs: Tensor,
                             targets: Tensor, top_k: Optional[int] = 10, **options: Any
                             ) -> Union[DirectionalDerivatives, List[DirectionalDerivatives]]:
-    """Per-sample slopes and curvatures along the GGN's eigenvectors, one backward pass.
+    """Return per-sample slopes and curvatures along the GGN's eigenvectors, one backward pass.
 
-    ``gammas`` use every sample of the batch; the GGN, its eigenvectors and ``lambdas``
-    (a row per curvature sample) follow ``mc_samples`` and ``subsampling``.
-    ``low_memory=True`` never holds all of ``V`` or of the per-sample gradients.
+    A :class:`DirectionalDerivatives` (a list, one per group, with ``param_groups``).
+    ``gammas`` use every sample of the batch; the GGN, its eigenvectors and ``lambdas`` (a
+    row per curvature sample) follow ``mc_samples`` and ``subsampling``. ``low_memory=True``
+    never holds all of ``V`` or of the per-sample gradients.
 
     Args:
         model: The network (left unchanged).
@@ -140,9 +125,6 @@ def directional_derivatives(model: nn.Module, loss_func: nn.Module, inputs: Tens
         **options: ``threshold`` and ``indices`` as in
             :func:`~lowrank_laplace.spectrum.gram_eigh`, and the fields of
             :class:`~lowrank_laplace.minibatch.CurvatureOptions`.
-
-    Returns:
-        :class:`DirectionalDerivatives` (a list, one per group, with ``param_groups``).
 
     Raises:
         MemoryError: If ``V`` (or with ``low_memory`` its largest block) would not fit.

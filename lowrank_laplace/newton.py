@@ -1,10 +1,7 @@
 r"""Damped Newton steps and inverse GGN-vector products in the GGN's nonzero eigenspace.
 
-Both are summed in the Gram space of ``V`` (ViViT): a step
-:math:`-\sum_k \gamma_k/(\lambda_k+\delta)\, e_k`, with :math:`\gamma_k = e_k^\top g`
-and :math:`e_k = V \tilde g_k / \sqrt{\lambda_k}`, needs one map ``V y`` to parameter
-space, and :math:`(G + \delta I)^{-1} = \delta^{-1}[I - V(\delta I + V^\top V)^{-1}V^\top]`
-(matrix inversion lemma) one Cholesky factor of the ``M x M`` damped Gram matrix.
+A step :math:`-\sum_k \gamma_k/(\lambda_k+\delta)\, e_k` and :math:`(G + \delta I)^{-1} x`
+(matrix inversion lemma), both in the Gram space of ``V`` (concepts page, "Newton steps").
 
 Shape glossary:
     N: batch size; M: columns of ``V``; D: parameters; K: vectors.
@@ -24,12 +21,8 @@ from lowrank_laplace.spectrum import gram_eigh
 from lowrank_laplace.utils import batches, checks
 
 
-def newton_step_from_factor(
-    factor: GGNFactor,
-    damping: float,
-    group: int = 0,
-    top_k: Optional[int] = None,
-) -> Tensor:
+def newton_step_from_factor(factor: GGNFactor, damping: float, group: int = 0,
+                            top_k: Optional[int] = None) -> Tensor:
     """Return a group's damped Newton step, flat over its parameters, ``(D,)``.
 
     Args:
@@ -58,10 +51,11 @@ def _newton_gram_coefficients(evals: Tensor, gvecs: Tensor, vtg: Tensor,
 def damped_newton_step(model: nn.Module, loss_func: nn.Module, inputs: Tensor,
                        targets: Tensor, damping: float = 1.0, top_k: Optional[int] = None,
                        **options: Any) -> Tensor:
-    """Damped Newton step in the GGN's nonzero eigenspace, from one backward pass.
+    """Return the damped Newton step in the GGN's nonzero eigenspace, from one backward pass.
 
-    With ``param_groups`` each group gets its own (block-diagonal) step;
-    ``low_memory=True`` takes three passes (two with the functorch backend).
+    The step is flat, ``(D,)``, over the parameters with ``requires_grad`` or, with
+    ``param_groups``, over the groups concatenated, each group's (block-diagonal) step its
+    own. ``low_memory=True`` takes three passes (two with the functorch backend).
 
     Args:
         model: The network (left unchanged).
@@ -71,10 +65,6 @@ def damped_newton_step(model: nn.Module, loss_func: nn.Module, inputs: Tensor,
         damping: ``delta >= 0``.
         top_k: Number of leading directions (``None``: all nonzero ones).
         **options: The fields of :class:`~lowrank_laplace.minibatch.CurvatureOptions`.
-
-    Returns:
-        Flat step, shape ``(D,)``: over ``model.parameters()`` with ``requires_grad`` or,
-        with ``param_groups``, the groups concatenated.
 
     Raises:
         ValueError: If ``damping`` is negative, NaN or infinite.
@@ -97,8 +87,7 @@ def _two_pass_step(engine: FactorEngine, args: tuple, damping: float,
     """The step from a Gram pass (with ``V^T g``) and a projection pass (``low_memory``)."""
     replay = RNGReplay(batches.batch_device(args[0]))
     if engine.gradient_in_factor_pass:
-        # V^T g from the Gram pass's own per-sample gradients: its random draws are
-        # shared with them, and the step pass replays them
+        # V^T g from the Gram pass's own per-sample gradients (same draws, replayed later)
         first = dict(batch_grad=True, cross_batch_grads=True)
     else:
         grads = engine.gradient(args[0], args[1], args[4])

@@ -1,9 +1,7 @@
-r"""Exact GGN spectrum from the small Gram matrix ``V^T V``.
+"""Exact GGN spectrum from the small Gram matrix ``V^T V``.
 
-The Gram matrix :math:`\tilde G = V^\top V` (``M x M``) and :math:`G = V V^\top`
-(``D x D``) share all nonzero eigenvalues. An eigenvector :math:`\tilde g_k` of
-:math:`\tilde G` with eigenvalue :math:`\lambda_k > 0` maps to the GGN eigenvector
-:math:`e_k = V \tilde g_k / \sqrt{\lambda_k}`.
+``V^T V`` and ``G = V V^T`` share all nonzero eigenvalues; a Gram eigenvector ``g_k`` gives
+the GGN eigenvector ``e_k = V g_k / sqrt(lambda_k)`` (concepts page, "The Gram matrix").
 
 Shape glossary:
     M: columns of ``V``; D: parameters in a group; K: selected eigenpairs.
@@ -82,12 +80,8 @@ def nonzero_tolerance(eigenvalues: Tensor, dim: int) -> float:
     return top * max(dim, 1) * torch.finfo(eigenvalues.dtype).eps
 
 
-def select(
-    eigenvalues: Tensor,
-    top_k: Optional[int] = None,
-    threshold: Optional[float] = None,
-    indices: Optional[Sequence[int]] = None,
-) -> Tensor:
+def select(eigenvalues: Tensor, top_k: Optional[int] = None, threshold: Optional[float] = None,
+           indices: Optional[Sequence[int]] = None) -> Tensor:
     """Return the positions (long tensor) of the chosen ones of descending nonzero eigenvalues.
 
     Args:
@@ -126,15 +120,12 @@ def _check_top_k(top_k) -> int:
 SOLVERS = ("auto", "eigh", "arpack", "matrix_free")
 
 
-def gram_eigh(
-    factor: GGNFactor,
-    group: int = 0,
-    top_k: Optional[int] = None,
-    threshold: Optional[float] = None,
-    indices: Optional[Sequence[int]] = None,
-    solver: str = "auto",
-) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """Eigenpairs of the Gram matrix ``V^T V`` of one group.
+def gram_eigh(factor: GGNFactor, group: int = 0, top_k: Optional[int] = None,
+              threshold: Optional[float] = None, indices: Optional[Sequence[int]] = None,
+              solver: str = "auto") -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Return ``(eigenvalues (K,), Gram eigenvectors (M, K), all nonzero eigenvalues)``.
+
+    Of one group's ``V^T V``; the last is ``None`` unless ``'eigh'`` ran.
 
     Args:
         factor: The GGN factor.
@@ -146,10 +137,6 @@ def gram_eigh(
             ``'arpack'`` (the ``top_k`` leading eigenpairs of the Gram by scipy's ``eigsh``
             in float64), ``'matrix_free'`` (ARPACK on ``V^T (V x)``, no Gram; needs kept
             blocks) or ``'auto'`` (``'arpack'`` on the CPU for ``top_k < M / 4``).
-
-    Returns:
-        ``(eigenvalues (K,), gram_eigenvectors (M, K), all_nonzero_eigenvalues)``,
-        the last being ``None`` unless ``'eigh'`` ran.
 
     Raises:
         ValueError: For an unknown solver, or an ARPACK solver without ``top_k``.
@@ -213,9 +200,8 @@ def _arpack(factor: GGNFactor, group: int, k: int, matrix_free: bool) -> Tuple[T
     return evals[positive], evecs[:, positive]
 
 
-def to_parameter_space(
-    factor: GGNFactor, evals: Tensor, gram_evecs: Tensor, group: int = 0
-) -> Tensor:
+def to_parameter_space(factor: GGNFactor, evals: Tensor, gram_evecs: Tensor,
+                       group: int = 0) -> Tensor:
     """Return the orthonormal GGN eigenvectors ``e_k = V g_k / sqrt(lambda_k)``, ``(D, K)``.
 
     Args:
@@ -227,14 +213,9 @@ def to_parameter_space(
     return factor.matmul(gram_evecs / evals.sqrt(), group)
 
 
-def lowrank_ggn(
-    factor: GGNFactor,
-    group: int = 0,
-    top_k: Optional[int] = None,
-    threshold: Optional[float] = None,
-    indices: Optional[Sequence[int]] = None,
-    solver: str = "auto",
-) -> LowRankGGN:
+def lowrank_ggn(factor: GGNFactor, group: int = 0, top_k: Optional[int] = None,
+                threshold: Optional[float] = None, indices: Optional[Sequence[int]] = None,
+                solver: str = "auto") -> LowRankGGN:
     """Return the selected eigenpairs, exact trace and (``'eigh'``) spectrum of a group's GGN.
 
     Args:
@@ -246,22 +227,17 @@ def lowrank_ggn(
         solver: See :func:`gram_eigh`.
     """
     evals, gvecs, all_evals = gram_eigh(factor, group, top_k, threshold, indices, solver)
-    return LowRankGGN(
-        eigenvalues=evals,
-        eigenvectors=to_parameter_space(factor, evals, gvecs, group),
-        trace=factor.trace(group),
-        all_eigenvalues=all_evals,
-        shapes=[factor.shapes[i] for i in factor.groups[group]],
-        backend=factor.backend,
-    )
+    return LowRankGGN(evals, to_parameter_space(factor, evals, gvecs, group), factor.trace(group),
+                      all_evals, [factor.shapes[i] for i in factor.groups[group]], factor.backend)
 
 
 def ggn_eigh(model: nn.Module, loss_func: nn.Module, inputs: Tensor, targets: Tensor,
              top_k: Optional[int] = 10, **options: Any
              ) -> Union[LowRankGGN, List[LowRankGGN]]:
-    """Eigenpairs of a mini-batch GGN from ``V`` computed in one backward pass.
+    """Return the eigenpairs of a mini-batch GGN from ``V`` of one backward pass.
 
-    The GGN follows the loss's reduction (mean or sum of the per-sample GGNs).
+    A :class:`LowRankGGN`, or a list with one per group with ``param_groups``. The GGN follows
+    the loss's reduction (mean or sum of the per-sample GGNs).
 
     Args:
         model: The network (left unchanged; no hooks remain).
@@ -272,9 +248,6 @@ def ggn_eigh(model: nn.Module, loss_func: nn.Module, inputs: Tensor, targets: Te
         **options: ``threshold``, ``indices`` and ``solver`` as in :func:`gram_eigh`
             (``'matrix_free'`` needs all of ``V``), and the fields of
             :class:`~lowrank_laplace.minibatch.CurvatureOptions`.
-
-    Returns:
-        A :class:`LowRankGGN`, or a list with one per group with ``param_groups``.
 
     Raises:
         ValueError: For ``low_memory=True`` with ``solver='matrix_free'``.
@@ -306,12 +279,9 @@ def _two_pass_eigh(engine: FactorEngine, args: tuple, top_k, threshold, indices,
         return [gvecs / evals.sqrt() for evals, gvecs, _ in selected]
 
     grams, projected = engine.gram_and_projection(*args, coefficients)
-    return [
-        LowRankGGN(eigenvalues=evals, eigenvectors=projected.projected_flat(g),
-                   trace=grams.trace(g), all_eigenvalues=all_evals,
-                   shapes=[grams.shapes[i] for i in grams.groups[g]], backend=grams.backend)
-        for g, (evals, _, all_evals) in enumerate(selected)
-    ]
+    return [LowRankGGN(evals, projected.projected_flat(g), grams.trace(g), all_evals,
+                       [grams.shapes[i] for i in grams.groups[g]], grams.backend)
+            for g, (evals, _, all_evals) in enumerate(selected)]
 
 
 def ggn_eigvals(model: nn.Module, loss_func: nn.Module, inputs: Tensor, targets: Tensor,

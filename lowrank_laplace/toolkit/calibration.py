@@ -49,11 +49,9 @@ from lowrank_laplace.toolkit.posteriors import (
 )
 from lowrank_laplace.toolkit.training import make_cnn, marglik_train, train_or_load
 
-__all__ = [
-    "LAPLACE_METHODS", "METHODS", "TABLE_COLUMNS", "CalibrationConfig", "UserError",
-    "default_methods", "faithfulness", "format_report", "load_split", "make_cnn",
-    "marglik_prior_full", "run",
-]
+__all__ = ["LAPLACE_METHODS", "METHODS", "TABLE_COLUMNS", "CalibrationConfig", "UserError",
+           "default_methods", "faithfulness", "format_report", "load_split", "make_cnn",
+           "marglik_prior_full", "run"]
 
 _DISPLAY_NAMES = {"mnist": "MNIST", "digits": "scikit-learn digits"}
 
@@ -221,8 +219,7 @@ def _format_faithfulness(report: dict) -> str:
     return "\n".join(lines)
 
 
-#: Columns of the printed table: header, how to read the value from a method's report
-#: entry, and its number format. Add a metric here to print it.
+#: Columns of the printed table: header, value of a method's entry, format (add metrics here).
 TABLE_COLUMNS: Tuple[Tuple[str, Callable[[dict], float], str], ...] = tuple(
     (name, (lambda m, name=name: m["in_distribution"][name]), ".4f")
     for name in ("accuracy", "nll", "ece", "mce", "brier", "confidence")

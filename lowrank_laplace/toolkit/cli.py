@@ -29,9 +29,8 @@ from lowrank_laplace.toolkit.options import (
     study_config,
 )
 
-#: Third-party warnings that every run would print and that say nothing about the user's
-#: job: (category, message regex). Hidden inside the command only, so that library users
-#: keep their own warning settings.
+#: Third-party warnings every run would print, saying nothing of the user's job: (category,
+#: message regex). Hidden inside the command only: library users keep their own settings.
 HARMLESS_WARNINGS = (
     # laplace-torch, on every Laplace(...): the command always passes link_approx
     (UserWarning, r"By default `link_approx` is `probit`"),

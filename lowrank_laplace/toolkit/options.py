@@ -310,8 +310,7 @@ def _config_class(name: str, options: Sequence[Option], names: Sequence[str], su
     return cls
 
 
-#: Options of the calibration study: a dataclass with a field per option of
-#: :data:`CALIBRATE_OPTIONS` (``--n-train``: ``n_train``), defaults as there.
+#: Options of the calibration study: a field per option of :data:`CALIBRATE_OPTIONS`.
 CalibrationConfig = _config_class(
     "CalibrationConfig", CALIBRATE_OPTIONS,
     ("dataset", "epochs", "checkpoint", "save_checkpoint", "n_train", "n_test", "batch_size",

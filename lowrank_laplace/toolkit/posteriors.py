@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
                 loaders: Dict[str, DataLoader], fitted: dict,
                 prior: Optional[Tensor] = None) -> Any:
-    """Fit a method's posterior, or switch the residual model of a shared fit, and tune it.
+    """Return a method's posterior, fitted (or a shared fit's residual switched), tuned.
 
     Args:
         name: A key of :data:`~lowrank_laplace.toolkit.options.LAPLACE_METHODS`.
@@ -32,9 +32,6 @@ def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
         loaders: Fit on ``loaders["train"]``, grid search on ``loaders["val"]``.
         fitted: Fits so far, updated (all residual models but ``diagonal`` share one).
         prior: A prior precision to keep instead of tuning (e.g. learned layerwise).
-
-    Returns:
-        The laplace-torch posterior.
 
     Raises:
         ValueError: For a dense posterior on a data set too large for it.
@@ -109,7 +106,7 @@ def marglik_prior_full(la: Any, n_steps: int = 100, lr: float = 0.1) -> float:
 
 
 def posterior_info(la: Optional[object]) -> dict:
-    """Return ``{"prior_precision"}`` (the mean) and, for ``lowrank_ggn``, its rank etc.
+    """Return ``{"prior_precision": mean}`` of a fitted posterior, and more keys as follows.
 
     A layerwise prior adds ``"prior_precisions"``; ``lowrank_ggn`` adds ``"rank"``,
     ``"kept_fraction"`` and ``"residual"``.
