@@ -134,9 +134,9 @@ def gram_eigh(factor: GGNFactor, group: int = 0, top_k: Optional[int] = None,
         threshold: Keep eigenvalues ``>= threshold``.
         indices: Keep these positions of the descending nonzero spectrum.
         solver: ``'eigh'`` (full eigendecomposition, every nonzero eigenvalue),
-            ``'arpack'`` (the ``top_k`` leading eigenpairs of the Gram by scipy's ``eigsh``
-            in float64), ``'matrix_free'`` (ARPACK on ``V^T (V x)``, no Gram; needs kept
-            blocks) or ``'auto'`` (``'arpack'`` on the CPU for ``top_k < M / 4``).
+            ``'arpack'`` (the ``top_k`` leading Gram eigenpairs by scipy's ``eigsh``, float64,
+            to machine precision), ``'matrix_free'`` (ARPACK on ``V^T (V x)``, no Gram; needs
+            kept blocks) or ``'auto'`` (``'arpack'`` on the CPU for ``top_k < M / 4``).
 
     Raises:
         ValueError: For an unknown solver, or an ARPACK solver without ``top_k``.

@@ -90,8 +90,7 @@ class Command(NamedTuple):
         options: Its options, in ``--help`` order.
         summary: Its line in the command's ``--help``.
         description: Its own ``--help`` text.
-        prepare: Checks the parsed arguments (creating the output folder last) and
-            returns what ``run`` takes; raises :class:`UserError`.
+        prepare: Checks the parsed arguments (or raises UserError), returns what ``run`` takes.
         run: The work, imported when it starts.
     """
 
