@@ -1,22 +1,17 @@
 """lowrank_laplace: Laplace posteriors on the exact low-rank structure of the GGN.
 
-Importing it registers ``hessian_structure="lowrank_ggn"`` with laplace-torch's
-``Laplace`` factory (``subset_of_weights="all"`` and ``"last_layer"``), in either
-import order: at once if laplace-torch is already imported, else as soon as it is
-(:mod:`lowrank_laplace.utils.laplace_registration`).
+Importing it registers ``hessian_structure="lowrank_ggn"`` (``subset_of_weights="all"`` and
+``"last_layer"``) with laplace-torch's ``Laplace``, in either import order
+(:mod:`lowrank_laplace.utils.laplace_registration`). The import is cheap (no torch): each
+public name is imported where it lives on first use.
 
-The import itself is cheap (no torch): each public name is imported where it lives on
-first use, so the ``lowrank-laplace`` command parses its arguments in a fraction of a
-second.
-
-The mini-batch engine (ViViT): the GGN ``G = V V^T`` with ``V`` computed in one
-backward pass; its nonzero spectrum lives in the small Gram matrix ``V^T V``. The
-subpackages follow the data flow: :mod:`~lowrank_laplace.factor` (``V`` and its
-blocks) -> :mod:`~lowrank_laplace.engine` (computing ``V``) -> the ViViT functions
-(:mod:`~lowrank_laplace.spectrum`, :mod:`~lowrank_laplace.directional`,
-:mod:`~lowrank_laplace.newton`) -> :mod:`~lowrank_laplace.fitting` (a loader's GGN)
--> :mod:`~lowrank_laplace.posterior` -> :mod:`~lowrank_laplace.laplace_torch`;
-:mod:`~lowrank_laplace.toolkit` holds data, metrics, plots and the CLI.
+The GGN is ``G = V V^T`` with ``V`` from one backward pass; its nonzero spectrum lives in the
+small Gram matrix ``V^T V`` (ViViT). Data flows :mod:`~lowrank_laplace.factor` (``V``) ->
+:mod:`~lowrank_laplace.engine` -> :mod:`~lowrank_laplace.spectrum`,
+:mod:`~lowrank_laplace.directional`, :mod:`~lowrank_laplace.newton` ->
+:mod:`~lowrank_laplace.fitting` (a loader's GGN) -> :mod:`~lowrank_laplace.posterior` ->
+:mod:`~lowrank_laplace.laplace_torch`; :mod:`~lowrank_laplace.toolkit` holds data, metrics,
+plots and the CLI.
 """
 
 import importlib as _importlib

@@ -1,14 +1,8 @@
-r"""Per-sample directional derivatives along GGN eigenvectors and their SNRs.
+"""Per-sample directional derivatives along GGN eigenvectors and their SNRs.
 
-Along a GGN eigenvector :math:`e_k` the quadratic model of sample ``n`` has slope
-:math:`\gamma_{nk} = e_k^\top g_n` and curvature :math:`\lambda_{nk} = e_k^\top G_n
-e_k`, where :math:`g_n, G_n` are gradient and GGN of the sample's own loss
-:math:`\ell_n` (the batch loss is their mean or sum). Both come from the Gram
-space: with :math:`e_k = V \tilde g_k / \sqrt{\lambda_k}`,
-:math:`\lambda_{nk} = s\,\lambda_k \sum_c \tilde g_{k,(c,n)}^2` (``s = N`` for mean,
-``1`` for sum reduction) and :math:`\gamma_{nk} = s\,\tilde g_k^\top (V^\top
-g^{(\rho)}_n) / \sqrt{\lambda_k}` with BackPACK's per-sample gradients
-:math:`g^{(\rho)}_n` of the reduced loss.
+Slopes ``gamma_nk = e_k^T g_n`` and curvatures ``lambda_nk = e_k^T G_n e_k`` of each
+sample's own loss, both from the Gram space (derivation: concepts page, "Directional
+derivatives").
 
 Shape glossary:
     N: batch size; N_S: curvature samples; K: eigenpairs; D: parameters.
@@ -27,15 +21,10 @@ from lowrank_laplace.spectrum import gram_eigh, to_parameter_space
 
 
 def snr(samples: Tensor) -> Tensor:
-    r"""Signal-to-noise ratio per column: squared mean over unbiased variance.
-
-    .. math:: \mathrm{SNR}_k = \bar x_k^2 / (\tfrac{1}{N-1}\sum_n (x_{nk}-\bar x_k)^2)
+    """Return the SNR of each column, ``(K,)``: squared mean over unbiased variance.
 
     Args:
         samples: Tensor of shape ``(N, K)`` with ``N >= 2``.
-
-    Returns:
-        Tensor of shape ``(K,)``.
 
     Raises:
         ValueError: If fewer than two samples are given.
@@ -51,13 +40,12 @@ class DirectionalDerivatives:
 
     Attributes:
         gammas: ``gamma_nk = e_k^T g_n`` for every sample of the batch, ``(N, K)``.
-        lambdas: ``lambda_nk = e_k^T G_n e_k`` for every curvature sample,
-            ``(N_S, K)`` (``N_S = len(subsampling)`` when sub-sampling).
+        lambdas: ``lambda_nk = e_k^T G_n e_k`` for every curvature sample, ``(N_S, K)``.
         eigenvalues: GGN eigenvalues ``lambda_k``, ``(K,)``.
         eigenvectors: GGN eigenvectors ``e_k``, ``(D, K)``.
-        reduction: The loss reduction; for ``'mean'`` the column means of
-            ``gammas`` and ``lambdas`` are ``e_k^T g`` and ``lambda_k``.
-        backend: The backend that computed ``V`` (``'backpack'``, ``'hooks'`` or ``'functorch'``).
+        reduction: The loss reduction; for ``'mean'`` the column means of ``gammas`` and
+            ``lambdas`` are ``e_k^T g`` and ``lambda_k``.
+        backend: The engine that computed ``V`` (``'backpack'``, ``'hooks'``, ``'functorch'``).
     """
 
     gammas: Tensor
@@ -78,14 +66,10 @@ class DirectionalDerivatives:
         return snr(self.lambdas)
 
 
-def directional_from_factor(
-    factor: GGNFactor,
-    group: int = 0,
-    top_k: Optional[int] = 10,
-    threshold: Optional[float] = None,
-    indices: Optional[Sequence[int]] = None,
-) -> DirectionalDerivatives:
-    """Directional derivatives of one group from a factor with per-sample gradients.
+def directional_from_factor(factor: GGNFactor, group: int = 0, top_k: Optional[int] = 10,
+                            threshold: Optional[float] = None,
+                            indices: Optional[Sequence[int]] = None) -> DirectionalDerivatives:
+    """Return one group's directional derivatives along the selected eigenvectors.
 
     Args:
         factor: Factor computed with ``batch_grad=True`` and kept blocks.
@@ -93,9 +77,6 @@ def directional_from_factor(
         top_k: Number of leading eigenpairs; ``None`` for all nonzero ones.
         threshold: Keep only eigenvalues ``>= threshold``.
         indices: Keep these positions of the descending nonzero spectrum instead.
-
-    Returns:
-        The directional derivatives along the selected eigenvectors.
 
     Raises:
         ValueError: If the factor has no per-sample gradients.
@@ -121,30 +102,19 @@ def _directional(factor: GGNFactor, group: int, evals: Tensor, gvecs: Tensor,
     grad_scale = factor.num_samples if factor.reduction == "mean" else 1
     proj = factor.t_matmul_batch_grads(group)  # (M, N)
     gammas = grad_scale * (proj.T @ gvecs) / evals.sqrt()
-    return DirectionalDerivatives(
-        gammas=gammas,
-        lambdas=lambdas,
-        eigenvalues=evals,
-        eigenvectors=eigenvectors,
-        reduction=factor.reduction,
-        backend=factor.backend,
-    )
+    return DirectionalDerivatives(gammas, lambdas, evals, eigenvectors, factor.reduction,
+                                  factor.backend)
 
 
 def directional_derivatives(model: nn.Module, loss_func: nn.Module, inputs: Tensor,
                             targets: Tensor, top_k: Optional[int] = 10, **options: Any
                             ) -> Union[DirectionalDerivatives, List[DirectionalDerivatives]]:
-    """Per-sample slopes and curvatures along the GGN's eigenvectors, one backward pass.
+    """Return per-sample slopes and curvatures along the GGN's eigenvectors, one backward pass.
 
-    Gradients (``gammas``) always use every sample of the batch; the GGN, its
-    eigenvectors and ``lambdas`` use the curvature approximation chosen by
-    ``mc_samples`` and ``subsampling`` (``lambdas`` then has one row per
-    curvature sample; for MC they are MC estimates of the per-sample curvature).
-
-    ``low_memory=True`` never holds all of ``V`` or of the per-sample gradients: one
-    pass accumulates the Gram matrix and ``V^T [g_1, ..., g_N]`` block by block, a
-    second maps the selected eigenvectors to parameter space block by block (random
-    draws replayed).
+    A :class:`DirectionalDerivatives` (a list, one per group, with ``param_groups``).
+    ``gammas`` use every sample of the batch; the GGN, its eigenvectors and ``lambdas`` (a
+    row per curvature sample) follow ``mc_samples`` and ``subsampling``. ``low_memory=True``
+    never holds all of ``V`` or of the per-sample gradients.
 
     Args:
         model: The network (left unchanged).
@@ -152,18 +122,12 @@ def directional_derivatives(model: nn.Module, loss_func: nn.Module, inputs: Tens
         inputs: Inputs, shape ``(N, ...)``.
         targets: Targets.
         top_k: Number of leading eigenpairs; ``None`` for all nonzero ones.
-        **options: ``threshold`` (keep only eigenvalues ``>= threshold``),
-            ``indices`` (keep these positions of the descending nonzero spectrum
-            instead), and the curvature's options
-            (:class:`~lowrank_laplace.minibatch.CurvatureOptions`: ``mc_samples``,
-            ``subsampling``, ``param_groups``, ``low_memory``, ``backend``).
-
-    Returns:
-        :class:`DirectionalDerivatives` (a list, one per group, with ``param_groups``).
+        **options: ``threshold`` and ``indices`` as in
+            :func:`~lowrank_laplace.spectrum.gram_eigh`, and the fields of
+            :class:`~lowrank_laplace.minibatch.CurvatureOptions`.
 
     Raises:
-        MemoryError: If ``V`` (with ``low_memory``, its largest block) would not fit
-            the device's available memory; raised before any backward pass.
+        MemoryError: If ``V`` (or with ``low_memory`` its largest block) would not fit.
         TypeError: For an unknown keyword option.
     """
     curvature, extra = take_options(options, ("threshold", "indices"),

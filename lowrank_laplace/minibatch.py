@@ -3,10 +3,10 @@
 :func:`~lowrank_laplace.spectrum.ggn_eigh`,
 :func:`~lowrank_laplace.directional.directional_derivatives`,
 :func:`~lowrank_laplace.newton.damped_newton_step` and
-:func:`~lowrank_laplace.newton.ggn_inverse_matvec` all compute ``V`` of one batch the
-same way; their keyword options (``mc_samples``, ``subsampling``, ``param_groups``,
-``low_memory``, ``backend``) are validated here into a :class:`MiniBatch`, which opens
-the engine and runs its passes.
+:func:`~lowrank_laplace.newton.ggn_inverse_matvec` take the options of
+:class:`CurvatureOptions` and run through a :class:`MiniBatch`, which refuses a ``V`` (with
+``low_memory``, its largest block) too large for the device before any backward pass.
+``low_memory=True`` takes one more pass and replays its random draws (concepts page, "Memory").
 
 Shape glossary:
     N: batch size; M: columns of ``V``.
@@ -30,16 +30,14 @@ class CurvatureOptions:
     """How a mini-batch's ``V`` is computed.
 
     Attributes:
-        mc_samples: ``0`` for the exact GGN, ``M >= 1`` for a Monte-Carlo estimate
-            from ``M`` sampled outputs per sample.
-        subsampling: Indices of the samples used for the curvature (the loss of the
-            subset, with its own reduction); gradients use the whole batch.
-        param_groups: Optimizer-style groups (``[{"params": [...]}, ...]``) for a
-            block-diagonal GGN; ``None`` is the whole network as one block.
-        low_memory: Never hold all of ``V``: one more backward pass instead, holding
-            one layer's block at a time.
-        backend: ``'auto'``, ``'backpack'``, ``'hooks'`` or ``'functorch'``: which
-            engine computes ``V`` (see :mod:`lowrank_laplace.engine`).
+        mc_samples: ``0`` for the exact GGN, ``M >= 1`` for a Monte-Carlo estimate from
+            ``M`` sampled outputs per sample.
+        subsampling: Samples of the curvature (their loss, same reduction); gradients use
+            the whole batch.
+        param_groups: Optimizer-style groups for a block-diagonal GGN (``None``: one block).
+        low_memory: Hold one layer's block of ``V`` at a time, for one more backward pass.
+        backend: ``'auto'``, ``'backpack'``, ``'hooks'`` or ``'functorch'``
+            (:mod:`lowrank_laplace.engine`).
     """
 
     mc_samples: int = 0
@@ -59,15 +57,12 @@ OPTIONS = tuple(f.name for f in fields(CurvatureOptions))
 
 def take_options(options: Dict[str, Any], extra: Sequence[str], caller: str
                  ) -> Tuple[CurvatureOptions, Dict[str, Any]]:
-    """A function's keyword options: the curvature's, and its own ``extra`` ones.
+    """Return ``(CurvatureOptions, {extra name: value})`` from a function's keywords.
 
     Args:
         options: The keyword arguments given.
         extra: The names the function takes besides :data:`OPTIONS`.
         caller: The function's name, for the message.
-
-    Returns:
-        ``(CurvatureOptions, {extra name: value})``.
 
     Raises:
         TypeError: For an unknown keyword, naming it.
@@ -110,8 +105,7 @@ class MiniBatch:
 
         Args:
             caller: The function's name, for the memory message.
-            low_memory: Whether the passes hold one block at a time (default: the
-                option).
+            low_memory: Whether the passes hold one block at a time (default: the option).
 
         Yields:
             The open :class:`~lowrank_laplace.engine.FactorEngine`.
@@ -130,14 +124,11 @@ class MiniBatch:
                 opts.param_groups)
 
     def compute(self, engine: FactorEngine, **flags: Any) -> GGNFactor:
-        """One pass of ``engine`` over the batch (``flags``: what it collects).
+        """Return the factor of one pass of ``engine`` over the batch.
 
         Args:
             engine: The open engine.
-            **flags: :class:`~lowrank_laplace.engine.Request` fields.
-
-        Returns:
-            The factor.
+            **flags: :class:`~lowrank_laplace.engine.Request` fields (what it collects).
         """
         return engine.compute(*self.pass_args, **flags)
 

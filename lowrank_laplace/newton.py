@@ -1,9 +1,7 @@
 r"""Damped Newton steps and inverse GGN-vector products in the GGN's nonzero eigenspace.
 
-Both are summed in the Gram space of ``V`` (ViViT): a step
-:math:`-\sum_k \gamma_k/(\lambda_k+\delta)\, e_k` needs one transformation to
-parameter space, and :math:`(G + \delta I)^{-1} x` follows from the matrix inversion
-lemma with the ``M x M`` damped Gram matrix.
+A step :math:`-\sum_k \gamma_k/(\lambda_k+\delta)\, e_k` and :math:`(G + \delta I)^{-1} x`
+(matrix inversion lemma), both in the Gram space of ``V`` (concepts page, "Newton steps").
 
 Shape glossary:
     N: batch size; M: columns of ``V``; D: parameters; K: vectors.
@@ -23,25 +21,15 @@ from lowrank_laplace.spectrum import gram_eigh
 from lowrank_laplace.utils import batches, checks
 
 
-def newton_step_from_factor(
-    factor: GGNFactor,
-    damping: float,
-    group: int = 0,
-    top_k: Optional[int] = None,
-) -> Tensor:
-    r"""Damped Newton step :math:`-\sum_k \gamma_k/(\lambda_k+\delta)\, e_k` of a group.
-
-    Summed in Gram space, :math:`\sum_k c_k e_k = V \sum_k c_k \tilde g_k /
-    \sqrt{\lambda_k}`, so only one transformation to parameter space is needed.
+def newton_step_from_factor(factor: GGNFactor, damping: float, group: int = 0,
+                            top_k: Optional[int] = None) -> Tensor:
+    """Return a group's damped Newton step, flat over its parameters, ``(D,)``.
 
     Args:
         factor: The GGN factor with kept blocks and gradient.
         damping: ``delta >= 0`` added to every eigenvalue.
         group: Group index.
         top_k: Number of leading directions (``None``: all nonzero).
-
-    Returns:
-        Flat step over the group's parameters, shape ``(D,)``.
 
     Raises:
         ValueError: If ``damping`` is negative.
@@ -55,11 +43,7 @@ def newton_step_from_factor(
 
 def _newton_gram_coefficients(evals: Tensor, gvecs: Tensor, vtg: Tensor,
                               damping: float) -> Tensor:
-    """``y`` with ``V y = -sum_k gamma_k / (lambda_k + delta) e_k`` (``M``-vector).
-
-    ``gamma_k = e_k^T g = g_k^T V^T g / sqrt(lambda_k)`` and ``e_k = V g_k /
-    sqrt(lambda_k)``, so ``y = -G diag(1 / (lambda (lambda + delta))) G^T V^T g``.
-    """
+    """``y`` with ``V y = -sum_k gamma_k / (lambda_k + delta) e_k`` (``M``-vector)."""
     gammas = (gvecs.T @ vtg) / evals.sqrt()
     return gvecs @ (-gammas / (evals + damping) / evals.sqrt())
 
@@ -67,17 +51,11 @@ def _newton_gram_coefficients(evals: Tensor, gvecs: Tensor, vtg: Tensor,
 def damped_newton_step(model: nn.Module, loss_func: nn.Module, inputs: Tensor,
                        targets: Tensor, damping: float = 1.0, top_k: Optional[int] = None,
                        **options: Any) -> Tensor:
-    """Damped Newton step in the GGN's nonzero eigenspace, from one backward pass.
+    """Return the damped Newton step in the GGN's nonzero eigenspace, from one backward pass.
 
-    ``step = sum_k -gamma_k / (lambda_k + damping) e_k`` with ``gamma_k = e_k^T g``.
-    With ``param_groups`` each group gets its own (block-diagonal) step.
-
-    ``low_memory=True`` never holds all of ``V``: with BackPACK a plain backward
-    pass gives the gradient ``g``, a second pass accumulates the Gram matrix and
-    ``V^T g`` block by block, and a third forms the step ``V y`` block by block; the
-    functorch backend takes ``V^T g`` from the Gram pass's per-sample gradients
-    (two passes). Random draws (Monte-Carlo samples, dropout masks) are replayed, so
-    the result is the same as in one pass.
+    The step is flat, ``(D,)``, over the parameters with ``requires_grad`` or, with
+    ``param_groups``, over the groups concatenated, each group's (block-diagonal) step its
+    own. ``low_memory=True`` takes three passes (two with the functorch backend).
 
     Args:
         model: The network (left unchanged).
@@ -86,18 +64,11 @@ def damped_newton_step(model: nn.Module, loss_func: nn.Module, inputs: Tensor,
         targets: Targets.
         damping: ``delta >= 0``.
         top_k: Number of leading directions (``None``: all nonzero ones).
-        **options: The curvature's options
-            (:class:`~lowrank_laplace.minibatch.CurvatureOptions`: ``mc_samples``,
-            ``subsampling``, ``param_groups``, ``low_memory``, ``backend``).
-
-    Returns:
-        Flat step, shape ``(D,)``: over ``model.parameters()`` with
-        ``requires_grad`` or, with ``param_groups``, the groups concatenated.
+        **options: The fields of :class:`~lowrank_laplace.minibatch.CurvatureOptions`.
 
     Raises:
         ValueError: If ``damping`` is negative, NaN or infinite.
-        MemoryError: If ``V`` (with ``low_memory``, its largest block) would not fit
-            the device's available memory; raised before any backward pass.
+        MemoryError: If ``V`` (or with ``low_memory`` its largest block) would not fit.
         TypeError: For an unknown keyword option.
     """
     checks.check_damping(damping)  # before any backward pass
@@ -116,8 +87,7 @@ def _two_pass_step(engine: FactorEngine, args: tuple, damping: float,
     """The step from a Gram pass (with ``V^T g``) and a projection pass (``low_memory``)."""
     replay = RNGReplay(batches.batch_device(args[0]))
     if engine.gradient_in_factor_pass:
-        # V^T g from the Gram pass's own per-sample gradients: its random draws are
-        # shared with them, and the step pass replays them
+        # V^T g from the Gram pass's own per-sample gradients (same draws, replayed later)
         first = dict(batch_grad=True, cross_batch_grads=True)
     else:
         grads = engine.gradient(args[0], args[1], args[4])
@@ -139,34 +109,24 @@ def _two_pass_step(engine: FactorEngine, args: tuple, damping: float,
 
 def ggn_inverse_matvec(model: nn.Module, loss_func: nn.Module, inputs: Tensor,
                        targets: Tensor, vec: Tensor, damping: float, **options: Any) -> Tensor:
-    r"""Damped inverse GGN-vector products :math:`(G + \delta I)^{-1} x`.
+    r"""Return the damped inverse GGN-vector products :math:`(G + \delta I)^{-1} x`.
 
-    Uses the matrix inversion lemma with the ``M x M`` damped Gram matrix. With
-    ``param_groups`` the GGN is block-diagonal and each block is inverted on its
-    own. ``low_memory=True`` never holds all of ``V``: one pass accumulates the Gram
-    matrix and ``V^T x`` block by block, a second forms ``V`` times the small solve
-    block by block (random draws replayed).
+    With ``param_groups`` each block of the block-diagonal GGN is inverted on its own.
 
     Args:
         model: The network (left unchanged).
         loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss``.
         inputs: Inputs, shape ``(N, ...)``.
         targets: Targets.
-        vec: Flat vector(s), shape ``(D,)`` or ``(D, K)``, ordered like the
+        vec: ``x``, shape ``(D,)`` or ``(D, K)`` (as is the result's), ordered like the
             concatenated groups.
         damping: ``delta > 0``.
-        **options: The curvature's options
-            (:class:`~lowrank_laplace.minibatch.CurvatureOptions`: ``mc_samples``,
-            ``subsampling``, ``param_groups``, ``low_memory``, ``backend``).
-
-    Returns:
-        Tensor of the same shape as ``vec``.
+        **options: The fields of :class:`~lowrank_laplace.minibatch.CurvatureOptions`.
 
     Raises:
         ValueError: If ``vec`` is not a ``(D,)`` or ``(D, K)`` tensor of the
             parameters' dtype, or ``damping <= 0``.
-        MemoryError: If ``V`` (with ``low_memory``, its largest block) would not fit
-            the device's available memory; raised before any backward pass.
+        MemoryError: If ``V`` (or with ``low_memory`` its largest block) would not fit.
         TypeError: For an unknown keyword option.
     """
     checks.check_damping(damping, positive=True)
@@ -209,19 +169,13 @@ def _split_vector(model: nn.Module, vec: Tensor, param_groups: Optional[List[dic
 
 def inverse_matvec_from_factor(factor: GGNFactor, x: Tensor, damping: float,
                                group: int = 0) -> Tensor:
-    r"""``(G + delta I)^{-1} x`` of a group by the matrix inversion lemma.
-
-    :math:`(G + \delta I)^{-1} = \delta^{-1}[I - V(\delta I + V^\top V)^{-1}V^\top]`,
-    solved with a Cholesky factor of the ``M x M`` damped Gram matrix.
+    """Return ``(G + delta I)^{-1} x``, ``(D, K)``, of a group by the matrix inversion lemma.
 
     Args:
         factor: The GGN factor with kept blocks.
         x: Tensor of shape ``(D, K)``.
         damping: ``delta > 0``.
         group: Group index.
-
-    Returns:
-        Tensor of shape ``(D, K)``.
 
     Raises:
         ValueError: If ``damping <= 0``.

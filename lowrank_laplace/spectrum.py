@@ -1,9 +1,7 @@
-r"""Exact GGN spectrum from the small Gram matrix ``V^T V``.
+"""Exact GGN spectrum from the small Gram matrix ``V^T V``.
 
-The Gram matrix :math:`\tilde G = V^\top V` (``M x M``) and :math:`G = V V^\top`
-(``D x D``) share all nonzero eigenvalues. An eigenvector :math:`\tilde g_k` of
-:math:`\tilde G` with eigenvalue :math:`\lambda_k > 0` maps to the GGN eigenvector
-:math:`e_k = V \tilde g_k / \sqrt{\lambda_k}`.
+``V^T V`` and ``G = V V^T`` share all nonzero eigenvalues; a Gram eigenvector ``g_k`` gives
+the GGN eigenvector ``e_k = V g_k / sqrt(lambda_k)`` (concepts page, "The Gram matrix").
 
 Shape glossary:
     M: columns of ``V``; D: parameters in a group; K: selected eigenpairs.
@@ -28,14 +26,12 @@ class LowRankGGN:
     r"""Selected eigenpairs of a (mini-batch) GGN: :math:`G_K = U \mathrm{diag}(\lambda) U^\top`.
 
     Attributes:
-        eigenvalues: Selected eigenvalues in descending order, shape ``(K,)``.
-        eigenvectors: Orthonormal eigenvectors, flat over the group's parameters
-            (in the group's parameter order), shape ``(D, K)``.
+        eigenvalues: Selected eigenvalues, descending, ``(K,)``.
+        eigenvectors: Orthonormal eigenvectors, flat in the group's parameter order, ``(D, K)``.
         trace: Exact trace of the GGN (the sum of *all* its eigenvalues).
-        all_eigenvalues: Every nonzero eigenvalue in descending order (``None``
-            when an iterative solver only computed the selected ones).
-        shapes: Shapes of the group's parameters, to split the flat vectors.
-        backend: The backend that computed ``V`` (``'backpack'``, ``'hooks'`` or ``'functorch'``).
+        all_eigenvalues: Every nonzero eigenvalue, descending (``None`` after ARPACK).
+        shapes: Shapes of the group's parameters.
+        backend: The engine that computed ``V`` (``'backpack'``, ``'hooks'``, ``'functorch'``).
     """
 
     eigenvalues: Tensor
@@ -47,51 +43,36 @@ class LowRankGGN:
 
     @property
     def kept_fraction(self) -> Tensor:
-        """Fraction of the GGN trace (total curvature) that the selection keeps.
-
-        A zero GGN has nothing to drop: its kept fraction is 1.
-        """
+        """Fraction of the GGN trace the selection keeps (1 for a zero GGN)."""
         trace = torch.as_tensor(self.trace)
         if not bool(trace > 0):
             return torch.ones((), dtype=trace.dtype, device=trace.device)
         return self.eigenvalues.sum() / trace
 
     def eigenvectors_per_param(self) -> List[Tensor]:
-        """Eigenvectors split per parameter.
-
-        Returns:
-            One tensor of shape ``(K, *param.shape)`` per parameter.
-        """
+        """Return the eigenvectors split per parameter, each ``(K, *param.shape)``."""
         sizes = [s.numel() for s in self.shapes]
         parts = torch.split(self.eigenvectors, sizes, dim=0)
         return [p.T.reshape(-1, *s) for p, s in zip(parts, self.shapes)]
 
     def matvec(self, x: Tensor) -> Tensor:
-        r"""Multiply with the truncated GGN :math:`U \mathrm{diag}(\lambda) U^\top`.
+        r"""Return the truncated GGN times ``x``, :math:`U \mathrm{diag}(\lambda) U^\top x`.
 
         Args:
-            x: Tensor of shape ``(D,)`` or ``(D, K')``.
-
-        Returns:
-            Tensor of the same shape as ``x``.
+            x: Shape ``(D,)`` or ``(D, K')``, as is the result's.
         """
         U = self.eigenvectors
-        return U @ (self.eigenvalues[:, None] * (U.T @ x)) if x.ndim == 2 else U @ (
-            self.eigenvalues * (U.T @ x)
-        )
+        return U @ ((self.eigenvalues[:, None] if x.ndim == 2 else self.eigenvalues) * (U.T @ x))
 
 
 def nonzero_tolerance(eigenvalues: Tensor, dim: int) -> float:
-    """Threshold below which a Gram eigenvalue counts as zero.
+    """Return ``max|eigenvalues| * dim * eps``, below which a Gram eigenvalue counts as zero.
+
+    As for a numerical rank: the Gram's entries carry rounding errors of ``eps * max``.
 
     Args:
         eigenvalues: Eigenvalues of the Gram matrix.
         dim: Size of the Gram matrix.
-
-    Returns:
-        ``max(eigenvalues) * dim * eps`` with the dtype's machine epsilon, as for
-        the numerical rank of a Gram matrix (its entries carry rounding errors of
-        about ``eps * max(eigenvalues)``).
     """
     if eigenvalues.numel() == 0:
         return 0.0
@@ -99,22 +80,15 @@ def nonzero_tolerance(eigenvalues: Tensor, dim: int) -> float:
     return top * max(dim, 1) * torch.finfo(eigenvalues.dtype).eps
 
 
-def select(
-    eigenvalues: Tensor,
-    top_k: Optional[int] = None,
-    threshold: Optional[float] = None,
-    indices: Optional[Sequence[int]] = None,
-) -> Tensor:
-    """Choose eigenpairs from a descending spectrum of nonzero eigenvalues.
+def select(eigenvalues: Tensor, top_k: Optional[int] = None, threshold: Optional[float] = None,
+           indices: Optional[Sequence[int]] = None) -> Tensor:
+    """Return the positions (long tensor) of the chosen ones of descending nonzero eigenvalues.
 
     Args:
         eigenvalues: Descending nonzero eigenvalues, shape ``(R,)``.
         top_k: Keep the ``top_k`` largest (``None``: all).
         threshold: Keep eigenvalues ``>= threshold``.
         indices: Keep these positions of the descending spectrum.
-
-    Returns:
-        Positions into ``eigenvalues`` (long tensor).
 
     Raises:
         ValueError: For invalid or conflicting criteria.
@@ -146,15 +120,12 @@ def _check_top_k(top_k) -> int:
 SOLVERS = ("auto", "eigh", "arpack", "matrix_free")
 
 
-def gram_eigh(
-    factor: GGNFactor,
-    group: int = 0,
-    top_k: Optional[int] = None,
-    threshold: Optional[float] = None,
-    indices: Optional[Sequence[int]] = None,
-    solver: str = "auto",
-) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """Eigenpairs of the Gram matrix ``V^T V`` of one group.
+def gram_eigh(factor: GGNFactor, group: int = 0, top_k: Optional[int] = None,
+              threshold: Optional[float] = None, indices: Optional[Sequence[int]] = None,
+              solver: str = "auto") -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Return ``(eigenvalues (K,), Gram eigenvectors (M, K), all nonzero eigenvalues)``.
+
+    Of one group's ``V^T V``; the last is ``None`` unless ``'eigh'`` ran.
 
     Args:
         factor: The GGN factor.
@@ -162,21 +133,10 @@ def gram_eigh(
         top_k: Number of leading eigenpairs (``None``: all nonzero ones).
         threshold: Keep eigenvalues ``>= threshold``.
         indices: Keep these positions of the descending nonzero spectrum.
-        solver: How to solve the ``M x M`` eigenproblem:
-
-            * ``'eigh'``: full eigendecomposition of the Gram matrix (in its
-              dtype); yields every nonzero eigenvalue.
-            * ``'arpack'``: form the Gram matrix, then only the ``top_k`` leading
-              eigenpairs by ARPACK's Lanczos (scipy ``eigsh``, float64, to machine
-              precision). Cheaper than ``'eigh'`` for ``top_k << M``.
-            * ``'matrix_free'``: ARPACK on products ``V^T (V x)`` without ever
-              forming the Gram matrix (for very large ``M``; needs kept blocks).
-            * ``'auto'``: ``'arpack'`` for a CPU ``top_k`` selection with
-              ``top_k < M / 4``, else ``'eigh'``.
-
-    Returns:
-        ``(eigenvalues (K,), gram_eigenvectors (M, K), all_nonzero_eigenvalues)``,
-        the last being ``None`` unless ``'eigh'`` ran.
+        solver: ``'eigh'`` (full eigendecomposition, every nonzero eigenvalue),
+            ``'arpack'`` (the ``top_k`` leading Gram eigenpairs by scipy's ``eigsh``, float64,
+            to machine precision), ``'matrix_free'`` (ARPACK on ``V^T (V x)``, no Gram; needs
+            kept blocks) or ``'auto'`` (``'arpack'`` on the CPU for ``top_k < M / 4``).
 
     Raises:
         ValueError: For an unknown solver, or an ARPACK solver without ``top_k``.
@@ -240,32 +200,23 @@ def _arpack(factor: GGNFactor, group: int, k: int, matrix_free: bool) -> Tuple[T
     return evals[positive], evecs[:, positive]
 
 
-def to_parameter_space(
-    factor: GGNFactor, evals: Tensor, gram_evecs: Tensor, group: int = 0
-) -> Tensor:
-    """Map Gram eigenvectors to GGN eigenvectors ``e_k = V g_k / sqrt(lambda_k)``.
+def to_parameter_space(factor: GGNFactor, evals: Tensor, gram_evecs: Tensor,
+                       group: int = 0) -> Tensor:
+    """Return the orthonormal GGN eigenvectors ``e_k = V g_k / sqrt(lambda_k)``, ``(D, K)``.
 
     Args:
         factor: The GGN factor (with kept blocks).
         evals: Eigenvalues, shape ``(K,)``, all positive.
         gram_evecs: Gram eigenvectors, shape ``(M, K)``.
         group: Group index.
-
-    Returns:
-        Orthonormal eigenvectors, shape ``(D, K)``.
     """
     return factor.matmul(gram_evecs / evals.sqrt(), group)
 
 
-def lowrank_ggn(
-    factor: GGNFactor,
-    group: int = 0,
-    top_k: Optional[int] = None,
-    threshold: Optional[float] = None,
-    indices: Optional[Sequence[int]] = None,
-    solver: str = "auto",
-) -> LowRankGGN:
-    """Select eigenpairs of one group's GGN from its factor.
+def lowrank_ggn(factor: GGNFactor, group: int = 0, top_k: Optional[int] = None,
+                threshold: Optional[float] = None, indices: Optional[Sequence[int]] = None,
+                solver: str = "auto") -> LowRankGGN:
+    """Return the selected eigenpairs, exact trace and (``'eigh'``) spectrum of a group's GGN.
 
     Args:
         factor: The GGN factor with kept blocks.
@@ -274,37 +225,19 @@ def lowrank_ggn(
         threshold: Keep eigenvalues ``>= threshold``.
         indices: Keep these positions of the descending nonzero spectrum.
         solver: See :func:`gram_eigh`.
-
-    Returns:
-        The selected eigenpairs, exact trace and (dense solver) full spectrum.
     """
     evals, gvecs, all_evals = gram_eigh(factor, group, top_k, threshold, indices, solver)
-    return LowRankGGN(
-        eigenvalues=evals,
-        eigenvectors=to_parameter_space(factor, evals, gvecs, group),
-        trace=factor.trace(group),
-        all_eigenvalues=all_evals,
-        shapes=[factor.shapes[i] for i in factor.groups[group]],
-        backend=factor.backend,
-    )
+    return LowRankGGN(evals, to_parameter_space(factor, evals, gvecs, group), factor.trace(group),
+                      all_evals, [factor.shapes[i] for i in factor.groups[group]], factor.backend)
 
 
 def ggn_eigh(model: nn.Module, loss_func: nn.Module, inputs: Tensor, targets: Tensor,
              top_k: Optional[int] = 10, **options: Any
              ) -> Union[LowRankGGN, List[LowRankGGN]]:
-    """Eigenpairs of a mini-batch GGN from ``V`` computed in one backward pass.
+    """Return the eigenpairs of a mini-batch GGN from ``V`` of one backward pass.
 
-    The GGN follows the loss's reduction (``'mean'``: average of the per-sample
-    GGNs, ``'sum'``: their sum). With ``subsampling`` it is the GGN of the loss on
-    those samples only (same reduction); with ``mc_samples=M`` the loss Hessian is
-    replaced by a Monte-Carlo estimate from ``M`` sampled outputs per sample.
-
-    ``low_memory=True`` trades a second backward pass for memory: the first pass
-    keeps only the Gram matrices (each block of ``V`` is freed as soon as its Gram
-    contribution is added, as in :func:`ggn_eigvals`), the second recomputes the
-    blocks and maps the selected Gram eigenvectors to parameter space block by
-    block. Peak memory is then about one layer's block instead of all of ``V`` (for
-    the Monte-Carlo GGN the second pass replays the first pass's random draws).
+    A :class:`LowRankGGN`, or a list with one per group with ``param_groups``. The GGN follows
+    the loss's reduction (mean or sum of the per-sample GGNs).
 
     Args:
         model: The network (left unchanged; no hooks remain).
@@ -312,22 +245,13 @@ def ggn_eigh(model: nn.Module, loss_func: nn.Module, inputs: Tensor, targets: Te
         inputs: Inputs, shape ``(N, ...)``.
         targets: Targets, shape ``(N,)`` or ``(N, C)``.
         top_k: Number of leading eigenpairs; ``None`` for all nonzero ones.
-        **options: ``threshold`` (keep only eigenvalues ``>= threshold``),
-            ``indices`` (keep these positions of the descending nonzero spectrum
-            instead), ``solver`` (``'auto'``, ``'eigh'``, ``'arpack'`` or
-            ``'matrix_free'``, see :func:`gram_eigh`; ``'matrix_free'`` needs all of
-            ``V``), and the curvature's options
-            (:class:`~lowrank_laplace.minibatch.CurvatureOptions`: ``mc_samples``,
-            ``subsampling``, ``param_groups``, ``low_memory``, ``backend``).
-
-    Returns:
-        A :class:`LowRankGGN` (its ``backend`` says which engine ran), or a list with
-        one per group when ``param_groups`` is given.
+        **options: ``threshold``, ``indices`` and ``solver`` as in :func:`gram_eigh`
+            (``'matrix_free'`` needs all of ``V``), and the fields of
+            :class:`~lowrank_laplace.minibatch.CurvatureOptions`.
 
     Raises:
         ValueError: For ``low_memory=True`` with ``solver='matrix_free'``.
-        MemoryError: If ``V`` (with ``low_memory``, its largest block) would not fit
-            the device's available memory; raised before any backward pass.
+        MemoryError: If ``V`` (or with ``low_memory`` its largest block) would not fit.
         TypeError: For an unknown keyword option.
     """
     curvature, extra = take_options(options, ("threshold", "indices", "solver"), "ggn_eigh")
@@ -355,36 +279,27 @@ def _two_pass_eigh(engine: FactorEngine, args: tuple, top_k, threshold, indices,
         return [gvecs / evals.sqrt() for evals, gvecs, _ in selected]
 
     grams, projected = engine.gram_and_projection(*args, coefficients)
-    return [
-        LowRankGGN(eigenvalues=evals, eigenvectors=projected.projected_flat(g),
-                   trace=grams.trace(g), all_eigenvalues=all_evals,
-                   shapes=[grams.shapes[i] for i in grams.groups[g]], backend=grams.backend)
-        for g, (evals, _, all_evals) in enumerate(selected)
-    ]
+    return [LowRankGGN(evals, projected.projected_flat(g), grams.trace(g), all_evals,
+                       [grams.shapes[i] for i in grams.groups[g]], grams.backend)
+            for g, (evals, _, all_evals) in enumerate(selected)]
 
 
 def ggn_eigvals(model: nn.Module, loss_func: nn.Module, inputs: Tensor, targets: Tensor,
                 **options: Any) -> Union[Tensor, List[Tensor]]:
-    """All nonzero GGN eigenvalues, with every block of ``V`` freed during backward.
+    """Return all nonzero GGN eigenvalues, descending (a tensor per group with ``param_groups``).
 
-    Only the ``M x M`` Gram matrix of each group is held, so peak memory is that of
-    the largest single layer's block, never all of ``V``.
+    Holds only each group's Gram matrix: every block of ``V`` is freed during backward.
 
     Args:
         model: The network (left unchanged).
         loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss``.
         inputs: Inputs, shape ``(N, ...)``.
         targets: Targets.
-        **options: The curvature's options
-            (:class:`~lowrank_laplace.minibatch.CurvatureOptions`; ``low_memory`` is
-            implied).
-
-    Returns:
-        Descending nonzero eigenvalues (one tensor per group if ``param_groups``).
+        **options: The fields of :class:`~lowrank_laplace.minibatch.CurvatureOptions`
+            (``low_memory`` is implied).
 
     Raises:
-        MemoryError: If the largest block of ``V`` would not fit the device's
-            available memory; raised before any backward pass.
+        MemoryError: If the largest block of ``V`` would not fit.
         TypeError: For an unknown keyword option.
     """
     curvature, _ = take_options(options, (), "ggn_eigvals")

@@ -49,11 +49,9 @@ from lowrank_laplace.toolkit.posteriors import (
 )
 from lowrank_laplace.toolkit.training import make_cnn, marglik_train, train_or_load
 
-__all__ = [
-    "LAPLACE_METHODS", "METHODS", "TABLE_COLUMNS", "CalibrationConfig", "UserError",
-    "default_methods", "faithfulness", "format_report", "load_split", "make_cnn",
-    "marglik_prior_full", "run",
-]
+__all__ = ["LAPLACE_METHODS", "METHODS", "TABLE_COLUMNS", "CalibrationConfig", "UserError",
+           "default_methods", "faithfulness", "format_report", "load_split", "make_cnn",
+           "marglik_prior_full", "run"]
 
 _DISPLAY_NAMES = {"mnist": "MNIST", "digits": "scikit-learn digits"}
 
@@ -102,13 +100,10 @@ def _evaluate(predict: Callable[[Tensor], Tensor], split: datasets.Split, ood: T
 
 
 def load_split(config: CalibrationConfig) -> datasets.Split:
-    """The study's data split (seeded; ``n_train`` / ``n_test`` caps applied).
+    """Return the study's data split (seeded; ``n_train`` / ``n_test`` caps applied).
 
     Args:
         config: The options.
-
-    Returns:
-        The split.
     """
     torch.manual_seed(config.seed)
     split = datasets.image_split(config.dataset, seed=config.seed, max_train=config.n_train)
@@ -181,15 +176,13 @@ DEFAULT_ROW, REFERENCE_ROW = "lowrank_ggn_all", "full_all"
 
 
 def faithfulness(report: dict) -> dict:
-    """The default row's NLL and ECE relative to ``full_all``'s, in distribution and rotated.
+    """Return the default row's NLL and ECE relative to ``full_all``'s (``{}`` without both).
+
+    ``{"in_distribution": {"nll": r, "ece": r}, "shift": {angle: {...}}, "largest": r}``
+    with ``r = ours / full_all's - 1``.
 
     Args:
         report: From :func:`run`.
-
-    Returns:
-        ``{"in_distribution": {"nll": r, "ece": r}, "shift": {angle: {...}},
-        "largest": r}`` with ``r = ours / full_all's - 1``; empty where either row is
-        missing or failed.
     """
     ours, full = (report["methods"].get(n, {}) for n in (DEFAULT_ROW, REFERENCE_ROW))
     if "in_distribution" not in ours or "in_distribution" not in full:
@@ -226,8 +219,7 @@ def _format_faithfulness(report: dict) -> str:
     return "\n".join(lines)
 
 
-#: Columns of the printed table: header, how to read the value from a method's report
-#: entry, and its number format. Add a metric here to print it.
+#: Columns of the printed table: header, value of a method's entry, format (add metrics here).
 TABLE_COLUMNS: Tuple[Tuple[str, Callable[[dict], float], str], ...] = tuple(
     (name, (lambda m, name=name: m["in_distribution"][name]), ".4f")
     for name in ("accuracy", "nll", "ece", "mce", "brier", "confidence")
@@ -284,15 +276,12 @@ def _format_shift(report: dict) -> str:
 
 
 def format_report(report: dict) -> str:
-    """The report as the command prints it: methods, how to read them, ECE under rotation.
+    """Return the report as the command prints it: methods, notes, ECE under rotation.
 
     With ``full_all``, the default row's deviations from it follow.
 
     Args:
         report: From :func:`run` (``"methods"`` is all it needs).
-
-    Returns:
-        The text.
     """
     faithful = _format_faithfulness(report)
     return "\n".join([_format_table(report), _format_notes(report), "", _format_shift(report)]

@@ -1,11 +1,10 @@
 """The ``lowrank-laplace`` command (also ``python -m lowrank_laplace``).
 
-``calibrate`` (the main job, :mod:`~lowrank_laplace.toolkit.calibration`), ``rank-study``
+``calibrate`` (:mod:`~lowrank_laplace.toolkit.calibration`), ``rank-study``
 (:mod:`~lowrank_laplace.toolkit.rank_study`) and ``spectrum``
-(:mod:`~lowrank_laplace.toolkit.spectrum_demo`). The parser is built from the option
-tables of :mod:`~lowrank_laplace.toolkit.options`, and every option is checked before a
-command imports its study (laplace-torch, matplotlib), loads data or trains: ``--help``
-and refused runs take a fraction of a second; a refused run prints one line, exit code 2.
+(:mod:`~lowrank_laplace.toolkit.spectrum_demo`), their parser built from the tables of
+:mod:`~lowrank_laplace.toolkit.options`. Every option is checked before a command imports
+its study, loads data or trains; a refused run prints one line, exit code 2.
 """
 
 from __future__ import annotations
@@ -30,9 +29,8 @@ from lowrank_laplace.toolkit.options import (
     study_config,
 )
 
-#: Third-party warnings that every run would print and that say nothing about the user's
-#: job: (category, message regex). Hidden inside the command only, so that library users
-#: keep their own warning settings.
+#: Third-party warnings every run would print, saying nothing of the user's job: (category,
+#: message regex). Hidden inside the command only: library users keep their own settings.
 HARMLESS_WARNINGS = (
     # laplace-torch, on every Laplace(...): the command always passes link_approx
     (UserWarning, r"By default `link_approx` is `probit`"),
@@ -92,8 +90,7 @@ class Command(NamedTuple):
         options: Its options, in ``--help`` order.
         summary: Its line in the command's ``--help``.
         description: Its own ``--help`` text.
-        prepare: Checks the parsed arguments (creating the output folder last) and
-            returns what ``run`` takes; raises :class:`UserError`.
+        prepare: Checks the parsed arguments (or raises UserError), returns what ``run`` takes.
         run: The work, imported when it starts.
     """
 
@@ -131,20 +128,12 @@ class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line (``prog: error: ...``), exit code 2."""
 
     def error(self, message: str):
-        """Report a usage error in one line and exit with code 2.
-
-        Args:
-            message: What is wrong.
-        """
+        """Report a usage error in one line and exit with code 2."""
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Build the argument parser from :data:`COMMANDS`; ``--help`` shows every default.
-
-    Returns:
-        The parser.
-    """
+    """Return the argument parser built from :data:`COMMANDS` (``--help`` shows defaults)."""
     fmt = argparse.ArgumentDefaultsHelpFormatter
     parser = _Parser(prog="lowrank-laplace", formatter_class=fmt, description="Low-rank GGN "
                      "curvature and Laplace posteriors for PyTorch networks.")
@@ -160,13 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of the ``lowrank-laplace`` command.
+    """Return the exit code of the ``lowrank-laplace`` command run on ``argv``.
 
     Args:
         argv: Arguments (default: ``sys.argv[1:]``).
-
-    Returns:
-        The exit code.
     """
     try:
         args = build_parser().parse_args(argv)

@@ -1,9 +1,8 @@
 """The commands' options, the studies' methods, and the checks run before any work.
 
-Every option is one row of a table (:class:`Option`: name, default, help, check), from
-which the command's parser and the studies' configs are built; a config is checked by the
-parsers that read the command line. Plain Python: torch is imported only to check a GPU
-device or load a checkpoint, so ``--help`` and refused runs take a fraction of a second.
+Every option is a row of a table (:class:`Option`) that builds the command's parser and the
+studies' configs; a config is checked by the parsers that read the command line. Plain
+Python: torch is imported only to check a GPU or load a checkpoint, so ``--help`` is fast.
 """
 
 from __future__ import annotations
@@ -16,9 +15,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-#: Laplace methods: name -> laplace-torch's ``subset_of_weights``, ``hessian_structure``
-#: and further ``Laplace(...)`` options (``lowrank_ggn`` also gets the config's ``rank``,
-#: ``mc_samples`` and ``solver``).
+#: Laplace methods: name -> ``subset_of_weights``, ``hessian_structure`` and further
+#: ``Laplace(...)`` options (``lowrank_ggn`` also gets ``rank``, ``mc_samples``, ``solver``).
 LAPLACE_METHODS = {
     "lowrank_ggn_all": ("all", "lowrank_ggn", {}),
     "lowrank_ggn_all_isotropic": ("all", "lowrank_ggn", {"residual": "isotropic"}),
@@ -36,14 +34,12 @@ SMALL_ONLY = {"full_all": ("digits",)}
 SHARED_RESIDUALS = ("spectral", "isotropic", "none")
 #: The names of :data:`lowrank_laplace.posterior.residual.RESIDUALS`.
 RESIDUAL_MODELS = ("spectral", "isotropic", "diagonal", "none")
-#: Opt-in methods that train a network of their own with laplace-torch's
-#: ``marglik_training`` (weights and layerwise priors), with this ``hessian_structure``.
+#: Opt-in methods -> the ``hessian_structure`` of the network they train (marglik_training).
 TRAINED_METHODS = {"lowrank_ggn_marglik": "lowrank_ggn"}
 #: Every method, in report order (``map``: the trained network alone).
 METHODS = ("map",) + tuple(LAPLACE_METHODS) + tuple(TRAINED_METHODS)
-#: The parameter count of each data set's CNN (the largest rank of its posterior), the
-#: classes of both and the images of ``digits``: repeated (as are the residual names) so
-#: that options are checked without torch or data; a test checks that they agree.
+#: Each CNN's parameter count (its largest rank), the classes and ``digits``' size, repeated
+#: (as are the residual names) to check options without torch or data; a test compares them.
 CNN_PARAMETERS = {"mnist": 20522, "digits": 3658}
 NUM_CLASSES = 10
 DIGITS_SIZE = 1797
@@ -66,26 +62,20 @@ def silent(message: str) -> None:
 
 
 def fits(method: str, dataset: str) -> bool:
-    """Whether a method's posterior fits the data set's network (see :data:`SMALL_ONLY`).
+    """Return whether a method's posterior fits the data set's network (:data:`SMALL_ONLY`).
 
     Args:
         method: A name of :data:`METHODS`.
         dataset: ``'mnist'`` or ``'digits'``.
-
-    Returns:
-        ``False`` only for a dense posterior on a data set too large for it.
     """
     return dataset in SMALL_ONLY.get(method, (dataset,))
 
 
 def default_methods(dataset: str) -> List[str]:
-    """Every method that fits the data set's network but the opt-in trained ones.
+    """Return the methods that fit the data set's network, in report order, opt-in ones left out.
 
     Args:
         dataset: ``'mnist'`` or ``'digits'``.
-
-    Returns:
-        Method names in report order.
     """
     return [m for m in METHODS if fits(m, dataset) and m not in TRAINED_METHODS]
 
@@ -320,8 +310,7 @@ def _config_class(name: str, options: Sequence[Option], names: Sequence[str], su
     return cls
 
 
-#: Options of the calibration study: a dataclass with a field per option of
-#: :data:`CALIBRATE_OPTIONS` (``--n-train``: ``n_train``), defaults as there.
+#: Options of the calibration study: a field per option of :data:`CALIBRATE_OPTIONS`.
 CalibrationConfig = _config_class(
     "CalibrationConfig", CALIBRATE_OPTIONS,
     ("dataset", "epochs", "checkpoint", "save_checkpoint", "n_train", "n_test", "batch_size",
@@ -337,14 +326,11 @@ RankStudyConfig = _config_class(
 
 
 def study_config(args: argparse.Namespace, config_class: type) -> Any:
-    """A study's config from its command's parsed arguments, checked (:func:`check_study`).
+    """Return a study's config from its command's arguments, checked (:func:`check_study`).
 
     Args:
         args: The parsed arguments (options the command lacks keep their defaults).
         config_class: :data:`CalibrationConfig` or :data:`RankStudyConfig`.
-
-    Returns:
-        The config; its output directory exists.
 
     Raises:
         UserError: For any option the run could not work with.
@@ -389,13 +375,10 @@ def check_study(config: Any) -> None:
 
 
 def check_spectrum(args: argparse.Namespace) -> argparse.Namespace:
-    """Every check of the ``spectrum`` options, then create ``--out`` if given.
+    """Return ``args`` after every check of the ``spectrum`` options (creating ``--out``).
 
     Args:
         args: The parsed arguments.
-
-    Returns:
-        ``args``, checked.
 
     Raises:
         UserError: For any option the demo could not work with.

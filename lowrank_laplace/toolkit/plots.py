@@ -1,7 +1,7 @@
 """Plots for calibration, curvature spectra and predictive uncertainty (matplotlib).
 
-Every function returns the figure and, given ``path``, saves it as PNG. matplotlib's
-backend is left alone (figures show inline in notebooks; the command selects Agg).
+Every function returns the matplotlib figure and, given ``path``, saves it as PNG.
+matplotlib's backend is left alone (figures show inline in notebooks; the command uses Agg).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _finish(fig: Figure, path: PathLike) -> Figure:
 
 def reliability_diagram(probs: Tensor, targets: Tensor, n_bins: int = 15,
                         title: str = "", path: PathLike = None) -> Figure:
-    """Accuracy per confidence bin against the diagonal of perfect calibration.
+    """Return a reliability diagram: accuracy per confidence bin against the diagonal.
 
     Bars: each bin's accuracy; line: (mean confidence, accuracy) of the non-empty bins,
     whose distance from the diagonal is the bin's calibration error. The title carries
@@ -42,9 +42,6 @@ def reliability_diagram(probs: Tensor, targets: Tensor, n_bins: int = 15,
         n_bins: Number of equal-width confidence bins.
         title: Title (the ECE is appended).
         path: Where to save the PNG (optional).
-
-    Returns:
-        The matplotlib figure.
     """
     conf, pred = probs.max(1)
     edges = torch.linspace(0, 1, n_bins + 1)
@@ -76,15 +73,12 @@ def reliability_diagram(probs: Tensor, targets: Tensor, n_bins: int = 15,
 
 def confidence_histograms(confidences: Dict[str, Tensor], title: str = "",
                           path: PathLike = None) -> Figure:
-    """Overlaid histograms of top-1 confidence (e.g. in- vs out-of-distribution).
+    """Return overlaid histograms of top-1 confidence (e.g. in- vs out-of-distribution).
 
     Args:
         confidences: Named 1-D tensors of confidences.
         title: Axes title.
         path: Where to save the PNG (optional).
-
-    Returns:
-        The matplotlib figure.
     """
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for name, conf in confidences.items():
@@ -96,15 +90,12 @@ def confidence_histograms(confidences: Dict[str, Tensor], title: str = "",
 
 def spectrum(eigenvalues: Dict[str, Tensor], title: str = "GGN spectrum",
              path: PathLike = None) -> Figure:
-    """Eigenvalues by index (log scale) and their histogram, one line per case.
+    """Return a figure of eigenvalues by index (log scale) and their histogram, per case.
 
     Args:
         eigenvalues: Named descending eigenvalue tensors.
         title: Figure title.
         path: Where to save the PNG (optional).
-
-    Returns:
-        The matplotlib figure.
     """
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
     for name, evals in eigenvalues.items():
@@ -121,7 +112,7 @@ def spectrum(eigenvalues: Dict[str, Tensor], title: str = "GGN spectrum",
 def regression_band(x_train: Tensor, y_train: Tensor, x_grid: Tensor,
                     predictions: Dict[str, Sequence[Tensor]], title: str = "",
                     path: PathLike = None) -> Figure:
-    """1-D regression: data, predictive mean and a two-standard-deviation band.
+    """Return a figure of 1-D regression data, predictive means and two-standard-deviation bands.
 
     Args:
         x_train: Training inputs, shape ``(N, 1)``.
@@ -130,9 +121,6 @@ def regression_band(x_train: Tensor, y_train: Tensor, x_grid: Tensor,
         predictions: Named ``(mean, std)`` pairs on the grid.
         title: Axes title.
         path: Where to save the PNG (optional).
-
-    Returns:
-        The matplotlib figure.
     """
     fig, ax = plt.subplots(figsize=(6, 3.5))
     x = x_grid.flatten().cpu().numpy()
@@ -149,7 +137,7 @@ def regression_band(x_train: Tensor, y_train: Tensor, x_grid: Tensor,
 def uncertainty_map(predict: Callable[[Tensor], Tensor], X: Tensor, y: Tensor,
                     title: str = "", resolution: int = 80, ax: Optional[Axes] = None,
                     path: PathLike = None) -> Figure:
-    """2-D classification: confidence of ``predict`` on a grid, with the data.
+    """Return a map of the confidence of ``predict`` on a 2-D grid, with the data.
 
     Args:
         predict: Maps inputs ``(G, 2)`` to probabilities ``(G, C)``.
@@ -159,9 +147,6 @@ def uncertainty_map(predict: Callable[[Tensor], Tensor], X: Tensor, y: Tensor,
         resolution: Grid points per axis.
         ax: Existing axes to draw into (optional).
         path: Where to save the PNG (optional).
-
-    Returns:
-        The matplotlib figure.
     """
     lo, hi = X.min(0).values - 1.0, X.max(0).values + 1.0
     gx, gy = torch.meshgrid(torch.linspace(lo[0], hi[0], resolution),
@@ -183,29 +168,23 @@ _METRIC_NAMES = {"ece": "ECE", "nll": "NLL", "mce": "MCE", "brier": "Brier score
 
 
 def metric_name(metric: str) -> str:
-    """The display name of a metric key, e.g. ``'ece'`` -> ``'ECE'``.
+    """Return the display name of a metric key, e.g. ``'ece'`` -> ``'ECE'``.
 
     Args:
         metric: A key of :func:`lowrank_laplace.toolkit.metrics.classification_metrics`.
-
-    Returns:
-        The name for axis labels and titles.
     """
     return _METRIC_NAMES.get(metric, metric.capitalize())
 
 
 def shift_curves(results: Dict[str, Dict[str, Dict[str, float]]], metric: str = "ece",
                  title: Optional[str] = None, path: PathLike = None) -> Figure:
-    """A metric against the rotation angle, one line per method.
+    """Return a figure of a metric against the rotation angle, one line per method.
 
     Args:
         results: ``{method: {angle: {metric: value}}}`` (angles as strings).
         metric: Which metric to plot.
         title: Axes title (default: ``'<metric> under rotation'``).
         path: Where to save the PNG (optional).
-
-    Returns:
-        The matplotlib figure.
     """
     name = metric_name(metric)
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
@@ -220,15 +199,12 @@ def shift_curves(results: Dict[str, Dict[str, Dict[str, float]]], metric: str = 
 
 
 def snr_curves(cases: Dict[str, Dict[str, Sequence[float]]], path: PathLike = None) -> Figure:
-    """Gradient and curvature SNRs per eigen-direction, one line per case.
+    """Return a figure of gradient and curvature SNRs per eigen-direction, one line per case.
 
     Args:
         cases: ``{case: {"gamma_snr": [...], "lambda_snr": [...]}}`` (descending
             eigenvalue order, as in the ``spectrum`` command's report).
         path: Where to save the PNG (optional).
-
-    Returns:
-        The matplotlib figure.
     """
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5), sharey=True)
     for (key, label), ax in zip([("gamma_snr", "Gradient SNR"),

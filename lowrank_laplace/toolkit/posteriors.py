@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
                 loaders: Dict[str, DataLoader], fitted: dict,
                 prior: Optional[Tensor] = None) -> Any:
-    """Fit a method's posterior, or switch the residual model of a shared fit, and tune it.
+    """Return a method's posterior, fitted (or a shared fit's residual switched), tuned.
 
     Args:
         name: A key of :data:`~lowrank_laplace.toolkit.options.LAPLACE_METHODS`.
@@ -32,9 +32,6 @@ def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
         loaders: Fit on ``loaders["train"]``, grid search on ``loaders["val"]``.
         fitted: Fits so far, updated (all residual models but ``diagonal`` share one).
         prior: A prior precision to keep instead of tuning (e.g. learned layerwise).
-
-    Returns:
-        The laplace-torch posterior.
 
     Raises:
         ValueError: For a dense posterior on a data set too large for it.
@@ -82,20 +79,17 @@ def _tune_prior(la: Any, config: CalibrationConfig, loaders: Dict[str, DataLoade
 
 
 def marglik_prior_full(la: Any, n_steps: int = 100, lr: float = 0.1) -> float:
-    r"""laplace-torch's marglik prior tuning of a ``FullLaplace``, from one eigendecomposition.
+    r"""Return the scalar prior of laplace-torch's marglik tuning of a ``FullLaplace``.
 
-    Instead of a ``D x D`` factorisation per Adam step, the same Adam steps on
-    :math:`\log\delta` (from ``delta = 1``) minimise, with the eigenvalues :math:`\lambda`
-    of ``H``, :math:`\tfrac12 (\sum \log(h\lambda_i + \delta) - D \log\delta + \delta
-    \|\theta - \mu_0\|^2)`.
+    From one eigendecomposition instead of a ``D x D`` factorisation per Adam step: the
+    same Adam steps on :math:`\log\delta` (from ``delta = 1``) minimise, with the
+    eigenvalues :math:`\lambda` of ``H``, :math:`\tfrac12 (\sum \log(h\lambda_i + \delta)
+    - D \log\delta + \delta \|\theta - \mu_0\|^2)`.
 
     Args:
         la: A fitted ``FullLaplace`` (scalar prior).
         n_steps: Adam steps (laplace-torch's default).
         lr: Adam learning rate (laplace-torch's default).
-
-    Returns:
-        The tuned scalar prior precision.
     """
     h_factor = 1 / la.sigma_noise.square() / la.temperature  # laplace-torch's own formula
     lam = torch.linalg.eigvalsh(la.H.double()).clamp(min=0) * float(h_factor)
@@ -112,14 +106,13 @@ def marglik_prior_full(la: Any, n_steps: int = 100, lr: float = 0.1) -> float:
 
 
 def posterior_info(la: Optional[object]) -> dict:
-    """Tuned prior precision and, for ``lowrank_ggn``, rank, kept trace and residual model.
+    """Return ``{"prior_precision": mean}`` of a fitted posterior, and more keys as follows.
+
+    A layerwise prior adds ``"prior_precisions"``; ``lowrank_ggn`` adds ``"rank"``,
+    ``"kept_fraction"`` and ``"residual"``.
 
     Args:
         la: A fitted posterior, or ``None`` (the MAP network: ``{}``).
-
-    Returns:
-        ``{"prior_precision"}`` (the mean; a layerwise one also ``"prior_precisions"``)
-        and, for ``lowrank_ggn``, ``"rank"``, ``"kept_fraction"`` and ``"residual"``.
     """
     if la is None:
         return {}
@@ -134,15 +127,12 @@ def posterior_info(la: Optional[object]) -> dict:
 
 
 def make_predictor(name: str, model: nn.Module, la: Any) -> Callable[[Tensor], Tensor]:
-    """A method's predictive probabilities as a function of the inputs.
+    """Return inputs -> class probabilities: the GLM predictive with probit, or the MAP's.
 
     Args:
         name: The method; ``'map'`` is the network's own softmax.
         model: The trained network.
         la: The method's fitted posterior (ignored for ``'map'``).
-
-    Returns:
-        Inputs -> class probabilities (the posterior's GLM predictive with probit).
     """
     if name == "map":
         return lambda X: torch.softmax(model(X), -1)
@@ -151,16 +141,13 @@ def make_predictor(name: str, model: nn.Module, la: Any) -> Callable[[Tensor], T
 
 def predict_batched(predict: Callable[[Tensor], Tensor], X: Tensor, batch_size: int,
                     device: torch.device) -> Tensor:
-    """Predict in batches without gradients and gather the results on the CPU.
+    """Return the probabilities of all inputs on the CPU, predicted in batches, no gradients.
 
     Args:
         predict: Inputs -> class probabilities (see :func:`make_predictor`).
         X: The inputs.
         batch_size: Inputs per call of ``predict``.
         device: Where the network lives.
-
-    Returns:
-        The probabilities of all inputs, on the CPU.
     """
     with torch.no_grad():
         out = [predict(chunk.to(device)).detach().cpu() for chunk in torch.split(X, batch_size)]
@@ -170,7 +157,7 @@ def predict_batched(predict: Callable[[Tensor], Tensor], X: Tensor, batch_size: 
 def rotation_scores(predict: Callable[[Tensor], Tensor], test: Tuple[Tensor, Tensor],
                     config: CalibrationConfig, device: torch.device,
                     keys: Sequence[str]) -> dict:
-    """Metrics of a predictor on the test images rotated by each of ``config.angles``.
+    """Return ``{"<angle>": {key: value}}``: metrics on the test images rotated by each angle.
 
     Args:
         predict: Inputs -> class probabilities.
@@ -178,9 +165,6 @@ def rotation_scores(predict: Callable[[Tensor], Tensor], test: Tuple[Tensor, Ten
         config: The options (angles, batch size).
         device: Where the network lives.
         keys: Which :func:`~lowrank_laplace.toolkit.metrics.classification_metrics` to keep.
-
-    Returns:
-        ``{"<angle>": {key: value}}``.
     """
     out = {}
     for angle in config.angles:

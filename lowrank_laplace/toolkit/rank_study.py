@@ -1,9 +1,8 @@
 """The rank study behind ``lowrank-laplace rank-study``: posterior quality against rank.
 
 Fits the calibration study's all-weights ``lowrank_ggn`` posterior at every rank for every
-residual model, tunes each one's prior like the calibration study, and scores the GLM
-predictive (probit) on the test images, unrotated and rotated: NLL, ECE and Brier score.
-MAP, ``kron``, ``diag`` and (``--dataset digits``) the full GGN are the references::
+residual model, tunes its prior likewise, and scores the GLM predictive (probit) on the test
+images, unrotated and rotated, against MAP, ``kron``, ``diag`` and (digits) the full GGN::
 
     {"config": {...},
      "references": {name: {"<angle>": {"nll", "ece", "brier", "accuracy"}, ...,
@@ -12,10 +11,9 @@ MAP, ``kron``, ``diag`` and (``--dataset digits``) the full GGN are the referenc
                   "prior_precision", "jacobian_exponent", "fit_s",
                   "scores": {"<angle>": {...}}}, ...]}
 
-``fit_s`` is the fit plus the prior tuning (only the tuning where a residual model reuses
-its rank's shared fit). With ``train="marglik"`` the network is the one ``marglik_training``
-learns with layerwise priors (reference ``lowrank_ggn_marglik``), and every posterior
-keeps those priors.
+``fit_s`` is fit plus prior tuning (only the tuning where a residual model reuses its rank's
+shared fit). With ``train="marglik"`` every posterior keeps the layerwise priors that
+``marglik_training`` learns with the network (reference ``lowrank_ggn_marglik``).
 """
 
 from __future__ import annotations
@@ -146,13 +144,10 @@ def _plot(report: dict, path: Path) -> Figure:
 
 
 def format_table(report: dict) -> str:
-    """The report as text: a row per reference and per (rank, residual), per angle.
+    """Return the report as a table: a row per reference and per (rank, residual).
 
     Args:
         report: The study's report.
-
-    Returns:
-        The table.
     """
     angles = [f"{a:g}" for a in report["config"]["angles"]]
     head = f"{'posterior':<34}" + "".join(f"{m + '@' + a:>12}" for a in angles for m in METRICS)

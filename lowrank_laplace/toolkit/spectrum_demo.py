@@ -1,9 +1,8 @@
 """The GGN spectrum demo behind ``lowrank-laplace spectrum``.
 
 Trains a small network on scikit-learn's digits, then prints the mini-batch GGN spectrum
-for the four approximation cases of the ViViT paper (exact / Monte-Carlo loss Hessian,
-full / sub-sampled batch): rank, leading eigenvalue, exact trace, the share of it the
-top-k keep, median gradient and curvature SNRs, and the run time. The report's schema::
+for the ViViT paper's four cases (exact / Monte-Carlo loss Hessian, full / sub-sampled
+batch), the top-k's kept trace and median SNRs. The report's schema::
 
     {"config": {<the command's options>, "num_params"},
      "cases": {name: {"rank", "eigenvalues", "trace", "top_k_kept_fraction",
@@ -41,13 +40,10 @@ COLUMNS = (("case", "<24"), ("rank", ">6"), ("lambda_1", ">11"), ("trace", ">11"
 
 
 def load_digits(seed: int) -> Tuple[Tensor, Tensor]:
-    """scikit-learn's digits as ``(N, 1, 8, 8)`` images in ``[0, 1]``, shuffled.
+    """Return scikit-learn's digits, shuffled: ``(N, 1, 8, 8)`` images in ``[0, 1]``, labels.
 
     Args:
         seed: Seed of the shuffling permutation.
-
-    Returns:
-        The images and their ``long`` labels.
     """
     X, y = datasets.load_images("digits")
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
@@ -77,8 +73,7 @@ def run(args: argparse.Namespace) -> dict:
     """Run the demo: check the options, train, print the table, write the report.
 
     Args:
-        args: The ``spectrum`` command's parsed arguments (``dataset``, ``model``,
-            ``batch_size``, ``top_k``, ``epochs``, ``device``, ``seed``, ``out``).
+        args: Parsed arguments of :data:`~lowrank_laplace.toolkit.options.SPECTRUM_OPTIONS`.
 
     Returns:
         The report (also printed, and written to ``args.out`` if given).

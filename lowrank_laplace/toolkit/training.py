@@ -16,13 +16,10 @@ LEARNING_RATE = 2e-3
 
 
 def make_cnn(dataset: str) -> nn.Module:
-    """The small CNN used for a data set.
+    """Return a data set's small CNN: BackPACK-supported layers, 10 outputs.
 
     Args:
         dataset: ``'mnist'`` (28x28) or ``'digits'`` (8x8).
-
-    Returns:
-        An ``nn.Sequential`` of BackPACK-supported layers with 10 outputs.
     """
     if dataset == "mnist":
         return nn.Sequential(
@@ -39,7 +36,7 @@ def make_cnn(dataset: str) -> nn.Module:
 
 def train_or_load(config: CalibrationConfig, split: datasets.Split, device: torch.device,
                   log: Callable[[str], None]) -> nn.Module:
-    """The data set's CNN, loaded from ``config.checkpoint`` or trained and saved if asked.
+    """Return the data set's CNN in eval mode, loaded or trained (and saved if asked).
 
     Training minimises the mean cross-entropy plus ``weight_decay / (2 N) ||theta||^2``
     with Adam: the MAP under the Gaussian prior the Laplace methods assume.
@@ -49,9 +46,6 @@ def train_or_load(config: CalibrationConfig, split: datasets.Split, device: torc
         split: The data; its training part is used.
         device: Where the network lives.
         log: Receives a line per epoch (or one for the loaded checkpoint).
-
-    Returns:
-        The network in eval mode.
     """
     model = make_cnn(config.dataset).to(device)
     if config.checkpoint is not None:  # options.check_checkpoint made sure it fits
@@ -81,10 +75,10 @@ def train_or_load(config: CalibrationConfig, split: datasets.Split, device: torc
 
 def marglik_train(config: CalibrationConfig, split: datasets.Split, device: torch.device,
                   structure: str, log: Callable[[str], None]) -> Any:
-    """Train a fresh CNN with laplace-torch's ``marglik_training`` and return its posterior.
+    """Return the posterior of a fresh CNN trained by laplace-torch's ``marglik_training``.
 
     Weights and layerwise prior precisions are learned together (Immer et al. 2021), with
-    Adam as in :func:`train_or_load`.
+    Adam as in :func:`train_or_load`; the posterior keeps the learned priors.
 
     Args:
         config: The options (dataset, epochs, batch size, seed).
@@ -92,9 +86,6 @@ def marglik_train(config: CalibrationConfig, split: datasets.Split, device: torc
         device: Where the network lives.
         structure: laplace-torch's ``hessian_structure``, e.g. ``"lowrank_ggn"``.
         log: Receives one line when training is done.
-
-    Returns:
-        The fitted posterior of the trained network, its priors the learned ones.
     """
     from laplace.marglik_training import marglik_training
 
