@@ -28,6 +28,7 @@ from typing import Callable, Tuple
 import torch
 from torch import Tensor
 
+from lowrank_laplace.laplace_torch.report import FitReport
 from lowrank_laplace.toolkit import datasets, metrics, plots
 from lowrank_laplace.toolkit.options import (
     LAPLACE_METHODS,
@@ -252,7 +253,9 @@ def _format_notes(report: dict) -> str:
     lines = ["prior: tuned prior precision; kept: share of the exact GGN trace the rank keeps."]
     for name, m in report["methods"].items():
         info = m.get("posterior", {})
-        if "residual" in info:
+        if "fit_report" in info:  # the fit's faithfulness report, as la.fit_report prints it
+            lines.append(f"{name}: {FitReport.from_dict(info['fit_report'])}")
+        elif "residual" in info:
             lines.append(f"{name}: rank {info['rank']}, kept {info['kept_fraction']:.3f}, "
                          f"residual={info['residual']!r}")
     if any(n.startswith("full") for n in report["methods"]):

@@ -109,7 +109,7 @@ def posterior_info(la: Optional[object]) -> dict:
     """Return ``{"prior_precision": mean}`` of a fitted posterior, and more keys as follows.
 
     A layerwise prior adds ``"prior_precisions"``; ``lowrank_ggn`` adds ``"rank"``,
-    ``"kept_fraction"`` and ``"residual"``.
+    ``"kept_fraction"``, ``"residual"`` and its ``"fit_report"`` (as a dict).
 
     Args:
         la: A fitted posterior, or ``None`` (the MAP network: ``{}``).
@@ -123,6 +123,8 @@ def posterior_info(la: Optional[object]) -> dict:
     if hasattr(la, "kept_fraction"):
         info.update(rank=int(la.H[1].numel()), kept_fraction=float(la.kept_fraction),
                     residual=la.residual)
+        if getattr(la, "fit_report", None) is not None:  # a shared fit: this residual
+            info["fit_report"] = dict(la.fit_report.as_dict(), residual=la.residual)
     return info
 
 

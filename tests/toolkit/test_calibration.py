@@ -64,6 +64,17 @@ def test_default_methods_and_notes():
     notes = calibration.format_report(report)
     assert "lowrank_ggn_all: rank 100, kept 0.900, residual='spectral'" in notes
     assert "full_*" in notes
+    check = {"name": "sketch self-check", "value": 0.97, "threshold": 0.95, "passed": True,
+             "action": "kept the sketch"}
+    entry["posterior"]["fit_report"] = {
+        "rank": 100, "num_params": 3658, "kept_fraction": 0.9, "fit_path": "sketch",
+        "factor_backend": "backpack", "residual": "isotropic", "check": check,
+        "variance_change": 0.012, "warm_started": False, "ranks_tried": [[100, 0.012]]}
+    notes = calibration.format_report(report)
+    assert "lowrank_ggn_all: lowrank_ggn fit: rank 100 of 3,658 parameters, a one-pass" in notes
+    assert "kept share of the GGN trace: 0.900 (the rest: residual='isotropic')" in notes
+    assert "sketch self-check: passed (0.970, needs 0.95); kept the sketch" in notes
+    assert "changes by 1.2% from rank 50 to 100" in notes
 
 
 def test_marglik_prior_full_matches_laplace_torch():

@@ -287,6 +287,7 @@ def test_calibrate_end_to_end(tmp_path, capsys):
     assert "training epoch 1/1" in err and f"[{count}/{count}] diag_all" in err
     assert len(err.splitlines()) <= count + 4 and "Warning" not in err
     assert "residual='spectral'" in out and "full_*" in out
+    assert "lowrank_ggn_all: lowrank_ggn fit: rank" in out and "kept share of the GGN" in out
     for plot in ("shift_ece.png", "shift_accuracy.png"):
         assert (tmp_path / plot).stat().st_size > 2000
     report = json.loads((tmp_path / "calibration.json").read_text())
@@ -301,6 +302,8 @@ def test_calibrate_end_to_end(tmp_path, capsys):
             assert info["residual"] == {"all": "spectral", "isotropic": "isotropic",
                                         "diag": "diagonal", "none": "none",
                                         "layer": "spectral"}[name.rsplit("_", 1)[1]]
+            assert info["fit_report"]["residual"] == info["residual"]
+            assert info["fit_report"]["kept_fraction"] == pytest.approx(info["kept_fraction"])
         assert set(m["in_distribution"]) == SCHEMA_ID
         assert set(m["shift"]) == {"0", "45"}
         assert set(m["shift"]["45"]) == {"accuracy", "nll", "ece"}
