@@ -116,17 +116,17 @@ class Residual:
             layer_prior: ``(sizes, delta_l)`` for a layerwise prior (``prior`` its
                 expansion): ``O(L r^2)`` algebra.
         """
-        ell = scale * eigenvalues
+        ell, extra = scale * eigenvalues, (gram_cache, layer_prior)
         if self.dim == eigenvalues.numel():  # nothing dropped
-            return LowRankPrecision(eigenvectors, ell, prior, gram_cache=gram_cache,
-                                    layers=_shifted(layer_prior, 0))
-        return self._precision(eigenvectors, ell, scale, prior, (gram_cache, layer_prior))
+            return Residual._precision(self, eigenvectors, ell, scale, prior, extra)
+        return self._precision(eigenvectors, ell, scale, prior, extra)
 
     def _precision(self, eigenvectors: Tensor, ell: Tensor, scale: Tensor, prior: Tensor,
                    extra: Tuple[Optional[GramCache], Optional[LayerPrior]]
                    ) -> LowRankPrecision:
-        """The precision where something is dropped (``extra``: cache, layer prior)."""
-        raise NotImplementedError
+        """The precision without a residual (``extra``: cache, layer prior); models add theirs."""
+        return LowRankPrecision(eigenvectors, ell, prior, gram_cache=extra[0],
+                                layers=_shifted(extra[1], 0))
 
     def curvature_spectrum(self, eigenvalues: Tensor, scale: float
                            ) -> Optional[Tuple[Tensor, Tensor]]:
@@ -162,11 +162,6 @@ class NoResidual(Residual):
     """``R = 0``: the dropped directions see only the prior."""
 
     name = "none"
-
-    def _precision(self, eigenvectors, ell, scale, prior, extra):
-        gram_cache, layer_prior = extra
-        return LowRankPrecision(eigenvectors, ell, prior, gram_cache=gram_cache,
-                                layers=_shifted(layer_prior, 0))
 
 
 class DiagonalResidual(Residual):
