@@ -1,8 +1,7 @@
 """From a loader to the leading eigenpairs of the training-set GGN.
 
-The fit's plan (path, sizes, laziness, threads) is decided once at the first batch;
-the solvers (dense sum, streaming merges, one-pass sketch) are siblings over one base;
-the batch loop feeds them micro-batch factors.
+A plan decided at the first batch, sibling solvers (dense sum, streaming merges, one-pass
+sketch) over one base, and the batch loop that feeds them.
 """
 
 from lowrank_laplace.fitting.sketch import SketchMerge

@@ -1,6 +1,6 @@
-r"""The solvers' common base, ``H = sum_b V_b V_b^T`` as its leading eigenpairs.
+r"""The solvers' base (``H = sum_b V_b V_b^T`` as its leading eigenpairs), float64 merges.
 
-Also the float64 merge helpers (docs/concepts.md, "Over a training set").
+Merge precision: docs/concepts.md, "Over a training set".
 
 Shape glossary:
     D: parameters; r: kept rank; k: eigenpairs kept while fitting (r + oversampling).
@@ -82,49 +82,27 @@ class Solver:
         raise NotImplementedError
 
     def merge_across(self, group: Any) -> None:
-        """Combine the results of all processes of a ``torch.distributed`` group.
-
-        Args:
-            group: The process group.
-        """
+        """Combine the results of all processes of the ``torch.distributed`` ``group``."""
         raise NotImplementedError
 
     def projection_targets(self) -> List[Tensor]:
-        """The ``D x K`` matrices whose ``V^T x`` the next (recomputed) factor must offer.
-
-        Returns:
-            The matrices (none by default).
-        """
+        """Return the ``D x K`` matrices whose ``V^T x`` a recomputed factor must offer."""
         return []
 
     def keep_eigenvalues(self, evals: Tensor, dtype: torch.dtype) -> None:
-        """Set :attr:`eigenvalues` from float64 ones rounded to ``dtype``; keep the float64.
-
-        Args:
-            evals: Eigenvalues ``(k,)``, descending.
-            dtype: The fit's dtype.
-        """
+        """Set :attr:`eigenvalues` to descending ``evals`` rounded to ``dtype``; keep float64."""
         narrow = evals.to(dtype).clamp(min=torch.finfo(dtype).tiny)
         self.eigenvalues, self._exact = narrow, (narrow, evals.to(WIDE).clamp(min=0))
 
     def add_trace_and_diagonal(self, trace: Tensor, diagonal: Optional[Tensor]) -> None:
-        """Accumulate the exact trace (in float64) and, if given, the diagonal.
-
-        Args:
-            trace: The added curvature's trace.
-            diagonal: Its diagonal, ``(D,)``, or ``None``.
-        """
+        """Accumulate an added curvature's exact trace (in float64) and diagonal (or ``None``)."""
         trace = trace.to(WIDE)  # a sum of many terms; the dropped mass is its difference
         self.trace = trace if self.trace is None else self.trace + trace
         if diagonal is not None:
             self.diagonal = diagonal if self.diagonal is None else self.diagonal + diagonal
 
     def sum_trace_across(self, group: Any) -> None:
-        """Replace the trace by its sum over the processes of a group.
-
-        Args:
-            group: The process group.
-        """
+        """Replace the trace by its sum over the processes of ``group``."""
         import torch.distributed as dist
 
         trace = self.trace.reshape(1).clone()
@@ -132,15 +110,11 @@ class Solver:
         self.trace = trace[0]
 
     def result(self) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-        """The leading ``rank`` eigenpairs, the exact trace and the residual diagonal.
+        """Return ``(U (D, k), lambda (k,), trace, residual (D,))``, ``k <= rank``.
 
-        The float64 trace is shifted by the rounding of the returned eigenvalues, so
-        ``trace - sum(lambda)`` is the exact dropped mass.
-
-        Returns:
-            ``(U (D, k), lambda (k,), trace, residual (D,))``, ``k <= rank``;
-            ``residual = diag(H) - diag(U diag(lambda) U^T)`` clamped at zero
-            (``None`` unless tracked).
+        ``residual = diag(H) - diag(U diag(lambda) U^T)`` clamped at zero (``None`` unless
+        tracked). The float64 trace is shifted by the rounding of the returned
+        eigenvalues, so ``trace - sum(lambda)`` is the exact dropped mass.
 
         Raises:
             RuntimeError: If nothing was merged.
@@ -161,7 +135,7 @@ class Solver:
 
 def wide_merge(factor: Any, group: int, eigenvalues: Optional[Tensor], keep: int,
                span: float) -> bool:
-    """Whether a merge forms its products and basis in float64 (docs/concepts.md).
+    """Return whether a merge forms its products and basis in float64 (docs/concepts.md).
 
     For lower-precision factors with blocks while the kept spectrum is not yet full or
     spans more than ``span eps``.
@@ -172,9 +146,6 @@ def wide_merge(factor: Any, group: int, eigenvalues: Optional[Tensor], keep: int
         eigenvalues: The kept eigenvalues (``None`` before the first merge).
         keep: Eigenpairs kept while fitting.
         span: The widest spectrum, in units of ``eps``, merged in float32.
-
-    Returns:
-        ``True`` for a float64 merge.
     """
     if not isinstance(factor, GGNFactor) or factor.recomputed:
         return False
@@ -187,14 +158,11 @@ def wide_merge(factor: Any, group: int, eigenvalues: Optional[Tensor], keep: int
 
 
 def merge_blocks(factor: Any, group: int = 0) -> Optional[List[Any]]:
-    """A factor's blocks, factored ones widened to float64, for the wide products.
+    """Return a factor's blocks widened to float64 (``None`` for a ``RecomputedFactor``).
 
     Args:
         factor: A ``GGNFactor``, or another factor.
         group: Group index.
-
-    Returns:
-        The blocks, or ``None`` for a factor without them (a ``RecomputedFactor``).
     """
     if not isinstance(factor, GGNFactor) or factor.recomputed:
         return None
@@ -203,16 +171,13 @@ def merge_blocks(factor: Any, group: int = 0) -> Optional[List[Any]]:
 
 def wide_products(factor: Any, blocks: Optional[List[Any]], targets: Sequence[Tensor],
                   group: int = 0) -> Tuple[Tensor, List[Tensor], torch.dtype]:
-    """A factor's ``V^T V`` and ``V^T x`` in float64 (a factor without blocks: widened).
+    """Return float64 ``V^T V``, one ``V^T x`` per target, and the dtype they were formed in.
 
     Args:
-        factor: The factor.
+        factor: The factor (without blocks: its products widened).
         blocks: :func:`merge_blocks` of the factor.
         targets: Matrices ``x``, ``(D, K)``.
         group: Group index.
-
-    Returns:
-        ``V^T V``, one ``V^T x`` per target, and the dtype they were formed in.
     """
     if blocks is None:
         gram = factor.gram(group)
@@ -229,7 +194,7 @@ def wide_combine(factor: Any, blocks: Optional[List[Any]], y: Tensor, dtype: tor
                  group: int = 0, basis: Optional[Tensor] = None,
                  rotation: Union[Tensor, Tuple[Tensor, Tensor], None] = None,
                  in_place: bool = False) -> Tensor:
-    """``basis @ rotation + V y``, each slice of rows formed in float64 and rounded once.
+    """Return ``basis @ rotation + V y`` ``(D, K)``, rows formed in float64, rounded once.
 
     Keeps a merge's new eigenvectors orthonormal; a factor without blocks is combined in
     its own dtype.
@@ -243,9 +208,6 @@ def wide_combine(factor: Any, blocks: Optional[List[Any]], y: Tensor, dtype: tor
         basis: ``(D, r)``, or ``None`` for zero.
         rotation: ``(r, K)``; ``(A, B)`` for ``I + A B^T`` (no ``D r^2`` product); or ``None``.
         in_place: Write into ``basis`` (``rotation`` square or ``None``).
-
-    Returns:
-        ``(D, K)``.
     """
     correction = rotation if isinstance(rotation, tuple) else None
     if correction is not None:

@@ -12,15 +12,12 @@ DEFAULT_MEMORY_BUDGET = 2**30
 
 
 def resolve_memory_budget(budget: Union[int, float, None], device: torch.device) -> int:
-    """Turn a memory budget into bytes.
+    """Return a memory budget in bytes.
 
     Args:
         budget: Bytes, a fraction in ``(0, 1]`` of free memory, a size such as ``"2GiB"``,
             or ``None`` (1 GiB on the CPU; on CUDA a quarter of free memory, at least 1 GiB).
         device: Where ``V`` lives.
-
-    Returns:
-        The budget in bytes.
 
     Raises:
         ValueError: For a non-positive budget or a fraction above 1.
@@ -40,7 +37,7 @@ def resolve_memory_budget(budget: Union[int, float, None], device: torch.device)
 def micro_batch_size(engine: Any, X: Any, num_vectors: Optional[int],
                      budget: Union[int, float, None], cap: Optional[int],
                      one_block: bool = False) -> int:
-    """Samples per backward pass within the memory budget and the user's cap.
+    """Return the samples per backward pass within the memory budget and the user's cap.
 
     Args:
         engine: The engine that computes ``V``.
@@ -49,9 +46,6 @@ def micro_batch_size(engine: Any, X: Any, num_vectors: Optional[int],
         budget: ``memory_budget`` as given.
         cap: ``micro_batch_size`` as given, or ``None``.
         one_block: Passes hold one block of ``V`` at a time (``low_memory``).
-
-    Returns:
-        The number of samples.
 
     Raises:
         ValueError: If one sample does not fit the budget.
@@ -88,7 +82,7 @@ def samples_that_fit(per_sample: int, budget: int) -> Tuple[int, int]:
 
 def dense_identity(dim: int, dtype: torch.dtype, device: torch.device,
                    budget: Union[int, float, None], what: str) -> torch.Tensor:
-    """``I_D`` for a dense ``D x D`` result, after checking that it fits the budget.
+    """Return ``I_D`` for a dense ``D x D`` result, after checking that it fits the budget.
 
     Args:
         dim: ``D``.
@@ -96,9 +90,6 @@ def dense_identity(dim: int, dtype: torch.dtype, device: torch.device,
         device: Its device.
         budget: ``memory_budget`` as given.
         what: The result's name, for the message.
-
-    Returns:
-        The identity, shape ``(D, D)``.
 
     Raises:
         ValueError: If the matrix and its workspace exceed the budget.

@@ -27,13 +27,7 @@ class SolverKind(Choice):
 
 
 def check_count(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
-    """Refuse anything but an integer of at least ``minimum`` (or ``None`` if allowed).
-
-    Args:
-        name: The option's name.
-        value: Its value.
-        minimum: The smallest value allowed.
-        allow_none: Whether ``None`` is allowed.
+    """Refuse option ``name``'s ``value`` unless an integer ``>= minimum`` or an allowed ``None``.
 
     Raises:
         ValueError: For any other value.

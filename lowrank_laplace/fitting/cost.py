@@ -1,16 +1,19 @@
 """The cost model that sizes a fit: merges, sketches and the dense sum in Gram multiply-adds.
 
 A merge of ``M`` columns into the ``D x k`` basis costs, besides the products with ``V``
-that every column pays once (``~2 D k`` per sample for factored linear weights,
-``2 D_gram k`` per column for the rest), a few memory passes over the basis (``~180 D
-k``), a float64 eigendecomposition of size ``k + M`` (``EIGH_WEIGHT (k + M)^3``), the
-Gram matrix of its columns (``M^2 D_gram``, ``D_gram`` the expanded parameters plus
-``out + in`` per factored linear weight) and a fixed ``OVERHEAD``; the weights were
-measured on CPU (docs/benchmarks/design_measurements.md).
+every column pays once (``~2 D k`` per sample, ``2 D_gram k`` per column), memory passes
+over the basis (``~180 D k``), a float64 eigendecomposition (``EIGH_WEIGHT (k + M)^3``),
+the columns' Gram matrix (``M^2 D_gram``) and a fixed ``OVERHEAD``; weights measured on
+CPU (docs/benchmarks/design_measurements.md).
 
 Shape glossary:
-    D: parameters; k: kept eigenpairs (rank + oversampling); M: columns of a merge;
-    l: sketch columns.
+    D: parameters; D_gram: expanded parameters plus ``out + in`` per factored linear
+    weight; k: kept eigenpairs (rank + oversampling); M: columns of a merge; l: sketch
+    columns.
+
+The functions' arguments: ``columns_per_sample`` (columns of ``V`` per sample), ``keep``
+(``k``, or ``l`` for a sketch), ``dim`` (``D``), ``gram_dim`` (``D_gram``), ``num_data``
+(samples streamed by this process).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from __future__ import annotations
 OVERHEAD = 7.5e8
 #: A float64 eigendecomposition of size ``n`` costs ~``EIGH_WEIGHT n^3``.
 EIGH_WEIGHT = 28.0
+
+
 def merge_cost(samples: int, columns_per_sample: int, keep: int, dim: int,
                 gram_dim: int) -> float:
     """Cost of one streaming merge of ``samples`` samples."""
@@ -28,19 +33,7 @@ def merge_cost(samples: int, columns_per_sample: int, keep: int, dim: int,
 
 def streaming_cost(columns_per_sample: int, keep: int, dim: int, gram_dim: int,
                    num_data: int, samples: int) -> float:
-    """Cost of streaming ``num_data`` samples in merges of ``samples`` (remainder included).
-
-    Args:
-        columns_per_sample: Columns of ``V`` per sample.
-        keep: ``k``.
-        dim: ``D``.
-        gram_dim: ``D_gram``.
-        num_data: Samples streamed.
-        samples: Samples per merge.
-
-    Returns:
-        The estimated cost.
-    """
+    """Return the cost of streaming ``num_data`` samples in merges of ``samples`` (and a rest)."""
     samples = max(1, min(samples, num_data))
     full, rest = divmod(num_data, samples)
     cost = full * merge_cost(samples, columns_per_sample, keep, dim, gram_dim)
@@ -51,32 +44,13 @@ def streaming_cost(columns_per_sample: int, keep: int, dim: int, gram_dim: int,
 
 def sketch_cost(columns_per_sample: int, keep: int, dim: int, gram_dim: int,
                 num_data: int) -> float:
-    """Cost of a one-pass sketch: the two products with ``V`` and the final ``D l^2`` work.
-
-    Args:
-        columns_per_sample: Columns of ``V`` per sample.
-        keep: ``l``.
-        dim: ``D``.
-        gram_dim: ``D_gram``.
-        num_data: Samples streamed.
-
-    Returns:
-        The estimated cost.
-    """
+    """Return the cost of a one-pass sketch: two products with ``V``, then ``D l^2`` work."""
     return (2.0 * keep * num_data * (dim + gram_dim * columns_per_sample)
             + 3.0 * dim * keep * keep)
 
 
 def dense_cost(dim: int, num_columns: int) -> float:
-    """Cost of summing ``H`` densely (``D^2`` per column) and one float64 eigh.
-
-    Args:
-        dim: ``D``.
-        num_columns: Columns of ``V`` over the data.
-
-    Returns:
-        The estimated cost.
-    """
+    """Return the cost of summing ``num_columns`` columns densely (``D^2`` each) and one eigh."""
     return float(num_columns) * dim * dim + EIGH_WEIGHT * float(dim) ** 3
 
 
@@ -87,19 +61,8 @@ def dense_bytes(dim: int, itemsize: int) -> int:
 
 def merge_size(columns_per_sample: int, keep: int, dim: int, gram_dim: int, num_data: int,
                limit: int) -> int:
-    """Samples per streaming merge that minimise :func:`streaming_cost`.
+    """Return the samples per merge (``1`` to ``min(limit, num_data)``) minimising the cost."""
 
-    Args:
-        columns_per_sample: Columns of ``V`` per sample.
-        keep: ``k``.
-        dim: ``D``.
-        gram_dim: ``D_gram``.
-        num_data: Samples streamed by this process.
-        limit: Largest admissible merge (memory budget).
-
-    Returns:
-        The number of samples per merge, in ``[1, max(1, min(limit, num_data))]``.
-    """
     def total(samples: int) -> float:
         return streaming_cost(columns_per_sample, keep, dim, gram_dim, num_data, samples)
 

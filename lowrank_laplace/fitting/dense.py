@@ -1,6 +1,4 @@
-r"""The exact solver: ``H = sum_b V_b V_b^T`` as a dense float64 ``D x D`` matrix.
-
-One eigendecomposition at the end (docs/concepts.md, "Over a training set").
+r"""The exact solver: ``H = sum_b V_b V_b^T`` dense in float64, eigendecomposed at the end.
 
 Shape glossary:
     D: parameters; k: eigenpairs kept.

@@ -80,10 +80,9 @@ class ProbeInputs:
     rng: Any
 
 
-#: A sketch passes its check when the leading ``rank`` eigenvalues from half its random
-#: columns reach this share of the whole sketch's
-#: (:func:`~lowrank_laplace.fitting.nystrom.sub_sketch_share`); below it they were still
-#: growing, and ``solver="auto"`` streams the data instead (docs/posterior_quality.md).
+#: A sketch passes its check when the leading eigenvalues from half its random columns
+#: reach this share of the whole sketch's (``nystrom.sub_sketch_share``); below it,
+#: ``solver="auto"`` streams the data instead (docs/posterior_quality.md).
 SKETCH_CONVERGED = 0.95
 
 
@@ -144,10 +143,9 @@ class FitResult:
 
 
 class LoaderFit:
-    """A fit over a loader: one engine, one plan and one thread setting until closed.
+    """A fit over a loader, as a context manager: one engine, plan and thread setting.
 
-    A context manager: work inside it after :meth:`run` (a probe pass) keeps the fit's
-    thread setting; the user's comes back on exit.
+    Work inside it after :meth:`run` (a probe pass) keeps the fit's threads until exit.
 
     Args:
         target: What the GGN is computed of.
@@ -184,19 +182,16 @@ class LoaderFit:
 
     def run(self, loader: Any, previous: Optional[FitResult] = None,
             warm_basis: Optional[Tensor] = None, progress_bar: bool = False) -> FitResult:
-        """Fit the low-rank GGN over the whole loader.
+        """Return the :class:`FitResult` of the low-rank GGN over the whole loader.
 
-        Data-parallel, every process streams its shard and the solvers are combined:
-        all end with the same result, ``n_data`` counting all samples.
+        Data-parallel, every process streams its shard and all end with the same result,
+        ``n_data`` counting all samples.
 
         Args:
             loader: Yields ``(X, y)`` or dict batches; ``loader.dataset`` has a length.
             previous: An earlier fit to add to (online updates, ``override=False``).
             warm_basis: ``(D, b)`` first test columns of an auto sketch (the last eigenvectors).
             progress_bar: Show a tqdm progress bar over batches.
-
-        Returns:
-            The :class:`FitResult`.
 
         Raises:
             ValueError: For a loader without ``dataset``, an empty loader, bad targets, or a
@@ -263,11 +258,7 @@ class LoaderFit:
         return stream, loss, seen
 
     def reconfigure(self, config: FitConfig) -> None:
-        """Fit again with other options (another rank): a new plan, the same threads.
-
-        Args:
-            config: The new options.
-        """
+        """Fit again with ``config`` (another rank): a new plan, the same threads."""
         self.config, self.plan = config, None
 
     def _start(self, X: Any, batch: int, num_data: int, warm_basis: Optional[Tensor]
@@ -332,13 +323,7 @@ class LoaderFit:
 
 
 def probe_cap(sizes: Any) -> int:
-    """The most vectors per input a probe pass may carry (checked before the fit).
-
-    Args:
-        sizes: The fit's :class:`~lowrank_laplace.fitting.plan.FitSizes`.
-
-    Returns:
-        Vectors per input, ``>= 1``.
+    """Return the most vectors per input (``>= 1``) a probe pass may carry in ``sizes.budget``.
 
     Raises:
         ValueError: If one vector of one input does not fit the budget.
@@ -355,15 +340,12 @@ def probe_cap(sizes: Any) -> int:
 
 def merge_fits(config: FitConfig, previous: FitResult, current: tuple
                ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """Merge an earlier fit's ``(U, lam, trace, residual)`` with this one's.
+    """Return an earlier fit's ``(U, lam, trace, residual)`` merged with this one's.
 
     Args:
         config: The fit's options.
         previous: The earlier fit.
         current: This fit's ``(U, lam, trace, residual diagonal)``.
-
-    Returns:
-        The merged tuple.
     """
     first = (previous.eigenvectors, previous.eigenvalues, previous.trace,
              previous.residual_diagonal)
@@ -392,7 +374,7 @@ def _warn_low_precision_sketch(dtype: torch.dtype) -> None:
 def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Any, config: FitConfig, *,
                     previous: Optional[FitResult] = None, process_group: Any = "default",
                     progress_bar: bool = False) -> FitResult:
-    """Fit the low-rank GGN of ``model``'s trainable parameters (:meth:`LoaderFit.run`).
+    """Return the :class:`FitResult` of ``model``'s trainable parameters (:meth:`LoaderFit.run`).
 
     Args:
         model: The module whose GGN is computed.
@@ -402,9 +384,6 @@ def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Any, config: FitC
         previous: An earlier fit to add this loader's curvature to.
         process_group: ``torch.distributed`` group to merge across.
         progress_bar: Show a tqdm progress bar over batches.
-
-    Returns:
-        The :class:`FitResult`.
     """
     with LoaderFit(FitTarget(model, likelihood), config, process_group) as fit:
         return fit.run(loader, previous=previous, progress_bar=progress_bar)

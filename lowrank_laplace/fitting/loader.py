@@ -20,13 +20,10 @@ UNKNOWN_SIZE = 2**40
 
 
 def likelihood_loss(likelihood: str) -> Tuple[nn.Module, float]:
-    """The summed loss whose GGN is laplace-torch's, and laplace-torch's factor on it.
+    """Return ``(CrossEntropyLoss(sum), 1)`` or ``(MSELoss(sum), 0.5)``: laplace-torch's GGN.
 
     Args:
         likelihood: ``"classification"`` or ``"regression"``.
-
-    Returns:
-        ``(CrossEntropyLoss(sum), 1)`` or ``(MSELoss(sum), 0.5)``.
     """
     if likelihood == "regression":
         return nn.MSELoss(reduction="sum"), 0.5
@@ -34,11 +31,7 @@ def likelihood_loss(likelihood: str) -> Tuple[nn.Module, float]:
 
 
 def check_likelihood_targets(likelihood: str, y: Tensor) -> None:
-    """Refuse targets that do not match the likelihood.
-
-    Args:
-        likelihood: The likelihood.
-        y: A batch's targets.
+    """Refuse a batch's targets ``y`` that do not match the ``likelihood``.
 
     Raises:
         ValueError: For float classes, integer regression targets or wrong shapes.
@@ -57,15 +50,12 @@ def check_likelihood_targets(likelihood: str, y: Tensor) -> None:
 
 
 def columns_per_sample(likelihood: str, mc_samples: int, n_outputs: Optional[int]) -> int:
-    """Columns of ``V`` per curvature sample: the GGN's rank per data point.
+    """Return the GGN's rank per data point: ``M``, ``C`` or (classification) ``max(C - 1, 1)``.
 
     Args:
         likelihood: The likelihood.
         mc_samples: ``0`` or Monte-Carlo samples ``M``.
         n_outputs: Model outputs ``C`` (``None``: counted as 1).
-
-    Returns:
-        ``M``, ``C`` (regression) or ``max(C - 1, 1)`` (classification).
     """
     if mc_samples:
         return mc_samples
@@ -74,13 +64,10 @@ def columns_per_sample(likelihood: str, mc_samples: int, n_outputs: Optional[int
 
 
 def loader_size(loader: Any) -> Optional[int]:
-    """The number of data points of a loader's dataset.
+    """Return ``len(loader.dataset)``, or ``None`` for a dataset without ``__len__``.
 
     Args:
         loader: A training loader.
-
-    Returns:
-        ``len(loader.dataset)``, or ``None`` for a dataset without ``__len__``.
 
     Raises:
         ValueError: For a loader without ``dataset`` or an empty dataset.
@@ -98,15 +85,12 @@ def loader_size(loader: Any) -> Optional[int]:
 
 
 def planned_samples(loader: Any, num_data: Optional[int], batch: int) -> int:
-    """Samples this process streams, as far as the loader tells.
+    """Return the samples this process streams (as the loader tells) or :data:`UNKNOWN_SIZE`.
 
     Args:
         loader: The training loader.
         num_data: :func:`loader_size`.
         batch: Samples of its first batch.
-
-    Returns:
-        The count, or :data:`UNKNOWN_SIZE`.
     """
     planned = UNKNOWN_SIZE if num_data is None else num_data
     try:
@@ -116,10 +100,7 @@ def planned_samples(loader: Any, num_data: Optional[int], batch: int) -> int:
 
 
 def check_params(params: List[Tensor]) -> None:
-    """Refuse a fit without trainable parameters, or with parameters on ``meta``.
-
-    Args:
-        params: The parameters to fit.
+    """Refuse empty ``params`` to fit, or parameters on the ``meta`` device.
 
     Raises:
         ValueError: For no parameters, or parameters on the ``meta`` device.
@@ -137,11 +118,7 @@ def check_params(params: List[Tensor]) -> None:
 
 
 def check_batch_types(X: Any, y: Any) -> None:
-    """Refuse batches that do not hold tensors.
-
-    Args:
-        X: A batch's inputs.
-        y: Its targets.
+    """Refuse a batch's inputs ``X`` and targets ``y`` that are not tensors.
 
     Raises:
         TypeError: For inputs neither a tensor nor a dict, or targets not a tensor.
@@ -155,14 +132,11 @@ def check_batch_types(X: Any, y: Any) -> None:
 
 
 def unpack(data: Any, dict_key_y: str) -> Tuple[Any, Tensor]:
-    """A loader's batch as checked ``(inputs, targets)``; a dict batch is the inputs whole.
+    """Return a loader's batch as checked ``(X, y)``; a dict batch is the inputs whole.
 
     Args:
         data: What the loader yielded.
         dict_key_y: The targets' key in dict batches.
-
-    Returns:
-        ``(X, y)``.
 
     Raises:
         KeyError: For a dict batch without ``dict_key_y`` (laplace-torch's exception).
@@ -184,10 +158,7 @@ def unpack(data: Any, dict_key_y: str) -> Tuple[Any, Tensor]:
 
 
 def check_finite_inputs(X: Any) -> None:
-    """Refuse inputs holding NaN or inf (a saturating network hides them until the GGN).
-
-    Args:
-        X: A batch's inputs.
+    """Refuse inputs ``X`` holding NaN or inf (a saturating network hides them until the GGN).
 
     Raises:
         ValueError: Naming the entry.
@@ -203,14 +174,11 @@ def check_finite_inputs(X: Any) -> None:
 
 
 def batches(loader: Any, dict_key_y: str) -> Iterator[Tuple[Any, Tensor]]:
-    """The loader's batches as checked ``(inputs, targets)`` pairs (:func:`unpack`).
+    """Yield the loader's batches as checked ``(X, y)`` pairs (:func:`unpack`).
 
     Args:
         loader: The training loader.
         dict_key_y: The targets' key in dict batches.
-
-    Yields:
-        ``(X, y)`` per batch.
     """
     for data in loader:
         yield unpack(data, dict_key_y)

@@ -1,7 +1,6 @@
-r"""The Nyström approximation of a sketch ``Y = H Omega``: its eigenpairs and its check.
+r"""Nyström eigenpairs of a sketch ``Y = H Omega`` and their check (Tropp et al., 2017).
 
-Tropp et al.'s (2017) stable evaluation with a shift ``nu`` (docs/concepts.md, "One-pass
-sketch").
+Stable evaluation with a shift ``nu`` (docs/concepts.md, "One-pass sketch").
 
 Shape glossary:
     D: parameters; l: sketch columns.
@@ -19,14 +18,13 @@ from lowrank_laplace.utils.linalg import rotate, stored_transposed, sym_eigh
 
 
 def nystrom_core(Y: Tensor, omega: Any) -> Tuple[Tensor, float]:
-    """``Y_nu = Y + nu Omega`` (in place) and the Cholesky factor of ``Omega^T Y_nu = C^T C``.
+    """Return ``(C, nu)``: the upper Cholesky factor of ``Omega^T Y_nu = C^T C`` and the shift.
+
+    ``C`` is float64 ``(l, l)``; ``Y_nu = Y + nu Omega`` is formed in place.
 
     Args:
         Y: The sketch ``H Omega``, ``(D, l)``; overwritten by ``Y_nu``.
         omega: The test matrix (``Omega`` or ``BasisOmega``).
-
-    Returns:
-        ``(C, nu)``: the upper Cholesky factor, float64 ``(l, l)``, and the shift.
 
     Raises:
         RuntimeError: For a sketch that is not finite, or a core that stays indefinite.
@@ -52,17 +50,16 @@ def nystrom_core(Y: Tensor, omega: Any) -> Tuple[Tensor, float]:
 
 def nystrom_eigenpairs(Y: Tensor, chol: Tensor, nu: float, rank: int
                        ) -> Tuple[Tensor, Tensor]:
-    """The leading eigenpairs of the Nyström approximation, from ``E = Y_nu C^{-1}``.
+    """Return the Nyström ``(vectors, eigenvalues, E^T E)``, ``E = Y_nu C^{-1}``.
+
+    At most ``rank`` (at least one) eigenpairs above the shift, in ``Y``'s dtype; the
+    Gram matrix ``(l, l)`` in float64.
 
     Args:
         Y: The shifted sketch ``Y_nu``, ``(D, l)``; overwritten.
         chol: The upper Cholesky factor ``C`` of its core.
         nu: The shift.
         rank: Eigenpairs wanted.
-
-    Returns:
-        ``(vectors, eigenvalues, E^T E)``: at most ``rank`` (at least one) eigenpairs
-        above the shift in ``Y``'s dtype, and the float64 ``(l, l)`` Gram of ``E``.
     """
     dtype, eps = Y.dtype, torch.finfo(Y.dtype).eps
     eye = torch.eye(chol.shape[0], dtype=chol.dtype, device=chol.device)
@@ -81,10 +78,10 @@ def nystrom_eigenpairs(Y: Tensor, chol: Tensor, nu: float, rank: int
 
 def sub_sketch_share(chol: Tensor, gram: Tensor, nu: float, rank: int, columns: int
                      ) -> float:
-    r"""The first ``columns`` columns' sum of the leading eigenvalues over the whole sketch's.
+    r"""Return the first ``columns`` columns' sum of leading eigenvalues over the sketch's.
 
     Below one, the eigenvalues were still growing: the sketch has not converged
-    (docs/concepts.md, "One-pass sketch").
+    (docs/concepts.md, "One-pass sketch"); ``1.0`` where the subset is the whole sketch.
 
     Args:
         chol: The upper Cholesky factor ``C`` of the core (float64, ``(l, l)``).
@@ -92,9 +89,6 @@ def sub_sketch_share(chol: Tensor, gram: Tensor, nu: float, rank: int, columns: 
         nu: The shift.
         rank: Eigenpairs kept.
         columns: The subset's size.
-
-    Returns:
-        The share (``1.0`` where the subset is the whole sketch).
     """
     if columns >= chol.shape[0] or columns < 1:
         return 1.0

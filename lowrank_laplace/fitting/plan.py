@@ -34,10 +34,9 @@ OVERSAMPLING = 0.2
 #: Up to this many parameters the fit sums densely wherever streaming would truncate
 #: and the matrix fits; ``0``: never, ``None``: the cost model decides alone.
 DENSE_MAX_DIM = 2048
-#: Streaming fits with merges below this ``S D k`` and passes below
-#: :data:`SINGLE_THREAD_PASS_ENTRIES` entries of ``V`` run on one CPU thread.
+#: Streaming fits with merges below this ``S D k`` and passes below the next entries of
+#: ``V`` run on one CPU thread.
 SINGLE_THREAD_MERGE_WORK = 2**26
-#: See :data:`SINGLE_THREAD_MERGE_WORK`.
 SINGLE_THREAD_PASS_ENTRIES = 2**22
 #: Sketch fits whose ``sketch_cost`` is below this run on one CPU thread.
 SINGLE_THREAD_SKETCH_WORK = 2**34
@@ -45,15 +44,14 @@ SINGLE_THREAD_SKETCH_WORK = 2**34
 SKETCH_MERGE_BYTES = 2**28
 #: Below this many parameters per kept eigenpair, merges rotate the basis explicitly.
 LAZY_MIN_DIM_PER_EIGENPAIR = 200
-#: A float32 sketch that rounded its kept eigenvalues is redone in float64 where its
-#: float64 ``D x l`` matrix takes at most this share of the budget (else it warns);
-#: ``solver="auto"`` sketches only within it.
+#: A float32 sketch that rounded kept eigenvalues is redone in float64 if its float64
+#: ``D x l`` takes at most this share of the budget; ``solver="auto"`` sketches within it.
 WIDE_SKETCH_SHARE = 0.25
 #: ``solver="auto"`` sketches with ``rank * (1 + AUTO_SKETCH_OVERSAMPLING)`` columns
 #: (fewer tune the marglik prior too strong; docs/posterior_quality.md).
 AUTO_SKETCH_OVERSAMPLING = 3
-#: A warm-started sketch draws ``rank * WARM_SKETCH_OVERSAMPLING`` random columns
-#: besides its basis, at most the cold sketch's columns in all.
+#: Random columns of a warm-started sketch besides its basis, per rank (at most the cold
+#: sketch's columns in all).
 WARM_SKETCH_OVERSAMPLING = 2
 
 
@@ -106,7 +104,7 @@ class FitSizes:
 
 def measure_sizes(engine: Any, X: Any, batch_size: int, num_data: int, config: FitConfig,
                   grouped: bool = False) -> FitSizes:
-    """The :class:`FitSizes` of a fit from its first batch (one forward pass of a sample).
+    """Return the :class:`FitSizes` of a fit from its first batch (one sample's forward).
 
     Args:
         engine: The ``FactorEngine``.
@@ -115,9 +113,6 @@ def measure_sizes(engine: Any, X: Any, batch_size: int, num_data: int, config: F
         num_data: Samples this process streams.
         config: The fit's options.
         grouped: A data-parallel fit.
-
-    Returns:
-        The sizes.
     """
     vector = engine.bytes_per_sample(X, 1)
     block = engine.bytes_per_sample(X, 1, one_block=True)
@@ -172,10 +167,10 @@ class FitPlan:
 
 def merge_plan(sizes: FitSizes, config: FitConfig, keep: int, low_memory: bool = False,
                path: str = "streaming") -> Tuple[int, int]:
-    """Samples per backward pass and per merge (``cost.merge_size``).
+    """Return ``(samples per backward pass, per merge)``; a larger pass merges in pieces.
 
     Merges spanning several batches hold their factors and a concatenated copy, so
-    they get half the budget.
+    they get half the budget (``cost.merge_size``).
 
     Args:
         sizes: The first batch's sizes.
@@ -183,9 +178,6 @@ def merge_plan(sizes: FitSizes, config: FitConfig, keep: int, low_memory: bool =
         keep: Eigenpairs kept while streaming.
         low_memory: One merge per micro-batch, by recomputing passes.
         path: ``"streaming"`` or ``"sketch"`` (up to :data:`SKETCH_MERGE_BYTES` a merge).
-
-    Returns:
-        ``(micro-batch size, merge size)``; a larger pass is merged in pieces.
     """
     limit, per_sample = sizes.limit(low_memory)
     cap = config.micro_batch_size
@@ -209,7 +201,7 @@ def merge_plan(sizes: FitSizes, config: FitConfig, keep: int, low_memory: bool =
 
 
 def choose_solver(sizes: FitSizes, config: FitConfig) -> Tuple[str, int]:
-    """What ``solver="auto"`` runs: a sketch where it is cheaper, else streaming merges.
+    """Return ``solver="auto"``'s ``("sketch" or "streaming", columns kept while fitting)``.
 
     A sketch needs its float64 ``D x l`` within :data:`WIDE_SKETCH_SHARE` of the budget
     and, on the CPU, a lower cost than streaming; on CUDA, where every merge waits on a
@@ -219,9 +211,6 @@ def choose_solver(sizes: FitSizes, config: FitConfig) -> Tuple[str, int]:
     Args:
         sizes: The first batch's sizes.
         config: The options.
-
-    Returns:
-        ``("sketch" or "streaming", columns kept while fitting)``.
     """
     keep = keep_while_fitting(config.rank)
     columns = min(sizes.dim, max(keep, config.rank * (1 + AUTO_SKETCH_OVERSAMPLING)))
@@ -241,7 +230,7 @@ def choose_solver(sizes: FitSizes, config: FitConfig) -> Tuple[str, int]:
 
 def choose_plan(sizes: FitSizes, config: FitConfig,
                 agreed: Optional[Tuple[bool, bool]] = None) -> FitPlan:
-    """Decide the fit's path and sizes: a pure function of sizes and options.
+    """Return the fit's plan: a pure function of sizes and options.
 
     Dense by :func:`choose_dense`; a sketch whose data one streaming merge covers takes
     that merge (cheaper, and the exact truncation); a dense sum drops ``low_memory``.
@@ -250,9 +239,6 @@ def choose_plan(sizes: FitSizes, config: FitConfig,
         sizes: The first batch's sizes.
         config: The options.
         agreed: ``(dense, single)`` of all processes (:func:`agree`); ``None``: its own.
-
-    Returns:
-        The plan.
     """
     asked = keep = keep_while_fitting(config.rank)
     path = config.solver.value
@@ -284,7 +270,7 @@ def choose_plan(sizes: FitSizes, config: FitConfig,
 
 def choose_dense(sizes: FitSizes, keep: int, samples: int, merge_samples: int,
                  rival: str = "streaming") -> bool:
-    """Whether to sum ``H`` densely (exact): fits the budget and is cheaper, or is small.
+    """Return whether to sum ``H`` densely: it fits and is cheaper, or is small.
 
     Small: up to :data:`DENSE_MAX_DIM` parameters wherever streaming would truncate.
 
@@ -294,9 +280,6 @@ def choose_dense(sizes: FitSizes, keep: int, samples: int, merge_samples: int,
         samples: Curvature samples streamed.
         merge_samples: Samples per streaming merge.
         rival: ``"streaming"`` or ``"sketch"``.
-
-    Returns:
-        ``True`` for the dense path.
     """
     dim, columns, limit = sizes.dim, sizes.columns, DENSE_MAX_DIM
     if limit == 0 or cost.dense_bytes(dim, sizes.itemsize) > sizes.budget:
@@ -342,16 +325,7 @@ def _small_fit(sizes: FitSizes, path: str, keep: int, samples: int, chunk: int,
 
 
 def agree(group: Any, plan: FitPlan, device: torch.device) -> Tuple[bool, bool]:
-    """The plan's ``(dense, single)``, true only where true on every process.
-
-    Args:
-        group: The process group.
-        plan: This process's own plan.
-        device: Where the collective runs.
-
-    Returns:
-        The agreed flags.
-    """
+    """Return ``plan``'s ``(dense, single)``, true where true on all ``group`` (on ``device``)."""
     import torch.distributed as dist
 
     flags = torch.tensor([float(plan.dense), float(plan.single)], device=device)
@@ -361,16 +335,13 @@ def agree(group: Any, plan: FitPlan, device: torch.device) -> Tuple[bool, bool]:
 
 def make_solver(plan: FitPlan, config: FitConfig, params: List[Tensor],
                 basis: Optional[Tensor] = None) -> Solver:
-    """The solver a plan names.
+    """Return the solver a plan names: ``DenseSum``, ``StreamingMerge`` or ``SketchMerge``.
 
     Args:
         plan: The fit's plan.
         config: The options.
         params: The fitted parameters (a low-memory sketch draws its test matrix first).
         basis: ``(D, b)`` warm start of an auto sketch, where it leaves random columns.
-
-    Returns:
-        A ``DenseSum``, ``StreamingMerge`` or ``SketchMerge``.
     """
     rank, track = config.rank, config.track_diagonal
     oversampling = max(plan.keep, keep_while_fitting(rank)) - rank
@@ -392,13 +363,10 @@ def make_solver(plan: FitPlan, config: FitConfig, params: List[Tensor],
 
 
 def equal_parts(total: int, largest: int) -> int:
-    """Size of the fewest, most equal parts of ``total`` (128 by 38: four of 32).
+    """Return the size of the fewest, most equal parts of ``total`` (128 by 38: four of 32).
 
     Args:
         total: What is split.
         largest: The largest part allowed.
-
-    Returns:
-        ``ceil(total / ceil(total / largest))``.
     """
     return -(-total // -(-total // max(1, largest)))

@@ -49,15 +49,7 @@ class BatchStreamer:
         self.pending_scales: List[float] = []
 
     def add(self, X: Any, y: Tensor) -> Tensor:
-        """Stream one batch; returns its scaled loss.
-
-        Args:
-            X: Inputs of the batch (on the fit's device).
-            y: Targets.
-
-        Returns:
-            The batch's loss times ``scale``.
-        """
+        """Stream one batch ``(X, y)`` (on the fit's device); return its loss times ``scale``."""
         plan, config, solver = self.plan, self.config, self.solver
         micro = equal_parts(len(y), plan.micro)  # 128 in passes of <= 38: four of 32
         loss = 0.0
@@ -118,15 +110,12 @@ class BatchStreamer:
 
 def subsample_indices(n: int, fraction: Optional[float], generator: torch.Generator
                       ) -> Tuple[Optional[List[int]], float]:
-    """Random curvature sub-sample of a micro-batch and the factor that unbiases it.
+    """Return a random curvature sub-sample and its factor, ``(indices or None, n / len(indices))``.
 
     Args:
         n: Samples in the micro-batch.
         fraction: ``subsample_fraction`` (``None`` or 1: all).
         generator: The fit's private generator.
-
-    Returns:
-        ``(indices or None, n / len(indices))``.
     """
     if fraction is None or fraction == 1:
         return None, 1.0

@@ -1,8 +1,7 @@
-"""The Laplace posterior on a low-rank GGN: precision, residual models, GLM predictive.
+"""The Laplace posterior on a low-rank GGN (no laplace-torch inside).
 
-No laplace-torch inside: :mod:`~lowrank_laplace.posterior.precision` (Woodbury, log
-det, samples), :mod:`~lowrank_laplace.posterior.residual` (the curvature the rank
-drops) and :mod:`~lowrank_laplace.posterior.predictive` (GLM moments from the engine).
+The precision (Woodbury, log det, samples), residual models of the dropped curvature and
+the GLM predictive.
 """
 
 from lowrank_laplace.posterior.precision import GramCache, LowRankPrecision

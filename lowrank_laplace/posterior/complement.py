@@ -1,11 +1,9 @@
 r"""The complement variance measured on a probe of training inputs.
 
-The spectral residual gives every direction outside ``U`` one variance ``v``. Here it is
-measured from ``m`` training inputs' Jacobians: the complement GGN sub-sampled on each
-half of the probe, weighed against the other half's Jacobian energy outside ``U``, with
-the sub-sample's bias extrapolated away, all from the ``(C m) x (C m)`` Gram matrix of
-one backward pass (nothing ``D x mC``). Derivation and measurements:
-docs/posterior_quality.md, "The models".
+The spectral residual's one variance ``v`` outside ``U``, from one backward pass's
+``(C m) x (C m)`` Gram matrix: each probe half's complement GGN against the other half's
+Jacobian energy, the sub-sample's bias extrapolated away (docs/posterior_quality.md,
+"The models").
 
 Shape glossary:
     D: parameters; r: kept rank; m: probe inputs; C: outputs; V: loss-factor columns.
@@ -51,15 +49,12 @@ class MeasuredComplement:
     floor: float = 0.0
 
     def variance(self, scale: Tensor, prior: Tensor, anchor: float) -> Tensor:
-        r"""The complement variance ``v`` at GGN scale ``h`` and prior ``delta``.
+        r"""Return the complement variance ``v`` (float64 scalar) at scale ``h``, prior ``delta``.
 
         Args:
             scale: ``h`` (may carry gradients).
             prior: Scalar ``delta`` (may carry gradients).
             anchor: The last kept eigenvalue ``lambda_r`` (the lower clamp).
-
-        Returns:
-            A float64 scalar tensor.
         """
         delta = torch.as_tensor(prior).to(device=self.mu.device, dtype=torch.float64)
         h = torch.as_tensor(scale).to(device=self.mu.device, dtype=torch.float64)
@@ -106,7 +101,7 @@ def _variance(mu: Tensor, q: Tensor, energy: Tensor, floor: float, h: Tensor,
 
 def measure_complement(gram: Tensor, Z: Tensor, loss_sqrt: Tensor, num_data: int
                        ) -> Optional[MeasuredComplement]:
-    r"""The complement spectrum from a probe's Jacobian factor.
+    r"""Return the complement spectrum of a probe (``None``: no energy outside ``U``).
 
     Energy below the :data:`RESOLUTION` floor counts as curved by it: flat directions
     (the logits' sum under cross-entropy) get ``1 / delta`` above ``h`` times the floor,
@@ -118,9 +113,6 @@ def measure_complement(gram: Tensor, Z: Tensor, loss_sqrt: Tensor, num_data: int
         Z: ``F^T U``, ``(C m, r)``.
         loss_sqrt: Loss-Hessian rows ``s_vn`` on laplace-torch's scale, ``(V, m, C)``.
         num_data: Training inputs ``N``.
-
-    Returns:
-        The measurement, or ``None`` where the probe has no energy outside ``U``.
     """
     wide = torch.float64
     num_vectors, m, classes = loss_sqrt.shape

@@ -21,24 +21,17 @@ from lowrank_laplace.factor.wide import WIDE
 
 
 def segment_sums(values: Tensor, sizes: Sequence[int]) -> Tensor:
-    """Sums of consecutive segments of ``values`` (its first dimension).
-
-    Args:
-        values: ``(D, ...)``.
-        sizes: Segment lengths, summing to ``D``.
-
-    Returns:
-        ``(L, ...)``.
-    """
+    """Return the sums ``(L, ...)`` of ``values`` ``(D, ...)`` over segments of ``sizes`` rows."""
     return torch.stack([part.sum(0) for part in values.split(list(sizes))])
 
 
 def power_law_tail(anchor: float, mass: float, start: int, count: int,
                    stride: float = 1.0) -> Tensor:
-    r"""Eigenvalues ``a (i / s)^-alpha``, ``i = s + j sigma``, ``j = 1..n``, summing to ``mass``.
+    r"""Return ``a (i / s)^-alpha``, ``i = s + j sigma``, ``j = 1..n``, summing to ``mass``.
 
-    ``alpha`` by bisection; a mass above the flat continuation is spread evenly. The
-    stride places a layer's share at its positions in the whole tail.
+    Float64 ``(count,)``, non-increasing; ``alpha`` by bisection; a mass above the flat
+    continuation is spread evenly. The stride places a layer's share at its positions in
+    the whole tail.
 
     Args:
         anchor: The last kept eigenvalue ``a``.
@@ -46,9 +39,6 @@ def power_law_tail(anchor: float, mass: float, start: int, count: int,
         start: The last kept index ``s = r >= 1``.
         count: Tail eigenvalues ``n``.
         stride: Spacing ``sigma >= 1`` of the tail's indices.
-
-    Returns:
-        Float64 ``(count,)``, non-increasing.
     """
     if count <= 0:
         return torch.zeros(0, dtype=torch.float64)
@@ -98,7 +88,7 @@ class LayerTails:
     def build(cls, eigenvectors: Tensor, eigenvalues: Tensor, mass: float,
               residual_diagonal: Tensor, sizes: Sequence[int], tail_count: int,
               ) -> Optional["LayerTails"]:
-        """Split a fit's dropped curvature over its layers.
+        """Return the dropped curvature split over its layers (``None``: one layer or none kept).
 
         Args:
             eigenvectors: Kept ``U``, ``(D, r)``.
@@ -108,9 +98,6 @@ class LayerTails:
                 layers' masses.
             sizes: Parameters per layer.
             tail_count: The network's nonzero dropped eigenvalues ``n - r``.
-
-        Returns:
-            The layers' tails; ``None`` for a single layer or nothing kept.
         """
         sizes = [int(s) for s in sizes]
         rank = eigenvalues.numel()
@@ -142,15 +129,12 @@ class LayerTails:
 
     @classmethod
     def whole(cls, tail: Tensor, dim: int, dropped: int) -> "LayerTails":
-        """The network-wide tail as a single layer (the spectral model's scalar prior).
+        """Return the network-wide tail as one layer without norms (for :meth:`shift` only).
 
         Args:
             tail: The modelled dropped eigenvalues, ``(m,)``.
             dim: Parameters ``D``.
             dropped: Dropped directions ``D - r``.
-
-        Returns:
-            The one-layer tails (without norms: only for :meth:`shift`).
         """
         count = tail.numel()
         return cls([dim], torch.zeros(1, 0, dtype=WIDE), torch.tensor([float(dropped)], dtype=WIDE),
@@ -171,18 +155,16 @@ class LayerTails:
 
     def shift(self, scale: Tensor, prior: Tensor, exponent: float,
               device: torch.device) -> Tuple[Tensor, Tensor]:
-        r"""Each layer's shift ``rho_l`` and the tails' total log det, at its mean prior.
+        r"""Return each layer's shift ``rho_l`` ``(L,)`` and the tails' log det, at mean priors.
 
-        Float64, differentiable in ``scale`` and ``prior``.
+        The log det is ``sum_l (sum_j log(h t_lj + delta_l) + z_l log delta_l)``; both are
+        float64, differentiable in ``scale`` and ``prior``.
 
         Args:
             scale: ``h``.
             prior: The prior precision, scalar or ``(D,)``.
             exponent: The Jacobian-weighting exponent ``beta``.
             device: Where the posterior lives.
-
-        Returns:
-            ``rho`` ``(L,)`` and ``sum_l (sum_j log(h t_lj + delta_l) + z_l log delta_l)``.
         """
         index, raw, zeros, count, weight = self._prior_free(exponent, device)
         delta = self.layer_means(prior.to(WIDE))

@@ -49,15 +49,7 @@ class GramCache:
         return self._gram
 
     def layer_grams(self, U: Tensor, sizes: Sequence[int]) -> Tensor:
-        """The float64 Gram matrices ``U_l^T U_l`` of ``U``'s row blocks, ``(L, r, r)``.
-
-        Args:
-            U: ``(D, r)``.
-            sizes: Rows per block.
-
-        Returns:
-            The stacked Gram matrices.
-        """
+        """Return the float64 ``U_l^T U_l``, ``(L, r, r)``, of ``U``'s blocks of ``sizes`` rows."""
         self._current(U)
         sizes = tuple(int(n) for n in sizes)
         if self._layers is None or self._layers[0] != sizes:
@@ -155,11 +147,7 @@ class LowRankPrecision:
         return out if self.logdet_offset is None else out + self.logdet_offset
 
     def inverse_diagonal(self) -> Tensor:
-        """``diag(P^{-1})`` by the Woodbury identity, in float64 for a lower-precision ``U``.
-
-        Returns:
-            ``(D,)``.
-        """
+        """Return ``diag(P^{-1})``, ``(D,)``, by Woodbury (float64 for a lower-precision ``U``)."""
         if self.isotropic and self.U.dtype != torch.float64 and self.U.shape[1]:
             wide = self._wide_inverse_diagonal()
             if wide is not None:
@@ -176,10 +164,7 @@ class LowRankPrecision:
         return torch.cat(parts)
 
     def _wide_inverse_diagonal(self) -> Optional[Tensor]:
-        """``diag(P^{-1})`` of an isotropic prior from an eigenbasis of ``P`` on ``span(U)``.
-
-        ``None`` where ``U^T U`` is numerically singular.
-        """
+        """Isotropic ``diag(P^{-1})`` by ``P``'s eigenbasis on ``span(U)`` (``None``: singular)."""
         wide = torch.float64
         chol, info = torch.linalg.cholesky_ex(self.gram_cache.get(self.U))
         if int(info) != 0:
@@ -196,28 +181,14 @@ class LowRankPrecision:
         return torch.cat(parts).to(self.U.dtype)
 
     def matmul(self, x: Tensor) -> Tensor:
-        """``P x``.
-
-        Args:
-            x: ``(D,)`` or ``(D, K)``.
-
-        Returns:
-            The same shape.
-        """
+        """Return ``P x`` for ``x`` of shape ``(D,)`` or ``(D, K)``."""
         x2 = x if x.ndim == 2 else x[:, None]
         d = self.d if self.isotropic else self.d[:, None]
         out = self.U @ (self.ell[:, None] * (self.U.T @ x2)) + d * x2
         return out if x.ndim == 2 else out[:, 0]
 
     def solve(self, x: Tensor) -> Tensor:
-        """``P^{-1} x`` by the Woodbury identity.
-
-        Args:
-            x: ``(D,)`` or ``(D, K)``.
-
-        Returns:
-            The same shape.
-        """
+        """Return ``P^{-1} x`` by the Woodbury identity, ``x`` of shape ``(D,)`` or ``(D, K)``."""
         x2 = x if x.ndim == 2 else x[:, None]
         if self.isotropic:
             coeff = 1 / (self.ell + self.d) - 1 / self.d
@@ -229,25 +200,11 @@ class LowRankPrecision:
         return out if x.ndim == 2 else out[:, 0]
 
     def square_norm(self, delta: Tensor) -> Tensor:
-        """``delta^T P delta``.
-
-        Args:
-            delta: ``(D,)``.
-
-        Returns:
-            A scalar tensor.
-        """
+        """Return ``delta^T P delta`` (a scalar tensor) for ``delta`` of shape ``(D,)``."""
         return delta @ self.matmul(delta)
 
     def sqrt_inv_matmul(self, eps: Tensor) -> Tensor:
-        """Apply a square root ``S`` of ``P^{-1}`` (``S S^T = P^{-1}``) to given noise.
-
-        Args:
-            eps: ``(D,)`` or ``(D, K)``.
-
-        Returns:
-            The same shape.
-        """
+        """Return ``S eps``, ``S S^T = P^{-1}``, for given noise of shape ``(D,)`` or ``(D, K)``."""
         x = eps if eps.ndim == 2 else eps[:, None]
         if self.isotropic:
             coeff = 1 / (self.ell + self.d).sqrt() - 1 / self.d.sqrt()
@@ -264,19 +221,12 @@ class LowRankPrecision:
         return out if eps.ndim == 2 else out[:, 0]
 
     def jacobian_variance(self, Js: Tensor) -> Tensor:
-        """``J P^{-1} J^T`` from explicit Jacobians.
-
-        Args:
-            Js: Jacobians, ``(..., C, D)``.
-
-        Returns:
-            ``(..., C, C)``.
-        """
+        """Return ``J P^{-1} J^T``, ``(..., C, C)``, from Jacobians ``Js`` ``(..., C, D)``."""
         return self.functional_variance((Js / self.d) @ Js.transpose(-1, -2),
                                         Js @ self.w_over_d())
 
     def functional_variance(self, jdj: Tensor, jdw: Tensor) -> Tensor:
-        r"""``J P^{-1} J^T`` from ``J P_0^{-1} J^T`` and ``J P_0^{-1} W``.
+        r"""Return ``J P^{-1} J^T``, ``(..., C, C)`` in ``jdw``'s dtype.
 
         Float64 products of a lower-precision posterior use
         :attr:`wide_capacitance_cholesky`.
@@ -284,9 +234,6 @@ class LowRankPrecision:
         Args:
             jdj: ``J P_0^{-1} J^T``, ``(..., C, C)``.
             jdw: ``J P_0^{-1} W``, ``W = U diag(ell)^{1/2}``, ``(..., C, r)``.
-
-        Returns:
-            ``(..., C, C)`` in ``jdw``'s dtype.
         """
         if jdw.shape[-1] == 0:  # nothing kept (a zero GGN): the prior's variance
             return jdj

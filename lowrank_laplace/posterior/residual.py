@@ -2,10 +2,7 @@ r"""Models of the curvature a rank-``r`` truncation drops: one class per model.
 
 A fit knows the dropped mass ``T = tr(H) - sum(lambda)`` exactly. Each model, found by
 name in :data:`RESIDUALS`, is one consistent posterior (log det, marglik, predictive,
-samples): :class:`SpectralResidual` (default, a power-law tail with a measured or
-modelled complement variance), :class:`IsotropicResidual`, :class:`DiagonalResidual`
-and :class:`NoResidual`. The derivations and measurements: docs/posterior_quality.md;
-a new model: docs/contributing.md.
+samples). Derivations: docs/posterior_quality.md; a new model: docs/contributing.md.
 
 Shape glossary:
     D: parameters; r: kept rank; n: rank bound of the GGN.
@@ -90,13 +87,10 @@ class Residual:
 
     @classmethod
     def from_fit(cls, dropped: DroppedCurvature) -> "Residual":
-        """The model of a fit's dropped curvature.
+        """Return the model of a fit's dropped curvature.
 
         Args:
             dropped: What the fit tells about it.
-
-        Returns:
-            The model.
 
         Raises:
             ValueError: For a model that needs the residual diagonal without it.
@@ -111,7 +105,7 @@ class Residual:
     def precision(self, eigenvectors: Tensor, eigenvalues: Tensor, scale: Tensor,
                   prior: Tensor, gram_cache: Optional[GramCache] = None,
                   layer_prior: Optional[LayerPrior] = None) -> LowRankPrecision:
-        r"""The posterior precision with this residual.
+        r"""Return the ``LowRankPrecision`` with this residual, differentiable in scale and prior.
 
         Args:
             eigenvectors: Kept ``U``, ``(D, r)``.
@@ -121,35 +115,30 @@ class Residual:
             gram_cache: Passed on to ``LowRankPrecision``.
             layer_prior: ``(sizes, delta_l)`` for a layerwise prior (``prior`` its
                 expansion): ``O(L r^2)`` algebra.
-
-        Returns:
-            The ``LowRankPrecision`` (differentiable in ``scale`` and ``prior``).
         """
-        ell = scale * eigenvalues
+        ell, extra = scale * eigenvalues, (gram_cache, layer_prior)
         if self.dim == eigenvalues.numel():  # nothing dropped
-            return LowRankPrecision(eigenvectors, ell, prior, gram_cache=gram_cache,
-                                    layers=_shifted(layer_prior, 0))
-        return self._precision(eigenvectors, ell, scale, prior, (gram_cache, layer_prior))
+            return Residual._precision(self, eigenvectors, ell, scale, prior, extra)
+        return self._precision(eigenvectors, ell, scale, prior, extra)
 
     def _precision(self, eigenvectors: Tensor, ell: Tensor, scale: Tensor, prior: Tensor,
                    extra: Tuple[Optional[GramCache], Optional[LayerPrior]]
                    ) -> LowRankPrecision:
-        """The precision where something is dropped (``extra``: cache, layer prior)."""
-        raise NotImplementedError
+        """The precision without a residual (``extra``: cache, layer prior); models add theirs."""
+        return LowRankPrecision(eigenvectors, ell, prior, gram_cache=extra[0],
+                                layers=_shifted(extra[1], 0))
 
     def curvature_spectrum(self, eigenvalues: Tensor, scale: float
                            ) -> Optional[Tuple[Tensor, Tensor]]:
-        r"""Nonzero curvature eigenvalues ``a_j`` and counts ``c_j`` under a scalar prior.
+        r"""Return nonzero curvature eigenvalues ``a`` and counts ``c`` (float64, CPU), or ``None``.
 
-        ``log det P = sum_j c_j log(a_j + delta) + (D - sum_j c_j) log delta``: the kept
-        ``h lambda`` and the modelled dropped ones.
+        ``log det P = sum_j c_j log(a_j + delta) + (D - sum_j c_j) log delta`` under a
+        scalar prior: the kept ``h lambda`` and the modelled dropped ones. ``None`` for a
+        per-parameter residual.
 
         Args:
             eigenvalues: Kept ``lambda``, ``(r,)``.
             scale: ``h``.
-
-        Returns:
-            ``(a, c)``, float64 on the CPU, or ``None`` for a per-parameter residual.
         """
         kept = eigenvalues.detach().to(device="cpu", dtype=torch.float64) * scale
         values, counts = self._dropped_spectrum(kept, scale)
@@ -173,11 +162,6 @@ class NoResidual(Residual):
     """``R = 0``: the dropped directions see only the prior."""
 
     name = "none"
-
-    def _precision(self, eigenvectors, ell, scale, prior, extra):
-        gram_cache, layer_prior = extra
-        return LowRankPrecision(eigenvectors, ell, prior, gram_cache=gram_cache,
-                                layers=_shifted(layer_prior, 0))
 
 
 class DiagonalResidual(Residual):
@@ -302,8 +286,8 @@ class SpectralResidual(Residual):
                device: torch.device) -> Tuple[Tensor, Tensor]:
         """The network-wide shift ``rho = 1 / v - delta`` and the tail's log det (float64).
 
-        ``v`` is the measured complement variance where there is one (at the prior's
-        mean), else the Jacobian-weighted tail variance.
+        ``v``: the complement variance measured at the prior's mean, else the
+        Jacobian-weighted tail's.
         """
         whole = self._whole.get(num)
         if whole is None:  # one layer, the network; kept with its prior-free factors
@@ -325,13 +309,10 @@ DEFAULT_RESIDUAL = "spectral"
 
 
 def residual_class(name: str) -> Type[Residual]:
-    """The residual model of a name.
+    """Return the residual model class of a name.
 
     Args:
         name: One of :data:`RESIDUALS`.
-
-    Returns:
-        Its class.
 
     Raises:
         ValueError: For anything else.
