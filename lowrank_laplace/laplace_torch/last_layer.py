@@ -1,13 +1,11 @@
 r"""Last-layer Laplace (``subset_of_weights="last_layer"``) with the last layer's low-rank GGN.
 
-laplace-torch's last-layer features (``forward_with_features``, reduced by
-``feature_reduction``) give the last layer's GGN only where the model's output *is* the last
-layer applied to them. A model that selects or pools positions after its last layer does not:
-a Hugging Face sequence classifier with right padding reads the last real token, where
-``feature_reduction="pick_last"`` reads the last position. Every fitted and predicted batch is
-checked; where the features do not give the outputs, the fit and the GLM predictive
-differentiate the whole model with respect to the last layer's parameters: the GGN of the
-model's own function, which laplace-torch's ``full`` curvature (Curvlinops) also computes.
+laplace-torch's reduced features (``forward_with_features``, ``feature_reduction``) give the
+last layer's GGN only where the model's output is the last layer on them; a model that picks
+positions after its last layer (a Hugging Face classifier with right padding reads the last
+real token, ``"pick_last"`` the last position) does not. Every fitted and predicted batch is
+checked; where they differ, the fit and the GLM predictive differentiate the whole model with
+respect to the last layer: the model's own GGN, as laplace-torch's ``full`` computes it.
 """
 
 from __future__ import annotations

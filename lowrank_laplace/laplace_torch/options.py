@@ -33,20 +33,12 @@ class LowRankOptions(FitConfig):
         rank: Eigenpairs kept, or ``"auto"``: the rank chosen from the data, doubled from
             100 while the probe inputs' predictive variance still moves with it
             (:mod:`~lowrank_laplace.laplace_torch.rank`).
-        residual: Model of the curvature the rank truncation drops (see
-            :mod:`lowrank_laplace.posterior.residual`): ``"spectral"`` (default: a
-            power-law tail continuing the kept spectrum, holding the exact dropped
-            trace, in random directions of the complement, its variance measured on a
-            probe of training inputs), ``"isotropic"`` (its mean eigenvalue in every
-            dropped direction), ``"diagonal"`` (the exact diagonal of the dropped
-            curvature; the fit tracks the GGN diagonal) or ``"none"`` (the dropped
-            directions see only the prior). All but ``"diagonal"`` keep ``O(r)``
-            closed forms for a scalar prior.
-        warm_start: A refit of this posterior after its model's parameters moved
-            starts the sketch that ``solver="auto"`` chooses from its last
-            eigenvectors, with ``2 * rank`` random columns besides them instead of
-            ``4 * rank`` (:mod:`~lowrank_laplace.laplace_torch.warm`). ``False``:
-            every fit starts cold.
+        residual: Model of the curvature the rank truncation drops
+            (:mod:`lowrank_laplace.posterior.residual`): ``"spectral"`` (default),
+            ``"isotropic"``, ``"diagonal"`` (tracks the GGN diagonal) or ``"none"``.
+        warm_start: A refit of this posterior after its parameters moved starts the
+            sketch from its last eigenvectors (:mod:`~lowrank_laplace.laplace_torch.warm`);
+            ``False``: every fit starts cold.
     """
 
     residual: str = DEFAULT_RESIDUAL

@@ -1,25 +1,19 @@
 r"""laplace-torch's marginal-likelihood tuning of a scalar prior, on scalars.
 
 ``optimize_prior_precision(method="marglik")`` takes ``n_steps`` Adam steps on
-:math:`x = \log\delta`, each evaluating the log marginal likelihood and its gradient
-through autograd: a few hundred small tensor operations per step, most of the tuning's
-time on small posteriors. Under a scalar prior the low-rank posterior's marginal
-likelihood depends on :math:`\delta` only through the curvature's spectrum
-(:meth:`~lowrank_laplace.posterior.Residual.curvature_spectrum`,
-:math:`\log\det P = \sum_j c_j \log(a_j + \delta) + (D - \sum_j c_j)\log\delta`) and the
-scatter :math:`s = \|\theta_* - \mu_0\|^2`:
+:math:`x = \log\delta` through autograd, a few hundred small tensor operations per step.
+Under a scalar prior the marginal likelihood depends on :math:`\delta` only through the
+curvature's spectrum (:meth:`~lowrank_laplace.posterior.Residual.curvature_spectrum`:
+weights :math:`c_j` of eigenvalues :math:`a_j`) and the scatter
+:math:`s = \|\theta_* - \mu_0\|^2`:
 
 .. math::
 
-    -\log p(\mathcal{D} \mid \delta) = \mathrm{const} + \tfrac12 \Big(\sum_j c_j
-    \log\frac{a_j + \delta}{\delta} + \delta s\Big),
-    \qquad
-    \frac{\partial}{\partial x} = \tfrac12 \Big(\delta s - \sum_j
-    \frac{c_j a_j}{a_j + \delta}\Big).
+    \frac{\partial (-\log p(\mathcal{D} \mid \delta))}{\partial x} = \tfrac12 \Big(\delta s
+    - \sum_j \frac{c_j a_j}{a_j + \delta}\Big).
 
-:func:`tune_scalar_prior` runs the same steps (``torch.optim.Adam``'s update with its
-defaults, from laplace-torch's starting point) on that gradient in float64 Python and
-NumPy scalars: the same optimum, without a tensor operation or a thread pool per step.
+:func:`tune_scalar_prior` runs ``torch.optim.Adam``'s update from laplace-torch's starting
+point on that gradient in float64 scalars: the same optimum, without tensor operations.
 Layerwise and per-parameter priors keep laplace-torch's loop.
 """
 
