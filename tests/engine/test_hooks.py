@@ -139,6 +139,7 @@ def test_subsampling_and_low_memory_eigenpairs(name):
                                torch.ones(3, dtype=torch.float64), **TOL)
 
 
+@pytest.mark.montecarlo
 def test_monte_carlo_factor_estimates_the_ggn():
     model, loss_func, X, y = _case("adapter_flat", "ce-sum", n=3)
     torch.manual_seed(1)

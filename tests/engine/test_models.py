@@ -284,6 +284,7 @@ def test_both_backends_agree(arch, loss):
     torch.testing.assert_close(b.loss, a.loss, **TOL)
 
 
+@pytest.mark.montecarlo
 @pytest.mark.parametrize("loss", ["ce-mean", "mse-mean"])
 def test_functorch_monte_carlo_is_unbiased(loss):
     model, loss_func, X, y = make_case("mlp", loss, n=3)

@@ -95,6 +95,7 @@ def test_factor_backends_agree_and_are_visible():
 
 
 
+@pytest.mark.slow
 def test_dict_batches_equal_tuple_batches():
     torch.manual_seed(0)
     model = DictModel().double()

@@ -110,6 +110,7 @@ def _merged_variances(example, dtype, solver, per_merge):
     return [v.double() for v in out]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "explicit"])
 def test_many_float32_merges_keep_float64_accuracy(example, lazy):
     """75 merges of two samples each: float32 streaming against a float64 dense sum.

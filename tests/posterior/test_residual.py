@@ -507,6 +507,7 @@ def _float32_copy(la64, model64, X, y, likelihood):
     return la32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("likelihood", ["regression", "classification"])
 def test_float32_glm_predictive_matches_float64(likelihood):
     """The GLM variance cancels when J lies in the kept subspace; float32 keeps 1e-3."""
@@ -574,6 +575,7 @@ def test_exact_probe_gives_the_reference_exponent(monkeypatch, tune):
                                                  abs=1e-9)
 
 
+@pytest.mark.montecarlo
 def test_projected_energies_are_unbiased():
     from lowrank_laplace.engine import FactorEngine
     from lowrank_laplace.posterior.predictive import jacobian_energies
