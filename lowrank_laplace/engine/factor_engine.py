@@ -67,8 +67,7 @@ class FactorEngine:
             checks.check_batchnorm_mode(model, eval_mode)
         self._candidates: List[Type[EngineBase]] = list(CANDIDATES[backend])
         self._impl: EngineBase = self._next_backend(None)
-        self._confirmed = len(self._candidates) == 0
-        self._independence_checked = False
+        self._confirmed, self._independence_checked = not self._candidates, False
 
     def _next_backend(self, reason: Optional[Exception]) -> EngineBase:
         """The next candidate that accepts the model (the last one must)."""

@@ -19,9 +19,7 @@ class RNGReplay:
     """
 
     def __init__(self, device: torch.device):
-        self.device = device
-        self.start = rng_state(device)
-        self.after_first = None
+        self.device, self.start, self.after_first = device, rng_state(device), None
 
     def mark(self) -> None:
         """Record the state after the first pass."""
@@ -48,8 +46,7 @@ class PrivateRNG:
     """
 
     def __init__(self, seed: int, device: torch.device):
-        self.seed = seed
-        self.device = device
+        self.seed, self.device = seed, device
         self.state: Optional[Tuple[Tensor, Optional[Tensor]]] = None
 
     def __enter__(self) -> None:
