@@ -46,8 +46,7 @@ class PrivateRNG:
     """
 
     def __init__(self, seed: int, device: torch.device):
-        self.seed, self.device = seed, device
-        self.state: Optional[Tuple[Tensor, Optional[Tensor]]] = None
+        self.seed, self.device, self.state = seed, device, None  # the stream's state
 
     def __enter__(self) -> None:
         self.saved = rng_state(self.device)

@@ -29,6 +29,8 @@ from lowrank_laplace.utils.checks import check_batch
 #: A pass's largest temporaries (a block of ``V``, the vectors at the widest layer) stay
 #: below glibc's mmap ceiling: larger ones are mapped and zero-filled anew in every pass.
 PASS_BYTES = 2**25
+#: ...but a pass takes at least this many inputs: smaller ones cost more than the pages.
+MIN_PASS = 64
 
 
 @contextlib.contextmanager
@@ -169,8 +171,8 @@ def glm_predictive(model: nn.Module, X: Any, precision: LowRankPrecision,
         if joint:
             f_mu, f_var = glm_moments(engine, X, precision, weights, joint=True)
             return f_mu.flatten(), f_var
-        micro = budget.micro_batch_size(engine, X, None, memory_budget, micro_batch_size)
-        micro = min(micro, max(1, PASS_BYTES // engine.bytes_per_sample(X, one_block=True)))
+        micro = min(budget.micro_batch_size(engine, X, None, memory_budget, micro_batch_size),
+                    max(MIN_PASS, PASS_BYTES // engine.bytes_per_sample(X, one_block=True)))
         return batched_glm_moments(engine, X, precision, weights, micro)
 
 
