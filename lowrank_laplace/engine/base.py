@@ -40,9 +40,7 @@ class EngineBase:
         checks.check_loss_func(loss_func)
         checks.check_model_runs(model)
         self._check_model(model, eval_mode)
-        self.eval_mode = eval_mode
-        self.model = model
-        self.loss_func = loss_func
+        self.eval_mode, self.model, self.loss_func = eval_mode, model, loss_func
         self._copy = private_copy(model)
         self._net = self._copy  # what the passes call (a backend may rewrite it)
         self._loss = copy.deepcopy(loss_func)

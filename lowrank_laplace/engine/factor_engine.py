@@ -62,13 +62,12 @@ class FactorEngine:
         checks.check_loss_func(loss_func)
         self.model, self.loss_func, self.eval_mode = model, loss_func, eval_mode
         self.rejected: Dict[str, str] = {}
-        self._closed = False
         if backend == "auto":
             checks.check_batchnorm_mode(model, eval_mode)
         self._candidates: List[Type[EngineBase]] = list(CANDIDATES[backend])
         self._impl: EngineBase = self._next_backend(None)
-        self._confirmed = len(self._candidates) == 0
-        self._independence_checked = False
+        self._confirmed = not self._candidates
+        self._closed = self._independence_checked = False
 
     def _next_backend(self, reason: Optional[Exception]) -> EngineBase:
         """The next candidate that accepts the model (the last one must)."""

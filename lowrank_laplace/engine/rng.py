@@ -19,9 +19,7 @@ class RNGReplay:
     """
 
     def __init__(self, device: torch.device):
-        self.device = device
-        self.start = rng_state(device)
-        self.after_first = None
+        self.device, self.start, self.after_first = device, rng_state(device), None
 
     def mark(self) -> None:
         """Record the state after the first pass."""
@@ -48,9 +46,7 @@ class PrivateRNG:
     """
 
     def __init__(self, seed: int, device: torch.device):
-        self.seed = seed
-        self.device = device
-        self.state: Optional[Tuple[Tensor, Optional[Tensor]]] = None
+        self.seed, self.device, self.state = seed, device, None  # the stream's state
 
     def __enter__(self) -> None:
         self.saved = rng_state(self.device)

@@ -13,7 +13,7 @@ from typing import Iterator, List, Protocol, Tuple
 import torch
 from torch import Tensor
 
-from lowrank_laplace.factor.dense_block import DenseBlock
+from lowrank_laplace.factor.dense_block import DenseBlock, SampleConcat
 from lowrank_laplace.factor.kron_block import KronBlock
 from lowrank_laplace.factor.weights import Weight
 
@@ -162,6 +162,5 @@ def cat_blocks(blocks: List[Block], alphas: list, num_vectors: int) -> Block:
     if all(isinstance(b, KronBlock) for b in blocks):
         s = torch.cat([b.s if a == 1 else b.s * a for b, a in zip(blocks, alphas)], dim=1)
         return KronBlock(s, torch.cat([b.z for b in blocks], dim=0))
-    rows = [b.to_dense() if a == 1 else b.to_dense() * a for b, a in zip(blocks, alphas)]
-    rows = [r.reshape(num_vectors, -1, r.shape[1]) for r in rows]
-    return DenseBlock(torch.cat(rows, dim=1).reshape(-1, rows[0].shape[2]))
+    return SampleConcat([b if a == 1 and not b.factored else DenseBlock(b.to_dense() * a)
+                         for b, a in zip(blocks, alphas)], num_vectors)

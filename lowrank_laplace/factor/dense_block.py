@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Tuple
+import functools
+from typing import TYPE_CHECKING, Callable, Iterator, Tuple
 
 import torch
 from torch import Tensor
@@ -77,7 +78,7 @@ class DenseBlock:
 
     def to(self, dtype: torch.dtype) -> "DenseBlock":
         """See ``Block.to``."""
-        return self if self.rows.dtype == dtype else DenseBlock(self.rows.to(dtype))
+        return self if self.dtype == dtype else DenseBlock(self.rows.to(dtype))
 
     def scale_(self, alpha: float) -> "DenseBlock":
         """See ``Block.scale_``."""
@@ -154,8 +155,7 @@ class DenseBlock:
     def t_matmul(self, x: Tensor) -> Tensor:
         """See ``Block.t_matmul``."""
         if x.dtype != self.dtype:  # blocks of several dtypes: the wider one
-            wide = torch.promote_types(self.dtype, x.dtype)
-            return self.to(wide).t_matmul(x.to(wide))
+            return self.to(w := torch.promote_types(self.dtype, x.dtype)).t_matmul(x.to(w))
         return self.rows @ x
 
     def t_matmul_khatri_rao(self, p: Tensor, q: Tensor) -> Tensor:
@@ -190,8 +190,7 @@ class DenseBlock:
     def matmul(self, y: Tensor) -> Tensor:
         """See ``Block.matmul``."""
         if y.dtype != self.dtype:  # blocks of several dtypes: the wider one
-            wide = torch.promote_types(self.dtype, y.dtype)
-            return self.to(wide).matmul(y.to(wide))
+            return self.to(w := torch.promote_types(self.dtype, y.dtype)).matmul(y.to(w))
         if self._read_along_d(y):
             return (y.T @ self.rows).T
         return self.rows.T @ y
@@ -212,3 +211,48 @@ class DenseBlock:
 def _is_scalar(weight: Weight) -> bool:
     """Whether a weight is one number (a Python scalar or a one-entry tensor)."""
     return not isinstance(weight, torch.Tensor) or weight.numel() == 1
+
+
+
+class SampleConcat(DenseBlock):
+    """Explicit blocks of passes as one (rows ``(v, n)``), concatenated only when read whole.
+
+    Args:
+        parts: Blocks of ``num_vectors * N_i`` rows.
+        num_vectors: Vectors per sample.
+    """
+
+    def __init__(self, parts: list, num_vectors: int):
+        self.parts, self.num_vectors = parts, num_vectors
+
+    @functools.cached_property
+    def rows(self) -> Tensor:
+        """``B``, formed on first use."""
+        return self._by_part(lambda p: p.rows)
+
+    dtype = property(lambda self: self.parts[0].dtype)
+
+    def _by_part(self, product: Callable[[DenseBlock], Tensor]) -> Tensor:
+        """Row-wise results of the parts, rows in ``(v, n)`` order."""
+        outs = [(o := product(p)).reshape(self.num_vectors, -1, *o.shape[1:])
+                for p in self.parts]
+        return torch.cat(outs, dim=1).flatten(0, 1)
+
+    def t_matmul(self, x: Tensor) -> Tensor:  # noqa: D102
+        return self._by_part(lambda p: p.t_matmul(x))
+
+    def t_matmul_khatri_rao(self, p: Tensor, q: Tensor) -> Tensor:  # noqa: D102
+        return self._by_part(lambda part: part.t_matmul_khatri_rao(p, q))
+
+    def row_sq_norms(self) -> Tensor:  # noqa: D102
+        return self._by_part(lambda p: p.row_sq_norms())
+
+    def diag_outer(self) -> Tensor:  # noqa: D102
+        return sum(p.diag_outer() for p in self.parts)
+
+    def matmul_add_(self, out: Tensor, y: Tensor) -> Tensor:  # noqa: D102
+        ys = y.reshape(self.num_vectors, -1, y.shape[1]).split(
+            [p.num_rows // self.num_vectors for p in self.parts], dim=1)
+        for part, y_part in zip(self.parts, ys):
+            part.matmul_add_(out, y_part.reshape(-1, y.shape[1]))
+        return out

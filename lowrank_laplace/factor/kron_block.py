@@ -137,8 +137,7 @@ class KronBlock:
     def t_matmul(self, x: Tensor) -> Tensor:
         """See ``Block.t_matmul`` (not expanded)."""
         if x.dtype != self.dtype:  # blocks of several dtypes: the wider one
-            wide = torch.promote_types(self.dtype, x.dtype)
-            return self.to(wide).t_matmul(x.to(wide))
+            return self.to(w := torch.promote_types(self.dtype, x.dtype)).t_matmul(x.to(w))
         out_dim, in_dim = self.s.shape[2], self.z.shape[1]
         if stored_transposed(x):
             # per column k: z (N, in) @ X_k^T (in, out), read along the rows of x^T
@@ -167,8 +166,7 @@ class KronBlock:
     def matmul(self, y: Tensor) -> Tensor:
         """See ``Block.matmul`` (not expanded)."""
         if y.dtype != self.dtype:  # blocks of several dtypes: the wider one
-            wide = torch.promote_types(self.dtype, y.dtype)
-            return self.to(wide).matmul(y.to(wide))
+            return self.to(w := torch.promote_types(self.dtype, y.dtype)).matmul(y.to(w))
         out = y.new_zeros(self.s.shape[2] * self.z.shape[1], y.shape[1])
         return self.matmul_add_(out, y)
 

@@ -141,14 +141,9 @@ class SketchMerge(Solver):
         projs.append(proj)
         if sum(b.num_samples for b in blocks) >= _KRON_SAMPLES:
             self._add_deferred(index)
-        elif self._queued_bytes() >= _KRON_BYTES:
+        elif sum(b.nbytes + p.numel() * p.element_size() for bs, ps, _ in self._kron.values()
+                 for b, p in zip(bs, ps)) >= _KRON_BYTES:  # a batch's V^T Omega per parameter
             self._add_deferred()
-
-    def _queued_bytes(self) -> int:
-        """Bytes of the queued factors (a batch's ``V^T Omega`` counted per parameter)."""
-        return sum(b.nbytes + p.numel() * p.element_size()
-                   for blocks, projs, _ in self._kron.values()
-                   for b, p in zip(blocks, projs))
 
     def _add_deferred(self, index: Optional[int] = None) -> None:
         """Add the queued products of one parameter (``None``: of all) to the sketch."""
@@ -216,7 +211,7 @@ class SketchMerge(Solver):
         if self._sketch is None:
             raise RuntimeError("merge_across needs a local sketch on every process.")
         self._add_deferred()
-        dist.all_reduce(_storage(self._sketch), group=group)
+        dist.all_reduce(self._sketch.T, group=group)  # its contiguous (l, D) storage
         self.sum_trace_across(group)
         if self.track_diagonal:
             dist.all_reduce(self.diagonal, group=group)
@@ -263,12 +258,3 @@ class SketchMerge(Solver):
         self.keep_eigenvalues(lam, self._dtype)
         half = self.warm_columns + (chol.shape[0] - self.warm_columns) // 2
         self._convergence = sub_sketch_share(chol, gram, self.shift, self.rank, half)
-
-
-def _storage(mat: Tensor) -> Tensor:
-    """The contiguous tensor behind a matrix or its transpose (collectives need one)."""
-    if mat.is_contiguous():
-        return mat
-    if mat.T.is_contiguous():
-        return mat.T
-    raise ValueError("The sketch must be contiguous or a transposed contiguous tensor.")

@@ -26,6 +26,12 @@ from lowrank_laplace.posterior.precision import LowRankPrecision
 from lowrank_laplace.utils.batches import take
 from lowrank_laplace.utils.checks import check_batch
 
+#: A pass's largest temporaries (a block of ``V``, the vectors at the widest layer) stay
+#: below glibc's mmap ceiling: larger ones are mapped and zero-filled anew in every pass.
+PASS_BYTES = 2**25
+#: ...but a pass takes at least this many inputs: smaller ones cost more than the pages.
+MIN_PASS = 64
+
 
 @contextlib.contextmanager
 def jacobian_engine(model: nn.Module, backend: str) -> Iterator[FactorEngine]:
@@ -45,19 +51,6 @@ def jacobian_engine(model: nn.Module, backend: str) -> Iterator[FactorEngine]:
         with FactorEngine(model, nn.MSELoss(reduction="sum"), eval_mode=True,
                           backend=backend) as engine:
             yield engine
-
-
-def jacobian_factor(engine: FactorEngine, inputs: Tensor) -> GGNFactor:
-    """One backward pass giving ``V = sqrt(2) J^T`` on ``inputs`` (MSE-sum engine).
-
-    Args:
-        engine: An MSE-sum engine.
-        inputs: ``(B, ...)``.
-
-    Returns:
-        The ``GGNFactor`` (its ``outputs`` are ``f(x)``).
-    """
-    return engine.compute(inputs, None, gradient=False)
 
 
 def glm_moments(
@@ -80,7 +73,7 @@ def glm_moments(
         ``f_mu`` ``(B, C)`` and ``f_var`` ``(B, C, C)`` (or ``(B C, B C)`` ordered like
         ``f_mu.flatten()``).
     """
-    factor = jacobian_factor(engine, inputs)
+    factor = engine.compute(inputs, None, gradient=False)  # V = sqrt(2) J^T, outputs f(x)
     num_out, num_in = factor.num_vectors, factor.num_samples
     jdj, jdw = _small_products(factor, precision, weights, joint)
     jdw = jdw.reshape(num_out, num_in, -1).transpose(0, 1)  # (B, C, r), rows were (c, n)
@@ -131,12 +124,9 @@ def batched_glm_moments(
     Returns:
         ``f_mu`` ``(B, C)`` and ``f_var`` ``(B, C, C)``.
     """
-    mus, variances = [], []
-    for chunk in _micro_batches(inputs, micro_batch_size):
-        mu, var = glm_moments(engine, chunk, precision, weights)
-        mus.append(mu)
-        variances.append(var)
-    return torch.cat(mus), torch.cat(variances)
+    moments = [glm_moments(engine, chunk, precision, weights)
+               for chunk in _micro_batches(inputs, micro_batch_size)]
+    return torch.cat([mu for mu, _ in moments]), torch.cat([var for _, var in moments])
 
 
 def prior_variance_weights(precision: LowRankPrecision, sizes: List[int],
@@ -181,7 +171,8 @@ def glm_predictive(model: nn.Module, X: Any, precision: LowRankPrecision,
         if joint:
             f_mu, f_var = glm_moments(engine, X, precision, weights, joint=True)
             return f_mu.flatten(), f_var
-        micro = budget.micro_batch_size(engine, X, None, memory_budget, micro_batch_size)
+        micro = min(budget.micro_batch_size(engine, X, None, memory_budget, micro_batch_size),
+                    max(MIN_PASS, PASS_BYTES // engine.bytes_per_sample(X, one_block=True)))
         return batched_glm_moments(engine, X, precision, weights, micro)
 
 
@@ -207,12 +198,9 @@ def jacobian_energies(engine: FactorEngine, batches: List, U: Tensor,
     energy = U.new_zeros(U.shape[1])
     for inputs in batches:
         for chunk in _micro_batches(inputs, micro_batch_size):
-            if projections is None:
-                factor = jacobian_factor(engine, chunk)
-            else:
-                with rng if rng is not None else contextlib.nullcontext():
-                    factor = engine.compute(chunk, None, mc_samples=projections,
-                                            gradient=False)
+            with rng if rng is not None and projections else contextlib.nullcontext():
+                factor = engine.compute(chunk, None, mc_samples=projections or 0,
+                                        gradient=False)
             energy += (factor.t_matmul(U) ** 2).sum(0) / 2  # E[V V^T] = 2 J^T J
     return energy
 

@@ -97,7 +97,7 @@ def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig, likeliho
                                  config.micro_batch_size)
         energy = jacobian_energies(engine, probe.batches, U, micro, projections, probe.rng)
         measured = (None, None)
-        if measure and (group is None or _rank(group) == 0):
+        if measure and (group is None or torch.distributed.get_rank(group) == 0):
             measured = _measure(engine, probe.batches, (U, lam), config,
                                 (fit.n_data, likelihood_loss(likelihood), prior))
     if group is not None:
@@ -242,10 +242,8 @@ def _assemble(factors: List[Any], U: Tensor, classes: int, m: int
     wide = torch.float64
     gram = torch.zeros(classes, m, classes, m, dtype=wide, device=U.device)
     Z = torch.zeros(classes, m, U.shape[1], dtype=wide, device=U.device)
-    spans, start = [], 0
-    for f in factors:
-        spans.append(slice(start, start + f.num_samples))
-        start += f.num_samples
+    starts = [sum(f.num_samples for f in factors[:i]) for i in range(len(factors))]
+    spans = [slice(start, start + f.num_samples) for start, f in zip(starts, factors)]
     for i, (fi, si) in enumerate(zip(factors, spans)):
         ni = fi.num_samples
         # the factor's dtype, as its Gram matrix: M = (F^T F - Z Z^T) / 2 cancels alike
@@ -257,12 +255,6 @@ def _assemble(factors: List[Any], U: Tensor, classes: int, m: int
             gram[:, sj, :, si] = block.permute(2, 3, 0, 1)
     outputs = torch.cat([f.outputs.reshape(f.num_samples, -1) for f in factors])
     return gram.reshape(classes * m, classes * m), Z.reshape(classes * m, -1), outputs
-
-
-def _rank(group: Any) -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank(group)
 
 
 def _broadcast(measured: Optional[MeasuredComplement], U: Tensor, group: Any

@@ -279,6 +279,36 @@ def test_product_with_khatri_rao_columns_equals_the_explicit_one(monkeypatch, ou
             block.t_matmul_khatri_rao(p[:, :-1], q)
 
 
+def test_blocks_of_passes_concatenated_only_when_read_whole():
+    """Explicit blocks of several passes (one scaled, one factored) give the products of
+    their explicit concatenation, rows ``(v, n)``, part by part; ``rows`` forms it."""
+    from lowrank_laplace.factor import cat_blocks
+
+    torch.manual_seed(0)
+    V, out_dim, in_dim = 3, 4, 5
+    kron = KronBlock(torch.randn(V, 2, out_dim, dtype=torch.float64),
+                     torch.randn(2, in_dim, dtype=torch.float64))
+    parts = [DenseBlock(torch.randn(V * n, out_dim * in_dim, dtype=torch.float64))
+             for n in (4, 3)] + [kron]
+    alphas = [1.0, 0.5, 1.0]
+    explicit = torch.cat([(b.to_dense() * a).reshape(V, -1, out_dim * in_dim)
+                          for b, a in zip(parts, alphas)], dim=1).reshape(-1, out_dim * in_dim)
+    block = cat_blocks(parts, alphas, V)
+    x = torch.randn(out_dim * in_dim, 6, dtype=torch.float64)
+    y = torch.randn(explicit.shape[0], 6, dtype=torch.float64)
+    p, q = torch.randn(6, out_dim, dtype=torch.float64), torch.randn(6, in_dim, dtype=torch.float64)
+    torch.testing.assert_close(block.t_matmul(x), explicit @ x, **TOL)
+    torch.testing.assert_close(block.t_matmul_khatri_rao(p, q),
+                               explicit @ (p[:, :, None] * q[:, None, :]).reshape(6, -1).T, **TOL)
+    torch.testing.assert_close(block.row_sq_norms(), (explicit**2).sum(1), **TOL)
+    torch.testing.assert_close(block.diag_outer(), (explicit**2).sum(0), **TOL)
+    out = torch.ones(out_dim * in_dim, 6, dtype=torch.float64)
+    torch.testing.assert_close(block.matmul_add_(out, y), 1 + explicit.T @ y, **TOL)
+    assert block.to(torch.float64) is block and "rows" not in vars(block)  # nothing formed
+    torch.testing.assert_close(block.rows, explicit, rtol=0, atol=0)
+    assert block.to(torch.float32).dtype == torch.float32
+
+
 @pytest.mark.parametrize("num_rows", [5, 191, 192, 250])
 def test_dense_gram_blocked_symmetric(num_rows):
     """The blocked Gram (upper block triangle mirrored) equals the plain product.
