@@ -10,22 +10,11 @@ from torch import nn
 
 from lowrank_laplace.engine import FactorEngine
 from tests import reference as ref
+from tests.laplace_torch.test_transformers import Logits
 
 transformers = pytest.importorskip("transformers")
 
 TOL = dict(rtol=1e-8, atol=1e-10)
-
-
-class Logits(nn.Module):
-    """The Hugging Face model on a dict batch, returning the logits."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch):
-        return self.model(input_ids=batch["input_ids"],
-                          attention_mask=batch["attention_mask"]).logits
 
 
 def micro_bert(attention):
