@@ -273,16 +273,8 @@ class Choices(nn.Module):
 
 def make_llama(spec: dict[str, Any], attention: str, seed: int, device: torch.device
                ) -> Choices:
-    """A config-built Llama (random bfloat16 weights, built on ``device``) with float32 PEFT
-    LoRA adapters, under :class:`Choices`, in eval mode.
-
-    Args:
-        spec: ``width``, ``layers``, ``heads``, ``kv_heads``, ``intermediate``, ``vocab``,
-            ``positions``; LoRA ``r``, ``alpha``, ``targets``; ``answers``.
-        attention: ``attn_implementation``.
-        seed: Seed of the weights.
-        device: Device.
-    """
+    """A config-built Llama of ``spec`` (random bfloat16 weights, built on ``device``) with
+    float32 PEFT LoRA adapters, under :class:`Choices`, in eval mode."""
     import transformers
     from peft import LoraConfig, get_peft_model
 

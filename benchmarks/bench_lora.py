@@ -247,12 +247,11 @@ def worker_main(config: dict[str, Any]):
     import lowrank_laplace  # noqa: F401 (registers hessian_structure="lowrank_ggn")
 
     spec, seed = PROBLEMS[config["problem"]], config["seed"]
-    rank, world = distributed_start(device)
-    device = torch.device(device.type, rank[1]) if device.type == "cuda" else device
+    rank, world, device = distributed_start(device)
     model = make_model(config["problem"], config["attention"], seed, device).to(device)
     data = [Sequences(config[n], config["seq_len"], spec, seed + i, device)
             for i, n in ((1, "n_train"), (2, "n_test"))]
-    shard = torch.utils.data.Subset(data[0], range(rank[0], len(data[0]), world))
+    shard = torch.utils.data.Subset(data[0], range(rank, len(data[0]), world))
     loader = DataLoader(shard, batch_size=config["batch_size"], shuffle=False)
     tests = list(DataLoader(data[1], batch_size=spec.get("test_batch", config["n_test"])))
     setup.update(D=sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -301,28 +300,18 @@ def worker_main(config: dict[str, Any]):
                                                    spec.get("classes", NUM_CLASSES)))], config)
 
 
-def distributed_start(device: torch.device) -> tuple[tuple[int, int], int]:
-    """Join ``torch.distributed`` if ``torchrun`` started this worker (nccl on CUDA, else
-    gloo); the records of processes other than the first are silenced.
-
-    Args:
-        device: The worker's device type.
-
-    Returns:
-        ``((rank, local rank), world size)``; ``((0, 0), 1)`` outside ``torchrun``.
-    """
+def distributed_start(device: torch.device) -> tuple[int, int, torch.device]:
+    """Join the process group of ``torchrun``'s processes, if any (nccl on CUDA, one GPU
+    each; else gloo): ``(rank, world size, device)``; only the first process reports."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return (0, 0), 1
-    import torch.distributed as dist
-
-    local = int(os.environ["LOCAL_RANK"])
-    if device.type == "cuda":
-        torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if dist.get_rank() != 0:
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's lifetime)
-    return (dist.get_rank(), local), world
+    if world > 1:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if torch.distributed.get_rank() > 0:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's lifetime)
+    return int(os.environ.get("RANK", "0")), world, device
 
 
 ###############################################################################
