@@ -53,23 +53,12 @@
 #       first on the CPU machine: it downloads the wheels of transformers, peft and
 #       their dependencies besides torch and numpy, at the versions installed there, into
 #       .whl/lora/ (~30 MB; carry .whl along), which `lora` installs into /tmp/site.
-#                               bash benchmarks/gpu_check.sh resnet50k
-#       ResNet-18 on 50,000 random CIFAR-shaped images, all weights, default arguments
-#       (fit, marglik, GLM predictive and NN samples on 10,000 test images), next to
-#       last-layer kron and full, all-weights kron with each backend and one training
-#       epoch; then MNIST as 3-channel 32x32 images (bench_models.py --parts scale mnist):
-#       resnet50k.log, resnet50k.json, resnet50k_tables/; under 8 minutes: a fit gets the
-#       batches that fit 100 s and a predictive the chunks that fit 40 s (the records
-#       say how many points; the targets scale the times to the full sizes).
-#                               bash benchmarks/gpu_check.sh llama1b
-#       LoRA (r = 8 on q_proj, v_proj, float32) on a config-built Llama of about 1B
-#       bfloat16 weights, 4,096 sequences of 256 tokens, the multiple-choice head over 4
-#       answer tokens: lowrank_ggn against kron (bench_lora.py --problems llama1b):
-#       llama1b.log, lora_llama1b.json, llama1b_tables/; under 8 minutes (a fit gets the
-#       batches that fit 150 s). Needs transformers and peft as `lora` does.
-#                               bash benchmarks/gpu_check.sh llama1b-multi
-#       the same lowrank_ggn posterior on every GPU of the machine: torchrun's processes
-#       (nccl) fit disjoint shards and merge (llama1b-multi.log, lora_llama1b-multi.json).
+#                               bash benchmarks/gpu_check.sh resnet50k | llama1b | llama1b-multi
+#       ResNet-18 on 50,000 images, then on MNIST (bench_models.py --parts scale mnist);
+#       LoRA on a 1B Llama against kron (bench_lora.py --problems llama1b; -multi: ours on
+#       every GPU through torchrun): <mode>.log, JSON and tables in $OUT, each under 8
+#       minutes (phases shrink to time budgets; docs/benchmarks.md says how). The Llama
+#       modes need transformers and peft as `lora` does.
 #
 # SKIP_INSTALL=1 uses the current environment instead of the wheels (to try the
 # script on a CPU machine, where every step falls back to or skips CUDA). SKIP_TESTS=1
@@ -103,8 +92,8 @@ for n in ['transformers', 'peft', 'accelerate', 'huggingface-hub', 'tokenizers',
 fi
 case "$mode" in
     run|fits|tests|sketch|default|profile|lora|resnet50k|llama1b|llama1b-multi) ;;
-    *) echo "usage: bash benchmarks/gpu_check.sh prepare|prepare-lora|run|fits|tests|sketch|" \
-            "default|profile|lora|resnet50k|llama1b|llama1b-multi" >&2
+    *) echo -n "usage: bash benchmarks/gpu_check.sh prepare|prepare-lora|run|fits|tests|" >&2
+       echo "sketch|default|profile|lora|resnet50k|llama1b|llama1b-multi" >&2
        exit 2 ;;
 esac
 
@@ -158,10 +147,10 @@ fi
 
 cuda=1; python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" || cuda=0
 if [ "$mode" = resnet50k ]; then  # ResNet-18 at real sizes, then MNIST
-    args="--device cuda --n-train 50000 --n-test 10000 --fit-budget-s 100 --pred-budget-s 40"
+    args="--device cuda --n-train 50000 --n-test 10000 --fit-budget-s 80 --pred-budget-s 30"
     [ $cuda = 1 ] || { echo "no CUDA device: tiny sizes on the CPU"
         args="--n-train 8 --n-test 4 --batch-size 8 --pred-batch 4 --epochs 1 --marglik-steps 3"; }
-    timeout 470 python3 -m benchmarks.bench_models --parts scale mnist $args --timeout 180 \
+    timeout 470 python3 -m benchmarks.bench_models --parts scale mnist $args --timeout 150 \
         --out /tmp/gpu_resnet > "$OUT/resnet50k.log" 2>&1
     echo "bench_models rc=$?"
     cp /tmp/gpu_resnet/models.json "$OUT/resnet50k.json" 2>/dev/null
@@ -170,7 +159,7 @@ if [ "$mode" = resnet50k ]; then  # ResNet-18 at real sizes, then MNIST
     exit 0
 fi
 if [ "${mode#llama1b}" != "$mode" ]; then  # LoRA on a Llama of about 1B weights
-    args="--device cuda --problems llama1b --fit-budget-s 150"; procs=$(nvidia-smi -L | wc -l)
+    args="--device cuda --problems llama1b --fit-budget-s 120"; procs=$(nvidia-smi -L | wc -l)
     [ $cuda = 1 ] || { args="--problems llama_tiny"; procs=2; echo "no CUDA device: tiny sizes"; }
     methods="lowrank_ggn kron"; [ "$mode" = llama1b-multi ] && methods=lowrank_ggn || procs=1
     timeout 470 python3 -m benchmarks.bench_lora $args --methods $methods --processes "$procs" \

@@ -331,7 +331,7 @@ def test_bench_models_runs_resnet18_at_scale_and_on_mnist_tiny(tmp_path):
     for method in ("lowrank_default", "ll_kron", "ll_full"):
         assert {p["status"] for p in scale[method].values()} == {"ok"}, method
         assert scale[method]["glm"]["n_pred"] == 4 and scale[method]["samples"]["n_pred"] == 4
-    assert 0 < scale["lowrank_default"]["fit"]["kept_fraction"] <= 1
+    assert 0 < scale["lowrank_default"]["fit"]["kept_fraction"] <= 1 + 1e-6
     assert scale["kron_default"]["fit"]["status"] == "error"
     assert scale["train_epoch"]["fit"]["status"] == "ok"
     assert summary["scale_fit_marglik"]["value"] > 0 and summary["scale_fit_marglik"]["ok"] is None
