@@ -52,7 +52,8 @@ def _fit_marglik(record: dict | None) -> float | None:
     fit, marglik = phase_ok(record, "fit"), phase_ok(record, "marglik")
     if fit is None or marglik is None:
         return None
-    return fit["time_s"] * fit.get("n_requested", 1) / fit.get("n_fit", 1) + marglik["time_s"]
+    n_fit = fit.get("n_fit", 1)
+    return fit["time_s"] * fit.get("n_requested", n_fit) / n_fit + marglik["time_s"]
 
 
 def _glm(record: dict | None) -> float | None:

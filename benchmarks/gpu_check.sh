@@ -159,7 +159,7 @@ if [ "$mode" = resnet50k ]; then  # ResNet-18 at real sizes, then MNIST
     exit 0
 fi
 if [ "${mode#llama1b}" != "$mode" ]; then  # LoRA on a Llama of about 1B weights
-    args="--device cuda --problems llama1b --fit-budget-s 120"; procs=$(nvidia-smi -L | wc -l)
+    args="--device cuda --problems llama1b --fit-budget-s 120"; procs=$(nvidia-smi -L 2>/dev/null | wc -l)
     [ $cuda = 1 ] || { args="--problems llama_tiny"; procs=2; echo "no CUDA device: tiny sizes"; }
     methods="lowrank_ggn kron"; [ "$mode" = llama1b-multi ] && methods=lowrank_ggn || procs=1
     timeout 470 python3 -m benchmarks.bench_lora $args --methods $methods --processes "$procs" \

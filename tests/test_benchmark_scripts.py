@@ -310,6 +310,8 @@ def test_bench_lora_runs_the_llama_choice_head_on_one_and_two_processes(tmp_path
                 for d in ("one", "two"))
     assert all(p["status"] == "ok" for r in (*one, *two) for p in r["phases"].values())
     assert two[0]["setup"]["processes"] == 2 and one[0]["setup"]["processes"] == 1
+    ours, kron = ([r["phases"][p]["time_s"] for p in ("fit", "marglik")] for r in one)
+    assert summary["llama_tiny"]["targets"][0]["value"] == pytest.approx(sum(ours) / sum(kron))
     assert two[0]["phases"]["marglik"]["prior_precision"] == pytest.approx(
         one[0]["phases"]["marglik"]["prior_precision"], rel=1e-4)
     with pytest.raises(SystemExit):
