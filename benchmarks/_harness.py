@@ -239,7 +239,8 @@ def run_worker(module: str, config: dict[str, Any], args: argparse.Namespace) ->
         config: The configuration the worker receives as JSON; ``phases`` lists the
             phases it reports after ``setup``; ``load`` (``{"threads", "size", "env"}``,
             ``env`` ``'worker'`` or ``'user'``) starts a competing process beside it;
-            ``timeout`` overrides ``--timeout``.
+            ``timeout`` overrides ``--timeout``; ``launcher`` (e.g. ``torchrun``'s
+            command) replaces the Python interpreter.
         args: The driver's arguments (``timeout`` per phase, the waits, the worker
             environment).
 
@@ -262,7 +263,7 @@ def run_worker(module: str, config: dict[str, Any], args: argparse.Namespace) ->
     if spec:
         env = worker_env(args if spec.get("env") == "worker" else argparse.Namespace())
         load = _load.CompetingLoad(spec["threads"], spec["size"], env)
-    cmd = [sys.executable, "-m", module, "--worker", "--config",
+    cmd = [*config.get("launcher", [sys.executable]), "-m", module, "--worker", "--config",
            json.dumps({**config, "load_pid": load.pid if load else 0})]
     share = CpuShare(resource.RUSAGE_CHILDREN, load.pid if load else 0)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

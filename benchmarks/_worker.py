@@ -404,6 +404,50 @@ def probs_warnings(n_test: int, C: int) -> Callable[[Any], dict]:
     return describe
 
 
+def fit_within(fit: Callable[[Any], Any], loader: Any, budget_s: float) -> tuple[Any, dict]:
+    """The loader a fit gets within ``budget_s`` seconds (``0``: all of it).
+
+    Untimed, before the phases: fits of one batch (a warm-up that loads the device's
+    kernels), one and two batches give a fit's fixed cost and its cost per batch; if the
+    whole loader would exceed the budget, the fit gets the first batches that fit it.
+
+    Returns:
+        The loader and the record's fields: ``n_fit`` (points), ``n_requested`` if
+        shrunk, ``probe_failure`` if the probe failed (the measured fit reports it).
+    """
+    from torch.utils.data import DataLoader, Subset
+
+    n, size, times = len(loader.dataset), loader.batch_size, []
+    prefix = lambda k: DataLoader(Subset(loader.dataset, range(min(n, k * size))), size)  # noqa: E731
+    if budget_s <= 0 or len(loader) < 3:
+        return loader, {"n_fit": n}
+    try:
+        for batches in (1, 1, 2):
+            start = time.perf_counter()
+            fit(prefix(batches))
+            times.append(time.perf_counter() - start)
+    except Exception as exc:  # noqa: BLE001
+        return loader, {"n_fit": n, "probe_failure": failure_record(exc)["reason"][:300]}
+    batches = max(1, int((budget_s - times[1]) / max(times[2] - times[1], 1e-3)) + 1)
+    if batches >= len(loader):
+        return loader, {"n_fit": n}
+    return prefix(batches), {"n_fit": batches * size, "n_requested": n}
+
+
+def chunks_within(predict: Callable[[Any], Tensor], chunks: Sequence, budget_s: float
+                  ) -> Tensor:
+    """``predict`` of the chunks that fit ``budget_s`` seconds at the pace so far (``0``:
+    all; the first always runs), concatenated along the points' axis."""
+    outs: list[Tensor] = []
+    start = time.perf_counter()
+    for chunk in chunks:
+        spent = time.perf_counter() - start
+        if outs and budget_s > 0 and spent * (len(outs) + 1) / len(outs) > budget_s:
+            break
+        outs.append(predict(chunk).detach())
+    return torch.cat(outs, dim=-2 if outs[0].dim() == 3 else 0)
+
+
 class CountingMatvec:
     """A matrix-vector product that counts the vectors it multiplies.
 

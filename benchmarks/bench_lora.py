@@ -36,6 +36,15 @@ Problems:
     1,024 training sequences of 8-128 tokens, 128 test sequences; ``sdpa``, quiet.
     Not in the default ``--problems``: meant for ``--device cuda`` (``gpu_check.sh
     lora``).
+``llama1b`` (``gpu_check.sh llama1b``) and its tiny CPU version ``llama_tiny``
+    A ``LlamaForCausalLM`` of about 1B bfloat16 weights (hidden 2,048, 16 layers,
+    intermediate 5,632, 32 heads, 4 KV heads, vocabulary 32,000), LoRA ``r=8`` on
+    ``q_proj`` and ``v_proj`` (float32), the multiple-choice head of Laplace-LoRA (the
+    last token's logits over 4 answer tokens, ``_problems.Choices``); 4,096 sequences
+    of 256 tokens, 256 test sequences predicted in batches of 32. ``--fit-budget-s``
+    shrinks a fit to the first batches that fit it (``n_fit``; the ratios scale it to
+    all sequences). ``--processes N`` runs each worker as ``N`` torchrun processes (nccl
+    on CUDA, else gloo) that fit disjoint shards and merge (``lowrank_ggn`` only).
 
 Every configuration (problem, attention, condition, method) runs in a fresh worker
 process (this script with ``--worker``, see ``_harness.py``) with three phases, each
@@ -96,6 +105,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -103,7 +114,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks import _harness
+from benchmarks import _harness, _problems
 from benchmarks._lora_report import (
     ATTENTIONS,
     CONDITIONS,
@@ -117,7 +128,7 @@ from benchmarks._lora_report import (
     table_records,
 )
 from benchmarks._report import DEFAULT_PACKAGES, machine_info, read_run, write_tables
-from benchmarks._worker import probs_warnings, run_phases, worker_setup
+from benchmarks._worker import fit_within, probs_warnings, run_phases, worker_setup
 
 #: Problem name -> model, adapters, data and which configurations run by default.
 PROBLEMS: dict[str, dict[str, Any]] = {
@@ -136,6 +147,19 @@ PROBLEMS: dict[str, dict[str, Any]] = {
              "n_train": 1024, "n_test": 128, "attentions": ("sdpa",), "conditions": ("quiet",),
              "repeat": 1, "quick": {"n_train": 16, "n_test": 4, "seq_len": 32}},
 }
+#: A Llama-architecture model of about 1B weights (bfloat16, float32 adapters) and its
+#: tiny CPU version: the multiple-choice head of Laplace-LoRA over 4 answer tokens.
+LLAMA = {"arch": "llama", "r": 8, "alpha": 16, "targets": ("q_proj", "v_proj"), "classes": 4,
+         "attentions": ("sdpa",), "conditions": ("quiet",), "repeat": 1}
+PROBLEMS.update({
+    "llama1b": {**LLAMA, "layers": 16, "width": 2048, "heads": 32, "kv_heads": 4,
+                "intermediate": 5632, "vocab": 32000, "positions": 256, "seq_len": 256,
+                "min_len": 256, "answers": (319, 350, 315, 360), "n_train": 4096,
+                "n_test": 256, "test_batch": 32, "quick": {"n_train": 64, "n_test": 32}},
+    "llama_tiny": {**LLAMA, "layers": 2, "width": 64, "heads": 4, "kv_heads": 2,
+                   "intermediate": 128, "vocab": 200, "positions": 16, "seq_len": 16,
+                   "min_len": 16, "answers": (10, 11, 12, 13), "n_train": 16, "n_test": 8,
+                   "test_batch": 4, "quick": {}}})
 #: Problems run without ``--problems``.
 DEFAULT_PROBLEMS: tuple[str, ...] = ("small", "large")
 BATCH_SIZE = 32
@@ -168,14 +192,16 @@ class Sequences(torch.utils.data.Dataset):
     random binary labels (dict samples on ``device``, where the default collate stacks
     them). Tokens 0 and 1 (padding and BOS/EOS) are not drawn."""
 
-    def __init__(self, n: int, seq_len: int, min_len: int, vocab: int, seed: int,
+    def __init__(self, n: int, seq_len: int, spec: dict[str, Any], seed: int,
                  device: torch.device):
+        min_len, vocab = min(spec["min_len"], seq_len), spec["vocab"]
         gen = torch.Generator().manual_seed(seed)
         lengths = torch.randint(min_len, seq_len + 1, (n,), generator=gen)
         mask = (torch.arange(seq_len)[None] < lengths[:, None]).long()
         self.mask = mask.to(device)
         self.ids = (torch.randint(2, vocab, (n, seq_len), generator=gen) * mask).to(device)
-        self.labels = torch.randint(0, NUM_CLASSES, (n,), generator=gen).to(device)
+        self.labels = torch.randint(0, spec.get("classes", NUM_CLASSES), (n,),
+                                    generator=gen).to(device)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -185,18 +211,21 @@ class Sequences(torch.utils.data.Dataset):
                 "labels": self.labels[i]}
 
 
-def make_model(problem: str, attention: str, seed: int) -> nn.Module:
-    """The LoRA-adapted GPT-2 classifier of a problem (random weights, eval mode, the
-    ``attn_implementation`` ``attention``), wrapped: dict batch in, logits out."""
+def make_model(problem: str, attention: str, seed: int, device: torch.device) -> nn.Module:
+    """The LoRA-adapted model of a problem (random weights, eval mode, the
+    ``attn_implementation`` ``attention``), wrapped: dict batch in, logits out (a Llama:
+    :func:`_problems.make_llama`, built on ``device``)."""
+    import transformers as hf
     from peft import LoraConfig, get_peft_model
-    from transformers import GPT2Config, GPT2ForSequenceClassification
 
     spec = PROBLEMS[problem]
-    config = GPT2Config(n_layer=spec["layers"], n_embd=spec["width"], n_head=spec["heads"],
+    if spec.get("arch") == "llama":
+        return _problems.make_llama(spec, attention, seed, device)
+    config = hf.GPT2Config(n_layer=spec["layers"], n_embd=spec["width"], n_head=spec["heads"],
                         vocab_size=spec["vocab"], n_positions=spec["positions"],
                         num_labels=NUM_CLASSES, pad_token_id=0, bos_token_id=1, eos_token_id=1)
     torch.manual_seed(seed)
-    base = GPT2ForSequenceClassification._from_config(config, attn_implementation=attention)
+    base = hf.GPT2ForSequenceClassification._from_config(config, attn_implementation=attention)
     lora = LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], target_modules=list(spec["targets"]),
                       task_type="SEQ_CLS")
     return Logits(get_peft_model(base, lora)).eval()
@@ -218,28 +247,37 @@ def worker_main(config: dict[str, Any]):
     import lowrank_laplace  # noqa: F401 (registers hessian_structure="lowrank_ggn")
 
     spec, seed = PROBLEMS[config["problem"]], config["seed"]
-    model = make_model(config["problem"], config["attention"], seed).to(device)
-    data = [Sequences(config[n], config["seq_len"], spec["min_len"], spec["vocab"], seed + i,
-                      device) for i, n in ((1, "n_train"), (2, "n_test"))]
-    loader = DataLoader(data[0], batch_size=config["batch_size"], shuffle=False)
-    test = next(iter(DataLoader(data[1], batch_size=config["n_test"])))
+    rank, world, device = distributed_start(device)
+    model = make_model(config["problem"], config["attention"], seed, device).to(device)
+    data = [Sequences(config[n], config["seq_len"], spec, seed + i, device)
+            for i, n in ((1, "n_train"), (2, "n_test"))]
+    shard = torch.utils.data.Subset(data[0], range(rank, len(data[0]), world))
+    loader = DataLoader(shard, batch_size=config["batch_size"], shuffle=False)
+    tests = list(DataLoader(data[1], batch_size=spec.get("test_batch", config["n_test"])))
     setup.update(D=sum(p.numel() for p in model.parameters() if p.requires_grad),
                  frozen_params=sum(p.numel() for p in model.parameters() if not p.requires_grad),
-                 attention_used=getattr(model.model.config, "_attn_implementation", None))
+                 attention_used=getattr(model.model.config, "_attn_implementation", None),
+                 processes=world)
     kwargs: dict[str, Any] = {"hessian_structure": "lowrank_ggn"} if config["method"] == OURS \
         else {"hessian_structure": config["method"], "backend": CurvlinopsGGN}
     setup["laplace_kwargs"] = {k: getattr(v, "__name__", v) for k, v in kwargs.items()}
     state: dict[str, Any] = {}
 
-    def fit():
+    def make():
         torch.manual_seed(seed)
-        state["la"] = laplace.Laplace(model, "classification", subset_of_weights="all",
-                                      dict_key_y="labels", **kwargs)
+        return laplace.Laplace(model, "classification", subset_of_weights="all",
+                               dict_key_y="labels", **kwargs)
+
+    loader, sizes = fit_within(lambda part: make().fit(part), loader,
+                               config["fit_budget_s"] if world == 1 else 0)
+
+    def fit():
+        state["la"] = make()
         state["la"].fit(loader)
         return state["la"]
 
     def fitted(la) -> dict[str, Any]:
-        fields = {"H_type": type(la.H).__name__}
+        fields = {"H_type": type(la.H).__name__, **sizes}
         for key in ("factor_backend_used", "fit_path", "rank"):
             if isinstance(getattr(la, key, None), (str, int)):
                 fields[key] = getattr(la, key)
@@ -253,11 +291,27 @@ def worker_main(config: dict[str, Any]):
 
     def glm():
         torch.manual_seed(seed)
-        return state["la"](test, pred_type="glm", link_approx="probit").detach()
+        return torch.cat([state["la"](batch, pred_type="glm", link_approx="probit").detach()
+                          for batch in tests])
 
     run_phases(setup, [("fit", fit, fitted),
                        ("marglik", marglik, lambda prior: {"prior_precision": prior}),
-                       ("glm", glm, probs_warnings(config["n_test"], NUM_CLASSES))], config)
+                       ("glm", glm, probs_warnings(config["n_test"],
+                                                   spec.get("classes", NUM_CLASSES)))], config)
+
+
+def distributed_start(device: torch.device) -> tuple[int, int, torch.device]:
+    """Join the process group of ``torchrun``'s processes, if any (nccl on CUDA, one GPU
+    each; else gloo): ``(rank, world size, device)``; only the first process reports."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if torch.distributed.get_rank() > 0:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's lifetime)
+    return int(os.environ.get("RANK", "0")), world, device
 
 
 ###############################################################################
@@ -289,8 +343,11 @@ def configurations(problem: str, args: argparse.Namespace) -> list[dict[str, Any
     spec = PROBLEMS[problem]
     common = {**sizes(problem, args), "phases": list(PHASES), "repeat": repeats(problem, args),
               **{k: getattr(args, k) for k in ("batch_size", "seed", "threads", "device",
-                                               "mem_limit_gib")}}
+                                               "mem_limit_gib", "fit_budget_s")}}
     load = {"threads": args.load_threads, "size": LOAD_SIZE, "env": "worker"}
+    if args.processes > 1:  # torchrun's processes: the first one reports
+        common["launcher"] = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              f"--nproc-per-node={args.processes}"]
     return [{"problem": problem, "attention": a, "condition": c, "method": m, **common,
              **({"load": load} if c == "loaded" else {})}
             for a in spec["attentions"] if a in args.attentions
@@ -307,6 +364,7 @@ def settings(problem: str, args: argparse.Namespace) -> dict[str, Any]:
                      "target_modules": list(spec["targets"])},
             "methods": list(args.methods), "repeat": repeats(problem, args),
             "device": args.device, "D": None, "frozen_params": None,
+            "processes": args.processes,
             **{k: getattr(args, k) for k in ("threads", "load_threads", "mem_limit_gib",
                                              "retry_busy", "seed", "wait_for", "wait_idle")},
             "timeout_s_per_phase": args.timeout}
@@ -380,6 +438,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="Loader batch.")
     parser.add_argument("--load-threads", type=int, default=2,
                         help="torch threads of the competing load (loaded condition).")
+    parser.add_argument("--fit-budget-s", type=float, default=0.0, help="Fit only the "
+                        "first batches that fit this budget (0: all; one process only).")
+    parser.add_argument("--processes", type=int, default=1, help="Data-parallel fit: "
+                        "processes per worker, started by torchrun (nccl on CUDA, one GPU "
+                        "each; else gloo); for lowrank_ggn, whose fit merges across them.")
     parser.add_argument("--table-source", default="docs/benchmarks/lora",
                         help="Where the raw runs are kept (named as the tables' sources).")
     parser.add_argument("--quick", action="store_true",
@@ -391,6 +454,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.out = str(_harness.RESULTS_DIR / ("quick" if args.quick else ""))
     if args.quick:
         args.timeout, args.retry_busy = min(args.timeout, 300.0), 0
+    if args.processes > 1 and set(args.methods) != {OURS}:
+        parser.error(f"--processes {args.processes} fits {OURS} only (--methods {OURS}).")
     for key in args.rerun:
         if key.count("/") != 3:
             parser.error(f"--rerun expects PROBLEM/ATTENTION/CONDITION/METHOD, got {key!r}.")

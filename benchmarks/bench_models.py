@@ -21,6 +21,17 @@ calls only (imports, model and data creation excluded):
 ``backends``
     ``ggn_eigh`` top-``k`` on DeepOBS ``3c3d`` (``_problems.py``), where both engines
     apply: ``backend='functorch'`` against ``backend='backpack'``, same batch.
+``scale`` (not run by default; ``gpu_check.sh resnet50k``: 50,000 / 10,000 points)
+    ResNet-18, all weights, default arguments (``lowrank_default``): ``fit``,
+    ``marglik``, GLM probit ``glm`` and ``samples`` (``--samples`` NN predictive
+    samples), next to last-layer ``kron`` and ``full``, all-weights ``kron`` with each
+    backend and ``train_epoch``. ``--fit-budget-s`` / ``--pred-budget-s`` shrink a fit
+    to the first batches, a predictive to the first chunks (``--pred-batch``) that fit
+    the budget (``_worker.fit_within``, ``chunks_within``; records: ``n_fit``, ``n_pred``).
+``mnist`` (not run by default)
+    One worker trains ResNet-18 ``--epochs`` on MNIST as 3-channel 32x32 images and
+    reports test accuracy, NLL and ECE of the MAP, ``lowrank_default``, ``ll_kron``
+    and ``ll_full`` (priors tuned by the marginal likelihood).
 
 Models:
 
@@ -71,7 +82,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from benchmarks import _harness, _problems
+from benchmarks import _harness, _models_report, _problems, _worker
 from benchmarks._models_report import MODELS, PART_METHODS, PARTS, plot, summarize, table_records
 from benchmarks._report import DEFAULT_PACKAGES, VERDICTS, machine_info, write_tables
 from benchmarks._worker import ggn_eigsh, num_cores, probs_warnings, run_phases, worker_setup
@@ -79,11 +90,11 @@ from benchmarks._worker import ggn_eigsh, num_cores, probs_warnings, run_phases,
 NUM_CLASSES = 10
 #: Sizes by model when the command line leaves them open: CPU runs, and ``--quick``.
 SIZES = {"N": {"resnet18": 16, "transformer": 32, "3c3d": 128},
-         "n_train": {"resnet18": 32, "transformer": 256},
-         "n_test": {"resnet18": 8, "transformer": 128}}
+         "n_train": {"resnet18": 32, "transformer": 256, "scale": 256, "mnist": 512},
+         "n_test": {"resnet18": 8, "transformer": 128, "scale": 64, "mnist": 256}}
 QUICK_SIZES = {"N": {"resnet18": 4, "transformer": 8, "3c3d": 16},
-               "n_train": {"resnet18": 8, "transformer": 16},
-               "n_test": {"resnet18": 2, "transformer": 4}}
+               "n_train": {"resnet18": 8, "transformer": 16, "scale": 64, "mnist": 64},
+               "n_test": {"resnet18": 2, "transformer": 4, "scale": 16, "mnist": 32}}
 
 
 ###############################################################################
@@ -233,6 +244,84 @@ def _laplace_phases(method: str, model: nn.Module, X: Tensor, y: Tensor,
             ("glm", glm, probs_warnings(len(X_test), NUM_CLASSES))]
 
 
+def _scale_phases(method: str, model: nn.Module, X: Tensor, y: Tensor, config: dict[str, Any]
+                  ) -> list[tuple]:
+    """``fit``, ``marglik``, ``glm`` and NN ``samples`` of a ``scale`` method within the
+    budgets (``train_epoch``: one training epoch as ``fit``)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(X[: config["n_train"]], y[: config["n_train"]]),
+                        config["batch_size"])
+    if method == "train_epoch":
+        return [("fit", lambda: _problems.train(model, loader))]
+    make, state = _problems.posterior(method, model, config["seed"]), {}
+    loader, sizes = _worker.fit_within(lambda part: make().fit(part), loader,
+                                       config["fit_budget_s"])
+
+    def fit() -> dict:
+        state["la"] = la = make()
+        la.fit(loader)
+        kept = {"kept_fraction": float(la.kept_fraction)} if hasattr(la, "kept_fraction") \
+            else {}
+        return {"H_type": type(la.H).__name__, **sizes, **kept}
+
+    tests = X[config["n_train"]:].split(config["pred_batch"])
+
+    def predict(kind: str) -> Callable[[], dict]:
+        def call() -> dict:
+            la, samples = state["la"], config["samples"]
+            out = _worker.chunks_within(
+                lambda x: la(x, pred_type="glm", link_approx="probit") if kind == "glm"
+                else la.predictive_samples(x, pred_type="nn", n_samples=samples),
+                tests, config["pred_budget_s"])
+            return {"n_pred": out.shape[-2], **(probs_warnings(len(out), NUM_CLASSES)(out)
+                                                if kind == "glm" else {})}
+        return call
+
+    def marglik() -> dict:
+        state["la"].optimize_prior_precision(method="marglik", n_steps=config["marglik_steps"])
+        return {"prior_precision": state["la"].prior_precision.cpu().reshape(-1)[:4].tolist()}
+
+    return [(name, fn, lambda fields: fields) for name, fn in (
+        ("fit", fit), ("marglik", marglik), ("glm", predict("glm")),
+        ("samples", predict("samples")))]
+
+
+def _mnist_phases(config: dict[str, Any], device: torch.device) -> list[tuple]:
+    """MNIST as 3-channel 32x32 images: ``train`` a ResNet-18 briefly, then the test
+    metrics of its MAP and of each posterior (fit, marglik, GLM probit)."""
+    import torchvision
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lowrank_laplace.toolkit import metrics
+
+    X_train, y_train, X_test, y_test = _problems.mnist_rgb(config["n_train"], config["n_test"],
+                                                           config["seed"], device)
+    train = TensorDataset(X_train, y_train)
+    torch.manual_seed(config["seed"])
+    model = torchvision.models.resnet18(num_classes=NUM_CLASSES).to(device)
+
+    def scores(predict: Callable[[Tensor], Tensor]) -> dict:
+        probs = torch.cat([predict(x).detach() for x in X_test.split(config["pred_batch"])])
+        return {"metrics": metrics.classification_metrics(probs, y_test)}
+
+    def evaluated(method: str) -> Callable[[], dict]:
+        def run() -> dict:
+            la = _problems.posterior(method, model, config["seed"])()
+            la.fit(DataLoader(train, config["batch_size"]))
+            la.optimize_prior_precision(method="marglik", n_steps=config["marglik_steps"])
+            return scores(lambda x: la(x, pred_type="glm", link_approx="probit"))
+        return run
+
+    def train_map():
+        _problems.train(model, DataLoader(train, config["batch_size"], shuffle=True),
+                        config["epochs"])
+
+    return [("train", train_map), ("map", lambda: scores(lambda x: model(x).softmax(-1)),
+                                   lambda m: m),
+            *((m, evaluated(m), lambda m: m) for m in _models_report.MNIST_PHASES[2:])]
+
+
 def worker_main(config: dict[str, Any]):
     """Run one configuration and emit one record per measured phase.
 
@@ -248,11 +337,16 @@ def worker_main(config: dict[str, Any]):
     device = torch.device(config["device"])
     if config["model"] == "transformer":
         torch.backends.mha.set_fastpath_enabled(False)
-    n = config["n_train"] + config["n_test"] if config["part"] == "laplace" else config["N"]
+    if config["part"] == "mnist":
+        run_phases(setup, _mnist_phases(config, device), config, stop_on_failure=False)
+        return
+    n = config["N"] if "N" in config else config["n_train"] + config["n_test"]
     model, X, y = make_model(config["model"], n, config)
     model, X, y = model.to(device), X.to(device), y.to(device)
     setup.update(D=sum(p.numel() for p in model.parameters() if p.requires_grad), N=n)
-    if config["part"] == "laplace":
+    if config["part"] == "scale":
+        phases = _scale_phases(config["method"], model, X, y, config)
+    elif config["part"] == "laplace":
         phases = _laplace_phases(config["method"], model, X, y, config)
     else:
         call, extra = _eigh_call(config["method"], model, X, y, config)
@@ -270,19 +364,24 @@ def worker_main(config: dict[str, Any]):
 
 
 def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every ``(part, model, method)`` configuration with its sizes."""
+    """Every ``(part, model, method)`` configuration with its sizes (``scale`` and
+    ``mnist``: ResNet-18 only)."""
     common = {k: getattr(args, k) for k in (
         "k", "seed", "threads", "rank", "batch_size", "mem_limit_gib", "vocab", "width",
-        "layers", "seq_len", "device", "low_memory")}
+        "layers", "seq_len", "device", "low_memory", "fit_budget_s", "pred_budget_s",
+        "pred_batch", "samples", "epochs", "marglik_steps")}
+    phases = {"laplace": ["fit", "glm"], "scale": list(_models_report.SCALE_PHASES),
+              "mnist": list(_models_report.MNIST_PHASES), "eigh": ["eigh"], "backends": ["eigh"]}
     configs = []
     for part in args.parts:
-        for model in ("3c3d",) if part == "backends" else args.models:
-            names = ("n_train", "n_test") if part == "laplace" else ("N",)
-            size = {k: getattr(args, k) or args.sizes[k][model] for k in names}
-            phases = ["fit", "glm"] if part == "laplace" else ["eigh"]
+        models = {"backends": ("3c3d",), "scale": ("resnet18",), "mnist": ("resnet18",)}
+        for model in models.get(part, args.models):
+            names = ("N",) if part in ("eigh", "backends") else ("n_train", "n_test")
+            size = {k: getattr(args, k) or args.sizes[k].get(part, args.sizes[k].get(model))
+                    for k in names}
             configs += [{"part": part, "model": model, "method": method, **size, **common,
-                         "phases": ["fit"] if method == "grad_pass" else phases}
-                        for method in PART_METHODS[part]]
+                         "phases": ["fit"] if method in ("grad_pass", "train_epoch")
+                         else phases[part]} for method in PART_METHODS[part]]
     return configs
 
 
@@ -304,8 +403,10 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
                 "threads": args.threads or num_cores(),
                 "transformer": {"vocab": args.vocab, "width": args.width, "layers": args.layers,
                                 "seq_len": args.seq_len, "heads": 4, "ff": 4 * args.width},
-                **{k: getattr(args, k) for k in ("k", "rank", "batch_size", "seed",
-                                                 "low_memory", "timeout", "mem_limit_gib")}}
+                **{k: getattr(args, k) for k in (
+                    "k", "rank", "batch_size", "seed", "low_memory", "timeout", "mem_limit_gib",
+                    "fit_budget_s", "pred_budget_s", "pred_batch", "samples", "epochs",
+                    "marglik_steps")}}
     plan = _harness.Plan("benchmarks.bench_models", configurations(args),
                          ("part", "model", "method"), out / "models.json", settings, info)
     records = plan.run(args)
@@ -315,10 +416,11 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
     write_tables(table_records(payload, "docs/benchmarks/models.json"), out / "models_tables")
     print("\nTargets:")
     for key, item in summary.items():
-        value = "-" if item["value"] is None else f"{item['value']:.2f}x"
+        unit = item.get("unit", "x")
+        value = "-" if item["value"] is None else f"{item['value']:.2f}{unit}"
         extra = f" ({item['peer_failure'][:100]})" if item.get("peer_failure") else ""
-        print(f"  {key:<32} {value:>8} (target {item['target']:g}x): "
-              f"{VERDICTS[item['ok']]}{extra}")
+        target = "" if item["target"] is None else f" (target {item['target']:g}{unit})"
+        print(f"  {key:<32} {value:>8}{target}: {VERDICTS[item['ok']]}{extra}")
     print(f"\nWrote {plan.path} and {out / 'models.png'}")
     return summary
 
@@ -330,7 +432,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         __doc__, "timeout", "mem_limit_gib", "device", "out", "seed", "threads",
         "blas_threads", "omp_wait_policy", "wait_for", "wait_max", "wait_poll", "wait_idle",
         "retry_busy", "repeat", timeout=900.0, out=str(_harness.RESULTS_DIR))
-    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    parser.add_argument("--parts", nargs="+", choices=PARTS,
+                        default=list(_models_report.DEFAULT_PARTS))
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--N", type=int, default=None,
                         help="Batch of the eigenpairs (default: resnet18 16, transformer "
@@ -344,6 +447,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=128, help="Laplace loader batch.")
     parser.add_argument("--low-memory", action="store_true",
                         help="ggn_eigh with low_memory=True (two passes).")
+    parser.add_argument("--fit-budget-s", type=float, default=0.0, help="scale: fit "
+                        "only the first batches that fit this budget (0: all).")
+    parser.add_argument("--pred-budget-s", type=float, default=0.0, help="scale: predict "
+                        "only the test chunks that fit this budget (0: all).")
+    parser.add_argument("--pred-batch", type=int, default=500, help="Predictive chunk.")
+    parser.add_argument("--samples", type=int, default=10, help="scale: NN samples.")
+    parser.add_argument("--epochs", type=int, default=3, help="mnist: training epochs.")
+    parser.add_argument("--marglik-steps", type=int, default=100, help="scale, mnist: steps "
+                        "of the marginal-likelihood prior tuning (laplace-torch's default).")
     parser.add_argument("--vocab", type=int, default=1000, help="Transformer vocabulary.")
     parser.add_argument("--width", type=int, default=128, help="Transformer width.")
     parser.add_argument("--layers", type=int, default=4, help="Transformer layers.")

@@ -53,6 +53,12 @@
 #       first on the CPU machine: it downloads the wheels of transformers, peft and
 #       their dependencies besides torch and numpy, at the versions installed there, into
 #       .whl/lora/ (~30 MB; carry .whl along), which `lora` installs into /tmp/site.
+#                               bash benchmarks/gpu_check.sh resnet50k | llama1b | llama1b-multi
+#       ResNet-18 on 50,000 images, then on MNIST (bench_models.py --parts scale mnist);
+#       LoRA on a 1B Llama against kron (bench_lora.py --problems llama1b; -multi: ours on
+#       every GPU through torchrun): <mode>.log, JSON and tables in $OUT, each under 8
+#       minutes (phases shrink to time budgets; docs/benchmarks.md says how). The Llama
+#       modes need transformers and peft as `lora` does.
 #
 # SKIP_INSTALL=1 uses the current environment instead of the wheels (to try the
 # script on a CPU machine, where every step falls back to or skips CUDA). SKIP_TESTS=1
@@ -67,7 +73,8 @@ if [ "$mode" = prepare ]; then
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
         --platform any -d .whl laplace-torch==0.3 backpack-for-pytorch==1.7.1 \
-        curvlinops-for-pytorch==3.0.1 asdfghjkl==0.1a5 unfoldNd==0.2.3 einconv==0.1.0
+        curvlinops-for-pytorch==3.0.1 asdfghjkl==0.1a5 unfoldNd==0.2.3 einconv==0.1.0 \
+        mlxtend==0.25.0
     exit $?
 fi
 if [ "$mode" = prepare-lora ]; then  # transformers, peft and their dependencies
@@ -84,8 +91,9 @@ for n in ['transformers', 'peft', 'accelerate', 'huggingface-hub', 'tokenizers',
     exit $?
 fi
 case "$mode" in
-    run|fits|tests|sketch|default|profile|lora) ;;
-    *) echo "usage: bash benchmarks/gpu_check.sh prepare|prepare-lora|run|fits|tests|sketch|default|profile|lora" >&2
+    run|fits|tests|sketch|default|profile|lora|resnet50k|llama1b|llama1b-multi) ;;
+    *) echo -n "usage: bash benchmarks/gpu_check.sh prepare|prepare-lora|run|fits|tests|" >&2
+       echo "sketch|default|profile|lora|resnet50k|llama1b|llama1b-multi" >&2
        exit 2 ;;
 esac
 
@@ -94,7 +102,8 @@ mkdir -p "$OUT"
 if [ "${SKIP_INSTALL:-0}" != 1 ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
-    if [ "$mode" = lora ] && ! python3 -c "import transformers, peft" 2>/dev/null; then
+    case "$mode" in lora|llama*) hf=1 ;; *) hf=0 ;; esac
+    if [ $hf = 1 ] && ! python3 -c "import transformers, peft" 2>/dev/null; then
         ls .whl/lora/*.whl > /dev/null 2>&1 || {
             echo "transformers/peft missing: run bash benchmarks/gpu_check.sh prepare-lora" >&2
             exit 1; }
@@ -133,6 +142,33 @@ fi
 if [ "$mode" = profile ]; then  # where the MLP's first default fit goes
     timeout 90 python3 -m benchmarks.gpu_trace --device cuda --problem mlp --top 30 \
         --out "$OUT" 2>&1 | grep -v -i warn
+    exit 0
+fi
+
+cuda=1; python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" || cuda=0
+if [ "$mode" = resnet50k ]; then  # ResNet-18 at real sizes, then MNIST
+    args="--device cuda --n-train 50000 --n-test 10000 --fit-budget-s 80 --pred-budget-s 30"
+    [ $cuda = 1 ] || { echo "no CUDA device: tiny sizes on the CPU"
+        args="--n-train 8 --n-test 4 --batch-size 8 --pred-batch 4 --epochs 1 --marglik-steps 3"; }
+    timeout 470 python3 -m benchmarks.bench_models --parts scale mnist $args --timeout 150 \
+        --out /tmp/gpu_resnet > "$OUT/resnet50k.log" 2>&1
+    echo "bench_models rc=$?"
+    cp /tmp/gpu_resnet/models.json "$OUT/resnet50k.json" 2>/dev/null
+    cp -r /tmp/gpu_resnet/models_tables "$OUT/resnet50k_tables" 2>/dev/null
+    grep -E "\[(scale|mnist)|scale_" "$OUT/resnet50k.log"
+    exit 0
+fi
+if [ "${mode#llama1b}" != "$mode" ]; then  # LoRA on a Llama of about 1B weights
+    args="--device cuda --problems llama1b --fit-budget-s 120"; procs=$(nvidia-smi -L 2>/dev/null | wc -l)
+    [ $cuda = 1 ] || { args="--problems llama_tiny"; procs=2; echo "no CUDA device: tiny sizes"; }
+    methods="lowrank_ggn kron"; [ "$mode" = llama1b-multi ] && methods=lowrank_ggn || procs=1
+    timeout 470 python3 -m benchmarks.bench_lora $args --methods $methods --processes "$procs" \
+        --timeout 200 --retry-busy 0 --repeat 1 --out /tmp/gpu_$mode > "$OUT/$mode.log" 2>&1
+    echo "bench_lora rc=$?"
+    for f in /tmp/gpu_$mode/lora_llama*.json; do
+        cp "$f" "$OUT/$(basename "$f" .json)${mode#llama1b}.json"; done
+    cp -r /tmp/gpu_$mode/lora_tables "$OUT/${mode}_tables" 2>/dev/null
+    grep -E "TARGET|llama.*/sdpa" "$OUT/$mode.log"
     exit 0
 fi
 

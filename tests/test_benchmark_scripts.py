@@ -152,6 +152,45 @@ def test_set_tuning_assigns_a_constant_or_passes_the_option(monkeypatch):
                                     "probe_size", "probe_columns", "measure_complement"}
 
 
+def test_a_fit_and_a_predictive_shrink_to_their_budgets(monkeypatch):
+    """A fit gets the first batches whose estimated time (fixed cost and cost per batch
+    from fits of one and two batches) fits the budget; a predictive the chunks whose pace
+    fits it."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    clock = [0.0]
+    monkeypatch.setattr(_worker, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    sizes = []
+
+    def fit(loader):  # 1 s fixed, 2 s per batch
+        sizes.append(len(loader.dataset))
+        clock[0] += 1.0 + 2.0 * len(loader)
+
+    loader = DataLoader(TensorDataset(torch.zeros(40, 1)), batch_size=4)
+    shrunk, info = _worker.fit_within(fit, loader, budget_s=12.0)
+    assert sizes == [4, 4, 8] and info == {"n_fit": 20, "n_requested": 40}
+    assert len(shrunk) == 5 and len(shrunk.dataset) == 20
+    assert _worker.fit_within(fit, loader, budget_s=100.0) == (loader, {"n_fit": 40})
+    assert _worker.fit_within(fit, loader, budget_s=0.0) == (loader, {"n_fit": 40})
+
+    def fails(loader):
+        raise NotImplementedError("Found parameters in un-supported layers.")
+
+    kept, info = _worker.fit_within(fails, loader, budget_s=12.0)
+    assert kept is loader and "un-supported layers" in info["probe_failure"]
+
+    def predict(x):
+        clock[0] += 1.0
+        return x
+
+    chunks = torch.arange(10.0).reshape(10, 1).split(1)
+    assert _worker.chunks_within(predict, chunks, 3.5).flatten().tolist() == [0.0, 1.0, 2.0]
+    assert len(_worker.chunks_within(predict, chunks, 0.0)) == 10
+    samples = _worker.chunks_within(lambda x: x.expand(3, -1, -1), chunks, 0.0)
+    assert samples.shape == (3, 10, 1)
+
+
 @pytest.mark.parametrize("path", SCRIPTS, ids=[p.name for p in SCRIPTS])
 def test_benchmark_modules_follow_the_house_rules(path):
     """At most 500 lines a module, 80 a function, 8 parameters; no private name crosses
@@ -244,6 +283,64 @@ def test_bench_lora_runs_quiet_and_beside_a_load(tmp_path):
     assert "load_cpu_percent_during_phase" in loaded["phases"]["fit"]
     tables = json.loads((tmp_path / "lora_tables" / "lora_small.json").read_text())
     assert len(tables["rows"]) == 2 and tables["machine"]["cpu_name"]
+
+
+@pytest.mark.slow
+def test_bench_lora_runs_the_llama_choice_head_on_one_and_two_processes(tmp_path):
+    """The tiny Llama: bfloat16 base, float32 adapters, 4 answer logits; kron beside ours,
+    and ours on two torchrun processes (gloo) gives the same tuned prior."""
+    import torch
+
+    from benchmarks import bench_lora
+
+    model = bench_lora.make_model("llama_tiny", "sdpa", 0, torch.device("cpu"))
+    trained = {p.dtype for p in model.parameters() if p.requires_grad}
+    assert trained == {torch.float32} and torch.bfloat16 in {p.dtype for p in model.parameters()}
+    batch = next(iter(torch.utils.data.DataLoader(bench_lora.Sequences(
+        2, 16, bench_lora.PROBLEMS["llama_tiny"], 0, torch.device("cpu")), batch_size=2)))
+    logits = model(batch)
+    assert logits.shape == (2, 4) and logits.dtype == torch.float32
+    argv = ["--problems", "llama_tiny", "--retry-busy", "0", "--repeat", "1"]
+    summary = bench_lora.main([*argv, "--methods", "lowrank_ggn", "kron", "--out",
+                               str(tmp_path / "one")])
+    assert [t["name"].split()[1] for t in summary["llama_tiny"]["targets"]] == ["fit", "GLM"]
+    bench_lora.main([*argv, "--methods", "lowrank_ggn", "--processes", "2", "--out",
+                     str(tmp_path / "two")])
+    one, two = (json.loads((tmp_path / d / "lora_llama_tiny.json").read_text())["records"]
+                for d in ("one", "two"))
+    assert all(p["status"] == "ok" for r in (*one, *two) for p in r["phases"].values())
+    assert two[0]["setup"]["processes"] == 2 and one[0]["setup"]["processes"] == 1
+    ours, kron = ([r["phases"][p]["time_s"] for p in ("fit", "marglik")] for r in one)
+    assert summary["llama_tiny"]["targets"][0]["value"] == pytest.approx(sum(ours) / sum(kron))
+    assert two[0]["phases"]["marglik"]["prior_precision"] == pytest.approx(
+        one[0]["phases"]["marglik"]["prior_precision"], rel=1e-4)
+    with pytest.raises(SystemExit):
+        bench_lora.parse_args([*argv, "--processes", "2"])  # kron cannot merge processes
+
+
+@pytest.mark.slow
+def test_bench_models_runs_resnet18_at_scale_and_on_mnist_tiny(tmp_path):
+    """The ``scale`` part's rows (laplace-torch's all-weights kron failing as rows) and the
+    ``mnist`` part's metrics, on the CPU at tiny sizes."""
+    from benchmarks import bench_models
+
+    summary = bench_models.main(["--parts", "scale", "mnist", "--n-train", "8", "--n-test",
+                                 "4", "--batch-size", "8", "--pred-batch", "4", "--samples",
+                                 "2", "--epochs", "1", "--marglik-steps", "3", "--out",
+                                 str(tmp_path)])
+    records = json.loads((tmp_path / "models.json").read_text())["records"]
+    scale = {r["method"]: r["phases"] for r in records if r["part"] == "scale"}
+    for method in ("lowrank_default", "ll_kron", "ll_full"):
+        assert {p["status"] for p in scale[method].values()} == {"ok"}, method
+        assert scale[method]["glm"]["n_pred"] == 4 and scale[method]["samples"]["n_pred"] == 4
+    assert 0 < scale["lowrank_default"]["fit"]["kept_fraction"] <= 1 + 1e-6
+    assert scale["kron_default"]["fit"]["status"] == "error"
+    assert scale["train_epoch"]["fit"]["status"] == "ok"
+    assert summary["scale_fit_marglik"]["value"] > 0 and summary["scale_fit_marglik"]["ok"] is None
+    mnist = next(r for r in records if r["part"] == "mnist")["phases"]
+    assert 0 < mnist["lowrank_default"]["metrics"]["nll"] and "accuracy" in mnist["map"]["metrics"]
+    tables = tmp_path / "models_tables"
+    assert (tables / "models_scale.json").is_file() and (tables / "models_mnist.json").is_file()
 
 
 @pytest.mark.slow
