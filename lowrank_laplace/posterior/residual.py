@@ -241,6 +241,10 @@ class SpectralResidual(Residual):
             self._layers, self._split = self._split(), None
         return self._layers
 
+    @layers.setter
+    def layers(self, value: Optional[LayerTails]) -> None:
+        self._layers, self._split = value, None
+
     def _precision(self, eigenvectors, ell, scale, prior, extra):
         gram_cache, layer_prior = extra
         if prior.numel() > 1 and self.layers is not None:  # builds the split on first use
