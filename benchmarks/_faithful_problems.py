@@ -207,16 +207,16 @@ def make_data(problem: Problem) -> Data:
 
 
 def build_model(problem: Problem, features: int) -> nn.Module:
-    """The problem's network in float64, seeded."""
+    """The problem's network (float32, seeded; trained in float32, studied in float64)."""
     torch.manual_seed(0)
-    return MODELS[problem.model](features, **problem.arch).double()
+    return MODELS[problem.model](features, **problem.arch).float()
 
 
 def train_map(model: nn.Module, problem: Problem, X: Inputs, y: Tensor) -> dict[str, Any]:
     """Train ``model`` in place to its MAP under the problem's Gaussian prior (Adam).
 
     Args:
-        model: The float64 network.
+        model: The float32 network; it ends in float64.
         problem: Epochs, learning rate and prior precision.
         X: Training inputs.
         y: Training labels.
@@ -225,6 +225,7 @@ def train_map(model: nn.Module, problem: Problem, X: Inputs, y: Tensor) -> dict[
         Training facts: final objective and accuracy on the training set.
     """
     gen = torch.Generator().manual_seed(0)
+    X = X.float() if isinstance(X, Tensor) else X
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=problem.lr)
     n = num_inputs(X)
@@ -236,7 +237,8 @@ def train_map(model: nn.Module, problem: Problem, X: Inputs, y: Tensor) -> dict[
             decay = problem.prior / (2 * n) * sum((p**2).sum() for p in params)
             (loss + decay).backward()
             opt.step()
-    model.eval()
+    model.double().eval()
+    X = X.double() if isinstance(X, Tensor) else X
     with torch.no_grad():
         logits = torch.cat([model(take(X, slice(i, i + 256))) for i in range(0, n, 256)])
     return {"train_nll": float(nn.functional.cross_entropy(logits, y)),

@@ -70,9 +70,9 @@ PROBLEMS: dict[str, Problem] = {
                           note="MNIST 28x28 standardized, tanh MLP 784-30-10, 800 images"),
     "mnist_cnn": Problem("mnist", "cnn", {}, encoding="image", pool=2, n_train=3500,
                          n_test=500, epochs=20, note="MNIST 14x14, small ReLU CNN"),
-    "digits_lora": Problem("digits", "gpt2_lora", {}, encoding="tokens", n_train=1257,
-                           n_test=540, epochs=20, lr=3e-3,
-                           note="digits as 64 grey-level tokens, LoRA on a random GPT-2"),
+    "digits_lora": Problem("digits", "gpt2_lora", {}, encoding="tokens", pool=2,
+                           n_train=1257, n_test=540, epochs=30,
+                           note="digits 4x4 as 16 grey-level tokens, LoRA on a random GPT-2"),
     "client_digits": Problem("digits", "mlp", {"hidden": [84]}, n_train=1257, n_test=360,
                              epochs=100, dtype="float32", marglik_steps=100,
                              note="the client's digits MLP 64-84-10 (float32, TU's calls)"),
@@ -323,7 +323,7 @@ def run_problem(name: str, problem: Problem, args: argparse.Namespace) -> dict:
     """The reference, every method's fit and their measurements on one problem."""
     ref = reference(name, problem, args.ranks, args.cache, args.reuse_reference)
     data = make_data(problem)
-    model = build_model(problem, data.features)
+    model = build_model(problem, data.features).double()
     model.load_state_dict(ref["state"])
     model.eval()
     dtype = getattr(torch, problem.dtype)
@@ -366,6 +366,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--cache", type=Path, default=RESULTS_DIR / "faithful_cache")
     parser.add_argument("--reuse-reference", action="store_true",
                         help="load cached exact references (and MAP networks)")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the other problems of an existing faithful.json in --out")
     parser.add_argument("--marglik-steps", type=int, default=MARGLIK_STEPS)
     parser.add_argument("--tiny", action="store_true",
                         help="seconds-long smoke configuration (tiny networks and data)")
@@ -398,12 +400,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     result = {"machine": machine_info("cpu"), "commit": git_commit(),
               "args": {k: str(v) for k, v in vars(args).items()}, "problems": {}}
     args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "faithful.json"
+    if args.update and path.exists():
+        result["problems"] = json.loads(path.read_text())["problems"]
     for name in args.problems:
         problem = PROBLEMS[name].shrink() if args.tiny else PROBLEMS[name]
         with default_dtype(torch.float64):
             result["problems"][name] = run_problem(name, problem, args)
+        result["problems"][name]["run"] = {"commit": result["commit"],
+                                           "date": result["machine"]["date"]}
         print(report.markdown(name, result["problems"][name]), flush=True)
-        (args.out / "faithful.json").write_text(json.dumps(result, indent=1))
+        path.write_text(json.dumps(result, indent=1))
     report.plot(result, args.out / "faithful.png")
     return result
 
