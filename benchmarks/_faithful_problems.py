@@ -114,7 +114,7 @@ class Logits(nn.Module):
 
 
 def _gpt2_lora(inputs: int, width: int = 32, layers: int = 2, heads: int = 2,
-               r: int = 8) -> nn.Module:
+               r: int = 8, targets: tuple = ("c_attn", "c_proj")) -> nn.Module:
     """A config-built GPT-2 classifier (random frozen weights) with PEFT LoRA adapters."""
     from peft import LoraConfig, get_peft_model
     from transformers import GPT2Config, GPT2ForSequenceClassification
@@ -123,7 +123,7 @@ def _gpt2_lora(inputs: int, width: int = 32, layers: int = 2, heads: int = 2,
                         n_positions=inputs, num_labels=NUM_CLASSES, pad_token_id=0,
                         bos_token_id=0, eos_token_id=0)
     base = GPT2ForSequenceClassification._from_config(config, attn_implementation="eager")
-    lora = LoraConfig(r=r, lora_alpha=2 * r, target_modules=["c_attn", "c_proj"],
+    lora = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets),
                       task_type="SEQ_CLS")
     return Logits(get_peft_model(base, lora))
 
