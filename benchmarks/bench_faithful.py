@@ -424,18 +424,23 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
 
 def run_all(args: argparse.Namespace, result: dict) -> None:
-    """Run every problem of ``args`` into ``result``, writing JSON and PNG under ``--out``."""
+    """Run every problem of ``args`` into ``result``, writing JSON and PNG under ``--out``.
+
+    With ``--update`` the file is read again before every write, so that runs of other
+    problems into the same folder keep theirs.
+    """
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "faithful.json"
-    if args.update and path.exists():
-        result["problems"] = json.loads(path.read_text())["problems"]
     for name in args.problems:
         problem = PROBLEMS[name].shrink() if args.tiny else PROBLEMS[name]
         with default_dtype(torch.float64):
-            result["problems"][name] = run_problem(name, problem, args)
-        result["problems"][name]["run"] = {"commit": result["commit"],
-                                           "date": result["machine"]["date"]}
-        print(report.markdown(name, result["problems"][name]), flush=True)
+            record = run_problem(name, problem, args)
+        record["run"] = {"commit": result["commit"], "date": result["machine"]["date"]}
+        print(report.markdown(name, record), flush=True)
+        if args.update and path.exists():
+            result["problems"] = {**json.loads(path.read_text())["problems"],
+                                  **result["problems"]}
+        result["problems"][name] = record
         path.write_text(json.dumps(result, indent=1))
     report.plot(result, args.out / "faithful.png")
 
