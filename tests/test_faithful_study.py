@@ -112,7 +112,9 @@ def test_command_line_errors(argv, message, capsys):
 def test_tiny_run_writes_json_png_and_tables(tmp_path, capsys):
     """``--tiny`` runs the whole study on a shrunken problem in seconds: reference,
     every default method, the JSON (with machine and commit), the PNG and the table;
-    a second run reuses the cached reference and gives the same exact posterior."""
+    a second run reuses the cached reference, gives the same exact posterior and, with
+    ``--update``, keeps the first run's other problems in the JSON."""
+    threads = torch.get_num_threads()
     argv = ["--tiny", "--problems", "mnist_mlp", "--ranks", "100,30", "--out",
             str(tmp_path), "--cache", str(tmp_path / "cache"), "--marglik-steps", "50"]
     first = bench_faithful.main(argv)
@@ -128,7 +130,13 @@ def test_tiny_run_writes_json_png_and_tables(tmp_path, capsys):
     assert set(default["sets"]) == {"test", "rot45"}
     assert default["sets"]["test"]["probit_check"] < 1e-6
     assert "| exact full GGN |" in capsys.readouterr().out
-    second = bench_faithful.main([*argv, "--reuse-reference"])
+    saved["problems"]["other"] = rec
+    (tmp_path / "faithful.json").write_text(json.dumps(saved))
+    second = bench_faithful.main([*argv, "--reuse-reference", "--update", "--threads", "1"])
     assert (second["problems"]["mnist_mlp"]["exact_prior"]
             == first["problems"]["mnist_mlp"]["exact_prior"])
+    kept = json.loads((tmp_path / "faithful.json").read_text())["problems"]
+    assert set(kept) == {"mnist_mlp", "other"}
+    assert kept["mnist_mlp"]["run"]["commit"] == saved["commit"]
     assert torch.get_default_dtype() == torch.float32
+    assert torch.get_num_threads() == threads
