@@ -1,29 +1,22 @@
 """Worker side of ``bench_eigh.py``: the compared methods and their measurement.
 
-Holds the implementations of the compared eigen-solvers (``lowrank_laplace``'s
-``ggn_eigh`` variants, PyHessian-style power iteration on ``torch.func``
-GGN-vector products, SciPy's ``eigsh`` on curvlinops' GGN operator), the untimed
-checks of returned eigenvectors, and the worker that times one configuration and
-prints its record as JSON on stdout.
+Holds the compared eigen-solvers (``lowrank_laplace``'s ``ggn_eigh`` variants,
+PyHessian-style power iteration on ``torch.func`` GGN-vector products, SciPy's ``eigsh``
+on curvlinops' GGN operator via ``_worker.ggn_eigsh``), the untimed checks of returned
+eigenvectors, and the worker that times one configuration (``_worker.run_phases``).
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
-import os
-import resource
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from benchmarks import _harness
 from benchmarks._problems import NUM_CLASSES, make_problem
+from benchmarks._worker import DEFAULT_PREIMPORTS, ggn_eigsh, run_phases, worker_setup
 
-#: ``ours`` variants: name -> (``mc_samples``, whether to sub-sample the batch).
 #: ``ours`` variants: (mc_samples, curvature on N/8 samples, low_memory two-pass mode).
 OURS_CASES: dict[str, tuple[int, bool, bool]] = {
     "ours_exact_full": (0, False, False),
@@ -43,34 +36,10 @@ PAPER_LABELS: dict[str, str] = {
     "eigsh": "eigsh (Lanczos)",
 }
 METHODS: tuple[str, ...] = (*OURS_CASES, "power", "eigsh")
-RESULT_MARKER = "__BENCH_EIGH_RESULT__"
 
 # Power iteration hyper-parameters (PyHessian defaults).
 POWER_MAX_ITER = 100
 POWER_TOL = 1e-3
-
-# Shared helpers (see _harness.py)
-_num_cores = _harness.num_cores
-_maxrss_bytes = _harness.maxrss_bytes
-_sync = _harness.sync
-_preimport = _harness.preimport
-
-
-def _cpu_busy_seconds() -> tuple[float | None, float]:
-    """Return the busy CPU time of the whole system and of this process.
-
-    Their difference over the timed call is the CPU time that *other* processes
-    took from the benchmark (recorded as ``cpu_others_during_percent``). The
-    system-wide count is :func:`_harness.system_busy_cpu_seconds` (which excludes
-    steal time and does not count guest time twice).
-
-    Returns:
-        System-wide busy CPU seconds summed over cores (``None`` where unavailable),
-        and the CPU seconds (user + system) of this process.
-    """
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return _harness.system_busy_cpu_seconds(), usage.ru_utime + usage.ru_stime
-
 
 ###############################################################################
 #                           GGN-vector products                               #
@@ -94,25 +63,12 @@ class GGNVectorProduct:
     """
 
     def __init__(self, model: nn.Module, loss_func: nn.CrossEntropyLoss, X: Tensor, y: Tensor):
-        """Set up the forward pass and the cached VJP.
-
-        Args:
-            model: The network.
-            loss_func: Cross-entropy loss; its ``reduction`` must be ``'mean'`` or
-                ``'sum'``.
-            X: Mini-batch inputs.
-            y: Mini-batch labels (unused by the GGN of the cross-entropy loss, but
-                kept for a uniform signature).
-
-        Raises:
-            ValueError: If the loss function is not supported.
-        """
+        """Set up the forward pass and the cached VJP (``y`` is unused by the GGN of the
+        cross-entropy loss, whose ``reduction`` must be ``'mean'`` or ``'sum'``)."""
         from torch.func import vjp
 
-        supported = isinstance(loss_func, nn.CrossEntropyLoss) and (
-            loss_func.reduction in {"mean", "sum"}
-        )
-        if not supported:
+        if not isinstance(loss_func, nn.CrossEntropyLoss) or \
+                loss_func.reduction not in {"mean", "sum"}:
             raise ValueError("Only CrossEntropyLoss with mean/sum reduction supported.")
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -132,38 +88,17 @@ class GGNVectorProduct:
         self._scale = scale
 
     def _f(self, *params: Tensor) -> Tensor:
-        """Evaluate the model functionally.
-
-        Args:
-            *params: Model parameters.
-
-        Returns:
-            The model output (logits) on the mini-batch.
-        """
+        """The model's output (logits) on the mini-batch, as a function of the parameters."""
         from torch.func import functional_call
 
         return functional_call(self._model, dict(zip(self._names, params)), (self._X,))
 
     def _unflatten(self, v: Tensor) -> tuple[Tensor, ...]:
-        """Convert a flat vector into parameter-shaped tensors.
-
-        Args:
-            v: Flat vector of length ``D``.
-
-        Returns:
-            Tensors with the shapes of the parameters.
-        """
+        """A flat vector of length ``D`` as parameter-shaped tensors."""
         return tuple(t.reshape(s) for t, s in zip(v.split(self._numels), self._shapes))
 
     def __call__(self, v: Tensor) -> Tensor:
-        """Multiply the mini-batch GGN onto a flat vector.
-
-        Args:
-            v: Flat vector of length ``D``.
-
-        Returns:
-            Flat vector ``G v``.
-        """
+        """``G v`` for a flat vector ``v`` of length ``D``."""
         from torch.func import jvp
 
         with torch.no_grad():
@@ -198,15 +133,8 @@ def power_iteration(
     until the relative change of the eigenvalue estimate drops below ``tol`` or
     ``max_iter`` products were used.
 
-    Args:
-        ggnvp: Function computing matrix-vector products with the flat vector.
-        dim: Dimension ``D`` of the matrix.
-        k: Number of leading eigenpairs.
-        max_iter: Maximum number of matrix-vector products per eigenpair.
-        tol: Relative tolerance on the change of the eigenvalue estimate.
-        device: Device of the vectors.
-        dtype: Data type of the vectors.
-        generator: Random number generator for the initial vectors.
+    ``ggnvp`` multiplies the ``dim x dim`` matrix onto a flat vector, at most
+    ``max_iter`` times per eigenpair; ``generator`` draws the initial vectors.
 
     Returns:
         Eigenvalues of shape ``(k,)`` (in the order found, i.e. approximately
@@ -242,42 +170,8 @@ def power_iteration(
     return torch.tensor(eigenvalues), torch.stack(eigenvectors, dim=1)
 
 
-def eigsh_curvlinops(
-    model: nn.Module, loss_func: nn.Module, X: Tensor, y: Tensor, k: int
-) -> tuple[Tensor, Tensor, int]:
-    """Top-k GGN eigenpairs with SciPy's ``eigsh`` on curvlinops' GGN operator.
-
-    The curvlinops operator is a PyTorch linear operator; it is exported to SciPy
-    with ``to_scipy(dtype=float32)``. The deterministic check (which costs extra
-    forward-backward passes) is disabled. Operator construction is included in the
-    measured time as part of the method.
-
-    Args:
-        model: The network.
-        loss_func: Loss function.
-        X: Mini-batch inputs.
-        y: Mini-batch labels.
-        k: Number of leading eigenpairs.
-
-    Returns:
-        Eigenvalues ``(k,)`` in descending order, eigenvectors ``(D, k)`` and the
-        number of GGN-vector products used.
-    """
-    return _harness.ggn_eigsh(model, loss_func, [(X, y)], X.shape[0], k)
-
-
-###############################################################################
-#                                  Worker                                     #
-###############################################################################
-
-
 def _verify(ggnvp: GGNVectorProduct, evecs: Tensor, device: torch.device) -> dict[str, Any]:
-    """Check returned eigenvectors with independent GGN-vector products.
-
-    Args:
-        ggnvp: GGN-vector product (independent of the benchmarked method).
-        evecs: Eigenvectors of shape ``(D, k)``.
-        device: Device for the products.
+    """Check eigenvectors ``(D, k)`` with GGN-vector products independent of the method.
 
     Returns:
         Rayleigh quotients ``v_i^T G v_i``, relative residuals
@@ -294,193 +188,119 @@ def _verify(ggnvp: GGNVectorProduct, evecs: Tensor, device: torch.device) -> dic
         r = (v @ Gv).item()
         rayleigh.append(r)
         residual.append(((Gv - r * v).norm() / max(abs(r), 1e-30)).item())
-    return {
-        "rayleigh": rayleigh,
-        "rel_residual": residual,
-        "orthonormality_error": ortho_err,
-    }
+    return {"rayleigh": rayleigh, "rel_residual": residual, "orthonormality_error": ortho_err}
 
 
-def run_worker(args: argparse.Namespace) -> dict[str, Any]:
-    """Run a single configuration and measure time and memory of the call.
+def _ours(model: nn.Module, loss_func: nn.Module, X: Tensor, y: Tensor, config: dict,
+          extra: dict) -> Callable[[], tuple[Tensor, Tensor]]:
+    """``ggn_eigh`` in the variant of :data:`OURS_CASES`."""
+    import lowrank_laplace as ll
 
-    Args:
-        args: Parsed command line arguments of the worker.
+    mc_samples, subsample, low_memory = OURS_CASES[config["method"]]
+    subsampling = list(range(config["N"] // 8)) if subsample else None
+    extra.update(mc_samples=mc_samples, low_memory=low_memory,
+                 subsampling_size=None if subsampling is None else len(subsampling))
 
-    Returns:
-        The record of this configuration. Besides time and memory, it contains
-        the eigenvalues and (unless ``--no-verify``) untimed checks of the
-        eigenvectors with independent GGN-vector products: Rayleigh quotients and
-        relative residuals w.r.t. the full mini-batch GGN (``rayleigh``,
-        ``rel_residual``) and, for sub-sampled variants, w.r.t. the GGN on the
-        sub-sample (``sub_rayleigh``, ``sub_rel_residual``).
+    def call() -> tuple[Tensor, Tensor]:
+        torch.manual_seed(config["seed"])
+        result = ll.ggn_eigh(model, loss_func, X, y, top_k=config["k"], mc_samples=mc_samples,
+                             subsampling=subsampling, low_memory=low_memory)
+        return result.eigenvalues, result.eigenvectors
+
+    return call
+
+
+def _power(model: nn.Module, loss_func: nn.Module, X: Tensor, y: Tensor, config: dict,
+           extra: dict) -> Callable[[], tuple[Tensor, Tensor]]:
+    """Power iteration on ``torch.func`` GGN-vector products (their set-up is timed)."""
+    def call() -> tuple[Tensor, Tensor]:
+        ggnvp = GGNVectorProduct(model, loss_func, X, y)
+        generator = torch.Generator().manual_seed(config["seed"])
+        evals, evecs = power_iteration(ggnvp, ggnvp.dim, config["k"], device=X.device,
+                                       generator=generator)
+        extra["num_products"] = ggnvp.num_products
+        return evals, evecs
+
+    return call
+
+
+def _eigsh(model: nn.Module, loss_func: nn.Module, X: Tensor, y: Tensor, config: dict,
+           extra: dict) -> Callable[[], tuple[Tensor, Tensor]]:
+    """SciPy's ``eigsh`` on curvlinops' GGN operator (its construction is timed)."""
+    import curvlinops  # noqa: F401
+
+    def call() -> tuple[Tensor, Tensor]:
+        evals, evecs, extra["num_products"] = ggn_eigsh(model, loss_func, [(X, y)], len(y),
+                                                        config["k"])
+        return evals, evecs
+
+    return call
+
+
+#: Method -> the builder of its measured call.
+CALLS: dict[str, Callable] = {**dict.fromkeys(OURS_CASES, _ours), "power": _power,
+                              "eigsh": _eigsh}
+
+
+def inspect(out: tuple[Tensor, Tensor], model: nn.Module, loss_func: nn.Module, X: Tensor,
+            y: Tensor, config: dict) -> dict[str, Any]:
+    """Untimed checks of a result: eigenvalues, shapes, and (``verify``) the eigenvectors.
+
+    The eigenvectors are checked with independent GGN-vector products: Rayleigh quotients
+    and relative residuals w.r.t. the full mini-batch GGN (``rayleigh``,
+    ``rel_residual``) and, for sub-sampled variants, w.r.t. the GGN on the sub-sample
+    (``sub_rayleigh``, ``sub_rel_residual``).
     """
-    device = torch.device(args.device)
-    threads = args.threads or _num_cores()
-    torch.set_num_threads(threads)
-    torch.manual_seed(args.seed)
-
-    record: dict[str, Any] = {
-        "problem": args.problem,
-        "method": args.method,
-        "label": PAPER_LABELS.get(args.method, args.method),
-        "N": args.N,
-        "k": args.k,
-        "device": str(device),
-        "threads": threads,
-        "status": "error",
-    }
-
-    model, loss_func, X, y = make_problem(
-        args.problem, args.N, seed=args.seed, device=device, dtype=torch.float32
-    )
-    D = sum(p.numel() for p in model.parameters())
-    C = NUM_CLASSES[args.problem]
-    record.update({"D": D, "C": C})
-
-    # Prepare the call (imports and argument preparation are not timed)
-    extra: dict[str, Any] = {}
-    if args.method in OURS_CASES:
-        import lowrank_laplace as ll
-
-        mc_samples, subsample, low_memory = OURS_CASES[args.method]
-        subsampling = list(range(args.N // 8)) if subsample else None
-        extra.update(
-            {
-                "mc_samples": mc_samples,
-                "low_memory": low_memory,
-                "subsampling_size": (len(subsampling) if subsampling is not None else None),
-            }
-        )
-
-        def call() -> tuple[Tensor, Tensor]:
-            torch.manual_seed(args.seed)
-            result = ll.ggn_eigh(
-                model,
-                loss_func,
-                X,
-                y,
-                top_k=args.k,
-                mc_samples=mc_samples,
-                subsampling=subsampling,
-                low_memory=low_memory,
-            )
-            return result.eigenvalues, result.eigenvectors
-
-    elif args.method == "power":
-
-        def call() -> tuple[Tensor, Tensor]:
-            ggnvp = GGNVectorProduct(model, loss_func, X, y)
-            generator = torch.Generator().manual_seed(args.seed)
-            evals, evecs = power_iteration(
-                ggnvp, ggnvp.dim, args.k, device=device, generator=generator
-            )
-            extra["num_products"] = ggnvp.num_products
-            return evals, evecs
-
-    elif args.method == "eigsh":
-        import curvlinops  # noqa: F401
-        import scipy.sparse.linalg  # noqa: F401
-
-        def call() -> tuple[Tensor, Tensor]:
-            evals, evecs, count = eigsh_curvlinops(model, loss_func, X, y, args.k)
-            extra["num_products"] = count
-            return evals, evecs
-
-    else:
-        raise ValueError(f"Unknown method {args.method!r}. Available: {METHODS}.")
-    _preimport()
-
-    # Memory baseline right before the call
-    gc.collect()
-    cuda_before = _harness.cuda_baseline(device)
-    rss_before = _maxrss_bytes()
-    try:
-        import psutil
-
-        record["rss_current_before_bytes"] = psutil.Process().memory_info().rss
-    except ImportError:  # pragma: no cover
-        pass
-
-    sys_before, own_before = _cpu_busy_seconds()
-    _sync(device)
-    start = time.perf_counter()
-    evals, evecs = call()
-    _sync(device)
-    record["time_s"] = time.perf_counter() - start
-    sys_after, own_after = _cpu_busy_seconds()
-    if sys_before is not None:
-        # CPU used by *other* processes during the call, in % of all cores
-        others = (sys_after - sys_before) - (own_after - own_before)
-        capacity = record["time_s"] * (os.cpu_count() or 1)
-        record["cpu_others_during_percent"] = max(0.0, 100 * others / capacity)
-    record["cpu_own_during_s"] = own_after - own_before
-
-    rss_after = _maxrss_bytes()
-    record["rss_peak_bytes"] = rss_after
-    record["rss_baseline_bytes"] = rss_before
-    record["rss_peak_delta_bytes"] = max(0, rss_after - rss_before)
-    record.update(
-        _harness.peak_memory(device, cuda_before, rss_after, record["rss_peak_delta_bytes"])
-    )
-    if device.type == "cuda":
-        record["cuda_baseline_bytes"] = cuda_before
-        record["cuda_peak_delta_bytes"] = record["peak_delta_bytes"]
-    record.update(extra)
-
-    # Inspect the result (not timed)
-    evals = torch.as_tensor(evals).detach().flatten().cpu().double()
-    evecs = torch.as_tensor(evecs).detach()
-    record["eigenvalues_raw"] = evals.tolist()
-    record["eigenvalues_descending"] = bool(
-        (evals[:-1] >= evals[1:]).all().item() if evals.numel() > 1 else True
-    )
+    evals = torch.as_tensor(out[0]).detach().flatten().cpu().double()
+    evecs = torch.as_tensor(out[1]).detach()
+    D, k = sum(p.numel() for p in model.parameters()), config["k"]
     order = evals.argsort(descending=True)
-    record["eigenvalues"] = evals[order].tolist()
-    record["eigenvectors_shape"] = list(evecs.shape)
+    record: dict[str, Any] = {
+        "eigenvalues_raw": evals.tolist(), "eigenvalues": evals[order].tolist(),
+        "eigenvalues_descending": bool((evals[:-1] >= evals[1:]).all().item()
+                                       if evals.numel() > 1 else True),
+        "eigenvectors_shape": list(evecs.shape)}
     problems = []
-    if evals.numel() != args.k:
-        problems.append(f"expected {args.k} eigenvalues, got {evals.numel()}")
+    if evals.numel() != k:
+        problems.append(f"expected {k} eigenvalues, got {evals.numel()}")
     if list(evecs.shape) != [D, evals.numel()]:
         problems.append(f"eigenvectors shape {list(evecs.shape)} != [{D}, K]")
-    if args.method in OURS_CASES and not record["eigenvalues_descending"]:
+    if config["method"] in OURS_CASES and not record["eigenvalues_descending"]:
         # part of the library's contract; power iteration makes no such promise
         problems.append("eigenvalues not in descending order")
     if not torch.isfinite(evals).all():
         problems.append("non-finite eigenvalues")
     if problems:
         record["warnings"] = problems
-
-    if args.verify and list(evecs.shape) == [D, evals.numel()]:
-        # w.r.t. the full mini-batch GGN
-        ggnvp = GGNVectorProduct(model, loss_func, X, y)
-        record.update(_verify(ggnvp, evecs[:, order], device))
-        # w.r.t. the GGN on the sub-sampled mini-batch (target of ``*_sub``)
-        if args.method in OURS_CASES and OURS_CASES[args.method][1]:
-            sub = list(range(args.N // 8))
-            ggnvp_sub = GGNVectorProduct(model, loss_func, X[sub], y[sub])
-            checks = _verify(ggnvp_sub, evecs[:, order], device)
+    if config["verify"] and list(evecs.shape) == [D, evals.numel()]:
+        record.update(_verify(GGNVectorProduct(model, loss_func, X, y), evecs[:, order],
+                              X.device))
+        if config["method"] in OURS_CASES and OURS_CASES[config["method"]][1]:
+            sub = list(range(config["N"] // 8))
+            checks = _verify(GGNVectorProduct(model, loss_func, X[sub], y[sub]),
+                             evecs[:, order], X.device)
             record["sub_rayleigh"] = checks["rayleigh"]
             record["sub_rel_residual"] = checks["rel_residual"]
-
-    record["status"] = "ok"
     return record
 
 
-def worker_main(args: argparse.Namespace):
-    """Run the worker and print its record as JSON on stdout.
+def worker_main(config: dict[str, Any]):
+    """Run one configuration: the ``eigh`` phase, then the untimed checks of its result.
 
     Args:
-        args: Parsed command line arguments of the worker.
+        config: ``problem``, ``method``, ``N``, ``k``, ``device``, ``seed``, ``threads``
+            and ``verify``.
     """
-    try:
-        record = run_worker(args)
-    except BaseException as exc:  # noqa: BLE001 (report every failure)
-        record = {
-            "problem": args.problem,
-            "method": args.method,
-            "N": args.N,
-            "k": args.k,
-            **_harness.failure_record(exc),
-        }
-    _harness.emit(RESULT_MARKER, record)
+    setup = worker_setup(config)
+    torch.manual_seed(config["seed"])
+    model, loss_func, X, y = make_problem(config["problem"], config["N"], seed=config["seed"],
+                                          device=config["device"], dtype=torch.float32)
+    setup.update(D=sum(p.numel() for p in model.parameters()), C=NUM_CLASSES[config["problem"]],
+                 label=PAPER_LABELS.get(config["method"], config["method"]))
+    extra: dict[str, Any] = {}
+    call = CALLS[config["method"]](model, loss_func, X, y, config, extra)
+
+    def describe(out: tuple[Tensor, Tensor]) -> dict[str, Any]:
+        return {**extra, **inspect(out, model, loss_func, X, y, config)}
+
+    run_phases(setup, [("eigh", call, describe)], config, preimports=DEFAULT_PREIMPORTS)

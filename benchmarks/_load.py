@@ -1,35 +1,67 @@
-"""A competing process for the shared-machine benchmarks (``bench_shared``, ``bench_lora``).
+"""How busy the machine is, and a competing process to make it busy.
 
-The ``loaded`` condition runs a worker beside a busy process: :func:`matmul_load` is
-that process's work, :class:`CompetingLoad` starts it, waits until it is busy, measures
-its CPU time and stops it, and :func:`process_cpu_seconds` reads another process's CPU
-time (the workers use it to report the load's share during a phase).
+One place for every load measurement of the benchmarks:
+
+- :class:`CpuShare`: the CPU share other processes used during a span (a timed phase in a
+  worker, or a whole worker seen from the driver), with a competing load's share apart;
+- :func:`wait_for_idle_cpu` and :func:`wait_for_processes`: wait for a quiet machine
+  before a worker starts;
+- :class:`CompetingLoad`: the busy process of the ``loaded`` conditions (``python -m
+  benchmarks._load``: square float32 matmuls until ``SIGTERM``).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
+import os
 import queue
+import resource
 import signal
 import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-import torch
+#: The repository root (the folder that holds the ``benchmarks`` package).
+REPO_ROOT = Path(__file__).resolve().parent.parent
+#: Warn about (and retry runs beside) other processes above this CPU share.
+BUSY_WARN_PERCENT = 20.0
+#: Prefix of the competing load's ready and report lines.
+LOAD_MARKER = "__BENCH_LOAD__"
 
-from benchmarks._harness import REPO_ROOT, kill_group, read_lines
+
+def system_busy_cpu_seconds() -> float | None:
+    """Busy CPU seconds of the whole machine since boot, summed over cores.
+
+    Counts user, nice, system, irq and softirq time; guest time is already part of user
+    time and steal time belongs to the hypervisor, so both are left out.
+
+    Returns:
+        The CPU seconds, ``None`` without psutil.
+    """
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover
+        return None
+    t = psutil.cpu_times()
+    return sum(getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq"))
+
+
+def own_cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
+    """User plus system CPU seconds of this process (``RUSAGE_SELF``, all threads) or of
+    its reaped children (``RUSAGE_CHILDREN``)."""
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
 
 
 def process_cpu_seconds(pid: int) -> float | None:
-    """User plus system CPU seconds of another process (all its threads).
-
-    Args:
-        pid: Process id (``0``: none).
-
-    Returns:
-        The CPU seconds, ``None`` without psutil or if the process is gone.
-    """
+    """User plus system CPU seconds of another process (``None``: no pid, no psutil, or
+    the process is gone)."""
     if not pid:
         return None
     try:
@@ -41,47 +73,156 @@ def process_cpu_seconds(pid: int) -> float | None:
     return times.user + times.system
 
 
-def matmul_load(threads: int, size: int, marker: str):
-    """The competing work: square float32 matmuls on ``threads`` threads until ``SIGTERM``.
+class CpuShare:
+    """The CPU share of other processes during a span, started when created.
 
-    Prints a ``marker`` line when ready (after a few products), and on ``SIGTERM`` one
-    with the products per second.
+    Accounting has a granularity of about 10 ms, so shares of short spans are noisy.
 
     Args:
-        threads: torch threads.
-        size: Matrix size.
-        marker: Prefix of the lines it prints.
+        who: Whose CPU time is the span's own: ``RUSAGE_SELF`` (a phase inside a worker)
+            or ``RUSAGE_CHILDREN`` (the driver's reaped workers).
+        load_pid: A competing load's process id, counted apart (``0``: none).
     """
-    stop: list[bool] = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
-    torch.set_num_threads(threads)
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=gen)
-    b = torch.randn(size, size, generator=gen) / size**0.5
-    for _ in range(3):
-        a = torch.tanh(a @ b)
-    print(marker + json.dumps({"ready": True}), flush=True)
-    count, start = 0, time.perf_counter()
-    while not stop:
-        a = torch.tanh(a @ b)
-        count += 1
-    seconds = time.perf_counter() - start
-    print(marker + json.dumps({"matmuls": count, "seconds": seconds,
-                               "matmuls_per_s": count / max(seconds, 1e-9),
-                               "threads": threads, "size": size}), flush=True)
+
+    def __init__(self, who: int = resource.RUSAGE_SELF, load_pid: int = 0):
+        self.who, self.load_pid = who, load_pid
+        self.busy0, self.own0 = system_busy_cpu_seconds(), own_cpu_seconds(who)
+        self.load0 = process_cpu_seconds(load_pid)
+        self.start = time.perf_counter()
+
+    def load_seconds(self) -> float | None:
+        """CPU seconds the competing load used since the span started."""
+        now = process_cpu_seconds(self.load_pid)
+        return None if now is None or self.load0 is None else now - self.load0
+
+    def stop(self, load_s: float | None = None) -> dict[str, float]:
+        """The shares of the span so far, in percent of all cores.
+
+        Args:
+            load_s: The load's CPU seconds if already read (else read now).
+
+        Returns:
+            ``others`` (not counting this process, its children or the load) and, with a
+            load, ``load``; empty without psutil or for an empty span.
+        """
+        wall = time.perf_counter() - self.start
+        busy1 = system_busy_cpu_seconds()
+        if self.busy0 is None or busy1 is None or wall <= 0:
+            return {}
+        load_s = self.load_seconds() if load_s is None else load_s
+        capacity = wall * (os.cpu_count() or 1) / 100.0
+        own = own_cpu_seconds(self.who) - self.own0 + (load_s or 0.0)
+        shares = {"others": max(0.0, (busy1 - self.busy0 - own) / capacity)}
+        if load_s is not None:
+            shares["load"] = load_s / capacity
+        return shares
+
+
+def other_cpu_load(interval: float = 0.5) -> float | None:
+    """The machine's CPU utilisation over ``interval`` seconds in percent of all cores
+    (``None`` without psutil), measured while no worker runs."""
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover
+        return None
+    return psutil.cpu_percent(interval=interval)
+
+
+def wait_for_idle_cpu(max_wait_s: float) -> float | None:
+    """Wait up to ``max_wait_s`` seconds (``0``: measure once) for an (almost) idle CPU.
+
+    Returns:
+        The last measured utilisation in percent (``None`` without psutil); above
+        :data:`BUSY_WARN_PERCENT` if the waiting time ran out.
+    """
+    busy = other_cpu_load()
+    deadline = time.perf_counter() + max_wait_s
+    while busy is not None and busy > BUSY_WARN_PERCENT and time.perf_counter() < deadline:
+        busy = other_cpu_load(interval=2.0)
+    return busy
+
+
+def busy_processes(patterns: Sequence[str], min_cpu_percent: float = 5.0,
+                   interval: float = 1.0) -> list[str]:
+    """``'pid cpu% command'`` of the other processes whose command line contains one of
+    ``patterns`` and that used at least ``min_cpu_percent`` of a core over ``interval``
+    seconds (the caller's own process tree is ignored; empty without psutil)."""
+    if not patterns:
+        return []
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover
+        return []
+    me = psutil.Process()
+    own = {me.pid} | {p.pid for p in me.parents()}
+    with contextlib.suppress(psutil.Error):
+        own |= {p.pid for p in me.children(recursive=True)}
+    matches = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(proc.info.get("cmdline") or [])
+        if proc.info["pid"] not in own and any(p in cmdline for p in patterns):
+            with contextlib.suppress(psutil.Error):
+                proc.cpu_percent(None)  # starts the measurement
+                matches.append((proc, cmdline))
+    if not matches:
+        return []
+    time.sleep(interval)
+    busy = []
+    for proc, cmdline in matches:
+        with contextlib.suppress(psutil.Error):
+            cpu = proc.cpu_percent(None)
+            if cpu >= min_cpu_percent:
+                busy.append(f"{proc.pid} {cpu:.0f}% {cmdline[:120]}")
+    return busy
+
+
+def wait_for_processes(patterns: Sequence[str], max_wait_s: float, poll_s: float = 30.0,
+                       log: Callable[[str], None] | None = print) -> list[str]:
+    """Wait up to ``max_wait_s`` seconds until no other process matching ``patterns``
+    (e.g. ``'pytest'``) uses CPU; the busy processes of the last poll (empty: quiet)."""
+    deadline = time.perf_counter() + max_wait_s
+    busy = busy_processes(patterns)
+    while busy and time.perf_counter() < deadline:
+        if log is not None:
+            log(f"  waiting for {len(busy)} busy process(es): {busy[0]}")
+        time.sleep(max(0.0, min(poll_s, deadline - time.perf_counter())))
+        busy = busy_processes(patterns)
+    return busy
+
+
+def read_lines(stream, lines: queue.Queue | None, tail: Any = None):
+    """Forward a stream's lines into a queue (``None`` marks the end; no queue: none)
+    and keep its last lines in a ``deque`` ``tail``."""
+    for line in stream:
+        if tail is not None:
+            tail.append(line)
+        if lines is not None:
+            lines.put(line)
+    if lines is not None:
+        lines.put(None)
+
+
+def kill_group(proc: subprocess.Popen):
+    """Kill a process and its process group (started in its own session)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()
 
 
 class CompetingLoad:
     """A busy process beside a worker: started, awaited until ready, then stopped.
 
     Args:
-        cmd: Its command (a script running :func:`matmul_load`).
+        threads: Its torch threads.
+        size: The size of its square matrices.
         env: Its environment.
-        marker: The prefix of its ready and report lines.
     """
 
-    def __init__(self, cmd: list[str], env: dict[str, str], marker: str):
-        self.marker = marker
+    def __init__(self, threads: int, size: int, env: dict[str, str]):
+        cmd = [sys.executable, "-m", "benchmarks._load", f"--threads={threads}",
+               f"--size={size}"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, cwd=REPO_ROOT, env=env,
                                      start_new_session=True)
@@ -98,27 +239,21 @@ class CompetingLoad:
                 break
             if line is None:
                 break
-            self.ready = line.startswith(marker)
+            self.ready = line.startswith(LOAD_MARKER)
         time.sleep(1.0)  # let it reach its steady state
-        self.cpu0 = process_cpu_seconds(self.proc.pid)
 
     @property
     def pid(self) -> int:
         """Process id of the load."""
         return self.proc.pid
 
-    def cpu_seconds(self) -> float | None:
-        """CPU seconds the load used since it became ready."""
-        now = process_cpu_seconds(self.proc.pid)
-        return None if now is None or self.cpu0 is None else now - self.cpu0
-
     def stop(self) -> dict[str, Any]:
-        """Stop the load (``SIGTERM``; its process group is killed if it lingers) and report.
+        """Stop the load (``SIGTERM``; its process group is killed if it lingers).
 
         Returns:
             ``ready``, ``pid`` and the products per second it reached (if it reported).
         """
-        report: dict[str, Any] = {"ready": self.ready, "pid": self.proc.pid}
+        report: dict[str, Any] = {"pid": self.proc.pid}
         try:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(timeout=30)
@@ -130,7 +265,40 @@ class CompetingLoad:
                 line = self.lines.get_nowait()
             except queue.Empty:
                 break
-            if line and line.startswith(self.marker):
-                report.update(json.loads(line[len(self.marker):]))
+            if line and line.startswith(LOAD_MARKER):
+                report.update(json.loads(line[len(LOAD_MARKER):]))
         report["ready"] = self.ready  # not a late ready line's
         return report
+
+
+def matmul_load(threads: int, size: int):
+    """The competing work: ``size x size`` float32 matmuls on ``threads`` torch threads
+    until ``SIGTERM``; prints a marked line when ready and one with its products per
+    second at the end."""
+    import torch
+
+    stop: list[bool] = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=gen)
+    b = torch.randn(size, size, generator=gen) / size**0.5
+    for _ in range(3):
+        a = torch.tanh(a @ b)
+    print(LOAD_MARKER + json.dumps({"ready": True}), flush=True)
+    count, start = 0, time.perf_counter()
+    while not stop:
+        a = torch.tanh(a @ b)
+        count += 1
+    seconds = time.perf_counter() - start
+    print(LOAD_MARKER + json.dumps({"matmuls": count, "seconds": seconds,
+                                    "matmuls_per_s": count / max(seconds, 1e-9),
+                                    "threads": threads, "size": size}), flush=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="The competing load of the benchmarks.")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--size", type=int, default=512)
+    ARGS = parser.parse_args()
+    matmul_load(ARGS.threads, ARGS.size)

@@ -37,16 +37,10 @@ NUM_CLASSES: dict[str, int] = {"3c3d": 10, "2c2d": 10, "mlp": 10}
 
 
 def make_3c3d(num_classes: int = 10) -> nn.Sequential:
-    """Create DeepOBS' ``3c3d`` network for CIFAR-10 shaped inputs (3x32x32).
+    """DeepOBS' ``3c3d`` network for CIFAR-10 shaped inputs (3x32x32).
 
     Spatial sizes: 32 -conv5-> 28 -pool-> 14 -conv3-> 12 -pool-> 6 -conv3(pad 1)->
     6 -pool-> 3, hence the flattened feature size is 128 * 3 * 3 = 1152.
-
-    Args:
-        num_classes: Number of output classes. Default: ``10``.
-
-    Returns:
-        The network as a sequence of standard layers.
     """
     return nn.Sequential(
         nn.Conv2d(3, 64, kernel_size=5),
@@ -68,16 +62,10 @@ def make_3c3d(num_classes: int = 10) -> nn.Sequential:
 
 
 def make_2c2d(num_classes: int = 10) -> nn.Sequential:
-    """Create DeepOBS' ``2c2d`` network for Fashion-MNIST shaped inputs (1x28x28).
+    """DeepOBS' ``2c2d`` network for Fashion-MNIST shaped inputs (1x28x28).
 
     Spatial sizes: 28 -conv5(pad 2)-> 28 -pool-> 14 -conv5(pad 2)-> 14 -pool-> 7,
     hence the flattened feature size is 64 * 7 * 7 = 3136.
-
-    Args:
-        num_classes: Number of output classes. Default: ``10``.
-
-    Returns:
-        The network as a sequence of standard layers.
     """
     return nn.Sequential(
         nn.Conv2d(1, 32, kernel_size=5, padding=2),
@@ -94,14 +82,7 @@ def make_2c2d(num_classes: int = 10) -> nn.Sequential:
 
 
 def make_mlp(num_classes: int = 10) -> nn.Sequential:
-    """Create a small MLP (784 -> 128 -> 64 -> classes) on 1x28x28 inputs.
-
-    Args:
-        num_classes: Number of output classes. Default: ``10``.
-
-    Returns:
-        The network as a sequence of standard layers.
-    """
+    """A small MLP (784 -> 128 -> 64 -> classes) on 1x28x28 inputs."""
     return nn.Sequential(
         nn.Flatten(),
         nn.Linear(784, 128),
@@ -124,14 +105,7 @@ PROBLEMS = tuple(MODELS)
 
 
 def num_params(model: nn.Module) -> int:
-    """Count the trainable parameters of a model.
-
-    Args:
-        model: The model.
-
-    Returns:
-        Number of entries of all parameters with ``requires_grad=True``.
-    """
+    """The number of trainable parameters of a model."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
@@ -178,3 +152,70 @@ def make_problem(
     loss_func = nn.CrossEntropyLoss().to(device)
 
     return model, loss_func, X.to(device), y.to(device)
+
+
+#: Parameters of the scikit-learn digits MLP (64-50-50-10, tanh).
+DIGITS_NUM_PARAMS = 6310
+#: The problems of the Laplace benchmarks: the synthetic ones and the real digits data.
+LAPLACE_PROBLEMS = (*PROBLEMS, "digits")
+#: Parameters and classes of the Laplace benchmarks' problems.
+LAPLACE_NUM_PARAMS = {**EXPECTED_NUM_PARAMS, "digits": DIGITS_NUM_PARAMS}
+LAPLACE_NUM_CLASSES = {**NUM_CLASSES, "digits": 10}
+
+
+def digits_data(n: int, seed: int) -> tuple[Tensor, Tensor]:
+    """``n`` shuffled points of scikit-learn's digits (at most 1,797), scaled to [0, 1]."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    perm = torch.randperm(len(data.target), generator=torch.Generator().manual_seed(seed))[:n]
+    return torch.tensor(data.data, dtype=torch.float32)[perm] / 16.0, \
+        torch.as_tensor(data.target)[perm]
+
+
+def digits_mlp() -> nn.Sequential:
+    """The 64-50-50-10 tanh MLP of the digits problem."""
+    return nn.Sequential(nn.Linear(64, 50), nn.Tanh(), nn.Linear(50, 50), nn.Tanh(),
+                         nn.Linear(50, 10))
+
+
+def make_digits(N: int, n_train: int, seed: int = 0, device: str | torch.device = "cpu"
+                ) -> tuple[nn.Sequential, nn.CrossEntropyLoss, Tensor, Tensor]:
+    """Digits and its MLP, trained to a MAP on the first ``n_train`` of ``N`` points.
+
+    100 full-batch Adam steps (``lr=1e-2``), as a Laplace fit would start from them.
+
+    Args:
+        N: Points (at most 1,797).
+        n_train: Training points among them.
+        seed: Seed of the shuffle and the initialisation.
+        device: Device of model and data.
+
+    Returns:
+        ``(model, loss_func, X, y)`` as :func:`make_problem`.
+    """
+    X, y = digits_data(N, seed)
+    torch.manual_seed(seed)
+    model = digits_mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(100):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(X[:n_train]), y[:n_train]).backward()
+        optimizer.step()
+    return model.to(device), nn.CrossEntropyLoss(), X.to(device), y.to(device)
+
+
+def make_laplace_problem(name: str, N: int, n_train: int, seed: int = 0,
+                         device: str | torch.device = "cpu"):
+    """A problem of :data:`LAPLACE_PROBLEMS`: ``(model, loss_func, X, y)``.
+
+    Args:
+        name: Problem name.
+        N: Points.
+        n_train: Training points among them (``digits`` trains its MAP on them).
+        seed: Seed.
+        device: Device.
+    """
+    if name == "digits":
+        return make_digits(N, n_train, seed=seed, device=device)
+    return make_problem(name, N, seed=seed, device=device)

@@ -23,7 +23,7 @@ Examples:
 
         python -m benchmarks.bench_ncrit --problem mlp --tasks eigvals --budget-gib 0.25
 
-    Full table on 3c3d (about 20 minutes on 2 cores)::
+    Full table on 3c3d::
 
         python -m benchmarks.bench_ncrit --problem 3c3d --budget-gib 1
 
@@ -35,19 +35,18 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from benchmarks import _harness, _problems
+from benchmarks import _harness, _problems, _worker
+from benchmarks._report import machine_info
 
 TASKS = ("eigvals", "eigpair", "eigpair_lowmem", "newton", "newton_lowmem")
 STRUCTURES = ("full", "blocks")
 APPROXIMATIONS = ("exact", "mc")
 DATA = ("mb", "sub")
 SUBSAMPLE_FRACTION = 8  # "sub": curvature from N // 8 samples
-MARKER = "__NCRIT_PROBE__"
 
 #: ViViT paper, damped Newton step, DeepOBS 3c3d: (structure, device) -> approx -> (mb, sub)
 PAPER_NEWTON_3C3D = {
@@ -97,13 +96,15 @@ def run_task(task: str, structure: str, approx: str, data: str, problem: str, N:
     return call
 
 
-def probe_main(args: argparse.Namespace) -> None:
-    """Worker: run one configuration at batch size ``args.probe`` under the budget."""
-    config = dict(zip(("task", "structure", "approx", "data"), args.config.split(",")))
-    run_task(**config, problem=args.problem, N=2, device=args.device)()  # warm-up
-    call = run_task(**config, problem=args.problem, N=args.probe, device=args.device)
-    budget = int(args.budget_gib * _harness.GiB)
-    if args.device == "cuda":  # RLIMIT_AS does not apply to device memory
+def worker_main(config: dict[str, Any]) -> None:
+    """Worker: run one configuration at batch size ``N`` under the budget (phase ``probe``)."""
+    setup = _worker.worker_setup({**config, "threads": None})
+    task = {k: config[k] for k in ("task", "structure", "approx", "data")}
+    where = {"problem": config["problem"], "device": config["device"]}
+    run_task(**task, **where, N=2)()  # warm-up
+    call = run_task(**task, **where, N=config["N"])
+    budget = int(config["budget_gib"] * _worker.GiB)
+    if config["device"] == "cuda":  # RLIMIT_AS does not apply to device memory
         import torch
 
         torch.cuda.empty_cache()
@@ -111,39 +112,30 @@ def probe_main(args: argparse.Namespace) -> None:
         held = torch.cuda.memory_allocated()
         torch.cuda.set_per_process_memory_fraction(min(1.0, (held + budget) / total))
     else:
-        held = _harness._proc_status_bytes("VmSize") or 0
-        _harness.limit_address_space(held + budget)
-    start = time.perf_counter()
-    try:
-        call()
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        status = "ok"
-    except Exception as exc:  # noqa: BLE001 - recorded, not raised
-        status = "oom" if _harness.is_oom(exc) else f"error: {type(exc).__name__}: {exc}"
-    print(MARKER + json.dumps({"status": status, "seconds": time.perf_counter() - start}))
+        held = _worker.proc_status_bytes("VmSize") or 0
+        setup["mem_limit_bytes"] = _worker.limit_address_space(held + budget)
+    _worker.run_phases(setup, [("probe", call)], config, preimports=())
 
 
 def probe(config: str, N: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Run one probe in a subprocess.
+    """Run one probe in a fresh worker.
 
     Returns:
         ``{"N", "status", "seconds"}`` with status ``ok``, ``oom``, ``timeout``,
-        ``killed`` or ``error: ...``.
+        ``killed`` or ``error`` (and then its ``reason``).
     """
-    cmd = _harness.module_command(
-        "benchmarks.bench_ncrit", "--problem", args.problem, "--budget-gib", str(args.budget_gib),
-        "--config", config, "--probe", str(N), "--device", args.device)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                              cwd=_harness.REPO_ROOT, env=_harness.worker_env(args))
-    except subprocess.TimeoutExpired:
-        return {"N": N, "status": "timeout", "seconds": args.timeout}
-    for line in proc.stdout.splitlines():
-        if line.startswith(MARKER):
-            return {"N": N, **json.loads(line[len(MARKER):])}
-    status, _ = _harness.classify_exit(proc.returncode)
-    return {"N": N, "status": status, "seconds": None, "stderr": proc.stderr[-500:]}
+    task = dict(zip(("task", "structure", "approx", "data"), config.split(",")))
+    record = _harness.run_worker("benchmarks.bench_ncrit", {
+        **task, "problem": args.problem, "N": N, "budget_gib": args.budget_gib,
+        "device": args.device, "phases": ["probe"]}, args)
+    setup, phase = record.get("setup", {}), record["phases"]["probe"]
+    if setup.get("status") != "ok":
+        phase = setup
+    result = {"N": N, "status": phase.get("status"),
+              "seconds": phase.get("time_s", phase.get("time_to_failure_s"))}
+    if phase.get("status") != "ok":
+        result["reason"] = str(phase.get("reason"))[:500]
+    return result
 
 
 def critical_batch_size(config: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -230,7 +222,7 @@ def driver_main(args: argparse.Namespace) -> None:
     payload = {
         "problem": args.problem, "budget_gib": args.budget_gib, "rtol": args.rtol,
         "subsample_fraction": 1 / SUBSAMPLE_FRACTION, "n_max": args.n_max,
-        "device": args.device, "machine": _harness.machine_info(args.device),
+        "device": args.device, "machine": machine_info(args.device),
         "records": records,
     }
     (out / f"ncrit_{args.problem}.json").write_text(json.dumps(payload, indent=1))
@@ -241,7 +233,9 @@ def driver_main(args: argparse.Namespace) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse command line arguments."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _harness.script_parser(__doc__, "timeout", "out", "blas_threads",
+                                    "omp_wait_policy", timeout=600.0,
+                                    out=str(_harness.RESULTS_DIR))
     parser.add_argument("--problem", default="3c3d", choices=_problems.PROBLEMS)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda caps the caching allocator's share of device memory.")
@@ -255,17 +249,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n-start", type=int, default=16, help="First batch size tried.")
     parser.add_argument("--n-max", type=int, default=8192, help="Largest batch size tried.")
     parser.add_argument("--rtol", type=float, default=0.05, help="Bisection tolerance.")
-    parser.add_argument("--timeout", type=float, default=600.0, help="Seconds per probe.")
-    parser.add_argument("--out", default=str(_harness.RESULTS_DIR))
-    _harness.add_worker_env_arguments(parser)
-    parser.add_argument("--config", help=argparse.SUPPRESS)
-    parser.add_argument("--probe", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
+def main(argv: Sequence[str] | None = None):
+    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
+    return _harness.run_script(argv, parse_args, worker_main, driver_main)
+
+
 if __name__ == "__main__":
-    ARGS = parse_args()
-    if ARGS.probe is not None:
-        probe_main(ARGS)
-    else:
-        driver_main(ARGS)
+    main()

@@ -6,7 +6,8 @@ prior precision is tuned by the marginal likelihood, then test NLL, ECE and Brie
 (classification) or Gaussian NLL (regression) of the GLM predictive are recorded next
 to the full posterior, laplace-torch's ``kron`` and ``diag`` and the MAP network. The
 MAP networks are trained under the Gaussian prior (precision 1) that Laplace assumes.
-Quality is not timed: one process runs everything.
+Quality is not timed: every problem runs in its own worker process (this script with
+``--worker``, see ``_harness.py``).
 
     python -m benchmarks.bench_posterior_quality --out benchmarks/results/quality
 
@@ -27,7 +28,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
-from benchmarks._harness import machine_info
+from benchmarks._harness import run_results, run_script, script_parser
+from benchmarks._report import machine_info
+from benchmarks._worker import run_result
 from lowrank_laplace.toolkit import metrics
 
 RESIDUALS = ("spectral", "isotropic", "diagonal", "none")
@@ -217,21 +220,20 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/quality"))
-    parser.add_argument("--problems", default="digits,breast_cancer,diabetes")
-    parser.add_argument("--ranks", default="10,37,100,200,400")
-    parser.add_argument("--epochs", type=int, default=300)
-    args = parser.parse_args()
+def driver_main(args: argparse.Namespace) -> dict:
+    """Run every problem in its own worker; write the report and its figure."""
+    args.out = Path(args.out)
     args.out.mkdir(parents=True, exist_ok=True)
     ranks = [int(r) for r in args.ranks.split(",")]
-    report = {"machine": machine_info("cpu"), "ranks": ranks, "problems": {}}
-    for name in args.problems.split(","):
-        report["problems"][name] = run_problem(name, ranks, args.epochs)
+    report = {"machine": machine_info("cpu"), "ranks": ranks, "problems": run_results(
+        "benchmarks.bench_posterior_quality",
+        {name: {"problem": name, "ranks": ranks, "epochs": args.epochs,
+                "threads": args.threads} for name in args.problems.split(",")}, args)}
     (args.out / "posterior_quality.json").write_text(json.dumps(report, indent=2))
-    plot(report, args.out / "posterior_quality.png")
-    for name, rec in report["problems"].items():
+    done = {name: rec for name, rec in report["problems"].items() if "lowrank" in rec}
+    if done:
+        plot({**report, "problems": done}, args.out / "posterior_quality.png")
+    for name, rec in done.items():
         full = rec["peers"]["full"]
         print(f"\n{name} (D={rec['D']}): MAP NLL {rec['map']['nll']:.4f}; full GGN NLL "
               f"{full['nll']:.4f}, prior {full['prior_precision']:.3g}; kron NLL "
@@ -240,6 +242,29 @@ def main() -> None:
             print(f"  rank {r['rank']:>4} {r['residual']:<10} kept {r['kept_fraction']:.3f} "
                   f"NLL {r['nll']:.4f} ({r['nll'] / full['nll'] - 1:+.1%}) "
                   f"prior x{r['prior_ratio']:.2f}")
+    return report
+
+
+def worker_main(config: dict) -> None:
+    """One problem's posteriors (phase ``result``)."""
+    run_result(config, lambda: run_problem(config["problem"], config["ranks"],
+                                           config["epochs"]))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse command line arguments."""
+    parser = script_parser(__doc__, "threads", "timeout", "blas_threads", "omp_wait_policy",
+                           "out", out="benchmarks/results/quality", threads=None,
+                           timeout=14400.0)
+    parser.add_argument("--problems", default="digits,breast_cancer,diabetes")
+    parser.add_argument("--ranks", default="10,37,100,200,400")
+    parser.add_argument("--epochs", type=int, default=300)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
+    return run_script(argv, parse_args, worker_main, driver_main)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ machine with ``c`` cores the comparison is ``c`` threads in one process against
 ``c / P`` threads in each of ``P`` processes: the speed-up shows how well streaming
 plus one all-gather merge parallelises, not extra hardware. Each fit is timed between
 two barriers (the slowest rank counts); the result of every ``P`` is compared with
-the single process (eigenvalues, relative) and recorded.
+the single process (eigenvalues, relative) and recorded. Every configuration (GGN, ``P``)
+runs in a fresh worker process of the harness (this script with ``--worker``), which
+spawns the ``P`` processes.
 
 Example::
 
@@ -29,26 +31,30 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from benchmarks import _harness, _problems
+import torch
+
+from benchmarks import _harness, _problems, _worker
+from benchmarks._report import failure_text, machine_info
 
 
-def _worker(rank: int, world: int, port: int, out: str, args: argparse.Namespace) -> None:
-    import torch
+def _worker_fit(rank: int, world: int, port: int, out: str, config: dict[str, Any]) -> None:
     import torch.distributed as dist
     from laplace import Laplace
     from torch.utils.data import DataLoader, TensorDataset
 
     import lowrank_laplace  # noqa: F401 - registers the structure
 
-    torch.set_num_threads(max(1, args.cores // world))
+    torch.set_num_threads(max(1, config["cores"] // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
-        model, _, X, y = _problems.make_problem(args.problem, args.n_train, seed=args.seed)
+        model, _, X, y = _problems.make_problem(config["problem"], config["n_train"],
+                                                seed=config["seed"])
         shard = TensorDataset(X[rank::world], y[rank::world])
-        loader = DataLoader(shard, batch_size=args.batch_size)
+        loader = DataLoader(shard, batch_size=config["batch_size"])
         la = Laplace(model, "classification", subset_of_weights="all",
-                     hessian_structure="lowrank_ggn", rank=args.rank, mc_samples=args.mc)
+                     hessian_structure="lowrank_ggn", rank=config["rank"],
+                     mc_samples=config["mc"])
         dist.barrier()
         start = time.perf_counter()
         la.fit(loader)
@@ -67,15 +73,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(world: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Fit with ``world`` processes; returns the time and rank 0's result."""
-    import torch
+def worker_main(config: dict[str, Any]) -> None:
+    """Fit with ``world`` processes (phase ``fit``: spawning them included; the fit's own
+    time between the barriers is its ``seconds``)."""
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.pt")
-        mp.spawn(_worker, args=(world, _free_port(), out, args), nprocs=world, join=True)
-        return torch.load(out)
+    setup = _worker.worker_setup({**config, "threads": None})
+
+    def run() -> dict[str, Any]:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "result.pt")
+            mp.spawn(_worker_fit, args=(config["world"], _free_port(), out, config),
+                     nprocs=config["world"], join=True)
+            return torch.load(out)
+
+    def result(r: dict[str, Any]) -> dict[str, Any]:
+        return {"seconds": r["seconds"], "eigenvalues": r["eigenvalues"].double().tolist(),
+                "n_data": int(r["n_data"]), "trace": float(r["trace"])}
+
+    _worker.run_phases(setup, [("fit", run, result)], config)
 
 
 def plot(records: Sequence[dict], path: Path, title: str) -> None:
@@ -100,21 +116,23 @@ def plot(records: Sequence[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main(args: argparse.Namespace) -> None:
+def driver_main(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run every process count for exact and MC, write JSON, PNG and a table."""
-    import torch
-
-    os.environ.update(_harness.worker_env(args))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     records = []
     for mc in args.mc_samples:
-        label = "exact" if mc == 0 else f"MC({mc})"
-        base = None
+        label, base = "exact" if mc == 0 else f"MC({mc})", None
         for world in args.processes:
-            args.mc = mc
-            result = run(world, args)
-            lam = result["eigenvalues"].double()
+            run = _harness.run_worker("benchmarks.bench_scaling", {
+                "problem": args.problem, "n_train": args.n_train, "mc": mc, "world": world,
+                "batch_size": args.batch_size, "rank": args.rank, "cores": args.cores,
+                "seed": args.seed, "phases": ["fit"]}, args)
+            result = run["phases"]["fit"]
+            if result.get("status") != "ok":
+                print(f"  {label:<6} P={world}: {failure_text(run)}", flush=True)
+                continue
+            lam = torch.tensor(result["eigenvalues"])
             base = base or {"seconds": result["seconds"], "eigenvalues": lam}
             k = min(lam.numel(), base["eigenvalues"].numel())
             dev = (lam[:k] - base["eigenvalues"][:k]).abs() / base["eigenvalues"][:k]
@@ -124,13 +142,14 @@ def main(args: argparse.Namespace) -> None:
                             "seconds": result["seconds"],
                             "speedup": base["seconds"] / result["seconds"],
                             "eigenvalue_rel_diff_vs_1": rel,
-                            "top10_eigenvalue_rel_diff_vs_1": rel10, "n_data": result["n_data"]})
+                            "top10_eigenvalue_rel_diff_vs_1": rel10, "n_data": result["n_data"],
+                            "other_cpu_percent_during": run.get("other_cpu_percent_during")})
             print(f"  {label:<6} P={world}: fit {result['seconds']:.2f} s, speed-up "
                   f"{records[-1]['speedup']:.2f}x, eigenvalues vs P=1: top 10 {rel10:.1e}, "
                   f"all {rel:.1e}", flush=True)
     payload = {"problem": args.problem, "n_train": args.n_train, "batch_size": args.batch_size,
                "rank": args.rank, "cores": args.cores, "torch": torch.__version__,
-               "machine": _harness.machine_info("cpu"), "records": records}
+               "machine": machine_info("cpu"), "records": records}
     (out / f"scaling_{args.problem}.json").write_text(json.dumps(payload, indent=1))
     plot(records, out / f"scaling_{args.problem}.png",
          f"{args.problem}: lowrank_ggn fit, {args.n_train} points, {args.cores} cores")
@@ -140,11 +159,14 @@ def main(args: argparse.Namespace) -> None:
         print(f"| {r['label']} | {r['processes']} | {r['threads_per_process']} | "
               f"{r['seconds']:.2f} | {r['speedup']:.2f}x | "
               f"{r['top10_eigenvalue_rel_diff_vs_1']:.1e} / {r['eigenvalue_rel_diff_vs_1']:.1e} |")
+    return records
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse command line arguments."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _harness.script_parser(__doc__, "seed", "out", "timeout", "blas_threads",
+                                    "omp_wait_policy", out=str(_harness.RESULTS_DIR),
+                                    timeout=3600.0)
     parser.add_argument("--problem", default="3c3d", choices=_problems.PROBLEMS)
     parser.add_argument("--processes", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--mc-samples", nargs="+", type=int, default=[0, 1],
@@ -152,12 +174,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n-train", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=128, help="Per process.")
     parser.add_argument("--rank", type=int, default=100)
-    parser.add_argument("--cores", type=int, default=_harness.num_cores())
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(_harness.RESULTS_DIR))
-    _harness.add_worker_env_arguments(parser)
+    parser.add_argument("--cores", type=int, default=_worker.num_cores())
     return parser.parse_args(argv)
 
 
+def main(argv: Sequence[str] | None = None):
+    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
+    return _harness.run_script(argv, parse_args, worker_main, driver_main)
+
+
 if __name__ == "__main__":
-    main(parse_args())
+    main()

@@ -9,7 +9,8 @@ fit: the path the plan took, test NLL relative to the full GGN's, the tuned prio
 relative to the full GGN's, the kept share of the trace, and the relative error of the
 kept eigenvalues against the dense float64 GGN's (largest over the top 10 / 50 / all
 kept). ``digits2`` is ``bench_shared``'s deeper MLP (64-50-50-10, D = 6,310). Quality is
-not timed (the fit times printed are one run each, for orientation only).
+not timed (the fit times printed are one run each, for orientation only); every problem
+runs in its own worker process (this script with ``--worker``, see ``_harness.py``).
 
     python -m benchmarks.bench_sketch_quality --out benchmarks/results/sketch_quality
 """
@@ -27,7 +28,9 @@ from laplace import Laplace
 from torch.utils.data import DataLoader, TensorDataset
 
 import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
-from benchmarks._harness import machine_info
+from benchmarks._harness import run_results, run_script, script_parser
+from benchmarks._report import machine_info
+from benchmarks._worker import run_result
 from benchmarks.bench_posterior_quality import problem, scores, train_map, tuned_full
 
 SOLVERS = ("streaming", "sketch")
@@ -103,18 +106,37 @@ def run(name: str, epochs: int, solvers) -> dict:
     return record
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/sketch_quality"))
-    parser.add_argument("--problems", default="digits,diabetes,breast_cancer,digits2")
-    parser.add_argument("--solvers", default=",".join(SOLVERS))
-    parser.add_argument("--epochs", type=int, default=300)
-    args = parser.parse_args()
+def worker_main(config: dict) -> None:
+    """One problem's fits (phase ``result``)."""
+    run_result(config, lambda: run(config["problem"], config["epochs"], config["solvers"]))
+
+
+def driver_main(args: argparse.Namespace) -> dict:
+    """Run every problem in its own worker; write the report."""
+    args.out = Path(args.out)
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"machine": machine_info("cpu"), "problems": {}}
-    for name in args.problems.split(","):
-        report["problems"][name] = run(name, args.epochs, args.solvers.split(","))
+    report = {"machine": machine_info("cpu"), "problems": run_results(
+        "benchmarks.bench_sketch_quality",
+        {name: {"problem": name, "epochs": args.epochs, "solvers": args.solvers.split(","),
+                "threads": args.threads} for name in args.problems.split(",")}, args)}
     (args.out / "sketch_quality.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse command line arguments."""
+    parser = script_parser(__doc__, "threads", "timeout", "blas_threads", "omp_wait_policy",
+                           "out", out="benchmarks/results/sketch_quality", threads=None,
+                           timeout=14400.0)
+    parser.add_argument("--problems", default="digits,diabetes,breast_cancer,digits2")
+    parser.add_argument("--epochs", type=int, default=300)
+    parser.add_argument("--solvers", default=",".join(SOLVERS))
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
+    return run_script(argv, parse_args, worker_main, driver_main)
 
 
 if __name__ == "__main__":

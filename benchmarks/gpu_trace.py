@@ -17,8 +17,10 @@ lists its ``K`` operators of most self time on the device and on the host
 (``top_device``, ``top_host``); the timed fit then follows it.
 
 On a machine without CUDA it runs the same fit on the CPU (a smoke test: there are
-no copies to count) so that the script is tested where CI runs. Writes
-``<out>/gpu_trace_<problem>.json`` (and, with ``--chrome``, a Chrome trace).
+no copies to count) so that the script is tested where CI runs. The fits run in a fresh
+worker process (this script with ``--worker``, see ``_harness.py``), so the first is the
+process's first. Writes ``<out>/gpu_trace_<problem>.json`` (and, with ``--chrome``, a
+Chrome trace).
 
 Example (on a GPU machine, see ``benchmarks/gpu_check.sh``)::
 
@@ -39,6 +41,8 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks import _harness, _problems
+from benchmarks._report import machine_info
+from benchmarks._worker import run_result
 
 #: Substrings of profiler event names, by what they count.
 PATTERNS = {
@@ -93,7 +97,7 @@ def top_operators(prof: Any, k: int, key: str) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Warm up, time and profile one fit; return the record."""
+    """Warm up, time and profile one fit; return the record (in a worker process)."""
     from laplace import Laplace
 
     import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
@@ -132,10 +136,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     with profile(activities=activities) as prof:
         fit(loader)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     if args.chrome:
-        prof.export_chrome_trace(str(out / f"gpu_trace_{args.problem}.trace.json"))
+        prof.export_chrome_trace(str(Path(args.out) / f"gpu_trace_{args.problem}.trace.json"))
     record = {
         "problem": args.problem,
         "device": str(device),
@@ -151,14 +153,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "kept_fraction": float(la.kept_fraction),
         "events": count_events(prof),
         **top,
-        "machine": _harness.machine_info(str(device)),  # date, CPU/GPU, package versions
+        "machine": machine_info(str(device)),  # date, CPU/GPU, package versions
     }
     return record
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Parse the command line."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _harness.script_parser(__doc__, "timeout", "out", out=str(_harness.RESULTS_DIR))
     parser.add_argument("--problem", default="3c3d", choices=_problems.PROBLEMS)
     parser.add_argument("--device", default="cuda", help="cuda (falls back to cpu)")
     parser.add_argument("--n-train", type=int, default=1024)
@@ -168,16 +170,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--chrome", action="store_true", help="also write a Chrome trace")
     parser.add_argument("--top", type=int, default=0,
                         help="profile the first fit and list its K costliest operators")
-    parser.add_argument("--out", default=str(_harness.RESULTS_DIR))
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> dict[str, Any]:
-    """Run and print/write the record."""
-    args = parse_args(argv)
-    record = run(args)
-    path = Path(args.out) / f"gpu_trace_{args.problem}.json"
+def driver_main(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the fits in a fresh worker process; print and write its record."""
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    config = {k: getattr(args, k) for k in ("problem", "device", "n_train", "batch_size",
+                                             "rank", "mc_samples", "chrome", "top")}
+    record = _harness.run_results("benchmarks.gpu_trace", {args.problem: {
+        **config, "out": str(out), "threads": None}}, args)[args.problem]
+    path = out / f"gpu_trace_{args.problem}.json"
     path.write_text(json.dumps(record, indent=2))
+    if "events" not in record:
+        print(f"{args.problem}: {record.get('status')}: {record.get('reason')}; wrote {path}")
+        return record
     ev = record["events"]
     print(f"{record['problem']} on {record['device_name']}: fit {record['fit_s']} s, "
           f"{record['batches']} batches; {record.get('cold_profiled_fit_s', '-')} s "
@@ -190,6 +198,12 @@ def main(argv=None) -> dict[str, Any]:
             print(f"  {key} {op['self_ms']:9.2f} ms self {op['total_ms']:9.2f} ms total "
                   f"{op['calls']:6d}x {op['name']}")
     return record
+
+
+def main(argv=None) -> dict[str, Any]:
+    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
+    return _harness.run_script(argv, parse_args, lambda config: run_result(
+        config, lambda: run(argparse.Namespace(**config))), driver_main)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Importing it registers ``hessian_structure="lowrank_ggn"`` with laplace-torch's
 ``Laplace`` factory (``subset_of_weights="all"`` and ``"last_layer"``), in either
 import order: at once if laplace-torch is already imported, else as soon as it is
-(:func:`lowrank_laplace.utils.moved.register_with_laplace`).
+(:mod:`lowrank_laplace.utils.laplace_registration`).
 
 The import itself is cheap (no torch): each public name is imported where it lives on
 first use, so the ``lowrank-laplace`` command parses its arguments in a fraction of a
@@ -21,39 +21,17 @@ blocks) -> :mod:`~lowrank_laplace.engine` (computing ``V``) -> the ViViT functio
 
 import importlib as _importlib
 import importlib.util as _importlib_util
-from typing import TYPE_CHECKING
 
-from lowrank_laplace.utils import moved as _moved
+from lowrank_laplace.utils import laplace_registration as _registration
 
-if TYPE_CHECKING:  # what the names are, for type checkers and IDEs; imported on first use
-    from lowrank_laplace.directional import (
-        DirectionalDerivatives,
-        directional_derivatives,
-        directional_from_factor,
-        snr,
-    )
-    from lowrank_laplace.engine import FactorEngine
-    from lowrank_laplace.engine.backpack import supported_modules
-    from lowrank_laplace.factor import GGNFactor
-    from lowrank_laplace.fitting import SketchMerge, StreamingMerge
-    from lowrank_laplace.laplace_torch import LowRankGGNLaplace, LowRankGGNLLLaplace
-    from lowrank_laplace.newton import (
-        damped_newton_step,
-        ggn_inverse_matvec,
-        newton_step_from_factor,
-    )
-    from lowrank_laplace.posterior import LowRankPrecision, Residual
-    from lowrank_laplace.spectrum import LowRankGGN, ggn_eigh, ggn_eigvals, gram_eigh, lowrank_ggn
-    from lowrank_laplace.utils.checks import layerwise_param_groups
-
-#: Public name -> the module it is imported from on first use.
+#: The public names, each with the module it is imported from on first use.
 _HOMES = {
     "DirectionalDerivatives": "lowrank_laplace.directional",
     "FactorEngine": "lowrank_laplace.engine",
     "GGNFactor": "lowrank_laplace.factor",
     "LowRankGGN": "lowrank_laplace.spectrum",
-    "LowRankGGNLLLaplace": _moved.LAPLACE_CLASSES,
-    "LowRankGGNLaplace": _moved.LAPLACE_CLASSES,
+    "LowRankGGNLLLaplace": _registration.LAPLACE_CLASSES,
+    "LowRankGGNLaplace": _registration.LAPLACE_CLASSES,
     "LowRankPrecision": "lowrank_laplace.posterior",
     "Residual": "lowrank_laplace.posterior",
     "SketchMerge": "lowrank_laplace.fitting",
@@ -72,22 +50,20 @@ _HOMES = {
     "supported_modules": "lowrank_laplace.engine.backpack",
 }
 
-_moved.install()
-_moved.register_with_laplace()
+_registration.register_with_laplace()
 
 
 def __getattr__(name: str):
-    """A public name, a subpackage, or a moved module (with a deprecation warning)."""
+    """A public name (imported from its home on first use) or a subpackage."""
     if name in _HOMES:
         home = _HOMES[name]
-        module = (_moved.import_laplace_classes() if home == _moved.LAPLACE_CLASSES
-                  else _importlib.import_module(home))
+        module = (_registration.import_laplace_classes()
+                  if home == _registration.LAPLACE_CLASSES else _importlib.import_module(home))
         value = getattr(module, name)
         globals()[name] = value  # later lookups skip this function
         return value
     path = f"{__name__}.{name}"
-    if path in _moved.MOVED or (not name.startswith("_")
-                                and _importlib_util.find_spec(path) is not None):
+    if not name.startswith("_") and _importlib_util.find_spec(path) is not None:
         return _importlib.import_module(path)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -97,28 +73,5 @@ def __dir__():
     return sorted(set(globals()) | set(__all__))
 
 
-__all__ = [
-    "DirectionalDerivatives",
-    "FactorEngine",
-    "GGNFactor",
-    "LowRankGGN",
-    "LowRankGGNLLLaplace",
-    "LowRankGGNLaplace",
-    "LowRankPrecision",
-    "Residual",
-    "SketchMerge",
-    "StreamingMerge",
-    "damped_newton_step",
-    "directional_derivatives",
-    "directional_from_factor",
-    "ggn_eigh",
-    "ggn_eigvals",
-    "ggn_inverse_matvec",
-    "gram_eigh",
-    "layerwise_param_groups",
-    "lowrank_ggn",
-    "newton_step_from_factor",
-    "snr",
-    "supported_modules",
-]
+__all__ = list(_HOMES)
 __version__ = "0.1.0"

@@ -17,12 +17,12 @@ Shape glossary:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
-from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.factor import GGNFactor
+from lowrank_laplace.minibatch import MiniBatch, take_options
 from lowrank_laplace.spectrum import gram_eigh, to_parameter_space
 
 
@@ -131,21 +131,9 @@ def _directional(factor: GGNFactor, group: int, evals: Tensor, gvecs: Tensor,
     )
 
 
-def directional_derivatives(
-    model: nn.Module,
-    loss_func: nn.Module,
-    inputs: Tensor,
-    targets: Tensor,
-    top_k: Optional[int] = 10,
-    mc_samples: int = 0,
-    subsampling: Optional[Sequence[int]] = None,
-    param_groups: Optional[List[dict]] = None,
-    *,
-    threshold: Optional[float] = None,
-    indices: Optional[Sequence[int]] = None,
-    low_memory: bool = False,
-    backend: str = "auto",
-) -> Union[DirectionalDerivatives, List[DirectionalDerivatives]]:
+def directional_derivatives(model: nn.Module, loss_func: nn.Module, inputs: Tensor,
+                            targets: Tensor, top_k: Optional[int] = 10, **options: Any
+                            ) -> Union[DirectionalDerivatives, List[DirectionalDerivatives]]:
     """Per-sample slopes and curvatures along the GGN's eigenvectors, one backward pass.
 
     Gradients (``gammas``) always use every sample of the batch; the GGN, its
@@ -164,14 +152,11 @@ def directional_derivatives(
         inputs: Inputs, shape ``(N, ...)``.
         targets: Targets.
         top_k: Number of leading eigenpairs; ``None`` for all nonzero ones.
-        mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte-Carlo.
-        subsampling: Indices of the samples used for the curvature.
-        param_groups: Optimizer-style groups for a block-diagonal GGN.
-        threshold: Keep only eigenvalues ``>= threshold``.
-        indices: Keep these positions of the descending nonzero spectrum instead.
-        low_memory: Two backward passes, never holding all of ``V`` (see above).
-        backend: ``'auto'``, ``'backpack'``, ``'hooks'`` or ``'functorch'`` (see
-            :mod:`lowrank_laplace.engine`); the result's ``backend`` says which ran.
+        **options: ``threshold`` (keep only eigenvalues ``>= threshold``),
+            ``indices`` (keep these positions of the descending nonzero spectrum
+            instead), and the curvature's options
+            (:class:`~lowrank_laplace.minibatch.CurvatureOptions`: ``mc_samples``,
+            ``subsampling``, ``param_groups``, ``low_memory``, ``backend``).
 
     Returns:
         :class:`DirectionalDerivatives` (a list, one per group, with ``param_groups``).
@@ -179,33 +164,25 @@ def directional_derivatives(
     Raises:
         MemoryError: If ``V`` (with ``low_memory``, its largest block) would not fit
             the device's available memory; raised before any backward pass.
+        TypeError: For an unknown keyword option.
     """
-    if not low_memory:
-        with FactorEngine(model, loss_func, backend=backend) as engine:
-            engine.check_memory(inputs, subsampling, mc_samples, False,
-                                "directional_derivatives")
-            factor = engine.compute(
-                inputs, targets, mc_samples, subsampling, param_groups, batch_grad=True
-            )
-        results = [
-            directional_from_factor(factor, g, top_k, threshold, indices)
-            for g in range(len(factor.groups))
-        ]
-        return results if param_groups is not None else results[0]
+    curvature, extra = take_options(options, ("threshold", "indices"),
+                                    "directional_derivatives")
+    select = (top_k, extra.get("threshold"), extra.get("indices"))
+    batch = MiniBatch(model, loss_func, inputs, targets, curvature)
+    if not curvature.low_memory:
+        with batch.engine("directional_derivatives") as engine:
+            factor = batch.compute(engine, batch_grad=True)
+        return batch.results([directional_from_factor(factor, g, *select)
+                              for g in range(len(factor.groups))])
     selected = []
 
     def coefficients(grams: GGNFactor) -> List[Tensor]:
-        selected.extend(_directional_eigh(grams, g, top_k, threshold, indices)
-                        for g in range(len(grams.groups)))
+        selected.extend(_directional_eigh(grams, g, *select) for g in range(len(grams.groups)))
         return [gvecs / evals.sqrt() for evals, gvecs in selected]
 
-    with FactorEngine(model, loss_func, backend=backend) as engine:
-        engine.check_memory(inputs, subsampling, mc_samples, True, "directional_derivatives")
-        first, second = engine.gram_and_projection(
-            inputs, targets, mc_samples, subsampling, param_groups, coefficients,
-            batch_grad=True, cross_batch_grads=True)
-    results = [
-        _directional(first, g, evals, gvecs, second.projected_flat(g))
-        for g, (evals, gvecs) in enumerate(selected)
-    ]
-    return results if param_groups is not None else results[0]
+    with batch.engine("directional_derivatives") as engine:
+        first, second = engine.gram_and_projection(*batch.pass_args, coefficients,
+                                                   batch_grad=True, cross_batch_grads=True)
+    return batch.results([_directional(first, g, evals, gvecs, second.projected_flat(g))
+                          for g, (evals, gvecs) in enumerate(selected)])

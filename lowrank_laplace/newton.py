@@ -11,13 +11,14 @@ Shape glossary:
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lowrank_laplace.engine import FactorEngine, RNGReplay
 from lowrank_laplace.factor import GGNFactor, damped_gram_solve
+from lowrank_laplace.minibatch import MiniBatch, take_options
 from lowrank_laplace.spectrum import gram_eigh
 from lowrank_laplace.utils import batches, checks
 
@@ -63,20 +64,9 @@ def _newton_gram_coefficients(evals: Tensor, gvecs: Tensor, vtg: Tensor,
     return gvecs @ (-gammas / (evals + damping) / evals.sqrt())
 
 
-def damped_newton_step(
-    model: nn.Module,
-    loss_func: nn.Module,
-    inputs: Tensor,
-    targets: Tensor,
-    damping: float = 1.0,
-    top_k: Optional[int] = None,
-    mc_samples: int = 0,
-    subsampling: Optional[Sequence[int]] = None,
-    param_groups: Optional[List[dict]] = None,
-    low_memory: bool = False,
-    *,
-    backend: str = "auto",
-) -> Tensor:
+def damped_newton_step(model: nn.Module, loss_func: nn.Module, inputs: Tensor,
+                       targets: Tensor, damping: float = 1.0, top_k: Optional[int] = None,
+                       **options: Any) -> Tensor:
     """Damped Newton step in the GGN's nonzero eigenspace, from one backward pass.
 
     ``step = sum_k -gamma_k / (lambda_k + damping) e_k`` with ``gamma_k = e_k^T g``.
@@ -96,13 +86,9 @@ def damped_newton_step(
         targets: Targets.
         damping: ``delta >= 0``.
         top_k: Number of leading directions (``None``: all nonzero ones).
-        mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte-Carlo.
-        subsampling: Indices of the samples used for the curvature.
-        param_groups: Optimizer-style groups for a block-diagonal GGN.
-        low_memory: Two or three backward passes instead of one, holding at most
-            one layer's block of ``V`` at a time (see above).
-        backend: ``'auto'``, ``'backpack'``, ``'hooks'`` or ``'functorch'`` (see
-            :mod:`lowrank_laplace.engine`).
+        **options: The curvature's options
+            (:class:`~lowrank_laplace.minibatch.CurvatureOptions`: ``mc_samples``,
+            ``subsampling``, ``param_groups``, ``low_memory``, ``backend``).
 
     Returns:
         Flat step, shape ``(D,)``: over ``model.parameters()`` with
@@ -112,21 +98,17 @@ def damped_newton_step(
         ValueError: If ``damping`` is negative, NaN or infinite.
         MemoryError: If ``V`` (with ``low_memory``, its largest block) would not fit
             the device's available memory; raised before any backward pass.
+        TypeError: For an unknown keyword option.
     """
     checks.check_damping(damping)  # before any backward pass
-    if not low_memory:
-        with FactorEngine(model, loss_func, backend=backend) as engine:
-            engine.check_memory(inputs, subsampling, mc_samples, False, "damped_newton_step")
-            factor = engine.compute(inputs, targets, mc_samples, subsampling, param_groups)
-        steps = [
-            newton_step_from_factor(factor, damping, g, top_k)
-            for g in range(len(factor.groups))
-        ]
-        return torch.cat(steps)
-    with FactorEngine(model, loss_func, backend=backend) as engine:
-        engine.check_memory(inputs, subsampling, mc_samples, True, "damped_newton_step")
-        return _two_pass_step(engine, (inputs, targets, mc_samples, subsampling, param_groups),
-                              damping, top_k)
+    curvature, _ = take_options(options, (), "damped_newton_step")
+    batch = MiniBatch(model, loss_func, inputs, targets, curvature)
+    with batch.engine("damped_newton_step") as engine:
+        if curvature.low_memory:
+            return _two_pass_step(engine, batch.pass_args, damping, top_k)
+        factor = batch.compute(engine)
+    return torch.cat([newton_step_from_factor(factor, damping, g, top_k)
+                      for g in range(len(factor.groups))])
 
 
 def _two_pass_step(engine: FactorEngine, args: tuple, damping: float,
@@ -155,20 +137,8 @@ def _two_pass_step(engine: FactorEngine, args: tuple, damping: float,
     return torch.cat([second.projected_flat(g)[:, 0] for g in range(len(grams.groups))])
 
 
-def ggn_inverse_matvec(
-    model: nn.Module,
-    loss_func: nn.Module,
-    inputs: Tensor,
-    targets: Tensor,
-    vec: Tensor,
-    damping: float,
-    mc_samples: int = 0,
-    subsampling: Optional[Sequence[int]] = None,
-    param_groups: Optional[List[dict]] = None,
-    low_memory: bool = False,
-    *,
-    backend: str = "auto",
-) -> Tensor:
+def ggn_inverse_matvec(model: nn.Module, loss_func: nn.Module, inputs: Tensor,
+                       targets: Tensor, vec: Tensor, damping: float, **options: Any) -> Tensor:
     r"""Damped inverse GGN-vector products :math:`(G + \delta I)^{-1} x`.
 
     Uses the matrix inversion lemma with the ``M x M`` damped Gram matrix. With
@@ -185,12 +155,9 @@ def ggn_inverse_matvec(
         vec: Flat vector(s), shape ``(D,)`` or ``(D, K)``, ordered like the
             concatenated groups.
         damping: ``delta > 0``.
-        mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte-Carlo.
-        subsampling: Indices of the samples used for the curvature.
-        param_groups: Optimizer-style groups for a block-diagonal GGN.
-        low_memory: Two backward passes, never holding all of ``V`` (see above).
-        backend: ``'auto'``, ``'backpack'``, ``'hooks'`` or ``'functorch'`` (see
-            :mod:`lowrank_laplace.engine`).
+        **options: The curvature's options
+            (:class:`~lowrank_laplace.minibatch.CurvatureOptions`: ``mc_samples``,
+            ``subsampling``, ``param_groups``, ``low_memory``, ``backend``).
 
     Returns:
         Tensor of the same shape as ``vec``.
@@ -200,8 +167,31 @@ def ggn_inverse_matvec(
             parameters' dtype, or ``damping <= 0``.
         MemoryError: If ``V`` (with ``low_memory``, its largest block) would not fit
             the device's available memory; raised before any backward pass.
+        TypeError: For an unknown keyword option.
     """
     checks.check_damping(damping, positive=True)
+    curvature, _ = take_options(options, (), "ggn_inverse_matvec")
+    parts = _split_vector(model, vec, curvature.param_groups)
+    batch = MiniBatch(model, loss_func, inputs, targets, curvature)
+    with batch.engine("ggn_inverse_matvec") as engine:
+        if not curvature.low_memory:
+            factor = batch.compute(engine)
+            out = torch.cat([inverse_matvec_from_factor(factor, p, damping, g)
+                             for g, p in enumerate(parts)])
+            return out if vec.ndim == 2 else out[:, 0]
+        first, second = engine.gram_and_projection(
+            *batch.pass_args,
+            lambda grams: [damped_gram_solve(grams.gram(g), grams.t_projected[g], damping)
+                           for g in range(len(parts))],
+            t_project=parts,
+        )
+    out = torch.cat([(p - second.projected_flat(g)) / damping for g, p in enumerate(parts)])
+    return out if vec.ndim == 2 else out[:, 0]
+
+
+def _split_vector(model: nn.Module, vec: Tensor, param_groups: Optional[List[dict]]
+                  ) -> List[Tensor]:
+    """``vec`` as ``(D_g, K)`` parts per group, after checking its shape and dtype."""
     groups = checks.resolve_param_groups(model, param_groups)
     params = list(model.parameters())
     if not isinstance(vec, Tensor) or vec.ndim not in (1, 2):
@@ -214,24 +204,7 @@ def ggn_inverse_matvec(
     if vec.shape[0] != sum(dims):
         raise ValueError(f"vec has {vec.shape[0]} entries, the groups have {sum(dims)}.")
     x = vec if vec.ndim == 2 else vec[:, None]
-    parts = list(torch.split(x, dims, dim=0))
-    if not low_memory:
-        with FactorEngine(model, loss_func, backend=backend) as engine:
-            engine.check_memory(inputs, subsampling, mc_samples, False, "ggn_inverse_matvec")
-            factor = engine.compute(inputs, targets, mc_samples, subsampling, param_groups)
-        out = torch.cat([inverse_matvec_from_factor(factor, p, damping, g)
-                         for g, p in enumerate(parts)])
-        return out if vec.ndim == 2 else out[:, 0]
-    with FactorEngine(model, loss_func, backend=backend) as engine:
-        engine.check_memory(inputs, subsampling, mc_samples, True, "ggn_inverse_matvec")
-        first, second = engine.gram_and_projection(
-            inputs, targets, mc_samples, subsampling, param_groups,
-            lambda grams: [damped_gram_solve(grams.gram(g), grams.t_projected[g], damping)
-                           for g in range(len(groups))],
-            t_project=parts,
-        )
-    out = torch.cat([(p - second.projected_flat(g)) / damping for g, p in enumerate(parts)])
-    return out if vec.ndim == 2 else out[:, 0]
+    return list(torch.split(x, dims, dim=0))
 
 
 def inverse_matvec_from_factor(factor: GGNFactor, x: Tensor, damping: float,

@@ -12,7 +12,7 @@ Shape glossary:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.factor import GGNFactor
-from lowrank_laplace.utils.linalg import eigh
+from lowrank_laplace.minibatch import MiniBatch, take_options
 
 
 @dataclass
@@ -202,7 +202,7 @@ def gram_eigh(
     if solver != "eigh" and top_k < num_cols - 1:
         return (*_arpack(factor, group, int(top_k), solver == "matrix_free"), None)
     gram = factor.gram(group)
-    evals, evecs = eigh(gram)
+    evals, evecs = torch.linalg.eigh(gram)
     evals, evecs = evals.flip(0), evecs.flip(1)
     nonzero = evals > nonzero_tolerance(evals, num_cols)
     evals, evecs = evals[nonzero], evecs[:, nonzero]
@@ -289,22 +289,9 @@ def lowrank_ggn(
     )
 
 
-def ggn_eigh(
-    model: nn.Module,
-    loss_func: nn.Module,
-    inputs: Tensor,
-    targets: Tensor,
-    top_k: Optional[int] = 10,
-    mc_samples: int = 0,
-    subsampling: Optional[Sequence[int]] = None,
-    param_groups: Optional[List[dict]] = None,
-    *,
-    threshold: Optional[float] = None,
-    indices: Optional[Sequence[int]] = None,
-    solver: str = "auto",
-    low_memory: bool = False,
-    backend: str = "auto",
-) -> Union[LowRankGGN, List[LowRankGGN]]:
+def ggn_eigh(model: nn.Module, loss_func: nn.Module, inputs: Tensor, targets: Tensor,
+             top_k: Optional[int] = 10, **options: Any
+             ) -> Union[LowRankGGN, List[LowRankGGN]]:
     """Eigenpairs of a mini-batch GGN from ``V`` computed in one backward pass.
 
     The GGN follows the loss's reduction (``'mean'``: average of the per-sample
@@ -325,45 +312,36 @@ def ggn_eigh(
         inputs: Inputs, shape ``(N, ...)``.
         targets: Targets, shape ``(N,)`` or ``(N, C)``.
         top_k: Number of leading eigenpairs; ``None`` for all nonzero ones.
-        mc_samples: ``0`` for the exact GGN, ``M >= 1`` for the MC approximation.
-        subsampling: Indices of the samples used for the curvature.
-        param_groups: Optimizer-style groups (``[{"params": [...]}, ...]``) for a
-            block-diagonal GGN; ``None`` means the whole network as one block.
-        threshold: Keep only eigenvalues ``>= threshold``.
-        indices: Keep these positions of the descending nonzero spectrum instead.
-        solver: ``'auto'``, ``'eigh'``, ``'arpack'`` or ``'matrix_free'`` (see
-            :func:`gram_eigh`; ``'matrix_free'`` needs all of ``V`` and cannot be
-            combined with ``low_memory``).
-        low_memory: Two backward passes, never holding all of ``V`` (see above).
-        backend: ``'auto'``, ``'backpack'``, ``'hooks'`` or ``'functorch'``: which engine computes
-            ``V`` (see :mod:`lowrank_laplace.engine`); the result's ``backend`` says
-            which one ran.
+        **options: ``threshold`` (keep only eigenvalues ``>= threshold``),
+            ``indices`` (keep these positions of the descending nonzero spectrum
+            instead), ``solver`` (``'auto'``, ``'eigh'``, ``'arpack'`` or
+            ``'matrix_free'``, see :func:`gram_eigh`; ``'matrix_free'`` needs all of
+            ``V``), and the curvature's options
+            (:class:`~lowrank_laplace.minibatch.CurvatureOptions`: ``mc_samples``,
+            ``subsampling``, ``param_groups``, ``low_memory``, ``backend``).
 
     Returns:
-        A :class:`LowRankGGN`, or a list with one per group when ``param_groups``
-        is given.
+        A :class:`LowRankGGN` (its ``backend`` says which engine ran), or a list with
+        one per group when ``param_groups`` is given.
 
     Raises:
         ValueError: For ``low_memory=True`` with ``solver='matrix_free'``.
         MemoryError: If ``V`` (with ``low_memory``, its largest block) would not fit
             the device's available memory; raised before any backward pass.
+        TypeError: For an unknown keyword option.
     """
-    if not low_memory:
-        with FactorEngine(model, loss_func, backend=backend) as engine:
-            engine.check_memory(inputs, subsampling, mc_samples, False, "ggn_eigh")
-            factor = engine.compute(inputs, targets, mc_samples, subsampling, param_groups)
-        results = [
-            lowrank_ggn(factor, g, top_k, threshold, indices, solver)
-            for g in range(len(factor.groups))
-        ]
-        return results if param_groups is not None else results[0]
-    if solver == "matrix_free":
+    curvature, extra = take_options(options, ("threshold", "indices", "solver"), "ggn_eigh")
+    select = (top_k, extra.get("threshold"), extra.get("indices"), extra.get("solver", "auto"))
+    batch = MiniBatch(model, loss_func, inputs, targets, curvature)
+    if not curvature.low_memory:
+        with batch.engine("ggn_eigh") as engine:
+            factor = batch.compute(engine)
+        return batch.results([lowrank_ggn(factor, g, *select)
+                              for g in range(len(factor.groups))])
+    if select[3] == "matrix_free":
         raise ValueError("solver='matrix_free' needs all of V: use low_memory=False.")
-    with FactorEngine(model, loss_func, backend=backend) as engine:
-        engine.check_memory(inputs, subsampling, mc_samples, True, "ggn_eigh")
-        results = _two_pass_eigh(engine, (inputs, targets, mc_samples, subsampling,
-                                          param_groups), top_k, threshold, indices, solver)
-    return results if param_groups is not None else results[0]
+    with batch.engine("ggn_eigh") as engine:
+        return batch.results(_two_pass_eigh(engine, batch.pass_args, *select))
 
 
 def _two_pass_eigh(engine: FactorEngine, args: tuple, top_k, threshold, indices,
@@ -385,17 +363,8 @@ def _two_pass_eigh(engine: FactorEngine, args: tuple, top_k, threshold, indices,
     ]
 
 
-def ggn_eigvals(
-    model: nn.Module,
-    loss_func: nn.Module,
-    inputs: Tensor,
-    targets: Tensor,
-    mc_samples: int = 0,
-    subsampling: Optional[Sequence[int]] = None,
-    param_groups: Optional[List[dict]] = None,
-    *,
-    backend: str = "auto",
-) -> Union[Tensor, List[Tensor]]:
+def ggn_eigvals(model: nn.Module, loss_func: nn.Module, inputs: Tensor, targets: Tensor,
+                **options: Any) -> Union[Tensor, List[Tensor]]:
     """All nonzero GGN eigenvalues, with every block of ``V`` freed during backward.
 
     Only the ``M x M`` Gram matrix of each group is held, so peak memory is that of
@@ -406,10 +375,9 @@ def ggn_eigvals(
         loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss``.
         inputs: Inputs, shape ``(N, ...)``.
         targets: Targets.
-        mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte-Carlo.
-        subsampling: Indices of the samples used for the curvature.
-        param_groups: Optimizer-style groups for a block-diagonal GGN.
-        backend: ``'auto'``, ``'backpack'``, ``'hooks'`` or ``'functorch'`` (see :func:`ggn_eigh`).
+        **options: The curvature's options
+            (:class:`~lowrank_laplace.minibatch.CurvatureOptions`; ``low_memory`` is
+            implied).
 
     Returns:
         Descending nonzero eigenvalues (one tensor per group if ``param_groups``).
@@ -417,12 +385,10 @@ def ggn_eigvals(
     Raises:
         MemoryError: If the largest block of ``V`` would not fit the device's
             available memory; raised before any backward pass.
+        TypeError: For an unknown keyword option.
     """
-    with FactorEngine(model, loss_func, backend=backend) as engine:
-        engine.check_memory(inputs, subsampling, mc_samples, True, "ggn_eigvals")
-        factor = engine.compute(
-            inputs, targets, mc_samples, subsampling, param_groups,
-            keep_blocks=False, compute_grams=True,
-        )
-    results = [gram_eigh(factor, g)[2] for g in range(len(factor.groups))]
-    return results if param_groups is not None else results[0]
+    curvature, _ = take_options(options, (), "ggn_eigvals")
+    batch = MiniBatch(model, loss_func, inputs, targets, curvature)
+    with batch.engine("ggn_eigvals", low_memory=True) as engine:
+        factor = batch.compute(engine, keep_blocks=False, compute_grams=True)
+    return batch.results([gram_eigh(factor, g)[2] for g in range(len(factor.groups))])

@@ -118,3 +118,30 @@ def one_pass_and_low_memory(model, loss_func, X, y, mc_samples, backend="auto"):
                                   low_memory=low_memory, backend=backend),
         ))
     return pairs
+
+
+#: The package's tuning constants a test may set: name -> (module, attribute). They are
+#: read when a fit (or, for probe_size, a posterior's options) needs them.
+TUNING = {
+    "dense_max_dim": ("lowrank_laplace.fitting.plan", "DENSE_MAX_DIM"),
+    "oversampling": ("lowrank_laplace.fitting.plan", "OVERSAMPLING"),
+    "test_matrix": ("lowrank_laplace.fitting.sketch", "TEST_MATRIX"),
+    "probe_size": ("lowrank_laplace.posterior.probe", "PROBE_SIZE"),
+    "probe_columns": ("lowrank_laplace.posterior.probe", "PROBE_COLUMNS"),
+    "measure_complement": ("lowrank_laplace.posterior.probe", "MEASURE_COMPLEMENT"),
+}
+
+
+def set_tuning(monkeypatch, **values):
+    """Set tuning constants of the package for one test (see :data:`TUNING`)."""
+    import importlib
+
+    for name, value in values.items():
+        module, attribute = TUNING[name]
+        monkeypatch.setattr(importlib.import_module(module), attribute, value)
+
+
+@pytest.fixture
+def tune(monkeypatch):
+    """``tune(dense_max_dim=0, probe_size=0, ...)``: tuning constants for this test."""
+    return lambda **values: set_tuning(monkeypatch, **values)

@@ -1,11 +1,180 @@
-"""Smoke tests of benchmark scripts that a CPU machine can run in seconds."""
+"""The benchmark harness and smoke runs of every benchmark script at tiny sizes.
 
+The harness is checked with a stand-in worker (a few lines of Python that print records,
+hang, die or fail on request), so that every way a worker can end is covered in
+seconds; every script's driver path then runs once on the CPU at a tiny size (slow).
+"""
+
+import argparse
+import ast
 import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from benchmarks import _harness, _worker, bench_laplace
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
+
+FAKE_WORKER = """
+import json, os, signal, sys, time
+config = json.loads(sys.argv[sys.argv.index("--config") + 1])
+def emit(record):
+    print(MARKER + json.dumps(record), flush=True)
+todo = config.get("todo" if "fit" in config["phases"] else "rerun", {})
+if todo.get("setup") == "exit":
+    sys.exit(3)
+emit({"phase": "setup", "status": todo.get("setup", "ok"), "reason": "no data",
+      "rss_peak_bytes": 100})
+if todo.get("setup"):
+    sys.exit(0)
+for phase in ["fit"] + [p for p in config["phases"] if p != "fit"]:
+    if todo.get(phase) == "hang":
+        time.sleep(60)
+    if todo.get(phase) == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if todo.get(phase) == "error":
+        emit({"phase": phase, "status": "error", "reason": "boom"})
+        sys.exit(0)
+    emit({"phase": phase, "status": "ok", "time_s": config.get("time", 1.0),
+          "peak_bytes": 300, "peak_delta_bytes": 30, "rss_peak_bytes": 300,
+          "other_cpu_percent_during_phase": 1.0})
+"""
 
 
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    """The module name of a stand-in worker, importable by the harness's workers."""
+    (tmp_path / "fakebench.py").write_text(f"MARKER = {_worker.MARKER!r}\n" + FAKE_WORKER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    return "fakebench"
+
+
+def _run(module, todo=None, phases=("fit", "glm", "nn"), timeout=2.0, **config):
+    args = argparse.Namespace(timeout=timeout)
+    return _harness.run_worker(module, {"method": "m", "phases": list(phases),
+                                        "todo": todo or {}, **config}, args)
+
+
+def test_a_worker_reports_its_setup_and_every_phase(fake):
+    record = _run(fake)
+    assert record["setup"]["status"] == "ok" and record["method"] == "m"
+    assert [r["status"] for r in record["phases"].values()] == ["ok", "ok", "ok"]
+    assert record["worker_peak_bytes"] == 300 and record["subprocess_wall_s"] > 0
+    assert "other_cpu_percent_during" in record and "expected" not in record
+
+
+@pytest.mark.parametrize("todo, status", [
+    ({"glm": "hang"}, "timeout"), ({"glm": "kill"}, "oom"), ({"glm": "error"}, "error")])
+def test_a_failed_phase_is_recorded_and_the_later_ones_skipped(fake, todo, status):
+    record = _run(fake, todo, timeout=1.0)
+    fit, glm, nn = (record["phases"][p] for p in ("fit", "glm", "nn"))
+    assert fit["status"] == "ok" and glm["status"] == status
+    assert nn == {"phase": "nn", "status": "skipped", "reason": "an earlier phase failed"}
+    if status == "timeout":
+        assert glm["time_to_failure_s"] == 1.0 and "time limit of 1 s" in glm["reason"]
+
+
+def test_a_failed_setup_skips_every_phase(fake):
+    record = _run(fake, {"setup": "error"})
+    assert record["setup"]["status"] == "error" and record["setup"]["reason"] == "no data"
+    assert {r["reason"] for r in record["phases"].values()} == {"setup failed: no data"}
+    record = _run(fake, {"setup": "exit"})
+    assert record["setup"]["status"] == "error"
+    assert record["setup"]["reason"] == "exit code 3 without result"
+
+
+def test_a_killed_predictive_leaves_the_next_ones_to_a_new_worker(fake):
+    """bench_laplace's workers refit where a predictive's worker was killed."""
+    args = argparse.Namespace(timeout=1.0)
+    config = {"method": "m", "phases": ["fit", "glm", "nn"], "todo": {"glm": "hang"}}
+    record = bench_laplace.run_method(fake, config, args)
+    assert record["phases"]["glm"]["status"] == "timeout"
+    assert record["phases"]["nn"]["status"] == "ok"
+    assert record["phases"]["fit"]["refits"] == [
+        {"status": "ok", "time_s": 1.0, "peak_delta_bytes": 30}]
+    assert len(record["restarts"]) == 1
+    config["rerun"] = {"fit": "hang"}  # the new worker's refit times out too
+    record = bench_laplace.run_method(fake, config, args)
+    assert record["phases"]["nn"]["status"] == "timeout"
+    assert record["phases"]["nn"]["reason"].startswith("refit before this phase failed")
+    assert "refits" not in record["phases"]["fit"]
+
+
+def test_repeats_give_median_times_and_largest_peaks():
+    def run(t, peak):
+        return {"phases": {"fit": {"status": "ok", "time_s": t, "peak_bytes": peak,
+                                   "peak_delta_bytes": peak,
+                                   "other_cpu_percent_during_phase": t}},
+                "other_cpu_percent_during": t, "worker_peak_bytes": peak}
+
+    record = _harness.median_record([run(3.0, 1), run(1.0, 5), run(2.0, 2)])
+    fit = record["phases"]["fit"]
+    assert fit["time_s"] == 2.0 and fit["repeat_time_s"] == [3.0, 1.0, 2.0]
+    assert fit["peak_bytes"] == 5 and fit["other_cpu_percent_during_phase"] == 3.0
+    assert record["repeats"] == 3 and record["worker_peak_bytes"] == 5
+
+
+def test_a_plan_writes_after_every_run_and_resumes(fake, tmp_path):
+    configs = [{"method": m, "phases": ["fit"], "time": t} for m, t in (("a", 1.0), ("b", 2.0))]
+    configs.append({"method": "c", "phases": ["fit"], "skip": "does not fit"})
+    plan = _harness.Plan(fake, configs, ("method",), tmp_path / "run.json",
+                         {"device": "cpu", "n": 1, "D": None}, {"lowrank_laplace_sources": {}})
+    args = argparse.Namespace(timeout=2.0, repeat=2)
+    records = plan.run(args)
+    assert [r["method"] for r in records] == ["a", "b", "c"]
+    assert [r.get("repeats") for r in records] == [2, 2, None]
+    assert records[2]["phases"]["fit"] == {"phase": "fit", "status": "skipped",
+                                           "reason": "does not fit"}
+    plan.write(records, {"done": True}, args)
+    payload = json.loads(plan.path.read_text())
+    assert payload["summary"] == {"done": True} and payload["settings"]["n"] == 1
+    again = _harness.Plan(fake, configs, ("method",), plan.path,
+                          {"device": "cpu", "n": 1}, {"lowrank_laplace_sources": {}})
+    resumed = argparse.Namespace(timeout=2.0, resume=True, rerun=["b"], repeat=1)
+    assert [r.get("repeats") for r in again.run(resumed, ("n",))] == [2, None, None]
+
+
+def test_set_tuning_assigns_a_constant_or_passes_the_option(monkeypatch):
+    module = types.ModuleType("fake_tuned")
+    module.LIMIT = 1
+    monkeypatch.setitem(sys.modules, "fake_tuned", module)
+    monkeypatch.setitem(_worker.TUNINGS, "limit", _worker.Tuning("fake_tuned", "LIMIT"))
+    monkeypatch.setitem(_worker.TUNINGS, "extra",
+                        _worker.FractionOfRank("fake_tuned", "EXTRA"))
+    assert _worker.set_tuning("limit", 7) == {} and module.LIMIT == 7
+    assert _worker.set_tuning("extra", 0.25, rank=40) == {"extra": 10}
+    assert not hasattr(module, "EXTRA")
+    assert set(_worker.TUNINGS) >= {"sketch_test_matrix", "dense_max_dim", "oversampling",
+                                    "probe_size", "probe_columns", "measure_complement"}
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=[p.name for p in SCRIPTS])
+def test_benchmark_modules_follow_the_house_rules(path):
+    """At most 500 lines a module, 80 a function, 8 parameters; no private name crosses
+    modules."""
+    text = path.read_text()
+    assert len(text.splitlines()) <= 500
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            assert node.end_lineno - node.lineno < 80, node.name
+            params = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            assert len(params) <= 8, node.name
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            assert not (node.value.id.startswith("_") and node.attr.startswith("_")), \
+                f"line {node.lineno}: {node.value.id}.{node.attr}"
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks."):
+            assert not [a.name for a in node.names if a.name.startswith("_")], node.lineno
+        assert not (isinstance(node, ast.ImportFrom) and "utils.threads" in (node.module or ""))
+
+
+@pytest.mark.slow
 def test_gpu_trace_profiles_the_first_fit_on_the_cpu(tmp_path):
     """``benchmarks/gpu_trace.py --top`` falls back to the CPU without CUDA, profiles the
-    process's first fit and lists its costliest operators by host time."""
+    first fit of its worker process and lists its costliest operators by host time."""
     from benchmarks import gpu_trace
 
     record = gpu_trace.main(["--device", "cpu", "--problem", "mlp", "--n-train", "64",
@@ -20,3 +189,133 @@ def test_gpu_trace_profiles_the_first_fit_on_the_cpu(tmp_path):
     assert all(op["calls"] >= 1 and op["name"] for op in saved["top_host"])
     assert saved["events"]["memcpy_htod"]["count"] == 0  # nothing crosses to a device
     assert record["top_host"] == saved["top_host"]
+
+
+###############################################################################
+#                 Every script's driver path, once, at a tiny size            #
+###############################################################################
+
+
+def _statuses(records):
+    return {r["method"]: {p: v["status"] for p, v in r["phases"].items()} for r in records}
+
+
+@pytest.mark.slow
+def test_bench_eigh_runs_its_methods_and_checks_them(tmp_path):
+    from benchmarks import bench_eigh
+
+    summary = bench_eigh.main(["--problems", "mlp", "--N", "16", "--ks", "2", "--methods",
+                               "ours_exact_sub", "power", "eigsh", "--out", str(tmp_path)])
+    payload = json.loads((tmp_path / "eigh_mlp.json").read_text())
+    assert payload["machine"]["date"] and (tmp_path / "eigh_mlp.png").is_file()
+    assert all(r["phases"]["eigh"]["status"] == "ok" for r in payload["records"])
+    assert summary["mlp"]["sanity_power_vs_eigsh"]["passed"]
+    assert payload["records"][0]["phases"]["eigh"]["sub_rel_residual"][0] < 1e-2
+
+
+@pytest.mark.slow
+def test_bench_laplace_runs_skips_and_replots(tmp_path):
+    argv = ["--quick", "--methods", "lowrank_exact", "kron_backpack", "full_backpack",
+            "lanczos", "--marglik", "--out", str(tmp_path)]
+    summaries = bench_laplace.main(argv)
+    payload = json.loads((tmp_path / "laplace_mlp.json").read_text())
+    statuses = _statuses(payload["records"])
+    assert statuses["lowrank_exact"] == {"fit": "ok", "glm": "ok", "nn": "ok"}
+    assert set(statuses["full_backpack"].values()) == {"skipped"}
+    assert statuses["lanczos"] == {"fit": "ok"}
+    assert payload["records"][0]["phases"]["fit"]["marglik_status"] == "ok"
+    assert summaries["mlp"]["targets"][0]["value"] > 0
+    assert bench_laplace.main([*argv, "--replot"])["mlp"]["targets"] == \
+        summaries["mlp"]["targets"]
+
+
+@pytest.mark.slow
+def test_bench_lora_runs_quiet_and_beside_a_load(tmp_path):
+    from benchmarks import bench_lora
+
+    bench_lora.main(["--quick", "--problems", "small", "--attentions", "sdpa",
+                     "--methods", "lowrank_ggn", "--n-train", "16", "--n-test", "8",
+                     "--out", str(tmp_path)])
+    payload = json.loads((tmp_path / "lora_small.json").read_text())
+    quiet, loaded = payload["records"]
+    assert quiet["condition"] == "quiet" and "load" not in quiet
+    assert loaded["load"]["ready"] and loaded["load"]["matmuls"] > 0
+    assert all(p["status"] == "ok" for r in (quiet, loaded) for p in r["phases"].values())
+    assert "load_cpu_percent_during_phase" in loaded["phases"]["fit"]
+    tables = json.loads((tmp_path / "lora_tables" / "lora_small.json").read_text())
+    assert len(tables["rows"]) == 2 and tables["machine"]["cpu_name"]
+
+
+@pytest.mark.slow
+def test_bench_shared_runs_both_parts_and_writes_tables(tmp_path):
+    from benchmarks import bench_shared
+
+    summary = bench_shared.main(["--quick", "--conditions", "quiet", "--fit-methods",
+                                 "lowrank_ggn", "--epochs", "1", "--out", str(tmp_path),
+                                 "--tables-out", str(tmp_path / "tables")])
+    assert summary["targets"][0]["value"] is None  # kron's fit did not run
+    fit = json.loads((tmp_path / "tables" / "shared_fit.json").read_text())
+    train = json.loads((tmp_path / "tables" / "shared_train.json").read_text())
+    assert len(fit["rows"]) == 1 and len(train["rows"]) == 2
+    assert float(train["rows"][0][5]) > 0  # a test NLL
+
+
+@pytest.mark.slow
+def test_bench_models_runs_eigenpairs_and_laplace_of_the_transformer(tmp_path):
+    from benchmarks import bench_models
+
+    summary = bench_models.main(["--quick", "--parts", "eigh", "laplace", "--models",
+                                 "transformer", "--out", str(tmp_path)])
+    payload = json.loads((tmp_path / "quick" / "models.json").read_text())
+    ours = [r for r in payload["records"] if r["method"] in ("ours", "lowrank_mc")]
+    assert all(p["status"] == "ok" for r in ours for p in r["phases"].values())
+    assert summary["eigh_speedup_transformer"]["value"] > 0
+    assert (tmp_path / "quick" / "models_tables" / "models_targets.json").is_file()
+
+
+@pytest.mark.slow
+def test_bench_ncrit_bisects_under_a_budget(tmp_path):
+    from benchmarks import bench_ncrit
+
+    bench_ncrit.main(["--problem", "mlp", "--tasks", "eigvals", "--structures", "full",
+                      "--approximations", "mc", "--data", "mb", "--budget-gib", "1",
+                      "--n-start", "8", "--n-max", "16", "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "ncrit_mlp.json").read_text())["records"][0]
+    assert record["n_crit"] == 16 and record["capped"]
+    assert [p["status"] for p in record["probes"]] == ["ok", "ok"]
+
+
+@pytest.mark.slow
+def test_bench_scaling_fits_with_one_and_two_processes(tmp_path):
+    from benchmarks import bench_scaling
+
+    # 16 points of 9 loss-Hessian columns each: rank 150 keeps the whole GGN
+    records = bench_scaling.main(["--problem", "mlp", "--mc-samples", "0", "--n-train",
+                                  "16", "--batch-size", "8", "--rank", "150", "--cores", "2",
+                                  "--out", str(tmp_path)])
+    assert [r["processes"] for r in records] == [1, 2]
+    assert records[1]["top10_eigenvalue_rel_diff_vs_1"] < 1e-3
+
+
+@pytest.mark.slow
+def test_bench_sketch_test_matrix_sets_the_test_matrix_per_worker(tmp_path):
+    from benchmarks import bench_sketch_test_matrix
+
+    payload = bench_sketch_test_matrix.main(["--quick", "--out", str(tmp_path)])
+    runs = payload["problems"]["mlp"]["runs"]
+    assert [len(runs[k]) for k in ("streaming", "kronecker", "gaussian")] == [1, 1, 1]
+    assert all(0 < r[0]["kept_fraction"] <= 1 for r in runs.values())
+
+
+@pytest.mark.slow
+def test_the_quality_scripts_run_a_problem_each(tmp_path):
+    from benchmarks import bench_posterior_quality, bench_sketch_quality
+
+    report = bench_posterior_quality.main(["--problems", "breast_cancer", "--ranks", "5",
+                                           "--epochs", "1", "--out", str(tmp_path)])
+    record = report["problems"]["breast_cancer"]
+    assert len(record["lowrank"]) == 4 and record["peers"]["full"]["nll"] > 0
+    assert (tmp_path / "posterior_quality.png").is_file()
+    report = bench_sketch_quality.main(["--problems", "breast_cancer", "--epochs", "1",
+                                        "--out", str(tmp_path)])
+    assert len(report["problems"]["breast_cancer"]["lowrank"]) == 4

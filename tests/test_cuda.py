@@ -16,7 +16,7 @@ from laplace import Laplace
 from torch.utils.data import DataLoader, TensorDataset
 
 import lowrank_laplace as ll
-from tests.conftest import one_pass_and_low_memory
+from tests.conftest import one_pass_and_low_memory, set_tuning
 from tests.engine.test_models import DictModel, zoo_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -122,8 +122,8 @@ def fit_pair(model, X, y, path, monkeypatch, **kwargs):
     fits = []
     for device in ("cpu", DEVICE):
         m, Xd, yd = on_device(model, X, y) if device == DEVICE else (model, X, y)
-        la = Laplace(m, "classification", **KW, **kwargs,
-                     dense_max_dim=2048 if path == "dense" else 0)
+        set_tuning(monkeypatch, dense_max_dim=2048 if path == "dense" else 0)
+        la = Laplace(m, "classification", **KW, **kwargs)
         la.fit(DataLoader(TensorDataset(Xd, yd), batch_size=8))
         assert la.fit_path == path
         fits.append(la)
@@ -193,12 +193,12 @@ def test_cuda_sketch_equals_cpu_with_the_same_test_matrix(dtype):
 
 def test_cuda_sketch_laplace_at_full_rank_equals_cpu_streaming(monkeypatch):
     model, _, X, y = zoo_case("class_cnn", n=12)
-    cpu = Laplace(model, "classification", **KW, rank=1000, dense_max_dim=0)
+    set_tuning(monkeypatch, dense_max_dim=0)
+    cpu = Laplace(model, "classification", **KW, rank=1000)
     cpu.fit(DataLoader(TensorDataset(X, y), batch_size=8))
     m, Xd, yd = on_device(model, X, y)
     # passes of 4: one streaming merge must not cover the data, or the sketch streams
-    gpu = Laplace(m, "classification", **KW, rank=1000, solver="sketch", micro_batch_size=4,
-                  dense_max_dim=0)
+    gpu = Laplace(m, "classification", **KW, rank=1000, solver="sketch", micro_batch_size=4)
     gpu.fit(DataLoader(TensorDataset(Xd, yd), batch_size=8))
     assert gpu.fit_path == "sketch" and gpu.H[0].device.type == DEVICE
     U, lam = gpu.H
@@ -263,7 +263,8 @@ def test_auto_sketches_on_the_device_where_the_cpu_cost_model_streams():
     from torch import nn
 
     from lowrank_laplace.engine import FactorEngine
-    from lowrank_laplace.fitting.plan import plan_fit
+    from lowrank_laplace.fitting.config import FitConfig
+    from lowrank_laplace.fitting.plan import choose_plan, measure_sizes
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Flatten(),
@@ -276,9 +277,7 @@ def test_auto_sketches_on_the_device_where_the_cpu_cost_model_streams():
         Xd = X.to(device)
         with engine:
             engine.compute(Xd[:1], torch.zeros(1, dtype=torch.long, device=device))
-            plan = plan_fit(engine, Xd, batch_size=64, num_data=512, keep=120, mc_samples=0,
-                            subsample_fraction=None, memory_budget=None,
-                            micro_batch_size=None, low_memory=False, solver="auto",
-                            dense_max_dim=0, rank=100)
+            config = FitConfig(rank=100)
+            plan = choose_plan(measure_sizes(engine, Xd, 64, 512, config), config)
         paths[device] = (plan.path, plan.keep)
     assert paths == {"cpu": ("streaming", 120), DEVICE: ("sketch", 400)}

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
     shutil.which("mkdocs") is None and not (Path(sys.executable).parent / "mkdocs").exists(),
     reason="mkdocs is installed with the test extra",
 )
+@pytest.mark.slow
 def test_mkdocs_build_strict(tmp_path):
     mkdocs = shutil.which("mkdocs") or str(Path(sys.executable).parent / "mkdocs")
     proc = subprocess.run([mkdocs, "build", "--strict", "-d", str(tmp_path / "site")],

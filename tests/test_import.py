@@ -41,10 +41,12 @@ def test_import_needs_no_torch(module):
     "import lowrank_laplace\nfrom lowrank_laplace import LowRankGGNLaplace\n"
     "from laplace import Laplace\n",
 ], ids=["ours-first", "laplace-first", "laplace-submodule-first", "class-first"])
+@pytest.mark.slow
 def test_both_import_orders_register_lowrank_ggn(imports):
     _run_python(imports + BUILD)
 
 
+@pytest.mark.slow
 def test_registered_as_soon_as_laplace_is_imported():
     # no Laplace(...) call or attribute access needed: importing laplace is enough
     _run_python("import sys, lowrank_laplace, laplace\n"
@@ -61,6 +63,7 @@ def test_registered_as_soon_as_laplace_is_imported():
                 "assert not hooks, hooks  # the hook removes itself once it has run\n")
 
 
+@pytest.mark.slow
 def test_laplace_import_through_us_is_quiet_and_keeps_filters():
     # laplace-torch's import-time FutureWarning (torch.jit.script) is hidden during the
     # import only; the user's filters, -W error included, are the same afterwards
@@ -84,6 +87,7 @@ def test_public_names():
     assert ggn_eigh is lowrank_laplace.spectrum.ggn_eigh
 
 
+@pytest.mark.slow
 def test_subpackages_as_attributes():
     _run_python("import lowrank_laplace as ll\n"
                 "assert ll.posterior.LowRankPrecision is ll.LowRankPrecision\n"

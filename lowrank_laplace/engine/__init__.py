@@ -1,10 +1,4 @@
-"""Computes the GGN factor ``V`` of a mini-batch: the contract and one module per backend.
-
-:class:`~lowrank_laplace.engine.factor_engine.FactorEngine` picks the backend that
-fits the model; every backend subclasses
-:class:`~lowrank_laplace.engine.base.EngineBase` and hands the same blocks to the same
-consumers.
-"""
+"""Computes the GGN factor ``V`` of a mini-batch: ``FactorEngine`` picks the backend that fits."""
 
 from lowrank_laplace.engine.base import EngineBase
 from lowrank_laplace.engine.factor_engine import BACKENDS, FactorEngine, check_backend

@@ -1,19 +1,10 @@
-r"""What every producer of the GGN factor ``V`` shares: the seam between backends.
+"""The seam between backends: what every producer of the GGN factor ``V`` shares.
 
-A backend (BackPACK in :mod:`~lowrank_laplace.engine.backpack.backend`, torch.func in
-:mod:`~lowrank_laplace.engine.functorch`) subclasses :class:`EngineBase` and implements
-one pass, :meth:`EngineBase._pass`, that hands every trainable parameter's block
-``V^{(i)T}`` (rows ordered ``(vector, sample)``) and, on request, its per-sample
-gradients to a :class:`Collector`. The collector feeds the consumers (Gram
-matrices, kept blocks, ``V y``, ``V^T x``, diagonals, cross terms with the
-per-sample gradients) and frees what is not kept, so the Gram, merge and predictive
-code never knows which backend ran.
-
-Every backend works on a private copy of the model (without the user's hooks), into
-which the user's parameter values, buffers and modes are copied before each pass.
-
-Shape glossary:
-    N: batch size; N_S: curvature samples; C: outputs; M: columns of ``V``.
+A backend subclasses :class:`EngineBase` and implements one pass,
+:meth:`EngineBase._pass`, handing every trainable parameter's block to a
+:class:`~lowrank_laplace.engine.request.Collector`; it works on a private copy of the
+model (docs/concepts.md, "The backends"). Shapes: ``N`` batch size, ``N_S`` curvature
+samples, ``C`` outputs, ``M`` columns of ``V``.
 """
 
 from __future__ import annotations
@@ -25,39 +16,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from lowrank_laplace.engine.model_copy import private_copy, removing
 from lowrank_laplace.engine.request import Collector, Request
 from lowrank_laplace.factor import GGNFactor, factor_columns
 from lowrank_laplace.utils import batches, checks
-
-_HOOK_DICTS = (
-    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
-    "_backward_pre_hooks", "_is_full_backward_hook",
-)
-
-
-def private_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of the model without the hooks registered on its modules.
-
-    The engine's internal passes must not run the user's forward or backward hooks
-    (they would fire once per pass and see internal inputs). Global hooks
-    (``torch.nn.modules.module.register_module_forward_hook``) still apply.
-
-    Args:
-        model: The user's network (unchanged).
-
-    Returns:
-        The copy.
-    """
-    clone = copy.deepcopy(model)
-    for module in clone.modules():
-        for name in _HOOK_DICTS:
-            hooks = getattr(module, name, None)
-            if isinstance(hooks, dict):
-                hooks.clear()
-            elif name == "_is_full_backward_hook" and hooks is not None:
-                module._is_full_backward_hook = None
-    return clone
 
 
 class EngineBase:
@@ -66,20 +28,17 @@ class EngineBase:
     Args:
         model: The network; its output must have shape ``(N, C)``.
         loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss`` with mean/sum reduction.
-        eval_mode: Evaluate the private copy in eval mode whatever the model's mode
-            (as laplace-torch does when fitting); ``False`` mirrors the model's mode.
+        eval_mode: Evaluate in eval mode whatever the model's mode; ``False`` mirrors it.
     """
 
     #: The backend's name, as in ``backend=...``.
     backend = ""
-    #: Whether a pass draws its random numbers (dropout masks, MC samples) once for
-    #: ``V`` and the per-sample gradients together, so that ``V^T g`` of the batch
-    #: gradient comes from a Gram pass with ``batch_grad`` at no extra pass; else a
-    #: separate gradient pass and a replay of its draws give it.
+    #: ``V`` and the per-sample gradients share a pass's random draws (``V^T g`` needs no replay).
     gradient_in_factor_pass = False
 
     def __init__(self, model: nn.Module, loss_func: nn.Module, eval_mode: bool = False):
         checks.check_loss_func(loss_func)
+        checks.check_model_runs(model)
         self._check_model(model, eval_mode)
         self.eval_mode = eval_mode
         self.model = model
@@ -92,7 +51,6 @@ class EngineBase:
         self._copy_params = list(self._copy.parameters())
         self._index = {id(p): i for i, p in enumerate(self._copy_params)}
 
-    # ------------------------------------------------------------ backend hooks
     def _check_model(self, model: nn.Module, eval_mode: bool) -> None:
         """Refuse a model the backend cannot handle (before any pass)."""
         raise NotImplementedError
@@ -103,31 +61,22 @@ class EngineBase:
         raise NotImplementedError
 
     def _vector_entries(self, feature_sizes: List[int], one_block: bool) -> int:
-        """Entries per vector per sample that a pass holds (blocks and features)."""
+        """Entries per vector per sample a pass holds (blocks and features)."""
         raise NotImplementedError
 
     def probe(self, inputs: Any, targets: Optional[Tensor] = None) -> None:
-        """Check on one sample, before any pass, that this backend takes the model.
-
-        Draws nothing from the caller's random number generators.
+        """Check on one sample, before any pass, that the backend takes the model (no RNG draws).
 
         Args:
             inputs: A batch of inputs.
             targets: Its targets (or ``None``).
 
         Raises:
-            NotImplementedError: If the backend cannot handle the forward pass,
-                naming the module and the way out.
+            NotImplementedError: If it cannot, naming the module and the way out.
         """
 
-    # ------------------------------------------------------------------ shared
     def _sync(self, groups: Optional[List[List[int]]] = None) -> None:
-        """Copy the user's parameter values, buffers and modes into the private copy.
-
-        Args:
-            groups: The active groups (their parameters require grad); ``None``
-                mirrors the model's ``requires_grad`` flags.
-        """
+        """Copy the user's parameters, buffers and modes into the copy (``groups``: trainable)."""
         if groups is None:
             active = {i for i, p in enumerate(self.model.parameters()) if p.requires_grad}
         else:
@@ -143,16 +92,12 @@ class EngineBase:
             dst.training = False if self.eval_mode else src.training
 
     def sizing_forward(self, inputs: Any) -> Tuple[Tensor, List[int]]:
-        """Forward pass on one sample: the output and every leaf module's output size.
+        """Return the outputs ``(1, C)`` and leaf output sizes of a forward pass on one sample.
 
-        Runs in the mode the passes use and draws nothing from the caller's random
-        number generators.
+        In the passes' mode, drawing no random numbers.
 
         Args:
-            inputs: A batch of inputs (only the first sample is used).
-
-        Returns:
-            ``(outputs (1, C), output sizes of the leaf modules)``.
+            inputs: A batch of inputs.
         """
         sizes = [0]
 
@@ -165,49 +110,38 @@ class EngineBase:
         handles = [m.register_forward_hook(hook) for m in leaves]
         device = batches.batch_device(inputs)
         devices = [device] if device.type == "cuda" else []
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                outputs = self._copy(batches.take(inputs, slice(0, 1)))
-        finally:
-            for h in handles:
-                h.remove()
+        with removing(handles), torch.no_grad(), torch.random.fork_rng(devices=devices):
+            outputs = self._copy(batches.take(inputs, slice(0, 1)))
         if isinstance(outputs, Tensor) and outputs.ndim == 2:
             self.num_outputs = outputs.shape[-1]
         return outputs, sizes
 
-    def check_independent(self, inputs: Any) -> None:
-        """See :func:`check_independent_samples` (on the private copy, synchronised).
+    def check_independent(self, inputs: Any) -> bool:
+        """Return whether :func:`check_independent_samples` could check this batch (on the copy).
 
         Args:
             inputs: A batch.
         """
         self._sync()
-        check_independent_samples(self._net, inputs)
+        return check_independent_samples(self._net, inputs)
 
     def dense_param_count(self, largest: bool = False) -> int:
-        """Entries of ``V``'s rows that are stored explicitly, per column.
+        """Return the entries of ``V``'s rows stored explicitly, per column.
 
         Args:
             largest: Count only the largest single parameter's block.
-
-        Returns:
-            The count.
         """
         sizes = [0] + [p.numel() for p in self.model.parameters() if p.requires_grad]
         return max(sizes) if largest else sum(sizes)
 
     def bytes_per_sample(self, inputs: Any, num_vectors: Optional[int] = None,
                          one_block: bool = False) -> int:
-        """Estimate the memory one sample adds to a computation of ``V``.
+        """Return the estimated bytes one sample adds to a computation of ``V``.
 
         Args:
-            inputs: A batch of inputs (only the first sample is used).
-            num_vectors: Vectors per sample (``mc_samples`` for MC); ``None`` uses
-                the exact GGN's (``C``, or ``C - 1`` for cross-entropy).
+            inputs: A batch of inputs (the first sample is used).
+            num_vectors: Vectors per sample; ``None``: the exact GGN's.
             one_block: Count only the largest block (passes that keep no blocks).
-
-        Returns:
-            Estimated bytes per sample.
         """
         outputs, feature_sizes = self.sizing_forward(inputs)
         checks.check_outputs(outputs)
@@ -231,11 +165,7 @@ class EngineBase:
             raise RuntimeError("The engine is closed: create a new FactorEngine.")
 
     def _forward_loss(self, inputs: Any, targets: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-        """Forward pass of the private copy and its checked, finite loss.
-
-        ``targets=None`` (MSE only) uses zeros: the GGN of MSELoss does not depend on
-        the targets.
-        """
+        """Forward pass of the copy and its checked, finite loss (``targets=None``: zeros)."""
         outputs = self._net(inputs)
         checks.check_outputs(outputs)
         if targets is None:
@@ -247,15 +177,12 @@ class EngineBase:
 
     def gradient(self, inputs: Any, targets: Optional[Tensor],
                  param_groups: Optional[List[dict]] = None) -> List[Tensor]:
-        """The mini-batch gradient per group from a plain backward pass.
+        """Return the mini-batch gradient per group, flat, from a plain backward pass.
 
         Args:
-            inputs: Inputs, shape ``(N, ...)`` (or a dict batch).
+            inputs: Inputs ``(N, ...)`` or a dict batch.
             targets: Targets (``None`` for ``MSELoss`` uses zeros).
             param_groups: Optimizer-style groups; ``None`` is one group.
-
-        Returns:
-            One flat gradient per group, shape ``(D_g,)``.
         """
         self._check_open()
         checks.check_batch(inputs, targets)
@@ -276,28 +203,23 @@ class EngineBase:
                 subsampling: Optional[Sequence[int]] = None,
                 param_groups: Optional[List[dict]] = None,
                 request: Optional[Request] = None, **flags: Any) -> GGNFactor:
-        """Run one pass and collect ``V`` (and gradients).
+        """Return the factor (and gradients) of one pass.
 
         Args:
-            inputs: Inputs, shape ``(N, ...)``, or a dict batch passed whole to the
-                model (its tensors with ``N`` rows are split per sample).
-            targets: Targets, shape ``(N,)`` (class indices) or ``(N, C)``; ``None``
-                for ``MSELoss`` uses zeros (the GGN of MSE does not depend on them).
-            mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte-Carlo.
+            inputs: Inputs ``(N, ...)``, or a dict batch passed whole to the model (its
+                tensors with ``N`` rows are split per sample).
+            targets: Class indices ``(N,)`` or ``(N, C)``; ``None`` (``MSELoss`` only): zeros,
+                as the GGN of MSE does not depend on them.
+            mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte Carlo.
             subsampling: Indices of the samples used for the curvature.
-            param_groups: Optimizer-style groups of the model's parameters;
-                ``None`` is one group of all trainable parameters.
-            request: What the pass collects (:class:`Request`; default: the blocks).
-            **flags: The fields of a :class:`Request` instead (``keep_blocks=False,
-                compute_grams=True``, ...).
-
-        Returns:
-            The factor.
+            param_groups: Optimizer-style groups; ``None``: one of all trainable parameters.
+            request: What the pass collects (default: the blocks).
+            **flags: The fields of a :class:`Request` instead.
 
         Raises:
             RuntimeError: If the engine was closed, or a parameter got no block.
-            ValueError: For an empty request, per-group arguments of another length,
-                or ``targets`` ``None`` for a loss other than MSE.
+            ValueError: For an empty request, per-group arguments of another length, or
+                ``targets=None`` for a loss other than MSE.
         """
         self._check_open()
         request = Request(**flags) if request is None else request
@@ -317,8 +239,7 @@ class EngineBase:
                      if self._index[id(p)] in missing]
             raise RuntimeError(
                 f"The {self.backend} backend produced no GGN factor for parameters "
-                f"{names}: they do not influence the loss through layers it supports."
-            )
+                f"{names}: they do not influence the loss through layers it supports.")
         n_curv = n if subsampling is None else len(subsampling)
         self.num_outputs = outputs.shape[-1]
         return GGNFactor(
@@ -331,30 +252,74 @@ class EngineBase:
             grams=collector.grams if request.compute_grams else [], grad=grad,
             batch_grads=collector.batch_grads, projected=collector.projected,
             t_projected=collector.t_projections(), t_batch_grads=collector.t_batch,
-            diagonals=collector.diagonals, backend=self.backend,
-        )
+            diagonals=collector.diagonals, backend=self.backend)
 
 
-def check_independent_samples(net: nn.Module, inputs: Any) -> None:
+def distinct_sample(inputs: Any, n: int) -> Optional[int]:
+    """Return the index of the first sample whose inputs differ from the first's, or ``None``.
+
+    Args:
+        inputs: A tensor or dict batch.
+        n: The batch size.
+    """
+    if n < 2:
+        return None
+    rows = [inputs] if isinstance(inputs, Tensor) else [
+        v for v in inputs.values() if isinstance(v, Tensor) and v.ndim and v.shape[0] == n]
+    differs = None
+    for t in rows:
+        here = (t[1:] != t[:1]).reshape(n - 1, -1).any(1)
+        differs = here if differs is None else differs | here.to(differs.device)
+    found = [] if differs is None else differs.nonzero()
+    return int(found[0, 0]) + 1 if len(found) else None
+
+
+def perturbed_pair(inputs: Any, n: int) -> Optional[Any]:
+    """Return the first sample beside a copy with its floating-point entries shifted, or ``None``.
+
+    Args:
+        inputs: A tensor or dict batch.
+        n: The batch size.
+    """
+    pair = batches.take(inputs, [0, 0], n)
+    entries = {None: pair} if isinstance(pair, Tensor) else {
+        k: v for k, v in pair.items()
+        if isinstance(inputs[k], Tensor) and inputs[k].ndim and inputs[k].shape[0] == n}
+    shifted = False
+    for key, t in entries.items():
+        if not t.is_floating_point():
+            continue
+        x = t[1]
+        ramp = torch.linspace(1.0, 2.0, x.numel(), dtype=x.dtype, device=x.device)
+        t = torch.stack([t[0], x + 0.5 * (1.0 + x.abs().max()) * ramp.reshape(x.shape)])
+        shifted = True
+        if key is None:
+            return t
+        pair[key] = t
+    return pair if shifted else None
+
+
+def check_independent_samples(net: nn.Module, inputs: Any) -> bool:
     """Refuse a batch whose first sample's outputs depend on the other samples.
 
-    Per-sample curvature needs ``f(x_n)`` to depend on row ``n`` only: the first
-    sample's outputs alone and next to the second are compared (in eval mode, without
-    drawing from the caller's generators; the modes are restored).
+    Its outputs alone and beside a distinct sample (:func:`distinct_sample`, else
+    :func:`perturbed_pair`) are compared in eval mode, drawing no random numbers.
 
     Args:
         net: The network.
-        inputs: A batch (fewer than two samples pass).
+        inputs: A batch.
+
+    Returns:
+        Whether the batch was checked (``False``: no distinct sample, check a later one).
 
     Raises:
-        ValueError: For coupled samples (batch statistics in the forward pass, or a
-            dict entry shared by the whole batch whose first dimension equals the
-            batch size), naming the dict entries with one row per sample.
+        ValueError: For coupled samples, naming the dict entries split per sample.
     """
     n = batches.batch_size(inputs)
-    if n < 2:
-        return
-    first = batches.take(inputs, slice(0, 2), n)
+    j = distinct_sample(inputs, n)
+    first = batches.take(inputs, [0, j], n) if j is not None else perturbed_pair(inputs, n)
+    if first is None:
+        return False
     modes = [m.training for m in net.modules()]
     net.eval()
     device = batches.batch_device(inputs)
@@ -369,11 +334,11 @@ def check_independent_samples(net: nn.Module, inputs: Any) -> None:
             module.training = mode
     if not isinstance(both, Tensor) or both.ndim != 2 or not both.is_floating_point() \
             or not bool(torch.isfinite(both).all()):
-        return  # check_outputs and check_finite name the problem
+        return True  # check_outputs and check_finite name the problem
     both, alone = both[0], alone[0]
     tol = max(1e-4, 50 * torch.finfo(both.dtype).eps) * (float(both.abs().max()) + 1.0)
     if float((both - alone).abs().max()) <= tol:
-        return
+        return True
     per_sample = []
     if isinstance(inputs, MutableMapping):
         per_sample = [k for k, v in inputs.items()
@@ -385,5 +350,4 @@ def check_independent_samples(net: nn.Module, inputs: Any) -> None:
         + (f"; entries split per sample: {per_sample}" if per_sample else "")
         + "): per-sample curvature needs independent samples. Give a shared entry a "
         "first dimension other than the batch size (e.g. unsqueeze(0)), or keep it "
-        "in the model."
-    )
+        "in the model.")

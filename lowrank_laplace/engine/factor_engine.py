@@ -1,28 +1,7 @@
-r"""Computes the GGN factor ``V`` of a mini-batch with the backend that fits the model.
+"""Computes the GGN factor ``V`` of a mini-batch with the backend that fits the model.
 
-Three backends produce the same per-parameter blocks of ``V`` for the same consumers
-(:mod:`~lowrank_laplace.engine.base`):
-
-* ``'backpack'`` (:mod:`~lowrank_laplace.engine.backpack.backend`): one BackPACK backward
-  pass, blocks freed layer by layer, linear weights kept factored. It takes models
-  built from modules BackPACK knows, each called once, without tied parameters.
-* ``'hooks'`` (:mod:`~lowrank_laplace.engine.hooks`): one forward pass of the batch and
-  one backward pass per loss-Hessian column, with the trainable layers' inputs and
-  output vectors recorded by hooks. It takes models whose trainable parameters sit in
-  linear, embedding and norm layers, whatever frozen modules (attention in any
-  kernel, custom modules) sit between them: LoRA adapters, heads, norms.
-* ``'functorch'`` (:mod:`~lowrank_laplace.engine.functorch`): vmapped vector-Jacobian
-  products of the loss-Hessian factor's columns; any model torch.func
-  differentiates (LayerNorm, attention, embeddings, LSTM, tied weights, functional
-  operations, dict inputs).
-
-``backend='auto'`` (the default) takes the first of these, in this order, that
-accepts the model (checked statically, then on the first batch); the engine's
-:attr:`FactorEngine.backend` and every factor's ``backend`` say which one ran.
-
-Shape glossary:
-    N: batch size; N_S: number of curvature samples (``len(subsampling)`` or N).
-    C: model outputs; M: columns of ``V`` (``C * N_S`` exact, ``mc_samples * N_S``).
+``'backpack'``, ``'hooks'`` and ``'functorch'`` produce the same blocks; ``'auto'`` takes
+the first, in this order, that accepts the model (docs/concepts.md, "The backends").
 """
 
 from __future__ import annotations
@@ -41,8 +20,7 @@ from lowrank_laplace.utils import batches, checks
 
 #: Values of the ``backend`` argument.
 BACKENDS = ("auto", "backpack", "hooks", "functorch")
-#: The backends each value tries, in order: ``'auto'`` takes the first that accepts
-#: the model (checked statically, then on the first sample).
+#: The backends each value tries, in order.
 CANDIDATES = {
     "auto": (BackpackEngine, HooksEngine, FuncEngine),
     "backpack": (BackpackEngine,),
@@ -52,13 +30,10 @@ CANDIDATES = {
 
 
 def check_backend(backend: str) -> str:
-    """Validate a ``backend`` argument.
+    """Return a valid ``backend`` argument (one of :data:`BACKENDS`).
 
     Args:
-        backend: ``'auto'``, ``'backpack'``, ``'hooks'`` or ``'functorch'``.
-
-    Returns:
-        The name.
+        backend: The value given.
 
     Raises:
         ValueError: For another value.
@@ -69,23 +44,16 @@ def check_backend(backend: str) -> str:
 
 
 class FactorEngine:
-    """Computes :class:`GGNFactor` objects for a model without touching it.
-
-    The engine works on a private copy of the model (without the user's hooks) and
-    copies the user's current parameter values, buffers and modes into it before
-    every computation; the user's model keeps its parameters, mode,
-    ``requires_grad`` flags and hooks, and gets no new ones.
+    """Computes :class:`GGNFactor` objects for a model without touching it (a private copy).
 
     Args:
         model: The network; its output must have shape ``(N, C)``.
         loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss`` with mean/sum reduction.
-        eval_mode: Evaluate the private copy in eval mode whatever the model's mode
-            (as laplace-torch does when fitting); ``False`` mirrors the model's mode.
-        backend: ``'auto'``, ``'backpack'``, ``'hooks'`` or ``'functorch'`` (see the module
-            docstring).
+        eval_mode: Evaluate in eval mode (as laplace-torch's fits); ``False`` mirrors the model.
+        backend: ``'auto'``, ``'backpack'``, ``'hooks'`` or ``'functorch'``.
 
     Attributes:
-        rejected: Why ``'auto'`` passed over each backend it did not choose.
+        rejected: Why ``'auto'`` passed over each backend: name -> reason.
     """
 
     def __init__(self, model: nn.Module, loss_func: nn.Module, eval_mode: bool = False,
@@ -93,12 +61,10 @@ class FactorEngine:
         self.requested_backend = check_backend(backend)
         checks.check_loss_func(loss_func)
         self.model, self.loss_func, self.eval_mode = model, loss_func, eval_mode
-        #: Why ``'auto'`` passed over a backend: name -> the reason it gave.
         self.rejected: Dict[str, str] = {}
         self._closed = False
         if backend == "auto":
             checks.check_batchnorm_mode(model, eval_mode)
-        #: The backends still to try, in order of preference.
         self._candidates: List[Type[EngineBase]] = list(CANDIDATES[backend])
         self._impl: EngineBase = self._next_backend(None)
         self._confirmed = len(self._candidates) == 0
@@ -115,8 +81,16 @@ class FactorEngine:
                 return cls(self.model, self.loss_func, self.eval_mode)
             except NotImplementedError as err:
                 if not self._candidates:
-                    raise
+                    raise self._refused_by_all(err) from err
                 self.rejected[cls.backend] = str(err)
+
+    def _refused_by_all(self, err: NotImplementedError) -> NotImplementedError:
+        """The last candidate's refusal, with the reasons of those passed over before."""
+        if not self.rejected:
+            return err
+        others = "; ".join(f"{name}: {why}" for name, why in self.rejected.items())
+        return NotImplementedError(f"{err} (No other backend takes the model either: "
+                                   f"{others})")
 
     @property
     def backpack_problem(self) -> Optional[str]:
@@ -125,11 +99,7 @@ class FactorEngine:
 
     @property
     def backend(self) -> str:
-        """The backend in use: ``'backpack'``, ``'hooks'`` or ``'functorch'``.
-
-        With ``'auto'``, BackPACK is confirmed on the first batch; before that the
-        name is the one chosen from the model alone.
-        """
+        """The backend in use (before the first batch, the one chosen from the model alone)."""
         return self._impl.backend
 
     @property
@@ -138,20 +108,20 @@ class FactorEngine:
         return self._impl.gradient_in_factor_pass
 
     def _engine(self, inputs: Any, targets: Any = None) -> EngineBase:
-        """The backend for these inputs (``'auto'`` probes each candidate on the first)."""
+        """The backend for these inputs (``'auto'`` probes the candidates on the first)."""
         if self._closed:
             raise RuntimeError("The engine is closed: create a new FactorEngine.")
         checks.check_batch(inputs, targets)
-        if not self._independence_checked:
-            self._impl.check_independent(inputs)
-            self._independence_checked = True
+        if not self._independence_checked:  # until a batch has two distinct samples
+            self._independence_checked = self._impl.check_independent(inputs)
         while not self._confirmed:
             try:
                 self._impl.probe(inputs, targets)
                 self._confirmed = True
             except NotImplementedError as err:
+                if not self._candidates:
+                    raise self._refused_by_all(err) from err
                 self._impl = self._next_backend(err)
-                self._confirmed = not self._candidates
         return self._impl
 
     @property
@@ -160,48 +130,30 @@ class FactorEngine:
         return self._impl.num_outputs
 
     def dense_param_count(self, largest: bool = False) -> int:
-        """Entries of ``V``'s rows stored explicitly per column (see the backends).
-
-        Args:
-            largest: Count only the largest single parameter's block.
-
-        Returns:
-            The count.
-        """
+        """See :meth:`EngineBase.dense_param_count` (of the backend in use)."""
         return self._impl.dense_param_count(largest)
 
     def bytes_per_sample(self, inputs: Any, num_vectors: Optional[int] = None,
                          one_block: bool = False) -> int:
-        """:meth:`EngineBase.bytes_per_sample` of the backend for these inputs.
-
-        Args:
-            inputs: A batch of inputs (only the first sample is used).
-            num_vectors: See :meth:`EngineBase.bytes_per_sample`.
-            one_block: See :meth:`EngineBase.bytes_per_sample`.
-
-        Returns:
-            Estimated bytes per sample.
-        """
+        """See :meth:`EngineBase.bytes_per_sample` (of the backend for ``inputs``)."""
         return self._engine(inputs).bytes_per_sample(inputs, num_vectors, one_block)
 
     def check_memory(self, inputs: Any, subsampling: Optional[List[int]], mc_samples: int,
                      low_memory: bool, caller: str) -> None:
         """Refuse, before any backward pass, a ``V`` the device cannot hold.
 
-        The estimate (:meth:`bytes_per_sample` times the curvature samples) counts
-        all of ``V``, or with ``low_memory`` the largest block a pass holds, and is
-        compared with what the device can still allocate.
+        The estimate is :meth:`bytes_per_sample` (with ``low_memory``: of the largest block)
+        times the curvature samples.
 
         Args:
             inputs: The batch.
             subsampling: Curvature samples (``None``: all).
             mc_samples: ``0`` (exact) or Monte-Carlo samples per data point.
-            low_memory: Whether the passes hold one block of ``V`` at a time.
+            low_memory: The passes hold one block of ``V`` at a time.
             caller: The function's name, for the message.
 
         Raises:
-            MemoryError: If the estimate exceeds the available memory, naming the
-                ways out.
+            MemoryError: If the estimate exceeds the available memory, naming the ways out.
         """
         n = checks.check_batch(inputs, None)
         n = len(subsampling) if subsampling is not None else n
@@ -221,36 +173,15 @@ class FactorEngine:
         raise MemoryError(
             f"{caller}: {'the largest block of ' if low_memory else ''}V for {n} samples "
             f"needs about {need / gib:.1f} GiB, but {device.type} has {free / gib:.1f} GiB "
-            f"available. Ways out: {ways}."
-        )
+            f"available. Ways out: {ways}.")
 
     def gradient(self, inputs: Any, targets: Any,
                  param_groups: Optional[List[dict]] = None) -> list:
-        """The mini-batch gradient per group (see :meth:`EngineBase.gradient`).
-
-        Args:
-            inputs: Inputs (tensor or dict batch).
-            targets: Targets (``None`` for ``MSELoss`` uses zeros).
-            param_groups: Optimizer-style groups; ``None`` is one group.
-
-        Returns:
-            One flat gradient per group, shape ``(D_g,)``.
-        """
+        """See :meth:`EngineBase.gradient` (of the backend for ``inputs``)."""
         return self._engine(inputs, targets).gradient(inputs, targets, param_groups)
 
     def compute(self, inputs: Any, targets: Any, *args: Any, **kwargs: Any) -> GGNFactor:
-        """One pass collecting ``V`` (see :meth:`EngineBase.compute` for the options).
-
-        Args:
-            inputs: Inputs, shape ``(N, ...)``, or a dict batch passed whole to the
-                model.
-            targets: Targets (``None`` for ``MSELoss`` uses zeros).
-            *args: Positional options of :meth:`EngineBase.compute`.
-            **kwargs: Keyword options of :meth:`EngineBase.compute`.
-
-        Returns:
-            The factor.
-        """
+        """See :meth:`EngineBase.compute` (of the backend for ``inputs``)."""
         return self._engine(inputs, targets).compute(inputs, targets, *args, **kwargs)
 
     def gram_and_projection(self, inputs: Any, targets: Any, mc_samples: int,
@@ -259,27 +190,20 @@ class FactorEngine:
                             coefficients: Callable[[GGNFactor], List[Tensor]],
                             replay: Optional[RNGReplay] = None, **first: Any
                             ) -> Tuple[GGNFactor, GGNFactor]:
-        """Two passes that never hold all of ``V``: Gram matrices, then ``V y``.
+        """Return the factors of two passes never holding all of ``V``: Gram matrices, then ``V y``.
 
-        The first pass accumulates each group's Gram matrix (and what ``first``
-        requests, e.g. ``t_project``) block by block; ``coefficients`` turns its
-        factor into one ``y`` per group; the second pass forms ``V y`` block by block
-        with the first pass's random draws (MC samples, dropout masks) replayed.
+        ``coefficients`` turns the first factor into ``y`` per group; the second pass, whose
+        factor holds ``projected``, replays the first's random draws.
 
         Args:
-            inputs: Inputs (tensor or dict batch).
+            inputs: Inputs.
             targets: Targets.
             mc_samples: ``0`` (exact) or Monte-Carlo samples.
             subsampling: Curvature sample indices or ``None``.
             param_groups: Optimizer-style groups; ``None`` is one group.
-            coefficients: Maps the first pass's factor to ``y`` per group, ``(M, K)``.
+            coefficients: The first pass's factor -> ``y`` ``(M, K)`` per group.
             replay: The draws to replay (default: those of the first pass, from now).
-            **first: More :class:`~lowrank_laplace.engine.base.Request` fields of the
-                first pass.
-
-        Returns:
-            ``(first, second)``: the Gram pass's factor and the one holding
-            ``projected``.
+            **first: More :class:`~lowrank_laplace.engine.request.Request` fields of the first pass.
         """
         replay = RNGReplay(batches.batch_device(inputs)) if replay is None else replay
         args = (inputs, targets, mc_samples, subsampling, param_groups)

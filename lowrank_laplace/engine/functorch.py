@@ -1,30 +1,11 @@
-r"""The torch.func backend: ``V`` from vmapped vector-Jacobian products.
+"""The torch.func backend: ``V`` from vmapped vector-Jacobian products (docs/concepts.md).
 
-For every sample ``n`` the per-sample loss-Hessian factor ``S_n`` (``C x V``, the
-same as BackPACK's: ``C - 1`` columns for exact cross-entropy, ``sqrt(2/C) I`` or
-``sqrt 2 I`` for MSE, ``M`` sampled columns for Monte-Carlo) is pulled back through
-the network by one vector-Jacobian product per column,
-``v_{nc} = sqrt(rho) J_n^T s_{nc}``, vmapped over the columns and over the samples
-of a chunk; one more cotangent, the gradient of the sample's loss, gives the
-per-sample gradients from the same pass. Each trainable parameter tensor gets one
-:class:`~lowrank_laplace.factor.blocks.DenseBlock` (rows ordered ``(vector, sample)`` as
-in the BackPACK backend), handed to the same consumers. The weight of an
-``nn.Linear`` called once on vector inputs stays factored as a
-:class:`~lowrank_laplace.factor.blocks.KronBlock`: a zero shift added to the layer's output
-is differentiated instead of the weight, giving the output vectors ``s``, and the
-layer's inputs ``z`` come back from the same pass (checked on the first sample against
-the expanded rows, which also catches a weight reused outside its layer).
-
-``torch.func.functional_call`` over the model's deduplicated named parameters makes
-tied weights exact (the block of a shared parameter sums its uses), and any module
-torch.func differentiates works: LayerNorm, GELU, attention with masks,
-embeddings, LSTM, user modules, functional operations, dict inputs. Unlike BackPACK,
-this backend holds a micro-batch's whole ``V`` (expanded except for factored linear
-weights), so its ``memory_budget`` buys fewer samples per pass.
-
-Shape glossary:
-    N: batch size; N_S: curvature samples; N_c: samples of a chunk.
-    C: outputs; V: vectors per sample; d: entries of one parameter.
+Each sample's loss-Hessian factor columns, and its loss gradient for the per-sample
+gradients, are pulled back by one VJP each, vmapped over columns and the samples of a
+chunk; a parameter's rows become a :class:`~lowrank_laplace.factor.blocks.DenseBlock`,
+except an ``nn.Linear`` weight called once on vector inputs, which stays a
+:class:`~lowrank_laplace.factor.blocks.KronBlock`. Tied weights are exact. Shapes:
+``N_c`` samples of a chunk, ``V`` vectors per sample.
 """
 
 from __future__ import annotations
@@ -41,28 +22,25 @@ from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_map
 
 from lowrank_laplace.engine.base import EngineBase
+from lowrank_laplace.engine.model_copy import removing
 from lowrank_laplace.engine.request import Collector
 from lowrank_laplace.engine.rng import rng_state, set_rng_state
 from lowrank_laplace.factor.blocks import DenseBlock, KronBlock
 from lowrank_laplace.factor.loss_sqrt import factor_columns, hessian_sqrt, per_sample_scale
 from lowrank_laplace.utils import batches, checks
 
-#: Bytes the vmapped products of one chunk may take (intermediates included). Larger
-#: chunks amortise vmap's overhead, and writing the rows in place instead of
-#: concatenating chunks saves more; the Gram pass still stays slower than BackPACK's
-#: (docs/benchmarks/design_measurements.md).
+#: Bytes of a chunk's vmapped products (docs/benchmarks/design_measurements.md).
 CHUNK_BUDGET = 2**30
 
 
 class FuncEngine(EngineBase):
-    """The torch.func backend of :class:`~lowrank_laplace.engine.FactorEngine`.
+    """The torch.func backend (arguments as :class:`~lowrank_laplace.engine.base.EngineBase`'s).
 
     Args:
-        model: The network; its output must have shape ``(N, C)``.
-        loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss`` with mean/sum reduction.
-        eval_mode: Evaluate in eval mode whatever the model's mode.
-        chunk_budget: Bytes one chunk of vmapped products may take; sets the
-            samples per chunk.
+        model: The network.
+        loss_func: The loss module.
+        eval_mode: Evaluate in eval mode.
+        chunk_budget: Bytes one chunk of vmapped products may take.
     """
 
     backend = "functorch"
@@ -75,13 +53,9 @@ class FuncEngine(EngineBase):
         self._aliases = _aliases(self._copy)
         self.chunk_budget = chunk_budget
         self._features: Optional[int] = None  # sum of leaf output sizes of one sample
-        #: ``nn.Linear`` weights whose blocks stay factored (name -> module), found on the
-        #: first batch: the products pull back only the vectors ``s`` at its output.
-        self._factored: Dict[str, nn.Module] = {}
-        #: Whether the samples are vmapped (``False``: looped, for models vmap cannot
-        #: batch such as ``nn.LSTM``); decided on the first batch.
+        self._factored: Dict[str, nn.Module] = {}  # factored nn.Linear weights, by name
+        #: Whether the samples are vmapped (else looped); decided on the first batch.
         self.vectorize = True
-        #: Recurrent layers run without cuDNN under torch.func (see ``_plain_rnn``).
         self._has_rnn = any(isinstance(m, nn.RNNBase) for m in self._copy.modules())
 
     def _check_model(self, model: nn.Module, eval_mode: bool) -> None:
@@ -89,14 +63,7 @@ class FuncEngine(EngineBase):
         _refuse_prelu(model)
 
     def dense_param_count(self, largest: bool = False) -> int:
-        """Entries of ``V``'s rows stored per column (factored linear weights: out + in).
-
-        Args:
-            largest: Count only the largest single parameter's block.
-
-        Returns:
-            The count.
-        """
+        """See :meth:`EngineBase.dense_param_count`; factored weights count ``out + in``."""
         sizes = [0] + [sum(p.shape) if name in self._factored else p.numel()
                        for name, p in zip(self._names, self.model.parameters())
                        if p.requires_grad]
@@ -106,15 +73,8 @@ class FuncEngine(EngineBase):
         # all of V is held (no factored layers), plus the products' intermediates
         return self.dense_param_count() + sum(feature_sizes)
 
-    # ------------------------------------------------------------- the pass
     def probe(self, inputs: Any, targets: Optional[Tensor] = None) -> None:
-        """Run the products on one sample; explain what torch.func cannot do.
-
-        See :meth:`~lowrank_laplace.engine.base.EngineBase.probe` for the contract.
-
-        Raises:
-            NotImplementedError: Naming the module where torch.func failed.
-        """
+        """See :meth:`EngineBase.probe`: the products on one sample, vmapped else looped."""
         outputs, sizes = self.sizing_forward(inputs)
         checks.check_outputs(outputs)
         if targets is not None:  # a target error is not a torch.func failure
@@ -137,42 +97,32 @@ class FuncEngine(EngineBase):
         y = outputs.new_zeros(1, outputs.shape[1]) if targets is None else targets[:1]
         self._sync()
         params, aliases = self._param_dicts(None)
-        try:
-            # train-mode dropout draws here from a forked generator: the caller's
-            # draws (and so the replay of low-memory passes) do not see the probe
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                    warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                for vectorize in (True, False):
-                    self.vectorize = vectorize
-                    stack.clear()
-                    try:
-                        self._products(first, y, params, aliases, 0, True, 1, 1, {})
-                        break
-                    except Exception:  # noqa: BLE001 - vmap failed: one sample at a time
-                        if vectorize:
-                            continue
-                        raise
-                self._factored = self._factorable(first, y, params, aliases, device)
-            _warn_if_looping(caught, self.vectorize)
-        except Exception as err:  # noqa: BLE001 - re-raised with the module named
-            raise _cannot_differentiate(err, stack[-1] if stack else "") from err
-        finally:
-            for h in handles:
-                h.remove()
+        with removing(handles):
+            try:
+                # train-mode dropout draws from a forked generator: the caller's do not move
+                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                        warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    for vectorize in (True, False):
+                        self.vectorize = vectorize
+                        stack.clear()
+                        try:
+                            self._products(first, y, params, aliases, 0, True, (1, 1), {})
+                            break
+                        except Exception:  # noqa: BLE001 - vmap failed: one sample at a time
+                            if vectorize:
+                                continue
+                            raise
+                    self._factored = self._factorable(first, y, params, aliases, device)
+                _warn_if_looping(caught, self.vectorize)
+            except Exception as err:  # noqa: BLE001 - re-raised with the module named
+                raise _cannot_differentiate(err, stack[-1] if stack else "") from err
         self._features = sum(sizes)
 
     def _factorable(self, first: Any, y: Tensor, params: Dict[str, Tensor],
                     aliases: Dict[str, List[str]], device: torch.device
                     ) -> Dict[str, nn.Module]:
-        """Linear weights whose factored blocks equal the expanded ones on a sample.
-
-        A weight qualifies if its layer is called once on a ``(1, in)`` input and the
-        weight is used nowhere else (checked numerically: a weight reused outside
-        its layer, e.g. tied through ``F.linear``, gives different rows). Both
-        products draw the same dropout masks. Draws from the global generator: the
-        caller forks it.
-        """
+        """Linear weights called once per sample, factored rows equal to expanded (draws RNG)."""
         names = {id(p): name for name, p in zip(self._names, self._copy_params)}
         candidates, calls = {}, {}
         for module in self._copy.modules():
@@ -180,44 +130,35 @@ class FuncEngine(EngineBase):
             if isinstance(module, nn.Linear) and name in params and len(aliases[name]) == 1:
                 candidates[name] = module
 
-        def count(module, inp, out):
-            calls[module] = calls.get(module, 0) + (1 if inp[0].ndim == 2 else 2)
+        def count(module, inp, out):  # once, on the sample's one row
+            once = inp[0].ndim == 2 and inp[0].shape[0] == 1
+            calls[module] = calls.get(module, 0) + (1 if once else 2)
 
         handles = [m.register_forward_hook(count) for m in candidates.values()]
-        try:
-            with torch.no_grad():
-                self._copy(first)
-        finally:
-            for h in handles:
-                h.remove()
+        with removing(handles), torch.no_grad():
+            self._copy(first)
         candidates = {n: m for n, m in candidates.items() if calls.get(m) == 1}
         if not candidates:
             return {}
         state = rng_state(device)
-        _, plain, _ = self._products(first, y, params, aliases, 0, True, 1, 1, {})
+        _, plain, _ = self._products(first, y, params, aliases, 0, True, (1, 1), {})
         set_rng_state(state, device)
-        _, rows, zs = self._products(first, y, params, aliases, 0, True, 1, 1, candidates)
+        _, rows, zs = self._products(first, y, params, aliases, 0, True, (1, 1), candidates)
         return {n: m for n, m in candidates.items()
                 if torch.allclose(plain[n].flatten(2),
                                   (rows[n][..., None] * zs[n][:, None, None, :]).flatten(2))}
 
     def _param_dicts(self, groups: Optional[List[List[int]]]):
-        """The differentiated parameters of the private copy by name, and their aliases."""
+        """The differentiated parameters of the copy by name, and their aliases."""
         params = {name: p.detach() for name, p in zip(self._names, self._copy_params)
                   if p.requires_grad}
         return params, {name: self._aliases[name] for name in params}
 
     def _products(self, inputs: Any, targets: Optional[Tensor], params: Dict[str, Tensor],
                   aliases: Dict[str, List[str]], mc_samples: int, curvature: bool,
-                  rho_grad: float, rho_curv: float, factored: Dict[str, nn.Module]
+                  rho: Tuple[float, float], factored: Dict[str, nn.Module]
                   ) -> Tuple[Tensor, Dict[str, Tensor], Dict[str, Tensor]]:
-        """Outputs, product rows ``(N_c, V + 1, *shape)`` and factored layers' inputs.
-
-        The first ``V`` rows (with ``curvature``; else none) are ``sqrt(rho_curv) J_n^T
-        s_{nv}``, the last is the per-sample gradient ``rho_grad J_n^T grad l_n``. For a
-        weight in ``factored`` the rows are the vectors at its layer's output,
-        ``(N_c, V + 1, out)``, and its inputs are returned, ``(N_c, in)``.
-        """
+        """Outputs, rows ``(N_c, V + 1, ...)`` (``rho``-scaled VJPs of ``s`` and ``g``), inputs."""
         n = batches.batch_size(inputs)
         model, loss = self._copy, self.loss_func
         mse = isinstance(loss, nn.MSELoss)
@@ -238,26 +179,23 @@ class FuncEngine(EngineBase):
         def sample(x, y, nz):
             def f(p, delta):
                 batched = tree_map(lambda t: t.unsqueeze(0) if isinstance(t, Tensor) else t, x)
-                # a tied parameter is swapped in under each owning module's name, each
-                # (module, attribute) once; frozen parameters and buffers stay in place
+                # a tied parameter goes in under each owning module's name, once each
                 full = {alias: p[name] for name, names in aliases.items() if name in p
                         for alias in names}
                 full.update(fixed)
                 inputs_of = {}
-                handles = [module.register_forward_hook(_shift_hook(name, delta, inputs_of))
+                # before the user's forward hooks, which act on the shifted output
+                handles = [module.register_forward_hook(_shift_hook(name, delta, inputs_of),
+                                                        prepend=True)
                            for name, module in factored.items()]
-                try:
-                    with _plain_rnn(self._has_rnn):
-                        out = functional_call(model, full, (batched,), tie_weights=False)
-                finally:
-                    for h in handles:
-                        h.remove()
+                with removing(handles), _plain_rnn(self._has_rnn):
+                    out = functional_call(model, full, (batched,), tie_weights=False)
                 return out.squeeze(0), {k: z.squeeze(0) for k, z in inputs_of.items()}
 
             out, pull, zs = vjp(f, free, shifts, has_aux=True)
-            rows = [rho_grad * _output_gradient(loss, out, y)[None]]
+            rows = [rho[0] * _output_gradient(loss, out, y)[None]]
             if curvature:
-                rows.insert(0, rho_curv**0.5 * hessian_sqrt(
+                rows.insert(0, rho[1]**0.5 * hessian_sqrt(
                     loss, out[None], mc_samples, None if nz is None else nz[None])[:, 0])
             cotangents = torch.cat(rows)
             if vectorize:
@@ -318,9 +256,8 @@ class FuncEngine(EngineBase):
                     warnings.filterwarnings("ignore", message=_NO_BATCHING_RULE)
                     out, rows, zs = self._products(
                         batches.take(inputs, idx, n), targets[idx], params, aliases,
-                        mc_samples, curvature, 1 / n if mean else 1.0,
-                        1 / len(curv) if mean else 1.0, factored,
-                    )
+                        mc_samples, curvature,
+                        (1 / n if mean else 1.0, 1 / len(curv) if mean else 1.0), factored)
                 outputs[idx] = out
                 for name, z in zs.items():
                     z_rows[name][idx] = z
@@ -354,20 +291,7 @@ class FuncEngine(EngineBase):
 
 @contextlib.contextmanager
 def _plain_rnn(has_rnn: bool):
-    """Run recurrent layers without cuDNN, whose kernels torch.func cannot trace.
-
-    Under ``functional_call`` an ``nn.LSTM`` / ``nn.GRU`` on CUDA re-flattens its
-    weights for cuDNN, which reads the data pointers of torch.func's wrapped tensors
-    and fails. Without cuDNN the layers run PyTorch's own cells, whose derivatives
-    torch.func composes. Only ``torch.backends.cudnn.enabled`` changes, and only for
-    models with recurrent layers; it is restored on exit.
-
-    Args:
-        has_rnn: Whether the model has recurrent layers.
-
-    Yields:
-        Nothing.
-    """
+    """Run RNNs (``has_rnn``) without cuDNN, whose weight flattening fails on torch.func tensors."""
     before = torch.backends.cudnn.enabled
     if has_rnn:
         torch.backends.cudnn.enabled = False
@@ -378,11 +302,7 @@ def _plain_rnn(has_rnn: bool):
 
 
 def _shift_hook(name: str, delta: Dict[str, Tensor], inputs_of: Dict[str, Tensor]):
-    """Forward hook adding a zero shift to a layer's output and keeping its input.
-
-    The gradient w.r.t. the shift is the vector ``s`` at the layer's output, so the
-    layer's weight block is ``s z^T`` without expanding it.
-    """
+    """Forward hook adding a zero shift (its gradient: ``s``) to an output; keeps the input."""
     def hook(module, inp, out):
         inputs_of[name] = inp[0]
         return out + delta[name]
@@ -391,13 +311,7 @@ def _shift_hook(name: str, delta: Dict[str, Tensor], inputs_of: Dict[str, Tensor
 
 
 def _aliases(model: nn.Module) -> Dict[str, List[str]]:
-    """Canonical parameter name -> its names under every distinct owning module.
-
-    ``named_parameters`` lists a shared parameter once; ``functional_call`` must
-    replace it in every module that owns it, but only once per module object (a
-    module registered under two names would otherwise be restored to the wrong
-    tensor).
-    """
+    """Parameter name -> its names under each owning module object, once each (functional_call)."""
     canonical = {id(p): name for name, p in model.named_parameters()}
     aliases: Dict[str, List[str]] = {name: [] for name in canonical.values()}
     for prefix, module in model.named_modules():
@@ -434,24 +348,17 @@ def _cannot_differentiate(err: Exception, module: str) -> NotImplementedError:
         "path to the outputs). Ways out: rewrite that module, compute "
         "the curvature of the layers after it only (laplace-torch's "
         "subset_of_weights='last_layer', or param_groups), or use a model "
-        "BackPACK supports (backend='backpack')."
-    )
+        "BackPACK supports (backend='backpack').")
 
 
+#: The words of the warning that samples are looped (a ``warnings.filterwarnings`` pattern).
+LOOPING = ".*so the functorch backend computes V one sample at a time"
 #: torch.func's warning that an operation has no batching rule (it then loops).
 _NO_BATCHING_RULE = "There is a performance drop because we have not yet implemented"
-#: The looping warnings given so far (each is given once: fit, predictive and prior
-#: tuning each build an engine, and the user needs to hear it only once).
-_LOOP_WARNINGS: set = set()
 
 
 def _warn_if_looping(caught: list, vectorized: bool) -> None:
-    """Say so once where the samples are looped instead of batched; re-emit the rest.
-
-    ``vmap`` runs an operation without a batching rule (fused attention kernels,
-    for one) one sample at a time, and a model vmap cannot batch at all is looped
-    here: both are slow, and the user should hear it from us, once.
-    """
+    """Warn once (the fit's engine) where samples are looped, not batched; re-emit the rest."""
     loops = set()
     for w in caught:
         found = re.search(r"batching rule for (\S+?)\.", str(w.message))
@@ -461,15 +368,13 @@ def _warn_if_looping(caught: list, vectorized: bool) -> None:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     what = (f"torch.func has no batching rule for {', '.join(sorted(loops))}"
             if vectorized else "torch.func cannot vmap this model")
-    if (loops or not vectorized) and what not in _LOOP_WARNINGS:  # once per process
-        _LOOP_WARNINGS.add(what)
+    if loops or not vectorized:
         warnings.warn(
             f"{what}, so the functorch backend computes V one sample at a time (slow). "
             "The hooks backend needs no vmap: it takes models whose trainable "
             "parameters are linear, embedding or norm layers (e.g. LoRA adapters and "
             "heads over a frozen model); 'eager' attention also batches.",
-            UserWarning, stacklevel=6,
-        )
+            UserWarning, stacklevel=1)
 
 
 def _refuse_prelu(model: nn.Module) -> None:
@@ -480,5 +385,4 @@ def _refuse_prelu(model: nn.Module) -> None:
             f"The functorch backend cannot batch nn.PReLU (layers {prelu}) correctly. "
             "The hooks backend takes PReLU where every trainable parameter sits in "
             "linear, embedding, norm or PReLU layers; else freeze the slopes into "
-            "nn.LeakyReLU(negative_slope=...)."
-        )
+            "nn.LeakyReLU(negative_slope=...).")

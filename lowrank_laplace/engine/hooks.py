@@ -1,30 +1,10 @@
-r"""The hooks backend: ``V`` from batched backward passes, without per-sample vmap.
+"""The hooks backend: ``V`` from batched backward passes, without vmap (docs/concepts.md).
 
-For models whose *trainable* parameters all sit in layers of known per-sample
-structure (``nn.Linear`` and Hugging Face's ``Conv1D`` weights and biases,
-``nn.Embedding`` weights, ``nn.LayerNorm`` and RMSNorm affine parameters, ``nn.PReLU``
-slopes: LoRA adapters, classification heads, norms), whatever frozen modules sit
-between them (attention in any kernel, SDPA and flash included, rotary embeddings, custom
-modules). One forward pass of the whole
-batch records each trainable layer's input ``a`` and adds a zero shift to its output;
-one backward pass per column of the loss-Hessian square root (``C``, ``C - 1`` or
-``M``) gives the vectors ``g = J^T s`` at every layer's output as the gradient w.r.t.
-the shift; autograd only backpropagates through the frozen modules. A sample's block
-row is then the layer's per-sample gradient formula, e.g. ``sum_t g_t a_t^T`` for a
-linear weight over the positions ``t`` of a token model (kept factored as
-:class:`~lowrank_laplace.factor.KronBlock` where there is one position, expanded where
-the expanded row is the smaller). The loss gradient's pass gives the mini-batch and
-per-sample gradients the same way.
-
-A check on the first batch guards what this relies on: the gradients from the layer
-formulas must equal autograd's (a trainable parameter used outside its module, or a
-norm whose formula differs raise ``NotImplementedError``, so ``backend='auto'`` moves
-on to the torch.func backend). That samples are independent in the forward pass,
-which every backend needs, :class:`~lowrank_laplace.engine.FactorEngine` checks.
-
-Shape glossary:
-    N: batch size; N_S: curvature samples; T: positions per sample (1 without a token
-    axis); V: vectors per sample; C: outputs.
+For models whose trainable parameters all sit in layers with a rule
+(:mod:`~lowrank_laplace.engine.hooks_rules`): one forward pass records each trainable
+layer's input ``a`` and shifts its output by zero; one backward pass per loss-Hessian
+column gives the vectors ``g`` at the outputs; the rule turns them into the block.
+Shapes: ``N`` samples, ``T`` positions per sample, ``V`` vectors per sample.
 """
 
 from __future__ import annotations
@@ -33,191 +13,80 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
-from lowrank_laplace.engine.base import EngineBase
+from lowrank_laplace.engine.base import EngineBase, distinct_sample
+from lowrank_laplace.engine.hooks_rules import LayerRule, rule_for, supported_parameters
+from lowrank_laplace.engine.model_copy import removing
 from lowrank_laplace.engine.request import Collector
-from lowrank_laplace.factor import DenseBlock, KronBlock
-from lowrank_laplace.factor.blocks import Block
+from lowrank_laplace.engine.rng import rng_state, set_rng_state
 from lowrank_laplace.factor.loss_sqrt import hessian_sqrt
 from lowrank_laplace.utils import batches, checks
 
-#: The parameters each layer kind may hold trainable.
-LAYER_PARAMS = {
-    "linear": ("weight", "bias"),
-    "conv1d": ("weight", "bias"),
-    "embedding": ("weight",),
-    "layer_norm": ("weight", "bias"),
-    "rms_norm": ("weight",),
-    "prelu": ("weight",),
-}
 
-
-def layer_kind(module: nn.Module) -> Optional[str]:
-    """The kind of a layer whose per-sample gradients the hooks backend knows.
-
-    Args:
-        module: A module.
-
-    Returns:
-        A key of :data:`LAYER_PARAMS`, or ``None``.
-    """
-    if isinstance(module, nn.Linear):
-        return "linear"
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # Hugging Face
-        return "conv1d"
-    if isinstance(module, nn.Embedding):
-        return "embedding"
-    if isinstance(module, nn.LayerNorm):
-        return "layer_norm"
-    if isinstance(module, nn.PReLU):
-        return "prelu"
-    if type(module).__name__.endswith("RMSNorm") and isinstance(
-            getattr(module, "weight", None), nn.Parameter):
-        return "rms_norm"
-    return None
-
-
-def trainable_layers(model: nn.Module) -> Dict[str, Tuple[nn.Module, str]]:
-    """Every module holding trainable parameters, with its kind.
+def trainable_layers(model: nn.Module) -> Dict[str, Tuple[nn.Module, LayerRule]]:
+    """Return every module holding trainable parameters, with its rule: name -> ``(module, rule)``.
 
     Args:
         model: The network.
 
-    Returns:
-        Module name -> ``(module, kind)``.
-
     Raises:
-        NotImplementedError: Naming the trainable parameters no layer kind covers, or
-            that several modules share.
+        NotImplementedError: Naming the trainable parameters no rule covers, or tied ones.
     """
     layers, problems = {}, []
     for name, module in model.named_modules():
         own = [p for p, t in module.named_parameters(recurse=False) if t.requires_grad]
         if not own:
             continue
-        kind = layer_kind(module)
-        outside = [p for p in own if kind is None or p not in LAYER_PARAMS[kind]]
+        rule = rule_for(module)
+        outside = [p for p in own if rule is None or p not in rule.params]
         if outside:
             problems += [f"{name}.{p} ({type(module).__name__})" for p in outside]
         else:
-            layers[name] = (module, kind)
+            layers[name] = (module, rule)
     params = dict(model.named_parameters(remove_duplicate=False))
     problems += [f"{' = '.join(names)} (tied)" for names in checks.shared_parameters(model)
                  if params[names[0]].requires_grad]
     if problems:
         raise NotImplementedError(
-            "The hooks backend takes models whose trainable parameters are weights and "
-            "biases of nn.Linear / Conv1D, nn.Embedding weights, LayerNorm / RMSNorm "
-            f"affine parameters or PReLU slopes, each owned by one module; not: "
-            f"{', '.join(problems)}."
-        )
+            "The hooks backend takes models whose trainable parameters are "
+            f"{supported_parameters()}, each owned by one module; not: "
+            f"{', '.join(problems)}.")
     return layers
 
 
-def layer_block(kind: str, module: nn.Module, param: str, a: Tensor, g: Tensor) -> Block:
-    """Rows ``(v, n)`` of ``V^T`` for one parameter from its layer's input and vectors.
+def per_sample(a: Tensor, g: Tensor, n: int, name: str) -> Tuple[Tensor, Tensor]:
+    """Return a layer's input ``(N, ...)`` and vectors ``(V, N, ...)`` with rows grouped per sample.
+
+    Several rows per sample (``(B, 2, d)`` pairs reshaped to ``(2 B, d)``) are taken
+    ``k`` consecutive rows per sample, as a reshape gives (the gradient check confirms);
+    one row shared by all samples (a lookup broadcast later) is expanded, each sample's
+    vectors there being its own.
 
     Args:
-        kind: The layer kind (:func:`layer_kind`).
-        module: The layer.
-        param: ``"weight"`` or ``"bias"``.
-        a: The layer's input, ``(N, *, in)`` (indices for an embedding).
-        g: The vectors at the layer's output, ``(V, N, *, out)``.
-
-    Returns:
-        The block, ``V N`` rows.
-    """
-    num_vectors, n = g.shape[:2]
-    if kind == "prelu":  # y = max(0, x) + w min(0, x), w shared or one per channel
-        rows = g * a.clamp(max=0).to(g.dtype)[None]
-        if module.weight.numel() == 1:
-            return DenseBlock(rows.reshape(num_vectors * n, -1).sum(1, keepdim=True))
-        channels = rows.movedim(-1 if a.dim() == 2 else 2, -1)
-        return DenseBlock(channels.reshape(num_vectors, n, -1, module.weight.numel())
-                          .sum(2).reshape(num_vectors * n, -1))
-    width = g.shape[-1]
-    if kind in ("layer_norm", "rms_norm"):
-        width = module.weight.numel()
-    gs = g.reshape(num_vectors, n, -1, width)  # positions flattened
-    if param == "bias":
-        return DenseBlock(gs.sum(2).reshape(num_vectors * n, width))
-    if kind == "linear" and a.dim() == 2:
-        return KronBlock(g, a)
-    if kind in ("linear", "conv1d"):
-        a3 = a.reshape(n, -1, a.shape[-1])
-        pattern = "vnto,nti->vnoi" if kind == "linear" else "vnto,nti->vnio"
-        rows = torch.einsum(pattern, gs, a3.to(gs.dtype))
-        return DenseBlock(rows.reshape(num_vectors * n, -1))
-    if kind == "embedding":
-        return DenseBlock(_embedding_rows(module, a, gs))
-    return DenseBlock((gs * _normalized(kind, module, a)[None]).sum(2)
-                      .reshape(num_vectors * n, width))
-
-
-def per_sample(a: Tensor, g: Tensor, n: int) -> Tuple[Tensor, Tensor]:
-    """A layer's input and vectors with the samples' rows grouped per sample.
-
-    A layer may see several rows per sample (a pairwise reward model reshapes
-    ``(B, 2, d)`` inputs to ``(2 B, d)``): rows ``k n .. k n + k - 1`` are taken to be
-    sample ``n``'s, as a reshape gives; the first batch's gradient check confirms it.
-
-    Args:
-        a: The layer's input, ``(N', ...)``.
-        g: Its output vectors, ``(V, N', ...)``.
-        n: Samples ``N`` of the batch (``N'`` a multiple of it).
-
-    Returns:
-        ``a`` as ``(N, ...)`` and ``g`` as ``(V, N, ...)`` (positions merged).
+        a: The layer's input ``(N', ...)``.
+        g: Its output vectors ``(V, N', ...)`` (``(V, N, ...)`` for a shared row).
+        n: Samples ``N`` (``N'`` a multiple of it, or 1).
+        name: The layer's name, for the message.
 
     Raises:
-        NotImplementedError: If ``N'`` is not a multiple of ``N``.
+        NotImplementedError: If ``N'`` is neither a multiple of ``N`` nor 1.
     """
+    if a.shape[0] == 1 and g.shape[1] == n:
+        a = a.expand(n, *a.shape[1:])
     rows = a.shape[0]
     if rows == n:
         return a, g
     if rows % n:
         raise NotImplementedError(
-            f"A trainable layer sees {rows} rows for a batch of {n} samples: the hooks "
-            "backend cannot tell which rows belong to which sample.")
+            f"Layer {name!r} sees {rows} rows for a batch of {n} samples: the hooks "
+            "backend cannot tell which rows belong to which sample (rows must be "
+            "grouped by sample, or one row shared by all).")
     return a.reshape(n, rows // n, *a.shape[1:]), g.reshape(g.shape[0], n, rows // n,
                                                               *g.shape[2:])
 
 
-def _embedding_rows(module: nn.Embedding, idx: Tensor, gs: Tensor) -> Tensor:
-    """``sum_t e_{idx_t} g_t^T`` per row, flat: ``(V N, num_embeddings * dim)``."""
-    num_vectors, n, positions, dim = gs.shape
-    idx = idx.reshape(n, positions)
-    if module.padding_idx is not None:  # its rows get no gradient
-        gs = gs * (idx != module.padding_idx)[None, :, :, None].to(gs.dtype)
-    offsets = idx + torch.arange(n, device=idx.device)[:, None] * module.num_embeddings
-    rows = gs.new_zeros(num_vectors, n * module.num_embeddings, dim)
-    rows.index_add_(1, offsets.reshape(-1), gs.reshape(num_vectors, n * positions, dim))
-    return rows.reshape(num_vectors * n, module.num_embeddings * dim)
-
-
-def _normalized(kind: str, module: nn.Module, a: Tensor) -> Tensor:
-    """A norm layer's input normalised (before its affine), ``(N, T, d)``."""
-    dims = module.weight.dim()
-    if kind == "layer_norm":
-        x = F.layer_norm(a, module.normalized_shape, None, None, module.eps)
-    else:
-        eps = getattr(module, "eps", None)
-        eps = getattr(module, "variance_epsilon", eps)
-        eps = torch.finfo(a.dtype).eps if eps is None else eps
-        axes = tuple(range(-dims, 0))
-        x = a * torch.rsqrt(a.pow(2).mean(axes, keepdim=True) + eps)
-    return x.reshape(a.shape[0], -1, module.weight.numel())
-
-
 class HooksEngine(EngineBase):
-    """The hooks backend of :class:`~lowrank_laplace.engine.FactorEngine`.
-
-    Args:
-        model: The network; its output must have shape ``(N, C)``.
-        loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss`` with mean/sum reduction.
-        eval_mode: Evaluate in eval mode whatever the model's mode.
-    """
+    """The hooks backend (arguments as :class:`~lowrank_laplace.engine.base.EngineBase`'s)."""
 
     backend = "hooks"
     gradient_in_factor_pass = True  # one forward pass: the gradient shares its draws
@@ -235,8 +104,9 @@ class HooksEngine(EngineBase):
         # expanded blocks plus the vectors at every layer output of a backward pass
         return self.dense_param_count(largest=one_block) + sum(feature_sizes)
 
-    def _record(self, names: List[str]) -> Tuple[Dict[str, Tuple[Tensor, Tensor]], list]:
-        """Forward hooks keeping each named layer's input and shifting its output."""
+    def _record(self, names: List[str], n: int
+                ) -> Tuple[Dict[str, Tuple[Tensor, Tensor]], list]:
+        """Hooks keeping layers' inputs and adding zero shifts (a row per sample) to outputs."""
         record: Dict[str, Tuple[Tensor, Tensor]] = {}
 
         def hook_for(name):
@@ -245,30 +115,33 @@ class HooksEngine(EngineBase):
                     raise NotImplementedError(
                         f"Layer {name!r} runs more than once per forward pass: the hooks "
                         "backend needs each trainable layer called once.")
-                shift = torch.zeros_like(out, requires_grad=True)
+                if not torch.is_grad_enabled():  # its shift would get no gradient
+                    raise NotImplementedError(
+                        f"Layer {name!r} runs with gradient tracking off (inside "
+                        "torch.utils.checkpoint(..., use_reentrant=True), or "
+                        "torch.no_grad()): the hooks backend cannot see its gradients. "
+                        "Ways out: checkpoint with use_reentrant=False (the hooks backend "
+                        "takes it), or freeze the layer (requires_grad_(False)).")
+                if out.shape[0] == 1 and n > 1:  # shared by the samples: one row each
+                    shift = out.new_zeros(n, *out.shape[1:], requires_grad=True)
+                else:
+                    shift = torch.zeros_like(out, requires_grad=True)
                 record[name] = (args[0].detach(), shift)
                 return out + shift
             return hook
 
-        handles = [self._layers[name][0].register_forward_hook(hook_for(name))
+        # before the user's forward hooks, which are part of the function
+        handles = [self._layers[name][0].register_forward_hook(hook_for(name), prepend=True)
                    for name in names]
         return record, handles
 
     def _vectors(self, inputs: Any, targets: Optional[Tensor], names: List[str],
                  columns, gradient: bool = True
                  ) -> Tuple[Tensor, Tensor, Dict[str, Tuple[Tensor, Optional[Tensor], list]]]:
-        """One forward pass; per layer its input, the loss's vectors and ``columns``'.
-
-        ``columns(outputs)`` gives the grad-outputs ``(V, N, C)`` of the curvature
-        passes (or ``None``); ``gradient=False`` skips the loss's backward pass.
-        """
-        record, handles = self._record(names)
-        try:
-            with torch.enable_grad():
-                outputs, loss = self._forward_loss(inputs, targets)
-        finally:
-            for h in handles:
-                h.remove()
+        """One forward pass; per layer its input, the loss's vectors and the ``columns``' ones."""
+        record, handles = self._record(names, batches.batch_size(inputs))
+        with removing(handles), torch.enable_grad():
+            outputs, loss = self._forward_loss(inputs, targets)
         order = [name for name in names if name in record]
         shifts = [record[name][1] for name in order]
         cols = columns(outputs.detach())
@@ -320,10 +193,10 @@ class HooksEngine(EngineBase):
         idx = torch.tensor(curv, device=outputs.device)
         grad = {}
         for name, (a_rows, g_loss, g_cols) in found.items():
-            module, kind = self._layers[name]
-            a, g = per_sample(a_rows, torch.stack(g_cols), n)
+            module, rule = self._layers[name]
+            a, g = per_sample(a_rows, torch.stack(g_cols), n, name)
             if gradient:
-                g_loss = per_sample(a_rows, g_loss[None], n)[1][0]
+                g_loss = per_sample(a_rows, g_loss[None], n, name)[1][0]
             g = g[:, idx] if subsampling is not None else g
             a_curv = a if subsampling is None else a[idx]
             for pname, param in module.named_parameters(recurse=False):
@@ -332,88 +205,98 @@ class HooksEngine(EngineBase):
                     continue
                 grads = None
                 if gradient:
-                    grads = layer_block(kind, module, pname, a, g_loss[None])
+                    grads = rule.block(module, pname, a, g_loss[None])
                     # the rows' sum, B^T 1: a factored block is not expanded for it
                     grad[i] = grads.matmul(g_loss.new_ones(n, 1))[:, 0]
-                collector.add(i, layer_block(kind, module, pname, a_curv, g),
+                collector.add(i, rule.block(module, pname, a_curv, g),
                               grads if collector.batch_grad else None)
         return outputs, loss, grad
 
     def probe(self, inputs: Any, targets: Optional[Tensor] = None) -> None:
-        """Check on the first samples that the layer formulas give autograd's gradient.
-
-        See :meth:`~lowrank_laplace.engine.base.EngineBase.probe` for the contract.
-
-        Raises:
-            NotImplementedError: If a gradient differs.
-        """
+        """See :meth:`EngineBase.probe`: the rules' per-sample gradients are autograd's."""
         if self._probed:
             return
         self._sync()
         n = batches.batch_size(inputs)
         device = batches.batch_device(inputs)
-        first = batches.take(inputs, slice(0, min(n, 2)), n)
-        y = None if targets is None else targets[: min(n, 2)]
+        # two samples, distinct where the batch has them (else the one sample twice)
+        j = distinct_sample(inputs, n)
+        pair = [0, j if j is not None else min(1, n - 1)]
+        first = batches.take(inputs, pair, n)
+        y = None if targets is None else targets[pair]
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             self._check_gradients(first, y)
         self._probed = True
 
     def _check_gradients(self, first: Any, targets: Optional[Tensor]) -> None:
-        """Each of the first samples' gradients from the layer formulas equals autograd's.
-
-        Per sample (not summed), so that a layer whose rows belong to the samples in
-        another order than assumed is caught too.
-        """
+        """Each sample's gradients from the rules equal autograd's (per sample, not summed)."""
         params = {i: p for i, p in enumerate(self._copy_params) if p.requires_grad}
         names = [n for n, _ in self._copy.named_parameters()]
-        record, handles = self._record(list(self._layers))
-        try:
+        outputs, record = self._hooked_forward(first)
+        if targets is None:  # any targets will do: the gradients are compared
+            targets = outputs.detach().argmax(1) if isinstance(
+                self.loss_func, nn.CrossEntropyLoss) else torch.zeros_like(outputs)
+        n = outputs.shape[0]
+        order = [name for name in self._layers if name in record]
+        shifts = [record[k][1] for k in order]
+        wrong = set()
+        for k in range(n):
             with torch.enable_grad():
-                outputs = self._net(first)
-                checks.check_outputs(outputs)
-                if targets is None:  # any targets will do: the gradients are compared
-                    targets = outputs.detach().argmax(1) if isinstance(
-                        self.loss_func, nn.CrossEntropyLoss) else torch.zeros_like(outputs)
-                n = outputs.shape[0]
-                order = [name for name in self._layers if name in record]
-                shifts = [record[k][1] for k in order]
-                wrong = set()
-                for k in range(n):
-                    loss = self._loss(outputs[k:k + 1], targets[k:k + 1])
-                    exact = torch.autograd.grad(loss, list(params.values()), retain_graph=True,
-                                                allow_unused=True)
-                    pulled = torch.autograd.grad(loss, shifts, retain_graph=True,
-                                                 allow_unused=True)
-                    ours = self._rows(order, record, pulled, n, k)
-                    for (i, p), e in zip(params.items(), exact):
-                        e = torch.zeros_like(p).flatten() if e is None else e.flatten()
-                        o = ours.get(i, torch.zeros(n, e.numel(), dtype=e.dtype,
-                                                    device=e.device))
-                        target = torch.zeros_like(o)
-                        target[k] = e
-                        if float((o - target).norm()) > 1e-4 * float(e.norm()) + 1e-9:
-                            wrong.add(names[i])
-        finally:
-            for h in handles:
-                h.remove()
+                loss = self._loss(outputs[k:k + 1], targets[k:k + 1])
+            both = torch.autograd.grad(loss, [*params.values(), *shifts], retain_graph=True,
+                                       allow_unused=True)  # one backward pass for both
+            exact, pulled = both[:len(params)], both[len(params):]
+            ours = self._rows(order, record, pulled, n, k)
+            for (i, p), e in zip(params.items(), exact):
+                e = torch.zeros_like(p).flatten() if e is None else e.flatten()
+                o = ours.get(i, torch.zeros(n, e.numel(), dtype=e.dtype, device=e.device))
+                target = torch.zeros_like(o)
+                target[k] = e
+                if float((o - target).norm()) > 1e-4 * float(e.norm()) + 1e-9:
+                    wrong.add(names[i])
         if wrong:
             raise NotImplementedError(
                 f"The hooks backend's per-sample gradients differ from autograd's for "
                 f"{sorted(wrong)}: a trainable parameter is used outside its module, its "
-                "layer computes something else than the layer kind it looks like, or its "
-                "rows do not belong to the samples in order."
-            )
+                "layer computes something else than the rule of its type assumes, or its "
+                "rows do not belong to the samples in order.")
+
+    def _hooked_forward(self, first: Any) -> Tuple[Tensor, Dict[str, Tuple[Tensor, Tensor]]]:
+        """The forward pass with the zero shifts, checked against the plain one (same draws)."""
+        device = batches.batch_device(first)
+        state = rng_state(device)
+        with torch.no_grad():
+            plain = self._net(first)
+        checks.check_outputs(plain)
+        set_rng_state(state, device)
+        record, handles = self._record(list(self._layers), batches.batch_size(first))
+        with removing(handles):
+            try:
+                with torch.enable_grad():
+                    outputs = self._net(first)
+            except NotImplementedError:  # a refusal of the hooks, already explained
+                raise
+            except (RuntimeError, ValueError, IndexError) as err:
+                raise NotImplementedError(
+                    f"The model fails with the hooks backend's zero shifts on its trainable "
+                    f"layers' outputs ({type(err).__name__}: {err}): a layer's output is "
+                    "used in a way that depends on its shape.") from err
+        if outputs.shape != plain.shape or not torch.allclose(outputs.detach(), plain):
+            raise NotImplementedError(
+                "The model computes other outputs with the hooks backend's zero shifts on "
+                "its trainable layers' outputs: a layer's output is used in a way that "
+                "depends on its shape.")
+        return outputs, record
 
     def _rows(self, order: List[str], record: dict, pulled: tuple, n: int, k: int
               ) -> Dict[int, Tensor]:
         """Per-sample gradient rows ``(n, d)`` of every parameter from pulled vectors."""
         ours = {}
         for name, g in zip(order, pulled):
-            module, kind = self._layers[name]
+            module, rule = self._layers[name]
             g = torch.zeros_like(record[name][1]) if g is None else g
-            a, g = per_sample(record[name][0], g[None], n)
+            a, g = per_sample(record[name][0], g[None], n, name)
             for pname, param in module.named_parameters(recurse=False):
                 if param.requires_grad:
-                    ours[self._index[id(param)]] = \
-                        layer_block(kind, module, pname, a, g).to_dense()
+                    ours[self._index[id(param)]] = rule.block(module, pname, a, g).to_dense()
         return ours

@@ -1,12 +1,8 @@
 """What one pass collects: a :class:`Request`, and the :class:`Collector` that serves it.
 
-A backend hands every trainable parameter's block ``V^{(i)T}`` (rows ordered
-``(vector, sample)``) and, on request, its per-sample gradients to the collector, which
-feeds the consumers (Gram matrices, kept blocks, ``V y``, ``V^T x``, diagonals, cross
-terms with the per-sample gradients) and frees what is not kept.
-
-Shape glossary:
-    N: batch size; M: columns of ``V``; D_g: parameters of a group; K: vectors.
+The collector feeds each block of ``V`` to the consumers asked for and frees what is
+not kept. Shapes: ``N`` batch size, ``M`` columns of ``V``, ``D_g`` parameters of a
+group, ``K`` vectors.
 """
 
 from __future__ import annotations
@@ -23,29 +19,22 @@ from lowrank_laplace.factor.blocks import Block
 class Request:
     """What one pass collects besides the loss, the outputs and the gradient.
 
+    Per-group fields hold one entry (or ``None``) per group; results go to the
+    :class:`~lowrank_laplace.factor.GGNFactor` field named.
+
     Attributes:
-        keep_blocks: Keep the blocks of ``V`` (needed for eigenvectors and later
-            products). ``False`` frees each block once it is consumed.
-        compute_grams: Accumulate each group's Gram matrix during the pass.
-        batch_grad: Also compute per-sample gradients.
-        cross_batch_grads: With ``batch_grad``: accumulate ``V^T [g_1, ..., g_N]`` per
-            group block by block (``factor.t_batch_grads``) instead of keeping the
-            per-sample gradients.
-        compute_diag: Accumulate the GGN diagonal per parameter block by block
-            (``factor.diagonals``).
-        project: One matrix ``y`` (``(M, K)``) or ``None`` per group: ``V y`` is
-            formed block by block (``factor.projected``).
-        t_project: One matrix ``x`` (``(D_g, K)``, flat over the group's parameters),
-            a list of such matrices, or ``None`` per group: ``V^T x`` is accumulated
-            block by block (``factor.t_projected``, a list where a list was given).
-        project_into: One pair ``(out, y)`` (``(D_g, K)``, ``(M, K)``) or ``None`` per
-            group: ``out += V y`` in place, block by block.
-        gradient: Also return the mini-batch gradient (``factor.grad``). Backends that
-            get it for free always do; the hooks backend spends a backward pass on it.
+        keep_blocks: Keep the blocks of ``V`` (``False``: free each once consumed).
+        compute_grams: Accumulate each group's Gram matrix (``grams``).
+        batch_grad: Also compute per-sample gradients (``batch_grads``).
+        cross_batch_grads: Accumulate ``V^T [g_1, ..., g_N]`` instead (``t_batch_grads``).
+        compute_diag: Accumulate the GGN diagonal (``diagonals``).
+        project: Per group ``y`` ``(M, K)``: form ``V y`` (``projected``).
+        t_project: Per group ``x`` ``(D_g, K)`` or a list of them: ``V^T x`` (``t_projected``).
+        project_into: Per group ``(out (D_g, K), y (M, K))``: ``out += V y`` in place.
+        gradient: Also return the mini-batch gradient (``grad``; free except with hooks).
 
     Raises:
-        ValueError: If nothing is requested that a pass could return, or
-            ``cross_batch_grads`` without ``batch_grad``.
+        ValueError: For nothing to return, or ``cross_batch_grads`` without ``batch_grad``.
     """
 
     keep_blocks: bool = True
@@ -87,7 +76,7 @@ class Collector:
     Args:
         groups: Parameter indices per group.
         request: What the pass collects.
-        sizes: Entries of every parameter (indexed like the model's parameters).
+        sizes: Entries of every parameter.
     """
 
     def __init__(self, groups: List[List[int]], request: Request, sizes: List[int]):
@@ -124,7 +113,7 @@ class Collector:
         Args:
             i: Parameter index.
             block: Its rows of ``V^T``, ``(M, d)``.
-            grads: Its per-sample gradients, ``(N, d)`` (with ``batch_grad``).
+            grads: Its per-sample gradients ``(N, d)`` (with ``batch_grad``).
         """
         g, request = self.group_of[i], self.request
         self.done.add(i)

@@ -11,13 +11,11 @@ from torch import Tensor
 class RNGReplay:
     """Replay the random draws of an engine pass (MC samples, dropout) in later passes.
 
-    Created before the first pass, it saves the global RNG state (and that of a CUDA
-    device); :meth:`mark` records the state after the first pass. Every ``with``
-    block restores the saved state, so the pass inside draws the same numbers, and
-    on exit the caller's RNG is left as after the first pass only.
+    Every ``with`` block starts from the state saved at creation and leaves the RNG as
+    :meth:`mark` found it after the first pass.
 
     Args:
-        device: The device of the inputs (its generator is replayed too if CUDA).
+        device: The device of the inputs (its CUDA generator is replayed too).
     """
 
     def __init__(self, device: torch.device):
@@ -44,11 +42,9 @@ class RNGReplay:
 
 
 class PrivateRNG:
-    """Runs code on a private, seeded stream of the global RNG (BackPACK's MC draws).
+    """Runs ``with`` blocks on a private, seeded stream of the global RNG (BackPACK's MC draws).
 
-    Each ``with`` block continues the private stream and restores the caller's
-    global state on exit, so the fit neither depends on nor advances it (the
-    loader's shuffling still uses the caller's RNG).
+    The fit neither depends on nor advances the caller's RNG (the loader's shuffling uses it).
     """
 
     def __init__(self, seed: int, device: torch.device):
@@ -73,24 +69,21 @@ class PrivateRNG:
 
 
 def rng_state(device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
-    """The global CPU generator's state and, for a CUDA device, that device's.
+    """Return the global CPU generator's state and, for a CUDA device, that device's (or ``None``).
 
     Args:
-        device: The device whose generator is saved besides the CPU's.
-
-    Returns:
-        ``(cpu_state, cuda_state or None)``.
+        device: The device.
     """
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return torch.get_rng_state(), cuda
 
 
 def set_rng_state(state: Tuple[Tensor, Optional[Tensor]], device: torch.device) -> None:
-    """Restore a state from :func:`rng_state`.
+    """Restore a state from :func:`rng_state` (the CUDA one on ``device``).
 
     Args:
         state: ``(cpu_state, cuda_state or None)``.
-        device: The device the CUDA state belongs to.
+        device: The device.
     """
     torch.set_rng_state(state[0])
     if state[1] is not None:

@@ -1,10 +1,4 @@
-"""The GGN factor ``V`` of a mini-batch: its per-parameter blocks and what they offer.
-
-Every backend of :mod:`lowrank_laplace.engine` produces the same blocks
-(:mod:`~lowrank_laplace.factor.blocks`) collected in a
-:class:`~lowrank_laplace.factor.ggn.GGNFactor`; the loss-Hessian square roots they
-backpropagate are shared (:mod:`~lowrank_laplace.factor.loss_sqrt`).
-"""
+"""The GGN factor ``V`` of a mini-batch, as every backend produces it: per-parameter blocks."""
 
 from lowrank_laplace.factor.blocks import Block, DenseBlock, KronBlock, Weight, cat_blocks
 from lowrank_laplace.factor.ggn import GGNFactor, damped_gram_solve

@@ -1,87 +1,163 @@
-r"""Per-parameter blocks of a column-stacked matrix such as the GGN factor ``V``.
+"""Per-parameter blocks ``B`` (``(M, d)``) of ``V^T``: rows are ``V``'s columns on a parameter.
 
-Each block stores the rows of :math:`V^{(i)\top}` that belong to one parameter
-:math:`\theta^{(i)}`, i.e. it represents a matrix ``B`` of shape ``(M, d)`` whose
-``M`` rows are the columns ``v_m`` of ``V`` restricted to that parameter.
-
-Shape glossary:
-    M: number of columns of ``V`` (``C * N`` for the exact GGN, ``mc_samples * N``
-        for the Monte-Carlo GGN, ``N`` for per-sample gradients).
-    d: number of entries of the parameter.
-    K: number of vectors in a product.
-
-Two representations exist:
-
-* :class:`DenseBlock` holds ``B`` explicitly (``(M, d)``).
-* :class:`KronBlock` exploits the structure of a linear layer's weight
-  (``z_out = W z_in``): every row is ``vec(s_{vn} z_n^T)``, so only the
-  backpropagated vectors ``s`` (``(V, N, out)``) and the layer inputs ``z``
-  (``(N, in)``) are stored, never ``B`` itself (paper appendix, "Optimized Gram
-  matrix computation for linear layers").
+:class:`DenseBlock` holds ``B``; :class:`KronBlock` keeps a linear weight's rows
+``vec(s_{vn} z_n^T)`` as the factors ``s`` and ``z``. Shapes: ``M`` columns of ``V``
+(``C N`` exact, ``mc_samples N``, ``N`` for gradients); ``d`` entries of the
+parameter; ``K`` vectors in a product.
 """
 
 from __future__ import annotations
 
-from typing import List, Protocol, Union
+from typing import Iterator, List, Protocol, Tuple
 
 import torch
 from torch import Tensor
 
 from lowrank_laplace.factor.dense_block import DenseBlock
 from lowrank_laplace.factor.kron_block import KronBlock
-
-#: A scalar or per-entry weight of a parameter.
-Weight = Union[float, Tensor]
+from lowrank_laplace.factor.weights import Weight
 
 
 class Block(Protocol):
-    """What every block of ``V`` offers (:class:`DenseBlock`, :class:`KronBlock`)."""
+    """What every block offers: consumers outside :mod:`lowrank_laplace.factor` use only this.
+
+    :class:`DenseBlock` and :class:`KronBlock` document their methods here. An operand of
+    another dtype (blocks of several dtypes) is multiplied in the wider of the two.
+    """
+
+    #: Kept as factors: concatenated products of several blocks are cheap
+    #: (:func:`cat_blocks`); such blocks also offer ``num_vectors`` and ``num_samples``.
+    factored: bool
 
     @property
     def num_rows(self) -> int:
         """Rows ``M``."""
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The block's dtype."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the block holds."""
+
+    def wide_parts(self, U: Tensor, weight: Weight) -> Iterator[Tuple["Block", Tensor,
+                                                                     Weight]]:
+        """Yield ``(B_s, B_s diag(w_s) U_s, w_s)`` for float64 parts ``B_s`` of the block.
+
+        Each part and its widened rows of ``U`` stay near ``WIDE_ENTRIES`` entries.
+
+        Args:
+            U: Shape ``(d, r)``.
+            weight: The parameter's weight (scalar or ``(d,)``).
+        """
+
+    def wide_slices(self, width: int) -> Iterator[Tuple[int, int, "Block"]]:
+        """Yield ``(lo, hi, sub)``: the block in float64 on entries ``lo:hi``, slice by slice.
+
+        Factored blocks are sliced by output units; a slice and a ``(slice, width)`` float64
+        matrix stay near ``WIDE_ENTRIES`` entries.
+
+        Args:
+            width: Columns of the matrices the slices will be multiplied with.
+        """
+
+    def to(self, dtype: torch.dtype) -> "Block":
+        """The block in ``dtype`` (itself if it already is)."""
+
+    def scale_(self, alpha: float) -> "Block":
+        """Scale the block in place and return it.
+
+        Args:
+            alpha: Scalar factor.
+        """
+
     def to_dense(self) -> Tensor:
         """``B``, ``(M, d)``."""
+
+    def take_samples(self, start: int, stop: int, num_vectors: int) -> "Block":
+        """Return the rows ``(v, n)`` of samples ``start:stop`` (``num_vectors`` per sample).
+
+        Args:
+            start: First sample.
+            stop: One past the last sample.
+            num_vectors: Vectors per sample.
+        """
 
     def gram(self) -> Tensor:
         """``B B^T``, ``(M, M)``."""
 
     def cross(self, other: "Block") -> Tensor:
-        """``B B'^T`` with another block of the same parameter."""
+        """Return ``B B'^T`` ``(M, M')`` with another block of the same parameter.
+
+        Args:
+            other: Block of ``M'`` rows.
+        """
+
+    def weighted_gram(self, weight: Weight) -> Tensor:
+        """Return ``B diag(w) B^T``, ``(M, M)``.
+
+        Args:
+            weight: Scalar or ``(d,)``.
+        """
+
+    def sample_gram(self, num_vectors: int, weight: Weight = 1.0) -> Tensor:
+        """Return the per-sample diagonal blocks ``(N, V, V)`` of ``B diag(w) B^T``.
+
+        Args:
+            num_vectors: Vectors per sample ``V`` (``M = V N``).
+            weight: Scalar or ``(d,)``.
+        """
 
     def row_sq_norms(self) -> Tensor:
         """Squared norms of the rows, ``(M,)``."""
 
     def diag_outer(self) -> Tensor:
-        """``diag(B^T B)``, ``(d,)``."""
+        """``diag(B^T B)`` (the parameter's GGN diagonal), ``(d,)``."""
 
     def t_matmul(self, x: Tensor) -> Tensor:
-        """``B x`` for ``x`` of shape ``(d, K)``."""
+        """Return ``B x`` ``(M, K)`` (``V^T x`` on this parameter).
+
+        Args:
+            x: Shape ``(d, K)``.
+        """
+
+    def t_matmul_khatri_rao(self, p: Tensor, q: Tensor) -> Tensor:
+        r"""Return ``B x`` ``(M, K)`` for ``x`` of Khatri-Rao columns ``x_k = p_k \otimes q_k``.
+
+        Args:
+            p: Output factors ``(K, out)``.
+            q: Input factors ``(K, in)``.
+
+        Raises:
+            ValueError: If the factors' sizes do not match the parameter's.
+        """
 
     def matmul(self, y: Tensor) -> Tensor:
-        """``B^T y`` for ``y`` of shape ``(M, K)``."""
+        """Return ``B^T y`` ``(d, K)`` (``V y`` on this parameter).
+
+        Args:
+            y: Shape ``(M, K)``.
+        """
 
     def matmul_add_(self, out: Tensor, y: Tensor) -> Tensor:
-        """``out += B^T y`` in place."""
+        """Add ``B^T y`` into ``out`` in place and return ``out``.
 
-    def take_samples(self, start: int, stop: int, num_vectors: int) -> "Block":
-        """The rows of samples ``start:stop``."""
+        Args:
+            out: Shape ``(d, K)``.
+            y: Shape ``(M, K)``.
+        """
 
 
 def cat_blocks(blocks: List[Block], alphas: list, num_vectors: int) -> Block:
-    """Concatenate blocks of the same parameter along the sample axis, scaled.
+    """Return scaled blocks of one parameter concatenated along the samples, rows ``(v, n)``.
 
-    The result keeps the row order ``(v, n)`` over the concatenated samples and
-    stays factored when every block is a :class:`KronBlock`.
+    Factored if all blocks are.
 
     Args:
-        blocks: Blocks over the same parameter, each with ``num_vectors * N_i`` rows.
+        blocks: Blocks, each with ``num_vectors * N_i`` rows.
         alphas: One scalar factor per block.
-        num_vectors: Vectors per sample ``V``.
-
-    Returns:
-        A block with ``num_vectors * sum(N_i)`` rows.
+        num_vectors: Vectors per sample.
     """
     if all(isinstance(b, KronBlock) for b in blocks):
         s = torch.cat([b.s if a == 1 else b.s * a for b, a in zip(blocks, alphas)], dim=1)

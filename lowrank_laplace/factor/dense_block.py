@@ -1,20 +1,18 @@
-"""An explicit block ``B`` (``(M, d)``) of a column-stacked matrix such as ``V``.
-
-Shape glossary:
-    M: rows (columns of ``V``); d: entries of the parameter; K: vectors in a product.
-"""
+"""An explicit block ``B`` (``(M, d)``) of ``V^T``; its methods are documented at ``Block``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator, Tuple
 
 import torch
 from torch import Tensor
 
+from lowrank_laplace.factor import weights
+from lowrank_laplace.factor.weights import SMALL_DTYPE, Weight, weight_slice, weighted_product
 from lowrank_laplace.utils.linalg import stored_transposed
 
 if TYPE_CHECKING:
-    from lowrank_laplace.factor.blocks import Block, Weight
+    from lowrank_laplace.factor.blocks import Block
 
 
 def _symmetrized(square: Tensor) -> Tensor:
@@ -22,85 +20,85 @@ def _symmetrized(square: Tensor) -> Tensor:
     return (square + square.T) / 2
 
 
-#: ``B^T y`` is formed as ``(y^T B)^T`` for wide blocks (``d >= _WIDE_COLUMNS``) with
-#: many rows for few columns of ``y`` (``M >= 8 K``): reading the rows along ``d`` is
-#: faster for wide convolution blocks with many rows, and slower than the plain product
-#: with few rows against many columns, as in a streaming merge
-#: (docs/benchmarks/design_measurements.md).
+#: ``B^T y`` is ``(y^T B)^T`` from ``d >= _WIDE_COLUMNS``, ``M >= 8 K`` (tuning constants:
+#: docs/benchmarks/design_measurements.md).
 _WIDE_COLUMNS = 4096
-#: Elements of the intermediate ``(rows, out or in, K)`` of an explicit block's product
-#: with Khatri-Rao columns, per chunk of rows (a wide range of chunk sizes around it
-#: performed alike; docs/benchmarks/design_measurements.md).
+#: Intermediate elements per row chunk of :meth:`DenseBlock.t_matmul_khatri_rao`.
 _KHATRI_RAO_CHUNK = 2**22
-#: Entries squared per step of :meth:`DenseBlock.diag_outer` (about a core's L2 cache in
-#: float32; chunks of 2^20 entries were slower in float64).
+#: Entries squared per step of :meth:`DenseBlock.diag_outer` (a core's L2 in float32).
 _DIAG_CHUNK_ENTRIES = 2**18
-#: From this many columns a CPU block's diagonal adds one squared row at a time (at
-#: 18,432 columns chunks were still 10-20% faster; docs/benchmarks/design_measurements.md).
+#: From this many columns a CPU block's diagonal adds one squared row at a time.
 _ROW_WISE_DIAG_COLUMNS = 2**15
 
 
 class DenseBlock:
-    """Explicit block ``B`` of shape ``(M, d)``.
+    """Explicit block ``B`` (:class:`~lowrank_laplace.factor.blocks.Block`).
 
     Args:
-        rows: The block, shape ``(M, d)``.
+        rows: ``B``, ``(M, d)``.
     """
+
+    #: Kept as factors (see ``Block.factored``).
+    factored = False
 
     def __init__(self, rows: Tensor):
         self.rows = rows
 
     @property
     def num_rows(self) -> int:
-        """Number of rows ``M``."""
+        """Rows ``M``."""
         return self.rows.shape[0]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The block's dtype."""
+        return self.rows.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the block holds."""
+        return self.rows.numel() * self.rows.element_size()
+
+    def wide_slices(self, width: int) -> Iterator[Tuple[int, int, "DenseBlock"]]:
+        """See ``Block.wide_slices``: slices of columns."""
+        rows = self.rows
+        step = max(1, weights.WIDE_ENTRIES // max(rows.shape[0] + width, 1))
+        for lo in range(0, rows.shape[1], step):
+            hi = min(lo + step, rows.shape[1])
+            yield lo, hi, DenseBlock(rows[:, lo:hi].to(SMALL_DTYPE))
+
+    def wide_parts(self, U: Tensor, weight: Weight
+                   ) -> Iterator[Tuple["DenseBlock", Tensor, Weight]]:
+        """See ``Block.wide_parts``: the slices of :meth:`wide_slices`."""
+        for lo, hi, sliced in self.wide_slices(U.shape[1]):
+            params = slice(lo, hi)
+            yield (sliced, weighted_product(sliced, U, weight, params),
+                   weight_slice(weight, params))
+
     def to(self, dtype: torch.dtype) -> "DenseBlock":
-        """Return the block in ``dtype`` (itself if it already is)."""
+        """See ``Block.to``."""
         return self if self.rows.dtype == dtype else DenseBlock(self.rows.to(dtype))
 
     def scale_(self, alpha: float) -> "DenseBlock":
-        """Scale the block in place.
-
-        Args:
-            alpha: Scalar factor.
-
-        Returns:
-            The block itself.
-        """
+        """See ``Block.scale_``."""
         self.rows.mul_(alpha)
         return self
 
     def to_dense(self) -> Tensor:
-        """Return ``B`` explicitly, shape ``(M, d)``."""
+        """See ``Block.to_dense``."""
         return self.rows
 
     def take_samples(self, start: int, stop: int, num_vectors: int) -> "DenseBlock":
-        """The rows of samples ``start:stop`` (a copy unless one vector per sample).
-
-        Args:
-            start: First sample.
-            stop: One past the last sample.
-            num_vectors: Vectors per sample ``V`` (rows are ordered ``(v, n)``).
-
-        Returns:
-            A block with ``num_vectors * (stop - start)`` rows.
-        """
+        """See ``Block.take_samples`` (a copy unless one vector per sample)."""
         rows = self.rows.reshape(num_vectors, -1, self.rows.shape[1])[:, start:stop]
         return DenseBlock(rows.reshape(-1, self.rows.shape[1]))
 
     def gram(self) -> Tensor:
-        """Return ``B B^T``, shape ``(M, M)``.
+        """``B B^T``, ``(M, M)``, exactly symmetric.
 
-        For many rows only the upper block triangle is multiplied (three row
-        blocks: 6 of 9 block products) and mirrored; a general matrix product does
-        not exploit the symmetry, and this Gram of the expanded convolution blocks
-        is one of the largest costs of an exact fit (faster on CPU for ``M`` of a few
-        hundred and ``d`` ~ 1e5; docs/benchmarks/design_measurements.md).
-
-        The result is exactly symmetric: a BLAS product ``A A^T`` need not be
-        bitwise symmetric (e.g. MKL's AVX512 kernels), so each diagonal block is
-        averaged with its transpose.
+        For many rows only the upper block triangle is multiplied and mirrored (the Gram
+        of expanded convolution blocks is among an exact fit's largest costs); diagonal
+        blocks are averaged with their transposes, as BLAS need not be bitwise symmetric.
         """
         rows = self.rows
         num = rows.shape[0]
@@ -117,60 +115,31 @@ class DenseBlock:
         return out
 
     def cross(self, other: Block) -> Tensor:
-        """Return ``B B'^T`` with another block of the same parameter.
-
-        Args:
-            other: Block with ``M'`` rows over the same parameter.
-
-        Returns:
-            Tensor of shape ``(M, M')``.
-        """
+        """See ``Block.cross``."""
         return self.rows @ other.to_dense().T
 
     def weighted_gram(self, weight: Weight) -> Tensor:
-        """Return ``B diag(w) B^T``, shape ``(M, M)``.
-
-        Args:
-            weight: Scalar or per-entry weights of shape ``(d,)``.
-
-        Returns:
-            The weighted Gram matrix.
-        """
+        """See ``Block.weighted_gram`` (a scalar weight scales the result)."""
         if _is_scalar(weight):  # scale the small result, not a copy of the rows
             return (self.rows @ self.rows.T) * weight
         return (self.rows * weight) @ self.rows.T
 
     def sample_gram(self, num_vectors: int, weight: Weight = 1.0) -> Tensor:
-        """Per-sample diagonal blocks of ``B diag(w) B^T`` for rows ordered ``(v, n)``.
-
-        Args:
-            num_vectors: Vectors per sample ``V`` (``M = V * N``).
-            weight: Scalar or per-entry weights of shape ``(d,)``.
-
-        Returns:
-            Tensor of shape ``(N, V, V)``.
-        """
+        """See ``Block.sample_gram`` (a scalar weight scales the result)."""
         rows = self.rows.reshape(num_vectors, -1, self.rows.shape[1])
         if _is_scalar(weight):  # the GLM predictive's scalar prior: no weighted copy
             return torch.einsum("vnd,knd->nvk", rows, rows) * weight
         return torch.einsum("vnd,knd->nvk", rows * weight, rows)
 
     def row_sq_norms(self) -> Tensor:
-        """Return the squared norm of every row, shape ``(M,)``.
-
-        A reduction, not a squared copy of the block (an expanded convolution block
-        is the largest tensor of a pass).
-        """
+        """See ``Block.row_sq_norms``: a reduction, no squared copy."""
         return torch.linalg.vector_norm(self.rows, dim=1).square()
 
     def diag_outer(self) -> Tensor:
-        """Return the diagonal of ``B^T B`` (this parameter's GGN diagonal), ``(d,)``.
+        """``diag(B^T B)`` (this parameter's GGN diagonal), ``(d,)``, without a squared copy.
 
-        No squared copy of the block: on the CPU a wide block (an expanded convolution)
-        adds one squared row at a time into the result, which stays in cache; narrower
-        blocks, and any on a GPU, square about ``2^18`` entries (at least 64 rows) at a
-        time, one step for a bias's few columns, whose fixed 64-row chunks were many
-        small launches that a GPU fit waits on (docs/benchmarks/design_measurements.md).
+        On the CPU a wide block adds one squared row at a time; else chunks of about
+        ``2^18`` entries (at least 64 rows) are squared.
         """
         rows = self.rows
         out = rows.new_zeros(rows.shape[1])
@@ -183,41 +152,27 @@ class DenseBlock:
         return out
 
     def t_matmul(self, x: Tensor) -> Tensor:
-        """Return ``B x`` (i.e. ``V^T x`` restricted to this parameter).
-
-        Args:
-            x: Tensor of shape ``(d, K)``.
-
-        Returns:
-            Tensor of shape ``(M, K)``.
-        """
+        """See ``Block.t_matmul``."""
+        if x.dtype != self.dtype:  # blocks of several dtypes: the wider one
+            wide = torch.promote_types(self.dtype, x.dtype)
+            return self.to(wide).t_matmul(x.to(wide))
         return self.rows @ x
 
     def t_matmul_khatri_rao(self, p: Tensor, q: Tensor) -> Tensor:
-        r"""Return ``B x`` for ``x`` of Khatri-Rao columns ``x_k = p_k \otimes q_k``.
+        r"""See ``Block.t_matmul_khatri_rao``.
 
-        Row ``m`` of ``B`` as an ``out x in`` matrix ``B_m`` gives
-        ``(B x)_{mk} = p_k^\top B_m q_k``. With fewer rows than ``max(out, in)`` the
-        products ``B_m q_k`` (or ``B_m^\top p_k``) come first, in chunks of rows of
-        ``_KHATRI_RAO_CHUNK`` intermediate elements, and ``x`` is never formed; with more,
-        ``x`` is formed and multiplied (its ``out in K`` entries are then the smaller
-        intermediate). Both take the multiply-adds of the explicit product, but with
-        few rows not forming ``x`` is faster, by far for large weights
-        (docs/benchmarks/design_measurements.md).
-
-        Args:
-            p: Output factors, shape ``(K, out)``.
-            q: Input factors, shape ``(K, in)``.
-
-        Returns:
-            Tensor of shape ``(M, K)``.
+        With row ``m`` as an ``out x in`` matrix ``B_m``, ``(B x)_{mk} = p_k^\top B_m q_k``.
+        With fewer rows than ``max(out, in)`` the products ``B_m q_k`` (or ``B_m^\top p_k``)
+        come first, in row chunks, and ``x`` is never formed; else ``x`` is formed.
         """
+        if p.dtype != self.dtype:  # blocks of several dtypes: the wider one
+            wide = torch.promote_types(self.dtype, p.dtype)
+            return self.to(wide).t_matmul_khatri_rao(p.to(wide), q.to(wide))
         (k, out_dim), in_dim = p.shape, q.shape[1]
         if out_dim * in_dim != self.rows.shape[1]:
             raise ValueError(
                 f"Khatri-Rao factors of sizes {out_dim} x {in_dim} do not match the "
-                f"block's {self.rows.shape[1]} columns."
-            )
+                f"block's {self.rows.shape[1]} columns.")
         if self.num_rows >= max(out_dim, in_dim):
             return self.rows @ (p[:, :, None] * q[:, None, :]).reshape(k, -1).T
         first, second = (q.T.contiguous(), p.T.contiguous()) if in_dim >= out_dim else \
@@ -233,34 +188,24 @@ class DenseBlock:
         return torch.cat(pieces)
 
     def matmul(self, y: Tensor) -> Tensor:
-        """Return ``B^T y`` (i.e. ``V y`` restricted to this parameter).
-
-        Args:
-            y: Tensor of shape ``(M, K)``.
-
-        Returns:
-            Tensor of shape ``(d, K)``.
-        """
+        """See ``Block.matmul``."""
+        if y.dtype != self.dtype:  # blocks of several dtypes: the wider one
+            wide = torch.promote_types(self.dtype, y.dtype)
+            return self.to(wide).matmul(y.to(wide))
         if self._read_along_d(y):
             return (y.T @ self.rows).T
         return self.rows.T @ y
 
     def matmul_add_(self, out: Tensor, y: Tensor) -> Tensor:
-        """Accumulate ``out += B^T y`` in place.
-
-        Args:
-            out: Tensor of shape ``(d, K)``.
-            y: Tensor of shape ``(M, K)``.
-
-        Returns:
-            ``out``.
-        """
+        """See ``Block.matmul_add_``."""
+        if out.dtype != self.dtype or y.dtype != out.dtype:  # blocks of several dtypes
+            return self.to(out.dtype).matmul_add_(out, y.to(out.dtype))
         if self._read_along_d(y) and not stored_transposed(out):
             return out.add_((y.T @ self.rows).T)
         return out.addmm_(self.rows.T, y)  # a transposed out gets wide K x d rows
 
     def _read_along_d(self, y: Tensor) -> bool:
-        """Whether ``B^T y`` is faster as ``(y^T B)^T`` (see ``_WIDE_COLUMNS``)."""
+        """Whether ``B^T y`` is formed as ``(y^T B)^T`` (see ``_WIDE_COLUMNS``)."""
         return self.rows.shape[1] >= _WIDE_COLUMNS and self.rows.shape[0] >= 8 * y.shape[1]
 
 

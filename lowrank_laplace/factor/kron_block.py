@@ -1,56 +1,46 @@
-r"""A linear layer's block of ``V``, kept as its Kronecker factors.
+r"""A linear layer's block of ``V^T``, rows ``vec(s_{vn} z_n^T)`` kept as the factors ``s``, ``z``.
 
-Every row is ``vec(s_{vn} z_n^T)`` for the backpropagated vectors ``s``
-(``(V, N, out)``) and the layer inputs ``z`` (``(N, in)``); ``B`` itself is never
-formed (paper appendix, "Optimized Gram matrix computation for linear layers").
-
-Shape glossary:
-    V: vectors per sample; N: samples; M = V N rows; d = out in entries; K: vectors in
-    a product.
+Its methods are documented at ``Block``. Shapes: ``V`` vectors per sample, ``N``
+samples, ``M = V N`` rows, ``d = out in`` entries, ``K`` vectors in a product.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator, Tuple
 
 import torch
 from torch import Tensor
 
+from lowrank_laplace.factor import weights
+from lowrank_laplace.factor.weights import SMALL_DTYPE, Weight, weight_slice, weighted_product
 from lowrank_laplace.utils.linalg import stored_transposed
 
-#: Weights of at most this many entries add ``B^T y`` into a transposed output with one
-#: wide product instead of one product per column: faster on CPU for small layers,
-#: slower for large ones (docs/benchmarks/design_measurements.md).
+#: ``KronBlock.matmul_add_`` (docs/benchmarks/design_measurements.md): weights of at
+#: most this many entries add into a transposed output by one wide product.
 _ONE_PRODUCT_MAX = 2**14
 #: Those small layers' per-sample products ``acc`` (``c x K x out``) are formed for
-#: chunks of about this many entries, at least this many samples each
-#: (docs/benchmarks/design_measurements.md).
+#: chunks of about this many entries, at least this many samples each.
 _ACC_ENTRIES = 2**20
 _ACC_MIN_ROWS = 16
-#: On a GPU, where each chunk is a few kernel launches that a small fit waits on and
-#: caches do not decide, the chunks hold up to this many entries (one chunk for a
-#: 128-sample pass of the MLP's 128 x 64 weight at 400 columns).
+#: The chunks on a GPU, where each is a few kernel launches a small fit waits on.
 _ACC_ENTRIES_DEVICE = 2**24
-#: A contiguous ``(D, K)`` output takes one product per output unit (batched) for at
-#: least this many columns and fewer than 512 samples, else wide products over slabs
-#: of output units: with few columns (a top-k eigenvector map) the per-unit products
-#: were several times slower, with many they win
-#: (docs/benchmarks/design_measurements.md).
+#: From this many columns (and below 512 samples) one product per output unit.
 _PER_UNIT_MIN_COLUMNS = 32
 
 if TYPE_CHECKING:
-    from lowrank_laplace.factor.blocks import Block, Weight
+    from lowrank_laplace.factor.blocks import Block
 
 
 class KronBlock:
-    """Linear-layer weight block with rows ``vec(s_{vn} z_n^T)`` (row-major, ``(v, n)``).
-
-    Rows are ordered like BackPACK's columns of ``V``: vector-major, ``m = v N + n``.
+    """Linear-layer weight block, rows ``vec(s_{vn} z_n^T)`` ordered ``m = v N + n`` (BackPACK's).
 
     Args:
-        s: Backpropagated vectors at the layer output, shape ``(V, N, out)``.
-        z: Layer inputs, shape ``(N, in)``.
+        s: Backpropagated vectors at the layer output, ``(V, N, out)``.
+        z: Layer inputs, ``(N, in)``.
     """
+
+    #: Kept as factors (see ``Block.factored``).
+    factored = True
 
     def __init__(self, s: Tensor, z: Tensor):
         self.s = s
@@ -58,61 +48,77 @@ class KronBlock:
 
     @property
     def num_rows(self) -> int:
-        """Number of rows ``M = V * N``."""
+        """Rows ``M = V N``."""
         return self.s.shape[0] * self.s.shape[1]
 
+    @property
+    def num_vectors(self) -> int:
+        """Vectors per sample ``V``."""
+        return self.s.shape[0]
+
+    @property
+    def num_samples(self) -> int:
+        """Samples ``N``."""
+        return self.s.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The block's dtype (of its backpropagated vectors)."""
+        return self.s.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the block's factors hold."""
+        return self.s.numel() * self.s.element_size() + self.z.numel() * self.z.element_size()
+
     def _flat_s(self) -> Tensor:
+        """``s`` as ``(M, out)``."""
         return self.s.reshape(self.num_rows, self.s.shape[2])
 
+    def wide_parts(self, U: Tensor, weight: Weight
+                   ) -> Iterator[Tuple["KronBlock", Tensor, Weight]]:
+        """See ``Block.wide_parts``: the whole block, ``U`` widened by :meth:`wide_slices`."""
+        wide = self.to(SMALL_DTYPE)
+        product = 0
+        for lo, hi, sub in wide.wide_slices(U.shape[1]):
+            product = product + weighted_product(sub, U, weight, slice(lo, hi))
+        yield wide, product, weight_slice(weight, slice(None))
+
+    def wide_slices(self, width: int) -> Iterator[Tuple[int, int, "KronBlock"]]:
+        """See ``Block.wide_slices``: slices of output units, rows ``(out, in)`` contiguous."""
+        wide = self.to(SMALL_DTYPE)
+        in_dim = wide.z.shape[1]
+        step = max(1, weights.WIDE_ENTRIES // max(in_dim * width, 1))
+        for lo in range(0, wide.s.shape[2], step):
+            hi = min(lo + step, wide.s.shape[2])
+            yield lo * in_dim, hi * in_dim, KronBlock(wide.s[:, :, lo:hi], wide.z)
+
     def to(self, dtype: torch.dtype) -> "KronBlock":
-        """Return the block in ``dtype``, still factored (itself if it already is)."""
+        """See ``Block.to`` (still factored)."""
         if self.s.dtype == dtype and self.z.dtype == dtype:
             return self
         return KronBlock(self.s.to(dtype), self.z.to(dtype))
 
     def scale_(self, alpha: float) -> "KronBlock":
-        """Scale the block in place.
-
-        Args:
-            alpha: Scalar factor.
-
-        Returns:
-            The block itself.
-        """
+        """See ``Block.scale_``."""
         self.s = self.s * alpha
         return self
 
     def take_samples(self, start: int, stop: int, num_vectors: int) -> "KronBlock":
-        """The rows of samples ``start:stop``, still factored (``s`` copied contiguous).
-
-        Args:
-            start: First sample.
-            stop: One past the last sample.
-            num_vectors: Vectors per sample (``s.shape[0]``).
-
-        Returns:
-            A block with ``num_vectors * (stop - start)`` rows.
-        """
+        """See ``Block.take_samples`` (still factored, ``s`` copied contiguous)."""
         return KronBlock(self.s[:, start:stop].contiguous(), self.z[start:stop])
 
     def to_dense(self) -> Tensor:
-        """Return ``B`` explicitly, shape ``(M, out * in)``."""
+        """See ``Block.to_dense``."""
         dense = self.s[:, :, :, None] * self.z[None, :, None, :]
         return dense.reshape(self.num_rows, -1)
 
     def gram(self) -> Tensor:
-        """Return ``B B^T`` from two small Gram matrices, shape ``(M, M)``."""
+        """See ``Block.gram``: from the two small Gram matrices of ``s`` and ``z``."""
         return self.cross(self)
 
     def cross(self, other: Block) -> Tensor:
-        """Return ``B B'^T`` with another block of the same parameter.
-
-        Args:
-            other: Block with ``M'`` rows over the same parameter.
-
-        Returns:
-            Tensor of shape ``(M, M')``.
-        """
+        """See ``Block.cross``."""
         if not isinstance(other, KronBlock):
             return self.t_matmul(other.to_dense().T)
         (v, n), (v2, n2) = self.s.shape[:2], other.s.shape[:2]
@@ -121,26 +127,21 @@ class KronBlock:
         return (ss * zz[None, :, None, :]).reshape(v * n, v2 * n2)
 
     def row_sq_norms(self) -> Tensor:
-        """Return the squared norm of every row, shape ``(M,)``."""
+        """See ``Block.row_sq_norms``."""
         return ((self.s**2).sum(2) * (self.z**2).sum(1)[None]).flatten()
 
     def diag_outer(self) -> Tensor:
-        """Return the diagonal of ``B^T B`` without expanding ``B``, ``(out * in,)``."""
+        """See ``Block.diag_outer`` (not expanded)."""
         return torch.einsum("vno,ni->oi", self.s**2, self.z**2).flatten()
 
     def t_matmul(self, x: Tensor) -> Tensor:
-        """Return ``B x`` without expanding ``B``.
-
-        Args:
-            x: Tensor of shape ``(out * in, K)``.
-
-        Returns:
-            Tensor of shape ``(M, K)``.
-        """
+        """See ``Block.t_matmul`` (not expanded)."""
+        if x.dtype != self.dtype:  # blocks of several dtypes: the wider one
+            wide = torch.promote_types(self.dtype, x.dtype)
+            return self.to(wide).t_matmul(x.to(wide))
         out_dim, in_dim = self.s.shape[2], self.z.shape[1]
         if stored_transposed(x):
-            # per column k: z (N, in) @ X_k^T (in, out), read along the rows of x^T;
-            # the (K, N, out) result serves the per-sample product without a copy
+            # per column k: z (N, in) @ X_k^T (in, out), read along the rows of x^T
             k, n = x.shape[1], self.z.shape[0]
             x_t = x.T.view(k, out_dim, in_dim)
             zx = torch.bmm(self.z.expand(k, n, in_dim), x_t.transpose(1, 2))
@@ -153,49 +154,28 @@ class KronBlock:
         return res.transpose(0, 1).reshape(self.num_rows, -1)
 
     def t_matmul_khatri_rao(self, p: Tensor, q: Tensor) -> Tensor:
-        r"""Return ``B x`` for ``x`` of Khatri-Rao columns ``x_k = p_k \otimes q_k``.
-
-        Row ``(v, n)`` of ``B`` is ``s_{vn} \otimes z_n``, so
-        ``(B x)_{vn,k} = (s_{vn}^\top p_k)(z_n^\top q_k)``: ``(V N out + N in) K``
-        multiply-adds instead of ``N out in K``.
-
-        Args:
-            p: Output factors, shape ``(K, out)``.
-            q: Input factors, shape ``(K, in)``.
-
-        Returns:
-            Tensor of shape ``(M, K)``.
-        """
+        r"""Khatri-Rao product: ``(B x)_{vn,k} = (s_{vn}^\top p_k)(z_n^\top q_k)``."""
+        if p.dtype != self.dtype:  # blocks of several dtypes: the wider one
+            wide = torch.promote_types(self.dtype, p.dtype)
+            return self.to(wide).t_matmul_khatri_rao(p.to(wide), q.to(wide))
         if p.shape[1] != self.s.shape[2] or q.shape[1] != self.z.shape[1]:
             raise ValueError(
                 f"Khatri-Rao factors of sizes {p.shape[1]} x {q.shape[1]} do not match "
-                f"the block's {self.s.shape[2]} x {self.z.shape[1]}."
-            )
+                f"the block's {self.s.shape[2]} x {self.z.shape[1]}.")
         return ((self.s @ p.T) * (self.z @ q.T)).reshape(self.num_rows, -1)
 
     def matmul(self, y: Tensor) -> Tensor:
-        """Return ``B^T y`` without expanding ``B``.
-
-        Args:
-            y: Tensor of shape ``(M, K)``.
-
-        Returns:
-            Tensor of shape ``(out * in, K)``.
-        """
+        """See ``Block.matmul`` (not expanded)."""
+        if y.dtype != self.dtype:  # blocks of several dtypes: the wider one
+            wide = torch.promote_types(self.dtype, y.dtype)
+            return self.to(wide).matmul(y.to(wide))
         out = y.new_zeros(self.s.shape[2] * self.z.shape[1], y.shape[1])
         return self.matmul_add_(out, y)
 
     def matmul_add_(self, out: Tensor, y: Tensor) -> Tensor:
-        """Accumulate ``out += B^T y`` in place, without expanding ``B``.
-
-        Args:
-            out: Tensor of shape ``(out * in, K)``, contiguous or a view of rows of a
-                contiguous ``(K, D)`` tensor.
-            y: Tensor of shape ``(M, K)``.
-
-        Returns:
-            ``out``.
-        """
+        """See ``Block.matmul_add_``; ``out`` may be a view of rows of a ``(K, D)`` tensor."""
+        if out.dtype != self.dtype or y.dtype != out.dtype:  # blocks of several dtypes
+            return self.to(out.dtype).matmul_add_(out, y.to(out.dtype))
         if y.shape[1] == 0:  # no columns (an empty spectrum)
             return out
         v, n = self.s.shape[:2]
@@ -203,15 +183,11 @@ class KronBlock:
         if stored_transposed(out):
             k = y.shape[1]
             if out_dim * in_dim <= _ONE_PRODUCT_MAX:
-                # small layers: wide products z^T (in, c) @ acc (c, K out) over chunks
-                # of c samples (the (N, K, out) acc of all samples is slower to write
-                # than to compute), added through a transposed view once (per-column
-                # products are too small to be fast)
+                # small layers: z^T (in, c) @ acc (c, K out) per chunk of c samples
                 ys, st = y.reshape(v, n, k).permute(1, 2, 0), self.s.transpose(0, 1)
                 entries = _ACC_ENTRIES if y.device.type == "cpu" else _ACC_ENTRIES_DEVICE
                 rows = max(_ACC_MIN_ROWS, entries // max(k * out_dim, 1))
-                # one buffer for every chunk: a fresh allocation per chunk is a fresh
-                # mapping of pages to fault in, which cost as much as the products
+                # one buffer for every chunk: fresh pages cost as much as the products
                 prod = y.new_zeros(in_dim, k * out_dim)
                 buffer = y.new_empty(min(rows, n), k, out_dim)
                 for start in range(0, n, rows):
@@ -221,16 +197,14 @@ class KronBlock:
                 out.T.view(k, out_dim, in_dim).add_(prod.view(in_dim, k, out_dim).permute(1, 2, 0))
                 return out
             acc = torch.bmm(y.reshape(v, n, k).permute(1, 2, 0), self.s.transpose(0, 1))
-            # per column k: out^T_k (out, in) += acc_k (out, N) @ z (N, in), written
-            # along the rows of out^T (per output unit; the strided rows cost extra)
+            # per column k: out^T_k (out, in) += acc_k (out, N) @ z (N, in)
             out.T.view(k, out_dim, in_dim).baddbmm_(acc.permute(1, 2, 0),
                                                     self.z.expand(k, n, in_dim))
             return out
         acc = self.s.permute(1, 2, 0) @ y.reshape(v, n, -1).transpose(0, 1)  # (N, out, K)
         view = out.view(out_dim, in_dim, -1)
         if n < 512 and acc.shape[2] >= _PER_UNIT_MIN_COLUMNS:
-            # per output unit o: z^T (in, N) @ acc_o (N, K) added into the (out, in, K)
-            # view; in place it is faster than forming the product and adding
+            # per output unit o: z^T (in, N) @ acc_o (N, K), added in place
             view.baddbmm_(self.z.T.expand(out_dim, in_dim, n), acc.transpose(0, 1))
             return out
         # many samples or few columns: one wide product per slab of 16 output units
@@ -241,14 +215,7 @@ class KronBlock:
         return out
 
     def weighted_gram(self, weight: Weight) -> Tensor:
-        """Return ``B diag(w) B^T``, shape ``(M, M)``.
-
-        Args:
-            weight: Scalar or per-entry weights ``(d,)`` (both keep the factored form).
-
-        Returns:
-            The weighted Gram matrix.
-        """
+        """See ``Block.weighted_gram`` (factored for both kinds of weight)."""
         if isinstance(weight, Tensor) and weight.numel() > 1:
             w = weight.reshape(self.s.shape[2], self.z.shape[1])  # (out, in)
             zz = torch.einsum("ni,pi,oi->npo", self.z, self.z, w)
@@ -257,15 +224,7 @@ class KronBlock:
         return self.gram() * weight
 
     def sample_gram(self, num_vectors: int, weight: Weight = 1.0) -> Tensor:
-        """Per-sample diagonal blocks of ``B diag(w) B^T``.
-
-        Args:
-            num_vectors: Vectors per sample ``V`` (must match the block's layout).
-            weight: Scalar or per-entry weights ``(d,)`` (both keep the factored form).
-
-        Returns:
-            Tensor of shape ``(N, V, V)``.
-        """
+        """See ``Block.sample_gram`` (factored for both kinds of weight)."""
         if isinstance(weight, Tensor) and weight.numel() > 1:
             w = weight.reshape(self.s.shape[2], self.z.shape[1])  # (out, in)
             a = (self.z**2) @ w.T  # (N, out)

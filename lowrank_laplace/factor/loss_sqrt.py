@@ -1,8 +1,4 @@
-"""Square roots of the loss Hessian w.r.t. the model outputs, shared by every backend.
-
-Shape glossary:
-    N: batch size; C: model outputs.
-"""
+"""Square roots of the loss Hessian w.r.t. the ``(N, C)`` model outputs, shared by every backend."""
 
 from __future__ import annotations
 
@@ -13,16 +9,12 @@ from torch import Tensor, nn
 
 
 def factor_columns(loss_func: nn.Module, output_shape: tuple, mc_samples: int) -> int:
-    """Columns of ``V`` per sample (the loss-Hessian factor both backends use).
+    """Return the columns of ``V`` per sample: ``mc_samples``, ``C - 1`` (exact CE), else ``C``.
 
     Args:
         loss_func: The loss module.
-        output_shape: Shape of the model outputs of a batch, ``(N, C, ...)``.
-        mc_samples: ``0`` for the exact GGN, else the Monte-Carlo samples.
-
-    Returns:
-        ``mc_samples``, ``C - 1`` for exact cross-entropy on ``(N, C)`` logits, or
-        the number of outputs ``C``.
+        output_shape: Shape of a batch's outputs, ``(N, C, ...)``.
+        mc_samples: ``0`` (exact GGN) or Monte-Carlo samples.
     """
     if mc_samples:
         return mc_samples
@@ -32,19 +24,16 @@ def factor_columns(loss_func: nn.Module, output_shape: tuple, mc_samples: int) -
 
 
 def reduced_cross_entropy_sqrt(logits: Tensor, reduction: str) -> Tensor:
-    """A ``C - 1``-column square root of the cross-entropy Hessian w.r.t. the logits.
+    """Return a ``C - 1``-column square root ``(C - 1, N, C)`` of the cross-entropy Hessian.
 
     With ``t = sqrt(softmax(logits))`` and the Householder reflection
-    ``H = I - 2 u u^T / (u^T u)``, ``u = t + e_C`` (``H t = -e_C``), the first
-    ``C - 1`` columns of ``H`` are an orthonormal basis of ``t``'s complement and
-    ``S = diag(t) H[:, :C-1]`` satisfies ``S S^T = diag(p) - p p^T``.
+    ``H = I - 2 u u^T / (u^T u)``, ``u = t + e_C`` (``H t = -e_C``), the first ``C - 1``
+    columns of ``H`` span ``t``'s complement and ``S = diag(t) H[:, :C-1]`` gives
+    ``S S^T = diag(p) - p p^T``; returned in BackPACK's layout.
 
     Args:
-        logits: Shape ``(N, C)`` with ``C >= 2``.
+        logits: Shape ``(N, C)``, ``C >= 2``.
         reduction: The loss's reduction (``"mean"`` divides by ``sqrt(N)``).
-
-    Returns:
-        Backpropagated vectors in BackPACK's layout, shape ``(C - 1, N, C)``.
     """
     num, classes = logits.shape
     t = logits.detach().softmax(1).sqrt()
@@ -61,33 +50,26 @@ def reduced_cross_entropy_sqrt(logits: Tensor, reduction: str) -> Tensor:
 
 
 def per_sample_scale(loss: nn.Module, num_outputs: int) -> float:
-    """``c`` with ``l_n = c * sum-reduced loss of sample n`` (``1/C`` for MSE mean).
+    """Return ``c`` with ``l_n = c *`` the sum-reduced loss of sample ``n`` (``1/C`` for MSE mean).
 
     Args:
         loss: The loss module.
         num_outputs: Model outputs ``C``.
-
-    Returns:
-        The factor.
     """
     return 1 / num_outputs if isinstance(loss, nn.MSELoss) and loss.reduction == "mean" else 1.0
 
 
 def hessian_sqrt(loss: nn.Module, out: Tensor, mc_samples: int,
                  noise: Optional[Tensor]) -> Tensor:
-    """Rows ``s_vn`` with ``sum_v s_vn s_vn^T`` = (an MC estimate of) ``l_n``'s Hessian.
+    """Return ``s`` ``(V, N, C)``: ``sum_v s_vn s_vn^T`` is (an MC estimate of) ``l_n``'s Hessian.
 
-    Pure tensor operations over the batch (no per-sample loop), so that it also runs
-    under ``torch.func.vmap``.
+    Tensor operations over the batch only, so that it also runs under ``torch.func.vmap``.
 
     Args:
-        loss: The loss module (``CrossEntropyLoss`` or ``MSELoss``).
-        out: Outputs, ``(N, C)``.
+        loss: ``CrossEntropyLoss`` or ``MSELoss``.
+        out: Outputs ``(N, C)``.
         mc_samples: ``0`` exact, else ``M``.
         noise: ``(N, M)`` uniforms (cross-entropy) or ``(N, M, C)`` normals (MSE).
-
-    Returns:
-        Tensor of shape ``(V, N, C)``.
     """
     num, classes = out.shape
     if isinstance(loss, nn.MSELoss):

@@ -1,17 +1,8 @@
-r"""Gram matrices and products of ``V`` in float64, from blocks of lower precision.
+"""Gram matrices and products of ``V`` in float64, from blocks of lower precision.
 
-A float32 Gram matrix ``V^T V`` (or cross product ``V^T U``) is rounded at about
-``eps lambda_max``, so its eigenvalues below that are noise, although the float32
-factor ``V`` itself determines them far more finely (an eigenvalue ``mu`` moves by
-about ``eps sqrt(mu lambda_max)`` when ``V`` is rounded). The fit's eigenproblems are
-small, so their inputs are formed here in float64: each block is widened a slice at a
-time (a dense block by columns, a factored linear block by output units), so no
-float64 copy of a whole block or of the ``D x K`` matrix is made. For float64 blocks
-these are the ordinary products.
-
-Shape glossary:
-    M: rows of a block (columns of ``V``); d: entries of the parameter; K: columns of
-    a product.
+Each block is widened a slice at a time, so no float64 copy of a whole block or of a
+``D x K`` matrix is made (why: docs/concepts.md). Shapes: ``M`` rows of a block,
+``d`` entries of its parameter, ``K`` columns of a product.
 """
 
 from __future__ import annotations
@@ -21,32 +12,24 @@ from typing import Iterator, Tuple, Union
 import torch
 from torch import Tensor
 
+from lowrank_laplace.factor import weights
 from lowrank_laplace.factor.dense_block import DenseBlock
 from lowrank_laplace.factor.kron_block import KronBlock
 
 #: The dtype of the products.
 WIDE = torch.float64
-#: Float64 entries of a widened slice (32 MiB).
-_WIDE_CHUNK = 2**22
 
 
 def widen(block: Union[DenseBlock, KronBlock]) -> Union[DenseBlock, KronBlock]:
-    """A factored block in float64 (its factors are small); a dense block as it is.
-
-    Widen a factor's blocks once for all of a merge's products: a dense block is
-    widened a slice at a time by each product instead.
-    """
+    """A factored block in float64 (small factors, widened once per merge); a dense one as is."""
     return block.to(WIDE) if isinstance(block, KronBlock) else block
 
 
 def wide_gram(block: Union[DenseBlock, KronBlock]) -> Tensor:
-    """``B B^T`` in float64, shape ``(M, M)``, exactly symmetric.
+    """Return ``B B^T`` ``(M, M)`` in float64, exactly symmetric.
 
     Args:
-        block: A dense or factored block.
-
-    Returns:
-        The Gram matrix.
+        block: A block.
     """
     if isinstance(block, KronBlock):
         gram = block.to(WIDE).gram()
@@ -55,21 +38,19 @@ def wide_gram(block: Union[DenseBlock, KronBlock]) -> Tensor:
     if rows.dtype == WIDE:
         return block.gram()
     gram = 0
-    for lo, hi in _ranges(rows.shape[1], max(1, _WIDE_CHUNK // max(rows.shape[0], 1))):
+    step = max(1, weights.WIDE_ENTRIES // max(rows.shape[0], 1))
+    for lo, hi in _ranges(rows.shape[1], step):
         part = rows[:, lo:hi].to(WIDE)
         gram = gram + part @ part.T
     return (gram + gram.T) / 2
 
 
 def wide_t_matmul(block: Union[DenseBlock, KronBlock], x: Tensor) -> Tensor:
-    """``B x`` in float64, shape ``(M, K)``, for ``x`` of shape ``(d, K)``.
+    """Return ``B x`` ``(M, K)`` in float64.
 
     Args:
-        block: A dense or factored block.
-        x: The matrix (any floating dtype).
-
-    Returns:
-        The product.
+        block: A block.
+        x: Shape ``(d, K)``, any floating dtype.
     """
     if isinstance(block, KronBlock) or block.rows.dtype != WIDE:
         return sum(sub.t_matmul(x[lo:hi].to(WIDE))
@@ -79,34 +60,16 @@ def wide_t_matmul(block: Union[DenseBlock, KronBlock], x: Tensor) -> Tensor:
 
 def wide_slices(block: Union[DenseBlock, KronBlock], width: int
                 ) -> Iterator[Tuple[int, int, Union[DenseBlock, KronBlock]]]:
-    """The block over slices of its parameter's entries, in float64.
-
-    A factored block is sliced by output units (its entries are ordered
-    ``(out, in)``), a dense one by columns, each slice small enough that it and a
-    ``(slice, width)`` float64 matrix stay near ``_WIDE_CHUNK`` entries.
+    """Return ``block.wide_slices(width)``.
 
     Args:
-        block: A dense or factored block.
+        block: A block.
         width: Columns of the matrices the slices will be multiplied with.
-
-    Yields:
-        ``(lo, hi, sub)``: entries ``lo:hi`` of the parameter and the float64 block
-        over them.
     """
-    if isinstance(block, KronBlock):
-        wide = block.to(WIDE)
-        in_dim = wide.z.shape[1]
-        step = max(1, _WIDE_CHUNK // max(in_dim * width, 1))
-        for lo, hi in _ranges(wide.s.shape[2], step):
-            yield lo * in_dim, hi * in_dim, KronBlock(wide.s[:, :, lo:hi], wide.z)
-        return
-    rows = block.rows
-    step = max(1, _WIDE_CHUNK // max(rows.shape[0] + width, 1))
-    for lo, hi in _ranges(rows.shape[1], step):
-        yield lo, hi, DenseBlock(rows[:, lo:hi].to(WIDE))
+    return block.wide_slices(width)
 
 
 def _ranges(total: int, step: int) -> Iterator[Tuple[int, int]]:
-    """``(lo, hi)`` of consecutive ranges of ``step`` covering ``range(total)``."""
+    """Consecutive ``(lo, hi)`` ranges of ``step`` covering ``range(total)``."""
     for lo in range(0, total, step):
         yield lo, min(lo + step, total)

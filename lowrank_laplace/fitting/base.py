@@ -1,12 +1,6 @@
-r"""What every solver of a fit shares: ``H = sum_b V_b V_b^T`` as its leading eigenpairs.
+r"""The solvers' common base, ``H = sum_b V_b V_b^T`` as its leading eigenpairs.
 
-A solver receives the micro-batch factors of a fit (:meth:`Solver.add_factor`),
-truncated eigendecompositions (:meth:`Solver.add_lowrank`, online updates and other
-processes) and returns the leading ``rank`` eigenpairs with the exact trace and, if
-tracked, the diagonal of the dropped curvature (:meth:`Solver.result`). The siblings:
-:class:`~lowrank_laplace.fitting.dense.DenseSum` (exact ``D x D`` sum),
-:class:`~lowrank_laplace.fitting.streaming.StreamingMerge` (truncated merges) and
-:class:`~lowrank_laplace.fitting.sketch.SketchMerge` (one-pass Nyström sketch).
+Also the float64 merge helpers (docs/concepts.md, "Over a training set").
 
 Shape glossary:
     D: parameters; r: kept rank; k: eigenpairs kept while fitting (r + oversampling).
@@ -14,12 +8,12 @@ Shape glossary:
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from lowrank_laplace.factor import DenseBlock, GGNFactor
+from lowrank_laplace.factor import GGNFactor
 from lowrank_laplace.factor.wide import WIDE, wide_gram, wide_slices, wide_t_matmul, widen
 from lowrank_laplace.utils.linalg import rotate, squared_rows_dot
 
@@ -28,18 +22,16 @@ class Solver:
     """The common state and contract of the fit's solvers.
 
     Args:
-        rank: Number of eigenpairs kept in the end (``r >= 1``).
-        oversampling: Extra eigenpairs (or sketch columns) kept while fitting
-            (``p >= 0``).
-        track_diagonal: Also accumulate the exact diagonal of the sum (for the
-            residual diagonal of :meth:`result`).
+        rank: Eigenpairs kept in the end (``r >= 1``).
+        oversampling: Extra eigenpairs (or sketch columns) kept while fitting.
+        track_diagonal: Also accumulate the exact diagonal of the sum.
 
     Raises:
         ValueError: For ``rank < 1`` or negative oversampling.
     """
 
     #: The fit path this solver takes (``FitPlan.path``).
-    solver = ""
+    path = ""
     #: Test columns taken from a warm-start basis (only a sketch takes any).
     warm_columns = 0
 
@@ -71,10 +63,9 @@ class Solver:
         """Add ``scale * V V^T`` of one group of a batch factor.
 
         Args:
-            factor: A :class:`~lowrank_laplace.factor.GGNFactor` with kept blocks,
-                or a :class:`~lowrank_laplace.fitting.recompute.RecomputedFactor`.
+            factor: A ``GGNFactor`` with kept blocks, or a ``RecomputedFactor``.
             group: Group index.
-            scale: Non-negative factor applied to the batch's GGN.
+            scale: Non-negative factor on the batch's GGN.
         """
         raise NotImplementedError
 
@@ -83,10 +74,10 @@ class Solver:
         """Add another truncated eigendecomposition (another process, an earlier fit).
 
         Args:
-            eigenvectors: Orthonormal vectors, shape ``(D, k)``.
-            eigenvalues: Non-negative eigenvalues, shape ``(k,)``.
+            eigenvectors: Orthonormal, ``(D, k)``.
+            eigenvalues: Non-negative, ``(k,)``.
             trace: The exact trace of the other curvature.
-            diagonal: Its exact diagonal, shape ``(D,)`` (needed when tracking it).
+            diagonal: Its exact diagonal, ``(D,)`` (needed when tracking it).
         """
         raise NotImplementedError
 
@@ -94,15 +85,12 @@ class Solver:
         """Combine the results of all processes of a ``torch.distributed`` group.
 
         Args:
-            group: The process group (e.g. ``torch.distributed.group.WORLD``).
+            group: The process group.
         """
         raise NotImplementedError
 
     def projection_targets(self) -> List[Tensor]:
-        """The ``D x K`` matrices whose products ``V^T x`` the next factor must offer.
-
-        A low-memory fit computes them in the backward pass that yields the Gram
-        matrix (see :class:`~lowrank_laplace.fitting.recompute.RecomputedFactor`).
+        """The ``D x K`` matrices whose ``V^T x`` the next (recomputed) factor must offer.
 
         Returns:
             The matrices (none by default).
@@ -110,10 +98,7 @@ class Solver:
         return []
 
     def keep_eigenvalues(self, evals: Tensor, dtype: torch.dtype) -> None:
-        """Set :attr:`eigenvalues` from float64 ones, rounded to ``dtype`` (positive).
-
-        The float64 values are kept beside them, so that :meth:`result`'s trace
-        leaves the dropped mass ``trace - sum(lambda)`` exact (see there).
+        """Set :attr:`eigenvalues` from float64 ones rounded to ``dtype``; keep the float64.
 
         Args:
             evals: Eigenvalues ``(k,)``, descending.
@@ -123,12 +108,10 @@ class Solver:
         self.eigenvalues, self._exact = narrow, (narrow, evals.to(WIDE).clamp(min=0))
 
     def add_trace_and_diagonal(self, trace: Tensor, diagonal: Optional[Tensor]) -> None:
-        """Accumulate the exact trace and (if given) diagonal of an added curvature.
-
-        The trace is summed in float64 (:attr:`trace`, see :meth:`result`).
+        """Accumulate the exact trace (in float64) and, if given, the diagonal.
 
         Args:
-            trace: Its trace.
+            trace: The added curvature's trace.
             diagonal: Its diagonal, ``(D,)``, or ``None``.
         """
         trace = trace.to(WIDE)  # a sum of many terms; the dropped mass is its difference
@@ -151,16 +134,13 @@ class Solver:
     def result(self) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
         """The leading ``rank`` eigenpairs, the exact trace and the residual diagonal.
 
-        The trace is float64 and differs from the exact one by the rounding of the
-        returned eigenvalues, so that ``trace - sum(lambda)`` (in float64) is the exact
-        dropped mass: a float32 trace (or eigenvalues) is rounded at
-        ``eps lambda_max``, which can exceed the mass of a few dropped eigenvalues.
+        The float64 trace is shifted by the rounding of the returned eigenvalues, so
+        ``trace - sum(lambda)`` is the exact dropped mass.
 
         Returns:
-            ``(eigenvectors (D, k), eigenvalues (k,), trace, residual (D,))`` with
-            ``k <= rank`` and ``residual = diag(H) - diag(U diag(lambda) U^T)``, the
-            diagonal of the dropped curvature (clamped at zero against rounding;
-            ``None`` unless the diagonal is tracked).
+            ``(U (D, k), lambda (k,), trace, residual (D,))``, ``k <= rank``;
+            ``residual = diag(H) - diag(U diag(lambda) U^T)`` clamped at zero
+            (``None`` unless tracked).
 
         Raises:
             RuntimeError: If nothing was merged.
@@ -181,21 +161,17 @@ class Solver:
 
 def wide_merge(factor: Any, group: int, eigenvalues: Optional[Tensor], keep: int,
                span: float) -> bool:
-    """Whether a merge forms its products and basis in float64.
+    """Whether a merge forms its products and basis in float64 (docs/concepts.md).
 
-    For lower-precision factors with blocks, while the kept spectrum spans more than
-    ``span eps`` (or the rank is not full, so the merge may add such eigenvalues):
-    there float32 products and bases would blur the small eigenvalues (see
-    :mod:`~lowrank_laplace.fitting.streaming`). A full spectrum above that is resolved
-    in float32 to about ``1 / span`` (Weyl: merging adds curvature, so the kept
-    eigenvalues only grow), at the cost of a float32 merge.
+    For lower-precision factors with blocks while the kept spectrum is not yet full or
+    spans more than ``span eps``.
 
     Args:
         factor: The batch factor.
         group: Group index.
         eigenvalues: The kept eigenvalues (``None`` before the first merge).
         keep: Eigenpairs kept while fitting.
-        span: The spectrum's widest ratio in units of ``eps`` merged in float32.
+        span: The widest spectrum, in units of ``eps``, merged in float32.
 
     Returns:
         ``True`` for a float64 merge.
@@ -211,18 +187,14 @@ def wide_merge(factor: Any, group: int, eigenvalues: Optional[Tensor], keep: int
 
 
 def merge_blocks(factor: Any, group: int = 0) -> Optional[List[Any]]:
-    """A factor's blocks for :func:`wide_products` and :func:`wide_combine`.
-
-    Factored blocks are widened to float64 once (:func:`~lowrank_laplace.factor.wide.widen`).
+    """A factor's blocks, factored ones widened to float64, for the wide products.
 
     Args:
-        factor: A :class:`~lowrank_laplace.factor.GGNFactor`, or another factor.
+        factor: A ``GGNFactor``, or another factor.
         group: Group index.
 
     Returns:
-        The blocks, or ``None`` for a factor without them (a low-memory
-        :class:`~lowrank_laplace.fitting.recompute.RecomputedFactor`, whose passes form
-        its products in its own dtype).
+        The blocks, or ``None`` for a factor without them (a ``RecomputedFactor``).
     """
     if not isinstance(factor, GGNFactor) or factor.recomputed:
         return None
@@ -231,22 +203,16 @@ def merge_blocks(factor: Any, group: int = 0) -> Optional[List[Any]]:
 
 def wide_products(factor: Any, blocks: Optional[List[Any]], targets: Sequence[Tensor],
                   group: int = 0) -> Tuple[Tensor, List[Tensor], torch.dtype]:
-    """A factor's Gram matrix ``V^T V`` and products ``V^T x``, in float64.
-
-    The inputs of a merge's eigenproblem: formed from the blocks widened a slice at a
-    time (:mod:`~lowrank_laplace.factor.wide`), they resolve eigenvalues far below a
-    float32 Gram matrix's rounding of ``eps lambda_max``. A factor without blocks
-    gives them in its own dtype, widened.
+    """A factor's ``V^T V`` and ``V^T x`` in float64 (a factor without blocks: widened).
 
     Args:
         factor: The factor.
         blocks: :func:`merge_blocks` of the factor.
-        targets: Matrices ``x`` of shape ``(D, K)``.
+        targets: Matrices ``x``, ``(D, K)``.
         group: Group index.
 
     Returns:
-        ``V^T V`` ``(M, M)`` and one ``V^T x`` ``(M, K)`` per target, both float64,
-        and the dtype they were formed in.
+        ``V^T V``, one ``V^T x`` per target, and the dtype they were formed in.
     """
     if blocks is None:
         gram = factor.gram(group)
@@ -261,33 +227,27 @@ def wide_products(factor: Any, blocks: Optional[List[Any]], targets: Sequence[Te
 
 def wide_combine(factor: Any, blocks: Optional[List[Any]], y: Tensor, dtype: torch.dtype,
                  group: int = 0, basis: Optional[Tensor] = None,
-                 rotation: Optional[Tensor] = None, in_place: bool = False,
-                 correction: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
+                 rotation: Union[Tensor, Tuple[Tensor, Tensor], None] = None,
+                 in_place: bool = False) -> Tensor:
     """``basis @ rotation + V y``, each slice of rows formed in float64 and rounded once.
 
-    A merge's new eigenvectors ``U P + V C`` are unit vectors formed from much longer
-    ones where the eigenvalue is small (``C`` scales with ``mu^{-1/2}``); formed in
-    float32 they lose orthogonality by about ``eps sqrt(lambda_max / mu)`` or worse,
-    which the next merge, assuming an orthonormal basis, turns into spurious
-    curvature. Formed in float64 they are orthonormal to ``eps``. A factor without
-    blocks (a low-memory pass recomputes ``V y``) is combined in its own dtype.
+    Keeps a merge's new eigenvectors orthonormal; a factor without blocks is combined in
+    its own dtype.
 
     Args:
         factor: The factor.
         blocks: :func:`merge_blocks` of the factor.
-        y: Shape ``(M, K)``.
+        y: ``(M, K)``.
         dtype: The result's dtype.
         group: Group index.
-        basis: Shape ``(D, r)``, or ``None`` for zero.
-        rotation: ``(r, K)``, or ``None`` for the identity (then ``r = K``).
+        basis: ``(D, r)``, or ``None`` for zero.
+        rotation: ``(r, K)``; ``(A, B)`` for ``I + A B^T`` (no ``D r^2`` product); or ``None``.
         in_place: Write into ``basis`` (``rotation`` square or ``None``).
-        correction: ``(A, B)``: ``rotation`` is ``I + A B^T`` (``r x m`` each;
-            ``rotation`` itself must be ``None``), applied without the ``D r^2``
-            product.
 
     Returns:
-        Shape ``(D, K)``.
+        ``(D, K)``.
     """
+    correction = rotation if isinstance(rotation, tuple) else None
     if correction is not None:
         rotation = torch.eye(y.shape[1], dtype=WIDE, device=y.device) + \
             correction[0].to(WIDE) @ correction[1].to(WIDE).T
@@ -332,5 +292,4 @@ def factor_dtype(factor: Any, group: int = 0) -> torch.dtype:
     """The dtype of a factor's blocks (of its Gram matrix for one without blocks)."""
     if not isinstance(factor, GGNFactor) or factor.recomputed:
         return factor.gram(group).dtype
-    block = factor.group_blocks(group)[0]
-    return (block.rows if isinstance(block, DenseBlock) else block.s).dtype
+    return factor.group_blocks(group)[0].dtype

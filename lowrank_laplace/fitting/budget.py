@@ -1,8 +1,4 @@
-"""The memory budget of a fit: bytes, and the samples whose ``V`` fits them.
-
-Shape glossary:
-    N: samples of a batch.
-"""
+"""The memory budget of a fit: bytes, and the samples whose ``V`` fits them."""
 
 from __future__ import annotations
 
@@ -19,11 +15,8 @@ def resolve_memory_budget(budget: Union[int, float, None], device: torch.device)
     """Turn a memory budget into bytes.
 
     Args:
-        budget: Bytes (``int >= 1``), a fraction in ``(0, 1]`` of the currently free
-            memory of ``device``, a size with a unit (``"512MB"``, ``"2GiB"``), or
-            ``None``: 1 GiB on the CPU, a quarter of the free memory (at least 1 GiB)
-            on a CUDA device, where a 1 GiB budget split e.g. ResNet-18's batches
-            into passes of two samples.
+        budget: Bytes, a fraction in ``(0, 1]`` of free memory, a size such as ``"2GiB"``,
+            or ``None`` (1 GiB on the CPU; on CUDA a quarter of free memory, at least 1 GiB).
         device: Where ``V`` lives.
 
     Returns:
@@ -47,15 +40,15 @@ def resolve_memory_budget(budget: Union[int, float, None], device: torch.device)
 def micro_batch_size(engine: Any, X: Any, num_vectors: Optional[int],
                      budget: Union[int, float, None], cap: Optional[int],
                      one_block: bool = False) -> int:
-    """Samples per backward pass: what fits the memory budget (and the user's cap).
+    """Samples per backward pass within the memory budget and the user's cap.
 
     Args:
-        engine: The engine that will compute ``V``.
-        X: A batch of inputs (for the per-sample size of ``V``).
+        engine: The engine that computes ``V``.
+        X: A batch of inputs.
         num_vectors: Columns per sample (``None``: the loss's exact factor).
-        budget: ``memory_budget`` as given by the user.
-        cap: ``micro_batch_size`` as given by the user, or ``None``.
-        one_block: Passes that hold one block of ``V`` at a time (``low_memory``).
+        budget: ``memory_budget`` as given.
+        cap: ``micro_batch_size`` as given, or ``None``.
+        one_block: Passes hold one block of ``V`` at a time (``low_memory``).
 
     Returns:
         The number of samples.
@@ -75,7 +68,15 @@ def samples_in_budget(engine: Any, X: Any, num_vectors: Optional[int],
         ValueError: If one sample does not fit the budget.
     """
     per_sample = engine.bytes_per_sample(X, num_vectors, one_block=one_block)
-    budget = resolve_memory_budget(budget, batch_device(X))
+    return samples_that_fit(per_sample, resolve_memory_budget(budget, batch_device(X)))
+
+
+def samples_that_fit(per_sample: int, budget: int) -> Tuple[int, int]:
+    """Samples of ``per_sample`` bytes that fit ``budget`` bytes, and ``per_sample``.
+
+    Raises:
+        ValueError: If one sample does not fit the budget.
+    """
     if per_sample > budget:
         raise ValueError(
             f"memory_budget={budget:,} bytes is too small for one sample (about "
@@ -93,7 +94,7 @@ def dense_identity(dim: int, dtype: torch.dtype, device: torch.device,
         dim: ``D``.
         dtype: The result's dtype.
         device: Its device.
-        budget: ``memory_budget`` as given by the user.
+        budget: ``memory_budget`` as given.
         what: The result's name, for the message.
 
     Returns:

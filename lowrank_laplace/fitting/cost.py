@@ -1,39 +1,40 @@
 """The cost model that sizes a fit: merges, sketches and the dense sum in Gram multiply-adds.
 
+A merge of ``M`` columns into the ``D x k`` basis costs, besides the products with ``V``
+that every column pays once (``~2 D k`` per sample for factored linear weights,
+``2 D_gram k`` per column for the rest), a few memory passes over the basis (``~180 D
+k``), a float64 eigendecomposition of size ``k + M`` (``EIGH_WEIGHT (k + M)^3``), the
+Gram matrix of its columns (``M^2 D_gram``, ``D_gram`` the expanded parameters plus
+``out + in`` per factored linear weight) and a fixed ``OVERHEAD``; the weights were
+measured on CPU (docs/benchmarks/design_measurements.md).
+
 Shape glossary:
-    D: parameters; k: kept eigenpairs (rank + oversampling); M: columns of a merge.
+    D: parameters; k: kept eigenpairs (rank + oversampling); M: columns of a merge;
+    l: sketch columns.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
-#: Fixed cost of one merge (its small operations, as timed on CPU) in Gram multiply-adds
-#: (docs/benchmarks/design_measurements.md).
+#: Fixed cost of one merge's small operations, in Gram multiply-adds.
 OVERHEAD = 7.5e8
-#: A float64 eigendecomposition of size ``n`` costs ~``EIGH_WEIGHT n^3`` Gram multiply-adds.
+#: A float64 eigendecomposition of size ``n`` costs ~``EIGH_WEIGHT n^3``.
 EIGH_WEIGHT = 28.0
 def merge_cost(samples: int, columns_per_sample: int, keep: int, dim: int,
                 gram_dim: int) -> float:
-    """Cost of one streaming merge of ``samples`` samples (see :func:`merge_size`)."""
+    """Cost of one streaming merge of ``samples`` samples."""
     m = samples * columns_per_sample
     return EIGH_WEIGHT * (keep + m) ** 3 + 180.0 * dim * keep + m * m * gram_dim + OVERHEAD
 
 
 def streaming_cost(columns_per_sample: int, keep: int, dim: int, gram_dim: int,
                    num_data: int, samples: int) -> float:
-    """Gram multiply-adds of streaming ``num_data`` samples in merges of ``samples``.
-
-    The merges themselves (see :func:`merge_size`), remainder merge included, plus
-    the products ``V^T B`` and ``V C`` with the ``D x k`` basis that every sample
-    pays once (``~2 D k`` per sample for factored linear weights, ``2 D_gram k``
-    per column for the rest).
+    """Cost of streaming ``num_data`` samples in merges of ``samples`` (remainder included).
 
     Args:
         columns_per_sample: Columns of ``V`` per sample.
-        keep: Eigenpairs kept while streaming ``k``.
-        dim: Parameters ``D``.
-        gram_dim: ``D_gram`` (see :func:`merge_size`).
+        keep: ``k``.
+        dim: ``D``.
+        gram_dim: ``D_gram``.
         num_data: Samples streamed.
         samples: Samples per merge.
 
@@ -50,17 +51,13 @@ def streaming_cost(columns_per_sample: int, keep: int, dim: int, gram_dim: int,
 
 def sketch_cost(columns_per_sample: int, keep: int, dim: int, gram_dim: int,
                 num_data: int) -> float:
-    """Gram multiply-adds of a one-pass sketch (:class:`~lowrank_laplace.fitting.SketchMerge`).
-
-    The products ``V^T Omega`` and ``V (V^T Omega)`` of every sample (as in
-    :func:`streaming_cost`, without the merges), drawing the ``D x l`` test matrix and
-    the final ``l x l`` Gram matrices over ``D``.
+    """Cost of a one-pass sketch: the two products with ``V`` and the final ``D l^2`` work.
 
     Args:
         columns_per_sample: Columns of ``V`` per sample.
-        keep: Sketch columns ``l``.
-        dim: Parameters ``D``.
-        gram_dim: ``D_gram`` (see :func:`merge_size`).
+        keep: ``l``.
+        dim: ``D``.
+        gram_dim: ``D_gram``.
         num_data: Samples streamed.
 
     Returns:
@@ -71,13 +68,10 @@ def sketch_cost(columns_per_sample: int, keep: int, dim: int, gram_dim: int,
 
 
 def dense_cost(dim: int, num_columns: int) -> float:
-    """Gram multiply-adds of summing ``H`` densely and eigendecomposing it once.
-
-    ``D^2`` per column of ``V`` for the sum, ``EIGH_WEIGHT D^3`` for the float64
-    eigendecomposition.
+    """Cost of summing ``H`` densely (``D^2`` per column) and one float64 eigh.
 
     Args:
-        dim: Parameters ``D``.
+        dim: ``D``.
         num_columns: Columns of ``V`` over the data.
 
     Returns:
@@ -91,64 +85,14 @@ def dense_bytes(dim: int, itemsize: int) -> int:
     return dim * dim * (itemsize + 3 * 8)
 
 
-def choose_dense(dim: int, columns_per_sample: int, keep: int, gram_dim: int,
-                 num_data: int, samples_per_merge: int, budget: int, itemsize: int,
-                 dense_max_dim: Optional[int], solver: str = "streaming") -> bool:
-    """Whether to sum ``H`` densely (exact) instead of streaming truncated merges.
-
-    Dense needs the ``D x D`` sum and its eigendecomposition to fit the memory
-    budget; then it is taken when it is cheaper than streaming (:func:`dense_cost`
-    against :func:`streaming_cost`), and also, up to ``dense_max_dim`` parameters,
-    whenever streaming would truncate (the GGN's rank over the data exceeds the
-    ``k`` kept eigenpairs), so that small problems stay exact.
-
-    Args:
-        dim: Parameters ``D``.
-        columns_per_sample: Columns of ``V`` per sample.
-        keep: Eigenpairs kept while streaming ``k``.
-        gram_dim: ``D_gram`` (see :func:`merge_size`).
-        num_data: Samples streamed.
-        samples_per_merge: Samples per streaming merge (the merge plan).
-        budget: Memory budget in bytes.
-        itemsize: Bytes per entry of ``H``.
-        dense_max_dim: Largest ``D`` summed densely whatever the cost when streaming
-            would truncate; ``0`` never sums densely; ``None``: only the cost decides.
-        solver: ``"streaming"`` merges or a one-pass ``"sketch"``
-            (:func:`sketch_cost`), the alternative the dense sum competes with.
-
-    Returns:
-        ``True`` for the dense path.
-    """
-    if dense_max_dim == 0 or dense_bytes(dim, itemsize) > budget:
-        return False
-    truncates = min(dim, num_data * columns_per_sample) > keep
-    if truncates and dense_max_dim is not None and dim <= dense_max_dim:
-        return True
-    if solver == "sketch":
-        stream = sketch_cost(columns_per_sample, keep, dim, gram_dim, num_data)
-    else:
-        stream = streaming_cost(columns_per_sample, keep, dim, gram_dim, num_data,
-                                samples_per_merge)
-    return dense_cost(dim, num_data * columns_per_sample) < stream
-
-
 def merge_size(columns_per_sample: int, keep: int, dim: int, gram_dim: int, num_data: int,
                limit: int) -> int:
-    """Samples per streaming merge, from a cost model of the merge.
-
-    A merge of ``M`` columns into the ``D x k`` basis costs, besides the products with
-    ``V`` that every column pays once, a few memory passes over the basis (``~ D k``),
-    an eigendecomposition of size ``k + M`` (``~ (k + M)^3``) and the Gram matrix of
-    the merged columns (``~ M^2 D_gram``, with ``D_gram`` the expanded parameters plus
-    ``out + in`` per factored linear weight). Weighted in Gram multiply-adds as
-    measured on CPU (the float64 eigh costs ~28 ``(k + M)^3``, the basis passes ~180
-    ``D k``, and a merge has a fixed overhead ``OVERHEAD`` of small operations), the size
-    minimises their sum over the ``num_data`` samples, remainder merge included.
+    """Samples per streaming merge that minimise :func:`streaming_cost`.
 
     Args:
         columns_per_sample: Columns of ``V`` per sample.
-        keep: Eigenpairs kept while streaming ``k``.
-        dim: Parameters ``D``.
+        keep: ``k``.
+        dim: ``D``.
         gram_dim: ``D_gram``.
         num_data: Samples streamed by this process.
         limit: Largest admissible merge (memory budget).

@@ -1,13 +1,6 @@
-r"""The exact solver: ``H = sum_b V_b V_b^T`` summed as a dense ``D x D`` matrix.
+r"""The exact solver: ``H = sum_b V_b V_b^T`` as a dense float64 ``D x D`` matrix.
 
-Taken by the fit's plan where the ``D x D`` sum and its eigendecomposition fit the
-memory budget and are cheaper than streaming, or where the parameters are few (a last
-layer) and streaming would truncate. One eigendecomposition at the end.
-
-The sum is kept in float64 whatever the model's dtype (the eigendecomposition needs
-a float64 copy anyway): a float32 sum is rounded at about ``eps lambda_max``, which
-hides the small eigenvalues that a float32 ``V`` still determines (see
-:func:`~lowrank_laplace.utils.linalg.top_eigh`).
+One eigendecomposition at the end (docs/concepts.md, "Over a training set").
 
 Shape glossary:
     D: parameters; k: eigenpairs kept.
@@ -20,24 +13,16 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lowrank_laplace.factor import weights
 from lowrank_laplace.factor.wide import WIDE
 from lowrank_laplace.fitting.base import Solver
 from lowrank_laplace.utils.linalg import top_eigh
 
-#: Float64 entries of a widened slice of columns of ``V`` (32 MiB).
-_WIDE_CHUNK = 2**22
-
 
 class DenseSum(Solver):
-    """Sums the GGN densely and keeps its leading eigenpairs (exact, no truncation).
+    """Sums the GGN densely and keeps its leading eigenpairs (exact; arguments as ``Solver``)."""
 
-    Args:
-        rank: Number of eigenpairs kept in the end (``r >= 1``).
-        oversampling: Extra eigenpairs kept (``p >= 0``).
-        track_diagonal: Keep the exact diagonal of the sum.
-    """
-
-    solver = "dense"
+    path = "dense"
 
     def __init__(self, rank: int, oversampling: int = 0, track_diagonal: bool = False):
         super().__init__(rank, oversampling, track_diagonal)
@@ -52,43 +37,30 @@ class DenseSum(Solver):
         return self._vectors
 
     def _add(self, V: Tensor, scale: float) -> Tensor:
-        """Add ``scale * V V^T`` in float64, a slice of columns at a time.
-
-        Returns:
-            Its trace, in float64.
-        """
+        """Add ``scale * V V^T`` in float64, a slice of columns at a time; its trace."""
         if self._vectors is not None:
             raise RuntimeError("DenseSum: the sum was already eigendecomposed.")
         if self._dense is None:
             self._dense = V.new_zeros(V.shape[0], V.shape[0], dtype=WIDE)
             self._dtype = V.dtype
         trace = V.new_zeros((), dtype=WIDE)
-        for cols in V.split(max(1, _WIDE_CHUNK // max(V.shape[0], 1)), dim=1):
+        for cols in V.split(max(1, weights.WIDE_ENTRIES // max(V.shape[0], 1)), dim=1):
             cols = cols.to(WIDE)
             self._dense.addmm_(cols, cols.T, alpha=scale)
             trace = trace + scale * (cols * cols).sum()
         return trace
 
     def add_factor(self, factor: Any, group: int = 0, scale: float = 1.0) -> None:
-        """Add ``scale * V V^T`` of one group (the diagonal comes from the sum).
-
-        Args:
-            factor: Batch factor (its blocks expanded; a recomputed one by ``V y``
-                products).
-            group: Group index.
-            scale: Non-negative factor applied to the batch's GGN.
-        """
+        """:meth:`Solver.add_factor`; a recomputed factor's ``V`` comes from ``V I``."""
         self.num_merges += 1
         if factor.recomputed:  # no blocks kept: V from its products with the identity
             like = factor.trace(group)  # the factor's dtype and device
             eye = torch.eye(factor.num_columns, dtype=like.dtype, device=like.device)
             self.add_trace_and_diagonal(self._add(factor.matmul(eye, group), scale), None)
             return
-        # V expanded from its blocks, a slice of samples at a time (V times an M x M
-        # identity costs M^2 memory and a product per column;
-        # docs/benchmarks/design_measurements.md)
+        # V expanded from its blocks a slice of samples at a time, not as V I_M
         samples = factor.num_curv_samples
-        step = max(1, _WIDE_CHUNK // max(factor.group_dim(group) * factor.num_vectors, 1))
+        step = max(1, weights.WIDE_ENTRIES // max(factor.group_dim(group) * factor.num_vectors, 1))
         trace = factor.trace(group).new_zeros((), dtype=WIDE)
         for start in range(0, samples, step):
             part = factor if step >= samples else factor.take_samples(
@@ -99,24 +71,13 @@ class DenseSum(Solver):
 
     def add_lowrank(self, eigenvectors: Tensor, eigenvalues: Tensor, trace: Tensor,
                     diagonal: Optional[Tensor] = None) -> None:
-        """Add ``U diag(lambda) U^T`` to the sum (exact).
-
-        Args:
-            eigenvectors: Orthonormal vectors, shape ``(D, k)``.
-            eigenvalues: Non-negative eigenvalues, shape ``(k,)``.
-            trace: The exact trace of the other curvature (its dropped part is lost).
-            diagonal: Unused: the diagonal comes from the sum.
-        """
+        """:meth:`Solver.add_lowrank`, exact; the other's dropped part is lost."""
         self.num_merges += 1
         self.add_trace_and_diagonal(trace, None)
         self._add(eigenvectors * eigenvalues.sqrt(), 1.0)
 
     def merge_across(self, group: Any) -> None:
-        """Sum the dense matrices and traces of all processes of a group (exact).
-
-        Args:
-            group: The process group.
-        """
+        """Sum the dense matrices and traces of all processes of ``group`` (exact)."""
         import torch.distributed as dist
 
         dist.all_reduce(self._dense, group=group)

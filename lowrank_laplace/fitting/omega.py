@@ -1,12 +1,8 @@
-r"""The sketch's random test matrix :math:`\Omega` (``D x l``), kept per parameter slice.
+r"""The sketch's random test matrix ``Omega`` (``D x l``), kept per parameter slice.
 
-The slice of a matrix-shaped weight ``(out, in)`` holds Khatri-Rao columns
-:math:`p_k \otimes q_k` and is kept as its factors ``p`` (``l x out``) and ``q``
-(``l x in``), never as ``l x out x in`` entries; every other slice is Gaussian and kept
-as an ``l x d`` tensor. Each operation the sketch needs works slice by slice:
-``V^T Omega`` from a factor's blocks, ``Omega^T X``, ``Y += alpha Omega`` and
-``Omega^T Omega``. :class:`BasisOmega` puts fixed basis columns (a warm start) before
-the random ones.
+A matrix-shaped weight's slice holds Khatri-Rao columns ``p_k (x) q_k``, kept as ``p``
+(``l x out``) and ``q`` (``l x in``); other slices are Gaussian ``l x d`` tensors.
+:class:`BasisOmega` puts warm-start basis columns first.
 
 Shape glossary:
     D: parameters; l: columns of the test matrix; K: columns of another matrix.
@@ -15,7 +11,7 @@ Shape glossary:
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -30,16 +26,23 @@ _SEED_STRIDE = 1_000_003
 Part = Union[Tensor, Tuple[Tensor, Tensor]]
 
 
+def _summed(products: Iterable[Tensor]) -> Tensor:
+    """The products' sum, accumulated in place into the first, in order."""
+    total = None
+    for prod in products:
+        total = prod if total is None else total.add_(prod)
+    return total
+
+
 class Omega:
     r"""A ``D x l`` test matrix, entries of variance ``1 / D``, uncorrelated.
 
     Args:
         cols: Columns ``l``.
         dim: Rows ``D``.
-        like: A tensor with the dtype and device of the draw.
+        like: A tensor with the draw's dtype and device.
         seed: Seed; the draw depends only on it, the shapes and the device type.
-        shapes: The parameter shapes the rows run over, in order (``None``: one
-            Gaussian slice).
+        shapes: The parameter shapes, in order (``None``: one Gaussian slice).
         kronecker: Give matrix-shaped parameters Khatri-Rao slices.
 
     Raises:
@@ -88,7 +91,6 @@ class Omega:
                 fill(job)
         self.parts: List[Part] = parts  # type: ignore[assignment]
 
-    # ------------------------------------------------------------------ slices
     def factors(self, position: int) -> Optional[Tuple[Tensor, Tensor]]:
         """``(p, q)`` of a Khatri-Rao slice, ``None`` for a Gaussian one."""
         part = self.parts[position]
@@ -130,35 +132,18 @@ class Omega:
                        for part in self.parts]
         return other
 
-    # -------------------------------------------------------------- products
     def block_products(self, blocks: Sequence[Block]) -> Tensor:
-        """``V^T Omega`` from a factor's blocks (one per slice, in order), ``(M, l)``.
-
-        A factored block against a Khatri-Rao slice costs ``(V N out + N in) l``
-        multiply-adds (:meth:`~lowrank_laplace.factor.blocks.KronBlock.t_matmul_khatri_rao`);
-        an explicit one the multiply-adds of its product with the slice, which is not
-        formed (:meth:`~lowrank_laplace.factor.blocks.DenseBlock.t_matmul_khatri_rao`).
-        """
-        total = None
-        for position, block in enumerate(blocks):
-            pq = self.factors(position)
-            if pq is not None:
-                prod = block.t_matmul_khatri_rao(*pq)
-            else:
-                prod = block.t_matmul(self.parts[position].T)
-            total = prod if total is None else total.add_(prod)
-        return total
+        """``V^T Omega`` from a factor's blocks (one per slice), ``(M, l)``; slices unformed."""
+        return _summed(block.t_matmul(self.parts[i].T) if self.factors(i) is None
+                       else block.t_matmul_khatri_rao(*self.factors(i))
+                       for i, block in enumerate(blocks))
 
     def t_matmul(self, x: Tensor) -> Tensor:
         """``Omega^T x`` for ``x`` of shape ``(D, K)`` (any layout), ``(l, K)``."""
-        total = None
-        for position, xs in enumerate(x.split(self.sizes)):
-            pq = self.factors(position)
-            # a Khatri-Rao slice: the columns of x as rows of an explicit block
-            prod = self.parts[position] @ xs if pq is None else \
-                DenseBlock(xs.T).t_matmul_khatri_rao(*pq).T
-            total = prod if total is None else total.add_(prod)
-        return total
+        # a Khatri-Rao slice: the columns of x as rows of an explicit block
+        return _summed(self.parts[i] @ xs if self.factors(i) is None
+                       else DenseBlock(xs.T).t_matmul_khatri_rao(*self.factors(i)).T
+                       for i, xs in enumerate(x.split(self.sizes)))
 
     def add_to_(self, y: Tensor, alpha: float) -> Tensor:
         """``y += alpha Omega`` in place, for ``y`` of shape ``(D, l)``."""
@@ -174,26 +159,17 @@ class Omega:
 
     def gram(self) -> Tensor:
         """``Omega^T Omega``, ``(l, l)``; a Khatri-Rao slice gives ``(p p^T) * (q q^T)``."""
-        total = None
-        for part in self.parts:
-            prod = (part[0] @ part[0].T) * (part[1] @ part[1].T) if isinstance(part, tuple) \
-                else part @ part.T
-            total = prod if total is None else total.add_(prod)
-        return total
+        return _summed((p[0] @ p[0].T) * (p[1] @ p[1].T) if isinstance(p, tuple) else p @ p.T
+                       for p in self.parts)
 
 
 class BasisOmega:
-    r"""The test matrix :math:`[W, \Omega]`: fixed basis columns before random ones.
+    r"""The test matrix ``[W, Omega]``: a warm start's basis columns before random ones.
 
-    A sketch started from a known basis ``W`` (``D x b``, e.g. the eigenvectors of an
-    earlier fit of a model that has since moved) keeps the Nyström approximation's
-    guarantees, which hold for any test matrix (:math:`0 \preceq \hat H \preceq H`,
-    exact on the range of :math:`H^{1/2}[W, \Omega]`), and is exact on every
-    eigenvector ``W`` spans. The basis columns are kept as an explicit ``b x D``
-    tensor; the random ones as :class:`Omega`, whose interface this class shares.
+    Shares :class:`Omega`'s interface (docs/concepts.md, "One-pass sketch").
 
     Args:
-        basis: ``W``, shape ``(D, b)`` (any layout; copied in ``omega``'s dtype).
+        basis: ``W``, ``(D, b)`` (copied in ``omega``'s dtype).
         omega: The random columns.
     """
 
@@ -215,11 +191,9 @@ class BasisOmega:
 
     def block_products(self, blocks: Sequence[Block]) -> Tensor:
         """``V^T [W, Omega]`` from a factor's blocks (one per slice), ``(M, l)``."""
-        total = None
-        for block, part in zip(blocks, self.basis.split(self.sizes, dim=1)):
-            prod = block.t_matmul(part.T)
-            total = prod if total is None else total.add_(prod)
-        return torch.cat([total, self.omega.block_products(blocks)], dim=1)
+        own = _summed(block.t_matmul(part.T)
+                      for block, part in zip(blocks, self.basis.split(self.sizes, dim=1)))
+        return torch.cat([own, self.omega.block_products(blocks)], dim=1)
 
     def t_matmul(self, x: Tensor) -> Tensor:
         """``[W, Omega]^T x`` for ``x`` of shape ``(D, K)``, ``(l, K)``."""

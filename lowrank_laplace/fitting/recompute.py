@@ -15,29 +15,24 @@ from lowrank_laplace.utils.batches import batch_device
 
 
 class RecomputedFactor:
-    """A micro-batch's GGN factor for low-memory fits, recomputed instead of kept.
+    """What a solver asks of a ``GGNFactor`` (one group), with one block of ``V`` alive.
 
-    Offers what a solver's ``add_factor`` asks of a
-    :class:`~lowrank_laplace.factor.GGNFactor` (one group). Construction runs one
-    backward pass that accumulates, block by block, the Gram matrix, the diagonal
-    (if tracked) and the products ``V^T x`` with the merge's current basis and
-    deferred corrections (:meth:`~lowrank_laplace.fitting.StreamingMerge.projection_targets`);
-    each ``V y`` product (:meth:`matmul_add_`) recomputes ``V`` in another pass with
-    the same random draws. No more than one layer's block of ``V`` is alive at a time.
+    Construction runs one backward pass for the Gram matrix, diagonal and the products
+    ``V^T x`` with the solver's ``projection_targets``; each ``V y`` recomputes ``V`` in
+    another pass with the same random draws.
 
     Args:
         engine: The fit's engine.
         inputs: The micro-batch's inputs.
         targets: Its targets.
-        mc_samples: ``0`` (exact) or MC samples per data point.
+        mc_samples: ``0`` or MC samples per data point.
         subsampling: Curvature sample indices or ``None``.
-        targets_x: The matrices ``x`` whose ``V^T x`` the merge will ask for.
+        targets_x: The matrices ``x`` whose ``V^T x`` the solver will ask for.
         diagonal: Also accumulate the GGN diagonal.
-        gram: Accumulate the Gram matrix (a sketch needs only the trace, which then
-            comes from the diagonal).
+        gram: Accumulate the Gram matrix (else the trace comes from the diagonal).
     """
 
-    #: Products with ``V`` recompute it (:attr:`GGNFactor.recomputed` is ``False``).
+    #: Products with ``V`` recompute it.
     recomputed = True
 
     def __init__(self, engine: Any, inputs: Any, targets: Tensor,

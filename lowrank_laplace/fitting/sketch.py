@@ -1,66 +1,10 @@
 r"""One-pass randomized Nyström sketch of the GGN over a data set (``solver="sketch"``).
 
-An alternative to :class:`~lowrank_laplace.fitting.streaming.StreamingMerge` that trades
-accuracy for speed (``solver="auto"`` runs it with ``l = 4 rank`` columns where it is
-the cheaper fit, or from an earlier fit's eigenvectors and ``2 rank`` random columns:
-with ``l = 1.2 rank`` its posteriors missed the full GGN's test NLL by up to 8%,
-docs/posterior_quality.md). With a fixed random test matrix :math:`\Omega`
-(``D x l``, ``l = rank + oversampling``) every batch factor only adds to the sketch
-
-.. math::
-    Y = H \Omega = \sum_b V_b (V_b^\top \Omega),
-
-the two products with ``V`` that a streaming merge pays too, but without its
-eigendecomposition of size ``k + M`` per merge and its bookkeeping. After the pass
-the Nyström approximation :math:`\hat H = Y (\Omega^\top Y)^{+} Y^\top` gives the
-eigenpairs, computed stably with a small shift :math:`\nu` (Tropp, Yurtsever, Udell
-and Cevher, 2017, "Fixed-rank approximation of a positive-semidefinite matrix from
-streaming data", Algorithm 3):
-
-.. math::
-    Y_\nu = Y + \nu \Omega, \quad B = \Omega^\top Y_\nu = L L^\top, \quad
-    \hat H_\nu = Y_\nu B^{-1} Y_\nu^\top, \quad \hat H = \hat H_\nu - \nu\,\Pi,
-
-with :math:`\Pi` the projector onto the range of :math:`Y_\nu`; the eigenpairs of
-:math:`\hat H_\nu = E E^\top`, :math:`E = Y_\nu L^{-\top}`, come from one ``l x l``
-eigenproblem of :math:`E^\top E`.
-
-Properties:
-
-- **Exact** whenever the GGN's rank over the data is at most ``l`` (then ``Y``
-  spans its range), like the streaming merge.
-- **Otherwise an under-estimate**: :math:`0 \preceq \hat H \preceq H`; the kept
-  eigenvalues are at most the true ones and the kept trace is lower than the
-  streaming merge's (which tracks the leading eigenspace adaptively). The exact
-  trace, and the exact diagonal if tracked, are still accumulated, so the residual
-  models see the true dropped curvature. In expectation the nuclear-norm error of
-  the rank-``r`` truncation is within ``1 + r / (l - r - 1)`` of the best rank-``r``
-  error (Tropp et al., Theorem 4.1, Gaussian test matrix): a larger oversampling
-  buys accuracy linearly in cost.
-- **Structured where the factor is**: by default (``test_matrix="kronecker"``) the
-  slice of a matrix-shaped weight ``(out, in)`` in every column of :math:`\Omega` is a
-  Khatri-Rao column :math:`p_k \otimes q_k` of two Gaussian vectors (a tensor random
-  projection: Sun, Guo, Tropp and Udell, 2021, "Tensor random projection for low
-  memory dimension reduction"). A linear layer's block of ``V`` is factored as
-  :math:`s_{vn} \otimes z_n`, so its :math:`V_b^\top \Omega_b` is
-  :math:`(s_{vn}^\top p_k)(z_n^\top q_k)`: ``(V N out + N in) l`` multiply-adds
-  instead of ``N out in l``, half of the sketch's products with such a layer, and the
-  slice is kept as ``p`` and ``q`` (the sketch then holds little more than ``Y``). The
-  entries stay uncorrelated with variance ``1 / D``. No bound like the Gaussian one
-  is claimed, but the kept trace stayed within half a point of a Gaussian test
-  matrix's on the benchmarks' MLP, sklearn digits, DeepOBS 3c3d and 2c2d
-  (``benchmarks/bench_sketch_test_matrix.py``), and the bound above held in the tests.
-- **Widened to float64 where float32 rounds**: ``accumulate=torch.float64`` holds
-  :math:`\Omega`, :math:`Y` and the products with float32 factors in float64 (the
-  factors' blocks are widened per pass), so a float32 model's sketch resolves the
-  eigenvalues below ``eps32 * lambda_max`` that a float32 :math:`Y` rounds away; the
-  eigenvectors are rounded to the factors' dtype once, at the end. It costs about
-  twice the float32 sketch, so a fit sketches in float32 first and redoes the pass in
-  float64 only when a kept eigenvalue is within ``RESOLVED_RATIO`` of the rounding
-  shift (:meth:`SketchMerge.resolves`) and the ``D x l`` float64 matrix is small
-  against the memory budget (:data:`~lowrank_laplace.fitting.plan.WIDE_SKETCH_SHARE`).
-- **Linear in the data**: sketches of several processes (same :math:`\Omega`) simply
-  add, so data-parallel fits all-reduce ``Y`` and equal the single-process sketch.
+Every batch factor adds ``V_b (V_b^T Omega)`` to ``Y = H Omega`` for a fixed test matrix
+``Omega`` (``D x l``); the eigenpairs come once, at the end, from the Nyström
+approximation. Exact where the GGN's rank fits ``l``, else an under-estimate; a
+Kronecker-structured ``Omega``, float64 accumulation and data-parallel sums: see
+docs/concepts.md, "One-pass sketch".
 
 Shape glossary:
     D: parameters; l: sketch size (rank + oversampling); M: columns of a batch factor.
@@ -68,69 +12,51 @@ Shape glossary:
 
 from __future__ import annotations
 
-import math
+import functools
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from lowrank_laplace.factor import KronBlock, cat_blocks
+from lowrank_laplace.factor import Block, cat_blocks
 from lowrank_laplace.fitting.base import Solver
+from lowrank_laplace.fitting.nystrom import nystrom_core, nystrom_eigenpairs, sub_sketch_share
 from lowrank_laplace.fitting.omega import BasisOmega, Omega
-from lowrank_laplace.utils.linalg import rotate, stored_transposed, sym_eigh
 
-#: Factored linear-layer blocks of consecutive passes are added to the sketch together,
-#: up to this many samples per parameter and this many bytes of queued factors in all:
-#: the product writes the whole ``d x l`` slice of the sketch, so few samples per
-#: product are memory-bound and larger products are markedly faster for large layers
-#: (docs/benchmarks/design_measurements.md).
+#: Factored linear-layer blocks of consecutive passes are added together, up to this
+#: many samples per parameter and bytes queued in all (each product writes a whole
+#: ``d x l`` slice, so small ones are memory-bound).
 _KRON_SAMPLES = 256
 _KRON_BYTES = 64 * 2**20
-#: A float32 sketch keeps its eigenpairs when every kept eigenvalue is this many times
-#: its rounding shift ``nu`` (accurate to ~0.1%); else the fit redoes it in float64
-#: (:meth:`SketchMerge.resolves`).
+#: The fit's test matrix: ``"kronecker"`` (Khatri-Rao slices for matrix-shaped
+#: weights) or ``"gaussian"``.
+TEST_MATRIX = "kronecker"
+#: A float32 sketch is kept when every kept eigenvalue is this many times its shift
+#: ``nu``; else the fit redoes it in float64.
 RESOLVED_RATIO = 1e3
 
 
 class SketchMerge(Solver):
     """Accumulates ``H = sum_b V_b V_b^T`` as a one-pass Nyström sketch ``Y = H Omega``.
 
-    A sibling of :class:`~lowrank_laplace.fitting.streaming.StreamingMerge` (same
-    interface); the eigendecomposition is formed once, when :meth:`result` or
-    :attr:`eigenvectors` is first read.
+    The eigenpairs are formed when :meth:`result` or :attr:`eigenvectors` is first read.
 
     Args:
-        rank: Number of eigenpairs kept in the end (``r >= 1``).
-        oversampling: Extra sketch columns (``p >= 0``); the sketch has
-            ``l = r + p`` columns and the truncation to ``r`` improves with ``p``.
+        rank: Eigenpairs kept in the end.
+        oversampling: Extra sketch columns; ``l = rank + oversampling``.
         track_diagonal: Also accumulate the exact diagonal of the sum.
-        seed: Seed of the test matrix ``Omega`` (drawn on the device of the first
-            factor); processes that merge their sketches need the same seed.
-        test_matrix: ``"kronecker"`` (default): the slice of a matrix-shaped weight
-            ``(out, in)`` in every column of ``Omega`` is a Khatri-Rao column
-            ``p_k (x) q_k`` of two Gaussian vectors, so a factored linear-layer
-            block's ``V_b^T Omega_b`` is ``(S p_k) * (Z q_k)``, without the
-            ``N x out x in`` product per column, and the slice is kept as ``p`` and
-            ``q`` (``l (out + in)`` numbers, not ``l out in``); other slices stay
-            Gaussian. ``"gaussian"``: every entry is Gaussian (the setting of Tropp
-            et al.'s error bound). Both have entries of variance ``1 / D``,
-            uncorrelated, so ``E[Omega Omega^T] = l I / D``.
-        accumulate: The dtype of ``Omega``, the sketch and its products (e.g.
-            ``torch.float64`` for float32 factors, whose blocks are then widened per
-            pass); ``None``: the factors' dtype. Low-memory (recomputed) factors
-            need ``None``.
-        basis: A warm start: ``b`` known directions, shape ``(D, b)`` (e.g. the
-            eigenvectors of an earlier fit of a model that has moved since), taken
-            as the first ``b`` of the ``l`` test columns
-            (:class:`~lowrank_laplace.fitting.omega.BasisOmega`); the other
-            ``l - b`` are random. ``None``: all random.
+        seed: Seed of ``Omega``; processes that merge their sketches need the same.
+        test_matrix: ``"kronecker"`` (Khatri-Rao slices for matrix-shaped weights) or
+            ``"gaussian"``; entries of variance ``1 / D``, uncorrelated, either way.
+        accumulate: The dtype of ``Omega``, ``Y`` and the products (``None``: the
+            factors', as recomputed factors need).
+        basis: ``(D, b)`` warm start, the first ``b`` test columns.
 
     Raises:
-        ValueError: For ``rank < 1``, negative oversampling or an unknown
-            ``test_matrix``.
+        ValueError: For a bad rank, oversampling, basis or ``test_matrix``.
     """
 
-    solver = "sketch"
+    path = "sketch"
 
     def __init__(self, rank: int, oversampling: int = 0, track_diagonal: bool = False,
                  seed: int = 0, test_matrix: str = "kronecker",
@@ -155,23 +81,14 @@ class SketchMerge(Solver):
         self._projection: Optional[Tensor] = None  # Omega formed, for low-memory passes
         self._sketch: Optional[Tensor] = None  # Y = H Omega, laid out like Omega
         self.shift: Optional[float] = None  # nu of the last finalisation
+        self._convergence = 1.0  # sub_sketch_share of the last finalisation
         self._vectors: Optional[Tensor] = None  # the eigenvectors, once finalised
         # parameter index -> (blocks, scaled V^T Omega rows, sketch slice) not yet added
-        self._kron: Dict[int, Tuple[List[KronBlock], List[Tensor], Tensor]] = {}
+        self._kron: Dict[int, Tuple[List[Block], List[Tensor], Tensor]] = {}
 
-    # ------------------------------------------------------------------ streaming
     def _test_matrix(self, dim: int, like: Tensor,
                      shapes: Optional[List[torch.Size]] = None) -> Omega:
-        """The test matrix (:class:`~lowrank_laplace.fitting.omega.Omega`), drawn once.
-
-        At most ``D`` columns (more could not be independent). With ``shapes`` (the
-        group's parameter shapes, in order) and ``test_matrix="kronecker"``, the slices
-        of matrix-shaped parameters are Khatri-Rao columns kept as their factors; the
-        sketch is stored like the Gaussian slices, as a ``(D, l)`` view of an
-        ``(l, D)`` tensor: adding a convolution's block ``V_b (V_b^T Omega)`` into wide
-        ``l x d`` rows is faster than into narrow ``d x l`` ones
-        (docs/benchmarks/design_measurements.md).
-        """
+        """The test matrix, drawn once, at most ``D`` columns (the sketch is stored ``(l, D)``)."""
         if self._omega is None:
             self._omega = Omega(min(self.keep, dim) - self.warm_columns, dim, like, self.seed,
                                 shapes, kronecker=self.test_matrix == "kronecker")
@@ -181,13 +98,7 @@ class SketchMerge(Solver):
         return self._omega
 
     def add_factor(self, factor: Any, group: int = 0, scale: float = 1.0) -> None:
-        """Add ``scale * V V^T Omega`` of one group of a batch factor to the sketch.
-
-        Args:
-            factor: Batch factor (blocks kept, or a low-memory recomputed factor).
-            group: Group index.
-            scale: Non-negative factor applied to the batch's GGN.
-        """
+        """Add ``scale * V V^T Omega`` of one group to the sketch (:meth:`Solver.add_factor`)."""
         dim = factor.group_dim(group)
         self.num_merges += 1
         trace = factor.trace(group) * scale
@@ -201,9 +112,9 @@ class SketchMerge(Solver):
             self._dtype = proj.dtype
         else:
             blocks = factor.group_blocks(group)
-            self._dtype = _block_dtype(blocks[0])
-            if self.accumulate is not None:  # widened per pass
-                blocks = [block.to(self.accumulate) for block in blocks]
+            # the widest of the blocks' dtypes (a bfloat16 head beside float32 adapters)
+            self._dtype = functools.reduce(torch.promote_types, [b.dtype for b in blocks])
+            blocks = [block.to(self.accumulate or self._dtype) for block in blocks]
             omega = self._test_matrix(dim, trace.to(self.accumulate or self._dtype),
                                       [factor.shapes[i] for i in factor.groups[group]])
             proj = omega.block_products(blocks) * scale  # (M, l)
@@ -215,27 +126,27 @@ class SketchMerge(Solver):
             return
         for index, block, part in zip(factor.groups[group], blocks,
                                       factor.split_flat(self._sketch, group)):
-            if isinstance(block, KronBlock):
+            if block.factored:
                 self._defer(index, block, proj, part)
             else:
                 block.matmul_add_(part, proj)
 
-    def _defer(self, index: int, block: KronBlock, proj: Tensor, part: Tensor) -> None:
+    def _defer(self, index: int, block: Block, proj: Tensor, part: Tensor) -> None:
         """Queue a factored block's product ``part += B^T proj`` (see ``_KRON_SAMPLES``)."""
         queued = self._kron.get(index)
-        if queued and queued[0][0].s.shape[0] != block.s.shape[0]:  # other vectors per sample
+        if queued and queued[0][0].num_vectors != block.num_vectors:  # other vectors/sample
             self._add_deferred(index)
         blocks, projs, _ = self._kron.setdefault(index, ([], [], part))
         blocks.append(block)
         projs.append(proj)
-        if sum(b.s.shape[1] for b in blocks) >= _KRON_SAMPLES:
+        if sum(b.num_samples for b in blocks) >= _KRON_SAMPLES:
             self._add_deferred(index)
         elif self._queued_bytes() >= _KRON_BYTES:
             self._add_deferred()
 
     def _queued_bytes(self) -> int:
         """Bytes of the queued factors (a batch's ``V^T Omega`` counted per parameter)."""
-        return sum((b.s.numel() + b.z.numel() + p.numel()) * p.element_size()
+        return sum(b.nbytes + p.numel() * p.element_size()
                    for blocks, projs, _ in self._kron.values()
                    for b, p in zip(blocks, projs))
 
@@ -246,19 +157,16 @@ class SketchMerge(Solver):
             if len(blocks) == 1:
                 blocks[0].matmul_add_(part, projs[0])
                 continue
-            vecs = blocks[0].s.shape[0]
+            vecs = blocks[0].num_vectors
             proj = torch.cat([p.view(vecs, -1, p.shape[1]) for p in projs], dim=1)
             merged = cat_blocks(blocks, [1.0] * len(blocks), vecs)
             merged.matmul_add_(part, proj.view(-1, proj.shape[2]))
 
     def projection_targets(self) -> List[Tensor]:
-        """The test matrix, whose products ``V^T Omega`` every factor must offer.
-
-        Low-memory passes need it formed (``D x l``; their blocks are gone before the
-        merge sees them), so it is formed once, here.
+        """The test matrix, formed once for low-memory passes' ``V^T Omega``.
 
         Returns:
-            The formed test matrix (empty before it is drawn).
+            ``[Omega]`` (empty before it is drawn).
         """
         if self._omega is None:
             return []
@@ -273,18 +181,13 @@ class SketchMerge(Solver):
         Args:
             dim: Parameters ``D`` of the group.
             like: A tensor with the fit's dtype and device.
-            shapes: The group's parameter shapes, in order (``None``: an all-Gaussian
-                test matrix); factors of the group then find the same test matrix
-                they would have drawn.
+            shapes: The group's parameter shapes (``None``: all Gaussian).
         """
         self._test_matrix(dim, like, shapes)
 
     def add_lowrank(self, eigenvectors: Tensor, eigenvalues: Tensor, trace: Tensor,
                     diagonal: Optional[Tensor] = None) -> None:
-        """Add the sketch of another eigendecomposition, ``U diag(lambda) U^T Omega``.
-
-        The arguments are those of :meth:`~lowrank_laplace.fitting.base.Solver.add_lowrank`.
-        """
+        """Add ``U diag(lambda) U^T Omega`` (:meth:`Solver.add_lowrank`)."""
         self.add_trace_and_diagonal(trace, diagonal)
         if eigenvalues.numel() == 0:
             return
@@ -300,14 +203,10 @@ class SketchMerge(Solver):
         self.num_merges += 1
 
     def merge_across(self, group: Any) -> None:
-        """Sum the sketches, traces and diagonals of all processes of a group.
-
-        Every process drew the same test matrix (same seed and device type), so the
-        summed sketch is the sketch of the whole data set, and every process ends
-        with the same result as a single process would.
+        """Sum the sketches, traces and diagonals of all processes (same ``Omega``).
 
         Args:
-            group: The process group (e.g. ``torch.distributed.group.WORLD``).
+            group: The process group.
 
         Raises:
             RuntimeError: If some process sketched nothing.
@@ -322,18 +221,11 @@ class SketchMerge(Solver):
         if self.track_diagonal:
             dist.all_reduce(self.diagonal, group=group)
 
-    # ---------------------------------------------------------------- finalising
     def resolves(self, ratio: Optional[float] = None) -> bool:
-        """Whether every kept eigenvalue is ``ratio`` times clear of the rounding shift.
-
-        The Nyström eigenvalues carry rounding of the order of the shift ``nu``
-        (``~2 eps ||Y||_F``), so those above ``ratio * nu`` are accurate to about
-        ``1 / ratio``; a float32 sketch that fails this is redone in float64 by the fit.
-        Finalises the sketch.
+        """Whether every kept eigenvalue is ``ratio`` times its shift ``nu`` (finalises).
 
         Args:
-            ratio: Smallest admissible ``lambda_kept / nu`` (``None``:
-                :data:`RESOLVED_RATIO`).
+            ratio: Smallest ``lambda / nu`` (``None``: :data:`RESOLVED_RATIO`).
 
         Returns:
             ``True`` also when nothing was kept.
@@ -344,6 +236,12 @@ class SketchMerge(Solver):
             return True
         ratio = RESOLVED_RATIO if ratio is None else ratio
         return float(lam[: self.rank].min()) >= ratio * self.shift
+
+    @property
+    def convergence(self) -> float:
+        """``sub_sketch_share`` of the sketch, ``1.0`` where converged (finalises it)."""
+        self._finalize_sketch()
+        return self._convergence
 
     @property
     def eigenvectors(self) -> Optional[Tensor]:
@@ -360,93 +258,11 @@ class SketchMerge(Solver):
         self._sketch = self._omega = self._projection = None
         chol, self.shift = nystrom_core(Y, omega)
         del omega  # the test matrix is freed before the eigenvectors are formed
-        vectors, lam = nystrom_eigenpairs(Y, chol, self.shift, self.rank)
+        vectors, lam, gram = nystrom_eigenpairs(Y, chol, self.shift, self.rank)
         self._vectors = vectors.to(self._dtype)
         self.keep_eigenvalues(lam, self._dtype)
-
-
-def nystrom_core(Y: Tensor, omega: Any) -> Tuple[Tensor, float]:
-    """The shifted sketch ``Y_nu`` (in place) and the Cholesky factor of its core.
-
-    Tropp et al.'s stable evaluation of the Nyström approximation
-    ``Y (Omega^T Y)^+ Y^T``: ``Y_nu = Y + nu Omega`` and ``B = Omega^T Y_nu = C^T C``
-    (Cholesky); :func:`nystrom_eigenpairs` takes it from there, without the test matrix.
-
-    Args:
-        Y: The sketch ``H Omega``, ``(D, l)``; overwritten by ``Y_nu``.
-        omega: The test matrix (:class:`~lowrank_laplace.fitting.omega.Omega` or
-            :class:`~lowrank_laplace.fitting.omega.BasisOmega`).
-
-    Returns:
-        ``(C, nu)``: the upper Cholesky factor, float64 ``(l, l)``, and the shift.
-
-    Raises:
-        RuntimeError: For a sketch that is not finite, or a core that stays indefinite.
-    """
-    eps = torch.finfo(Y.dtype).eps
-    # nu: large enough that B is positive definite despite rounding. Tropp et
-    # al.'s sqrt(D) eps ||Y|| bounds the worst case of a working-precision
-    # product, but every Nyström eigenvalue picks up a share of nu's mass in all
-    # D directions: on float32 tests it moved the smallest kept eigenvalues by 2%.
-    # The typical rounding is ~eps ||Y||_F (test columns of about unit norm), and
-    # a Cholesky failure raises nu tenfold
-    norm = float(torch.linalg.vector_norm(Y))
-    if not math.isfinite(norm):
-        raise RuntimeError("The sketch is not finite: the GGN factors were not.")
-    nu = 2 * eps * norm if norm > 0 else 1.0
-    omega.add_to_(Y, nu)  # Y_nu, in place
-    B = omega.t_matmul(Y).double()
-    gram_o = None
-    for _ in range(8):
-        chol, info = torch.linalg.cholesky_ex((B + B.T) / 2, upper=True)
-        if int(info) == 0:
-            return chol, nu
-        # rounding beyond the estimate: a larger shift
-        gram_o = omega.gram().double() if gram_o is None else gram_o
-        omega.add_to_(Y, 9 * nu)
-        B, nu = B + 9 * nu * gram_o, 10 * nu
-    raise RuntimeError("The Nyström core stayed indefinite.")
-
-
-def nystrom_eigenpairs(Y: Tensor, chol: Tensor, nu: float, rank: int
-                       ) -> Tuple[Tensor, Tensor]:
-    """The leading eigenpairs of the Nyström approximation, from :func:`nystrom_core`.
-
-    ``E = Y_nu C^{-1}`` (so ``H_nu = E E^T``), whose singular pairs give the
-    eigenpairs. ``E`` is conditioned like the square root of the approximation,
-    so its Gram matrix in working precision resolves them as the streaming
-    merge's Gram matrices do (``Y_nu``'s own Gram matrix would square ``H``'s
-    condition number instead).
-
-    Args:
-        Y: The shifted sketch ``Y_nu``, ``(D, l)``; overwritten.
-        chol: The upper Cholesky factor ``C`` of its core.
-        nu: The shift.
-        rank: Eigenpairs wanted.
-
-    Returns:
-        ``(vectors, eigenvalues)``: at most ``rank`` eigenpairs above the rounding
-        shift (at least one), in ``Y``'s dtype.
-    """
-    dtype, eps = Y.dtype, torch.finfo(Y.dtype).eps
-    eye = torch.eye(chol.shape[0], dtype=chol.dtype, device=chol.device)
-    inv = torch.linalg.solve_triangular(chol, eye, upper=True)  # C^{-1}
-    # E = Y_nu C^{-1} explicitly, in place: its Gram matrix has the condition
-    # number of the square root of H, where Y_nu's own would square H's
-    E = rotate(Y, inv.to(dtype), in_place=True)
-    sigma2, W = sym_eigh(E.T @ E)
-    lam = sigma2 - nu
-    tol = max(float(lam[0]) * 10 * eps, nu)  # below the shift: rounding
-    num = max(1, min(rank, int((lam > tol).sum())))
-    # the first num left singular vectors E W sigma^-1, in E's layout; E is freed
-    W = (W[:, :num] / sigma2[:num].clamp(min=nu).sqrt()).to(dtype)
-    vectors = (W.T @ E.T).T if stored_transposed(E) else E @ W
-    return vectors, lam[:num]
-
-
-def _block_dtype(block: Any) -> torch.dtype:
-    """The dtype of a :class:`~lowrank_laplace.factor.DenseBlock` or :class:`KronBlock`."""
-    return block.s.dtype if isinstance(block, KronBlock) else block.rows.dtype
+        half = self.warm_columns + (chol.shape[0] - self.warm_columns) // 2
+        self._convergence = sub_sketch_share(chol, gram, self.shift, self.rank, half)
 
 
 def _storage(mat: Tensor) -> Tensor:

@@ -1,38 +1,10 @@
 r"""Streaming low-rank merge of GGN factors over a data set.
 
-laplace-torch's curvature is a *sum* over the training set, :math:`H = \sum_b V_b
-V_b^\top`. We keep a factor :math:`W = U \mathrm{diag}(\lambda)^{1/2}` (``D x r``) with
-:math:`W W^\top \approx H` and merge every (micro-)batch factor :math:`V_b`:
-:math:`Z = [W, V_b]`, eigen-decompose the small matrix
-
-.. math::
-    Z^\top Z = \begin{pmatrix} \mathrm{diag}(\lambda) & \mathrm{diag}(\lambda)^{1/2}
-    U^\top V_b \\ V_b^\top U \mathrm{diag}(\lambda)^{1/2} & V_b^\top V_b \end{pmatrix}
-    = Q \mathrm{diag}(\mu) Q^\top,
-
-keep the leading ``r + p`` eigenpairs (``p``: oversampling while streaming) and set
-:math:`U \leftarrow Z Q_{:, :r+p} \mathrm{diag}(\mu)^{-1/2}`. The result is exact
-whenever the total rank fits, needs one pass over the data, holds ``O(D (r + M))``
-memory, and is the same operation that merges factors of several processes. The
-dropped curvature is known exactly: running trace minus kept eigenvalues.
-
-Rotating the ``D x k`` basis by a ``k x k`` matrix at every merge would cost
-``D k^2`` flops per merge (it dominated the fit of DeepOBS ``3c3d``). Instead the
-eigenvectors are kept as :math:`U = B R` (basis ``B``, small coordinates ``R``): the
-update :math:`U' = U A + V C` becomes :math:`B' = B E + V C R'^{-1}`,
-:math:`R' = E^{-1} R A`, where ``E`` is the identity plus a rank-``m`` correction for
-the few directions whose coordinates would become ill-conditioned (``m`` stays at a
-few per merge in practice). ``B`` then costs only the product with ``V`` that the
-explicit update pays anyway.
-
-Precision: a float32 merge whose kept spectrum spans more than about ``1e3 eps`` (a
-small model near full rank, say) forms its small products (``V^T V``, ``U^T V``) and
-its new basis in float64, a slice at a time (:func:`~lowrank_laplace.fitting.base.wide_products`,
-:func:`~lowrank_laplace.fitting.base.wide_combine`), and rounds the basis once: float32
-products would blur eigenvalues below ``eps lambda_max``, and a float32 basis formed
-from the long vectors that a small eigenvalue's coefficients ``mu^{-1/2}`` multiply
-loses its orthogonality, which the next merge turns into spurious curvature. A
-narrower spectrum keeps the float32 merge, which resolves it to about ``1e-3``.
+Keeps ``W = U diag(lambda)^{1/2}`` and merges every batch factor through the small
+eigenproblem of ``[W, V_b]^T [W, V_b]``: exact whenever the total rank fits, one pass,
+the same operation across processes. The basis is updated lazily (``U = B R``), and
+float32 merges of wide spectra are formed in float64; derivations: docs/concepts.md,
+"Streaming merges" and "Float32 factors".
 
 Shape glossary:
     D: parameters; r: kept rank; M: columns of one batch factor.
@@ -56,10 +28,10 @@ from lowrank_laplace.fitting.base import (
     wide_merge,
     wide_products,
 )
-from lowrank_laplace.utils.linalg import eigh, rotate, top_eigh, wide_inner
+from lowrank_laplace.utils.linalg import rotate, top_eigh, wide_inner
 
 #: A float32 merge stays float32 while its kept eigenvalues all exceed this multiple
-#: of ``eps lambda_max`` (see :func:`~lowrank_laplace.fitting.base.wide_merge`).
+#: of ``eps lambda_max`` (``wide_merge``).
 WIDE_SPAN = 1e3
 
 
@@ -67,21 +39,16 @@ class StreamingMerge(Solver):
     """Accumulates ``H = sum_b V_b V_b^T`` as a truncated eigendecomposition.
 
     Args:
-        rank: Number of eigenpairs kept in the end (``r >= 1``).
-        oversampling: Extra eigenpairs kept while streaming (``p >= 0``), which
-            makes the truncation more accurate when the total rank exceeds ``r``.
-        track_diagonal: Also accumulate the exact diagonal of the sum (for the
-            residual diagonal of :meth:`result`).
-        lazy: Keep the eigenvectors as a basis times small coordinates and update
-            the basis by rank-``M`` (plus rare rank-``m``) corrections (default);
-            ``False`` rotates the ``D x k`` basis explicitly at every merge (the
-            same result in exact arithmetic, slower; a reference).
+        rank: Eigenpairs kept in the end.
+        oversampling: Extra eigenpairs kept while streaming (a more accurate truncation).
+        track_diagonal: Also accumulate the exact diagonal of the sum.
+        lazy: Update a basis times small coordinates; ``False`` rotates it every merge.
 
     Raises:
         ValueError: For ``rank < 1`` or negative oversampling.
     """
 
-    solver = "streaming"
+    path = "streaming"
 
     def __init__(self, rank: int, oversampling: int = 0, track_diagonal: bool = False,
                  lazy: bool = True):
@@ -109,15 +76,7 @@ class StreamingMerge(Solver):
         return self._basis
 
     def _orthonormalize(self) -> None:
-        """Form ``U = B R`` with a Rayleigh-Ritz step that restores exact orthonormality.
-
-        Lazy updates keep ``U = B R`` orthonormal only up to rounding amplified by
-        ``cond(R)``; with ``B^T B = L L^T`` the represented curvature
-        ``B R diag(lambda) R^T B^T`` equals ``(B L^{-T}) K (B L^{-T})^T``,
-        ``K = L^T R diag(lambda) R^T L``, and ``B L^{-T}`` is orthonormal, so the
-        eigenpairs of ``K`` give orthonormal eigenvectors of what was merged, for one
-        extra ``D k^2`` Gram matrix.
-        """
+        """Form ``U = B R`` by a Rayleigh-Ritz step that restores exact orthonormality."""
         basis, coords = self._basis, self._coords.double()
         gram = wide_inner(basis)
         chol, info = torch.linalg.cholesky_ex(gram)
@@ -128,11 +87,11 @@ class StreamingMerge(Solver):
             )
             inner = chol.T @ coords
         else:  # numerically rank-deficient basis: symmetric inverse square root
-            g, Z = eigh(gram)
+            g, Z = torch.linalg.eigh(gram)
             g = g.clamp(min=g[-1] * torch.finfo(basis.dtype).eps)
             to_orth, inner = Z / g.sqrt(), (Z * g.sqrt()).T @ coords
         lam = self.eigenvalues.double()
-        evals, q = eigh((inner * lam) @ inner.T)
+        evals, q = torch.linalg.eigh((inner * lam) @ inner.T)
         evals, q = evals.flip(0), q.flip(1)
         self._basis = rotate(basis, (to_orth @ q).to(basis.dtype), in_place=not self._shared)
         self._coords = None
@@ -143,16 +102,7 @@ class StreamingMerge(Solver):
         self._basis, self._coords, self._shared, self._deferred = value, None, False, []
 
     def add_factor(self, factor: GGNFactor, group: int = 0, scale: float = 1.0) -> None:
-        """Merge ``scale * V V^T`` of one group of a batch factor.
-
-        The factor is merged into the kept eigendecomposition (lazily, see the module
-        docstring and :meth:`_lazy_update`).
-
-        Args:
-            factor: Batch factor with kept blocks.
-            group: Group index.
-            scale: Non-negative factor applied to the batch's GGN.
-        """
+        """Merge ``scale * V V^T`` of one group of a batch factor (:meth:`Solver.add_factor`)."""
         self.num_merges += 1
         wide = wide_merge(factor, group, self.eigenvalues, self.keep, WIDE_SPAN)
         blocks = merge_blocks(factor, group) if wide else None
@@ -190,13 +140,10 @@ class StreamingMerge(Solver):
         self._basis, self._coords, self._shared = new, None, False
 
     def projection_targets(self) -> List[Tensor]:
-        """The ``D x K`` matrices whose products ``V^T x`` the next merge needs.
-
-        The basis and the deferred corrections, in that order (empty before the first
-        merge).
+        """The ``D x K`` matrices whose ``V^T x`` the next merge needs.
 
         Returns:
-            The matrices.
+            The basis, then the deferred corrections (empty before the first merge).
         """
         if self._basis is None:
             return []
@@ -204,19 +151,11 @@ class StreamingMerge(Solver):
 
     def _merge_eigh(self, lam: Tensor, cross: Tensor, gram: Tensor,
                     formed: torch.dtype = WIDE) -> Tuple[Tensor, Tensor, Tensor]:
-        """Merge ``U diag(lam) U^T`` with ``Z Z^T`` in the space of ``[U, Z]``.
+        """Merge ``U diag(lam) U^T`` with ``Z Z^T`` in the space of ``[U, Z]`` (float64).
 
-        Args:
-            lam: Kept eigenvalues, shape ``(r,)`` (``U`` orthonormal).
-            cross: ``U^T Z``, shape ``(r, M)``.
-            gram: ``Z^T Z``, shape ``(M, M)``.
-            formed: The dtype ``cross`` and ``gram`` were computed in.
-
-        Returns:
-            The new leading eigenvalues and coefficients ``A`` ``(r, k)``, ``C``
-            ``(M, k)`` with new orthonormal eigenvectors ``U A + Z C``, all float64
-            (the small matrix is formed in float64 from float64 products, see
-            :func:`~lowrank_laplace.fitting.base.wide_products`).
+        ``lam`` ``(r,)``, ``cross = U^T Z`` ``(r, M)``, ``gram = Z^T Z``, ``formed``: their
+        dtype. Returns the leading eigenvalues and ``A`` ``(r, k)``, ``C`` ``(M, k)`` with
+        orthonormal eigenvectors ``U A + Z C``.
         """
         r, root = lam.numel(), lam.to(WIDE).sqrt()
         cross = cross.to(WIDE) * root[:, None]  # diag(lam)^1/2 U^T Z
@@ -232,24 +171,16 @@ class StreamingMerge(Solver):
                      blocks: Optional[List[Any]], group: int) -> bool:
         """``B' R' = B P + V C`` with ``B' = B E + V C R'^{-1}``, ``E = I +`` rank ``m``.
 
-        With the SVD ``P = L S Q^T``: ``R' = L S' Q^T`` where ``S'`` is ``S`` with the
-        ``m`` singular values outside ``[tau, 1/tau]`` set to one, and
-        ``E = P R'^{-1} = I + L_m (S_m - 1) L_m^T``. Returns ``False`` (caller
-        rotates ``B`` explicitly) when the rank changed or ``m`` is too large to pay.
-
-        Where the factor has ``blocks`` (:func:`merge_blocks`), ``B'`` is formed in
-        float64 (:func:`~lowrank_laplace.fitting.base.wide_combine`) and the correction
-        ``E`` applied at once in the same pass over ``B``, not deferred: a deferred
-        ``X = B L_m`` rounded to float32 loses what ``E`` keeps of a shrinking
-        direction (``S_m << 1``) to cancellation.
+        ``False`` (rotate explicitly) when the rank changed or ``m > r / 2``. A wide
+        merge applies ``E`` at once: a deferred float32 ``B L_m`` would lose a shrinking
+        direction to cancellation.
         """
         r = P.shape[0]
         if not self.lazy or P.shape[1] != r:
             return False
         L, S, Qt = torch.linalg.svd(P.double())
         drift = (S < self.tau) | (S > 1 / self.tau)
-        # hysteresis: once one direction drifts out, reset every direction outside the
-        # narrower band; the three counts cross to the host in one read
+        # hysteresis: once one drifts, reset all outside the narrower band (one host read)
         wide = (S < self.tau**0.5) | (S > self.tau**-0.5)
         num_drift, num_wide, growing = torch.stack(
             [drift.sum(), wide.sum(), (S > 1 / self.tau).sum()]
@@ -266,10 +197,8 @@ class StreamingMerge(Solver):
         if m and blocks is not None:
             correction = (L[:, bad], L[:, bad] * (S[bad] - 1))
         elif m:
-            # (B + sum X Y^T) E = B + (B L_m) diag(S_m - 1) L_m^T + sum X (E^T Y)^T: one
-            # read of B now; the update of B is deferred and applied for several merges
-            # at once, except for growing directions (S > 1/tau), whose large factors
-            # would cancel against B in the cross terms of later merges
+            # (B + sum X Y^T) E = B + (B L_m) diag(S_m - 1) L_m^T + sum X (E^T Y)^T,
+            # deferred except for growing directions (docs/concepts.md)
             Lm, dtype = L[:, bad], basis.dtype
             Ym = Lm * (S[bad] - 1)
             self._deferred = [(X, Y + (Lm @ (Ym.T @ Y.double())).to(dtype))
@@ -281,7 +210,7 @@ class StreamingMerge(Solver):
         if deferred > self.max_deferred or growing:
             self._flush()
         wide_combine(factor, blocks, C.double() @ coords_inv, basis.dtype, group,
-                     self._basis, in_place=True, correction=correction)
+                     self._basis, correction, in_place=True)
         self._coords = coords  # float64, like every small matrix of the merge
         self.num_lazy_corrections += m
         return True
@@ -298,15 +227,7 @@ class StreamingMerge(Solver):
 
     def add_lowrank(self, eigenvectors: Tensor, eigenvalues: Tensor, trace: Tensor,
                     diagonal: Optional[Tensor] = None) -> None:
-        """Merge another truncated eigendecomposition (e.g. from another process).
-
-        Args:
-            eigenvectors: Orthonormal vectors, shape ``(D, k)``.
-            eigenvalues: Positive eigenvalues, shape ``(k,)``.
-            trace: The exact trace of the other curvature.
-            diagonal: The exact diagonal of the other curvature, shape ``(D,)``
-                (needed when tracking the diagonal).
-        """
+        """Merge another truncated eigendecomposition (:meth:`Solver.add_lowrank`)."""
         self.add_trace_and_diagonal(trace, diagonal)
         if self.eigenvectors is None:
             self.eigenvectors, self.eigenvalues = eigenvectors, eigenvalues
@@ -325,14 +246,10 @@ class StreamingMerge(Solver):
         self.num_merges += 1
 
     def merge_across(self, group: Any) -> None:
-        """Merge the factors of all processes of a ``torch.distributed`` group.
-
-        Every process all-gathers the small factors (``D x (rank + oversampling)``,
-        zero-padded), traces and diagonals, and merges them in rank order, so every
-        process ends with the same result. Exact whenever the total rank fits.
+        """Merge all processes' gathered factors in rank order, on every process.
 
         Args:
-            group: The process group (e.g. ``torch.distributed.group.WORLD``).
+            group: The process group.
 
         Raises:
             RuntimeError: If no process merged anything.
@@ -365,14 +282,11 @@ class StreamingMerge(Solver):
 def concat_factors(factors: Sequence[GGNFactor], scales: Sequence[float]) -> GGNFactor:
     """One factor whose columns are those of several factors, each times ``sqrt(scale)``.
 
-    Lets one merge span several backward passes (or loader batches): a merge costs a
-    pass over the ``D x k`` basis and an eigendecomposition of size ``k + M``, so
-    merging more columns at once is cheaper as long as their Gram matrix is.
+    Lets one merge span several backward passes (fewer, larger merges).
 
     Args:
-        factors: Factors with the same parameter groups and vectors per sample,
-            blocks kept.
-        scales: Non-negative factor applied to each factor's GGN.
+        factors: Factors with the same groups and vectors per sample, blocks kept.
+        scales: Non-negative factor on each factor's GGN.
 
     Returns:
         The concatenated factor (blocks only; ``loss`` is the sum).

@@ -2,19 +2,14 @@ r"""``hessian_structure="lowrank_ggn"`` for laplace-torch.
 
 After ``import lowrank_laplace``, laplace-torch's own factory returns these classes::
 
-    from laplace import Laplace
     la = Laplace(model, "classification", subset_of_weights="all",
                  hessian_structure="lowrank_ggn")
     la.fit(train_loader)
 
-The curvature is laplace-torch's GGN (a sum over the training data, times
-``1/sigma^2/T``), represented by its exact leading eigenpairs, which
-:func:`~lowrank_laplace.laplace_torch.fit.fit_lowrank_ggn` computes from the engine's
-factors ``V``. The posterior precision ``P = U diag(ell) U^T + P_0`` is handled by
-:class:`~lowrank_laplace.posterior.LowRankPrecision` (determinant lemma, Woodbury),
-shifted by the residual model, and the GLM predictive by
-:mod:`lowrank_laplace.posterior.predictive` without materialising the ``(B, C, D)``
-Jacobian. The classes store the fit and serve laplace-torch's interface.
+The curvature is the GGN's exact leading eigenpairs
+(:class:`~lowrank_laplace.fitting.fit.LoaderFit`); the posterior
+precision ``U diag(ell) U^T + P_0``, shifted by the residual model, is a
+:class:`~lowrank_laplace.posterior.LowRankPrecision`.
 """
 
 from __future__ import annotations
@@ -24,40 +19,37 @@ import numbers
 import warnings
 from collections.abc import MutableMapping
 from dataclasses import replace
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple
 
 import torch
 from laplace.baselaplace import ParametricLaplace
 from laplace.lllaplace import LLLaplace
 from torch import Tensor, nn
 
-from lowrank_laplace.laplace_torch import warm
-from lowrank_laplace.laplace_torch.fit import (
-    FitResult,
-    check_batch_types,
-    fit_lowrank_ggn,
-    loader_size,
-)
+from lowrank_laplace.fitting.fit import FitResult, FitTarget, LoaderFit
+from lowrank_laplace.fitting.loader import check_batch_types, loader_size
 from lowrank_laplace.laplace_torch.options import (
+    OPTION_NAMES,
     LowRankOptions,
     resolve_residual,
+    split_options,
 )
 from lowrank_laplace.laplace_torch.persistence import StatePersistence
 from lowrank_laplace.laplace_torch.queries import PosteriorQueries
+from lowrank_laplace.laplace_torch.rank import AUTO, next_rank
+from lowrank_laplace.laplace_torch.report import FitReport
 from lowrank_laplace.laplace_torch.tuning import scalar_marglik_call, tune_scalar_prior
-from lowrank_laplace.posterior import GramCache, Residual
+from lowrank_laplace.laplace_torch.warm import warm_basis
+from lowrank_laplace.posterior import GramCache, Residual, residual_class
 from lowrank_laplace.posterior.complement import MeasuredComplement
-from lowrank_laplace.posterior.residual import DEFAULT_RESIDUAL, ResidualKind, check_residual
+from lowrank_laplace.posterior.probe import probe_residual
+from lowrank_laplace.posterior.residual import DEFAULT_RESIDUAL
 from lowrank_laplace.utils.batches import batch_size
 from lowrank_laplace.utils.threads import on_one_thread_if_small
 
 
 def _check_positive(name: str, value) -> None:
-    """Refuse a non-numeric, non-positive or non-finite hyperparameter where it is set.
-
-    Raises the ``ValueError`` laplace-torch raises for a value of the wrong type
-    (e.g. the text ``"1.0"``), before any conversion.
-    """
+    """Refuse a non-numeric (laplace-torch's ``ValueError``), non-positive or infinite value."""
     if isinstance(value, bool) or not isinstance(value, (Tensor, numbers.Real)):
         raise ValueError(
             f"{name} must be a positive float or a torch.Tensor, got {value!r} of type "
@@ -71,81 +63,79 @@ def _check_positive(name: str, value) -> None:
         )
 
 
+def refuse_inference_mode(what: str) -> None:
+    """Refuse a call under ``torch.inference_mode()``, which forbids its backward passes.
+
+    Args:
+        what: The call, for the message.
+
+    Raises:
+        RuntimeError: Under ``torch.inference_mode()``.
+    """
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"lowrank_ggn's {what} differentiates the model (the GGN factor comes from "
+            "backward passes), which torch.inference_mode() forbids: call it outside, or "
+            "under torch.no_grad() instead (it enables gradients where it needs them). "
+            "In Lightning, Trainer(inference_mode=False)."
+        )
+
+
 class _Option:
     """A read-only view of one field of the object's :class:`LowRankOptions`."""
 
-    def __set_name__(self, owner, name: str) -> None:
+    def __init__(self, name: str):
         self.name = name
 
     def __get__(self, obj, owner=None):
         return self if obj is None else getattr(obj.options, self.name)
 
+    def __set__(self, obj, value) -> None:
+        raise AttributeError(
+            f"{self.name} is an option of this posterior, validated once: build a new one "
+            f"with {self.name}={value!r}."
+        )
+
 
 class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
     r"""Full-network Laplace with the GGN's exact leading eigenspace as curvature.
 
-    Accepts every argument of laplace-torch's ``ParametricLaplace`` (``backend`` is
-    accepted for compatibility and only used by inherited code paths, e.g. the
-    Jacobian fallback when ``enable_backprop=True``; an empirical-Fisher backend
-    (``*EF``) raises, since the curvature is always the GGN), plus the keyword
-    options of :class:`~lowrank_laplace.laplace_torch.options.LowRankOptions`
-    (``rank``, ``oversampling``, ``mc_samples``, ``subsample_fraction``,
-    ``memory_budget``, ``micro_batch_size``, ``residual``, ``seed``, ``low_memory``,
-    ``factor_backend``, ``solver``, ``dense_max_dim``, ``probe_size``,
-    ``probe_columns``, ``measure_complement``, ``sketch_test_matrix``, ``warm_start``),
-    each readable as an attribute (``la.rank``), and ``diagonal_correction``, a
-    deprecated alias: ``True`` means ``residual="diagonal"``, ``False`` means
-    ``residual="none"``.
+    Accepts laplace-torch's ``ParametricLaplace`` arguments (``backend`` only serves
+    inherited paths such as ``enable_backprop=True``; an empirical-Fisher or Hessian
+    backend raises) and the options of
+    :class:`~lowrank_laplace.laplace_torch.options.LowRankOptions`, each readable as an
+    attribute (``la.rank``). ``diagonal_correction`` is a deprecated alias
+    (``True``: ``residual="diagonal"``, ``False``: ``residual="none"``).
 
     Attributes:
         options: The validated :class:`LowRankOptions`.
-        fit_path: ``"dense"``, ``"streaming"`` or ``"sketch"``: the path the last fit
-            took (``None`` before a fit).
+        fit_path: ``"dense"``, ``"streaming"`` or ``"sketch"`` (``None`` before a fit).
         factor_backend_used: The backend that computed ``V`` in the last fit.
-        warm_started: Whether the last fit's sketch started from an earlier fit's
-            eigenvectors (:mod:`~lowrank_laplace.laplace_torch.warm`).
+        warm_started: Whether the last fit's sketch started from this posterior's
+            previous eigenvectors.
+        fit_report: How faithful the last fit is (:class:`FitReport`).
     """
 
     _key = ("all", "lowrank_ggn")
     fit_path: Optional[str] = None
     warm_started: bool = False
 
-    rank = _Option()
-    oversampling = _Option()
-    mc_samples = _Option()
-    subsample_fraction = _Option()
-    memory_budget = _Option()
-    micro_batch_size = _Option()
-    seed = _Option()
-    low_memory = _Option()
-    factor_backend = _Option()
-    solver = _Option()
-    dense_max_dim = _Option()
-    probe_size = _Option()
-    probe_columns = _Option()
-    measure_complement = _Option()
-    sketch_test_matrix = _Option()
-    warm_start = _Option()
-
-    def __init__(self, model: nn.Module, likelihood: str,
-                 sigma_noise: Union[float, Tensor] = 1.0,
-                 prior_precision: Union[float, Tensor] = 1.0,
-                 prior_mean: Union[float, Tensor] = 0.0, temperature: float = 1.0,
-                 enable_backprop: bool = False, dict_key_x: str = "input_ids",
-                 dict_key_y: str = "labels", backend: Any = None,
-                 backend_kwargs: Optional[dict] = None,
-                 asdl_fisher_kwargs: Optional[dict] = None, *,
-                 diagonal_correction: Optional[bool] = None, **options: Any):
-        self._set_options(diagonal_correction, options)
-        super().__init__(
-            model, likelihood, sigma_noise=sigma_noise, prior_precision=prior_precision,
-            prior_mean=prior_mean, temperature=temperature, enable_backprop=enable_backprop,
-            dict_key_x=dict_key_x, dict_key_y=dict_key_y, backend=backend,
-            backend_kwargs=backend_kwargs,
-        )
+    def __init__(self, model: nn.Module, likelihood: str, *args: Any,
+                 diagonal_correction: Optional[bool] = None, **kwargs: Any):
+        self._set_options(diagonal_correction, split_options(kwargs))
+        super().__init__(model, likelihood, *args, **kwargs)
         if not isinstance(self, LLLaplace):  # the last-layer class checks after its options
             self._check_backend()
-        self._warm = warm.capture(self)  # a live posterior of the same model, if fitted
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        """The Laplace parameters' dtype.
+
+        laplace-torch takes the model's first parameter's, which may be a frozen
+        bfloat16 base beside float32 adapters.
+        """
+        params = getattr(self, "params", None)
+        return params[0].dtype if params else next(self.model.parameters()).dtype
 
     def _set_options(self, diagonal_correction: Optional[bool], options: dict) -> None:
         options["residual"] = resolve_residual(options.get("residual", DEFAULT_RESIDUAL),
@@ -159,7 +149,13 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         self.trace: Optional[Tensor] = None
         self.rank_bound: Optional[int] = None
         self._residual_model: Optional[Residual] = None
-        self._fitted_residual: Optional[ResidualKind] = None
+        self._fitted_residual: Optional[str] = None
+        self.fit_report: Optional[FitReport] = None
+
+    def __repr__(self) -> str:
+        head = (f"{type(self).__name__}(rank={self.rank}, residual={self.residual!r}, "
+                f"solver={str(self.solver)!r})")
+        return head if self.fit_report is None else f"{head}\n{self.fit_report}"
 
     def _expected_dim(self) -> Optional[int]:
         """Number of Laplace parameters a loaded state must have (``None``: unknown yet)."""
@@ -220,12 +216,13 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
     def _check_backend(self) -> None:
         """Refuse laplace-torch backend settings that ask for another curvature."""
         name = self._backend_cls.__name__
-        if name.endswith("EF"):
-            raise ValueError(
-                "hessian_structure='lowrank_ggn' computes the exact (or Monte-Carlo) GGN "
-                f"with its own engine; backend={name} asks for the empirical Fisher, "
-                "which it does not provide. Leave backend out or pass a GGN backend."
-            )
+        for suffix, what in (("EF", "the empirical Fisher"), ("Hessian", "the Hessian")):
+            if name.endswith(suffix):
+                raise ValueError(
+                    "hessian_structure='lowrank_ggn' computes the exact (or Monte-Carlo) "
+                    f"GGN with its own engine; backend={name} asks for {what}, which it "
+                    "does not provide. Leave backend out or pass a GGN backend."
+                )
         if self._backend_kwargs.get("stochastic") and not self.mc_samples:
             raise ValueError(
                 "backend_kwargs={'stochastic': True} asks for a Monte-Carlo GGN: pass "
@@ -233,38 +230,38 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             )
 
     @property
-    def residual(self) -> ResidualKind:
-        """The residual model (see :mod:`lowrank_laplace.posterior.residual`).
+    def residual(self) -> str:
+        """The residual model's name (see :mod:`lowrank_laplace.posterior.residual`).
 
-        May be changed after a fit to compare models without refitting, except to
-        ``"diagonal"``, whose residual diagonal only a fit with it keeps.
+        May be changed after a fit to compare models without refitting, except to one
+        that needs the residual diagonal (``"diagonal"``), which only a fit with it keeps.
         """
         return self.options.residual
 
     @residual.setter
     def residual(self, value: str) -> None:
-        value = check_residual(value)
+        model = residual_class(value)
         fitted = getattr(self, "H", None) is not None
-        if value == "diagonal" and fitted and self.residual_diagonal is None:
+        if model.needs_diagonal and fitted and self.residual_diagonal is None:
             raise ValueError(
-                "residual='diagonal' needs the residual diagonal, which this fit did not "
-                "keep: refit with residual='diagonal'."
+                f"residual={model.name!r} needs the residual diagonal, which this fit did "
+                f"not keep: refit with residual={model.name!r}."
             )
-        if (value == ResidualKind.SPECTRAL and fitted and self.probe_size
-                and self._fitted_residual not in (None, ResidualKind.SPECTRAL)):
+        if model.needs_probe and fitted and self._fitted_residual is not None \
+                and not residual_class(self._fitted_residual).needs_probe:
             warnings.warn(
-                f"This posterior was fitted with residual={self._fitted_residual.value!r}, "
+                f"This posterior was fitted with residual={self._fitted_residual!r}, "
                 "which does not measure the spectral model's Jacobian weighting: "
                 f"jacobian_exponent stays {self._jacobian_exponent:g}. Refit with "
-                "residual='spectral' to measure it.", UserWarning, stacklevel=2,
+                f"residual={model.name!r} to measure it.", UserWarning, stacklevel=2,
             )
-        self.options = replace(self.options, residual=value)
+        self.options = replace(self.options, residual=model.name)
         self._residual_model = None
 
     @property
     def diagonal_correction(self) -> bool:
         """Whether the fit tracks the residual diagonal (``residual="diagonal"``)."""
-        return self.options.residual == ResidualKind.DIAGONAL
+        return self.options.residual_model.needs_diagonal
 
     def _init_H(self) -> None:
         self.H: Optional[Tuple[Tensor, Tensor]] = None
@@ -276,7 +273,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
 
     def fit(self, train_loader: Any, override: bool = True, progress_bar: bool = False,
             process_group: Any = "default") -> None:
-        """Fit the low-rank GGN over the whole loader (see :func:`fit_lowrank_ggn`).
+        """Fit the low-rank GGN over the whole loader (see :class:`LoaderFit`).
 
         Data-parallel: when ``torch.distributed`` is initialised (or a group is
         passed), every process streams the shard its loader yields; every process
@@ -301,27 +298,49 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             ValueError: For a loader without ``dataset``, an empty loader, mismatched
                 targets, or a memory budget too small for one sample.
         """
+        refuse_inference_mode("fit")
         previous = None if override or self.H is None else self._fit_result()
+        options = self.options
+        if previous is not None and options.residual_model.needs_diagonal \
+                and previous.residual_diagonal is None:
+            raise ValueError(
+                f"override=False with residual={self.residual!r} needs the residual "
+                "diagonal of the previous fit, which this object does not hold: refit "
+                "with override=True."
+            )
         module, to_inputs, params = self._curvature_target()
-        options = self.options  # only a scalar prior uses the measured complement
-        if options.measure_complement and torch.as_tensor(self.prior_precision).numel() > 1:
-            options = replace(options, measure_complement=False)
-        start = warm.start_of(self) or self._warm
-        result = fit_lowrank_ggn(
-            module, self.likelihood, train_loader, options, params=params,
-            to_inputs=to_inputs, dict_key_y=self.dict_key_y, device=self._device,
-            previous=previous, process_group=process_group, progress_bar=progress_bar,
-            warm_basis=warm.basis_for(start, params)
-            if options.warm_start and previous is None else None,
-        )
-        self._warm, self.warm_started = None, result.warm_started
-        warm.remember(self)
+        target = FitTarget(module, self.likelihood, params, to_inputs, self.dict_key_y,
+                           self._device)
+        basis = warm_basis(self, params) if options.warm_start and previous is None else None
+        rank, history = options.first_rank, []
+        with LoaderFit(target, options.at_rank(rank), process_group) as run:
+            # only a scalar prior uses the measured complement (and the rank check)
+            prior = torch.as_tensor(self.prior_precision)
+            prior = (float(self._H_factor), float(prior)) if prior.numel() == 1 else None
+            while rank is not None:  # one fit, or rank="auto"'s doubling ranks
+                result = run.run(train_loader, previous, basis, progress_bar)
+                probed = probe_residual(module, result, options, self.likelihood, run.group,
+                                        prior)
+                history.append((result.eigenvalues.numel(), probed.variance_change))
+                rank = None if options.rank != AUTO or run.group is not None else next_rank(
+                    rank, probed.variance_change, (result.rank_bound, result.mean.numel(),
+                                                   options.memory_budget, self._device))
+                if rank is not None:
+                    run.reconfigure(options.at_rank(rank))
+                    basis = result.eigenvectors if options.warm_start else None
+        self.warm_started = result.warm_started
         self.mean, self.H = result.mean, (result.eigenvectors, result.eigenvalues)
         self.n_outputs, self.loss, self.n_data = result.n_outputs, result.loss, result.n_data
         self.trace, self.residual_diagonal = result.trace, result.residual_diagonal
         self.factor_backend_used, self.fit_path = result.factor_backend, result.fit_path
-        self.rank_bound, self._jacobian_exponent = result.rank_bound, result.jacobian_exponent
-        self._complement = result.complement
+        self.rank_bound, self._jacobian_exponent = result.rank_bound, probed.exponent
+        self._complement = probed.complement
+        self.fit_report = FitReport(
+            rank=result.eigenvalues.numel(), num_params=result.mean.numel(),
+            kept_fraction=float(self.kept_fraction), fit_path=result.fit_path,
+            factor_backend=result.factor_backend, residual=self.residual,
+            check=result.check, variance_change=probed.variance_change,
+            warm_started=result.warm_started, ranks_tried=tuple(history))
         self._fitted_residual, self._residual_model = self.residual, None
 
     def _fit_result(self) -> FitResult:
@@ -332,14 +351,13 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             residual_diagonal=self.residual_diagonal, loss=self.loss, n_data=self.n_data,
             n_outputs=self.n_outputs, factor_backend=self.factor_backend_used,
             fit_path=self.fit_path, rank_bound=self.rank_bound,
-            jacobian_exponent=self._jacobian_exponent, complement=self._complement,
         )
 
     @property
     def jacobian_exponent(self) -> float:
         """Exponent ``beta`` weighting the spectral residual's tail (see the residual module).
 
-        Fitted: the kept eigenvectors' Jacobian energies on the first ``probe_size``
+        Fitted: the kept eigenvectors' Jacobian energies on the first ``PROBE_SIZE``
         training inputs against their eigenvalues. Settable (``0``: the plain mean over
         random directions; ``1``: the training curvature's weighting). Where the fit
         measured the complement variance (:attr:`measured_complement`), only
@@ -365,10 +383,9 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
 
     _key = ("last_layer", "lowrank_ggn")
 
-    def __init__(self, model: nn.Module, likelihood: str, *args,
-                 diagonal_correction: Optional[bool] = None, **kwargs):
-        fields = LowRankOptions.__dataclass_fields__
-        options = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
+    def __init__(self, model: nn.Module, likelihood: str, *args: Any,
+                 diagonal_correction: Optional[bool] = None, **kwargs: Any):
+        options = split_options(kwargs)
         super().__init__(model, likelihood, *args, **kwargs)
         self._set_options(diagonal_correction, options)
         self._check_backend()
@@ -440,3 +457,8 @@ class _LastLayer(nn.Module):
     def forward(self, features: Tensor) -> Tensor:
         out = self.last(features)
         return out.flatten(1) if out.dim() == 3 else out
+
+
+for _name in OPTION_NAMES:  # la.rank, la.solver, ...: read-only views of la.options
+    if not hasattr(LowRankGGNLaplace, _name):  # residual has its own setter
+        setattr(LowRankGGNLaplace, _name, _Option(_name))

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import torch
+
+from lowrank_laplace.laplace_torch.report import FitReport
+from lowrank_laplace.posterior import residual_class
 from lowrank_laplace.posterior.complement import MeasuredComplement
 
 
@@ -17,10 +21,11 @@ class StatePersistence:
         """laplace-torch's state plus the exact GGN trace and the rank options."""
         state = super().state_dict()
         state.update(trace=self.trace, rank=self.rank, mc_samples=self.mc_samples,
-                     residual_diagonal=self.residual_diagonal, residual=self.residual.value,
+                     residual_diagonal=self.residual_diagonal, residual=self.residual,
                      rank_bound=self.rank_bound, jacobian_exponent=self._jacobian_exponent,
                      measured_complement=None if self._complement is None
-                     else self._complement.state())
+                     else self._complement.state(),
+                     fit_report=None if self.fit_report is None else self.fit_report.as_dict())
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -30,8 +35,12 @@ class StatePersistence:
             state_dict: From :meth:`state_dict` of the same model type.
 
         Raises:
-            ValueError: If the state belongs to another model or Laplace type.
+            ValueError: If the state belongs to another model, Laplace type, residual
+                model or curvature (``mc_samples``), or does not hold a valid low-rank
+                curvature (negative or non-finite eigenvalues, eigenvectors that are not
+                orthonormal, a trace below their sum).
         """
+        self._check_state(state_dict)
         super().load_state_dict(state_dict)
         U = self.H[0]
         expected = self._expected_dim()
@@ -47,11 +56,38 @@ class StatePersistence:
         self._complement = MeasuredComplement.from_state(state_dict.get("measured_complement"))
         if self._complement is not None:
             self._complement = self._complement.to(U.device)
-        saved = state_dict.get("residual", "diagonal" if self.residual_diagonal is not None
-                               else "none")
-        if saved != self.residual:
+        self._residual_model = None
+        self.fit_report = FitReport.from_dict(state_dict.get("fit_report"))
+
+    def _check_state(self, state: dict) -> None:
+        """Refuse a state this object cannot take before any of it is loaded."""
+        saved = state.get("residual", "diagonal" if state.get("residual_diagonal") is not None
+                          else "none")
+        if residual_class(saved) is not self.options.residual_model:
             raise ValueError(
                 f"The state was fitted with residual={saved!r} but this object uses "
                 f"residual={self.residual!r}: construct it with residual={saved!r}."
             )
-        self._residual_model = None
+        mc = state.get("mc_samples", 0)
+        if mc != self.mc_samples:  # online updates would mix two curvatures
+            raise ValueError(
+                f"The state was fitted with mc_samples={mc} but this object uses "
+                f"mc_samples={self.mc_samples}: construct it with mc_samples={mc}."
+            )
+        H = state.get("H")
+        if H is None:
+            return
+        U, lam = H
+        tol = 100 * torch.finfo(U.dtype).eps ** 0.5
+        eye = torch.eye(U.shape[1], dtype=torch.float64, device=U.device)
+        off = float((U.double().T @ U.double() - eye).abs().max()) if U.shape[1] else 0.0
+        if not (bool(torch.isfinite(lam).all()) and bool((lam >= 0).all())
+                and bool(torch.isfinite(U).all()) and off <= tol):
+            raise ValueError(
+                "The state's curvature is not a low-rank GGN: its eigenvalues must be finite "
+                "and non-negative and its eigenvectors orthonormal. Save it with "
+                "state_dict() of a fitted lowrank_ggn posterior."
+            )
+        trace = state.get("trace")
+        if trace is not None and float(trace) < float(lam.double().sum()) * (1 - tol) - tol:
+            raise ValueError("The state's trace is below the sum of its kept eigenvalues.")

@@ -1,11 +1,8 @@
 r"""laplace-torch's posterior interface, served from a stored low-rank fit.
 
-:class:`PosteriorQueries` is the half of
-:class:`~lowrank_laplace.laplace_torch.LowRankGGNLaplace` that answers questions
-about the fitted posterior ``P = U diag(ell) U^T + diag(d)`` (variances, samples, log
-det, Jacobian variances, the GLM predictive); the other half fits and stores. It
-reads only what laplace-torch's ``ParametricLaplace`` and the fit set: ``H``,
-``trace``, the prior and the residual model.
+:class:`PosteriorQueries` answers the questions about ``P = U diag(ell) U^T + diag(d)``
+(variances, samples, log det, Jacobian variances, the GLM predictive) from what
+laplace-torch's ``ParametricLaplace`` and the fit set.
 
 Shape glossary:
     D: Laplace parameters; r: kept rank; B: inputs; C: outputs.
@@ -21,33 +18,23 @@ import torch
 from torch import Tensor
 
 from lowrank_laplace.fitting.budget import dense_identity
-from lowrank_laplace.posterior import LowRankPrecision, Residual
+from lowrank_laplace.posterior import DroppedCurvature, LowRankPrecision, Residual
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.predictive import glm_predictive, prior_variance_weights
 from lowrank_laplace.utils.batches import to_device
-from lowrank_laplace.utils.threads import (
-    SMALL_WORK,
-    on_idle_cores,
-    on_one_thread_if_small,
-    scoped_backward,
-)
+from lowrank_laplace.utils.threads import SMALL_WORK, on_one_thread_if_small, scoped_backward
 
 
 class PosteriorQueries:
     """The posterior side of ``hessian_structure="lowrank_ggn"`` (a mixin).
 
-    Mixed into a laplace-torch ``ParametricLaplace`` subclass that sets ``H =
-    (U, lambda)``, ``trace``, ``rank_bound``, ``residual_diagonal``, the residual
-    options and ``_gram_cache`` when it fits.
+    Its fit sets ``H = (U, lambda)``, ``trace``, ``rank_bound``, ``residual_diagonal``
+    and ``_gram_cache``.
     """
 
     @property
     def query_work(self) -> int:
-        """Multiply-adds of the largest product of a posterior query (``D (r + 1)``).
-
-        Queries of small posteriors run on one CPU thread
-        (:mod:`lowrank_laplace.utils.threads`).
-        """
+        """Multiply-adds of a query's largest product, ``D (r + 1)`` (small: one thread)."""
         rank = 0 if getattr(self, "H", None) is None else self.H[0].shape[1]
         return (self.n_params or 0) * (rank + 1)
 
@@ -75,13 +62,11 @@ class PosteriorQueries:
 
     @property
     def measured_complement(self) -> Optional[MeasuredComplement]:
-        """The complement variance measured on the probe (``measure_complement``).
+        """The complement variance measured on the probe (:mod:`~lowrank_laplace.posterior.probe`).
 
-        ``None`` where the fit did not measure it (the option off, another residual
-        model, a layerwise or per-parameter prior at the fit, which would not use it,
-        fewer than 32 probe inputs fitting half the memory budget, or nothing dropped);
-        the spectral residual then models it. See
-        :mod:`~lowrank_laplace.posterior.complement`.
+        ``None`` where the fit did not measure it (another residual model, a layerwise
+        or per-parameter prior, too few probe inputs within the memory budget, nothing
+        dropped); the spectral residual then models it.
         """
         return self._complement
 
@@ -90,12 +75,11 @@ class PosteriorQueries:
         """The fitted :class:`~lowrank_laplace.posterior.Residual` (the dropped curvature)."""
         self._check_H_init()
         if self._residual_model is None:
-            self._residual_model = Residual.from_fit(
-                self.residual, self.H[1], self.trace, self.n_params,
-                self.rank_bound or self.n_params, self.residual_diagonal,
-                self._jacobian_exponent, eigenvectors=self.H[0],
-                layer_sizes=self._layer_sizes(), complement=self._complement,
-            )
+            self._residual_model = self.options.residual_model.from_fit(DroppedCurvature(
+                self.H[0], self.H[1], self.trace, self.rank_bound or self.n_params,
+                self.residual_diagonal, self._jacobian_exponent, self._layer_sizes(),
+                self._complement,
+            ))
         return self._residual_model
 
     def _layer_sizes(self) -> Optional[List[int]]:
@@ -136,9 +120,6 @@ class PosteriorQueries:
                                 sigma_noise: Optional[Tensor] = None) -> Tensor:
         """laplace-torch's Laplace log marginal likelihood, with the low-rank log det.
 
-        Small posteriors on the CPU evaluate it, and its gradient, on one thread
-        (:func:`~lowrank_laplace.utils.threads.scoped_backward`).
-
         Args:
             prior_precision: Evaluate at this prior precision (sets it).
             sigma_noise: Evaluate at this observation noise (regression; sets it).
@@ -154,8 +135,7 @@ class PosteriorQueries:
         if not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs) \
                 or self.query_work >= SMALL_WORK or torch.device(self._device).type != "cpu":
             return parent(prior_precision, sigma_noise)
-        # a small posterior's gradient on one thread too (utils.threads.scoped_backward);
-        # the objects keep the caller's tensors, as laplace-torch's own method does
+        # a small posterior's gradient on one thread too; keep the caller's tensors
         value = scoped_backward(lambda p, s: parent(p, s if regression else None), inputs,
                                 self.query_work, self._device)
         self.prior_precision = prior
@@ -298,16 +278,22 @@ class PosteriorQueries:
         return self.sample_from_noise(eps)
 
     # -------------------------------------------------------------- predictive
-    @on_idle_cores
     def _glm_predictive_distribution(self, X: Union[Tensor, MutableMapping],
                                      joint: bool = False, diagonal_output: bool = False
                                      ) -> Tuple[Tensor, Tensor]:
         if self.enable_backprop:
             return super()._glm_predictive_distribution(X, joint, diagonal_output)
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "lowrank_ggn's GLM predictive forms Jacobians by backward passes, which "
+                "torch.inference_mode() forbids: predict under torch.no_grad() instead (in "
+                "Lightning, Trainer(inference_mode=False)), or use pred_type='nn'."
+            )
         precision = self._precision()
         sizes = [p.numel() for p in self._curvature_target()[2]]
         prior = torch.as_tensor(self.prior_precision)
-        per_layer = (self.residual != "diagonal" and prior.numel() == len(sizes)
+        per_layer = (self.options.residual_model.constant_per_layer
+                     and prior.numel() == len(sizes)
                      and prior.numel() != self.n_params)
         weights = prior_variance_weights(precision, sizes, per_layer)
         f_mu, f_var = glm_predictive(

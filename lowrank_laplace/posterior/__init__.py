@@ -5,15 +5,21 @@ det, samples), :mod:`~lowrank_laplace.posterior.residual` (the curvature the ran
 drops) and :mod:`~lowrank_laplace.posterior.predictive` (GLM moments from the engine).
 """
 
-from lowrank_laplace.posterior.precision import GramCache, LowRankPrecision, wide_gram
-from lowrank_laplace.posterior.residual import DEFAULT_RESIDUAL, RESIDUALS, Residual, ResidualKind
+from lowrank_laplace.posterior.precision import GramCache, LowRankPrecision
+from lowrank_laplace.posterior.residual import (
+    DEFAULT_RESIDUAL,
+    RESIDUALS,
+    DroppedCurvature,
+    Residual,
+    residual_class,
+)
 
 __all__ = [
     "DEFAULT_RESIDUAL",
+    "DroppedCurvature",
     "GramCache",
     "LowRankPrecision",
     "RESIDUALS",
     "Residual",
-    "ResidualKind",
-    "wide_gram",
+    "residual_class",
 ]

@@ -1,47 +1,11 @@
 r"""The complement variance measured on a probe of training inputs.
 
-The spectral residual (:mod:`~lowrank_laplace.posterior.residual`) gives every
-direction outside the kept eigenvectors ``U`` one variance :math:`v`, which enters
-every predictive variance through the part of an input's Jacobian outside ``U``.
-Its modelled value weights a power-law tail by a fitted law of Jacobian energies, which
-can miss the exact value on a MAP-trained CNN (see the posterior-quality page of the
-docs). Here :math:`v` is measured instead, from ``m`` training inputs (the
-*probe*) whose Jacobians :math:`J_n` (``C x D``) one backward pass gives:
-
-* the probe's Jacobian rows projected out of ``U``, :math:`J_c = (I - U U^\top) J^\top`
-  (``D x mC``), and their energy :math:`E = \|J_c\|_F^2`;
-* the complement GGN sub-sampled on the probe,
-  :math:`G_c \approx (N / m) \sum_n (I - UU^\top) J_n^\top \Lambda_n J_n (I - UU^\top)`
-  (:math:`\Lambda_n = S_n S_n^\top` the loss Hessian on laplace-torch's scale), with
-  eigenpairs :math:`(\mu_k, e_k)`, and the probe's energies on them
-  :math:`q_k = \|J_c^\top e_k\|^2`;
-
-so that
-
-.. math:: v(\delta) = \frac{1}{E}\Big(\sum_k \frac{q_k}{h\mu_k + \delta}
-          + \frac{E - \sum_k q_k}{h\mu_0 + \delta}\Big)
-
-at every prior precision :math:`\delta` and GGN scale :math:`h`, with :math:`\mu_0` the
-smallest resolved eigenvalue (:func:`measure_complement`). Nothing of size
-``D x mC`` is formed: with the Jacobian factor's Gram matrix
-:math:`F^\top F` and :math:`Z = F^\top U` (one backward pass, the ViViT Gram of its
-blocks), :math:`M = J_c^\top J_c = (F^\top F - Z Z^\top)/2` holds it all:
-:math:`G_c`'s nonzero eigenvalues are those of :math:`K = (N/m)\, S^\top M S` (``S``
-block-diagonal over inputs), and :math:`q_k = (N/m) \|M S a_k\|^2 / \mu_k` for the
-eigenvectors :math:`a_k` of ``K``.
-
-The probe's inputs are training inputs, part of the GGN they are weighed against; a
-test input is not. So each half of the probe is weighed against the GGN sub-sampled
-from the other half (``m / 2`` inputs, scaled by ``N / (m / 2)``), and the two halves'
-energies are pooled (a probe covering the whole training set uses the exact GGN
-instead). A GGN sub-sampled from ``n`` of ``N`` inputs spreads its spectrum, so the
-measured :math:`v` is biased upwards, by about :math:`1/n - 1/N`; the same measurement
-with the halves' first halves removes that term:
-:math:`v = v_n - (v_{n/2} - v_n)(1 - n / N)`, clamped to
-:math:`[1 / (h\lambda_r + \delta), 1 / \delta]` (no dropped direction is curved more
-than the last kept eigenvalue :math:`\lambda_r`). Weighing the probe against a GGN that
-holds its own inputs instead under-states what test inputs see (measured on the
-posterior-quality page).
+The spectral residual gives every direction outside ``U`` one variance ``v``. Here it is
+measured from ``m`` training inputs' Jacobians: the complement GGN sub-sampled on each
+half of the probe, weighed against the other half's Jacobian energy outside ``U``, with
+the sub-sample's bias extrapolated away, all from the ``(C m) x (C m)`` Gram matrix of
+one backward pass (nothing ``D x mC``). Derivation and measurements:
+docs/posterior_quality.md, "The models".
 
 Shape glossary:
     D: parameters; r: kept rank; m: probe inputs; C: outputs; V: loss-factor columns.
@@ -55,10 +19,9 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-#: Relative size (of the un-projected Gram's trace) below which a complement eigenvalue
-#: or energy is not resolved: ``M`` is a difference of two Gram matrices and holds their
-#: rounding, about ``eps`` times their trace, 1e-7 in float32. One floor for every dtype,
-#: so that float32 and float64 fits of one model agree even at tiny prior precisions.
+#: Share of the probe's GGN trace below which a complement eigenvalue or energy is not
+#: resolved (``M`` holds two Gram matrices' rounding); one floor for every dtype, so
+#: float32 and float64 fits agree at tiny priors.
 RESOLUTION = 1e-6
 #: Fewest inputs of a sub-sampled GGN that the bias correction measures again on.
 MIN_HALF = 16
@@ -70,15 +33,13 @@ class MeasuredComplement:
     """The measured complement spectrum, on the GGN's own scale (before ``h``).
 
     Attributes:
-        mu: Eigenvalues of the complement GGNs sub-sampled on each half of the probe,
-            one after the other, ``(k,)``.
+        mu: Eigenvalues of the complement GGNs of both probe halves, ``(k,)``.
         q: The other half's Jacobian energies on their eigenvectors, ``(k,)``.
         mu_half: The same on the halves' first halves (``None``: no bias correction).
-        q_half: Their energies (of the other whole half's Jacobians).
-        energy: The probe's Jacobian energy outside ``U``, :math:`E`, a scalar tensor.
-        fraction: Inputs of one sub-sampled GGN over the training set, ``n / N``.
-        floor: The smallest resolved eigenvalue; the energy outside ``mu``'s
-            directions counts as curved by it.
+        q_half: Their energies.
+        energy: The probe's Jacobian energy outside ``U``, ``E``.
+        fraction: ``n / N`` of one sub-sampled GGN.
+        floor: The smallest resolved eigenvalue; unresolved energy is curved by it.
     """
 
     mu: Tensor
@@ -90,15 +51,15 @@ class MeasuredComplement:
     floor: float = 0.0
 
     def variance(self, scale: Tensor, prior: Tensor, anchor: float) -> Tensor:
-        r"""The complement variance :math:`v` at GGN scale ``h`` and prior ``delta``.
+        r"""The complement variance ``v`` at GGN scale ``h`` and prior ``delta``.
 
         Args:
             scale: ``h`` (may carry gradients).
-            prior: The prior precision ``delta``, a scalar (may carry gradients).
+            prior: Scalar ``delta`` (may carry gradients).
             anchor: The last kept eigenvalue ``lambda_r`` (the lower clamp).
 
         Returns:
-            Float64 scalar tensor.
+            A float64 scalar tensor.
         """
         delta = torch.as_tensor(prior).to(device=self.mu.device, dtype=torch.float64)
         h = torch.as_tensor(scale).to(device=self.mu.device, dtype=torch.float64)
@@ -138,10 +99,7 @@ class MeasuredComplement:
 
 def _variance(mu: Tensor, q: Tensor, energy: Tensor, floor: float, h: Tensor,
               delta: Tensor) -> Tensor:
-    """``v`` of one measurement (float64).
-
-    Energy outside every resolved direction counts as curved by ``floor``.
-    """
+    """``v`` of one measurement (float64); unresolved energy is curved by ``floor``."""
     unresolved = (energy - q.sum()).clamp(min=0)
     return ((q / (h * mu + delta)).sum() + unresolved / (h * floor + delta)) / energy
 
@@ -150,20 +108,16 @@ def measure_complement(gram: Tensor, Z: Tensor, loss_sqrt: Tensor, num_data: int
                        ) -> Optional[MeasuredComplement]:
     r"""The complement spectrum from a probe's Jacobian factor.
 
-    Complement eigenvalues below :data:`RESOLUTION` times the GGN's trace (as the
-    probe estimates it) are not resolved: their directions' energy, and all energy
-    outside the resolved directions, counts as curved by that floor. Flat directions
-    (e.g. the sum of the logits under the cross-entropy) so get :math:`1 / \delta`
-    wherever :math:`\delta` is above ``h`` times the floor, as in the full GGN's
-    posterior, and a bounded variance below it, the same in float32 and float64.
+    Energy below the :data:`RESOLUTION` floor counts as curved by it: flat directions
+    (the logits' sum under cross-entropy) get ``1 / delta`` above ``h`` times the floor,
+    as in the full GGN's posterior, and a bounded variance below, in either dtype.
 
     Args:
-        gram: :math:`F^\top F` of the probe's Jacobian factor :math:`F = \sqrt 2 J^\top`
-            (the MSE-sum engine's), columns ordered ``(c, n)``, shape ``(C m, C m)``.
-        Z: :math:`F^\top U`, shape ``(C m, r)``.
-        loss_sqrt: Rows :math:`s_{vn}` of the loss Hessian on laplace-torch's scale,
-            :math:`\Lambda_n = \sum_v s_{vn} s_{vn}^\top`, shape ``(V, m, C)``.
-        num_data: Training inputs ``N`` the GGN sums over.
+        gram: ``F^T F`` of the probe's factor ``F = sqrt(2) J^T``, columns ``(c, n)``,
+            ``(C m, C m)``.
+        Z: ``F^T U``, ``(C m, r)``.
+        loss_sqrt: Loss-Hessian rows ``s_vn`` on laplace-torch's scale, ``(V, m, C)``.
+        num_data: Training inputs ``N``.
 
     Returns:
         The measurement, or ``None`` where the probe has no energy outside ``U``.

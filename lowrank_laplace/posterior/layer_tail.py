@@ -1,26 +1,9 @@
 r"""The spectral residual per layer: each parameter tensor's share of the dropped curvature.
 
-The spectral model (:mod:`lowrank_laplace.posterior.residual`) knows the dropped mass
-:math:`T = \mathrm{tr}(H) - \sum_k \lambda_k` of the whole network. A layer ``l``
-(one parameter tensor, laplace-torch's unit of a layerwise prior) holds the exact part
-:math:`T_l = \sum_{i \in l} \big(H_{ii} - \sum_k \lambda_k U_{ik}^2\big)` of it, the
-sum of the residual diagonal over its entries, and a share
-:math:`c_l = D_l - \sum_k \|U_{l,k}\|^2` of the ``D - r`` dropped directions. Here the
-dropped curvature is taken block-diagonal over layers: layer ``l`` gets
-:math:`n_l \approx (n - r)\, c_l / (D - r)` tail eigenvalues, every
-:math:`\sigma_l = (n - r) / n_l`-th of a power law that continues the kept spectrum
-(:math:`\lambda_r ((r + j \sigma_l) / r)^{-\alpha_l}`, at most :math:`\lambda_r`, as
-every eigenvalue of a diagonal block of the residual is), with :math:`\alpha_l` fixed
-by :math:`T_l`; the remaining :math:`c_l - n_l` directions carry none.
-
-Each layer then has its own shift :math:`\rho_l` (the complement's variance
-:math:`1 / (\rho_l + \delta_l)`, Jacobian-weighted as in the global model) and its own
-tail log-determinant :math:`\sum_j \log(h t_{l,j} + \delta_l)`. A per-layer prior
-:math:`\delta_l` so meets the stationarity condition of the marginal likelihood,
-:math:`D_l / \delta_l - \mathrm{tr}_l(\Sigma) = \|\theta_l\|^2`, with the dropped
-curvature that layer actually has, where one network-wide tail at the mean prior
-misplaced it (sklearn digits MLP at rank 100: bias priors 28% and 39% low, the output
-weights' 54% high against the full GGN's).
+Layer ``l`` holds the exact mass ``T_l`` (its residual diagonal's sum) and
+``c_l = D_l - sum_k ||U_{l,k}||^2`` of the dropped directions, ``n_l`` of which carry a
+power law continuing the kept spectrum; each layer gets its own shift and tail log det
+(docs/posterior_quality.md, "The models" and "Per-layer priors").
 
 Shape glossary:
     D: parameters; r: kept rank; L: layers; m: modelled tail eigenvalues.
@@ -41,34 +24,31 @@ def segment_sums(values: Tensor, sizes: Sequence[int]) -> Tensor:
     """Sums of consecutive segments of ``values`` (its first dimension).
 
     Args:
-        values: Shape ``(D, ...)``.
+        values: ``(D, ...)``.
         sizes: Segment lengths, summing to ``D``.
 
     Returns:
-        Shape ``(L, ...)``.
+        ``(L, ...)``.
     """
     return torch.stack([part.sum(0) for part in values.split(list(sizes))])
 
 
 def power_law_tail(anchor: float, mass: float, start: int, count: int,
                    stride: float = 1.0) -> Tensor:
-    r"""Eigenvalues :math:`a (i / s)^{-\alpha}`, :math:`i = s + j \sigma`, summing to ``mass``.
+    r"""Eigenvalues ``a (i / s)^-alpha``, ``i = s + j sigma``, ``j = 1..n``, summing to ``mass``.
 
-    :math:`j = 1 \dots n`; the stride :math:`\sigma` places a layer's share of a
-    tail at its positions in the whole tail (every :math:`\sigma`-th eigenvalue). The
-    exponent is found by bisection (the sum falls monotonically in :math:`\alpha`). A
-    mass the flat continuation (:math:`\alpha = 0`) cannot reach is spread evenly
-    instead.
+    ``alpha`` by bisection; a mass above the flat continuation is spread evenly. The
+    stride places a layer's share at its positions in the whole tail.
 
     Args:
-        anchor: The last kept eigenvalue ``a`` (``lambda_r``), ``>= 0``.
-        mass: The total the tail must hold, ``>= 0``.
+        anchor: The last kept eigenvalue ``a``.
+        mass: The total the tail must hold.
         start: The last kept index ``s = r >= 1``.
-        count: Number of tail eigenvalues ``n >= 0``.
+        count: Tail eigenvalues ``n``.
         stride: Spacing ``sigma >= 1`` of the tail's indices.
 
     Returns:
-        Float64 tensor of shape ``(count,)``, non-increasing.
+        Float64 ``(count,)``, non-increasing.
     """
     if count <= 0:
         return torch.zeros(0, dtype=torch.float64)
@@ -96,15 +76,13 @@ class LayerTails:
 
     Attributes:
         sizes: Parameters per layer ``D_l``.
-        norms: Squared norms of the kept eigenvectors' layer blocks,
-            ``||U_{l,k}||^2``, shape ``(L, r)``, float64.
-        complement: Dropped directions per layer ``c_l``, shape ``(L,)``, float64.
-        tail: The layers' tail eigenvalues one after the other, shape ``(m,)``.
-        index: The layer of each tail eigenvalue, shape ``(m,)``.
-        zeros: Dropped directions without curvature per layer, shape ``(L,)``.
-        weights: How many directions each tail eigenvalue of a layer stands for
-            (``1``, or ``c_l / n_l < 1`` where a layer has fewer dropped directions
-            than one), shape ``(L,)``.
+        norms: ``||U_{l,k}||^2``, ``(L, r)``, float64.
+        complement: Dropped directions per layer ``c_l``, ``(L,)``, float64.
+        tail: The layers' tail eigenvalues one after the other, ``(m,)``.
+        index: The layer of each tail eigenvalue, ``(m,)``.
+        zeros: Dropped directions without curvature per layer, ``(L,)``.
+        weights: Directions each tail eigenvalue of a layer stands for (``1``, or
+            ``c_l / n_l`` where ``c_l < n_l``), ``(L,)``.
     """
 
     sizes: List[int]
@@ -123,17 +101,16 @@ class LayerTails:
         """Split a fit's dropped curvature over its layers.
 
         Args:
-            eigenvectors: Kept ``U``, shape ``(D, r)``.
-            eigenvalues: Kept ``lambda`` (descending), shape ``(r,)``.
+            eigenvectors: Kept ``U``, ``(D, r)``.
+            eigenvalues: Kept ``lambda`` (descending), ``(r,)``.
             mass: The exact dropped mass ``T``.
-            residual_diagonal: ``diag(H) - diag(U diag(lambda) U^T)``, shape ``(D,)``;
-                its layer sums, scaled to total ``T``, are the layers' masses.
-            sizes: Parameters per layer, summing to ``D``.
-            tail_count: Nonzero dropped eigenvalues of the whole network ``n - r``.
+            residual_diagonal: ``(D,)``; its layer sums, scaled to ``T``, are the
+                layers' masses.
+            sizes: Parameters per layer.
+            tail_count: The network's nonzero dropped eigenvalues ``n - r``.
 
         Returns:
-            The layers' tails; ``None`` for a single layer or nothing kept (the
-            network-wide tail is the same model then).
+            The layers' tails; ``None`` for a single layer or nothing kept.
         """
         sizes = [int(s) for s in sizes]
         rank = eigenvalues.numel()
@@ -168,12 +145,12 @@ class LayerTails:
         """The network-wide tail as a single layer (the spectral model's scalar prior).
 
         Args:
-            tail: The modelled dropped eigenvalues, shape ``(m,)``.
-            dim: Number of parameters ``D``.
-            dropped: Dropped directions ``D - r``, ``m`` of them with curvature.
+            tail: The modelled dropped eigenvalues, ``(m,)``.
+            dim: Parameters ``D``.
+            dropped: Dropped directions ``D - r``.
 
         Returns:
-            The one-layer tails (no eigenvector norms: only :meth:`shift` uses it).
+            The one-layer tails (without norms: only for :meth:`shift`).
         """
         count = tail.numel()
         return cls([dim], torch.zeros(1, 0, dtype=WIDE), torch.tensor([float(dropped)], dtype=WIDE),
@@ -194,12 +171,9 @@ class LayerTails:
 
     def shift(self, scale: Tensor, prior: Tensor, exponent: float,
               device: torch.device) -> Tuple[Tensor, Tensor]:
-        r"""Each layer's shift :math:`\rho_l` and the tails' total log-determinant.
+        r"""Each layer's shift ``rho_l`` and the tails' total log det, at its mean prior.
 
-        The spectral model's formulas on each layer's tail with that layer's mean
-        prior, in float64 and differentiable in ``scale`` and ``prior``; the
-        network-wide model is the one-layer case
-        (:meth:`~lowrank_laplace.posterior.Residual._spectral_shift`).
+        Float64, differentiable in ``scale`` and ``prior``.
 
         Args:
             scale: ``h``.
@@ -208,9 +182,7 @@ class LayerTails:
             device: Where the posterior lives.
 
         Returns:
-            ``rho`` of shape ``(L,)`` and
-            :math:`\sum_l \big(\sum_j \log(h t_{l,j} + \delta_l) + z_l \log\delta_l\big)`,
-            float64.
+            ``rho`` ``(L,)`` and ``sum_l (sum_j log(h t_lj + delta_l) + z_l log delta_l)``.
         """
         index, raw, zeros, count, weight = self._prior_free(exponent, device)
         delta = self.layer_means(prior.to(WIDE))
@@ -229,15 +201,7 @@ class LayerTails:
         return rho, logdet
 
     def _prior_free(self, exponent: float, device: torch.device) -> Tuple[Tensor, ...]:
-        """:meth:`shift`'s factors that no prior changes, formed once per device.
-
-        A marglik step evaluates :meth:`shift` (and its gradient) every time.
-
-        Returns:
-            The tail's layer index, its eigenvalues, the layers' zero directions, the
-            directions each eigenvalue stands for, and the Jacobian weights (``None``
-            unweighted), on ``device``.
-        """
+        """:meth:`shift`'s prior-free factors (index, tail, zeros, weights, Jacobian weights)."""
         key = (float(exponent), str(device))
         if key not in self._cache:
             index, raw = self.index.to(device), self.tail.to(device=device, dtype=WIDE)

@@ -1,20 +1,9 @@
 r"""Low-rank plus diagonal posterior precision: solves, log-determinants, samples.
 
-The posterior precision is :math:`P = U \mathrm{diag}(\ell) U^\top + P_0` with
-orthonormal :math:`U` (``D x r``), :math:`\ell > 0` and a diagonal prior
-:math:`P_0 = \mathrm{diag}(d)`. With :math:`W = U \mathrm{diag}(\ell)^{1/2}` and the
-``r x r`` capacitance matrix :math:`K = I + W^\top P_0^{-1} W` (Cholesky-factored once):
-
-* determinant lemma: :math:`\log\det P = \sum \log d + \log\det K`;
-* Woodbury: :math:`P^{-1} = P_0^{-1} - P_0^{-1} W K^{-1} W^\top P_0^{-1}`;
-* a square root :math:`S` with :math:`S S^\top = P^{-1}`: with the thin QR
-  :math:`P_0^{-1/2} W = Q R` and :math:`R R^\top = Y \mathrm{diag}(s) Y^\top`,
-  :math:`S = P_0^{-1/2}\,(I + Q Y (\mathrm{diag}(1+s)^{-1/2} - I) Y^\top Q^\top)`.
-
-For an isotropic prior :math:`d = \delta` everything is a closed form in the
-eigenvalues (``O(r)`` for the log-determinant), e.g.
-:math:`\log\det P = \sum_i \log(\ell_i + \delta) + (D - r)\log\delta`.
-Nothing costs ``O(D^2)``.
+``P = U diag(ell) U^T + diag(d)`` through its ``r x r`` capacitance matrix (Woodbury,
+determinant lemma, a square root for sampling); closed forms for an isotropic prior;
+nothing ``O(D^2)``. Formulas and float32 care: docs/concepts.md, "The posterior
+precision".
 
 Shape glossary:
     D: parameters; r: rank; B: inputs; C: outputs; K: vectors.
@@ -28,34 +17,15 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from lowrank_laplace.utils.linalg import eigh, squared_rows_dot
+from lowrank_laplace.utils.linalg import squared_rows_dot, wide_inner
 
 _ROWS = 2**18  # rows per chunk of D x r products with a diagonal
 
 
-def wide_gram(U: Tensor) -> Tensor:
-    """``U^T U`` in float64, over row chunks each cast on its own (no ``D x r`` copy).
-
-    Args:
-        U: Shape ``(D, r)``.
-
-    Returns:
-        Shape ``(r, r)``, float64.
-    """
-    gram = 0
-    for rows in U.split(_ROWS):
-        rows = rows.to(torch.float64)
-        gram = gram + rows.T @ rows
-    return gram
-
-
 class GramCache:
-    """``U^T U`` in float64 (:func:`wide_gram`), recomputed only for a new ``U``.
+    """``U^T U`` (and its layers' blocks) in float64, recomputed only for a new ``U``.
 
-    A weak reference and the tensor's version counter identify ``U``: a refit (new
-    tensor) or an in-place change (new version) recomputes, and the cache keeps no
-    old basis alive. It also keeps the Gram matrices of ``U``'s row blocks (layers),
-    with which a prior constant over each layer costs ``O(L r^2)`` per posterior.
+    A weak reference and the version counter identify ``U`` (no old basis kept alive).
     """
 
     def __init__(self):
@@ -75,20 +45,23 @@ class GramCache:
         """The float64 Gram matrix of ``U``, shape ``(r, r)``."""
         self._current(U)
         if self._gram is None:
-            self._gram = wide_gram(U)
+            self._gram = wide_inner(U)
         return self._gram
 
     def layer_grams(self, U: Tensor, sizes: Sequence[int]) -> Tensor:
         """The float64 Gram matrices ``U_l^T U_l`` of ``U``'s row blocks, ``(L, r, r)``.
 
         Args:
-            U: Shape ``(D, r)``.
-            sizes: Rows per block, summing to ``D``.
+            U: ``(D, r)``.
+            sizes: Rows per block.
+
+        Returns:
+            The stacked Gram matrices.
         """
         self._current(U)
         sizes = tuple(int(n) for n in sizes)
         if self._layers is None or self._layers[0] != sizes:
-            grams = torch.stack([wide_gram(part) for part in U.split(list(sizes))])
+            grams = torch.stack([wide_inner(part) for part in U.split(list(sizes))])
             self._layers = (sizes, grams)
         return self._layers[1]
 
@@ -97,22 +70,13 @@ class LowRankPrecision:
     r"""The matrix :math:`P = U \mathrm{diag}(\ell) U^\top + \mathrm{diag}(d)`.
 
     Args:
-        eigenvectors: Orthonormal ``U``, shape ``(D, r)``.
-        eigenvalues: ``ell > 0``, shape ``(r,)`` (already scaled by ``1/sigma^2/T``).
-        prior_precision: ``d`` as a scalar tensor (isotropic) or shape ``(D,)``.
-        logdet_offset: Added to :meth:`logdet` (a residual model whose
-            log-determinant is not that of this matrix, see
-            :mod:`lowrank_laplace.posterior.residual`); ``None`` for none.
-        gram_cache: A :class:`GramCache` kept across posteriors with the same ``U``
-            (e.g. by the Laplace object between predictive calls), so the float64
-            capacitance of an isotropic prior needs one pass over ``U`` in all;
-            ``None``: one of this posterior's own.
-        layers: ``(sizes, d_l)`` where ``d`` is constant over consecutive blocks of
-            ``sizes`` rows (a layerwise prior), ``d_l`` of shape ``(L,)``: the
-            capacitance is then formed from the blocks' cached Gram matrices in
-            ``O(L r^2)`` (and so is its gradient), not from ``U`` in ``O(D r^2)``.
-            Used where the blocks' Gram matrices are no larger than ``U``
-            (``L r <= D``).
+        eigenvectors: Orthonormal ``U``, ``(D, r)``.
+        eigenvalues: ``ell > 0``, ``(r,)`` (scaled by ``1/sigma^2/T``).
+        prior_precision: ``d``, a scalar tensor or ``(D,)``.
+        logdet_offset: Added to :meth:`logdet` (a residual model's); ``None``: none.
+        gram_cache: A :class:`GramCache` shared by posteriors of the same ``U``.
+        layers: ``(sizes, d_l)`` for ``d`` constant over row blocks: the capacitance
+            then costs ``O(L r^2)`` (used where ``L r <= D``).
     """
 
     def __init__(self, eigenvectors: Tensor, eigenvalues: Tensor, prior_precision: Tensor,
@@ -152,14 +116,7 @@ class LowRankPrecision:
 
     @property
     def wide_capacitance_cholesky(self) -> Tensor:
-        """Float64 Cholesky factor of ``K = I + W^T P_0^{-1} W`` from the actual ``U^T U``.
-
-        For float32 / float16 posteriors: the capacitance of :attr:`capacitance_cholesky`
-        assumes ``U^T U = I`` for a scalar prior, which rounding breaks by ~1e-7, enough
-        to swamp the small complement ``J (I - U U^T) J^T`` of a test point's Jacobian.
-        Formed over row chunks, each cast to float64 on its own (no ``D x r`` float64
-        copy).
-        """
+        """Float64 Cholesky factor of ``K`` from the actual ``U^T U`` (lower-precision ``U``)."""
         if self._wide_chol is None:
             self._wide_chol = self._capacitance_cholesky(torch.float64, orthonormal=False)
         return self._wide_chol
@@ -198,14 +155,10 @@ class LowRankPrecision:
         return out if self.logdet_offset is None else out + self.logdet_offset
 
     def inverse_diagonal(self) -> Tensor:
-        """``diag(P^{-1})`` by the Woodbury identity (no ``D x D`` matrix).
-
-        ``O(D r)`` for a float64 ``U`` and a scalar prior; ``O(D r^2)`` otherwise (a
-        lower-precision ``U`` is treated as not quite orthonormal, in float64: see
-        :meth:`_wide_inverse_diagonal`).
+        """``diag(P^{-1})`` by the Woodbury identity, in float64 for a lower-precision ``U``.
 
         Returns:
-            Tensor of shape ``(D,)``.
+            ``(D,)``.
         """
         if self.isotropic and self.U.dtype != torch.float64 and self.U.shape[1]:
             wide = self._wide_inverse_diagonal()
@@ -214,8 +167,7 @@ class LowRankPrecision:
         if self.isotropic:
             coeff = 1 / (self.ell + self.d) - 1 / self.d
             return squared_rows_dot(self.U, coeff) + 1 / self.d
-        # P^{-1} = P_0^{-1} - A K^{-1} A^T with A = P_0^{-1} W, K = L L^T: the diagonal
-        # subtracts the squared column norms of L^{-1} A^T, over row chunks
+        # minus the squared column norms of L^{-1} A^T, A = P_0^{-1} W, K = L L^T
         chol, root = self.capacitance_cholesky, self.ell.sqrt()
         parts = []
         for U, d in zip(self.U.split(_ROWS), self.d.split(_ROWS)):
@@ -224,29 +176,16 @@ class LowRankPrecision:
         return torch.cat(parts)
 
     def _wide_inverse_diagonal(self) -> Optional[Tensor]:
-        r"""``diag(P^{-1})`` of an isotropic prior for a lower-precision ``U``, in float64.
+        """``diag(P^{-1})`` of an isotropic prior from an eigenbasis of ``P`` on ``span(U)``.
 
-        The closed form :math:`1/d + \sum_k U_{ik}^2 (1/(\ell_k + d) - 1/d)` cancels the
-        complement :math:`(1 - \sum_k U_{ik}^2) / d` out of two terms of size
-        :math:`1/d`, and a float32 ``U`` is orthonormal only to ``eps``: for small
-        ``d`` the rounding swamps it (parameters inside ``span(U)`` at a prior
-        precision of 1e-8 came out twenty times too wide). With
-        :math:`U^\top U = R^\top R` (float64) and :math:`R\,\mathrm{diag}(\ell)R^\top
-        = W \mathrm{diag}(s) W^\top`, the columns of :math:`A = U R^{-1} W` are an
-        orthonormal eigenbasis of ``P`` on ``span(U)``: the diagonal is
-        :math:`\sum_k A_{ik}^2 / (s_k + d) + (1 - \sum_k A_{ik}^2) / d`, formed in
-        float64 over row chunks (``O(D r^2)``).
-
-        Returns:
-            Tensor of shape ``(D,)`` in ``U``'s dtype, or ``None`` when ``U^T U`` is
-            numerically singular (then the closed form is used).
+        ``None`` where ``U^T U`` is numerically singular.
         """
         wide = torch.float64
         chol, info = torch.linalg.cholesky_ex(self.gram_cache.get(self.U))
         if int(info) != 0:
             return None
         R = chol.T  # U^T U = R^T R
-        s, W = eigh((R * self.ell.to(wide)) @ R.T)
+        s, W = torch.linalg.eigh((R * self.ell.to(wide)) @ R.T)
         T = torch.linalg.solve_triangular(R, W, upper=True)  # R^{-1} W
         d = self.d.to(wide)
         inverse = 1 / (s.clamp(min=0) + d)
@@ -260,10 +199,10 @@ class LowRankPrecision:
         """``P x``.
 
         Args:
-            x: Shape ``(D,)`` or ``(D, K)``.
+            x: ``(D,)`` or ``(D, K)``.
 
         Returns:
-            Tensor of the same shape.
+            The same shape.
         """
         x2 = x if x.ndim == 2 else x[:, None]
         d = self.d if self.isotropic else self.d[:, None]
@@ -274,10 +213,10 @@ class LowRankPrecision:
         """``P^{-1} x`` by the Woodbury identity.
 
         Args:
-            x: Shape ``(D,)`` or ``(D, K)``.
+            x: ``(D,)`` or ``(D, K)``.
 
         Returns:
-            Tensor of the same shape.
+            The same shape.
         """
         x2 = x if x.ndim == 2 else x[:, None]
         if self.isotropic:
@@ -293,24 +232,21 @@ class LowRankPrecision:
         """``delta^T P delta``.
 
         Args:
-            delta: Shape ``(D,)``.
+            delta: ``(D,)``.
 
         Returns:
-            Scalar tensor.
+            A scalar tensor.
         """
         return delta @ self.matmul(delta)
 
     def sqrt_inv_matmul(self, eps: Tensor) -> Tensor:
         """Apply a square root ``S`` of ``P^{-1}`` (``S S^T = P^{-1}``) to given noise.
 
-        Sampling is a linear map of the noise the caller passes, so ``S S^T`` can be
-        tested against ``P^{-1}`` exactly.
-
         Args:
-            eps: Shape ``(D,)`` or ``(D, K)``.
+            eps: ``(D,)`` or ``(D, K)``.
 
         Returns:
-            Tensor of the same shape.
+            The same shape.
         """
         x = eps if eps.ndim == 2 else eps[:, None]
         if self.isotropic:
@@ -320,7 +256,7 @@ class LowRankPrecision:
             if self._sqrt_parts is None:
                 d_sqrt = self.d.sqrt()
                 Q, R = torch.linalg.qr((self.U * self.ell.sqrt()) / d_sqrt[:, None])
-                s, Y = eigh(R @ R.T)
+                s, Y = torch.linalg.eigh(R @ R.T)
                 QY = Q @ Y
                 self._sqrt_parts = (d_sqrt, QY, 1 / (1 + s.clamp(min=0)).sqrt() - 1)
             d_sqrt, QY, coeff = self._sqrt_parts
@@ -331,10 +267,10 @@ class LowRankPrecision:
         """``J P^{-1} J^T`` from explicit Jacobians.
 
         Args:
-            Js: Jacobians, shape ``(..., C, D)``.
+            Js: Jacobians, ``(..., C, D)``.
 
         Returns:
-            Tensor of shape ``(..., C, C)``.
+            ``(..., C, C)``.
         """
         return self.functional_variance((Js / self.d) @ Js.transpose(-1, -2),
                                         Js @ self.w_over_d())
@@ -342,17 +278,15 @@ class LowRankPrecision:
     def functional_variance(self, jdj: Tensor, jdw: Tensor) -> Tensor:
         r"""``J P^{-1} J^T`` from ``J P_0^{-1} J^T`` and ``J P_0^{-1} W``.
 
-        The difference cancels when ``J`` lies mostly in ``span(U)``: given float64
-        products of a lower-precision posterior, it is formed in float64 with
-        :attr:`wide_capacitance_cholesky` (no orthonormality assumed).
+        Float64 products of a lower-precision posterior use
+        :attr:`wide_capacitance_cholesky`.
 
         Args:
-            jdj: ``J P_0^{-1} J^T``, shape ``(..., C, C)``.
-            jdw: ``J P_0^{-1} W`` with :math:`W = U\mathrm{diag}(\ell)^{1/2}`,
-                shape ``(..., C, r)``.
+            jdj: ``J P_0^{-1} J^T``, ``(..., C, C)``.
+            jdw: ``J P_0^{-1} W``, ``W = U diag(ell)^{1/2}``, ``(..., C, r)``.
 
         Returns:
-            Tensor of shape ``(..., C, C)``, in the dtype of ``jdw``.
+            ``(..., C, C)`` in ``jdw``'s dtype.
         """
         if jdw.shape[-1] == 0:  # nothing kept (a zero GGN): the prior's variance
             return jdj

@@ -1,16 +1,8 @@
 r"""GLM predictive moments without materialising the ``(B, C, D)`` Jacobian.
 
-The linearised predictive needs :math:`f(x)` and :math:`J P^{-1} J^\top`. With the
-low-rank precision of :mod:`lowrank_laplace.posterior`,
-
-.. math::
-    J P^{-1} J^\top = J P_0^{-1} J^\top - (J P_0^{-1} W) K^{-1} (J P_0^{-1} W)^\top.
-
-Both terms come from the engine itself: for ``MSELoss(reduction="sum")`` the loss
-Hessian is :math:`2I`, so BackPACK's factor has columns :math:`\sqrt{2} J_n^\top e_c`:
-``V = sqrt(2) J^T``. The per-sample ``C x C`` blocks of :math:`J P_0^{-1} J^\top`
-are per-sample Gram blocks (linear layers stay factored) and :math:`J P_0^{-1} W`
-is ``V^T (P_0^{-1} W)``, all accumulated from one backward pass per micro-batch.
+An MSE-sum engine's factor is ``V = sqrt(2) J^T``: ``J P_0^{-1} J^T`` and
+``J P_0^{-1} W`` come from one backward pass per micro-batch (docs/concepts.md, "The
+posterior precision").
 
 Shape glossary:
     B: test inputs; C: outputs; D: parameters; r: rank.
@@ -19,32 +11,51 @@ Shape glossary:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.engine.functorch import LOOPING
 from lowrank_laplace.factor import GGNFactor
-from lowrank_laplace.factor.blocks import DenseBlock, KronBlock, Weight
+from lowrank_laplace.factor.weights import SMALL_DTYPE, Weight
 from lowrank_laplace.fitting import budget
 from lowrank_laplace.posterior.precision import LowRankPrecision
 from lowrank_laplace.utils.batches import take
 from lowrank_laplace.utils.checks import check_batch
 
-_SMALL_DTYPE = torch.float64  # dtype of the small products (see _small_products)
-_WIDE_CHUNK = 2**22  # float64 entries of P_0^{-1} U widened at a time (32 MiB)
+
+@contextlib.contextmanager
+def jacobian_engine(model: nn.Module, backend: str) -> Iterator[FactorEngine]:
+    """An MSE-sum engine on the model in eval mode (``V = sqrt(2) J^T``).
+
+    Without the functorch looping warning, which the fit already gave.
+
+    Args:
+        model: The network (left unchanged).
+        backend: The engine's backend.
+
+    Yields:
+        The open engine.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=LOOPING)
+        with FactorEngine(model, nn.MSELoss(reduction="sum"), eval_mode=True,
+                          backend=backend) as engine:
+            yield engine
 
 
 def jacobian_factor(engine: FactorEngine, inputs: Tensor) -> GGNFactor:
     """One backward pass giving ``V = sqrt(2) J^T`` on ``inputs`` (MSE-sum engine).
 
     Args:
-        engine: Engine built with ``nn.MSELoss(reduction="sum")``.
-        inputs: Inputs, shape ``(B, ...)``.
+        engine: An MSE-sum engine.
+        inputs: ``(B, ...)``.
 
     Returns:
-        The :class:`~lowrank_laplace.factor.GGNFactor` (its ``outputs`` are ``f(x)``).
+        The ``GGNFactor`` (its ``outputs`` are ``f(x)``).
     """
     return engine.compute(inputs, None, gradient=False)
 
@@ -59,17 +70,15 @@ def glm_moments(
     r"""Mean and (co)variance of the linearised predictive on a batch.
 
     Args:
-        engine: Engine built with ``nn.MSELoss(reduction="sum")`` on the model.
-        inputs: Inputs, shape ``(B, ...)``.
+        engine: An MSE-sum engine on the model.
+        inputs: ``(B, ...)``.
         precision: The posterior precision.
-        weights: :math:`P_0^{-1}` per parameter (scalar or ``(d,)``), in the
-            order of the model's trainable parameters.
-        joint: Return the joint ``(B C, B C)`` covariance instead of the per-input
-            ``(B, C, C)`` blocks.
+        weights: ``P_0^{-1}`` per trainable parameter (scalar or ``(d,)``).
+        joint: The joint ``(B C, B C)`` covariance instead of ``(B, C, C)`` blocks.
 
     Returns:
-        ``f_mu`` of shape ``(B, C)`` and ``f_var`` of shape ``(B, C, C)`` (or
-        ``(B C, B C)`` with ``joint``, ordered like ``f_mu.flatten()``).
+        ``f_mu`` ``(B, C)`` and ``f_var`` ``(B, C, C)`` (or ``(B C, B C)`` ordered like
+        ``f_mu.flatten()``).
     """
     factor = jacobian_factor(engine, inputs)
     num_out, num_in = factor.num_vectors, factor.num_samples
@@ -81,94 +90,26 @@ def glm_moments(
         f_var = precision.functional_variance(jdj, jdw.reshape(num_in * num_out, -1))
     else:
         f_var = precision.functional_variance(jdj, jdw)
-    return factor.outputs, f_var.to(factor.outputs.dtype)
+    # a bfloat16 head's outputs are given in the posterior's own dtype
+    dtype = torch.promote_types(factor.outputs.dtype, precision.U.dtype)
+    return factor.outputs.to(dtype), f_var.to(dtype)
 
 
 def _small_products(factor: GGNFactor, precision: LowRankPrecision, weights: List[Weight],
                     joint: bool) -> Tuple[Tensor, Tensor]:
-    """``J P_0^{-1} J^T`` and ``J P_0^{-1} W`` in float64, one parameter at a time.
+    """``J P_0^{-1} J^T`` (``(B, C, C)``, or ``(C B, C B)``) and ``J P_0^{-1} W`` (``(C B, r)``).
 
-    ``V = sqrt(2) J^T``. Each block is widened to float64 on its own, so the
-    predictive variance, a difference of these products that cancels when ``J``
-    lies mostly in the kept subspace, keeps float64 accuracy for a float32 model.
-    A dense block (e.g. a convolution weight) is widened in slices of its ``d``
-    parameters together with the matching contiguous rows of ``U``; a factored
-    linear block whole, against slices of its output units' rows of ``U``. No large
-    float64 copy is made.
-
-    Returns:
-        ``jdj``: ``(B, C, C)`` per input, or ``(C B, C B)`` ordered ``(c, n)`` with
-        ``joint``; ``jdw``: ``(C B, r)`` ordered ``(c, n)``.
+    In float64 a slice of a block at a time; rows ordered ``(c, n)``.
     """
     jdj, jdw = 0, 0
     for block, U, w in zip(factor.group_blocks(0), factor.split_flat(precision.U, 0), weights):
-        if isinstance(block, DenseBlock):
-            parts = _dense_slices(block, U, w)
-        else:
-            parts = _factored_products(block.to(_SMALL_DTYPE), U, w)
-        for wide, product, w_wide in parts:  # (float64 block, B P_0^{-1} U, its weight)
+        for wide, product, w_wide in block.wide_parts(U, w):
             if joint:
                 jdj = jdj + wide.weighted_gram(w_wide)
             else:
                 jdj = jdj + wide.sample_gram(factor.num_vectors, w_wide)
             jdw = jdw + product
-    return jdj / 2, jdw * precision.ell.to(_SMALL_DTYPE).sqrt() / 2**0.5
-
-
-def _factored_products(block: KronBlock, U: Tensor, w: Weight
-                       ) -> Iterator[Tuple[KronBlock, Tensor, Weight]]:
-    """The float64 factored block with its product ``B P_0^{-1} U`` and weight.
-
-    ``U`` is widened a slice of output units at a time (its rows are ordered
-    ``(out, in)``, so a slice is contiguous), each slice holding all columns of ``U``
-    near ``_WIDE_CHUNK`` entries: chunks of columns instead left one column per
-    product for large weights, which made the GLM predictive much slower
-    (docs/benchmarks/design_measurements.md).
-    """
-    out_dim, in_dim = block.s.shape[2], block.z.shape[1]
-    step = max(1, _WIDE_CHUNK // max(in_dim * U.shape[1], 1))
-    product = 0
-    for lo in range(0, out_dim, step):
-        hi = min(lo + step, out_dim)
-        sub = KronBlock(block.s[:, :, lo:hi], block.z)
-        product = product + _weighted_product(sub, U, w, slice(lo * in_dim, hi * in_dim))
-    yield block, product, _weight_slice(w, slice(None))
-
-
-def _dense_slices(block: DenseBlock, U: Tensor, w: Weight
-                  ) -> Iterator[Tuple[DenseBlock, Tensor, Weight]]:
-    """Float64 slices of a dense block with their products ``B_s P_0^{-1} U_s``.
-
-    Slices of ``d`` keep each widened copy of rows and of ``U`` near
-    ``_WIDE_CHUNK`` entries; the rows of ``U`` of a slice are contiguous.
-    """
-    rows = block.rows
-    step = max(1, _WIDE_CHUNK // max(rows.shape[0] + U.shape[1], 1))
-    for lo in range(0, rows.shape[1], step):
-        hi = min(lo + step, rows.shape[1])
-        sliced = DenseBlock(rows[:, lo:hi].to(_SMALL_DTYPE))
-        params = slice(lo, hi)
-        yield sliced, _weighted_product(sliced, U, w, params), _weight_slice(w, params)
-
-
-def _weighted_product(block: Any, U: Tensor, w: Weight, params: slice) -> Tensor:
-    """``B P_0^{-1} U_s`` in float64 for the rows ``params`` of ``U`` (``B`` float64).
-
-    A per-parameter prior variance scales the rows of ``U_s`` before the product, a
-    scalar one the product's columns after it.
-    """
-    w_s = _weight_slice(w, params)
-    U_s = U[params].to(_SMALL_DTYPE)
-    if isinstance(w_s, Tensor) and w_s.numel() > 1:
-        return block.t_matmul(U_s * w_s[:, None])
-    return block.t_matmul(U_s) * w_s
-
-
-def _weight_slice(w: Weight, params: slice) -> Weight:
-    """The prior variances of the parameters ``params`` in float64 (a scalar whole)."""
-    if not isinstance(w, Tensor):
-        return w
-    return (w[params] if w.numel() > 1 else w).to(_SMALL_DTYPE)
+    return jdj / 2, jdw * precision.ell.to(SMALL_DTYPE).sqrt() / 2**0.5
 
 
 def batched_glm_moments(
@@ -181,14 +122,14 @@ def batched_glm_moments(
     """:func:`glm_moments` over micro-batches (per-input variances only).
 
     Args:
-        engine: Engine built with ``nn.MSELoss(reduction="sum")`` on the model.
-        inputs: Inputs, shape ``(B, ...)``.
+        engine: An MSE-sum engine on the model.
+        inputs: ``(B, ...)``.
         precision: The posterior precision.
-        weights: :math:`P_0^{-1}` per parameter.
+        weights: ``P_0^{-1}`` per parameter.
         micro_batch_size: Inputs per backward pass.
 
     Returns:
-        ``f_mu`` of shape ``(B, C)`` and ``f_var`` of shape ``(B, C, C)``.
+        ``f_mu`` ``(B, C)`` and ``f_var`` ``(B, C, C)``.
     """
     mus, variances = [], []
     for chunk in _micro_batches(inputs, micro_batch_size):
@@ -200,16 +141,12 @@ def batched_glm_moments(
 
 def prior_variance_weights(precision: LowRankPrecision, sizes: List[int],
                            per_layer: bool) -> List[Weight]:
-    """``diag(d)^{-1}`` of ``precision`` per parameter (scalars where ``d`` is constant).
-
-    In float64 whatever the model's dtype: the GLM variance subtracts products scaled
-    by these weights from each other, and a float32 ``1 / d`` rounded differently
-    from the capacitance's ``d`` would not cancel.
+    """``diag(d)^{-1}`` per parameter in float64 (so the GLM variance's terms cancel).
 
     Args:
         precision: The posterior precision.
-        sizes: Entries of every Laplace parameter, in order.
-        per_layer: ``d`` is constant over each parameter (a per-layer prior).
+        sizes: Entries of every Laplace parameter.
+        per_layer: ``d`` is constant over each parameter.
 
     Returns:
         One weight per parameter: a scalar tensor or its ``(d,)`` diagonal.
@@ -225,27 +162,22 @@ def glm_predictive(model: nn.Module, X: Any, precision: LowRankPrecision,
                    weights: List[Weight], *, backend: str = "auto", joint: bool = False,
                    memory_budget: Union[int, float, None] = None,
                    micro_batch_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-    """The GLM predictive's mean and (co)variance of a model on a batch.
-
-    ``V = sqrt(2) J^T`` comes from an MSE-sum engine on the model in eval mode (as
-    in laplace-torch's fit), in micro-batches that fit the memory budget.
+    """The GLM predictive's mean and (co)variance on a batch, in budgeted micro-batches.
 
     Args:
         model: The network (left unchanged).
         X: Inputs (tensor or dict batch) on the model's device.
         precision: The posterior precision.
-        weights: :math:`P_0^{-1}` per parameter (:func:`prior_variance_weights`).
+        weights: :func:`prior_variance_weights`.
         backend: The engine's backend.
-        joint: The joint covariance over all inputs and outputs, ``(B C, B C)``,
-            with a flat mean.
-        memory_budget: ``memory_budget`` as given by the user.
+        joint: The joint ``(B C, B C)`` covariance, with a flat mean.
+        memory_budget: ``memory_budget`` as given.
         micro_batch_size: Upper bound on inputs per backward pass.
 
     Returns:
         ``f_mu`` ``(B, C)`` and ``f_var`` ``(B, C, C)`` (or the joint form).
     """
-    with FactorEngine(model, nn.MSELoss(reduction="sum"), eval_mode=True,
-                      backend=backend) as engine:
+    with jacobian_engine(model, backend) as engine:
         if joint:
             f_mu, f_var = glm_moments(engine, X, precision, weights, joint=True)
             return f_mu.flatten(), f_var
@@ -256,29 +188,21 @@ def glm_predictive(model: nn.Module, X: Any, precision: LowRankPrecision,
 def jacobian_energies(engine: FactorEngine, batches: List, U: Tensor,
                       micro_batch_size: int, projections: Optional[int] = None,
                       rng: Any = None) -> Tensor:
-    r"""Jacobian energies :math:`e_k = \sum_n \|J_n u_k\|^2` of the columns of ``U``.
+    r"""Jacobian energies ``e_k = sum_n ||J_n u_k||^2`` of the columns of ``U``.
 
-    The spectral residual model measures with them how an input's Jacobian spreads
-    over the GGN's eigen-directions (see
-    :func:`~lowrank_laplace.posterior.residual.jacobian_exponent`).
-
-    Exact, the backward passes carry all ``C`` output directions of every input. With
-    ``projections = m`` they carry ``m`` random Gaussian combinations of them instead
-    (the Monte-Carlo factor of the squared loss): ``E[\|\xi^T J_n u\|^2] = \|J_n u\|^2``,
-    so the estimate is unbiased at ``m / C`` of the cost.
+    With ``projections = m``, ``m`` Gaussian output combinations per input replace the
+    ``C`` outputs: unbiased (``E ||xi^T J u||^2 = ||J u||^2``) at ``m / C`` of the cost.
 
     Args:
-        engine: Engine built with ``nn.MSELoss(reduction="sum")`` on the model.
-        batches: Input batches (tensors or dicts), summed over.
-        U: Orthonormal directions, shape ``(D, r)``.
+        engine: An MSE-sum engine on the model.
+        batches: Input batches, summed over.
+        U: Orthonormal directions, ``(D, r)``.
         micro_batch_size: Inputs per backward pass.
-        projections: ``None`` for the exact energies, else random projections per
-            input.
-        rng: Context manager the random projections are drawn in (e.g. the fit's
-            private stream); ``None`` draws from the global generator.
+        projections: ``None`` (exact) or random projections per input.
+        rng: Context manager of the random draws (``None``: the global generator).
 
     Returns:
-        Tensor of shape ``(r,)``.
+        ``(r,)``.
     """
     energy = U.new_zeros(U.shape[1])
     for inputs in batches:

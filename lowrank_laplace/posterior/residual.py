@@ -1,57 +1,11 @@
-r"""Models of the curvature a rank-``r`` truncation drops.
+r"""Models of the curvature a rank-``r`` truncation drops: one class per model.
 
-The fit keeps the leading eigenpairs :math:`U \mathrm{diag}(\lambda) U^\top` of the GGN
-sum :math:`H` and knows the dropped curvature's total exactly: the *residual mass*
-:math:`T = \mathrm{tr}(H) - \sum_i \lambda_i`. Leaving the residual
-:math:`R = H - U \mathrm{diag}(\lambda) U^\top` out (``"none"``) gives the
-``D - r`` dropped directions the prior variance only, and its log-determinant, in
-which only ``r`` eigenvalues depend on the prior precision, drives the marginal
-likelihood towards weak priors. The models, each one consistent posterior:
-
-``"spectral"`` (default)
-    The dropped eigenvalues follow a power law that continues the kept spectrum,
-    :math:`\tilde\lambda_i = \lambda_r (i / r)^{-\alpha}` for
-    :math:`i = r+1 \dots n`, with :math:`\alpha` fixed by the exact mass
-    :math:`\sum_i \tilde\lambda_i = T` and :math:`n` the GGN's rank bound
-    (``min(D, N x columns per sample)``). Their eigenvectors are unknown, so they are
-    taken at random in the complement of ``U``: every member of that family has the
-    same :math:`\log\det P` (used by the marginal likelihood). Per-layer and
-    per-parameter priors split the tail over layers, each with its exact share of the
-    mass (:mod:`~lowrank_laplace.posterior.layer_tail`). The
-    covariance is the kept part plus the complement with one variance
-    :math:`v = \sum_i w_i / (h \tilde\lambda_i + \delta) / \sum_i w_i`, the
-    tail's variances weighted by how much of an input's Jacobian falls in each
-    direction. That weight is measured on the kept eigenpairs and extrapolated: the
-    fit computes the Jacobian energies :math:`e_k = \sum_n \|J_n u_k\|^2` of the
-    kept eigenvectors on a probe of training inputs, fits
-    :math:`e_k \propto \lambda_k^\beta` (least squares in log-log, clamped to
-    :math:`0 \le \beta \le 1`) and takes :math:`w_i = \tilde\lambda_i^\beta`.
-    :math:`\beta = 0` is the plain mean over random directions (every direction
-    equally likely to be seen), :math:`\beta = 1` the weighting of the training
-    set's own curvature, under which the model reproduces the training points'
-    curvature-weighted predictive variance. The random-direction mean (``beta=0``) is
-    much too wide at ranks of a few percent of ``D``, because inputs' Jacobians load
-    on the large tail eigenvalues, not on the prior-only directions.
-``"isotropic"``
-    :math:`R \approx \rho (I - U U^\top)` with :math:`\rho = T / (D - r)`, the mean
-    dropped eigenvalue (probabilistic PCA's noise term).
-``"diagonal"``
-    :math:`R \approx \mathrm{diag}(H) - \mathrm{diag}(U \mathrm{diag}(\lambda) U^\top)`,
-    the exact diagonal of the residual (the fit tracks the GGN diagonal).
-``"none"``
-    :math:`R = 0` (laplace-torch's plain low-rank semantics).
-
-The isotropic and spectral models enter the algebra of
-:class:`~lowrank_laplace.posterior.LowRankPrecision` as a shift,
-:math:`P = U \mathrm{diag}(h\lambda - \rho) U^\top + (P_0 + \rho I)`, plus (spectral)
-a log-determinant offset; nothing costs more than the model without residual.
-Why the spectral model is the default: a flat residual overstates
-:math:`\log\det(R + \delta I)` of a decaying tail (by Jensen's inequality), so the
-marginal likelihood of the isotropic and diagonal models overshoots the prior
-precision (sklearn digits MLP, rank 100: +36% and +30% against the full GGN's,
-spectral +11%); with the Jacobian weighting its predictive is also the closest to the
-full GGN's at the default rank (test NLL +2.6% on digits, +3.1% on a diabetes
-regression MLP). See the posterior-quality page of the docs.
+A fit knows the dropped mass ``T = tr(H) - sum(lambda)`` exactly. Each model, found by
+name in :data:`RESIDUALS`, is one consistent posterior (log det, marglik, predictive,
+samples): :class:`SpectralResidual` (default, a power-law tail with a measured or
+modelled complement variance), :class:`IsotropicResidual`, :class:`DiagonalResidual`
+and :class:`NoResidual`. The derivations and measurements: docs/posterior_quality.md;
+a new model: docs/contributing.md.
 
 Shape glossary:
     D: parameters; r: kept rank; n: rank bound of the GGN.
@@ -60,8 +14,8 @@ Shape glossary:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Dict, Optional, Sequence, Tuple, Type
 
 import torch
 from torch import Tensor
@@ -69,97 +23,232 @@ from torch import Tensor
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.layer_tail import LayerTails, power_law_tail
 from lowrank_laplace.posterior.precision import GramCache, LowRankPrecision
-from lowrank_laplace.utils.checks import Choice
+
+#: A layerwise prior: parameters per layer and one precision per layer.
+LayerPrior = Tuple[Sequence[int], Tensor]
 
 
-class ResidualKind(Choice):
-    """The residual models (the ``residual`` option)."""
-
-    SPECTRAL = "spectral"
-    ISOTROPIC = "isotropic"
-    DIAGONAL = "diagonal"
-    NONE = "none"
-
-
-#: The residual models' names.
-RESIDUALS = tuple(m.value for m in ResidualKind)
-DEFAULT_RESIDUAL = "spectral"
-
-
-def check_residual(residual: str) -> ResidualKind:
-    """Validate a residual model's name.
-
-    Args:
-        residual: One of :data:`RESIDUALS`.
-
-    Returns:
-        The model.
-
-    Raises:
-        ValueError: For anything else.
-    """
-    return ResidualKind.parse(residual, "residual")
-
-
-def jacobian_exponent(eigenvalues: Tensor, energies: Tensor) -> float:
-    r"""The exponent :math:`\beta` of :math:`e_k \propto \lambda_k^\beta`, clamped to ``[0, 1]``.
-
-    Least squares of :math:`\log e_k` on :math:`\log \lambda_k` with an intercept,
-    over the pairs where both are positive (eigenvalues above ``1e-12`` of the
-    largest). Fewer than two such pairs, or eigenvalues that are all equal, give 0.
-
-    Args:
-        eigenvalues: Kept GGN eigenvalues ``lambda``, shape ``(r,)``.
-        energies: Jacobian energies ``e_k = sum_n ||J_n u_k||^2`` of the kept
-            eigenvectors, shape ``(r,)``.
-
-    Returns:
-        ``beta`` as a float.
-    """
-    lam = eigenvalues.detach().to(torch.float64).cpu()
-    energy = energies.detach().to(torch.float64).cpu()
-    if lam.numel() == 0:
-        return 0.0
-    valid = (lam > 1e-12 * lam.max().clamp(min=0)) & (energy > 0) & (lam > 0)
-    x, y = lam[valid].log(), energy[valid].log()
-    if x.numel() < 2 or float(x.max() - x.min()) < 1e-9:
-        return 0.0
-    x = x - x.mean()
-    beta = float((x * (y - y.mean())).sum() / (x * x).sum())
-    return min(max(beta, 0.0), 1.0)
-
-
-@dataclass
-class Residual:
-    """What a residual model needs of a fit, on the GGN's own scale (before ``1/sigma^2/T``).
+@dataclass(frozen=True)
+class DroppedCurvature:
+    """What a fit tells about the curvature its rank drops, on the GGN's own scale.
 
     Attributes:
-        model: One of :data:`RESIDUALS`.
-        dim: Number of parameters ``D``.
-        mass: The exact dropped curvature ``tr(H) - sum(lambda)`` (``>= 0``).
-        diagonal: Residual diagonal, shape ``(D,)`` (``"diagonal"`` only).
-        tail: Modelled dropped eigenvalues, shape ``(n - r,)`` (``"spectral"`` only).
-        exponent: Jacobian-weighting exponent ``beta`` of the spectral covariance.
-        layers: The tail split over layers (``"spectral"`` with the residual diagonal
-            and more than one layer; see :mod:`~lowrank_laplace.posterior.layer_tail`).
-        complement: The complement variance measured on the probe (``"spectral"``;
-            see :mod:`~lowrank_laplace.posterior.complement`), used for scalar and
-            per-parameter priors in place of the Jacobian-weighted tail.
-        anchor: The last kept eigenvalue (the measured variance's lower clamp).
+        eigenvectors: Kept ``U``, ``(D, r)``.
+        eigenvalues: Kept ``lambda`` (descending), ``(r,)``.
+        trace: The exact trace of ``H``.
+        rank_bound: Upper bound on the rank of ``H``.
+        diagonal: ``diag(H - U diag(lambda) U^T)``, or ``None``.
+        exponent: The Jacobian-weighting exponent ``beta`` (spectral).
+        layer_sizes: Parameters per layer (laplace-torch's parameter tensors).
+        complement: The complement variance measured on the probe (spectral).
     """
 
-    model: ResidualKind
-    dim: int
-    mass: float
+    eigenvectors: Tensor
+    eigenvalues: Tensor
+    trace: Tensor
+    rank_bound: int
     diagonal: Optional[Tensor] = None
-    tail: Optional[Tensor] = None
     exponent: float = 0.0
+    layer_sizes: Optional[Sequence[int]] = None
     complement: Optional[MeasuredComplement] = None
-    anchor: float = 0.0
-    _whole: dict = field(default_factory=dict, repr=False, compare=False)
-    _layers: Optional[LayerTails] = field(default=None, repr=False, compare=False)
-    # builds _layers on first use: only layerwise and per-parameter priors read them
-    _split: Optional[Callable[[], LayerTails]] = field(default=None, repr=False, compare=False)
+
+    @property
+    def mass(self) -> float:
+        """The exact dropped curvature ``tr(H) - sum(lambda)``, zero within the trace's rounding."""
+        trace = self.trace
+        dtype = trace.dtype if torch.is_tensor(trace) and trace.is_floating_point() \
+            else torch.float64
+        mass = float(trace) - float(self.eigenvalues.double().sum())
+        return mass if mass > torch.finfo(dtype).eps * abs(float(trace)) else 0.0
+
+
+class Residual:
+    """A model of the dropped curvature, built from a fit (:meth:`from_fit`).
+
+    Attributes:
+        dim: Number of parameters ``D``.
+        mass: The exact dropped curvature ``tr(H) - sum(lambda)``.
+        anchor: The last kept eigenvalue (``0`` where nothing is kept).
+    """
+
+    #: The model's name (the ``residual`` option).
+    name: ClassVar[str] = ""
+    #: A fit with this model tracks the GGN diagonal.
+    tracks_diagonal: ClassVar[bool] = False
+    #: The model cannot be built without the residual diagonal.
+    needs_diagonal: ClassVar[bool] = False
+    #: A fit with this model keeps probe inputs for a probe pass after it.
+    needs_probe: ClassVar[bool] = False
+    #: The precision's diagonal is constant over a layer under a layerwise prior.
+    constant_per_layer: ClassVar[bool] = True
+
+    def __init__(self, dropped: DroppedCurvature):
+        self.dim = dropped.eigenvectors.shape[0]
+        self.mass = dropped.mass
+        rank = dropped.eigenvalues.numel()
+        self.anchor = float(dropped.eigenvalues[-1]) if rank else 0.0
+
+    @classmethod
+    def from_fit(cls, dropped: DroppedCurvature) -> "Residual":
+        """The model of a fit's dropped curvature.
+
+        Args:
+            dropped: What the fit tells about it.
+
+        Returns:
+            The model.
+
+        Raises:
+            ValueError: For a model that needs the residual diagonal without it.
+        """
+        if cls.needs_diagonal and dropped.diagonal is None:
+            raise ValueError(
+                f"residual={cls.name!r} needs the residual diagonal, which this fit did "
+                f"not keep: refit with residual={cls.name!r}."
+            )
+        return cls(dropped)
+
+    def precision(self, eigenvectors: Tensor, eigenvalues: Tensor, scale: Tensor,
+                  prior: Tensor, gram_cache: Optional[GramCache] = None,
+                  layer_prior: Optional[LayerPrior] = None) -> LowRankPrecision:
+        r"""The posterior precision with this residual.
+
+        Args:
+            eigenvectors: Kept ``U``, ``(D, r)``.
+            eigenvalues: Kept ``lambda``, ``(r,)``.
+            scale: ``h = 1 / sigma^2 / T`` (laplace-torch's ``_H_factor``).
+            prior: Prior precision ``d``, scalar or ``(D,)``.
+            gram_cache: Passed on to ``LowRankPrecision``.
+            layer_prior: ``(sizes, delta_l)`` for a layerwise prior (``prior`` its
+                expansion): ``O(L r^2)`` algebra.
+
+        Returns:
+            The ``LowRankPrecision`` (differentiable in ``scale`` and ``prior``).
+        """
+        ell = scale * eigenvalues
+        if self.dim == eigenvalues.numel():  # nothing dropped
+            return LowRankPrecision(eigenvectors, ell, prior, gram_cache=gram_cache,
+                                    layers=_shifted(layer_prior, 0))
+        return self._precision(eigenvectors, ell, scale, prior, (gram_cache, layer_prior))
+
+    def _precision(self, eigenvectors: Tensor, ell: Tensor, scale: Tensor, prior: Tensor,
+                   extra: Tuple[Optional[GramCache], Optional[LayerPrior]]
+                   ) -> LowRankPrecision:
+        """The precision where something is dropped (``extra``: cache, layer prior)."""
+        raise NotImplementedError
+
+    def curvature_spectrum(self, eigenvalues: Tensor, scale: float
+                           ) -> Optional[Tuple[Tensor, Tensor]]:
+        r"""Nonzero curvature eigenvalues ``a_j`` and counts ``c_j`` under a scalar prior.
+
+        ``log det P = sum_j c_j log(a_j + delta) + (D - sum_j c_j) log delta``: the kept
+        ``h lambda`` and the modelled dropped ones.
+
+        Args:
+            eigenvalues: Kept ``lambda``, ``(r,)``.
+            scale: ``h``.
+
+        Returns:
+            ``(a, c)``, float64 on the CPU, or ``None`` for a per-parameter residual.
+        """
+        kept = eigenvalues.detach().to(device="cpu", dtype=torch.float64) * scale
+        values, counts = self._dropped_spectrum(kept, scale)
+        values = torch.cat([kept] + values) if values else kept
+        counts = torch.cat([torch.ones_like(kept)] + counts) if counts else \
+            torch.ones_like(kept)
+        keep = values > 0
+        return values[keep], counts[keep]
+
+    def _dropped_spectrum(self, kept: Tensor, scale: float) -> Tuple[list, list]:
+        """The modelled dropped eigenvalues and their counts (none by default)."""
+        return [], []
+
+
+def _shifted(layer_prior: Optional[LayerPrior], shift: Tensor) -> Optional[LayerPrior]:
+    """A layerwise prior shifted by ``shift`` (``None`` stays ``None``)."""
+    return None if layer_prior is None else (layer_prior[0], layer_prior[1] + shift)
+
+
+class NoResidual(Residual):
+    """``R = 0``: the dropped directions see only the prior."""
+
+    name = "none"
+
+    def _precision(self, eigenvectors, ell, scale, prior, extra):
+        gram_cache, layer_prior = extra
+        return LowRankPrecision(eigenvectors, ell, prior, gram_cache=gram_cache,
+                                layers=_shifted(layer_prior, 0))
+
+
+class DiagonalResidual(Residual):
+    """The exact diagonal of the residual, added to the prior's."""
+
+    name = "diagonal"
+    tracks_diagonal = needs_diagonal = True
+    constant_per_layer = False
+
+    def __init__(self, dropped: DroppedCurvature):
+        super().__init__(dropped)
+        self.diagonal = dropped.diagonal
+
+    def _precision(self, eigenvectors, ell, scale, prior, extra):
+        diag = self.diagonal.to(ell.dtype)
+        return LowRankPrecision(eigenvectors, ell, prior + scale * diag, gram_cache=extra[0])
+
+    def curvature_spectrum(self, eigenvalues: Tensor, scale: float) -> None:
+        """``None``: the residual differs per parameter (see :class:`Residual`)."""
+        return None
+
+
+class IsotropicResidual(Residual):
+    """The mean dropped eigenvalue ``rho = T / (D - r)`` in every dropped direction."""
+
+    name = "isotropic"
+
+    def _precision(self, eigenvectors, ell, scale, prior, extra):
+        gram_cache, layer_prior = extra
+        rho = scale * self.mass / (self.dim - ell.numel())
+        return LowRankPrecision(eigenvectors, (ell - rho).clamp(min=0), prior + rho,
+                                gram_cache=gram_cache, layers=_shifted(layer_prior, rho))
+
+    def _dropped_spectrum(self, kept, scale):
+        num = self.dim - kept.numel()
+        if num <= 0:
+            return [], []
+        rho = scale * self.mass / num  # the kept directions hold max(h lambda, rho)
+        kept.clamp_(min=rho)
+        return [kept.new_tensor([rho])], [kept.new_tensor([float(num)])]
+
+
+class SpectralResidual(Residual):
+    """A power-law tail continuing the kept spectrum, in random dropped directions.
+
+    Attributes:
+        tail: Modelled dropped eigenvalues, ``(n - r,)``.
+        exponent: Jacobian-weighting exponent ``beta``.
+        complement: The measured complement variance (``None``: modelled).
+    """
+
+    name = "spectral"
+    tracks_diagonal = needs_probe = True
+
+    def __init__(self, dropped: DroppedCurvature):
+        super().__init__(dropped)
+        rank, dim, mass = dropped.eigenvalues.numel(), self.dim, self.mass
+        count = min(max(int(dropped.rank_bound), rank), dim) - rank
+        if count == 0 and mass > 0:  # a bound that cannot hold the mass: spread it
+            count = dim - rank
+        self.tail = power_law_tail(self.anchor, mass, max(rank, 1), count)
+        self.exponent = float(dropped.exponent)
+        self.complement = dropped.complement if mass > 0 else None
+        self._whole: Dict[int, LayerTails] = {}
+        self._layers: Optional[LayerTails] = None
+        # built on first use: only layerwise and per-parameter priors read the split
+        self._split: Optional[Callable[[], Optional[LayerTails]]] = None
+        if dropped.diagonal is not None and dropped.layer_sizes and mass > 0 and rank < dim:
+            self._split = functools.partial(
+                LayerTails.build, dropped.eigenvectors, dropped.eigenvalues, mass,
+                dropped.diagonal, dropped.layer_sizes, count)
 
     @property
     def layers(self) -> Optional[LayerTails]:
@@ -168,167 +257,29 @@ class Residual:
             self._layers, self._split = self._split(), None
         return self._layers
 
-    @layers.setter
-    def layers(self, value: Optional[LayerTails]) -> None:
-        self._layers, self._split = value, None
-
-    @classmethod
-    def from_fit(cls, model: str, eigenvalues: Tensor, trace: Tensor, dim: int,
-                 rank_bound: int, diagonal: Optional[Tensor] = None,
-                 exponent: float = 0.0, eigenvectors: Optional[Tensor] = None,
-                 layer_sizes: Optional[Sequence[int]] = None,
-                 complement: Optional[MeasuredComplement] = None) -> "Residual":
-        """Build the model's quantities from a fit.
-
-        Args:
-            model: One of :data:`RESIDUALS`.
-            eigenvalues: Kept eigenvalues ``lambda`` (descending), shape ``(r,)``.
-            trace: Exact trace of ``H``.
-            dim: Number of parameters ``D``.
-            rank_bound: Upper bound on the rank of ``H`` (e.g. ``N (C - 1)``).
-            diagonal: The residual diagonal (needed by ``"diagonal"``).
-            exponent: The spectral model's Jacobian-weighting exponent ``beta``
-                (see :func:`jacobian_exponent`).
-            eigenvectors: Kept ``U`` (the spectral model splits its tail over
-                layers with them and ``diagonal``).
-            layer_sizes: Parameters per layer (laplace-torch's parameter tensors).
-            complement: The measured complement variance (``"spectral"`` only).
-
-        Returns:
-            The residual.
-
-        Raises:
-            ValueError: For ``"diagonal"`` without the residual diagonal.
-        """
-        model = check_residual(model)
-        rank = eigenvalues.numel()
-        # in float64: a float32 sum is rounded at eps lambda_max, which can exceed the
-        # mass of a few dropped eigenvalues (a fit's trace is float64 for this); a
-        # trace held in lower precision leaves its rounding undecided: zero
-        dtype = trace.dtype if torch.is_tensor(trace) and trace.is_floating_point() \
-            else torch.float64
-        mass = float(trace) - float(eigenvalues.double().sum())
-        mass = mass if mass > torch.finfo(dtype).eps * abs(float(trace)) else 0.0
-        if model == "diagonal" and diagonal is None:
-            raise ValueError(
-                "residual='diagonal' needs the residual diagonal, which this fit did not "
-                "keep: refit with residual='diagonal'."
-            )
-        tail, layers = None, None
-        anchor = float(eigenvalues[-1]) if rank else 0.0
-        if model == "spectral":
-            count = min(max(int(rank_bound), rank), dim) - rank
-            if count == 0 and mass > 0:  # a bound that cannot hold the mass: spread it
-                count = dim - rank
-            tail = power_law_tail(anchor, mass, max(rank, 1), count)
-            if diagonal is not None and eigenvectors is not None and layer_sizes \
-                    and mass > 0 and rank < dim:
-                layers = functools.partial(LayerTails.build, eigenvectors, eigenvalues, mass,
-                                           diagonal, layer_sizes, count)
-        measured = complement if model == "spectral" and mass > 0 else None
-        return cls(model, dim, mass, diagonal if model == "diagonal" else None, tail,
-                   float(exponent), measured, anchor, _split=layers)
-
-    def precision(self, eigenvectors: Tensor, eigenvalues: Tensor, scale: Tensor,
-                  prior: Tensor, gram_cache: Optional[GramCache] = None,
-                  layer_prior: Optional[Tuple[Sequence[int], Tensor]] = None,
-                  ) -> LowRankPrecision:
-        r"""The posterior precision with this residual.
-
-        Args:
-            eigenvectors: Kept ``U``, shape ``(D, r)``.
-            eigenvalues: Kept ``lambda``, shape ``(r,)``.
-            scale: ``h = 1 / sigma^2 / T`` (laplace-torch's ``_H_factor``); may carry
-                gradients.
-            prior: Prior precision ``d``: a scalar tensor or shape ``(D,)``; may carry
-                gradients.
-            gram_cache: Passed on to
-                :class:`~lowrank_laplace.posterior.LowRankPrecision`.
-            layer_prior: ``(sizes, delta_l)`` for a prior constant over each layer
-                (laplace-torch's layerwise prior, ``prior`` its expansion): the
-                precision's algebra then costs ``O(L r^2)``, not ``O(D r^2)``.
-
-        Returns:
-            The :class:`~lowrank_laplace.posterior.LowRankPrecision`.
-        """
-        ell = scale * eigenvalues
-        dim, rank = self.dim, eigenvalues.numel()
-
-        def layered(shift: Tensor) -> Optional[Tuple[Sequence[int], Tensor]]:
-            return None if layer_prior is None else (layer_prior[0], layer_prior[1] + shift)
-
-        if self.model == "none" or dim == rank:
-            return LowRankPrecision(eigenvectors, ell, prior, gram_cache=gram_cache,
-                                    layers=layered(0))
-        if self.model == "diagonal":
-            diag = self.diagonal.to(ell.dtype)
-            return LowRankPrecision(eigenvectors, ell, prior + scale * diag, gram_cache=gram_cache)
-        num, offset = dim - rank, None
-        if self.model == "isotropic":
-            rho = scale * self.mass / num
-            d = prior + rho
-        elif prior.numel() > 1 and self.layers is not None:  # builds the split on first use
-            return self._layer_precision(eigenvectors, ell, scale, prior, gram_cache,
-                                         layer_prior)
-        else:
-            rho, tail_logdet = self._spectral_shift(scale, prior, num, ell.device)
-            rho = rho.to(ell.dtype)
-            d = prior + rho
-            # against the d the precision holds, so its (D - r) log d cancels exactly
-            offset = (tail_logdet - num * torch.log(d.to(torch.float64).mean())).to(ell.dtype)
+    def _precision(self, eigenvectors, ell, scale, prior, extra):
+        gram_cache, layer_prior = extra
+        if prior.numel() > 1 and self.layers is not None:  # builds the split on first use
+            return self._layer_precision(eigenvectors, ell, scale, prior, extra)
+        num = self.dim - ell.numel()
+        rho, tail_logdet = self._shift(scale, prior, num, ell.device)
+        rho = rho.to(ell.dtype)
+        d = prior + rho
+        # against the d the precision holds, so its (D - r) log d cancels exactly
+        offset = (tail_logdet - num * torch.log(d.to(torch.float64).mean())).to(ell.dtype)
         return LowRankPrecision(eigenvectors, (ell - rho).clamp(min=0), d,
                                 logdet_offset=offset, gram_cache=gram_cache,
-                                layers=layered(rho))
+                                layers=_shifted(layer_prior, rho))
 
-    def curvature_spectrum(self, eigenvalues: Tensor, scale: float,
-                           ) -> Optional[Tuple[Tensor, Tensor]]:
-        r"""The curvature's nonzero eigenvalues under a scalar prior, for the log det.
+    def _dropped_spectrum(self, kept, scale):
+        if self.dim - kept.numel() <= 0:
+            return [], []
+        tail = self.tail.to(device="cpu", dtype=torch.float64) * scale
+        return [tail], [torch.ones_like(tail)]
 
-        Under a scalar prior :math:`\delta` every model but ``"diagonal"`` gives
-        :math:`\log\det P = \sum_j c_j \log(a_j + \delta) + (D - \sum_j c_j)
-        \log\delta`: the kept :math:`h\lambda_k`, and the modelled dropped ones
-        (``"spectral"``: the tail :math:`h\tilde\lambda_i`; ``"isotropic"``: the mean
-        :math:`\rho` on all ``D - r`` dropped directions). The marginal likelihood's
-        dependence on :math:`\delta` is then a scalar function (see
-        :mod:`~lowrank_laplace.laplace_torch.tuning`). As :meth:`precision` with a
-        scalar prior, whose shift never exceeds the last kept eigenvalue.
-
-        Args:
-            eigenvalues: Kept ``lambda``, shape ``(r,)``.
-            scale: ``h = 1 / sigma^2 / T``.
-
-        Returns:
-            ``(a, c)``, float64 on the CPU, or ``None`` for ``"diagonal"`` (a
-            per-parameter residual).
-        """
-        if self.model == "diagonal":
-            return None
-        kept = eigenvalues.detach().to(device="cpu", dtype=torch.float64) * scale
-        values, counts = [kept], [torch.ones_like(kept)]
-        num = self.dim - kept.numel()
-        if self.model == "isotropic" and num > 0:
-            rho = scale * self.mass / num  # the kept directions hold max(h lambda, rho)
-            values = [kept.clamp(min=rho), kept.new_tensor([rho])]
-            counts.append(kept.new_tensor([float(num)]))
-        elif self.model == "spectral" and num > 0 and self.tail is not None:
-            values.append(self.tail.to(device="cpu", dtype=torch.float64) * scale)
-            counts.append(torch.ones_like(values[-1]))
-        values, counts = torch.cat(values), torch.cat(counts)
-        keep = values > 0
-        return values[keep], counts[keep]
-
-    def _layer_precision(self, eigenvectors: Tensor, ell: Tensor, scale: Tensor,
-                         prior: Tensor, gram_cache: Optional[GramCache],
-                         layer_prior: Optional[Tuple[Sequence[int], Tensor]],
-                         ) -> LowRankPrecision:
-        r"""The spectral model with one tail per layer.
-
-        The complement of layer ``l`` gets precision :math:`\delta + \rho_l`; the kept
-        directions keep :math:`h\lambda_k + \delta` on the diagonal of ``U``'s basis
-        (:math:`\ell_k - \sum_l \rho_l \|U_{l,k}\|^2`). The log-determinant offset
-        trades the complement's :math:`\sum_l c_l \log(\delta_l + \rho_l)` for the
-        tails'.
-        """
+    def _layer_precision(self, eigenvectors, ell, scale, prior, extra):
+        """The spectral model with one tail per layer (docs/posterior_quality.md)."""
+        gram_cache, layer_prior = extra
         layers = self.layers
         rho, tail_logdet = layers.shift(scale, prior, self.exponent, ell.device)
         rho = rho.to(ell.dtype)
@@ -347,27 +298,12 @@ class Residual:
                                 logdet_offset=offset.to(ell.dtype), gram_cache=gram_cache,
                                 layers=constant)
 
-    def _spectral_shift(self, scale: Tensor, prior: Tensor, num: int,
-                        device: torch.device) -> Tuple[Tensor, Tensor]:
-        r"""The spectral model's shift :math:`\rho` and the tail's log-determinant.
+    def _shift(self, scale: Tensor, prior: Tensor, num: int,
+               device: torch.device) -> Tuple[Tensor, Tensor]:
+        """The network-wide shift ``rho = 1 / v - delta`` and the tail's log det (float64).
 
-        :math:`\rho = 1 / v - \delta = \sum_i w_i t_i / (t_i + \delta) \big/ \sum_i w_i
-        / (t_i + \delta)`: a ratio of positive sums, where the form
-        :math:`\delta m / (1 - m)` with :math:`m` the weighted mean of
-        :math:`t / (t + \delta)` cancels to nothing once :math:`\delta \ll t`. Both in
-        float64 (they sum ``n - r`` terms), differentiable in ``scale`` and ``prior``.
-
-        Args:
-            scale: ``h``.
-            prior: The prior precision (its mean stands for a non-scalar one).
-                Computed by :meth:`~lowrank_laplace.posterior.layer_tail.LayerTails.shift`
-                on the whole network as one layer.
-            num: Dropped directions ``D - r``.
-            device: Where the posterior lives.
-
-        Returns:
-            ``rho`` and :math:`\sum_i \log(t_i + \delta)` over all ``D - r`` dropped
-            directions, both float64 scalars.
+        ``v`` is the measured complement variance where there is one (at the prior's
+        mean), else the Jacobian-weighted tail variance.
         """
         whole = self._whole.get(num)
         if whole is None:  # one layer, the network; kept with its prior-free factors
@@ -377,3 +313,31 @@ class Residual:
             delta = prior.to(torch.float64).mean() if prior.numel() > 1 else prior
             return self.complement.to(device).shift(scale, delta, self.anchor), logdet
         return rho[0], logdet
+
+
+#: The residual models by name (the ``residual`` option).
+RESIDUALS: Dict[str, Type[Residual]] = {
+    cls.name: cls for cls in (SpectralResidual, IsotropicResidual, DiagonalResidual,
+                              NoResidual)
+}
+#: The default residual model.
+DEFAULT_RESIDUAL = "spectral"
+
+
+def residual_class(name: str) -> Type[Residual]:
+    """The residual model of a name.
+
+    Args:
+        name: One of :data:`RESIDUALS`.
+
+    Returns:
+        Its class.
+
+    Raises:
+        ValueError: For anything else.
+    """
+    try:
+        return RESIDUALS[name]
+    except (KeyError, TypeError):
+        allowed = ", ".join(repr(n) for n in RESIDUALS)
+        raise ValueError(f"residual must be one of {allowed}, got {name!r}.") from None

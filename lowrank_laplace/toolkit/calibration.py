@@ -1,27 +1,19 @@
-"""End-to-end calibration study behind ``lowrank-laplace calibrate``.
+"""The calibration study behind ``lowrank-laplace calibrate``.
 
-Trains (or loads) a small CNN on an offline image data set, fits Laplace posteriors
-(``lowrank_ggn`` on all weights, with and without the diagonal correction, and on the
-last layer; laplace-torch's ``kron`` and ``diag`` on all weights), tunes their prior
-precision (opt-in, ``lowrank_ggn_marglik`` trains a network of its own with
-laplace-torch's ``marglik_training`` instead), and evaluates in-distribution
-calibration, rotation shift and out-of-distribution detection. The report's schema::
+Trains (or loads) a small CNN on an offline image data set, fits the Laplace posteriors
+of :data:`~lowrank_laplace.toolkit.options.METHODS`, tunes their prior precision and
+evaluates in-distribution calibration, rotation shift and out-of-distribution detection.
+The report's schema::
 
     {"methods": {name: {"in_distribution": {"accuracy", "nll", "ece", "mce", "brier",
                                               "confidence"},
                         "shift": {"<angle>": {"accuracy", "nll", "ece"}, ...},
-                        "ood_auroc": float, "fit_s": float, "predict_s": float}
+                        "predict_s", "ood_auroc", "fit_s", "posterior": {...}}
                         # or {"error": "why it could not run"}
      "config": {...},
      "machine": {"date", "cpu_name", "cpu_count", "platform", "python", "torch",
-                 "device", "device_name", "version_<package>"}}
-
-The steps it shares with the rank study live in :mod:`~lowrank_laplace.toolkit.options`
-(method table, config), :mod:`~lowrank_laplace.toolkit.training` (the network) and
-:mod:`~lowrank_laplace.toolkit.posteriors` (fitting, prior tuning, prediction); the
-names this module held before (``CalibrationConfig``, ``UserError``, ``LAPLACE_METHODS``,
-``METHODS``, ``default_methods``, ``make_cnn``, ``make_writable_dir``,
-``marglik_prior_full``) are still importable from here.
+                 "device", "device_name", "version_<package>"},
+     "faithfulness": {...}}  # with both lowrank_ggn_all and full_all (--dataset digits)
 """
 
 from __future__ import annotations
@@ -29,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable, Tuple
 
@@ -43,9 +35,8 @@ from lowrank_laplace.toolkit.options import (
     TRAINED_METHODS,
     CalibrationConfig,
     UserError,
-    check_options,
+    check_study,
     default_methods,
-    make_writable_dir,
     silent,
 )
 from lowrank_laplace.toolkit.posteriors import (
@@ -54,34 +45,21 @@ from lowrank_laplace.toolkit.posteriors import (
     marglik_prior_full,
     posterior_info,
     predict_batched,
+    rotation_scores,
 )
 from lowrank_laplace.toolkit.training import make_cnn, marglik_train, train_or_load
-from lowrank_laplace.utils.threads import idle_cores
 
 __all__ = [
     "LAPLACE_METHODS", "METHODS", "TABLE_COLUMNS", "CalibrationConfig", "UserError",
-    "default_methods", "evaluate", "faithfulness", "format_faithfulness", "format_notes",
-    "format_shift", "format_table",
-    "load_split", "machine_record", "make_cnn", "make_writable_dir", "marglik_prior_full",
-    "run", "validate",
+    "default_methods", "faithfulness", "format_report", "load_split", "make_cnn",
+    "marglik_prior_full", "run",
 ]
 
 _DISPLAY_NAMES = {"mnist": "MNIST", "digits": "scikit-learn digits"}
 
-# numeric options and their smallest valid value, checked before any work
-_MINIMUM = {"epochs": 0, "n_train": 0, "n_test": 0, "batch_size": 1, "rank": 1,
-            "mc_samples": 0, "seed": 0}
 
-
-def machine_record(device: torch.device) -> dict:
-    """When and where a report was made: UTC date, CPU, device and package versions.
-
-    Args:
-        device: The torch device of the run.
-
-    Returns:
-        The record (see the module docstring).
-    """
+def _machine_record(device: torch.device) -> dict:
+    """When and where a report was made: UTC date, CPU, device and package versions."""
     import datetime
     import importlib.metadata
     import os
@@ -97,10 +75,8 @@ def machine_record(device: torch.device) -> dict:
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
         "cpu_name": cpu_name, "cpu_count": os.cpu_count(), "platform": platform.platform(),
-        "python": platform.python_version(), "torch": torch.__version__,
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
-        else cpu_name,
+        "python": platform.python_version(), "torch": torch.__version__, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name,
     }
     for package in ("lowrank_laplace", "laplace-torch", "backpack-for-pytorch"):
         try:
@@ -110,69 +86,18 @@ def machine_record(device: torch.device) -> dict:
     return record
 
 
-def validate(config: CalibrationConfig) -> torch.device:
-    """Check the options before any expensive work.
-
-    Args:
-        config: The options.
-
-    Returns:
-        The torch device.
-
-    Raises:
-        UserError: For a negative count (a zero batch size or rank), a non-finite
-            angle, what :func:`~lowrank_laplace.toolkit.options.check_options` refuses,
-            CUDA asked for but absent, or an unwritable output directory.
-    """
-    for name, minimum in _MINIMUM.items():
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise UserError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    if not (isinstance(config.weight_decay, (int, float)) and math.isfinite(config.weight_decay)
-            and config.weight_decay >= 0):
-        raise UserError(f"weight_decay must be a finite number >= 0, got "
-                        f"{config.weight_decay!r}")
-    if config.methods is None:
-        config.methods = default_methods(config.dataset)
-    if not config.angles or not all(math.isfinite(float(a)) for a in config.angles):
-        raise UserError(f"angles must be finite numbers, got {config.angles!r}")
-    check_options(config)  # dataset, methods, rank, MC samples, solver, prior, paths
-    if config.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for, but CUDA is not available")
-    try:
-        make_writable_dir(Path(config.out))
-    except OSError as err:
-        raise UserError(f"output directory {str(config.out)!r} is not writable: "
-                        f"{err.strerror}") from err
-    return torch.device(config.device)
-
-
-def evaluate(predict: Callable[[Tensor], Tensor], split: datasets.Split, ood: Tensor,
-             config: CalibrationConfig, device: torch.device) -> Tuple[dict, Tensor]:
-    """In-distribution, shift and OOD metrics of one predictor.
-
-    Args:
-        predict: Maps inputs to predictive probabilities.
-        split: The data.
-        ood: Out-of-distribution inputs.
-        config: The options.
-        device: Where the model lives.
-
-    Returns:
-        The method's report entry (without timings) and its test probabilities.
-    """
-    X, y = split.test
+def _evaluate(predict: Callable[[Tensor], Tensor], split: datasets.Split, ood: Tensor,
+              config: CalibrationConfig, device: torch.device) -> Tuple[dict, Tensor]:
+    """A method's report entry (in distribution, rotated, OOD) and its test probabilities."""
     start = time.perf_counter()
-    probs = predict_batched(predict, X, config.batch_size, device)
+    probs = predict_batched(predict, split.test[0], config.batch_size, device)
     predict_s = time.perf_counter() - start
-    entry = {"in_distribution": metrics.classification_metrics(probs, y), "shift": {},
-             "predict_s": predict_s}
-    for angle in config.angles:
-        p = predict_batched(predict, datasets.rotate(X, angle), config.batch_size, device)
-        full = metrics.classification_metrics(p, y)
-        entry["shift"][f"{angle:g}"] = {k: full[k] for k in ("accuracy", "nll", "ece")}
-    entry["ood_auroc"] = metrics.ood_auroc(
-        probs, predict_batched(predict, ood, config.batch_size, device))
+    entry = {"in_distribution": metrics.classification_metrics(probs, split.test[1]),
+             "shift": rotation_scores(predict, split.test, config, device,
+                                      ("accuracy", "nll", "ece")),
+             "predict_s": predict_s,
+             "ood_auroc": metrics.ood_auroc(
+                 probs, predict_batched(predict, ood, config.batch_size, device))}
     return entry, probs
 
 
@@ -196,16 +121,21 @@ def run(config: CalibrationConfig, log: Callable[[str], None] = silent) -> dict:
     """Run the study and write ``calibration.json`` plus PNG plots to ``config.out``.
 
     Args:
-        config: The options.
+        config: The options (``methods=None``: every method that fits the data set).
         log: Receives one short progress line per step (default: nothing).
 
     Returns:
         The report (see the module docstring for its schema).
+
+    Raises:
+        UserError: For an option the study cannot work with, before any work.
     """
-    device = validate(config)
+    check_study(config)
+    if config.methods is None:
+        config = replace(config, methods=default_methods(config.dataset))
+    device, out = torch.device(config.device), Path(config.out)
     split = load_split(config)
-    size = split.train[0].shape[-1]
-    ood = datasets.ood_images(len(split.test[1]), size, seed=config.seed)
+    ood = datasets.ood_images(len(split.test[1]), split.train[0].shape[-1], seed=config.seed)
     loaders = split.loaders(config.batch_size, config.seed)
     log(f"{config.dataset}: {len(split.train[1])} training, {len(split.test[1])} test points")
     model = train_or_load(config, split, device, log)
@@ -213,40 +143,32 @@ def run(config: CalibrationConfig, log: Callable[[str], None] = silent) -> dict:
         "n_train_used": len(split.train[1]), "n_test_used": len(split.test[1]),
         "num_params": sum(p.numel() for p in model.parameters()),
         "ood": "grayscale crops of scikit-learn's sample photographs"},
-        "machine": machine_record(device)}
-    out = Path(config.out)
+        "machine": _machine_record(device)}
     fitted: dict = {}
     for i, name in enumerate(config.methods, 1):
+        step = f"[{i}/{len(config.methods)}] {name}"
         try:
-            with idle_cores(device):  # every method on the cores idle when it starts
-                start = time.perf_counter()
-                if name in TRAINED_METHODS:  # a network of its own, trained with it
-                    la = marglik_train(config, split, device, TRAINED_METHODS[name], log)
-                else:
-                    la = None if name == "map" else \
-                        fit_laplace(name, model, config, loaders, fitted)
-                fit_s = time.perf_counter() - start
-                entry, probs = evaluate(make_predictor(name, model, la), split, ood, config,
-                                        device)
+            start = time.perf_counter()
+            if name in TRAINED_METHODS:  # a network of its own, trained with it
+                la = marglik_train(config, split, device, TRAINED_METHODS[name], log)
+            else:
+                la = None if name == "map" else fit_laplace(name, model, config, loaders, fitted)
+            fit_s = time.perf_counter() - start
+            entry, probs = _evaluate(make_predictor(name, model, la), split, ood, config, device)
         except (RuntimeError, MemoryError, ValueError, NotImplementedError) as err:
             report["methods"][name] = {"error": f"{type(err).__name__}: {err}"}
-            log(f"[{i}/{len(config.methods)}] {name}: could not run ({type(err).__name__})")
+            log(f"{step}: could not run ({type(err).__name__})")
             continue
-        entry["fit_s"] = fit_s
-        entry["posterior"] = posterior_info(la)
-        report["methods"][name] = entry
-        log(f"[{i}/{len(config.methods)}] {name}: fit {fit_s:.1f} s, "
-            f"predict {entry['predict_s']:.1f} s")
-        fig = plots.reliability_diagram(probs, split.test[1], title=name,
-                                        path=out / f"reliability_{name}.png")
-        plots.close(fig)
+        report["methods"][name] = entry | {"fit_s": fit_s, "posterior": posterior_info(la)}
+        log(f"{step}: fit {fit_s:.1f} s, predict {entry['predict_s']:.1f} s")
+        plots.close(plots.reliability_diagram(probs, split.test[1], title=name,
+                                              path=out / f"reliability_{name}.png"))
     shifts = {n: m["shift"] for n, m in report["methods"].items() if "shift" in m}
-    if shifts:
-        for metric in ("ece", "accuracy"):
-            plots.close(plots.shift_curves(
-                shifts, metric, path=out / f"shift_{metric}.png",
-                title=f"{plots.metric_name(metric)} under rotation "
-                f"({_DISPLAY_NAMES.get(config.dataset, config.dataset)} test set)"))
+    for metric in ("ece", "accuracy") if shifts else ():
+        plots.close(plots.shift_curves(
+            shifts, metric, path=out / f"shift_{metric}.png",
+            title=f"{plots.metric_name(metric)} under rotation "
+            f"({_DISPLAY_NAMES.get(config.dataset, config.dataset)} test set)"))
     faithful = faithfulness(report)
     if faithful:
         report["faithfulness"] = faithful
@@ -279,21 +201,14 @@ def faithfulness(report: dict) -> dict:
     out = {"in_distribution": relative(ours["in_distribution"], full["in_distribution"]),
            "shift": {a: relative(ours["shift"][a], full["shift"][a])
                      for a in ours.get("shift", {}) if a in full.get("shift", {})}}
-    values = list(out["in_distribution"].values()) + [
-        v for rel in out["shift"].values() for v in rel.values()]
+    values = [*out["in_distribution"].values(),
+              *(v for rel in out["shift"].values() for v in rel.values())]
     out["largest"] = max((abs(v) for v in values), default=math.nan)
     return out
 
 
-def format_faithfulness(report: dict) -> str:
-    """The default row against ``full_all``, as a text table (empty without both rows).
-
-    Args:
-        report: From :func:`run`.
-
-    Returns:
-        The table and its largest deviation.
-    """
+def _format_faithfulness(report: dict) -> str:
+    """The default row against ``full_all`` and its largest deviation (or nothing)."""
     faithful = report.get("faithfulness") or faithfulness(report)
     if not faithful:
         return ""
@@ -325,15 +240,8 @@ TABLE_COLUMNS: Tuple[Tuple[str, Callable[[dict], float], str], ...] = tuple(
 )
 
 
-def format_table(report: dict) -> str:
-    """The report as a text table: a row per method, a column per :data:`TABLE_COLUMNS` entry.
-
-    Args:
-        report: From :func:`run`.
-
-    Returns:
-        The table.
-    """
+def _format_table(report: dict) -> str:
+    """A row per method, a column per :data:`TABLE_COLUMNS` entry."""
     widths = [max(len(header) + 2, 9) for header, _, _ in TABLE_COLUMNS]
     header = f"{'method':<24}" + "".join(
         f"{h:>{w}}" for (h, _, _), w in zip(TABLE_COLUMNS, widths))
@@ -347,15 +255,8 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def format_notes(report: dict) -> str:
-    """How to read the table: the low-rank posteriors' rank, kept trace and residual model.
-
-    Args:
-        report: From :func:`run`.
-
-    Returns:
-        A few lines of text.
-    """
+def _format_notes(report: dict) -> str:
+    """How to read the table: the low-rank posteriors' rank, kept trace and residual model."""
     lines = ["prior: tuned prior precision; kept: share of the exact GGN trace the rank keeps."]
     for name, m in report["methods"].items():
         info = m.get("posterior", {})
@@ -370,15 +271,8 @@ def format_notes(report: dict) -> str:
     return "\n".join(lines)
 
 
-def format_shift(report: dict) -> str:
-    """ECE under rotation per method and angle, as a text table.
-
-    Args:
-        report: From :func:`run`.
-
-    Returns:
-        The table.
-    """
+def _format_shift(report: dict) -> str:
+    """ECE under rotation per method and angle (or nothing, where no method ran)."""
     methods = {n: m for n, m in report["methods"].items() if "shift" in m}
     if not methods:
         return ""
@@ -387,3 +281,19 @@ def format_shift(report: dict) -> str:
     rows = [header] + [f"{n:<24}" + "".join(f"{m['shift'][a]['ece']:>9.4f}" for a in angles)
                        for n, m in methods.items()]
     return "\n".join(rows)
+
+
+def format_report(report: dict) -> str:
+    """The report as the command prints it: methods, how to read them, ECE under rotation.
+
+    With ``full_all``, the default row's deviations from it follow.
+
+    Args:
+        report: From :func:`run` (``"methods"`` is all it needs).
+
+    Returns:
+        The text.
+    """
+    faithful = _format_faithfulness(report)
+    return "\n".join([_format_table(report), _format_notes(report), "", _format_shift(report)]
+                     + (["", faithful] if faithful else []))

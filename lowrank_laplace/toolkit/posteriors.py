@@ -1,51 +1,40 @@
-"""The studies' Laplace posteriors: fitting, prior tuning, prediction and a summary.
+"""The studies' Laplace posteriors: fitted, prior tuned, predicting (GLM, probit).
 
-Shared by :mod:`~lowrank_laplace.toolkit.calibration` and
-:mod:`~lowrank_laplace.toolkit.rank_study`: the methods of
-:data:`~lowrank_laplace.toolkit.options.LAPLACE_METHODS` are fitted with laplace-torch's
-``Laplace(...)`` (``lowrank_ggn`` registered by this library), their scalar prior
-precision is tuned, and they predict with the GLM predictive (probit).
+Each method of :data:`~lowrank_laplace.toolkit.options.LAPLACE_METHODS` is a
+laplace-torch ``Laplace(...)``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from lowrank_laplace.toolkit.options import (
-    LAPLACE_METHODS,
-    SHARED_RESIDUALS,
-    SMALL_ONLY,
-    CalibrationConfig,
-    fits,
-)
+from lowrank_laplace.toolkit import datasets, metrics
+from lowrank_laplace.toolkit.options import LAPLACE_METHODS, SHARED_RESIDUALS, SMALL_ONLY, fits
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
+
+    from lowrank_laplace.toolkit.options import CalibrationConfig
 
 
 def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
                 loaders: Dict[str, DataLoader], fitted: dict,
                 prior: Optional[Tensor] = None) -> Any:
-    """Fit a method's posterior (or reuse a fit) and tune its prior precision.
-
-    Residual models other than ``diagonal`` share one fit: a posterior found in
-    ``fitted`` under the same (subset, structure) only switches its residual model.
+    """Fit a method's posterior, or switch the residual model of a shared fit, and tune it.
 
     Args:
         name: A key of :data:`~lowrank_laplace.toolkit.options.LAPLACE_METHODS`.
         model: The trained network.
         config: The options (rank, Monte-Carlo samples, solver, prior tuning, dataset).
-        loaders: ``{"train", "val", ...}`` data loaders; the fit uses ``train``,
-            grid search ``val``.
-        fitted: Fits made so far, updated in place (pass the same dict to share fits).
-        prior: A prior precision to keep instead of tuning one (e.g. the layerwise
-            priors ``marglik_training`` learned).
+        loaders: Fit on ``loaders["train"]``, grid search on ``loaders["val"]``.
+        fitted: Fits so far, updated (all residual models but ``diagonal`` share one).
+        prior: A prior precision to keep instead of tuning (e.g. learned layerwise).
 
     Returns:
-        The laplace-torch posterior, its prior precision tuned (or ``prior``).
+        The laplace-torch posterior.
 
     Raises:
         ValueError: For a dense posterior on a data set too large for it.
@@ -60,45 +49,27 @@ def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
                          f"{' or '.join(SMALL_ONLY[name])}")
     residual = options.get("residual", "spectral")
     key = (subset, structure, residual if residual not in SHARED_RESIDUALS else "shared")
-    if key in fitted:
-        la = fitted[key]
-        la.residual = residual
-        tune_prior(la, config, loaders, prior)
-        return la
-    if structure == "lowrank_ggn":
-        kwargs = dict(rank=config.rank, mc_samples=config.mc_samples, solver=config.solver,
-                      **options)
-        if residual in SHARED_RESIDUALS:  # the spectral fit also measures its weighting
-            kwargs["residual"] = "spectral"
-    else:
-        # laplace-torch's default (curvlinops) GLM predictive computes Jacobians with
-        # torch.func; its BackPACK backend is much faster for these small CNNs
-        from laplace.curvature import BackPackGGN
+    if key not in fitted:
+        if structure == "lowrank_ggn":  # a shared fit is spectral: it measures its weighting
+            kwargs = dict(rank=config.rank, mc_samples=config.mc_samples, solver=config.solver,
+                          **options) | ({"residual": "spectral"} if key[2] == "shared" else {})
+        else:  # laplace-torch's BackPACK backend: far faster GLM Jacobians for these CNNs
+            from laplace.curvature import BackPackGGN
 
-        kwargs = dict(backend=BackPackGGN, **options)
-    la = Laplace(model, "classification", subset_of_weights=subset, hessian_structure=structure,
-                 **kwargs)
-    la.fit(loaders["train"])
+            kwargs = dict(backend=BackPackGGN, **options)
+        fitted[key] = Laplace(model, "classification", subset_of_weights=subset,
+                              hessian_structure=structure, **kwargs)
+        fitted[key].fit(loaders["train"])
+    la = fitted[key]
     if structure == "lowrank_ggn":
         la.residual = residual
-    fitted[key] = la
-    tune_prior(la, config, loaders, prior)
+    _tune_prior(la, config, loaders, prior)
     return la
 
 
-def tune_prior(la: Any, config: CalibrationConfig, loaders: Dict[str, DataLoader],
-               prior: Optional[Tensor] = None) -> None:
-    """Tune a scalar prior precision by marglik or by grid search on the validation split.
-
-    Both start afresh (marglik from 1, the grid from its own values), so a shared fit
-    tuned for an earlier residual model does not bias the next.
-
-    Args:
-        la: A fitted laplace-torch posterior; its ``prior_precision`` is set.
-        config: The options (``prior``: ``'marglik'`` or ``'gridsearch'``).
-        loaders: Data loaders; grid search scores on ``loaders["val"]``.
-        prior: A prior precision to set instead of tuning (``None``: tune).
-    """
+def _tune_prior(la: Any, config: CalibrationConfig, loaders: Dict[str, DataLoader],
+                prior: Optional[Tensor]) -> None:
+    """Set ``prior``, or tune a scalar prior afresh (marglik, or grid search on ``val``)."""
     if prior is not None:
         la.prior_precision = prior.clone()
     elif config.prior == "marglik" and type(la).__name__ == "FullLaplace":
@@ -113,11 +84,10 @@ def tune_prior(la: Any, config: CalibrationConfig, loaders: Dict[str, DataLoader
 def marglik_prior_full(la: Any, n_steps: int = 100, lr: float = 0.1) -> float:
     r"""laplace-torch's marglik prior tuning of a ``FullLaplace``, from one eigendecomposition.
 
-    ``FullLaplace.optimize_prior_precision`` factors the ``D x D`` precision at every
-    Adam step (slow for a few thousand weights on a CPU). With the eigenvalues
-    :math:`\lambda` of ``H`` the objective is
-    :math:`\tfrac12 (\sum \log(h\lambda_i + \delta) - D \log\delta + \delta \|\theta - \mu_0\|^2)`,
-    minimised here by the same Adam steps on :math:`\log\delta` (from ``delta = 1``).
+    Instead of a ``D x D`` factorisation per Adam step, the same Adam steps on
+    :math:`\log\delta` (from ``delta = 1``) minimise, with the eigenvalues :math:`\lambda`
+    of ``H``, :math:`\tfrac12 (\sum \log(h\lambda_i + \delta) - D \log\delta + \delta
+    \|\theta - \mu_0\|^2)`.
 
     Args:
         la: A fitted ``FullLaplace`` (scalar prior).
@@ -127,8 +97,7 @@ def marglik_prior_full(la: Any, n_steps: int = 100, lr: float = 0.1) -> float:
     Returns:
         The tuned scalar prior precision.
     """
-    # the factor h of the GGN in the posterior precision (laplace-torch's own formula)
-    h_factor = 1 / la.sigma_noise.square() / la.temperature
+    h_factor = 1 / la.sigma_noise.square() / la.temperature  # laplace-torch's own formula
     lam = torch.linalg.eigvalsh(la.H.double()).clamp(min=0) * float(h_factor)
     scatter = float(((la.mean - la.prior_mean).double() ** 2).sum())
     log_delta = torch.zeros((), dtype=torch.float64, requires_grad=True)
@@ -146,12 +115,11 @@ def posterior_info(la: Optional[object]) -> dict:
     """Tuned prior precision and, for ``lowrank_ggn``, rank, kept trace and residual model.
 
     Args:
-        la: A fitted posterior, or ``None`` (the MAP network).
+        la: A fitted posterior, or ``None`` (the MAP network: ``{}``).
 
     Returns:
-        ``{"prior_precision"}`` (the mean; a layerwise or per-parameter prior also
-        ``"prior_precisions"``, all of them), plus ``"rank"``, ``"kept_fraction"`` and
-        ``"residual"`` for ``lowrank_ggn``; empty for ``None``.
+        ``{"prior_precision"}`` (the mean; a layerwise one also ``"prior_precisions"``)
+        and, for ``lowrank_ggn``, ``"rank"``, ``"kept_fraction"`` and ``"residual"``.
     """
     if la is None:
         return {}
@@ -197,3 +165,27 @@ def predict_batched(predict: Callable[[Tensor], Tensor], X: Tensor, batch_size: 
     with torch.no_grad():
         out = [predict(chunk.to(device)).detach().cpu() for chunk in torch.split(X, batch_size)]
     return torch.cat(out)
+
+
+def rotation_scores(predict: Callable[[Tensor], Tensor], test: Tuple[Tensor, Tensor],
+                    config: CalibrationConfig, device: torch.device,
+                    keys: Sequence[str]) -> dict:
+    """Metrics of a predictor on the test images rotated by each of ``config.angles``.
+
+    Args:
+        predict: Inputs -> class probabilities.
+        test: The test images and labels.
+        config: The options (angles, batch size).
+        device: Where the network lives.
+        keys: Which :func:`~lowrank_laplace.toolkit.metrics.classification_metrics` to keep.
+
+    Returns:
+        ``{"<angle>": {key: value}}``.
+    """
+    out = {}
+    for angle in config.angles:
+        probs = predict_batched(predict, datasets.rotate(test[0], angle), config.batch_size,
+                                device)
+        scores = metrics.classification_metrics(probs, test[1])
+        out[f"{angle:g}"] = {k: scores[k] for k in keys}
+    return out

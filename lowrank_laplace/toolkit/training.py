@@ -1,9 +1,4 @@
-"""The studies' network: the small CNN of a data set, trained under its prior or loaded.
-
-Shared by :mod:`~lowrank_laplace.toolkit.calibration` and
-:mod:`~lowrank_laplace.toolkit.rank_study`, so both score posteriors of the same MAP
-network for the same options.
-"""
+"""The studies' network: the small CNN of a data set, trained under its prior or loaded."""
 
 from __future__ import annotations
 
@@ -14,8 +9,10 @@ import torch
 from torch import nn
 
 from lowrank_laplace.toolkit import datasets
-from lowrank_laplace.toolkit.options import CalibrationConfig, UserError
-from lowrank_laplace.utils.threads import idle_cores
+from lowrank_laplace.toolkit.options import CalibrationConfig
+
+#: The Adam learning rate of both trainings.
+LEARNING_RATE = 2e-3
 
 
 def make_cnn(dataset: str) -> nn.Module:
@@ -42,48 +39,39 @@ def make_cnn(dataset: str) -> nn.Module:
 
 def train_or_load(config: CalibrationConfig, split: datasets.Split, device: torch.device,
                   log: Callable[[str], None]) -> nn.Module:
-    """The data set's CNN, loaded from ``config.checkpoint`` or trained (MAP under the prior).
+    """The data set's CNN, loaded from ``config.checkpoint`` or trained and saved if asked.
 
     Training minimises the mean cross-entropy plus ``weight_decay / (2 N) ||theta||^2``
-    with Adam for ``config.epochs`` epochs on the seeded training loader, and saves
-    the ``state_dict`` to ``config.save_checkpoint`` if given.
+    with Adam: the MAP under the Gaussian prior the Laplace methods assume.
 
     Args:
         config: The options (dataset, checkpoints, epochs, batch size, weight decay, seed).
         split: The data; its training part is used.
         device: Where the network lives.
-        log: Receives one progress line per epoch (or one for the loaded checkpoint).
+        log: Receives a line per epoch (or one for the loaded checkpoint).
 
     Returns:
         The network in eval mode.
-
-    Raises:
-        UserError: If the checkpoint does not fit the data set's CNN.
     """
     model = make_cnn(config.dataset).to(device)
-    if config.checkpoint is not None:
-        state = torch.load(config.checkpoint, map_location=device, weights_only=True)
-        try:
-            model.load_state_dict(state)
-        except (RuntimeError, KeyError, TypeError) as err:
-            raise UserError(f"checkpoint {config.checkpoint!r} does not fit the "
-                            f"{config.dataset} CNN (another architecture?)") from err
+    if config.checkpoint is not None:  # options.check_checkpoint made sure it fits
+        model.load_state_dict(torch.load(config.checkpoint, map_location=device,
+                                         weights_only=True))
         log(f"loaded the {config.dataset} CNN from {config.checkpoint}")
         return model.eval()
-    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    opt = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
     loss_func = nn.CrossEntropyLoss()
     loader = split.loaders(config.batch_size, config.seed)["train"]
-    decay = config.weight_decay / (2 * len(split.train[1]))  # Gaussian prior, mean loss
+    decay = config.weight_decay / (2 * len(split.train[1]))
     for epoch in range(config.epochs):
         start, total, count = time.perf_counter(), 0.0, 0
-        with idle_cores(device):  # each epoch on the cores idle when it starts
-            for X, y in loader:
-                opt.zero_grad()
-                loss = loss_func(model(X.to(device)), y.to(device))
-                penalty = decay * sum((p**2).sum() for p in model.parameters())
-                (loss + penalty).backward()
-                opt.step()
-                total, count = total + float(loss.detach()) * len(y), count + len(y)
+        for X, y in loader:
+            opt.zero_grad()
+            loss = loss_func(model(X.to(device)), y.to(device))
+            penalty = decay * sum((p**2).sum() for p in model.parameters())
+            (loss + penalty).backward()
+            opt.step()
+            total, count = total + float(loss.detach()) * len(y), count + len(y)
         log(f"training epoch {epoch + 1}/{config.epochs}: loss {total / max(count, 1):.4f} "
             f"({time.perf_counter() - start:.1f} s)")
     if config.save_checkpoint is not None:
@@ -95,12 +83,8 @@ def marglik_train(config: CalibrationConfig, split: datasets.Split, device: torc
                   structure: str, log: Callable[[str], None]) -> Any:
     """Train a fresh CNN with laplace-torch's ``marglik_training`` and return its posterior.
 
-    Weights and layerwise prior precisions are learned together (Immer et al. 2021):
-    each epoch trains the network under the current priors, fits the posterior
-    (``hessian_structure=structure``) and takes laplace-torch's 10 marginal-likelihood
-    steps on the priors. Adam with the MAP training's learning rate, ``config.epochs``
-    epochs from laplace-torch's initial prior precision 1, the seeded training loader
-    and initialisation.
+    Weights and layerwise prior precisions are learned together (Immer et al. 2021), with
+    Adam as in :func:`train_or_load`.
 
     Args:
         config: The options (dataset, epochs, batch size, seed).
@@ -122,8 +106,8 @@ def marglik_train(config: CalibrationConfig, split: datasets.Split, device: torc
     start = time.perf_counter()
     la, model, margliks, _ = marglik_training(
         model, loader, likelihood="classification", hessian_structure=structure,
-        prior_structure="layerwise", n_epochs=config.epochs, optimizer_kwargs={"lr": 2e-3},
-    )
+        prior_structure="layerwise", n_epochs=config.epochs,
+        optimizer_kwargs={"lr": LEARNING_RATE})
     model.eval()
     log(f"marglik training ({structure}, {config.epochs} epoch{'s' * (config.epochs != 1)}): "
         f"{time.perf_counter() - start:.1f} s, log marglik {-margliks[-1]:.1f}")

@@ -1,8 +1,4 @@
-"""Batches and devices: sizes and slices of tensor or dict batches, free memory.
-
-A batch is a tensor of ``N`` samples or a dict (laplace-torch's Hugging Face batches)
-whose tensors with ``N`` rows are split per sample.
-"""
+"""Tensor or dict batches (a dict's tensors with ``N`` rows are per sample), and memory."""
 
 from __future__ import annotations
 
@@ -16,14 +12,10 @@ from torch import Tensor
 
 
 def batch_size(inputs: Any) -> int:
-    """Number of samples of a tensor or dict batch.
+    """Return the number of samples ``N`` of a tensor or dict batch (its first batched tensor).
 
     Args:
-        inputs: A tensor ``(N, ...)`` or a dict batch (its first tensor with a
-            batch axis gives ``N``).
-
-    Returns:
-        ``N``.
+        inputs: A tensor or dict batch.
     """
     if isinstance(inputs, Tensor):
         return inputs.shape[0] if inputs.ndim else 0
@@ -32,16 +24,12 @@ def batch_size(inputs: Any) -> int:
 
 
 def take(inputs: Any, index: Any, n: Optional[int] = None) -> Any:
-    """Select samples of a tensor or dict batch.
+    """Return the samples ``index`` of a tensor or dict batch, of the type of ``inputs``.
 
     Args:
-        inputs: A tensor ``(N, ...)`` or a dict batch.
-        index: A slice or index tensor/list along the batch axis.
-        n: The batch size (entries of a dict with another leading size are kept
-            whole); ``None`` uses :func:`batch_size`.
-
-    Returns:
-        The selected samples, of the same type as ``inputs``.
+        inputs: A tensor or dict batch.
+        index: A slice or indices along the batch axis.
+        n: The batch size (dict entries of another leading size stay whole); ``None``: found.
     """
     if isinstance(inputs, Tensor):
         return inputs[index]
@@ -64,9 +52,8 @@ def available_memory(device: torch.device) -> int:
         device: The device.
 
     Returns:
-        CUDA: the driver's free memory; CPU: ``MemAvailable`` of ``/proc/meminfo``
-        (free plus reclaimable page cache), or the free physical pages where that
-        file does not exist.
+        CUDA: the driver's free memory; CPU: ``MemAvailable`` of ``/proc/meminfo``,
+        else the free physical pages.
     """
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -84,13 +71,13 @@ def parse_memory(budget: Any) -> Any:
     """Turn a memory size with a unit (``"1GB"``, ``"512 MiB"``) into bytes.
 
     Args:
-        budget: A string with a unit, or anything else (returned unchanged).
+        budget: A string with a unit, or bytes, a fraction or ``None`` (returned as is).
 
     Returns:
         Bytes as ``int`` for a string, else ``budget``.
 
     Raises:
-        ValueError: For a string that is not a number with a unit.
+        ValueError: For anything else, or a string that is not a number with a unit.
     """
     if not isinstance(budget, str):
         if budget is not None and (isinstance(budget, bool)
@@ -102,8 +89,7 @@ def parse_memory(budget: Any) -> Any:
             raise ValueError(
                 f"memory_budget={budget!r} is not a size: a float is a fraction of free "
                 "memory in (0, 1] (or a whole number of bytes); pass bytes as an int or "
-                "a string such as '2GiB'."
-            )
+                "a string such as '2GiB'.")
         return budget
     text = budget.strip().lower().replace(" ", "")
     number = text.rstrip("kmgtib")
@@ -113,19 +99,15 @@ def parse_memory(budget: Any) -> Any:
     except (KeyError, ValueError):
         raise ValueError(
             f"memory_budget {budget!r} is not a size: use bytes (int), a fraction of "
-            "free memory (float in (0, 1]) or a string such as '512MB' or '2GiB'."
-        ) from None
+            "free memory (float in (0, 1]) or a string such as '512MB' or '2GiB'.") from None
 
 
 def to_device(inputs: Any, device: torch.device) -> Any:
-    """Move a tensor or the tensors of a dict batch to a device.
+    """Return a tensor or dict batch with its tensors moved to ``device``.
 
     Args:
-        inputs: A tensor or a dict batch.
+        inputs: A tensor or dict batch.
         device: The target device.
-
-    Returns:
-        The moved batch, of the same type.
     """
     if isinstance(inputs, Tensor):
         return inputs.to(device)

@@ -21,7 +21,7 @@ def check_batchnorm_mode(model: nn.Module, allow_train: bool) -> None:
 
     Args:
         model: The network.
-        allow_train: The engine evaluates in eval mode (laplace-torch's fits).
+        allow_train: The passes run in eval mode (laplace-torch's fits).
 
     Raises:
         ValueError: For a BatchNorm layer in training mode.
@@ -33,18 +33,14 @@ def check_batchnorm_mode(model: nn.Module, allow_train: bool) -> None:
             raise ValueError(
                 f"Layer {name or type(model).__name__!r} ({type(module).__name__}) is in "
                 "training mode, which couples the samples of a batch: call model.eval() "
-                "first."
-            )
+                "first.")
 
 
 def shared_parameters(model: nn.Module) -> List[List[str]]:
-    """Names under which each parameter used by several modules is registered.
+    """Return the names of each parameter used by several modules, one list per parameter.
 
     Args:
         model: The network.
-
-    Returns:
-        One list of names per shared (tied) parameter.
     """
     owners: Dict[int, List[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
@@ -53,49 +49,67 @@ def shared_parameters(model: nn.Module) -> List[List[str]]:
     return [names for names in owners.values() if len(names) > 1]
 
 
+def check_model_runs(model: nn.Module) -> None:
+    """Refuse models the engine cannot run.
+
+    Args:
+        model: The network.
+
+    Raises:
+        TypeError: For a TorchScript module in the model.
+        ValueError: For parameters or buffers on the meta device.
+    """
+    scripted = [name or type(model).__name__ for name, m in model.named_modules()
+                if isinstance(m, torch.jit.ScriptModule)]
+    if scripted:
+        raise TypeError(
+            f"{scripted[0]!r} is a TorchScript module (torch.jit.script / trace): the "
+            "engine needs module hooks and torch.func, which TorchScript modules do not "
+            "take; pass the nn.Module it was compiled from.")
+    meta = [name for name, t in (*model.named_parameters(), *model.named_buffers())
+            if t.is_meta]
+    if meta:
+        raise ValueError(
+            f"The model's parameters are on the meta device ({', '.join(meta[:3])}"
+            f"{', ...' if len(meta) > 3 else ''}), which holds shapes but no values: "
+            "materialise them first (model.to_empty(device=...) and load_state_dict).")
+
+
 def check_loss_func(loss_func: nn.Module) -> None:
     """Check that the loss is supported and uses mean or sum reduction.
 
     Args:
-        loss_func: The loss function module.
+        loss_func: The loss module.
 
     Raises:
         TypeError: If the loss is not ``CrossEntropyLoss`` or ``MSELoss``.
-        ValueError: If the reduction is not ``'mean'`` or ``'sum'``, or the
-            cross-entropy loss uses class weights or label smoothing.
+        ValueError: For another reduction, class weights or label smoothing.
     """
     if not isinstance(loss_func, SUPPORTED_LOSSES):
         raise TypeError(
             f"Unsupported loss {type(loss_func).__name__}: use nn.CrossEntropyLoss "
-            "(classification) or nn.MSELoss (regression)."
-        )
+            "(classification) or nn.MSELoss (regression).")
     if loss_func.reduction not in ("mean", "sum"):
         raise ValueError(
             f"Loss reduction {loss_func.reduction!r} is not supported: the GGN needs "
-            "reduction='mean' or reduction='sum'."
-        )
+            "reduction='mean' or reduction='sum'.")
     if isinstance(loss_func, nn.CrossEntropyLoss):
         if loss_func.weight is not None or loss_func.label_smoothing != 0.0:
             raise ValueError(
                 "CrossEntropyLoss with class weights or label smoothing is not "
-                "supported: create it as nn.CrossEntropyLoss(reduction=...)."
-            )
+                "supported: create it as nn.CrossEntropyLoss(reduction=...).")
 
 
 def check_batch(inputs: Any, targets: Optional[Tensor]) -> int:
-    """Check a mini-batch and return its size.
+    """Check a mini-batch and return its size ``N``.
 
     Args:
-        inputs: Inputs, shape ``(N, ...)``, or a dict batch (``MutableMapping``)
-            passed whole to the model.
-        targets: Targets, shape ``(N, ...)``, or ``None`` (MSE without targets).
-
-    Returns:
-        The batch size ``N``.
+        inputs: Inputs ``(N, ...)``, or a dict batch passed whole to the model.
+        targets: Targets ``(N, ...)``, or ``None`` (MSE).
 
     Raises:
         TypeError: If inputs or targets are not tensors.
-        ValueError: If the batch is empty or the batch sizes differ.
+        ValueError: For an empty batch, meta tensors, or differing batch sizes.
     """
     if isinstance(inputs, MutableMapping):
         if targets is None and not any(isinstance(v, Tensor) and v.ndim
@@ -104,12 +118,17 @@ def check_batch(inputs: Any, targets: Optional[Tensor]) -> int:
     elif not isinstance(inputs, Tensor):
         raise TypeError(
             "inputs must be a torch.Tensor or a dict batch (MutableMapping), got "
-            f"{type(inputs).__name__}."
-        )
+            f"{type(inputs).__name__}.")
     elif inputs.ndim == 0 or inputs.shape[0] == 0:
         raise ValueError("Empty batch: inputs must have shape (N, ...) with N >= 1.")
     if targets is not None and not isinstance(targets, Tensor):
         raise TypeError("targets must be a torch.Tensor.")
+    tensors = [inputs] if isinstance(inputs, Tensor) else list(inputs.values())
+    for what, values in (("inputs", tensors), ("targets", [targets])):
+        if any(isinstance(t, Tensor) and t.is_meta for t in values):
+            raise ValueError(
+                f"The {what} are on the meta device, which holds shapes but no values: "
+                "move the batch to a device with data (e.g. .to('cpu')).")
     n = batch_size(inputs) if targets is None else (targets.shape[0] if targets.ndim else 0)
     if n == 0:
         raise ValueError("Empty batch: the batch must hold at least one sample.")
@@ -117,18 +136,14 @@ def check_batch(inputs: Any, targets: Optional[Tensor]) -> int:
             targets.ndim == 0 or targets.shape[0] != inputs.shape[0])):
         raise ValueError(
             f"inputs have {inputs.shape[0]} samples but targets have shape "
-            f"{tuple(targets.shape)}: the first dimensions must match."
-        )
+            f"{tuple(targets.shape)}: the first dimensions must match.")
     if isinstance(inputs, MutableMapping):
         check_padding(inputs)
     return n
 
 
 def check_padding(batch: MutableMapping) -> None:
-    """Refuse sequences that are padding only (an ``attention_mask`` row of zeros).
-
-    A transformer pools or attends over no token for them: its output is undefined
-    (NaN or an arbitrary position), and so would the curvature be.
+    """Refuse sequences that are padding only: a transformer's output on them is undefined.
 
     Args:
         batch: A dict batch.
@@ -143,8 +158,7 @@ def check_padding(batch: MutableMapping) -> None:
     if empty:
         raise ValueError(
             f"Samples {empty[:10]} of the batch are padding only (attention_mask all "
-            "zero): drop them from the data before fitting or predicting."
-        )
+            "zero): drop them from the data before fitting or predicting.")
 
 
 def check_outputs(outputs: Any) -> None:
@@ -154,7 +168,7 @@ def check_outputs(outputs: Any) -> None:
         outputs: The model output.
 
     Raises:
-        ValueError: Otherwise, with the way out.
+        ValueError: Otherwise.
     """
     if not isinstance(outputs, Tensor) or outputs.ndim != 2:
         shape = tuple(outputs.shape) if isinstance(outputs, Tensor) else type(outputs).__name__
@@ -164,16 +178,15 @@ def check_outputs(outputs: Any) -> None:
                     "forward returns model(**batch).logits, as laplace-torch's example does)")
         raise ValueError(
             f"The model output must have shape (N, C) (a tensor), got {shape}{hint}; add "
-            "an nn.Flatten layer, or wrap the model so that it returns the logits."
-        )
+            "an nn.Flatten layer, or wrap the model so that it returns the logits.")
 
 
 def check_targets(loss_func: nn.Module, outputs: Tensor, targets: Tensor) -> None:
     """Check that targets match the loss and the model outputs.
 
     Args:
-        loss_func: The loss function.
-        outputs: Model outputs, shape ``(N, C)``.
+        loss_func: The loss module.
+        outputs: Model outputs ``(N, C)``.
         targets: Targets.
 
     Raises:
@@ -182,44 +195,36 @@ def check_targets(loss_func: nn.Module, outputs: Tensor, targets: Tensor) -> Non
     if outputs.ndim != 2:
         raise ValueError(
             f"The model output must have shape (N, C), got {tuple(outputs.shape)}; "
-            "add an nn.Flatten layer."
-        )
+            "add an nn.Flatten layer.")
     if isinstance(loss_func, nn.CrossEntropyLoss):
         if targets.dtype != torch.long or targets.shape != outputs.shape[:1]:
             raise ValueError(
                 "CrossEntropyLoss needs class-index targets of dtype torch.long and "
                 f"shape (N,) = {tuple(outputs.shape[:1])}, got dtype {targets.dtype} "
-                f"and shape {tuple(targets.shape)}."
-            )
+                f"and shape {tuple(targets.shape)}.")
         ignore = loss_func.ignore_index
         if bool((targets == ignore).any()):
             raise ValueError(
                 f"targets contain ignore_index={ignore}: the loss skips those samples, "
-                "which the GGN engine does not support; drop them from the batch."
-            )
+                "which the GGN engine does not support; drop them from the batch.")
         if bool(((targets < 0) | (targets >= outputs.shape[1])).any()):  # one device sync
             raise ValueError(
                 f"Class indices must lie in [0, {outputs.shape[1]}), got values in "
-                f"[{int(targets.min())}, {int(targets.max())}]."
-            )
+                f"[{int(targets.min())}, {int(targets.max())}].")
     else:
         if targets.shape != outputs.shape or not targets.is_floating_point():
             raise ValueError(
                 "MSELoss needs floating-point targets of the output's shape "
                 f"{tuple(outputs.shape)}, got dtype {targets.dtype} and shape "
-                f"{tuple(targets.shape)}."
-            )
+                f"{tuple(targets.shape)}.")
 
 
 def check_subsampling(subsampling: Optional[Sequence[int]], n: int) -> Optional[List[int]]:
-    """Validate curvature sub-sampling indices.
+    """Return curvature sub-sampling indices as a list (``None``: all samples).
 
     Args:
-        subsampling: Indices into the batch, or ``None`` for all samples.
+        subsampling: Indices into the batch, or ``None``.
         n: Batch size.
-
-    Returns:
-        The indices as a list, or ``None``.
 
     Raises:
         ValueError: For an empty list, indices out of range or duplicates.
@@ -236,50 +241,38 @@ def check_subsampling(subsampling: Optional[Sequence[int]], n: int) -> Optional[
     if min(indices) < 0 or max(indices) >= n:
         raise ValueError(
             f"subsampling indices must lie in [0, {n}) for a batch of {n} samples, "
-            f"got values in [{min(indices)}, {max(indices)}]."
-        )
+            f"got values in [{min(indices)}, {max(indices)}].")
     if len(set(indices)) != len(indices):
         raise ValueError("subsampling contains duplicate indices.")
     return indices
 
 
 def check_mc_samples(mc_samples: int) -> int:
-    """Validate the number of Monte-Carlo samples.
+    """Return the number of Monte-Carlo samples as ``int``, checked.
 
     Args:
-        mc_samples: ``0`` for the exact GGN, ``M >= 1`` for the MC approximation.
-
-    Returns:
-        The number as ``int``.
+        mc_samples: ``0`` (exact GGN) or ``M >= 1``.
 
     Raises:
         ValueError: If negative or not an integer.
     """
     if isinstance(mc_samples, bool) or int(mc_samples) != mc_samples or mc_samples < 0:
         raise ValueError(
-            f"mc_samples must be 0 (exact GGN) or a positive integer, got {mc_samples!r}."
-        )
+            f"mc_samples must be 0 (exact GGN) or a positive integer, got {mc_samples!r}.")
     return int(mc_samples)
 
 
 def resolve_param_groups(
     model: nn.Module, param_groups: Optional[List[Dict[str, Any]]]
 ) -> List[List[int]]:
-    """Turn optimizer-style parameter groups into lists of parameter indices.
-
-    Indices refer to ``list(model.parameters())``.
+    """Return optimizer-style groups as indices into ``list(model.parameters())``, per group.
 
     Args:
         model: The network.
-        param_groups: ``None`` (one group of all parameters with
-            ``requires_grad=True``) or a list of dicts with key ``"params"``.
-
-    Returns:
-        One list of parameter indices per group.
+        param_groups: Dicts with key ``"params"``; ``None``: one of the trainable ones.
 
     Raises:
-        ValueError: For empty groups, foreign parameters, or a parameter in
-            several groups.
+        ValueError: For empty groups, foreign parameters, or a parameter in several.
     """
     params = list(model.parameters())
     position = {id(p): i for i, p in enumerate(params)}
@@ -287,8 +280,7 @@ def resolve_param_groups(
         raise ValueError("param_groups must be a list of dicts with key 'params'.")
     if param_groups is not None and len(param_groups) == 0:
         raise ValueError(
-            "param_groups is empty: pass None for one group of all trainable parameters."
-        )
+            "param_groups is empty: pass None for one group of all trainable parameters.")
     if param_groups is None:
         group = [i for i, p in enumerate(params) if p.requires_grad]
         if not group:
@@ -298,8 +290,7 @@ def resolve_param_groups(
     for g, group in enumerate(param_groups):
         if not isinstance(group, dict) or "params" not in group:
             raise ValueError(
-                f"param_groups[{g}] must be a dict with key 'params' (optimizer style)."
-            )
+                f"param_groups[{g}] must be a dict with key 'params' (optimizer style).")
         members = list(group["params"])
         if not members:
             raise ValueError(f"param_groups[{g}] has no parameters.")
@@ -316,14 +307,10 @@ def resolve_param_groups(
 
 
 def layerwise_param_groups(model: nn.Module) -> List[Dict[str, Any]]:
-    """One parameter group per layer (module owning trainable parameters).
+    """Return a group ``{"params": [...], "name": name}`` per module owning trainable parameters.
 
     Args:
         model: The network.
-
-    Returns:
-        Optimizer-style groups ``[{"params": [...], "name": layer_name}, ...]`` for a
-        per-layer block-diagonal GGN.
     """
     groups = []
     for name, module in model.named_modules():
@@ -334,10 +321,10 @@ def layerwise_param_groups(model: nn.Module) -> List[Dict[str, Any]]:
 
 
 def check_finite(loss: Tensor) -> None:
-    """Raise if the loss is NaN or infinite.
+    """Refuse a NaN or infinite loss.
 
     Args:
-        loss: Scalar loss.
+        loss: The loss.
 
     Raises:
         ValueError: If the loss is not finite.
@@ -345,19 +332,18 @@ def check_finite(loss: Tensor) -> None:
     if not torch.isfinite(loss).all():
         raise ValueError(
             f"The loss is not finite ({loss.item()}): check inputs, targets and "
-            "parameters for NaN/inf."
-        )
+            "parameters for NaN/inf.")
 
 
 def check_damping(damping: Any, positive: bool = False) -> None:
-    """Refuse a NaN, infinite or negative (``positive``: non-positive) damping.
+    """Refuse a damping that is not a finite non-negative number.
 
     Args:
         damping: The value given.
         positive: Also refuse zero.
 
     Raises:
-        ValueError: For a value outside the admissible range, or not a number.
+        ValueError: Otherwise.
     """
     try:
         value = math.nan if isinstance(damping, (str, bytes)) else float(damping)
@@ -370,11 +356,7 @@ def check_damping(damping: Any, positive: bool = False) -> None:
 
 
 class Choice(str, Enum):
-    """A named choice among fixed strings; compares equal to its value.
-
-    ``repr`` and ``str`` give the value, so messages read as they would with the
-    plain string.
-    """
+    """A named choice among fixed strings; equal to, printed and repr'd as its value."""
 
     def __str__(self) -> str:
         return self.value
@@ -384,14 +366,11 @@ class Choice(str, Enum):
 
     @classmethod
     def parse(cls, value: Any, name: str) -> "Choice":
-        """The member for ``value``.
+        """Return the member for ``value`` (a member or its string).
 
         Args:
-            value: A member or its string.
+            value: The value given.
             name: The argument's name, for the message.
-
-        Returns:
-            The member.
 
         Raises:
             ValueError: For any other value.

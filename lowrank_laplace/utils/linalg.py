@@ -2,85 +2,23 @@
 
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
-from typing import Iterator, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 
-@contextmanager
-def cpu_threads(num: Optional[int]) -> Iterator[None]:
-    """Run a block with ``num`` PyTorch CPU threads, restoring the setting afterwards.
-
-    Args:
-        num: Threads for the block; ``None`` or more than the current setting leaves
-            it unchanged.
-    """
-    threads = torch.get_num_threads()
-    if num is None or num >= threads:
-        yield
-        return
-    torch.set_num_threads(num)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-#: From this many rows a CPU eigendecomposition runs on the cores idle at the call;
-#: smaller ones on one thread (docs/benchmarks/design_measurements.md).
-EIGH_PARALLEL_ROWS = 256
-
-
-def eigh(mat: Tensor) -> Tuple[Tensor, Tensor]:
-    """``torch.linalg.eigh`` on as many CPU threads as cores are idle.
-
-    Beside a busy process MKL's multi-threaded symmetric eigensolver was measured far
-    slower than its single-threaded one for the matrices met here (a few hundred to a
-    few thousand rows), while on idle cores a second thread helps from about 200 rows.
-    So the CPU path runs on the cores idle at the call
-    (:func:`~lowrank_laplace.utils.threads.idle_core_threads`; one thread where the
-    load is unknown) from :data:`EIGH_PARALLEL_ROWS` rows, on one thread below, and
-    restores the setting afterwards. Under ``OMP_WAIT_POLICY=PASSIVE`` it stays on one
-    thread: the solver's many short parallel regions each wake sleeping threads, which
-    made a fit slower (docs/benchmarks/design_measurements.md).
-
-    Args:
-        mat: Symmetric matrix, shape ``(n, n)``.
-
-    Returns:
-        Ascending eigenvalues ``(n,)`` and eigenvectors ``(n, n)``.
-    """
-    if mat.device.type != "cpu":
-        return torch.linalg.eigh(mat)
-    threads: Optional[int] = 1
-    passive = os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
-    if mat.shape[0] >= EIGH_PARALLEL_ROWS and not passive:
-        from lowrank_laplace.utils.threads import idle_core_threads  # imports this module
-
-        threads = idle_core_threads()
-    with cpu_threads(threads):
-        return torch.linalg.eigh(mat)
-
-
 def squared_rows_dot(mat: Tensor, weights: Tensor, entries: int = 2**20) -> Tensor:
-    """``(mat ** 2) @ weights`` over row chunks of about ``entries`` entries.
+    """Return ``(mat ** 2) @ weights`` ``(D,)`` or ``(D, j)``, squaring row chunks in one buffer.
 
-    The squared ``D x k`` copy of a basis is the largest temporary of a fit's end,
-    and faulting in its fresh pages cost more than the arithmetic; one reused chunk
-    does not (docs/benchmarks/design_measurements.md).
-    A GPU takes chunks of ``64 * entries`` (fewer launches); operands that autograd
-    tracks take the plain expression.
+    A fresh squared ``D x k`` copy costs more in page faults than in arithmetic
+    (docs/benchmarks/design_measurements.md). A GPU takes ``64 * entries``; operands
+    autograd tracks take the plain expression.
 
     Args:
         mat: Matrix ``(D, k)``.
-        weights: Vector ``(k,)`` or matrix ``(k, j)`` of ``mat``'s dtype.
+        weights: ``(k,)`` or ``(k, j)``, of ``mat``'s dtype.
         entries: Entries squared at a time on the CPU.
-
-    Returns:
-        Tensor of shape ``(D,)`` or ``(D, j)``.
     """
     if mat.device.type != "cpu":
         entries *= 64
@@ -98,20 +36,12 @@ def squared_rows_dot(mat: Tensor, weights: Tensor, entries: int = 2**20) -> Tens
 
 
 def stored_transposed(mat: Tensor) -> bool:
-    """Whether a ``(d, K)`` matrix has unit stride down its columns.
-
-    That is, whether it is a view of rows of a ``(K, D)`` tensor, as the sketch's test
-    matrix and sketch are.
-    """
+    """Whether a ``(d, K)`` matrix is a view of rows of a ``(K, D)`` tensor."""
     return mat.dim() == 2 and min(mat.shape) > 1 and mat.stride(0) == 1
 
 
 def rotate(basis: Tensor, mat: Tensor, in_place: bool, rows: int = 2**16) -> Tensor:
-    """``basis @ mat`` for a square ``mat``, in place by row chunks (no ``D x k`` copy).
-
-    A basis stored transposed (a view of rows of a ``k x D`` tensor, such as the
-    sketch's) is rotated by column chunks of that tensor, ``mat^T @ chunk``.
-    """
+    """``basis @ mat`` for a square ``mat``, in place by chunks (no ``D x k`` copy)."""
     if not in_place or mat.shape[0] != mat.shape[1]:
         return basis @ mat
     if stored_transposed(basis):
@@ -124,18 +54,12 @@ def rotate(basis: Tensor, mat: Tensor, in_place: bool, rows: int = 2**16) -> Ten
 
 
 def wide_inner(a: Tensor, b: Optional[Tensor] = None, rows: int = 2**18) -> Tensor:
-    """``a^T b`` in float64, over row chunks each cast on its own (no ``D x k`` copy).
-
-    Inner products of float32 bases rounded in float32 carry errors of ``eps`` times
-    the columns' norms, which hide small eigenvalues and a basis's complement.
+    """Return ``a^T b`` ``(k, l)`` in float64, one row chunk cast at a time (see docs/concepts.md).
 
     Args:
         a: Shape ``(D, k)``.
-        b: Shape ``(D, l)`` (``None``: ``a``, and the result is exactly symmetric).
+        b: Shape ``(D, l)``; ``None``: ``a`` (the result is then exactly symmetric).
         rows: Rows per chunk.
-
-    Returns:
-        Shape ``(k, l)``, float64.
     """
     other = a if b is None else b
     out = a.new_zeros(a.shape[1], other.shape[1], dtype=torch.float64)
@@ -147,41 +71,19 @@ def wide_inner(a: Tensor, b: Optional[Tensor] = None, rows: int = 2**18) -> Tens
 
 def top_eigh(mat: Tensor, keep: int, factor_dtype: Optional[torch.dtype] = None,
              formed_in: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
-    """Leading eigenpairs of a symmetric PSD Gram matrix, unresolved ones dropped.
+    """Return the leading eigenpairs of a PSD Gram matrix, in float64, unresolved ones dropped.
 
-    The small eigenproblem is solved in float64 (cheap at this size, and every
-    merge builds the new eigenvectors from its eigenvectors, so their orthogonality
-    matters) and cast back to ``mat``'s dtype. Two roundings bound what it resolves:
-
-    * Its factors ``Z`` (``mat = Z^T Z``) stored in ``factor_dtype`` move an
-      eigenvalue ``mu`` by up to about ``eps_f sqrt(mu tr(mat))``: pairs below
-      ``eps_f^2 tr(mat)`` are dropped (measured on float32 MLPs against float64,
-      eigenvalues above it were within a few percent).
-    * ``mat`` formed in ``formed_in`` is rounded at about ``eps_p lambda_max``. A
-      float64 product of float32 factors thus resolves eigenvalues far below
-      float32's ``eps lambda_max``; pairs below ``10 eps_p lambda_max`` are dropped.
-      A product formed in lower precision (a low-memory pass's float32 Gram matrix)
-      keeps pairs down to ``0.1 eps_p lambda_max``, noisy as they are, as a dense
-      float32 posterior (laplace-torch's ``FullLaplace``) keeps its whole noisy
-      spectrum: dropping them leaves those directions the prior variance alone, which
-      changed predictive variances at a prior precision of 0.01 by tens of percent,
-      while keeping them stayed within ``FullLaplace``'s own float32 error (a merge
-      that forms its eigenvectors ``Z q / sqrt(mu)`` in float32 cannot go lower: they
-      lose orthogonality by about ``eps_f sqrt(lambda_max / mu)``).
+    Pairs below ``eps_f^2 tr(mat)`` (the factors' rounding) or ``10 eps_p lambda_max``
+    (the product's; ``0.1 eps_p lambda_max`` below float64) are dropped (docs/concepts.md).
+    Eigenvalues ``(k,)`` (descending, positive) and vectors ``(n, k)`` are in ``mat``'s dtype.
 
     Args:
-        mat: Symmetric PSD matrix, shape ``(n, n)``.
+        mat: Symmetric PSD matrix ``(n, n)``.
         keep: Most eigenpairs returned (at least one is).
-        factor_dtype: The dtype of the factors ``mat`` is the Gram matrix of
-            (``None``: ``mat``'s).
-        formed_in: The dtype its entries were computed in (``None``: ``mat``'s; a
-            float32 product cast to float64 is still rounded like float32).
-
-    Returns:
-        Descending eigenvalues ``(k,)`` (positive) and eigenvectors ``(n, k)``, in
-        ``mat``'s dtype.
+        factor_dtype: Dtype (``eps_f``) of the factors ``Z``, ``mat = Z^T Z`` (``None``: same).
+        formed_in: Dtype (``eps_p``) its entries were computed in (``None``: ``mat``'s).
     """
-    evals, evecs = eigh(mat.double())
+    evals, evecs = torch.linalg.eigh(mat.double())
     evals, evecs = evals.flip(0), evecs.flip(1)
     eps_f = torch.finfo(factor_dtype or mat.dtype).eps
     eps_p = torch.finfo(formed_in or mat.dtype).eps
@@ -195,5 +97,5 @@ def top_eigh(mat: Tensor, keep: int, factor_dtype: Optional[torch.dtype] = None,
 def sym_eigh(mat: Tensor) -> Tuple[Tensor, Tensor]:
     """Descending eigenpairs of the symmetric part of a matrix, in float64."""
     mat = mat.double()
-    evals, evecs = eigh((mat + mat.T) / 2)
+    evals, evecs = torch.linalg.eigh((mat + mat.T) / 2)
     return evals.flip(0), evecs.flip(1)

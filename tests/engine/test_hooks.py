@@ -285,21 +285,28 @@ class _FusedAttention(nn.Module):
         return self.o(nn.functional.scaled_dot_product_attention(h, h, h).mean((1, 2)))
 
 
-def test_functorch_says_once_that_it_loops_and_the_answer_is_exact(monkeypatch):
-    from lowrank_laplace.engine import functorch as func_backend
+def test_functorch_says_once_that_it_loops_and_the_answer_is_exact():
+    """The fit says so; the later passes over the same model (the probe, the GLM
+    predictive) do not say it again."""
+    from laplace import Laplace
+    from torch.utils.data import DataLoader, TensorDataset
 
-    monkeypatch.setattr(func_backend, "_LOOP_WARNINGS", set())
+    import lowrank_laplace  # noqa: F401
+
     torch.manual_seed(0)
     model, X = _FusedAttention().double(), torch.randn(6, 5, 4, dtype=torch.float64)
     y = torch.randint(0, 3, (6,))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(3):  # fit, predictive and prior tuning each build an engine
-            with FactorEngine(model, nn.CrossEntropyLoss(reduction="sum"),
-                              backend="functorch") as engine:
-                factor = engine.compute(X, y)
+        with FactorEngine(model, nn.CrossEntropyLoss(reduction="sum"),
+                          backend="functorch") as engine:
+            factor = engine.compute(X, y)
+        la = Laplace(model, "classification", subset_of_weights="all",
+                     hessian_structure="lowrank_ggn", factor_backend="functorch", rank=4)
+        la.fit(DataLoader(TensorDataset(X, y), batch_size=6))
+        la(X, pred_type="glm", link_approx="probit")
     messages = [str(w.message) for w in caught]
-    assert sum("one sample at a time (slow)" in m for m in messages) == 1, messages
+    assert sum("one sample at a time (slow)" in m for m in messages) == 2, messages  # 2 fits
     assert not any("There is a performance drop" in m for m in messages), messages
     G = ref.ggn(model, nn.CrossEntropyLoss(reduction="sum"), X, y)
     V = factor.matmul(torch.eye(factor.num_columns, dtype=torch.float64))

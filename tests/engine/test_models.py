@@ -338,8 +338,11 @@ def test_user_model_left_as_it_was(backend):
         model, loss_func, X, y = make_case("bn_adaptive", "ce-mean")
     model[1].train()  # BatchNorm in train mode: the fit's eval mode must not update it
     calls = []
-    model.register_forward_hook(lambda *a: calls.append(1))
-    model[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    model.register_forward_hook(lambda *a: None)  # observers: part of no function
+    model[0].register_forward_pre_hook(lambda *a: None)
+    model[0].register_full_backward_hook(lambda *a: calls.append(1))
+    hooks = [(dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m._backward_hooks))
+             for m in model.modules()]
     state = {k: v.clone() for k, v in model.state_dict().items()}
     flags = [p.requires_grad for p in model.parameters()]
     modes = [m.training for m in model.modules()]
@@ -347,7 +350,9 @@ def test_user_model_left_as_it_was(backend):
         engine.bytes_per_sample(X)
         engine.compute(X, y, batch_grad=True)
         engine.gradient(X, y)
-    assert calls == []  # the user's hooks never run in internal passes
+    assert calls == []  # backward hooks never run in internal passes
+    assert hooks == [(dict(m._forward_hooks), dict(m._forward_pre_hooks),
+                      dict(m._backward_hooks)) for m in model.modules()]
     assert [p.requires_grad for p in model.parameters()] == flags
     assert [m.training for m in model.modules()] == modes
     assert all(p.grad is None for p in model.parameters())

@@ -6,7 +6,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lowrank_laplace import LowRankGGNLaplace, LowRankGGNLLLaplace
-from lowrank_laplace.fitting.cost import choose_dense, dense_bytes, dense_cost, streaming_cost
+from lowrank_laplace.fitting import plan
+from lowrank_laplace.fitting.cost import dense_bytes, dense_cost, streaming_cost
+from tests.conftest import set_tuning
 
 GiB = 2**30
 
@@ -21,9 +23,23 @@ def _problem(n=40, out=4, seed=0, batch_size=8):
 
 def _fit(model, loader, dense_max_dim, monkeypatch, cls=LowRankGGNLaplace, **kwargs):
     kwargs.setdefault("solver", "streaming")  # the merges these tests count (default: auto)
-    la = cls(model, "classification", dense_max_dim=dense_max_dim, **kwargs)
+    oversampling = kwargs.pop("oversampling", None)
+    set_tuning(monkeypatch, dense_max_dim=dense_max_dim)
+    if oversampling is not None:
+        set_tuning(monkeypatch, oversampling=oversampling / kwargs.get("rank", 100))
+    la = cls(model, "classification", **kwargs)
     la.fit(loader)
     return la
+
+
+def choose_dense(dim, columns_per_sample, keep, gram_dim, num_data, samples_per_merge,
+                 budget, itemsize, dense_max_dim, monkeypatch=None):
+    """:func:`plan.choose_dense` of these sizes under ``DENSE_MAX_DIM = dense_max_dim``."""
+    sizes = plan.FitSizes(dim=dim, gram_dim=gram_dim, columns=columns_per_sample,
+                          vector_bytes=1, block_bytes=1, itemsize=itemsize, batch_size=1,
+                          num_data=num_data, budget=budget)
+    monkeypatch.setattr(plan, "DENSE_MAX_DIM", dense_max_dim)
+    return plan.choose_dense(sizes, keep, num_data, samples_per_merge)
 
 
 def _dense_H(la):
@@ -35,41 +51,45 @@ def test_dense_bytes_count_the_sum_and_its_float64_eigendecomposition():
     assert dense_bytes(1000, 4) == 1000 * 1000 * (4 + 24)
 
 
-def test_a_budget_too_small_for_the_dense_matrix_streams():
+def test_a_budget_too_small_for_the_dense_matrix_streams(monkeypatch):
     kwargs = dict(dim=500, columns_per_sample=9, keep=120, gram_dim=500, num_data=1000,
                   samples_per_merge=20, itemsize=4, dense_max_dim=2048)
-    assert choose_dense(budget=dense_bytes(500, 4), **kwargs)
-    assert not choose_dense(budget=dense_bytes(500, 4) - 1, **kwargs)
+    assert choose_dense(budget=dense_bytes(500, 4), **kwargs, monkeypatch=monkeypatch)
+    assert not choose_dense(budget=dense_bytes(500, 4) - 1, **kwargs,
+                            monkeypatch=monkeypatch)
 
 
-def test_zero_dense_max_dim_always_streams():
-    assert not choose_dense(10, 1, 5, 10, 100, 10, GiB, 8, dense_max_dim=0)
+def test_zero_dense_max_dim_always_streams(monkeypatch):
+    assert not choose_dense(10, 1, 5, 10, 100, 10, GiB, 8, dense_max_dim=0,
+                            monkeypatch=monkeypatch)
 
 
-def test_small_problems_that_streaming_would_truncate_stay_dense():
+def test_small_problems_that_streaming_would_truncate_stay_dense(monkeypatch):
     # streaming is cheaper here (few samples, large D^3), but would truncate
     args = dict(dim=2000, columns_per_sample=9, keep=120, gram_dim=400, num_data=50,
                 samples_per_merge=25, budget=GiB, itemsize=4)
     assert dense_cost(2000, 450) > streaming_cost(9, 120, 2000, 400, 50, 25)
-    assert choose_dense(dense_max_dim=2048, **args)
-    assert not choose_dense(dense_max_dim=1000, **args)
-    assert not choose_dense(dense_max_dim=None, **args)
+    assert choose_dense(dense_max_dim=2048, **args, monkeypatch=monkeypatch)
+    assert not choose_dense(dense_max_dim=1000, **args, monkeypatch=monkeypatch)
+    assert not choose_dense(dense_max_dim=None, **args, monkeypatch=monkeypatch)
 
 
-def test_exact_streaming_is_taken_when_cheaper():
+def test_exact_streaming_is_taken_when_cheaper(monkeypatch):
     # total rank 5 * 9 = 45 fits the 120 kept eigenpairs: streaming is exact too
-    assert not choose_dense(2000, 9, 120, 400, 5, 5, GiB, 4, dense_max_dim=2048)
+    assert not choose_dense(2000, 9, 120, 400, 5, 5, GiB, 4, dense_max_dim=2048,
+                            monkeypatch=monkeypatch)
 
 
-def test_large_dim_is_dense_only_when_the_cost_model_says_so():
+def test_large_dim_is_dense_only_when_the_cost_model_says_so(monkeypatch):
     # many samples into a few thousand parameters: one D x D sum beats ~1,000 merges
     many = dict(dim=3000, columns_per_sample=1, keep=1000, gram_dim=3000,
                 num_data=20000, samples_per_merge=20, budget=GiB, itemsize=4,
                 dense_max_dim=1)
     assert dense_cost(3000, 20000) < streaming_cost(1, 1000, 3000, 3000, 20000, 20)
-    assert choose_dense(**many)
+    assert choose_dense(**many, monkeypatch=monkeypatch)
     # the digits MLP (6,310 weights, 1,400 samples, 9 columns each): streaming
-    assert not choose_dense(6310, 9, 120, 384, 1400, 23, GiB, 4, dense_max_dim=2048)
+    assert not choose_dense(6310, 9, 120, 384, 1400, 23, GiB, 4, dense_max_dim=2048,
+                            monkeypatch=monkeypatch)
 
 
 def test_fit_path_is_visible_and_both_paths_agree_when_the_rank_fits(monkeypatch):
@@ -161,11 +181,8 @@ def test_one_pass_feeds_several_merges_of_the_planned_size(monkeypatch):
 @pytest.mark.parametrize("small, threads", [(True, 1), (False, 2)])
 def test_small_fits_run_their_batch_loop_on_one_thread(monkeypatch, small, threads):
     from lowrank_laplace.engine import FactorEngine
-    from lowrank_laplace.fitting import plan
     from lowrank_laplace.fitting.streaming import StreamingMerge
-    from lowrank_laplace.utils import threads as threads_module
 
-    monkeypatch.setattr(threads_module, "busy_elsewhere", lambda: 0)  # a quiet machine
     model, loader = _problem(n=40, out=4, batch_size=8)
     if not small:
         monkeypatch.setattr(plan, "SINGLE_THREAD_MERGE_WORK", 1)
@@ -185,8 +202,8 @@ def test_small_fits_run_their_batch_loop_on_one_thread(monkeypatch, small, threa
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
-    # the first pass (before the plan) runs on the user's setting
-    assert la.fit_path == "streaming" and set(seen[2:]) == {threads}
+    # the plan is decided before the first pass: every pass and merge on its setting
+    assert la.fit_path == "streaming" and set(seen) == {threads}
 
 
 def test_small_posterior_queries_run_on_one_thread(monkeypatch):
@@ -208,21 +225,3 @@ def test_small_posterior_queries_run_on_one_thread(monkeypatch):
         torch.set_num_threads(before)
     assert seen and set(seen) == {1}
     assert la.query_work == la.n_params * (la.H[0].shape[1] + 1)
-
-
-def test_cpu_threads_restores_the_setting_and_never_raises_it():
-    from lowrank_laplace.utils.linalg import cpu_threads
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with cpu_threads(1):
-            assert torch.get_num_threads() == 1
-        assert torch.get_num_threads() == 2
-        with cpu_threads(4), cpu_threads(None):
-            assert torch.get_num_threads() == 2
-        with pytest.raises(RuntimeError), cpu_threads(1):
-            raise RuntimeError("inside")
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lowrank_laplace import LowRankGGNLaplace
+from tests.conftest import set_tuning
 
 
 def _problem():
@@ -20,13 +21,20 @@ def _problem():
     return model, X, y
 
 
-def _worker(rank, world, port, out, rank_kw, dense_max_dim, online):
+def _worker(rank, world, port, out, rank_kw, tuning, online):
+    import importlib
+
+    from tests.conftest import TUNING
+
+    for name, value in tuning.items():  # a spawned process: its own module constants
+        module, attribute = TUNING[name]
+        setattr(importlib.import_module(module), attribute, value)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
         model, X, y = _problem()
         Xs, ys = X[rank::world], y[rank::world]
-        la = LowRankGGNLaplace(model, "classification", dense_max_dim=dense_max_dim, **rank_kw)
+        la = LowRankGGNLaplace(model, "classification", **rank_kw)
         if online:  # two updates: fit(first 6 of the shard), fit(the rest, override=False)
             la.fit(DataLoader(TensorDataset(Xs[:6], ys[:6]), batch_size=4))
             la.fit(DataLoader(TensorDataset(Xs[6:], ys[6:]), batch_size=4), override=False)
@@ -53,21 +61,24 @@ def _free_port():
                           (0, False, "sketch-one-merge")],
                          ids=["streaming", "dense", "streaming-online", "sketch-truncated",
                               "sketch-online", "sketch-one-merge"])
+@pytest.mark.slow
 def test_two_processes_equal_single_process(tmp_path, monkeypatch, dense_max_dim, online,
                                             solver):
     """Exact fits; and truncated sketches, which add up to the single-process sketch."""
     out = str(tmp_path / "result")
     kw = dict(rank=1000, residual="diagonal")
+    tuning = dict(dense_max_dim=dense_max_dim)
     if solver == "sketch":
         # passes of 2 samples: one streaming merge must not cover a process's data
-        kw = dict(rank=1000 if online else 5, oversampling=3, residual="diagonal",
-                  solver="sketch", micro_batch_size=2)
+        kw = dict(rank=1000 if online else 5, residual="diagonal", solver="sketch",
+                  micro_batch_size=2)
+        tuning["oversampling"] = 3 / kw["rank"]
     if solver == "sketch-one-merge":  # every process streams its one exact merge
         kw = dict(rank=1000, residual="diagonal", solver="sketch")
-    mp.spawn(_worker, args=(2, _free_port(), out, kw, dense_max_dim, online), nprocs=2,
-             join=True)
+    mp.spawn(_worker, args=(2, _free_port(), out, kw, tuning, online), nprocs=2, join=True)
+    set_tuning(monkeypatch, **tuning)
     model, X, y = _problem()
-    single = LowRankGGNLaplace(model, "classification", dense_max_dim=dense_max_dim, **kw)
+    single = LowRankGGNLaplace(model, "classification", **kw)
     single.fit(DataLoader(TensorDataset(X, y), batch_size=4), process_group=None)
     U, lam = single.H
     H = U @ torch.diag(lam) @ U.T

@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.fitting.config import FitConfig
 from lowrank_laplace.fitting.dense import DenseSum
-from lowrank_laplace.fitting.plan import make_solver, plan_fit
+from lowrank_laplace.fitting.plan import FitSizes, choose_plan, make_solver, measure_sizes
 from lowrank_laplace.fitting.sketch import SketchMerge
 from lowrank_laplace.fitting.streaming import StreamingMerge
 
@@ -22,30 +23,60 @@ def _engine_and_batch(n=32, width=6):
     return FactorEngine(model, nn.CrossEntropyLoss(reduction="sum"), eval_mode=True), X
 
 
-def _plan(engine, X, **kwargs):
-    args = dict(batch_size=len(X), num_data=4 * len(X), keep=12, mc_samples=0,
-                subsample_fraction=None, memory_budget=None, micro_batch_size=None,
-                low_memory=False, solver="streaming", dense_max_dim=0)
-    args.update(kwargs)
+def _plan(engine, X, num_data=None, wide_sketch=False, **options):
+    """The plan of a fit of ``num_data`` samples in batches like ``X`` (default: four)."""
+    options = {"rank": 10, "solver": "streaming", **options}
+    config = FitConfig(**options)
     engine.compute(X[:1], torch.zeros(1, dtype=torch.long))  # outputs known, as at a fit
-    return plan_fit(engine, X, **args)
+    sizes = measure_sizes(engine, X, len(X), num_data or 4 * len(X), config)
+    plan = choose_plan(sizes, config)
+    return plan.widened() if wide_sketch and plan.widen else plan
 
 
-def test_the_plan_is_frozen_and_names_its_solver():
+def _solver(plan, rank=10):
+    return make_solver(plan, FitConfig(rank=rank), [torch.zeros(3)])
+
+
+@pytest.fixture(autouse=True)
+def streaming(tune):
+    """Below ``DENSE_MAX_DIM`` parameters the plan sums densely: tests set it."""
+    tune(dense_max_dim=0)
+
+
+def test_the_plan_is_a_pure_function_of_sizes_and_options(tune):
+    """No engine, no machine: the same sizes and options give the same plan."""
+    sizes = FitSizes(dim=64, gram_dim=10, columns=3, vector_bytes=8 * 70, block_bytes=8 * 40,
+                     itemsize=8, batch_size=32, num_data=1000, budget=2**20)
+    config = FitConfig(rank=10, solver="streaming")
+    first = choose_plan(sizes, config)
+    assert first == choose_plan(sizes, config) and first.path == "streaming"
+    assert first.threads == 1 and first.keep == 12  # small merges run on one thread
+    auto = choose_plan(sizes, FitConfig(rank=10))
+    assert (auto.path, auto.keep) == ("sketch", 40)
+    tune(dense_max_dim=2048)
+    assert choose_plan(sizes, config).path == "dense"
+    low = choose_plan(sizes, FitConfig(rank=10, solver="streaming", low_memory=True))
+    assert low.path == "dense" and not low.low_memory  # the dense sum drops low_memory
+    with pytest.raises(ValueError, match="too small for one sample"):
+        choose_plan(dataclasses.replace(sizes, budget=100), config)
+
+
+def test_the_plan_is_frozen_and_names_its_solver(tune):
     engine, X = _engine_and_batch()
     with engine:
         plan = _plan(engine, X)
-        dense = _plan(engine, X, dense_max_dim=2048)
         sketch = _plan(engine, X, solver="sketch", micro_batch_size=2)
+        tune(dense_max_dim=2048)
+        dense = _plan(engine, X)
     assert plan.path == "streaming" and dense.path == "dense" and sketch.path == "sketch"
     assert plan.dim == 5 * 6 + 6 + 6 * 4 + 4 and plan.micro >= 1 and plan.chunk >= 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.path = "dense"
-    assert isinstance(make_solver(plan, 10, 2, False), StreamingMerge)
-    assert isinstance(make_solver(dense, 10, 2, False), DenseSum)
-    assert isinstance(make_solver(sketch, 10, 2, False), SketchMerge)
+    assert isinstance(_solver(plan), StreamingMerge)
+    assert isinstance(_solver(dense), DenseSum)
+    assert isinstance(_solver(sketch), SketchMerge)
     # few parameters per kept eigenpair: explicit rotations, not lazy updates
-    assert not plan.lazy and make_solver(plan, 10, 2, False).lazy is False
+    assert not plan.lazy and _solver(plan).lazy is False
 
 
 def test_a_sketch_that_one_streaming_merge_covers_streams():
@@ -55,10 +86,11 @@ def test_a_sketch_that_one_streaming_merge_covers_streams():
     assert plan.path == "streaming"
 
 
-def test_dense_plans_drop_low_memory():
+def test_dense_plans_drop_low_memory(tune):
+    tune(dense_max_dim=2048)
     engine, X = _engine_and_batch()
     with engine:
-        plan = _plan(engine, X, dense_max_dim=2048, low_memory=True)
+        plan = _plan(engine, X, low_memory=True)
     assert plan.path == "dense" and not plan.low_memory
 
 
@@ -97,11 +129,11 @@ def test_auto_sketches_with_four_times_the_rank_where_its_float64_matrix_fits():
     assert (auto.path, auto.keep, auto.sketch_dtype) == ("sketch", 40, None)  # float64 model
     assert (tight.path, tight.keep) == ("streaming", 12)
     assert (low.path, low.keep) == ("streaming", 12)
-    merge = make_solver(auto, 10, 2, False)
+    merge = _solver(auto)
     assert isinstance(merge, SketchMerge) and (merge.rank, merge.keep) == (10, 40)
 
 
-def test_auto_sums_densely_exactly_where_streaming_would():
+def test_auto_sums_densely_exactly_where_streaming_would(tune):
     """Under ``solver="auto"`` the dense sum competes with streaming at streaming's own
     merge size, not at the sketch's (whose single large merge made every streaming
     fit look dearer than a dense ``D x D`` eigendecomposition)."""
@@ -109,11 +141,12 @@ def test_auto_sums_densely_exactly_where_streaming_would():
     model = nn.Sequential(nn.Linear(64, 50), nn.Tanh(), nn.Linear(50, 10)).double()
     engine = FactorEngine(model, nn.CrossEntropyLoss(reduction="sum"), eval_mode=True)
     X = torch.randn(128, 64, dtype=torch.float64)
+    tune(dense_max_dim=None)
     with engine:
         for n in (128, 1400):
-            kw = dict(num_data=n, keep=120, dense_max_dim=None)
+            kw = dict(num_data=n, rank=100)
             streaming = _plan(engine, X, **kw)
-            auto = _plan(engine, X, solver="auto", rank=100, **kw)
+            auto = _plan(engine, X, solver="auto", **kw)
             assert (auto.path == "dense") == (streaming.path == "dense")
         assert auto.path == "sketch"  # D = 3,760, 1,400 samples: dense is the dearest
 
@@ -139,15 +172,14 @@ def test_a_float32_sketch_is_widened_to_float64_on_its_second_pass_where_it_fits
     assert wide.sketch_dtype == torch.float64 and not wide.widen
     assert narrow.sketch_dtype is None and not narrow.widen
     assert low.sketch_dtype is None and not low.widen  # recomputed passes: factors' dtype
-    assert make_solver(wide, 10, 2, False).accumulate == torch.float64
-    assert make_solver(first, 10, 2, False).accumulate is None
+    assert _solver(wide).accumulate == torch.float64
+    assert _solver(first).accumulate is None
 
 
 @pytest.mark.parametrize("limit, threads", [(None, 1), (1, None)])
-def test_cpu_fits_take_the_idle_cores(monkeypatch, limit, threads):
-    """Every CPU sketch fit runs on the cores idle at each batch, at least one and at
-    most the user's threads; where the load is unknown a small one takes one thread and
-    a large one the user's. A small streaming fit stays on one thread."""
+def test_small_cpu_fits_run_on_one_thread(monkeypatch, limit, threads):
+    """A small sketch or streaming fit runs on one CPU thread; a large one (here: a
+    sketch above a lowered threshold) on the user's setting. Nothing reads the load."""
     from lowrank_laplace.fitting import plan as plan_module
 
     if limit is not None:
@@ -156,38 +188,18 @@ def test_cpu_fits_take_the_idle_cores(monkeypatch, limit, threads):
     with engine:
         sketch = _plan(engine, X, solver="sketch", micro_batch_size=2)
         streaming = _plan(engine, X)
-    assert sketch.path == "sketch" and sketch.threads == threads and sketch.idle_cores
-    assert streaming.threads == 1 and not streaming.idle_cores  # small merges: one thread
-    assert streaming.batch_threads() == 1
-    for idle in (1, None):
-        monkeypatch.setattr(plan_module, "idle_core_threads", lambda unknown, idle=idle: idle)
-        assert sketch.batch_threads() == idle
-    monkeypatch.setattr(plan_module, "idle_core_threads", lambda unknown: unknown)
-    assert sketch.batch_threads() == threads  # the load unknown
-
-
-@pytest.mark.parametrize("path, small", [("sketch", False), ("sketch", True),
-                                          ("streaming", False)])
-def test_data_parallel_fits_keep_fixed_threads(path, small):
-    """The processes of a data-parallel fit finish the reduced sketch or merge each on
-    its own: they keep fixed threads, not the load each of them sees."""
-    from lowrank_laplace.fitting import plan as plan_module
-
-    alone, grouped = (plan_module._frozen_plan(path, 2, 2, False, 8, 100, small, True, g,
-                                               None, False) for g in (False, True))
-    assert alone.idle_cores and not grouped.idle_cores
-    assert grouped.threads == alone.threads == (1 if small else None)
-    assert grouped.batch_threads() == grouped.threads
+    assert sketch.path == "sketch" and sketch.threads == threads
+    assert streaming.threads == 1  # small merges: one thread
 
 
 @pytest.mark.parametrize("chunk", [None, 40], ids=["whole", "sliced"])
 def test_dense_sum_of_a_factor_is_v_v_transposed(monkeypatch, chunk):
     """The dense sum expands ``V`` from its blocks (factored and explicit), in slices of
     samples where it is large, and adds exactly ``scale V V^T`` and its trace."""
-    from lowrank_laplace.fitting import dense as dense_module
+    from lowrank_laplace.factor import weights
 
     if chunk is not None:
-        monkeypatch.setattr(dense_module, "_WIDE_CHUNK", chunk)
+        monkeypatch.setattr(weights, "WIDE_ENTRIES", chunk)
     engine, X = _engine_and_batch(n=7)
     y = torch.tensor([0, 1, 2, 3, 0, 1, 2])
     with engine:

@@ -4,19 +4,19 @@ import pytest
 import torch
 from laplace import FullLaplace, Laplace
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from lowrank_laplace import LowRankGGNLaplace
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.factor import GGNFactor
 from lowrank_laplace.fitting import plan
-from lowrank_laplace.fitting.budget import micro_batch_size
+from lowrank_laplace.fitting.config import FitConfig
 from lowrank_laplace.fitting.cost import sketch_cost, streaming_cost
-from lowrank_laplace.fitting.plan import merge_plan
+from lowrank_laplace.fitting.fit import LoaderFit
+from lowrank_laplace.fitting.plan import measure_sizes, merge_plan
 from lowrank_laplace.fitting.sketch import SketchMerge
 from lowrank_laplace.fitting.streaming import StreamingMerge
-from lowrank_laplace.laplace_torch import options
-from tests.conftest import make_case
+from tests.conftest import make_case, set_tuning
 from tests.laplace_torch.test_laplace import dense_H, fit_reference, make_problem
 from tests.reference import ggn
 
@@ -26,7 +26,7 @@ TOL = dict(rtol=1e-7, atol=1e-9)
 @pytest.fixture(autouse=True)
 def streaming(monkeypatch):
     """The toy models are small enough for the dense path, which the sketch keeps."""
-    monkeypatch.setattr(options, "DEFAULT_DENSE_MAX_DIM", 0)
+    set_tuning(monkeypatch, dense_max_dim=0)
 
 
 def _factors(arch, batches, n=4, seed=0, dtype=torch.float64):
@@ -282,10 +282,11 @@ def test_laplace_with_full_rank_equals_full_laplace(name, low_memory):
     torch.testing.assert_close(la(X[:3]), full(X[:3]), rtol=1e-5, atol=1e-8)
 
 
-def test_laplace_truncated_keeps_less_than_streaming_and_low_memory_agrees():
+def test_laplace_truncated_keeps_less_than_streaming_and_low_memory_agrees(tune):
     model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
     full = fit_reference(FullLaplace(model, likelihood), loader)
-    kw = dict(rank=6, oversampling=10, residual="diagonal")
+    tune(oversampling=10 / 6)
+    kw = dict(rank=6, residual="diagonal")
     # passes of 16 samples: one streaming merge no longer covers the data
     sketch = LowRankGGNLaplace(model, likelihood, solver="sketch", micro_batch_size=16, **kw)
     sketch.fit(loader)
@@ -308,12 +309,13 @@ def test_laplace_truncated_keeps_less_than_streaming_and_low_memory_agrees():
     torch.testing.assert_close(low.residual_diagonal, sketch.residual_diagonal, **TOL)
 
 
-def test_solver_is_validated_and_kept_in_the_last_layer_class():
+def test_solver_is_validated_and_kept_in_the_last_layer_class(tune):
     model, likelihood, X, y, loader = make_problem("mlp-classification")
     with pytest.raises(ValueError, match="solver must be one of"):
         LowRankGGNLaplace(model, likelihood, solver="lanczos")
+    tune(oversampling=0.5)
     la = Laplace(model, likelihood, subset_of_weights="last_layer",
-                 hessian_structure="lowrank_ggn", rank=2, oversampling=1, solver="sketch",
+                 hessian_structure="lowrank_ggn", rank=2, solver="sketch",
                  micro_batch_size=4)
     la.fit(loader)
     assert la.solver == "sketch" and la.fit_path == "sketch" and la.H[1].shape == (2,)
@@ -325,25 +327,29 @@ def test_plan_and_cost_model(monkeypatch):
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
     X = torch.randn(16, 4)
     with FactorEngine(model, nn.CrossEntropyLoss(reduction="sum")) as engine:
-        for kwargs in (dict(budget=None, cap=None), dict(budget=4000, cap=None),
-                       dict(budget=None, cap=5), dict(budget=None, cap=40, low_memory=True)):
-            micro, chunk = merge_plan(engine, X, 0, 16, 64, 10, solver="sketch", **kwargs)
-            assert micro == merge_plan(engine, X, 0, 16, 64, 10, **kwargs)[0]
-            limit = micro_batch_size(engine, X, None, kwargs["budget"], kwargs["cap"],
-                                     one_block=kwargs.get("low_memory", False))
-            if kwargs.get("low_memory"):  # every micro-batch is one merge
+        for budget, cap, low in ((None, None, False), (4000, None, False), (None, 5, False),
+                                 (None, 40, True)):
+            config = FitConfig(memory_budget=budget, micro_batch_size=cap)
+            sizes = measure_sizes(engine, X, 16, 64, config)
+            micro, chunk = merge_plan(sizes, config, 10, low, "sketch")
+            assert micro == merge_plan(sizes, config, 10, low)[0]
+            limit = min(sizes.limit(low)[0], cap or 2**62)
+            if low:  # every micro-batch is one merge
                 assert chunk == micro
                 continue
             size = min(micro, 16)  # whole passes, pending factors and their copy fit
             assert chunk % size == 0 and (chunk == size or 2 * chunk <= limit)
         # merges span passes only up to SKETCH_MERGE_BYTES of V
         monkeypatch.setattr(plan, "SKETCH_MERGE_BYTES", 1)
-        assert merge_plan(engine, X, 0, 16, 64, 10, None, None, solver="sketch") == \
-            (merge_plan(engine, X, 0, 16, 64, 10, None, None)[0], 16)
+        config = FitConfig()
+        sizes = measure_sizes(engine, X, 16, 64, config)
+        assert merge_plan(sizes, config, 10, path="sketch") == \
+            (merge_plan(sizes, config, 10)[0], 16)
     assert sketch_cost(9, 120, 10**5, 400, 1000) < streaming_cost(9, 120, 10**5, 400, 1000, 30)
 
 
-def test_sketch_posterior_tracks_the_full_ggn_on_real_data():
+@pytest.mark.slow
+def test_sketch_posterior_tracks_the_full_ggn_on_real_data(tune):
     """Real data (sklearn digits), rank 5% of D: the held-out NLL within 10% of the
     full GGN's. The sketch's eigenvalues under-estimate, so its marglik prior is
     larger than the full GGN's (1.53x here; streaming: 1.10x); more sketch columns
@@ -356,8 +362,8 @@ def test_sketch_posterior_tracks_the_full_ggn_on_real_data():
     full.optimize_prior_precision(method="marglik", n_steps=300, lr=0.1)
     kept, prior = {}, {}
     for oversampling in (None, 140):
-        la = LowRankGGNLaplace(model, "classification", rank=60, solver="sketch",
-                               oversampling=oversampling)
+        tune(oversampling=0.2 if oversampling is None else oversampling / 60)
+        la = LowRankGGNLaplace(model, "classification", rank=60, solver="sketch")
         la.fit(loader)
         la.optimize_prior_precision(method="marglik", n_steps=300, lr=0.1)
         kept[oversampling] = float(la.kept_fraction)
@@ -367,24 +373,25 @@ def test_sketch_posterior_tracks_the_full_ggn_on_real_data():
     assert 1 < prior[140] < prior[None] < 1.8, prior
 
 
-def test_small_models_stay_on_the_exact_dense_path(monkeypatch):
+def test_small_models_stay_on_the_exact_dense_path(tune):
     """The dense sum (exact) takes precedence over the sketch where it applies."""
     model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
     full = fit_reference(FullLaplace(model, likelihood), loader)
-    la = LowRankGGNLaplace(model, likelihood, rank=6, solver="sketch", residual="none",
-                           dense_max_dim=2048)
+    tune(dense_max_dim=2048)
+    la = LowRankGGNLaplace(model, likelihood, rank=6, solver="sketch", residual="none")
     la.fit(loader)
     assert la.fit_path == "dense"
     evals = torch.linalg.eigvalsh(full.H).flip(0)[:6]
     torch.testing.assert_close(la.H[1], evals, rtol=1e-8, atol=0)
 
 
-def test_sketch_streams_whole_equal_passes(monkeypatch):
+def test_sketch_streams_whole_equal_passes(monkeypatch, tune):
     """A sketch is linear in its factors: loader batches split into equal passes, no
     pass is ever split at a merge boundary, and the result does not depend on the
     pass size."""
     model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
-    kw = dict(rank=6, oversampling=10, solver="sketch")
+    tune(oversampling=10 / 6)
+    kw = dict(rank=6, solver="sketch")
     one = LowRankGGNLaplace(model, likelihood, micro_batch_size=16, **kw)  # the batches
     one.fit(loader)
     sizes = []
@@ -408,11 +415,12 @@ def test_sketch_streams_whole_equal_passes(monkeypatch):
                                atol=1e-9 * one.H[1].max())
 
 
-def test_sketch_streams_exactly_where_one_merge_covers_the_data():
+def test_sketch_streams_exactly_where_one_merge_covers_the_data(tune):
     """One streaming merge of all columns multiplies V once, the sketch twice: where
     the plan allows it, solver='sketch' takes that merge, the exact truncation."""
     model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
-    kw = dict(rank=6, oversampling=4)
+    tune(oversampling=4 / 6)
+    kw = dict(rank=6)
     sketch = LowRankGGNLaplace(model, likelihood, solver="sketch", **kw)
     sketch.fit(loader)
     stream = LowRankGGNLaplace(model, likelihood, **kw)
@@ -473,3 +481,72 @@ def test_the_test_matrix_is_freed_before_the_eigenvectors_are_formed(monkeypatch
     torch.testing.assert_close(solver.eigenvalues[:5], lam[:5], rtol=1e-10, atol=0)
     torch.testing.assert_close((V.T @ U[:, :5]).abs(), torch.eye(5, dtype=torch.float64),
                                rtol=0, atol=1e-8)
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_sub_sketch_share_is_the_dense_nystrom_of_the_first_columns(warm):
+    """The convergence check: the top-``r`` Nyström eigenvalues of the first columns of
+    the test matrix (a warm start's basis and half the random ones) over all columns'."""
+    model, loss_func, X, y, factors = _factors("mlp", batches=6, n=3)
+    G = ggn(model, loss_func, X, y)
+    rank = 4
+    basis = torch.linalg.qr(torch.randn(G.shape[0], 2, dtype=torch.float64))[0] \
+        if warm else None
+    merge = SketchMerge(rank, 8, seed=3, basis=basis)
+    for f in factors:
+        merge.add_factor(f)
+    omega = merge._omega.dense().clone()
+    first = (2 if warm else 0) + (12 - (2 if warm else 0)) // 2
+    expected = _nystrom_top(G, omega[:, :first], rank)[0].sum() / \
+        _nystrom_top(G, omega, rank)[0].sum()
+    assert merge.convergence == pytest.approx(float(expected), rel=1e-6)
+    assert 0 < merge.convergence <= 1 + 1e-9
+
+
+def _flat_problem(n=256):
+    """An untrained tanh MLP on random data: a flat GGN spectrum at rank 10."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 10)).double()
+    X = torch.randn(n, 32, dtype=torch.float64)
+    y = torch.randint(0, 10, (n,))
+    return model, DataLoader(TensorDataset(X, y), batch_size=64)
+
+
+def test_auto_streams_where_its_sketch_did_not_converge(tune):
+    """A flat spectrum: the sketch's eigenvalues still grow with its columns, so
+    ``solver="auto"`` streams the data instead; a decaying one keeps the sketch."""
+    from lowrank_laplace.fitting.fit import SKETCH_CONVERGED
+
+    tune(dense_max_dim=0)
+    model, loader = _flat_problem()
+    checks = []
+    fit = LoaderFit.run
+
+    def recorded(self, *args, **kwargs):
+        result = fit(self, *args, **kwargs)
+        checks.append(result.check)
+        return result
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LoaderFit, "run", recorded)
+        auto = LowRankGGNLaplace(model, "classification", rank=10)
+        auto.fit(loader)
+    stream = LowRankGGNLaplace(model, "classification", rank=10, solver="streaming")
+    stream.fit(loader)
+    check = checks[0]
+    assert check.name == "sketch convergence" and not check.passed
+    assert check.value < SKETCH_CONVERGED and check.action == "streamed instead"
+    assert auto.fit_path == "streaming"
+    torch.testing.assert_close(dense_H(auto), dense_H(stream), rtol=0,
+                               atol=1e-9 * stream.H[1].max())
+    with pytest.warns(UserWarning, match=r"solver='sketch' has not converged: .* grew by"):
+        LowRankGGNLaplace(model, "classification", rank=10, solver="sketch").fit(loader)
+    # a spectrum that decays within the sketch's columns: the check passes, it stays
+    model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
+    tune(oversampling=6.0)  # 21 columns for rank 3
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LoaderFit, "run", recorded)
+        kept = LowRankGGNLaplace(model, likelihood, rank=3, micro_batch_size=16,
+                                 solver="sketch")
+        kept.fit(loader)
+    assert kept.fit_path == "sketch" and checks[-1].passed and checks[-1].action == "kept"

@@ -204,6 +204,5 @@ def test_wide_products_and_combine_are_float64_products(arch):
     torch.testing.assert_close(out, expected.float(), rtol=0, atol=0)  # rounded once
     A, B = torch.randn(k, 2, dtype=torch.float64), torch.randn(k, 2, dtype=torch.float64)
     expected = basis.double() @ (torch.eye(k, dtype=torch.float64) + A @ B.T) + V @ coeffs
-    wide_combine(factor, blocks, coeffs, torch.float32, 0, basis, in_place=True,
-                 correction=(A, B))
+    wide_combine(factor, blocks, coeffs, torch.float32, 0, basis, (A, B), in_place=True)
     torch.testing.assert_close(basis, expected.float(), rtol=0, atol=0)

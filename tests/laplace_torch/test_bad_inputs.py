@@ -159,7 +159,7 @@ def test_zero_ggn_keeps_no_eigenpairs_and_matches_full_laplace():
 def test_residual_none_runs_no_jacobian_probe(monkeypatch):
     calls = []
     real = predictive.jacobian_energies
-    monkeypatch.setattr("lowrank_laplace.laplace_torch.probe.jacobian_energies",
+    monkeypatch.setattr("lowrank_laplace.posterior.probe.jacobian_energies",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     for residual in ("none", "isotropic", "spectral"):
         la = Laplace(_mlp(), "classification", "all", "lowrank_ggn", rank=5,
@@ -178,7 +178,7 @@ def test_memory_budget_too_small_for_the_probe_fails_at_the_first_batch():
     probe_needs = 8 * sum(p.numel() for p in model.parameters())  # one float64 vector
     la = Laplace(model, "classification", "all", "lowrank_ggn", rank=5, low_memory=True,
                  memory_budget=probe_needs // 2)
-    with pytest.raises(ValueError, match="too small for the spectral residual's Jacobian"):
+    with pytest.raises(ValueError, match="too small for the residual model's probe pass"):
         la.fit(loader)
     assert loader.count == 1
     la = Laplace(model, "classification", "all", "lowrank_ggn", rank=5, low_memory=True,
@@ -187,10 +187,11 @@ def test_memory_budget_too_small_for_the_probe_fails_at_the_first_batch():
     assert math.isfinite(float(la.log_marginal_likelihood()))
 
 
-def test_memory_budget_for_few_probe_vectors_measures_with_fewer():
+def test_memory_budget_for_few_probe_vectors_measures_with_fewer(tune):
     model = _mlp(out=4)
     probe_needs = 8 * sum(p.numel() for p in model.parameters())
-    la = Laplace(model, "classification", "all", "lowrank_ggn", rank=5, probe_columns=None,
+    tune(probe_columns=None)
+    la = Laplace(model, "classification", "all", "lowrank_ggn", rank=5,
                  memory_budget=3 * probe_needs)  # the fit's 3 columns fit, the probe's 4 not
     la.fit(_loader())
     assert 0 <= la.jacobian_exponent <= 1
@@ -202,7 +203,7 @@ def test_last_layer_text_prior_is_refused_at_construction():
 
 
 def test_a_float32_sketch_says_what_it_loses_only_where_it_stays_float32(recwarn,
-                                                                        monkeypatch):
+                                                                        monkeypatch, tune):
     """A float32 sketch whose kept eigenvalues are clear of its rounding stays float32,
     one that rounded them is redone in float64 (silently); where the float64 ``D x l``
     matrix exceeds a quarter of the budget it stays float32 and says so."""
@@ -212,7 +213,8 @@ def test_a_float32_sketch_says_what_it_loses_only_where_it_stays_float32(recwarn
     model = _mlp().float()
     X, y = _data()
     loader = DataLoader(TensorDataset(X.float(), y), batch_size=8)
-    kw = dict(rank=5, solver="sketch", micro_batch_size=4, dense_max_dim=0, probe_size=0)
+    tune(dense_max_dim=0, probe_size=0)
+    kw = dict(rank=5, solver="sketch", micro_batch_size=4)
     la = Laplace(model, "classification", "all", "lowrank_ggn", **kw)
     la.fit(loader)
     assert la.fit_path == "sketch" and la.H[0].dtype == torch.float32
@@ -222,3 +224,45 @@ def test_a_float32_sketch_says_what_it_loses_only_where_it_stays_float32(recwarn
     with pytest.warns(UserWarning, match="solver='sketch' accumulated its sketch in torch.float32"):
         Laplace(model, "classification", "all", "lowrank_ggn", memory_budget=budget,
                 **kw).fit(loader)
+
+
+def test_inference_mode_is_refused_with_the_way_out():
+    """torch-uncertainty's Lightning test loop runs under inference_mode: the fit and the
+    GLM predictive, which need backward passes, say to use no_grad instead."""
+    la = Laplace(_mlp(), "classification", "all", "lowrank_ggn", rank=5)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="under torch.no_grad"):
+        la.fit(_loader())
+    la.fit(_loader())
+    X, _ = _data()
+    with torch.no_grad():
+        probs = la(X[:3], pred_type="glm", link_approx="probit")
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="GLM predictive .*no_grad"):
+        la(X[:3], pred_type="glm", link_approx="probit")
+    assert probs.shape == (3, 2)
+
+
+def test_non_finite_training_inputs_fail_with_a_clear_error():
+    X, y = _data()
+    X[5, 0] = float("inf")  # a tanh network maps it to finite outputs, NaN Jacobians
+    la = Laplace(_mlp(), "classification", "all", "lowrank_ggn", rank=5)
+    with pytest.raises(ValueError, match="hold NaN or infinite values"):
+        la.fit(DataLoader(TensorDataset(X, y), batch_size=8))
+
+
+def test_states_of_another_curvature_or_tampered_ones_are_refused():
+    la = Laplace(_mlp(), "classification", "all", "lowrank_ggn", rank=5, mc_samples=1)
+    la.fit(_loader())
+    state = la.state_dict()
+    exact = Laplace(_mlp(), "classification", "all", "lowrank_ggn", rank=5)
+    with pytest.raises(ValueError, match="fitted with mc_samples=1 .* uses mc_samples=0"):
+        exact.load_state_dict(state)
+    assert exact.H is None  # nothing was loaded
+    same = Laplace(_mlp(), "classification", "all", "lowrank_ggn", rank=5, mc_samples=1)
+    U, lam = state["H"]
+    for H in ((U, -lam), (2 * U, lam), (U, lam * float("nan"))):
+        with pytest.raises(ValueError, match="not a low-rank GGN"):
+            same.load_state_dict({**state, "H": H})
+    with pytest.raises(ValueError, match="trace is below the sum"):
+        same.load_state_dict({**state, "trace": lam.sum() / 2})
+    same.load_state_dict(state)
+    torch.testing.assert_close(same.H[1], lam)

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lowrank_laplace as ll
 from lowrank_laplace import LowRankGGNLaplace, LowRankGGNLLLaplace
-from lowrank_laplace.laplace_torch import options
+from tests.conftest import set_tuning
 
 TOL = dict(rtol=1e-5, atol=1e-8)
 
@@ -22,7 +22,7 @@ def streaming(request, monkeypatch):
     """The toy models here are small enough for the dense path; test streaming unless
     a test is marked ``dense``."""
     if "dense" not in request.keywords:
-        monkeypatch.setattr(options, "DEFAULT_DENSE_MAX_DIM", 0)
+        set_tuning(monkeypatch, dense_max_dim=0)
 
 
 def _mlp(out):
@@ -251,13 +251,14 @@ def overlap(U, W):
     return (U.T @ W).pow(2).sum() / U.shape[1]
 
 
-def test_truncated_rank_against_dense_top_r():
+def test_truncated_rank_against_dense_top_r(tune):
     model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
     full = fit_reference(FullLaplace(model, likelihood), loader)
     evals, evecs = torch.linalg.eigh(full.H)
     evals, evecs = evals.flip(0), evecs.flip(1)
     r = 6
-    la = LowRankGGNLaplace(model, likelihood, rank=r, oversampling=10, residual="none")
+    tune(oversampling=10 / 6)
+    la = LowRankGGNLaplace(model, likelihood, rank=r, residual="none")
     la.fit(loader)
     U, lam = la.H
     assert lam.shape == (r,)
@@ -300,12 +301,13 @@ def test_low_memory_fit_replays_mc_and_subsampling_draws():
                                atol=1e-10 * dense_H(std).abs().max())
 
 
-def test_low_memory_fit_truncated_against_dense_top_r():
+def test_low_memory_fit_truncated_against_dense_top_r(tune):
     model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
     full = fit_reference(FullLaplace(model, likelihood), loader)
     evals, evecs = torch.linalg.eigh(full.H)
     evals, evecs = evals.flip(0), evecs.flip(1)
-    la = LowRankGGNLaplace(model, likelihood, rank=6, oversampling=10, low_memory=True,
+    tune(oversampling=10 / 6)
+    la = LowRankGGNLaplace(model, likelihood, rank=6, low_memory=True,
                            residual="diagonal")
     la.fit(loader)
     U, lam = la.H
@@ -332,6 +334,7 @@ def test_recomputed_factor_only_projects_its_targets():
         with pytest.raises(RuntimeError, match="only available for the merge's projection"):
             factor.t_matmul(basis.clone())
 
+@pytest.mark.montecarlo
 def test_mc_and_subsampling_are_unbiased_on_average():
     model, likelihood, X, y, loader = make_problem("mlp-classification", n=20, batch_size=20)
     full = fit_reference(FullLaplace(model, likelihood), loader)
@@ -432,10 +435,10 @@ def test_glm_predictive_in_float64_slices_equals_full_laplace(monkeypatch, chunk
     ``chunk=1``: one output unit (factored) or one parameter (dense) per slice;
     ``300``: several. A per-parameter prior precision takes the per-entry path.
     """
-    import lowrank_laplace.posterior.predictive as predictive
+    from lowrank_laplace.factor import weights
 
     ours, full, X = fit_pair("mlp-classification")
-    monkeypatch.setattr(predictive, "_WIDE_CHUNK", chunk)
+    monkeypatch.setattr(weights, "WIDE_ENTRIES", chunk)
     prior = torch.linspace(0.5, 2.0, ours.n_params, dtype=torch.float64)
     for prec in (0.9, prior):
         ours.prior_precision = full.prior_precision = prec
@@ -492,7 +495,7 @@ def _halves(X, y, cut=14, batch_size=5):
 def test_online_update_equals_full_laplace_online(name, dense, monkeypatch):
     """fit(A); move the parameters; fit(B, override=False) as laplace-torch's FullLaplace."""
     if dense:
-        monkeypatch.setattr(options, "DEFAULT_DENSE_MAX_DIM", 2048)
+        set_tuning(monkeypatch, dense_max_dim=2048)
     model, likelihood, X, y, _ = make_problem(name)
     first, second = _halves(X, y)
     ours = Laplace(model, likelihood, subset_of_weights="all", hessian_structure="lowrank_ggn",
@@ -520,11 +523,12 @@ def test_online_update_equals_full_laplace_online(name, dense, monkeypatch):
     torch.testing.assert_close(ours(X[:4], pred_type="glm"), full(X[:4], pred_type="glm"), **TOL)
 
 
-def test_online_update_truncated_merges_the_two_fits():
+def test_online_update_truncated_merges_the_two_fits(tune):
     """Truncated: the top-r of the two rank-r fits' sum, with the exact residual diagonal."""
     model, likelihood, X, y, _ = make_problem("cnn-regression", n=40)
     first, second = _halves(X, y, cut=22)
-    kwargs = dict(rank=4, oversampling=3, residual="diagonal")
+    tune(oversampling=0.75)
+    kwargs = dict(rank=4, residual="diagonal")
     parts = [LowRankGGNLaplace(model, likelihood, **kwargs) for _ in range(2)]
     parts[0].fit(first)
     parts[1].fit(second)
@@ -581,12 +585,14 @@ def test_errors():
     last = LowRankGGNLLLaplace(model, likelihood)
     with pytest.raises(ValueError, match="override=False"):  # as laplace-torch's LLLaplace
         last.fit(loader, override=False)
-    from laplace.curvature import BackPackEF, BackPackGGN, CurvlinopsEF
+    from laplace.curvature import BackPackEF, BackPackGGN, CurvlinopsEF, CurvlinopsHessian
 
     for cls in (LowRankGGNLaplace, LowRankGGNLLLaplace):
         for ef in (BackPackEF, CurvlinopsEF):
             with pytest.raises(ValueError, match=f"backend={ef.__name__} asks for the empir"):
                 cls(model, likelihood, backend=ef)
+        with pytest.raises(ValueError, match="backend=CurvlinopsHessian asks for the Hessian"):
+            cls(model, likelihood, backend=CurvlinopsHessian)
         with pytest.raises(ValueError, match="pass mc_samples=1"):
             cls(model, likelihood, backend=BackPackGGN, backend_kwargs={"stochastic": True})
         cls(model, likelihood, backend=BackPackGGN, backend_kwargs={"stochastic": True},
@@ -608,7 +614,7 @@ def test_errors():
         LowRankGGNLaplace(model, likelihood, subsample_fraction=1.5)
     bad = X.clone()
     bad[0, 0] = float("nan")
-    with pytest.raises(ValueError, match="loss is not finite"):
+    with pytest.raises(ValueError, match="hold NaN or infinite values"):
         la.fit(DataLoader(TensorDataset(bad, y), batch_size=4))
 
 
@@ -637,10 +643,11 @@ def test_exported_names():
     assert not hasattr(lowrank_laplace.factor, "FactorEngine")
 
 
-def test_diagonal_correction_against_dense_reference():
+def test_diagonal_correction_against_dense_reference(tune):
     model, likelihood, X, y, loader = make_problem("cnn-regression", n=40, batch_size=16)
     full = fit_reference(FullLaplace(model, likelihood), loader)
-    la = LowRankGGNLaplace(model, likelihood, rank=5, oversampling=40, residual="diagonal")
+    tune(oversampling=8.0)
+    la = LowRankGGNLaplace(model, likelihood, rank=5, residual="diagonal")
     la.fit(loader)
     U, lam = la.H
     residual = full.H.diagonal() - (U**2) @ lam

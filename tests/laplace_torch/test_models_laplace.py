@@ -63,14 +63,14 @@ def test_full_rank_equals_full_laplace(name, no_mha_fastpath):
 
 
 @pytest.mark.parametrize("name", ["transformer", "tied_params", "lstm"])
-def test_sketch_at_full_rank_equals_full_laplace(name, no_mha_fastpath, monkeypatch):
+def test_sketch_at_full_rank_equals_full_laplace(name, no_mha_fastpath, tune):
     """The sketch's Khatri-Rao test slices against the functorch backend's blocks
     (explicit ones get the formed slice): exact where the GGN's rank fits."""
     model, _, X, y = zoo_case(name, n=10)
     loader = DataLoader(TensorDataset(X, y), batch_size=4)
     # passes of 2 samples: one streaming merge must not cover the data
-    ours = Laplace(model, "classification", **KW, solver="sketch", micro_batch_size=2,
-                   dense_max_dim=0)
+    tune(dense_max_dim=0)
+    ours = Laplace(model, "classification", **KW, solver="sketch", micro_batch_size=2)
     ours.fit(loader)
     assert ours.fit_path == "sketch"
     check_equal(ours, fit_full(model, loader), X)

@@ -4,21 +4,35 @@ import dataclasses
 
 import pytest
 
-from lowrank_laplace.laplace_torch.options import LowRankOptions, SketchTestMatrix, SolverKind
-from lowrank_laplace.posterior import ResidualKind
+from lowrank_laplace.fitting.config import FitConfig, SolverKind
+from lowrank_laplace.laplace_torch.options import OPTION_NAMES, LowRankOptions
+from lowrank_laplace.posterior import probe
+from lowrank_laplace.posterior.residual import DiagonalResidual, SpectralResidual
 
 
 def test_defaults_and_normalisation():
     opts = LowRankOptions(rank=50)
-    assert opts.oversampling == 10 and opts.mc_samples == 0 and opts.dense_max_dim == 2048
-    assert opts.residual is ResidualKind.SPECTRAL and opts.residual == "spectral"
-    assert opts.solver is SolverKind.AUTO
-    assert opts.sketch_test_matrix is SketchTestMatrix.KRONECKER
-    assert repr(opts.residual) == "'spectral'" and str(opts.solver) == "auto"
+    assert opts.mc_samples == 0 and opts.residual == "spectral"
+    assert opts.residual_model is SpectralResidual
+    assert opts.solver is SolverKind.AUTO and str(opts.solver) == "auto"
     assert opts.track_diagonal and LowRankOptions(residual="diagonal").track_diagonal
+    assert LowRankOptions(residual="diagonal").residual_model is DiagonalResidual
     assert not LowRankOptions(residual="isotropic").track_diagonal
-    assert LowRankOptions(oversampling=0, solver="sketch").solver is SolverKind.SKETCH
+    assert opts.probe_inputs == probe.PROBE_SIZE
+    assert LowRankOptions(residual="none").probe_inputs == 0
+    assert LowRankOptions(solver="sketch").solver is SolverKind.SKETCH
     assert LowRankOptions(solver="streaming").solver is SolverKind.STREAMING
+    assert isinstance(opts, FitConfig)  # the same object goes down the fit
+
+
+def test_about_ten_options_a_user_decides():
+    """Tuning constants are module constants, not options; what the fit derives from
+    the residual model (diagonal, probe inputs) is not an option either."""
+    assert OPTION_NAMES == ("rank", "mc_samples", "subsample_fraction", "memory_budget",
+                            "micro_batch_size", "seed", "low_memory", "factor_backend",
+                            "solver", "residual", "warm_start")
+    with pytest.raises(TypeError):
+        LowRankOptions(track_diagonal=True)
 
 
 def test_memory_budget_forms_accepted():
@@ -36,17 +50,12 @@ def test_options_are_frozen():
     (dict(rank=0), "rank must be a positive integer"),
     (dict(rank=2.5), "rank must be a positive integer"),
     (dict(rank=True), "rank must be a positive integer"),
-    (dict(oversampling=-1), "oversampling must be a non-negative integer"),
     (dict(mc_samples=1.5), "mc_samples must be 0"),
     (dict(subsample_fraction=0.0), "subsample_fraction must lie in"),
     (dict(micro_batch_size=0), "micro_batch_size must be a positive integer"),
     (dict(residual="bogus"), "residual must be one of 'spectral', 'isotropic'"),
     (dict(solver="lanczos"), "solver must be one of 'auto', 'streaming', 'sketch'"),
-    (dict(sketch_test_matrix="rademacher"), "sketch_test_matrix must be one of"),
     (dict(factor_backend="jax"), "backend must be one of"),
-    (dict(dense_max_dim=-1), "dense_max_dim must be a non-negative integer"),
-    (dict(probe_size=-1), "probe_size must be a non-negative integer"),
-    (dict(probe_columns=0), "probe_columns must be a positive integer"),
     (dict(seed="a"), "seed must be an integer"),
     (dict(seed=1.0), "seed must be an integer"),
     (dict(memory_budget=float("nan")), "memory_budget=nan is not a size"),
@@ -63,11 +72,15 @@ def test_each_bad_option_has_its_error(kwargs, msg):
 def test_laplace_reads_its_options(mlp_laplace_args):
     from lowrank_laplace import LowRankGGNLaplace
 
-    la = LowRankGGNLaplace(*mlp_laplace_args, rank=7, solver="sketch", probe_columns=None)
-    assert (la.rank, la.oversampling, la.solver, la.probe_columns) == (7, 1, "sketch", None)
-    assert la.options == LowRankOptions(rank=7, solver="sketch", probe_columns=None)
+    la = LowRankGGNLaplace(*mlp_laplace_args, rank=7, solver="sketch", residual="none")
+    assert (la.rank, la.solver, la.residual, la.warm_start) == (7, "sketch", "none", True)
+    assert la.options == LowRankOptions(rank=7, solver="sketch", residual="none")
+    with pytest.raises(AttributeError):
+        la.rank = 8  # read-only: the options are validated once
     with pytest.raises(TypeError):
         LowRankGGNLaplace(*mlp_laplace_args, not_an_option=1)
+    with pytest.raises(TypeError):
+        LowRankGGNLaplace(*mlp_laplace_args, dense_max_dim=0)  # a module constant now
 
 
 @pytest.fixture

@@ -2,6 +2,9 @@
 adapters over dict batches, in laplace-torch's own recipe (a wrapper returning the
 logits, ``dict_key_y``), exact at full rank against ``FullLaplace(CurvlinopsGGN)``."""
 
+import copy
+import warnings
+
 import pytest
 import torch
 from laplace import FullLaplace, Laplace
@@ -70,16 +73,17 @@ def _reference(model, loader, **kwargs):
     return full
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("dense_max_dim", [0, 2048])
-def test_lora_gpt2_equals_full_laplace(attention, dense_max_dim):
+def test_lora_gpt2_equals_full_laplace(attention, dense_max_dim, tune):
     eager = lora_gpt2("eager")  # the reference's forward-mode products need eager
     ours_model = lora_gpt2(attention)
     ours_model.load_state_dict(eager.state_dict())
     loader = DataLoader(Sequences(12), batch_size=5)
+    tune(dense_max_dim=dense_max_dim)
     la = Laplace(ours_model, "classification", subset_of_weights="all",
-                 hessian_structure="lowrank_ggn", rank=10**4, prior_precision=0.5,
-                 dense_max_dim=dense_max_dim)
+                 hessian_structure="lowrank_ggn", rank=10**4, prior_precision=0.5)
     la.fit(loader)
     assert la.factor_backend_used == "hooks"
     assert la.fit_path == ("dense" if dense_max_dim else "streaming")
@@ -94,10 +98,12 @@ def test_lora_gpt2_equals_full_laplace(attention, dense_max_dim):
     assert not any(m._forward_hooks for m in ours_model.modules())
 
 
-def test_lora_gpt2_monte_carlo_and_sketch_fits_run_on_the_hooks_backend():
+@pytest.mark.slow
+def test_lora_gpt2_monte_carlo_and_sketch_fits_run_on_the_hooks_backend(tune):
     model = lora_gpt2("sdpa")
     loader = DataLoader(Sequences(20), batch_size=8)
-    for kwargs in (dict(mc_samples=1), dict(solver="sketch", rank=8, dense_max_dim=0)):
+    tune(dense_max_dim=0)
+    for kwargs in (dict(mc_samples=1), dict(solver="sketch", rank=8)):
         la = Laplace(model, "classification", subset_of_weights="all",
                      hessian_structure="lowrank_ggn", **kwargs)
         la.fit(loader)
@@ -116,7 +122,7 @@ def test_bad_inputs_fail_before_any_work_with_the_way_out():
         la.fit(loader)
     la = Laplace(model, "classification", subset_of_weights="all",
                  hessian_structure="lowrank_ggn", dict_key_y="label")
-    with pytest.raises(ValueError, match=r"dict_key_y='label' \(keys: \['attention_mask'"):
+    with pytest.raises(KeyError, match=r"dict_key_y='label' \(keys: \['attention_mask'"):
         la.fit(loader)
     padded = Sequences(8)
     padded.mask[3] = 0
@@ -137,3 +143,42 @@ class _ModelOutput(nn.Module):
 
     def forward(self, batch):
         return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+
+
+@pytest.mark.parametrize("solver", ["auto", "streaming", "sketch", "low_memory"])
+def test_bfloat16_base_with_float32_adapters(tune, solver):
+    """As LLM users load them: a bfloat16 model, PEFT's float32 LoRA adapters and a
+    bfloat16 head trained beside them. Every path fits, the spectral residual's probe
+    included, and the posterior (its prior, its probabilities) is the Laplace parameters'
+    float32, as a float64 copy of the same network says to bfloat16's precision."""
+    tune(dense_max_dim=0)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16, num_labels=3,
+        pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    base = transformers.GPT2ForSequenceClassification(config).to(torch.bfloat16)
+    lora = peft.LoraConfig(r=2, target_modules=["c_attn"], modules_to_save=["score"],
+                           task_type="SEQ_CLS")
+    model = Logits(peft.get_peft_model(base, lora)).eval()
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    assert dtypes == {torch.bfloat16, torch.float32}  # adapters float32, head bfloat16
+    options = dict(rank=8, solver=solver) if solver != "low_memory" else \
+        dict(rank=8, solver="streaming", low_memory=True)
+    if solver == "sketch":
+        options["micro_batch_size"] = 4
+    loader = DataLoader(Sequences(40), batch_size=8)
+    la = Laplace(model, "classification", subset_of_weights="all",
+                 hessian_structure="lowrank_ggn", **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a small sketch may say it has not converged
+        la.fit(loader)
+    la.optimize_prior_precision(method="marglik", n_steps=20)
+    probs = la(next(iter(loader)), pred_type="glm", link_approx="probit")
+    assert la.prior_precision.dtype == probs.dtype == torch.float32
+    assert la.H[0].dtype == torch.float32 and la.measured_complement is not None
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(1), torch.ones(8))
+    wide = copy.deepcopy(model).double()
+    ref = Laplace(wide, "classification", subset_of_weights="all",
+                  hessian_structure="lowrank_ggn", rank=8, solver="streaming")
+    ref.fit(loader)
+    assert abs(float(la.trace / ref.trace) - 1) < 0.05  # bfloat16 activations

@@ -73,12 +73,15 @@ def full_laplace_errors(example):
 ], ids=["dense", "streaming", "sketch"])
 @pytest.mark.parametrize("rank", [{"rank": 151}, {}], ids=["full-rank", "default-rank"])
 def test_glm_variance_within_twice_full_laplaces_float32_error(example, full_laplace_errors,
-                                                               path, rank):
+                                                               path, rank, tune):
     """Float32 is no further from float64 than twice FullLaplace's own float32 error.
 
     (Measured: about 1e-5 where FullLaplace is off by 4e-4 / 3e-3 / 1e-2 at the three
     priors; the fit dropped 14 of the 26 eigenpairs float64 resolves before.)
     """
+    path = dict(path)
+    if "dense_max_dim" in path:
+        tune(dense_max_dim=path.pop("dense_max_dim"))
     errors = _errors(example, "lowrank_ggn", **path, **rank)
     if "solver" in path:
         la = _laplace(example, torch.float32, "lowrank_ggn", **path, **rank)
@@ -202,44 +205,45 @@ def test_full_rank_posterior_variance_at_tiny_prior():
 
 def _record_passes(monkeypatch):
     """The plans of the fit's passes over the loader, in order."""
-    from lowrank_laplace.laplace_torch import fit as fit_module
+    from lowrank_laplace.fitting.fit import LoaderFit
 
-    plans, stream = [], fit_module._stream
+    plans, one_pass = [], LoaderFit._pass
 
-    def recorded(*args, **kwargs):
-        out = stream(*args, **kwargs)
-        plans.append(out[0].plan)
+    def recorded(self, *args, **kwargs):
+        out = one_pass(self, *args, **kwargs)
+        plans.append(self.plan)
         return out
 
-    monkeypatch.setattr(fit_module, "_stream", recorded)
+    monkeypatch.setattr(LoaderFit, "_pass", recorded)
     return plans
 
 
 def test_a_float32_sketch_that_rounds_kept_eigenvalues_is_redone_in_float64(example,
-                                                                            monkeypatch):
+                                                                            monkeypatch, tune):
     """The example's spectrum spans ten decades: its float32 sketch rounds the smallest
     kept eigenvalues, so the fit passes over the data again, accumulating in float64
     (and is then as accurate as the float64 model's sketch, see above)."""
     plans = _record_passes(monkeypatch)
-    la = _laplace(example, torch.float32, "lowrank_ggn", dense_max_dim=0, solver="sketch",
-                  micro_batch_size=32)
+    tune(dense_max_dim=0)
+    la = _laplace(example, torch.float32, "lowrank_ggn", solver="sketch", micro_batch_size=32)
     assert la.fit_path == "sketch" and la.H[0].dtype == torch.float32
     assert [(p.sketch_dtype, p.widen) for p in plans] == [(None, True),
                                                           (torch.float64, False)]
 
 
-def test_a_float32_sketch_clear_of_its_rounding_is_kept_after_one_pass(monkeypatch):
+def test_a_float32_sketch_clear_of_its_rounding_is_kept_after_one_pass(monkeypatch, tune):
     """A spectrum well above float32 rounding: one float32 pass, eigenvalues as a float64
     model's (the GGN's rank, 12, is below the sketch's 15 columns: both are exact)."""
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
     X, y = torch.randn(4, 5, dtype=torch.float64), torch.tensor([0, 1, 2, 1])
     lams = {}
+    tune(dense_max_dim=0, oversampling=2.0)
     for dtype in (torch.float64, torch.float32):
         plans = _record_passes(monkeypatch)
         la = Laplace(copy.deepcopy(model).to(dtype), "classification", subset_of_weights="all",
-                     hessian_structure="lowrank_ggn", rank=5, oversampling=10, solver="sketch",
-                     micro_batch_size=2, dense_max_dim=0)
+                     hessian_structure="lowrank_ggn", rank=5, solver="sketch",
+                     micro_batch_size=2)
         la.fit(DataLoader(TensorDataset(X.to(dtype), y), batch_size=2))
         assert la.fit_path == "sketch" and len(plans) == 1
         lams[dtype] = la.H[1].double()

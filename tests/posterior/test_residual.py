@@ -13,7 +13,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lowrank_laplace import LowRankGGNLaplace
-from lowrank_laplace.posterior.residual import Residual, jacobian_exponent, power_law_tail
+from lowrank_laplace.posterior import probe
+from lowrank_laplace.posterior.probe import jacobian_exponent
+from lowrank_laplace.posterior.residual import DiagonalResidual, DroppedCurvature, power_law_tail
+from tests.conftest import set_tuning
 from tests.laplace_torch.test_laplace import fit_reference, make_problem
 
 TOL = dict(rtol=1e-6, atol=1e-9)
@@ -38,12 +41,17 @@ def test_power_law_tail():
     assert power_law_tail(1.0, 1.0, 3, 0).numel() == 0
 
 
-def _fit(residual, prior_kind="scalar", name="mlp-classification", rank=6, n=40, **options):
+def _fit(residual, prior_kind="scalar", name="mlp-classification", rank=6, n=40, **tuning):
+    """A fitted posterior (oversampled merges: near-exact eigenpairs) and FullLaplace.
+
+    ``tuning``: the probe's constants for this fit (``probe_size``, ...).
+    """
     model, likelihood, X, y, loader = make_problem(name, n=n, batch_size=16)
     full = fit_reference(FullLaplace(model, likelihood), loader)
-    la = LowRankGGNLaplace(model, likelihood, rank=rank, oversampling=30, residual=residual,
-                           **options)
-    la.fit(loader)
+    with pytest.MonkeyPatch.context() as patch:
+        set_tuning(patch, oversampling=30 / rank, **tuning)
+        la = LowRankGGNLaplace(model, likelihood, rank=rank, residual=residual)
+        la.fit(loader)
     if prior_kind == "scalar":
         prior = torch.tensor(0.7, dtype=torch.float64)
     elif prior_kind == "layer":
@@ -58,7 +66,7 @@ def _fit(residual, prior_kind="scalar", name="mlp-classification", rank=6, n=40,
 def reference_exponent(la, full, X):
     """``beta``: slope of log Jacobian energy on log eigenvalue over the kept pairs."""
     U, lam = la.H
-    Js, _ = full.backend.jacobians(X[: la.probe_size])
+    Js, _ = full.backend.jacobians(X[: la.options.probe_inputs])
     energy = ((Js @ U) ** 2).sum((0, 1))
     x, y = lam.log().numpy(), energy.log().numpy()
     return min(max(float(np.polyfit(x, y, 1)[0]), 0.0), 1.0)
@@ -75,7 +83,7 @@ def reference_measured_variance(la, full, X, h, delta):
     """
     U, lam = la.H
     D = U.shape[0]
-    N, m = len(X), min(la.probe_size, len(X))
+    N, m = len(X), min(la.options.probe_inputs, len(X))
     Js, f = full.backend.jacobians(X[:m])  # (m, C, D)
     if la.likelihood == "classification":
         p = f.softmax(-1)
@@ -231,7 +239,7 @@ def test_residual_models_against_dense_reference(residual, prior_kind):
 
 @pytest.mark.parametrize("prior_kind", ["scalar", "layer"])
 @pytest.mark.parametrize("residual", ["isotropic", "spectral"])
-def test_marglik_gradients_against_dense_reference(residual, prior_kind):
+def test_marglik_gradients_against_dense_reference(residual, prior_kind, tune):
     """Gradients in the prior precision and in sigma_noise (regression).
 
     A small posterior's gradient runs on one thread through its own backward
@@ -239,7 +247,8 @@ def test_marglik_gradients_against_dense_reference(residual, prior_kind):
     """
     model, likelihood, X, y, loader = make_problem("mlp-regression", n=40, batch_size=16)
     full = fit_reference(FullLaplace(model, likelihood), loader)
-    la = LowRankGGNLaplace(model, likelihood, rank=5, oversampling=30, residual=residual)
+    tune(oversampling=6.0)
+    la = LowRankGGNLaplace(model, likelihood, rank=5, residual=residual)
     la.fit(loader)
     for la_ in (la, full):
         la_.prior_precision = 0.9
@@ -323,7 +332,8 @@ def test_bad_residual_options():
         LowRankGGNLaplace(model, "classification", residual="isotropic",
                           diagonal_correction=True)
     with pytest.raises(ValueError, match="needs the residual diagonal"):
-        Residual.from_fit("diagonal", torch.ones(2), torch.tensor(3.0), 5, 5)
+        DiagonalResidual.from_fit(DroppedCurvature(torch.eye(5, 2), torch.ones(2),
+                                                   torch.tensor(3.0), 5))
 
 
 def test_online_update_keeps_the_rank_bound_growing():
@@ -365,6 +375,7 @@ def heldout_nll(la):
     return float(nn.functional.nll_loss(probs.log(), y_test))
 
 
+@pytest.mark.slow
 def test_default_posterior_tracks_the_full_ggn_on_real_data():
     """Real data (sklearn digits), default residual, rank 5% of D: the marglik prior
     within 25% of the full GGN's and the held-out NLL within 10% of its NLL."""
@@ -389,6 +400,7 @@ def test_default_posterior_tracks_the_full_ggn_on_real_data():
     assert abs(quality["none"] - 1) > abs(quality["spectral"] - 1), quality
 
 
+@pytest.mark.slow
 def test_layerwise_priors_track_the_full_ggn_on_real_data():
     """Real data, rank 5% of D: each layer's marglik prior within 25% of the full GGN's.
 
@@ -534,7 +546,8 @@ def test_float32_glm_predictive_matches_float64(likelihood):
 
 
 def test_gram_cache_recomputes_for_a_new_or_changed_basis():
-    from lowrank_laplace.posterior import GramCache, wide_gram
+    from lowrank_laplace.posterior import GramCache
+    from lowrank_laplace.utils.linalg import wide_inner
 
     torch.manual_seed(0)
     U = torch.linalg.qr(torch.randn(300, 7))[0]  # float32
@@ -546,14 +559,15 @@ def test_gram_cache_recomputes_for_a_new_or_changed_basis():
     U.mul_(2)  # in place: a new version
     torch.testing.assert_close(cache.get(U), 4 * first, rtol=1e-12, atol=1e-12)
     V = torch.randn(300, 7)
-    torch.testing.assert_close(cache.get(V), wide_gram(V), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(cache.get(V), wide_inner(V), rtol=1e-12, atol=1e-12)
 
 
 
-def test_exact_probe_gives_the_reference_exponent(monkeypatch):
+def test_exact_probe_gives_the_reference_exponent(monkeypatch, tune):
     """With ``probe_columns=None`` the energies are exact (all output directions)."""
     model, likelihood, X, y, loader = make_problem("mlp-classification", n=40, batch_size=16)
-    la = LowRankGGNLaplace(model, likelihood, rank=6, probe_columns=None)
+    tune(probe_columns=None)
+    la = LowRankGGNLaplace(model, likelihood, rank=6)
     la.fit(loader)
     full = fit_reference(FullLaplace(model, likelihood), loader)
     assert la.jacobian_exponent == pytest.approx(reference_exponent(la, full, X), rel=1e-6,
@@ -577,7 +591,7 @@ def test_projected_energies_are_unbiased():
     assert (draws.std(0) > 0.01 * exact).all()  # random, not the exact pass
 
 
-def test_probe_draws_are_private_and_reproducible(monkeypatch):
+def test_probe_draws_are_private_and_reproducible(monkeypatch, tune):
     """256 probe inputs of a 10-class model carry 2 random output combinations each:
     drawn in the fit's private stream (same exponent twice, the caller's generator
     untouched) and close to the exact energies' exponent."""
@@ -596,7 +610,8 @@ def test_probe_draws_are_private_and_reproducible(monkeypatch):
     second.fit(loader)
     # same draws (numerically: BLAS may round the same sums differently by the 1e-15)
     assert second.jacobian_exponent == pytest.approx(first.jacobian_exponent, rel=1e-9)
-    exact = LowRankGGNLaplace(model, "classification", rank=20, probe_columns=None)
+    tune(probe_columns=None)
+    exact = LowRankGGNLaplace(model, "classification", rank=20)
     exact.fit(loader)
     assert 0 < exact.jacobian_exponent < 1
     assert first.jacobian_exponent != exact.jacobian_exponent  # the random path ran
@@ -624,7 +639,50 @@ def test_a_fit_under_a_layerwise_prior_does_not_measure_the_complement():
     layers = len(list(model.parameters()))
     la = LowRankGGNLaplace(model, likelihood, rank=6, prior_precision=torch.ones(layers))
     la.fit(loader)
-    assert la.measured_complement is None and la.options.measure_complement
+    assert la.measured_complement is None and probe.MEASURE_COMPLEMENT
     la.prior_precision = 1.0
     la.fit(loader)
     assert la.measured_complement is not None
+
+
+def test_probe_predictive_variance_is_the_dense_posteriors():
+    """The rank check's variance: the trace of ``J P^{-1} J^T`` for the precision with
+    ``h lambda + delta`` on the kept directions and ``1 / v`` outside them."""
+    from lowrank_laplace.posterior.complement import MeasuredComplement
+    from lowrank_laplace.posterior.probe import ProbeColumns, predictive_variance
+
+    torch.manual_seed(0)
+    D, r, m, C, h, delta = 30, 4, 5, 3, 0.7, 0.4
+    U = torch.linalg.qr(torch.randn(D, r, dtype=torch.float64))[0]
+    lam = torch.tensor([9.0, 5.0, 2.0, 1.0], dtype=torch.float64)
+    J = torch.randn(C * m, D, dtype=torch.float64)  # rows (c, n)
+    # a measurement whose variance is one value: all energy on one resolved eigenvalue
+    energy = torch.tensor(1.0, dtype=torch.float64)
+    complement = MeasuredComplement(torch.tensor([0.6], dtype=torch.float64), energy[None],
+                                    None, None, energy, 1.0)
+    v = float(complement.variance(torch.tensor(h), torch.tensor(delta), float(lam[-1])))
+    P = U @ torch.diag(h * lam + delta) @ U.T + (torch.eye(D, dtype=torch.float64)
+                                                  - U @ U.T) / v
+    dense = (J @ torch.linalg.inv(P) * J).sum(1).reshape(C, m).sum(0)
+    probe = ProbeColumns((J**2).sum(1), J @ U, C)
+    torch.testing.assert_close(predictive_variance(probe, (lam, complement), (h, delta)),
+                               dense, rtol=1e-10, atol=1e-12)
+
+
+def test_fit_report_says_what_ran_and_survives_the_state_dict(tune):
+    tune(dense_max_dim=0)
+    model, likelihood, X, y, loader = make_problem("mlp-classification", n=80, batch_size=16)
+    la = LowRankGGNLaplace(model, likelihood, rank=6, solver="streaming")
+    assert la.fit_report is None and repr(la).startswith("LowRankGGNLaplace(rank=6")
+    la.fit(loader)
+    report = la.fit_report
+    assert (report.rank, report.fit_path, report.residual) == (6, "streaming", "spectral")
+    assert report.kept_fraction == pytest.approx(float(la.kept_fraction))
+    assert report.check is None and 0 <= report.variance_change < 10
+    assert "kept share of the GGN trace" in repr(la) and "from rank 3 to 6" in str(report)
+    other = LowRankGGNLaplace(model, likelihood, rank=6, solver="streaming")
+    other.load_state_dict(la.state_dict())
+    assert other.fit_report == report
+    iso = LowRankGGNLaplace(model, likelihood, rank=6, residual="isotropic")
+    iso.fit(loader)
+    assert iso.fit_report.variance_change is None  # no probe pass

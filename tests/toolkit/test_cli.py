@@ -14,6 +14,7 @@ from lowrank_laplace.toolkit.cli import build_parser, main
 TINY = ["spectrum", "--epochs", "0", "--batch-size", "24", "--top-k", "3", "--model", "mlp"]
 
 
+@pytest.mark.slow
 def test_spectrum_writes_report(tmp_path, capsys):
     assert main(TINY + ["--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -44,9 +45,10 @@ def _numeric_options():
     cases = []
     for name, sub in build_parser()._subparsers._group_actions[0].choices.items():
         for action in sub._actions:
-            if action.type in (cli.POSITIVE, cli.NONNEGATIVE, cli.SEED):
-                bad = ["-1", "abc", "1.5", "nan"] + (["0"] if action.type is cli.POSITIVE else [])
-                bad += [str(2**32)] if action.type is cli.SEED else []
+            if action.type in (options.POSITIVE, options.NONNEGATIVE, options.SEED):
+                bad = ["-1", "abc", "1.5", "nan"] + (["0"] if action.type is options.POSITIVE
+                                                     else [])
+                bad += [str(2**32)] if action.type is options.SEED else []
                 cases += [(name, action.option_strings[0], v) for v in bad]
             elif action.dest == "ranks":
                 cases += [(name, "--ranks", v) for v in ("0", "abc", "10,-1", ",", "2.5")]
@@ -96,17 +98,33 @@ def test_numeric_nonsense_exits_2_as_a_command():
         "got '0' (see lowrank-laplace calibrate --help)"]
 
 
-@pytest.mark.parametrize("field, value", [
-    ("rank", 0), ("epochs", -1), ("n_train", -5), ("batch_size", 0), ("mc_samples", -1),
-    ("n_test", 2.5), ("seed", -3), ("angles", [0.0, float("nan")]), ("angles", []),
-    ("solver", "lanczos"), ("rank", 3659), ("mc_samples", 11), ("methods", ["map", "map"]),
+@pytest.mark.parametrize("field, value, message", [
+    ("rank", 0, "rank"), ("epochs", -1, "epochs"), ("n_train", -5, "n_train"),
+    ("batch_size", 0, "batch_size"), ("mc_samples", -1, "mc_samples"), ("n_test", 2.5, "n_test"),
+    ("seed", -3, "seed"), ("angles", [0.0, float("nan")], "angles"), ("angles", [], "angles"),
+    ("solver", "lanczos", "solver"), ("rank", 3659, "rank"), ("mc_samples", 11, "mc_samples"),
+    ("methods", ["map", "map"], "listed twice"), ("seed", 2**32, "seed"),
+    ("epochs", "3", "invalid epochs '3'"), ("out", "", "use --out . for the current folder"),
 ])
-def test_calibration_config_checked_before_any_work(field, value, tmp_path):
+def test_calibration_config_checked_before_any_work(field, value, message, tmp_path):
     config = calibration.CalibrationConfig(dataset="digits", out=str(tmp_path / "out"))
     setattr(config, field, value)
-    with pytest.raises(calibration.UserError, match={"methods": "listed twice"}.get(field, field)):
+    with pytest.raises(calibration.UserError, match=message):
         calibration.run(config)
     assert not (tmp_path / "out").exists()
+
+
+def test_config_defaults_are_the_commands(tmp_path):
+    # the configs and the parser read their defaults from the same option table
+    args = build_parser().parse_args(["calibrate"])
+    config = calibration.CalibrationConfig()
+    assert config.angles == args.angles and config.out == str(args.out) == "results"
+    assert (config.rank, config.epochs, config.weight_decay) == (args.rank, 30, 10.0)
+    study = rank_study.RankStudyConfig()
+    assert study.ranks == [10, 30, 100, 300, 1000] and study.angles == [0.0, 60.0, 90.0]
+    assert study.residuals == list(options.RESIDUAL_MODELS) and study.methods is None
+    options.check_study(rank_study.RankStudyConfig(  # sequences may be tuples
+        dataset="digits", angles=(0, 45), ranks=(4,), residuals=("none",), out=str(tmp_path)))
 
 
 def test_help_shows_every_default(monkeypatch):
@@ -136,6 +154,7 @@ def test_spectrum_top_k_beyond_the_subsample(capsys):
     assert "--top-k must be at most 3" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_command_output_has_no_warnings(tmp_path):
     # a fresh process: import-time warnings count too
     proc = subprocess.run([sys.executable, "-W", "default", "-m", "lowrank_laplace"] + TINY
@@ -145,6 +164,7 @@ def test_command_output_has_no_warnings(tmp_path):
     assert "Warning" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_library_import_keeps_warning_filters():
     # third-party packages add their own filters when imported; ours adds none
     code = ("import warnings, torch, numpy, scipy, sklearn, backpack, torchmetrics\n"
@@ -177,7 +197,11 @@ def test_command_restores_warning_filters(tmp_path):
     (["--model", "resnet"], "unknown model 'resnet'"),
     (["--batch-size", "3"], "--batch-size must lie in"),
 ])
-def test_user_errors_are_one_line(args, message, capsys):
+def test_user_errors_are_one_line(args, message, capsys, monkeypatch):
+    def no_data(*args, **kwargs):
+        raise AssertionError("data loaded before the options were checked")
+
+    monkeypatch.setattr(spectrum_demo, "load_digits", no_data)
     assert main(TINY + args) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
@@ -222,7 +246,7 @@ def test_parsing_imports_no_command():
 def test_residual_names_match_the_library():
     from lowrank_laplace.posterior.residual import RESIDUALS
 
-    assert options.RESIDUAL_MODELS == RESIDUALS
+    assert options.RESIDUAL_MODELS == tuple(RESIDUALS)
     assert build_parser().parse_args(["rank-study"]).residuals == ",".join(RESIDUALS)
 
 
@@ -230,6 +254,7 @@ CAL = ["calibrate", "--dataset", "digits", "--epochs", "1", "--n-train", "300", 
        "--rank", "20", "--angles", "0,45"]
 
 
+@pytest.mark.slow
 def test_calibrate_marglik_trained_row(tmp_path, capsys):
     """The opt-in row trains its own network with marglik_training and its posterior."""
     assert main(CAL + ["--out", str(tmp_path), "--methods", "map,lowrank_ggn_marglik"]) == 0
@@ -245,6 +270,7 @@ def test_calibrate_marglik_trained_row(tmp_path, capsys):
 SCHEMA_ID = {"accuracy", "nll", "ece", "mce", "brier", "confidence"}
 
 
+@pytest.mark.slow
 def test_calibrate_end_to_end(tmp_path, capsys):
     ckpt = tmp_path / "cnn.pt"
     with warnings.catch_warnings(record=True) as caught:
@@ -332,6 +358,7 @@ def test_calibrate_cuda_absent(tmp_path, capsys):
     assert "CUDA is not available" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_option_tables_match_the_studies():
     # repeated in options so that the checks need no torch
     from lowrank_laplace.toolkit import datasets, training
@@ -341,6 +368,7 @@ def test_option_tables_match_the_studies():
         assert sum(p.numel() for p in training.make_cnn(name).parameters()) == count
         y = datasets.image_split(name).test[1]
         assert len(set(y.tolist())) == options.NUM_CLASSES
+    assert len(datasets.load_images("digits")[1]) == options.DIGITS_SIZE
 
 
 @pytest.fixture
@@ -480,13 +508,14 @@ def test_wrong_checkpoint_refused_before_loading_data(tmp_path, capsys, monkeypa
 def test_limits_accepted(argv, tmp_path, monkeypatch):
     # the largest values the checks take reach the command, with the options as given
     seen = []
-    for name in ("calibrate", "rank_study_command", "spectrum"):
-        monkeypatch.setattr(cli, name, seen.append)
+    for name, command in cli.COMMANDS.items():
+        monkeypatch.setitem(cli.COMMANDS, name, command._replace(
+            run=lambda checked, name=name: seen.append((name, checked))))
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + ["--out", str(tmp_path / "o")]
     assert main(argv) == 0
-    assert [args.command for args in seen] == [argv[0]]
+    assert [name for name, _ in seen] == [argv[0]]
     if argv[0] == "calibrate":
-        config = cli._calibration_config(seen[0])
+        config = seen[0][1]
         assert config.methods == (["full_all"] if "full_all" in argv else None)
         assert config.out == str(tmp_path / "o") and (tmp_path / "o").is_dir()
 
@@ -494,9 +523,10 @@ def test_limits_accepted(argv, tmp_path, monkeypatch):
 def test_out_dot_is_the_current_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     seen = []
-    monkeypatch.setattr(cli, "calibrate", seen.append)
+    monkeypatch.setitem(cli.COMMANDS, "calibrate", cli.COMMANDS["calibrate"]._replace(
+        run=seen.append))
     assert main(["calibrate", "--out", "."]) == 0
-    assert cli._calibration_config(seen[0]).out == "."
+    assert seen[0].out == "."
 
 
 def test_library_refuses_what_the_command_refuses(tmp_path):

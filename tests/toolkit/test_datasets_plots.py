@@ -6,6 +6,7 @@ import torch
 from lowrank_laplace.toolkit import datasets, plots
 
 
+@pytest.mark.slow
 def test_image_splits_are_seeded_and_disjoint():
     a = datasets.image_split("digits", seed=1)
     b = datasets.image_split("digits", seed=1)

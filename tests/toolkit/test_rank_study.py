@@ -12,6 +12,7 @@ STUDY = ["rank-study", "--dataset", "digits", "--epochs", "2", "--n-train", "300
          "--residuals", "spectral,diagonal,none"]
 
 
+@pytest.mark.slow
 def test_rank_study_end_to_end(tmp_path, capsys):
     assert main(STUDY + ["--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -41,6 +42,7 @@ def test_rank_study_end_to_end(tmp_path, capsys):
     assert cal.rank == 100  # the calibration study's default rank is a point of the study
 
 
+@pytest.mark.slow
 def test_rank_study_of_the_marglik_trained_network(tmp_path, capsys):
     """Every posterior keeps the layerwise priors marglik_training learned."""
     study = STUDY[:STUDY.index("--residuals")] + ["--residuals", "spectral", "--epochs", "1",

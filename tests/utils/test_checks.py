@@ -306,13 +306,16 @@ def test_predict_on_an_empty_batch():
         la(X[:0], pred_type="glm")
 
 
-def test_user_hooks_do_not_fire_in_internal_passes(mlp):
+def test_user_backward_hooks_do_not_fire_in_internal_passes(mlp):
+    """Forward hooks are part of the function (these only look, so BackPACK keeps them);
+    backward hooks are not, and none of the user's hooks is removed or added."""
     from torch.utils.data import DataLoader, TensorDataset
 
     model, loss, X, y = mlp
-    calls = []
-    handles = [model.register_forward_hook(lambda *a: calls.append("model")),
-               model[0].register_forward_pre_hook(lambda *a: calls.append("layer"))]
+    calls, seen = [], []
+    handles = [model.register_forward_hook(lambda *a: seen.append("model")),
+               model[0].register_forward_pre_hook(lambda *a: seen.append("layer")),
+               model[0].register_full_backward_hook(lambda *a: calls.append("backward"))]
     for backend in ("backpack", "functorch"):
         ll.ggn_eigh(model, loss, X, y, low_memory=True, backend=backend)
         la = ll.LowRankGGNLaplace(model, "classification", factor_backend=backend)

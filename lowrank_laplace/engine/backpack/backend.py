@@ -1,29 +1,17 @@
-r"""The BackPACK backend: ``V`` of a mini-batch in one backward pass.
+"""The BackPACK backend: ``V`` of a mini-batch in one backward pass (docs/concepts.md).
 
-BackPACK's ``SqrtGGNExact`` / ``SqrtGGNMC`` extensions deliver ``V`` block by block
-for each parameter during one backward pass; an extension hook hands each block to
-the :class:`~lowrank_laplace.engine.base.Collector` right away, so blocks that are
-only needed for Gram quantities or projections are freed inside the backward pass,
-and ``nn.Linear`` weights stay factored. BackPACK needs every operation to be a
-module it knows, each called once, and each parameter owned by one module: models
-outside that class go to the torch.func backend (:mod:`~lowrank_laplace.engine.functorch`).
-This is the only module that imports BackPACK besides its extensions.
-
-Sub-sampling: with ``subsampling=S`` the curvature is that of the loss evaluated on
-the samples ``S`` only, with the loss's own reduction (``1/|S|`` for ``'mean'``),
-while gradients still use the whole batch.
-
-Shape glossary:
-    N: batch size; N_S: number of curvature samples (``len(subsampling)`` or N).
-    C: model outputs; M: columns of ``V`` (``C * N_S`` exact, ``mc_samples * N_S``).
+The only module importing BackPACK besides its extensions. With ``subsampling=S`` the
+curvature is that of the loss on ``S`` with its own reduction; gradients use the batch.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 import warnings
 from collections.abc import MutableMapping
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from backpack import backpack, extend
@@ -38,11 +26,31 @@ from lowrank_laplace.engine.backpack.extensions import (
     supported_modules,
 )
 from lowrank_laplace.engine.base import EngineBase
+from lowrank_laplace.engine.model_copy import function_hooks, removing
 from lowrank_laplace.engine.request import Collector
-from lowrank_laplace.factor.blocks import Block, DenseBlock, KronBlock
+from lowrank_laplace.factor import factor_columns
+from lowrank_laplace.factor.blocks import Block, DenseBlock
 from lowrank_laplace.utils import checks
 
 _ADAPTIVE_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
+
+#: Held by every BackPACK pass and change to its hooks: BackPACK's state (``CTX``) is
+#: process-wide. Re-entrant: a probe that fails closes the engine.
+_BACKPACK_LOCK = threading.RLock()
+
+
+def serialized(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Return the method, run holding the lock on BackPACK's globals.
+
+    Args:
+        method: A method of :class:`BackpackEngine`.
+    """
+    @functools.wraps(method)
+    def locked(*args, **kwargs):
+        with _BACKPACK_LOCK:
+            return method(*args, **kwargs)
+
+    return locked
 
 
 def check_model(model: nn.Module, supported: Sequence[type]) -> None:
@@ -50,7 +58,7 @@ def check_model(model: nn.Module, supported: Sequence[type]) -> None:
 
     Args:
         model: The network.
-        supported: Module classes with a BackPACK ``SqrtGGN`` extension.
+        supported: Module classes with a ``SqrtGGN`` extension.
 
     Raises:
         NotImplementedError: Naming the first unsupported layer or tied parameter.
@@ -60,8 +68,7 @@ def check_model(model: nn.Module, supported: Sequence[type]) -> None:
         raise NotImplementedError(
             f"Parameters {tied[0]} are one tied parameter used by several modules; "
             "BackPACK would treat each use as a parameter of its own. The functorch "
-            "backend handles tied weights exactly (backend='auto' or 'functorch')."
-        )
+            "backend handles tied weights exactly (backend='auto' or 'functorch').")
     for name, module in model.named_modules():
         name = name or type(model).__name__
         children = list(module.children())
@@ -71,8 +78,7 @@ def check_model(model: nn.Module, supported: Sequence[type]) -> None:
                 raise NotImplementedError(
                     f"Module {name!r} ({type(module).__name__}) owns parameters but "
                     "is not a layer BackPACK supports: use backend='functorch' (or "
-                    "'auto')."
-                )
+                    "'auto').")
             continue
         if isinstance(module, tuple(supported)) or is_no_op(module):
             continue
@@ -80,25 +86,19 @@ def check_model(model: nn.Module, supported: Sequence[type]) -> None:
             f"Layer {name!r} ({type(module).__name__}) is not supported by BackPACK's "
             "GGN factor extension: use backend='functorch' (or 'auto'), replace it "
             "with a supported layer, or compute the curvature of the layers after it "
-            "only (e.g. laplace-torch's subset_of_weights='last_layer')."
-        )
+            "only (e.g. laplace-torch's subset_of_weights='last_layer').")
 
 
 def checked_forward(model: nn.Module, inputs: Tensor) -> Tensor:
-    """Forward pass that verifies every operation is a module BackPACK sees.
+    """Return the output of a forward pass that verifies every operation is a module BackPACK sees.
 
     Args:
         model: The (private copy of the) network.
         inputs: Inputs.
 
-    Returns:
-        The model output.
-
     Raises:
-        NotImplementedError: If a module receives a tensor that no earlier module
-            produced (a functional operation such as ``torch.relu`` or ``x.view``
-            sits in between), a module is called twice, or an adaptive average
-            pooling's output size does not divide its input size.
+        NotImplementedError: For a functional operation between modules, a module
+            called twice, or an adaptive average pooling of unequal windows.
     """
     produced = {id(inputs)}
     keep_alive = [inputs]
@@ -114,16 +114,14 @@ def checked_forward(model: nn.Module, inputs: Tensor) -> Tensor:
             if isinstance(t, Tensor) and id(t) not in produced and not problems:
                 problems.append(
                     f"the input of {names[module]!r} ({type(module).__name__}) is not "
-                    "the output of another module"
-                )
+                    "the output of another module")
         if isinstance(module, _ADAPTIVE_POOLS) and not problems:
             spatial = inp[0].shape[2:]  # (N, C, *spatial)
             if any(i % o for i, o in zip(spatial, out.shape[2:])):
                 problems.append(
                     f"{names[module]!r} ({type(module).__name__}) maps input size "
                     f"{tuple(spatial)} to {tuple(out.shape[2:])}, which does not divide "
-                    "it (BackPACK needs equal pooling windows)"
-                )
+                    "it (BackPACK needs equal pooling windows)")
         outs = out if isinstance(out, tuple) else (out,)
         for t in outs:
             produced.add(id(t))
@@ -131,11 +129,8 @@ def checked_forward(model: nn.Module, inputs: Tensor) -> Tensor:
 
     leaves = [m for m in model.modules() if not list(m.children())]
     handles = [m.register_forward_hook(hook) for m in leaves]
-    try:
+    with removing(handles):
         outputs = model(inputs)
-    finally:
-        for h in handles:
-            h.remove()
     if id(outputs) not in produced and not problems:
         problems.append("the model output is not the output of a module")
     if problems:
@@ -143,21 +138,60 @@ def checked_forward(model: nn.Module, inputs: Tensor) -> Tensor:
             f"BackPACK cannot compute this model's GGN factor: {problems[0]}. The "
             "functorch backend can (backend='auto' or 'functorch'); for BackPACK use "
             "modules instead of functional operations (nn.ReLU, nn.Flatten, "
-            "backpack.custom_module.branching.Parallel/SumModule for residuals)."
-        )
+            "backpack.custom_module.branching.Parallel/SumModule for residuals).")
     return outputs
 
 
-class BackpackEngine(EngineBase):
-    """The BackPACK backend of :class:`~lowrank_laplace.engine.FactorEngine`.
+def probe_graph(net: nn.Module, sample: Tensor) -> Tuple[Optional[str], List[Tensor]]:
+    """Return what BackPACK's pass would miss: the first problem (or ``None``), unused parameters.
 
-    BackPACK needs hooks on every module: they are installed on the private copy at
-    the first pass and removed by :meth:`close`.
+    A module running with gradient tracking off (reentrant checkpointing, ``no_grad``)
+    gives it nothing; one running again in the backward pass overwrites what it read; a
+    trainable parameter the output does not depend on gets no block.
 
     Args:
-        model: The network; its output must have shape ``(N, C)``.
-        loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss`` with mean/sum reduction.
-        eval_mode: Evaluate in eval mode whatever the model's mode.
+        net: The extended network.
+        sample: One input sample ``(1, ...)``.
+
+    Raises:
+        RuntimeError: What the passes raise otherwise (e.g. in-place operations on views).
+    """
+    names = {m: n for n, m in net.named_modules()}
+    backward, problems = [False], []
+
+    def hook(module, args):
+        if backward[0]:
+            problems.append(f"module {names[module]!r} runs again in the backward pass "
+                            "(gradient checkpointing recomputes it)")
+        elif not torch.is_grad_enabled():
+            problems.append(f"module {names[module]!r} runs with gradient tracking off "
+                            "(torch.utils.checkpoint(..., use_reentrant=True), or "
+                            "torch.no_grad())")
+
+    handles = [m.register_forward_pre_hook(hook) for m in net.modules()
+               if not list(m.children())]
+    params = [p for p in net.parameters() if p.requires_grad]
+    grads = [None] * len(params)
+    with removing(handles):
+        try:
+            out = net(sample)
+            backward[0] = True
+            if isinstance(out, Tensor) and out.requires_grad and params:
+                with warnings.catch_warnings():  # BackPACK's hooks are installed but idle
+                    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                    grads = torch.autograd.grad(out.sum(), params, allow_unused=True)
+        except RuntimeError as err:
+            if not problems and "checkpoint" not in str(err):
+                raise
+            problems.append(f"gradient checkpointing ({err})")
+    return (problems[0] if problems else None,
+            [p for p, g in zip(params, grads) if g is None])
+
+
+class BackpackEngine(EngineBase):
+    """The BackPACK backend (arguments as :class:`~lowrank_laplace.engine.base.EngineBase`'s).
+
+    Its hooks go on the private copy at the first pass and stay until :meth:`close`.
     """
 
     backend = "backpack"
@@ -165,43 +199,46 @@ class BackpackEngine(EngineBase):
     def __init__(self, model: nn.Module, loss_func: nn.Module, eval_mode: bool = False):
         super().__init__(model, loss_func, eval_mode)
         self._handles = None  # BackPACK hooks, installed at the first pass
+        self._unused: set = set()  # trainable parameters the output ignores: zero blocks
 
     def _check_model(self, model: nn.Module, eval_mode: bool) -> None:
         checks.check_batchnorm_mode(model, eval_mode)
         check_model(model, supported_modules())
 
+    @serialized
     def probe(self, inputs: Any, targets: Optional[Tensor] = None) -> None:
-        """Check the forward pass on one sample, then install BackPACK's hooks.
+        """See :meth:`EngineBase.probe`; then install BackPACK's hooks.
 
-        The check draws no random numbers from the caller's generators (dropout in
-        train mode), so every pass sees the same draws whether or not it probes.
-
-        Args:
-            inputs: A batch of inputs.
-            targets: Unused (BackPACK's losses take every target the engine checks).
-
-        Raises:
-            NotImplementedError: If BackPACK cannot handle the forward pass (layers
-                it does not know, dict batches, in-place operations on layer outputs).
+        Refused: unknown layers, dict batches, in-place operations on layer outputs, forward
+        hooks that change the function, gradient checkpointing.
         """
         if self._handles is not None:
             return
         if isinstance(inputs, MutableMapping):
             raise NotImplementedError(
                 "BackPACK takes tensor inputs, not dict batches: the functorch backend "
-                "does (backend='auto' or 'functorch')."
-            )
+                "does (backend='auto' or 'functorch').")
         self._sync()
         devices = [inputs.device] if inputs.device.type == "cuda" else []
+        problem = None
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            try:
-                checked_forward(self._copy, inputs[:1])
-            except NotImplementedError as err:
-                self._net = self._converted(inputs[:1], err)
+            with function_hooks(self._copy) as found:
+                try:
+                    checked_forward(self._copy, inputs[:1])
+                except NotImplementedError as err:
+                    problem = err
+        if found:
+            raise NotImplementedError(
+                f"Module {found[0]!r} has forward hooks or pre-hooks that are part of the "
+                "model's function (they change its output, its input or its attributes, "
+                "as torch.nn.utils.prune and weight_norm do): BackPACK's layer "
+                "derivatives do not see them. The hooks and functorch backends run them "
+                "(backend='auto').")
+        if problem is not None:
+            self._net = self._converted(inputs[:1], problem)
         num_handles = len(CTX.hook_handles)
         for module in self._net.modules():  # containers are traced through, not hooked
-            # a user model extended elsewhere (e.g. by laplace-torch's BackPACK backend)
-            # carries the flag into the copy, whose hooks were dropped: extend anew
+            # a model extended elsewhere carries the flag but not the hooks: extend anew
             if hasattr(module, "_backpack_extend"):
                 del module._backpack_extend
             if not list(module.children()):
@@ -210,7 +247,7 @@ class BackpackEngine(EngineBase):
         self._handles = CTX.hook_handles[num_handles:]
         with torch.enable_grad(), torch.random.fork_rng(devices=devices):
             try:  # BackPACK's module hooks return views that in-place operations break
-                self._net(inputs[:1])
+                problem, unused = probe_graph(self._net, inputs[:1])
             except RuntimeError as err:
                 if "inplace" not in str(err):
                     raise
@@ -218,23 +255,17 @@ class BackpackEngine(EngineBase):
                 raise NotImplementedError(
                     "An in-place operation (e.g. ReLU(inplace=True), x.relu_()) modifies a "
                     "layer output, which BackPACK's hooks cannot take: the hooks and "
-                    "functorch backends can (backend='auto')."
-                ) from err
+                    "functorch backends can (backend='auto').") from err
+        self._unused = {self._index[id(p)] for p in unused if id(p) in self._index}
+        if problem is not None:
+            self.close()
+            raise NotImplementedError(
+                f"BackPACK cannot compute this model's GGN factor: {problem}. Ways out: "
+                "backend='auto' (the hooks backend takes non-reentrant checkpointing, "
+                "use_reentrant=False), or fit without checkpointing.")
 
     def _converted(self, sample: Tensor, problem: NotImplementedError) -> nn.Module:
-        """The model rewritten into BackPACK modules, checked on one sample.
-
-        Args:
-            sample: One input sample, ``(1, ...)``.
-            problem: Why the model itself does not work.
-
-        Returns:
-            The converted network (sharing the private copy's parameters).
-
-        Raises:
-            NotImplementedError: ``problem``, if the conversion fails or computes
-                another function.
-        """
+        """The model rewritten into BackPACK modules and checked on ``sample``, else ``problem``."""
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the converter warns about leftovers
@@ -252,18 +283,7 @@ class BackpackEngine(EngineBase):
         return net
 
     def dense_param_count(self, largest: bool = False) -> int:
-        """Entries of ``V``'s rows that are stored explicitly, per column.
-
-        Trainable parameters count fully, except ``nn.Linear`` weights, which are
-        kept factored (``out + in`` numbers per column).
-
-        Args:
-            largest: Count only the largest single parameter's block (what a pass
-                that frees every block after its layer holds at once).
-
-        Returns:
-            The count.
-        """
+        """See :meth:`EngineBase.dense_param_count`; linear weights count ``out + in``."""
         sizes = [0]
         for module in self.model.modules():
             for name, p in module.named_parameters(recurse=False):
@@ -276,6 +296,7 @@ class BackpackEngine(EngineBase):
         # expanded blocks plus the backpropagated vectors at the widest layer output
         return self.dense_param_count(largest=one_block) + 2 * max(feature_sizes)
 
+    @serialized
     def close(self) -> None:
         """Remove every BackPACK hook the engine installed."""
         handles = self._handles or []
@@ -286,11 +307,13 @@ class BackpackEngine(EngineBase):
         self._handles = []
         super().close()
 
+    @serialized
     def _autograd(self, loss: Tensor, params: List[Tensor]):
         with warnings.catch_warnings():  # BackPACK's hooks are installed but idle
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             return torch.autograd.grad(loss, params, allow_unused=True)
 
+    @serialized
     def _pass(self, inputs: Tensor, targets: Optional[Tensor], mc_samples: int,
               subsampling: Optional[List[int]], collector: Collector
               ) -> Tuple[Tensor, Tensor, Dict[int, Tensor]]:
@@ -330,6 +353,12 @@ class BackpackEngine(EngineBase):
                     loss.backward()
             finally:
                 torch.set_default_dtype(default_dtype)
+        num_vectors = factor_columns(self.loss_func, outputs.shape, mc_samples)
+        for i in self._unused.intersection(collector.missing()):
+            size = self._copy_params[i].numel()
+            collector.add(i, DenseBlock(outputs.new_zeros(num_vectors * n_curv, size)),
+                          DenseBlock(outputs.new_zeros(n, size)) if collector.batch_grad
+                          else None)
         grad = {}
         for i in collector.group_of:
             p = self._copy_params[i]
@@ -339,17 +368,7 @@ class BackpackEngine(EngineBase):
 
 
 def _as_block(value, lead: int) -> Block:
-    """Wrap a BackPACK result as a block of rows.
-
-    Args:
-        value: A block, or a tensor of shape ``(*lead_dims, *param.shape)``
-            (``(vectors, samples, ...)`` for ``V``, ``(samples, ...)`` for
-            per-sample gradients).
-        lead: Number of leading dimensions that index rows.
-
-    Returns:
-        The block.
-    """
-    if isinstance(value, (DenseBlock, KronBlock)):
+    """A BackPACK result (a block, or a tensor with ``lead`` row dimensions) as a block."""
+    if not isinstance(value, Tensor):  # already a block
         return value
     return DenseBlock(value.detach().reshape(math.prod(value.shape[:lead]), -1))

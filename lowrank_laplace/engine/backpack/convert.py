@@ -1,14 +1,9 @@
 """Rewrites a model's forward pass into modules BackPACK knows (torch.fx).
 
-BackPACK backpropagates ``V`` through modules only. Its converter
-(``backpack.custom_module.graph_utils.convert_module_to_backpack``, what
-``extend(model, use_converter=True)`` runs) turns additions (residual connections)
-into ``SumModule``, multiplications by scalars into ``ScaleModule``, ``flatten``
-into ``nn.Flatten`` and copies modules that are called twice. Before it, this
-module turns the functional operations of class-based models into their modules:
-``torch.relu`` / ``F.relu`` / ``x.relu()``, ``tanh``, ``sigmoid``, ``F.max_pool2d`` /
-``F.avg_pool2d`` and ``x.view(x.size(0), -1)`` / ``reshape`` (a flatten). The
-caller checks that the converted network computes the same outputs.
+Functional activations (``torch.relu``, ``F.relu``, ``x.relu()``, tanh, sigmoid), pools
+(``F.max_pool2d``, ``F.avg_pool2d``, 1d) and ``x.view(x.size(0), -1)`` / ``reshape``
+become modules; then BackPACK's converter (``extend(model, use_converter=True)``) turns
+additions, scalings and ``flatten`` into its modules. The caller checks the outputs.
 """
 
 from __future__ import annotations
@@ -85,14 +80,9 @@ def _functional_to_modules(model: nn.Module) -> GraphModule:
 
 
 def convert(model: nn.Module) -> GraphModule:
-    """A network of BackPACK modules computing the same function as ``model``.
-
-    Parameters and buffers are shared with ``model`` (no copies).
+    """Return a network of BackPACK modules computing ``model``'s function, sharing its parameters.
 
     Args:
         model: The (private copy of the) network.
-
-    Returns:
-        The converted network.
     """
     return convert_module_to_backpack(_functional_to_modules(model), debug=False)

@@ -1,27 +1,12 @@
-"""BackPACK extensions tuned for the GGN factor ``V``.
+"""BackPACK extensions tuned for ``V`` (docs/benchmarks/design_measurements.md).
 
-* ``nn.Linear`` weights (2d inputs) return a :class:`KronBlock` (inputs and
-  backpropagated vectors) instead of the expanded block.
-* ``nn.Conv1d``/``nn.Conv2d`` weights (``groups=1``, numeric zero padding) are
-  expanded by one batched matrix product with the unfolded input per vector,
-  instead of BackPACK's grouped-convolution trick that first repeats the input
-  once per vector, which was much slower on convolutional networks
-  (docs/benchmarks/design_measurements.md).
-* ``nn.AdaptiveAvgPool{1,2,3}d``, for which BackPACK ships derivatives but no
-  ``SqrtGGN`` mapping.
-* ``nn.CrossEntropyLoss`` (exact, ``(N, C)`` logits): a loss-Hessian factor with
-  ``C - 1`` columns instead of ``C``. The Hessian ``diag(p) - p p^T`` has rank
-  ``C - 1`` (its null vector is ``sqrt(p)``), so BackPACK's square root
-  ``diag(sqrt(p)) (I - sqrt(p) sqrt(p)^T)`` wastes one backpropagated vector per
-  sample; rotating it by a Householder reflection that maps ``sqrt(p)`` to the last
-  axis and dropping that column gives the same ``V V^T`` with ``C - 1`` columns
-  (half the columns for binary problems).
-* Elementwise activations (ReLU, tanh, sigmoid, ELU, SELU, leaky ReLU, log-sigmoid)
-  multiply the backpropagated matrices in place where nothing else reads them.
-
-Shape glossary:
-    V: vectors per sample (C exact, mc_samples for MC, 1 for gradients).
-    N: samples; P: output positions of a conv layer; Q: ``in * prod(kernel)``.
+Linear weights on 2d inputs stay factored; ``Conv1d``/``Conv2d`` weights (``groups=1``,
+zero padding) are expanded by one batched product with the unfolded input per vector;
+adaptive average pools get the ``SqrtGGN`` mapping BackPACK lacks; exact cross-entropy
+backpropagates ``C - 1`` columns (:func:`~lowrank_laplace.factor.reduced_cross_entropy_sqrt`);
+elementwise activations multiply in place where nothing else reads the matrix.
+Shapes: ``V`` vectors per sample, ``N`` samples, ``P`` output positions of a conv
+layer, ``Q = in * prod(kernel)``.
 """
 
 from __future__ import annotations
@@ -54,17 +39,7 @@ from lowrank_laplace.factor.blocks import DenseBlock, KronBlock
 
 
 def _linear_weight(module: nn.Linear, mat: Tensor, subsampling) -> Optional[KronBlock]:
-    """Factored weight block of a linear layer, or ``None`` if not applicable.
-
-    Args:
-        module: The layer (after a forward pass, with ``input0``).
-        mat: Backpropagated vectors at the output, shape ``(V, N, out)``.
-        subsampling: Active sample indices or ``None``.
-
-    Returns:
-        The block with rows ordered ``(v, n)``, or ``None`` for inputs with more
-        than two dimensions.
-    """
+    """A linear layer's weight block from ``mat`` ``(V, N, out)``, ``None`` beyond 2d inputs."""
     if module.input0.ndim != 2:
         return None
     z = subsample(module.input0, subsampling=subsampling).detach()
@@ -72,17 +47,7 @@ def _linear_weight(module: nn.Linear, mat: Tensor, subsampling) -> Optional[Kron
 
 
 def _conv_weight(module: nn.Module, mat: Tensor, subsampling) -> Optional[DenseBlock]:
-    """Expanded weight block of a 1d/2d convolution, or ``None`` if not applicable.
-
-    Args:
-        module: ``nn.Conv1d`` or ``nn.Conv2d`` (after a forward pass).
-        mat: Backpropagated vectors at the output, shape ``(V, N, out, *spatial)``.
-        subsampling: Active sample indices or ``None``.
-
-    Returns:
-        Rows ``(V * N, out * Q)`` ordered ``(v, n)``, or ``None`` for grouped
-        convolutions, string padding or non-zero padding modes.
-    """
+    """A conv weight's rows ``(V N, out Q)`` from ``mat`` ``(V, N, out, *spatial)``, or ``None``."""
     if (module.groups != 1 or isinstance(module.padding, str)
             or module.padding_mode != "zeros"):
         return None
@@ -104,21 +69,16 @@ def _conv_weight(module: nn.Module, mat: Tensor, subsampling) -> Optional[DenseB
 
 def unfold_input(x: Tensor, kernel: Tuple[int, int], dilation: Tuple[int, int],
                  padding: Tuple[int, int], stride: Tuple[int, int]) -> Tensor:
-    """Unfold the patches of a 2d convolution's input, like ``F.unfold``.
+    """Return the patches ``(N, C kh kw, H' W')`` of a 2d convolution's input (as ``F.unfold``).
 
-    Built from strided views and one copy: ``torch.nn.functional.unfold`` was much
-    slower on the batched convolution inputs of a fit
-    (docs/benchmarks/design_measurements.md).
+    Built from strided views and one copy.
 
     Args:
-        x: Input, shape ``(N, C, H, W)``.
+        x: Input ``(N, C, H, W)``.
         kernel: Kernel size ``(kh, kw)``.
         dilation: Dilation ``(dh, dw)``.
         padding: Zero padding ``(ph, pw)``.
         stride: Stride ``(sh, sw)``.
-
-    Returns:
-        Patches, shape ``(N, C * kh * kw, P)`` with ``P = H' * W'`` output positions.
     """
     x = pad(x, (padding[1], padding[1], padding[0], padding[0]))
     for d in range(2):
@@ -136,8 +96,7 @@ def _block_or_mjp(ext_module, block, ext, module, g_inp, g_out, backproped):
         return block
     return ext_module.derivatives.param_mjp(
         "weight", module, g_inp, g_out, backproped, sum_batch=False,
-        subsampling=ext.get_subsampling(),
-    )
+        subsampling=ext.get_subsampling())
 
 
 class _SqrtGGNLinear(SqrtGGNLinear):
@@ -161,8 +120,7 @@ def _batch_grad(base, weight_fn):
             block = weight_fn(module, g_out[0].unsqueeze(0), None)
             if block is None:
                 return self._derivatives.param_mjp(
-                    "weight", module, g_inp, g_out, g_out[0], sum_batch=False
-                )
+                    "weight", module, g_inp, g_out, g_out[0], sum_batch=False)
             return block
 
     return _BatchGrad
@@ -175,24 +133,13 @@ class _SqrtGGNCrossEntropy(SqrtGGNCrossEntropyLoss):
                 or logits.ndim != 2 or logits.shape[1] < 2):
             return super().backpropagate(ext, module, grad_inp, grad_out, backproped)
         sqrt_h = reduced_cross_entropy_sqrt(
-            subsample(logits, subsampling=ext.get_subsampling()), "sum"
-        )
+            subsample(logits, subsampling=ext.get_subsampling()), "sum")
         # BackPACK normalises a mean loss by the full batch size
         return sqrt_h / logits.shape[0] ** 0.5 if module.reduction == "mean" else sqrt_h
 
 
 def _in_place_elementwise(base):
-    """An elementwise activation's extension that multiplies its input in place.
-
-    The backpropagated matrices at an activation are the largest tensors of a
-    convolutional backward pass (one entry per vector, sample, channel and output
-    position), so multiplying in place instead of into a new tensor lowers the peak
-    memory (docs/benchmarks/design_measurements.md). The product is done in place
-    only when nothing else can read the matrix afterwards: it is contiguous (no
-    overlapping views) and no quantity BackPACK still keeps for another tensor shares
-    its storage (a branch point saves one matrix for several inputs). Otherwise, and
-    for lists of matrices, BackPACK's own product runs.
-    """
+    """An activation's extension multiplying in place where nothing else reads the matrix."""
 
     class _InPlace(base):
         def backpropagate(self, ext, module, g_inp, g_out, backproped):  # noqa: D102
@@ -233,14 +180,13 @@ _EXTRA_SQRT_GGN = {
 
 
 def sqrt_ggn_extension(mc_samples: int, subsampling: Optional[List[int]]) -> BackpropExtension:
-    """BackPACK's ``SqrtGGNExact``/``SqrtGGNMC`` with the tuned layer extensions.
+    """Return BackPACK's ``SqrtGGNExact``/``SqrtGGNMC`` with the tuned layer extensions.
+
+    Results are stored under ``ext.savefield``.
 
     Args:
-        mc_samples: ``0`` for the exact GGN, ``M >= 1`` for Monte-Carlo.
+        mc_samples: ``0`` (exact GGN) or ``M >= 1``.
         subsampling: Active sample indices or ``None``.
-
-    Returns:
-        The extension; results are stored under ``ext.savefield``.
     """
     if mc_samples:
         ext = SqrtGGNMC(mc_samples=mc_samples, subsampling=subsampling)
@@ -258,26 +204,19 @@ def sqrt_ggn_extension(mc_samples: int, subsampling: Optional[List[int]]) -> Bac
 
 
 def batch_grad_extension() -> BatchGrad:
-    """BackPACK's ``BatchGrad`` with factored linear and fast conv weights.
-
-    Returns:
-        The extension; results are stored under ``grad_batch``.
-    """
+    """Return BackPACK's ``BatchGrad`` (results under ``grad_batch``) with the tuned weights."""
     ext = BatchGrad()
     ext.set_module_extension(
-        nn.Linear, _batch_grad(BatchGradLinear, _linear_weight)(), overwrite=True
-    )
+        nn.Linear, _batch_grad(BatchGradLinear, _linear_weight)(), overwrite=True)
     ext.set_module_extension(
-        nn.Conv1d, _batch_grad(BatchGradConv1d, _conv_weight)(), overwrite=True
-    )
+        nn.Conv1d, _batch_grad(BatchGradConv1d, _conv_weight)(), overwrite=True)
     ext.set_module_extension(
-        nn.Conv2d, _batch_grad(BatchGradConv2d, _conv_weight)(), overwrite=True
-    )
+        nn.Conv2d, _batch_grad(BatchGradConv2d, _conv_weight)(), overwrite=True)
     return ext
 
 
 def supported_modules() -> tuple:
-    """Return the module classes the GGN factor can be backpropagated through."""
+    """The module classes the GGN factor can be backpropagated through."""
     # BackPACK keeps the mapping private; read it through the mangled name.
     ext = sqrt_ggn_extension(0, None)
     return tuple(ext._BackpropExtension__module_extensions.keys())

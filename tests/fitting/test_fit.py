@@ -5,8 +5,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lowrank_laplace.laplace_torch.fit import FitResult, fit_lowrank_ggn
-from lowrank_laplace.laplace_torch.options import LowRankOptions
+from lowrank_laplace.fitting.config import FitConfig
+from lowrank_laplace.fitting.fit import FitResult, fit_lowrank_ggn
 from tests import reference as ref
 
 TOL = dict(rtol=1e-7, atol=1e-9)
@@ -23,10 +23,11 @@ def _problem(likelihood, n=20, out=3):
 
 @pytest.mark.parametrize("likelihood", ["classification", "regression"])
 @pytest.mark.parametrize("dense_max_dim, path", [(0, "streaming"), (2048, "dense")])
-def test_full_rank_fit_is_laplace_torchs_ggn(likelihood, dense_max_dim, path):
+def test_full_rank_fit_is_laplace_torchs_ggn(likelihood, dense_max_dim, path, tune):
     model, X, y, loader = _problem(likelihood)
     before = [p.detach().clone() for p in model.parameters()]
-    options = LowRankOptions(rank=1000, dense_max_dim=dense_max_dim, residual="diagonal")
+    tune(dense_max_dim=dense_max_dim)
+    options = FitConfig(rank=1000, track_diagonal=True)
     result = fit_lowrank_ggn(model, likelihood, loader, options)
     assert isinstance(result, FitResult) and result.fit_path == path
     # laplace-torch's GGN: cross-entropy summed, or 1/2 the summed squared error's
@@ -41,17 +42,18 @@ def test_full_rank_fit_is_laplace_torchs_ggn(likelihood, dense_max_dim, path):
     with torch.no_grad():
         torch.testing.assert_close(result.loss, factor * loss_func(model(X), y), **TOL)
     assert result.n_data == len(X) and result.n_outputs == 3
-    assert result.factor_backend == "backpack" and 0 <= result.jacobian_exponent <= 1
+    assert result.factor_backend == "backpack" and result.probe is None
     torch.testing.assert_close(result.mean, torch.cat([p.flatten() for p in before]))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-def test_previous_fit_is_merged_like_another_batch():
+def test_previous_fit_is_merged_like_another_batch(tune):
     model, X, y, loader = _problem("classification")
+    tune(dense_max_dim=0)
     half = len(X) // 2
     first, second = (DataLoader(TensorDataset(X[s], y[s]), batch_size=6)
                      for s in (slice(0, half), slice(half, None)))
-    options = LowRankOptions(rank=1000, dense_max_dim=0)
+    options = FitConfig(rank=1000)
     both = fit_lowrank_ggn(model, "classification", second, options,
                            previous=fit_lowrank_ggn(model, "classification", first, options))
     whole = fit_lowrank_ggn(model, "classification", loader, options)
@@ -64,7 +66,7 @@ def test_previous_fit_is_merged_like_another_batch():
 
 def test_bad_loaders_and_targets_fail_before_any_pass():
     model, X, y, loader = _problem("classification")
-    options = LowRankOptions()
+    options = FitConfig()
     with pytest.raises(ValueError, match="needs a .dataset"):
         fit_lowrank_ggn(model, "classification", [(X, y)], options)
     with pytest.raises(ValueError, match="train_loader is empty"):
@@ -73,3 +75,67 @@ def test_bad_loaders_and_targets_fail_before_any_pass():
     with pytest.raises(ValueError, match="integer class targets"):
         fit_lowrank_ggn(model, "classification",
                         DataLoader(TensorDataset(X, y.double()), batch_size=5), options)
+
+
+def test_the_fit_keeps_its_first_inputs_for_a_probe_pass():
+    model, X, y, loader = _problem("classification")
+    result = fit_lowrank_ggn(model, "classification", loader, FitConfig(probe_inputs=8))
+    kept = torch.cat(result.probe.batches)
+    torch.testing.assert_close(kept, X[:8], rtol=0, atol=0)
+    assert result.probe.cap >= 1
+    assert fit_lowrank_ggn(model, "classification", loader, FitConfig()).probe is None
+
+
+def _package_frames(stack):
+    """Frames of the package's own modules, outermost first."""
+    import lowrank_laplace
+
+    root = lowrank_laplace.__file__.rsplit("/", 1)[0]
+    return [f for f in reversed(stack) if f.filename.startswith(root)]
+
+
+@pytest.mark.parametrize("solver", ["streaming", "sketch", "dense"])
+def test_the_fit_reaches_the_eigensolver_in_at_most_seven_package_frames(
+        monkeypatch, tune, solver):
+    """From ``la.fit`` down to ``torch.linalg.eigh``: a short call chain."""
+    import inspect
+
+    from laplace import Laplace
+
+    import lowrank_laplace  # noqa: F401
+
+    tune(dense_max_dim=2048 if solver == "dense" else 0)
+    model, X, y, loader = _problem("classification", n=40)
+    depths, eigh = [], torch.linalg.eigh
+
+    def recording(*args, **kwargs):
+        frames = _package_frames(inspect.stack()[1:])
+        names = [f.function for f in frames]
+        if "fit" in names:
+            depths.append(len(frames) - names.index("fit"))
+        return eigh(*args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "eigh", recording)
+    la = Laplace(model, "classification", subset_of_weights="all",
+                 hessian_structure="lowrank_ggn", rank=4, residual="none",
+                 solver="auto" if solver == "dense" else solver,
+                 micro_batch_size=2 if solver == "sketch" else None)
+    la.fit(loader)
+    assert la.fit_path == solver and depths
+    assert max(depths) <= 7, depths
+
+
+def test_a_fit_sets_the_thread_count_at_most_once(monkeypatch):
+    """One scoped setting per fit (set, then restored), whatever the batches."""
+    from laplace import Laplace
+
+    import lowrank_laplace  # noqa: F401
+
+    calls, setter = [], torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), setter(n)))
+    before = torch.get_num_threads()
+    model, X, y, loader = _problem("classification", n=40)
+    la = Laplace(model, "classification", subset_of_weights="all",
+                 hessian_structure="lowrank_ggn", rank=4)
+    la.fit(loader)
+    assert len(calls) <= 2 and torch.get_num_threads() == before

@@ -1,0 +1,237 @@
+"""Summaries, targets, figures and table records of ``bench_lora.py``.
+
+Ratios against ``kron`` per attention implementation and machine condition, the
+targets (:func:`summarize`), the printed results, the bar charts (:func:`plot`) and the
+docs' table records (:func:`table_records`) of the configurations' records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks import _report
+from benchmarks._load import BUSY_WARN_PERCENT
+from benchmarks._report import find, fmt, others_cpu, phase_ok, ratio
+from benchmarks._worker import GiB
+
+METHODS: tuple[str, ...] = ("lowrank_ggn", "kron", "diag")
+LABELS = {"lowrank_ggn": "`lowrank_ggn` (defaults)", "kron": "`kron`, CurvlinopsGGN",
+          "diag": "`diag`, CurvlinopsGGN"}
+ATTENTIONS: tuple[str, ...] = ("sdpa", "eager")
+CONDITIONS: tuple[str, ...] = ("quiet", "loaded")
+CONDITION_LABELS = {"quiet": "quiet", "loaded": "beside other work"}
+PHASES: tuple[str, ...] = ("fit", "marglik", "glm")
+NUM_CLASSES = 2
+#: The peer of the ratios and targets.
+PEER = "kron"
+OURS = "lowrank_ggn"
+#: Target: ours fit + marglik <= this times kron's.
+TARGET_FIT_MARGLIK_VS_KRON = 1.5
+#: Target: ours GLM predictive <= this times kron's.
+TARGET_GLM_VS_KRON = 1.0
+
+
+def _find(records: Sequence[dict], attention: str, condition: str, method: str
+          ) -> dict | None:
+    return find(records, attention=attention, condition=condition, method=method)
+
+
+def _status(record: dict | None, phase: str) -> str:
+    return "not run" if record is None else _report.status_text(record["phases"].get(phase) or {})
+
+
+def _fit_marglik(record: dict | None) -> float | None:
+    """Fit plus marglik time of a configuration (``None`` if either failed)."""
+    fit, marglik = phase_ok(record, "fit"), phase_ok(record, "marglik")
+    return None if fit is None or marglik is None else fit["time_s"] + marglik["time_s"]
+
+
+def _glm(record: dict | None) -> float | None:
+    """GLM predictive time of a configuration (``None`` if it failed)."""
+    glm = phase_ok(record, "glm")
+    return None if glm is None else glm["time_s"]
+
+
+def summarize(problem: str, records: Sequence[dict]) -> dict[str, Any]:
+    """Ratios against ``kron`` of every group and the targets of a problem.
+
+    Args:
+        problem: Problem name.
+        records: Configuration records of the problem.
+
+    Returns:
+        ``ratios`` (per ``attention/condition``: ours' fit + marglik and GLM time over
+        kron's) and ``targets`` (name, value, bound, ``passed``; ``None``: not
+        measurable).
+    """
+    ratios, targets = {}, []
+    groups = sorted({(r["attention"], r["condition"]) for r in records},
+                    key=lambda g: (ATTENTIONS.index(g[0]), CONDITIONS.index(g[1])))
+    for attention, condition in groups:
+        ours, peer = (_find(records, attention, condition, m) for m in (OURS, PEER))
+        fm = ratio(_fit_marglik(ours), _fit_marglik(peer))
+        glm = ratio(_glm(ours), _glm(peer))
+        ratios[f"{attention}/{condition}"] = {"fit_marglik_vs_kron": fm, "glm_vs_kron": glm}
+        if attention != "sdpa" or problem not in ("small", "large"):
+            continue
+        where = f"{problem}, sdpa, {CONDITION_LABELS[condition]}"
+
+        def add(name, value, bound, phases=("fit", "marglik"), ours=ours, peer=peer,
+                where=where):
+            failed = [p for p in phases if peer is not None and
+                      phase_ok(peer, p) is None and phase_ok(ours, p) is not None]
+            note = f"{PEER} {_status(peer, failed[0])}" if failed else None
+            targets.append({"name": name, "where": where, "value": value, "bound": bound,
+                            "passed": None if value is None else value <= bound,
+                            "peer_failure": note})
+
+        add(f"{OURS} fit + marglik <= {TARGET_FIT_MARGLIK_VS_KRON:g}x {PEER}'s", fm,
+            TARGET_FIT_MARGLIK_VS_KRON)
+        if problem == "small":
+            add(f"{OURS} GLM predictive <= {PEER}'s", glm, TARGET_GLM_VS_KRON,
+                phases=("glm",))
+    return {"ratios": ratios, "targets": targets}
+
+
+def print_summary(problem: str, records: Sequence[dict], summary: dict[str, Any]):
+    """Print the result table and the targets of a problem."""
+    print(f"\n[{problem}] attention / machine / method: fit + marglik [s], GLM [s], "
+          "worker peak [GiB], engine")
+    for r in records:
+        fm, glm = _fit_marglik(r), _glm(r)
+        fit = phase_ok(r, "fit") or {}
+        peak = r.get("worker_peak_bytes")
+        print(f"  {r['attention']:<5} {r['condition']:<6} {r['method']:<11} "
+              f"{fmt(fm) if fm is not None else _status(r, 'fit' if not fit else 'marglik'):>12}"
+              f" {fmt(glm) if glm is not None else _status(r, 'glm'):>12} "
+              f"{'-' if peak is None else f'{peak / GiB:.2f}':>6} "
+              f"{fit.get('factor_backend_used', '')}", flush=True)
+    _report.print_targets(summary["targets"])
+    others = [v for v in (others_cpu(r) for r in records) if v is not None]
+    if others and max(others) > BUSY_WARN_PERCENT:
+        print(f"  WARNING: other processes used up to {max(others):.0f}% of the CPU during "
+              "a measured phase; timings may be inflated.", flush=True)
+
+
+def plot(problem: str, payload: dict[str, Any], path: Path):
+    """Bar charts: fit + marglik and GLM time (log scale) and worker peak memory.
+
+    Args:
+        problem: Problem name.
+        payload: The run as written to ``lora_<problem>.json``.
+        path: Output path of the figure.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = payload["records"]
+    groups = sorted({(r["attention"], r["condition"]) for r in records},
+                    key=lambda g: (ATTENTIONS.index(g[0]), CONDITIONS.index(g[1])))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    width = 0.8 / max(1, len(METHODS))
+    colors = {"lowrank_ggn": "tab:blue", "kron": "tab:gray", "diag": "tab:olive"}
+    panels = [("fit + marglik [s]", _fit_marglik, True), ("GLM predictive [s]", _glm, True),
+              ("worker peak memory [GiB]",
+               lambda r: None if r.get("worker_peak_bytes") is None
+               else r["worker_peak_bytes"] / GiB, False)]
+    for ax, (label, value_of, log) in zip(axes, panels):
+        for j, method in enumerate(METHODS):
+            for i, (attention, condition) in enumerate(groups):
+                r = _find(records, attention, condition, method)
+                if r is None:
+                    continue
+                x = i + (j - (len(METHODS) - 1) / 2) * width
+                value = value_of(r)
+                if value is None:
+                    ax.plot(x, 1.0 if log else 0.0, "x", color="tab:red", ms=9)
+                    continue
+                ax.bar(x, value, width, color=colors[method])
+                ax.text(x, value, f"{value:.3g}", ha="center", va="bottom", fontsize=6)
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels([f"{a}\n{CONDITION_LABELS[c]}" for a, c in groups], fontsize=8)
+        if log:
+            ax.set_yscale("log")
+        ax.set_ylabel(label)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[m]) for m in METHODS]
+    fig.legend(handles, list(METHODS), loc="upper right", fontsize=8, ncol=len(METHODS))
+    info = payload["machine"]
+    where = info.get("device_name") if info.get("device") == "cuda" else \
+        f"{info.get('cpu_name')} ({info.get('cpu_count_usable')} cores)"
+    s = payload["settings"]
+    fig.suptitle(f"LoRA {problem}: D = {s.get('D', '?')}, {s['n_train']} / {s['n_test']} "
+                 f"sequences; {where}, torch {info.get('torch')}; red x: failed", fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _row(r: dict[str, Any], records: Sequence[dict]) -> list[str]:
+    """A configuration's row of the ``lora_<problem>`` table."""
+    fm, glm = _fit_marglik(r), _glm(r)
+    peer = _find(records, r["attention"], r["condition"], PEER)
+    fit, marglik = phase_ok(r, "fit"), phase_ok(r, "marglik")
+    peak, others = r.get("worker_peak_bytes"), others_cpu(r)
+    engine = (fit or {}).get("factor_backend_used") or "-"
+    if fit and fit.get("kept_fraction") is not None:
+        engine += (f" (rank {fit.get('rank', '?')}, keeps "
+                   f"{100 * fit['kept_fraction']:.0f}% of the trace)")
+    return [r["attention"], CONDITION_LABELS[r["condition"]], LABELS[r["method"]],
+            fmt(fit["time_s"]) if fit else _status(r, "fit"),
+            fmt(marglik["time_s"]) if marglik else _status(r, "marglik"),
+            fmt(fm),
+            "-" if r["method"] == PEER or fm is None else
+            fmt(ratio(fm, _fit_marglik(peer))) + "x" if _fit_marglik(peer) else "-",
+            fmt(glm) if glm is not None else _status(r, "glm"),
+            "-" if r["method"] == PEER or glm is None else
+            fmt(ratio(glm, _glm(peer))) + "x" if _glm(peer) else "-",
+            "-" if peak is None else f"{peak / GiB:.2f}", engine,
+            "-" if others is None else f"{others:.0f}"]
+
+
+def table_records(payloads: dict[str, dict], source_dir: str) -> dict[str, dict]:
+    """The docs' table records (``render_tables.py`` format) of a run.
+
+    Args:
+        payloads: The runs by problem, as written to ``lora_<problem>.json``.
+        source_dir: Folder of the kept raw runs, relative to the repository root.
+
+    Returns:
+        Records by table id: ``lora_<problem>`` for every problem and
+        ``lora_targets``.
+    """
+    tables: dict[str, dict] = {}
+    targets, commits = [], {}
+    for problem, payload in payloads.items():
+        common = _report.table_common(payload, [f"{source_dir}/lora_{problem}.json"])
+        commits[problem] = common["versions"]["lowrank_laplace commit"]
+        s, repeat = payload["settings"], payload["settings"].get("repeat", 1)
+        note = (f"D = {s.get('D')} trainable of {s.get('frozen_params')} frozen weights; "
+                f"{s['n_train']} / {s['n_test']} sequences of up to {s['seq_len']} tokens, "
+                f"batch {s['batch_size']}; {s['threads']} torch threads per worker; "
+                + (f"median of {repeat} runs (fresh processes, rounds over the methods); "
+                   if repeat > 1 else "one run; ")
+                + "beside other work: a process with "
+                f"{s.get('load_threads')} threads of 512x512 matmuls runs meanwhile; "
+                "others' CPU: share of other processes (not the synthetic load) during the "
+                "measured phases.")
+        cuda = payload["machine"].get("device") == "cuda"
+        tables[f"lora_{problem}"] = {**common, "note": note, "columns": [
+            "attention", "machine", "method", "fit [s]", "marglik [s]", "fit + marglik [s]",
+            "/ kron's", "GLM predictive [s]", "/ kron's",
+            "peak CUDA memory [GiB]" if cuda else "worker peak RSS [GiB]", "engine",
+            "others' CPU [%]"], "rows": [_row(r, payload["records"])
+                                         for r in payload["records"]]}
+        targets += _report.target_rows(payload["summary"]["targets"])
+    if targets:
+        last = tables[f"lora_{list(payloads)[-1]}"]
+        tables["lora_targets"] = {
+            **last, "versions": {**last["versions"], "lowrank_laplace commit": "; ".join(
+                f"{problem}: {commit}" for problem, commit in commits.items())},
+            "sources": [f"{source_dir}/lora_{problem}.json" for problem in payloads],
+            "note": "Ratios of the tables above, within one run.",
+            "columns": ["target", "where", "measured", "verdict"], "rows": targets}
+    return tables

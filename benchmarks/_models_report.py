@@ -1,0 +1,305 @@
+"""Targets, table records and the figure of ``bench_models.py``.
+
+Checks the targets (:func:`summarize`), turns the configurations' records into the docs'
+table records (:func:`table_records`) and draws the bar charts (:func:`plot`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks._report import VERDICTS, find, fmt, status_text, table_common
+from benchmarks._worker import GiB
+
+MODELS: tuple[str, ...] = ("resnet18", "transformer")
+#: Methods of each part.
+PART_METHODS: dict[str, tuple[str, ...]] = {
+    "eigh": ("ours", "eigsh"),
+    "laplace": ("lowrank_exact", "lowrank_mc", "kron_default", "kron_backpack", "kron_asdl",
+                "grad_pass"),
+    "backends": ("backpack", "functorch"),
+}
+PARTS: tuple[str, ...] = tuple(PART_METHODS)
+LABELS: dict[str, str] = {
+    "ours": "ours (`ggn_eigh`, backend auto)",
+    "eigsh": "scipy `eigsh` on curvlinops' GGN",
+    "lowrank_exact": "`lowrank_ggn`, exact",
+    "lowrank_mc": "`lowrank_ggn`, MC (M=1)",
+    "kron_default": "`kron`, default backend",
+    "kron_backpack": "`kron`, BackPACK backend",
+    "kron_asdl": "`kron`, ASDL backend",
+    "grad_pass": "one gradient pass (floor)",
+    "backpack": "BackPACK engine",
+    "functorch": "torch.func engine",
+}
+#: laplace-torch's `kron` with each of its curvature backends.
+KRONS: tuple[str, ...] = ("kron_default", "kron_backpack", "kron_asdl")
+#: Targets: eigsh time / ours time, MC fit / kron fit, torch.func / BackPACK time.
+TARGET_EIGH_SPEEDUP = 3.0
+TARGET_MC_VS_KRON = 1.0
+TARGET_FUNC_VS_BACKPACK = 2.0
+
+
+def _phase(results: Sequence[dict], part: str, model: str, method: str, phase: str
+           ) -> dict | None:
+    """The record of a phase (any status), ``None`` if not run."""
+    r = find(results, part=part, model=model, method=method)
+    return None if r is None else r["phases"].get(phase)
+
+
+def _ok(results: Sequence[dict], part: str, model: str, method: str, phase: str
+        ) -> dict | None:
+    """The successful record of a phase, ``None`` if missing or failed."""
+    r = _phase(results, part, model, method, phase)
+    return r if r and r.get("status") == "ok" else None
+
+
+def _max_rel_dev(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Largest relative deviation of eigenvalues ``a`` from reference ``b``."""
+    if not a or not b or len(a) != len(b):
+        return None
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def _ratio(num: dict | None, den: dict | None) -> float | None:
+    """Time ratio of two phase records (``None`` if either failed)."""
+    if num is None or den is None or not den.get("time_s"):
+        return None
+    return num["time_s"] / den["time_s"]
+
+
+def summarize(results: Sequence[dict], settings: dict[str, Any]) -> dict[str, Any]:
+    """Evaluate the targets.
+
+    Args:
+        results: The configurations' records.
+        settings: The run's settings (``models``, ``parts``).
+
+    Returns:
+        Per model and target: the measured ratio, whether it passes (``None``: not
+        measurable) and, where a peer failed, why.
+    """
+    summary: dict[str, Any] = {}
+    for model in settings["models"]:
+        ours, peer = (_ok(results, "eigh", model, m, "eigh") for m in ("ours", "eigsh"))
+        speedup = _ratio(peer, ours)
+        summary[f"eigh_speedup_{model}"] = {
+            "value": speedup, "target": TARGET_EIGH_SPEEDUP,
+            "ok": None if speedup is None else speedup >= TARGET_EIGH_SPEEDUP,
+            "max_rel_dev": _max_rel_dev(ours and ours["eigenvalues"],
+                                        peer and peer["eigenvalues"]),
+        }
+        # the fastest `kron` that fits the model (default backend first)
+        mc = _ok(results, "laplace", model, "lowrank_mc", "fit")
+        krons = [k for k in (_ok(results, "laplace", model, m, "fit") for m in KRONS) if k]
+        kron = min(krons, key=lambda r: r["time_s"]) if krons else None
+        ratio = _ratio(mc, kron)
+        failures = [f"{m}: {r.get('reason')}" for m in KRONS
+                    if (r := _phase(results, "laplace", model, m, "fit"))
+                    and r.get("status") != "ok"]
+        summary[f"mc_vs_kron_{model}"] = {
+            "value": ratio, "target": TARGET_MC_VS_KRON,
+            "ok": None if ratio is None else ratio <= TARGET_MC_VS_KRON,
+            "peer_failure": None if kron or not failures else "; ".join(failures),
+            "mc_vs_grad_pass": _ratio(mc, _ok(results, "laplace", model, "grad_pass", "fit")),
+        }
+    if "backends" in settings["parts"]:
+        func, bp = (_ok(results, "backends", "3c3d", m, "eigh")
+                    for m in ("functorch", "backpack"))
+        ratio = _ratio(func, bp)
+        summary["functorch_vs_backpack_3c3d"] = {
+            "value": ratio, "target": TARGET_FUNC_VS_BACKPACK,
+            "ok": None if ratio is None else ratio <= TARGET_FUNC_VS_BACKPACK,
+            "max_rel_dev": _max_rel_dev(func and func["eigenvalues"],
+                                        bp and bp["eigenvalues"]),
+        }
+    return summary
+
+
+def _gib(record: dict | None) -> str:
+    """Peak memory above the baseline of a phase in GiB."""
+    return "-" if record is None else f"{record['peak_delta_bytes'] / GiB:.2f}"
+
+
+def _load(records: Sequence[dict | None]) -> str:
+    """Largest CPU share of other processes during the given phases, in percent."""
+    values = [r.get("other_cpu_percent_during_phase") for r in records if r]
+    values = [v for v in values if v is not None]
+    return "-" if not values else f"{max(values):.0f}"
+
+
+#: Model names in the tables.
+NAMES = {"resnet18": "ResNet-18", "transformer": "transformer", "3c3d": "3c3d"}
+
+
+def _size(results: Sequence[dict], part: str, model: str | None = None) -> dict:
+    """The sizes of a part's run on a model (older files keep them under ``sizes``)."""
+    r = next((r for r in results if r["part"] == part and model in (None, r["model"])), {})
+    return r.get("sizes", r)
+
+
+def _eigh_rows(results: Sequence[dict], s: dict[str, Any]) -> list[list]:
+    rows = []
+    for model in s["models"]:
+        peer = _ok(results, "eigh", model, "eigsh", "eigh")
+        for method in PART_METHODS["eigh"]:
+            rec = _phase(results, "eigh", model, method, "eigh")
+            ok = rec if rec and rec.get("status") == "ok" else None
+            label = LABELS[method] + (f" [{ok['backend_used']}]" if ok and
+                                      ok.get("backend_used") else "")
+            dev = "-" if method == "eigsh" or not ok else \
+                fmt(_max_rel_dev(ok["eigenvalues"], peer and peer["eigenvalues"]), 2)
+            rows.append([NAMES[model], _size(results, "eigh", model)["N"], label,
+                         fmt(ok["time_s"]) if ok else status_text(rec, 80), _gib(ok),
+                         ok.get("num_products", "-") if ok else "-", dev,
+                         fmt(_ratio(peer, ok)) + "x" if ok and peer else "-", _load([ok])])
+    return rows
+
+
+def _laplace_rows(results: Sequence[dict], s: dict[str, Any]) -> list[list]:
+    rows = []
+    for model in s["models"]:
+        size = _size(results, "laplace", model)
+        for method in PART_METHODS["laplace"]:
+            fit = _phase(results, "laplace", model, method, "fit")
+            glm = _phase(results, "laplace", model, method, "glm")
+            fit_ok = fit if fit and fit.get("status") == "ok" else None
+            glm_ok = glm if glm and glm.get("status") == "ok" else None
+            note = "" if not fit_ok or "kept_fraction" not in fit_ok else \
+                (f"rank {s['rank']}, {100 * fit_ok['kept_fraction']:.0f}% of the trace, "
+                 f"{fit_ok.get('backend_used')}")
+            rows.append([NAMES[model], f"{size['n_train']} / {size['n_test']}", LABELS[method],
+                         fmt(fit_ok["time_s"]) if fit_ok else status_text(fit, 80),
+                         _gib(fit_ok), "n/a" if method == "grad_pass" else
+                         (fmt(glm_ok["time_s"]) if glm_ok else
+                          ("-" if not fit_ok else status_text(glm, 80))),
+                         _gib(glm_ok), note, _load([fit_ok, glm_ok])])
+    return rows
+
+
+def _backends_rows(results: Sequence[dict]) -> list[list]:
+    bp = _ok(results, "backends", "3c3d", "backpack", "eigh")
+    rows = []
+    for method in PART_METHODS["backends"]:
+        rec = _phase(results, "backends", "3c3d", method, "eigh")
+        ok = rec if rec and rec.get("status") == "ok" else None
+        rows.append([LABELS[method], fmt(ok["time_s"]) if ok else status_text(rec, 80),
+                     _gib(ok), "-" if method == "backpack" or not ok else
+                     fmt(_max_rel_dev(ok["eigenvalues"], bp and bp["eigenvalues"]), 2),
+                     fmt(_ratio(ok, bp)) + "x" if ok and bp else "-", _load([ok])])
+    return rows
+
+
+def _target_rows(summary: dict[str, Any], k: int) -> list[list]:
+    rows = []
+    for key, item in summary.items():
+        value = "-" if item["value"] is None else f"{item['value']:.2f}x"
+        if key.startswith("eigh_speedup_"):
+            name = f"top-{k} eigenpairs >= {TARGET_EIGH_SPEEDUP:g}x faster than `eigsh`"
+            model = key[len("eigh_speedup_"):]
+        elif key.startswith("mc_vs_kron_"):
+            name = "MC fit no slower than `kron` (fastest backend that fits)"
+            model = key[len("mc_vs_kron_"):]
+            if item.get("peer_failure"):
+                value = "`kron` cannot fit this model with any backend"
+        else:
+            name = f"torch.func engine within {TARGET_FUNC_VS_BACKPACK:g}x of BackPACK"
+            model = "3c3d"
+        rows.append([name, NAMES[model], value, VERDICTS[item["ok"]]])
+    return rows
+
+
+def table_records(payload: dict[str, Any], source: str) -> dict[str, dict]:
+    """The docs' table records (``render_tables.py`` format) of a run.
+
+    Args:
+        payload: The run as written to ``models.json``.
+        source: Path of the kept raw run, relative to the repository root.
+
+    Returns:
+        Records by table id: ``models_eigh``, ``models_laplace``, ``backends_3c3d``
+        and ``models_targets`` (only those whose part ran).
+    """
+    results, s = payload["records"], payload["settings"]
+    common = table_common(payload, [source])
+    busy = [b for r in results if (b := r.get("cpu_busy_before_percent")) is not None]
+    load = (f"Other processes used up to {max(busy):.0f}% of the CPU right before a worker "
+            "started; the `others' CPU` column is their share during the measured call."
+            if busy else "")
+    tables: dict[str, dict] = {}
+    if "eigh" in s["parts"]:
+        tables["models_eigh"] = {**common, "note": load, "columns": [
+            "model", "N", "method", "time [s]", "peak above baseline [GiB]",
+            "GGN-vector products", f"max rel. deviation from `eigsh` (top {s['k']})",
+            "`eigsh` time / time", "others' CPU [%]"], "rows": _eigh_rows(results, s)}
+    if "laplace" in s["parts"]:
+        tables["models_laplace"] = {**common, "note": load, "columns": [
+            "model", "train / test points", "method", "fit [s]", "fit peak [GiB]",
+            "GLM predictive [s]", "GLM peak [GiB]", "", "others' CPU [%]"],
+            "rows": _laplace_rows(results, s)}
+    if "backends" in s["parts"]:
+        tables["backends_3c3d"] = {
+            **common, "note": f"N = {_size(results, 'backends').get('N')}, top {s['k']}. "
+            f"{load}", "columns": ["engine", "time [s]", "peak above baseline [GiB]",
+                                    "max rel. deviation from BackPACK", "time / BackPACK time",
+                                    "others' CPU [%]"], "rows": _backends_rows(results)}
+    tables["models_targets"] = {**common, "note": "Ratios of the three tables above.",
+                                "columns": ["target", "model", "measured", "verdict"],
+                                "rows": _target_rows(payload["summary"], s["k"])}
+    return tables
+
+
+def plot(payload: dict[str, Any], path: Path):
+    """Bar charts of the measured times (log scale), failed runs as red crosses.
+
+    Args:
+        payload: The run as written to ``models.json``.
+        path: Output path of the figure.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results, args = payload["records"], payload["settings"]
+    panels = []
+    for model in args["models"]:
+        if "eigh" in args["parts"]:
+            panels.append((f"{model}: top-{args['k']} eigenpairs",
+                           [(m, "eigh", "eigh", model) for m in PART_METHODS["eigh"]]))
+        if "laplace" in args["parts"]:
+            panels.append((f"{model}: Laplace fit / GLM predictive",
+                           [(m, "laplace", ph, model) for m in PART_METHODS["laplace"]
+                            for ph in (("fit",) if m == "grad_pass" else ("fit", "glm"))]))
+    if "backends" in args["parts"]:
+        panels.append((f"3c3d: top-{args['k']} eigenpairs by engine",
+                       [(m, "backends", "eigh", "3c3d") for m in PART_METHODS["backends"]]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4), squeeze=False)
+    for ax, (title, bars) in zip(axes[0], panels):
+        for i, (method, part, phase, model) in enumerate(bars):
+            rec = _ok(results, part, model, method, phase)
+            color = "tab:blue" if method in {"ours", "lowrank_exact", "lowrank_mc",
+                                             "functorch"} else "tab:gray"
+            if rec is None:
+                ax.plot(i, 1.0, "x", color="tab:red", ms=9)
+                continue
+            ax.bar(i, rec["time_s"], color=color, alpha=1.0 if phase != "glm" else 0.55)
+            ax.text(i, rec["time_s"], f"{rec['time_s']:.3g}", ha="center", va="bottom",
+                    fontsize=7)
+        ax.set_xticks(range(len(bars)))
+        ax.set_xticklabels([m + ("" if ph in {"eigh", "fit"} else f"\n{ph}")
+                            for m, _, ph, _ in bars], rotation=45, ha="right", fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("time [s]")
+        ax.set_title(title, fontsize=9)
+    info = payload["machine"]
+    where = info.get("device_name") if info.get("device") == "cuda" else \
+        f"{info.get('cpu_name')} ({info.get('cpu_count_usable')} cores)"
+    fig.suptitle(f"{where}, torch {info.get('torch')}; red x: failed", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+

@@ -1,0 +1,218 @@
+"""What the benchmark drivers write: the run's machine record, progress lines, table rows.
+
+The table records follow ``render_tables.py``'s format (``date``, ``machine``,
+``versions``, ``sources``, ``columns``, ``rows``); :func:`table_common` fills the first
+four from a run's JSON file, the helpers below format the cells every script shares.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks._worker import GiB, library_fingerprint, num_cores
+
+#: Packages whose versions :func:`machine_info` records by default.
+DEFAULT_PACKAGES: tuple[str, ...] = (
+    "numpy", "scipy", "curvlinops-for-pytorch", "backpack-for-pytorch", "lowrank_laplace",
+    "lowrank-laplace")
+#: The machine fields a table record copies from its run.
+MACHINE_FIELDS: tuple[str, ...] = ("cpu_name", "cpu_count", "cpu_count_usable", "device",
+                                   "device_name", "total_memory_bytes", "platform")
+#: How a target's outcome reads in a table.
+VERDICTS = {True: "PASS", False: "FAIL", None: "not measurable"}
+
+
+def machine_info(device: str, packages: Sequence[str] = DEFAULT_PACKAGES) -> dict[str, Any]:
+    """The date (UTC), machine, device, versions of ``packages`` and library state of a run.
+
+    Returns:
+        ``date``, ``cpu_count``, ``cpu_count_usable``, ``cpu_name``, ``platform``,
+        ``python``, ``torch``, ``device``, ``device_name``, ``total_memory_bytes``,
+        ``version_<package>``, ``lowrank_laplace_sources`` (git head, uncommitted
+        changes, hash of the sources), ``loadavg_at_start``.
+    """
+    import torch
+
+    from lowrank_laplace.toolkit.calibration import machine_record
+
+    cuda = device.startswith("cuda") and torch.cuda.is_available()
+    info: dict[str, Any] = {**machine_record(torch.device(device if cuda else "cpu")),
+                            "device": device, "cpu_count_usable": num_cores()}
+    try:
+        import psutil
+
+        info["total_memory_bytes"] = psutil.virtual_memory().total
+    except ImportError:  # pragma: no cover
+        pass
+    for pkg in packages:
+        try:
+            info[f"version_{pkg}"] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    info["lowrank_laplace_sources"] = library_fingerprint()
+    info["loadavg_at_start"] = list(os.getloadavg())
+    return info
+
+
+def progress_line(key: str, record: dict[str, Any]) -> str:
+    """One line about a finished run: every phase's time or status, and what it found."""
+    parts, said = [], set()
+    for phase, r in record["phases"].items():
+        if r.get("status") == "ok":
+            parts.append(f"{phase} {r['time_s']:.3g} s (+{r['peak_delta_bytes'] / GiB:.2f} "
+                         "GiB)")
+        else:  # each reason once
+            reason = str(r.get("reason"))[:120]
+            parts.append(f"{phase} {str(r.get('status')).upper()}" +
+                         ("" if reason in said else f": {reason}"))
+            said.add(reason)
+    found = {k: v for r in record["phases"].values() for k, v in r.items()}
+    for name, text in (("kept_fraction", "kept {:.3f}"), ("num_products", "{} GGNVPs"),
+                       ("num_matvecs", "{} GGNVPs"), ("factor_backend_used", "engine {}"),
+                       ("backend_used", "engine {}"), ("fit_path", "path {}")):
+        if found.get(name) is not None:
+            parts.append(text.format(found[name]))
+    if record.get("worker_peak_bytes") is not None:
+        parts.append(f"worker peak {record['worker_peak_bytes'] / GiB:.2f} GiB")
+    if record.get("other_cpu_percent_during") is not None:
+        parts.append(f"others {record['other_cpu_percent_during']:.0f}% CPU")
+    if record.get("load"):
+        parts.append(f"load {record['load'].get('matmuls_per_s', 0):.0f} matmuls/s")
+    if record.get("setup", {}).get("mem_limit_requested_bytes"):
+        parts.append(f"memory cap lowered to {record['setup']['mem_limit_bytes'] / GiB:.1f} "
+                     "GiB (busy machine)")
+    return f"  {key}: " + ", ".join(parts)
+
+
+def fmt(value: float | None, digits: int = 3) -> str:
+    """A number with ``digits`` significant digits (``'-'`` for ``None``)."""
+    return "-" if value is None else f"{value:.{digits}g}"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``, ``None`` if either is missing or ``b`` is zero."""
+    return None if a is None or not b else a / b
+
+
+def find(records: Iterable[dict], **fields: Any) -> dict | None:
+    """The first record whose fields have the given values, ``None`` if none."""
+    return next((r for r in records if all(r.get(k) == v for k, v in fields.items())), None)
+
+
+def phase_ok(record: dict | None, phase: str) -> dict | None:
+    """A phase's record if it succeeded, else ``None``."""
+    r = None if record is None else record["phases"].get(phase)
+    return r if r and r.get("status") == "ok" else None
+
+
+def others_cpu(record: dict | None) -> float | None:
+    """The largest CPU share of other processes during a record's successful phases."""
+    if record is None:
+        return None
+    values = [r.get("other_cpu_percent_during_phase") for r in record["phases"].values()
+              if r.get("status") == "ok"]
+    values = [v for v in values if v is not None]
+    return max(values) if values else record.get("other_cpu_percent_during")
+
+
+def status_text(r: dict | None, width: int = 60) -> str:
+    """A failed phase's cell: its status (a timeout's limit, the allocation that ran out of
+    memory) and the first line of its reason; ``'-'`` for a skipped phase."""
+    if r is None:
+        return "not run"
+    status, reason = str(r.get("status", "?")), str(r.get("reason") or "")
+    if status == "skipped":
+        return "-"
+    if status == "timeout":
+        return f"timeout (> {r.get('time_to_failure_s', 0):.0f} s)"
+    if status == "oom":
+        text = "out of memory" + (f" after {r['time_to_failure_s']:.0f} s"
+                                  if r.get("time_to_failure_s") else "")
+        match = re.search(r"allocate (\d+) bytes", reason)
+        return text + (f" (allocating {int(match[1]) / GiB:.2g} GiB more)" if match else "")
+    lines = reason.splitlines()
+    return f"{status}: {lines[0][:width]}" if lines else status
+
+
+def failure_text(record: dict | None, width: int = 60) -> str:
+    """The cell of a configuration without a result: its first failure (``'-'``: none)."""
+    if record is None:
+        return "not run"
+    failed = [r for r in (record.get("setup", {}), *record["phases"].values())
+              if r.get("status") not in ("ok", "skipped", None)]
+    return status_text(failed[0], width) if failed else "-"
+
+
+def table_common(payload: dict[str, Any], sources: Sequence[str]) -> dict[str, Any]:
+    """``date``, ``machine``, ``versions`` and ``sources`` of a run's table records.
+
+    The ``lowrank_laplace commit`` is the workers' (the sources may change while a run
+    goes on, which it says).
+
+    Args:
+        payload: The run's JSON file.
+        sources: Where its raw file is kept, relative to the repository root.
+
+    Returns:
+        The fields every table record of the run shares.
+    """
+    info, records = payload["machine"], payload["records"]
+    versions = {"python": info.get("python"), "torch": info.get("torch")}
+    versions.update({key[len("version_"):]: value for key, value in info.items()
+                     if key.startswith("version_")})
+    prints = [r["setup"]["lowrank_laplace"] for r in records
+              if r.get("setup", {}).get("lowrank_laplace")]
+    heads = sorted({f.get("git_head", "?")[:7] for f in prints}) or \
+        [payload.get("git_head", "?")[:7]]
+    commit = ", ".join(heads)
+    if len({f.get("sources_sha1") for f in prints}) > 1:
+        commit += " (sources changed during the run)"
+    if any(f.get("dirty") for f in prints) or \
+            any(r.get("setup", {}).get("lowrank_laplace_dirty") for r in records):
+        commit += " with uncommitted changes"
+    versions["lowrank_laplace commit"] = commit
+    return {"date": info["date"][:10], "machine": {k: info.get(k) for k in MACHINE_FIELDS},
+            "versions": versions, "sources": list(sources)}
+
+
+def target_rows(targets: Iterable[dict]) -> list[list[str]]:
+    """Table rows of checked targets: name, where, the measured ratio, the verdict."""
+    rows = []
+    for t in targets:
+        value = "-" if t["value"] is None else f"{t['value']:.2f}x"
+        if t.get("peer_failure"):
+            value += f" ({t['peer_failure']})"
+        rows.append([t["name"], t["where"], value, VERDICTS[t["passed"]]])
+    return rows
+
+
+def print_targets(targets: Iterable[dict]):
+    """Print checked targets, one line each."""
+    for t in targets:
+        value = "-" if t["value"] is None else f"{t['value']:.2f}x"
+        extra = f" ({t['peer_failure']})" if t.get("peer_failure") else ""
+        print(f"  TARGET [{t['where']}] {t['name']}: {value} -> "
+              f"{'n/a' if t['passed'] is None else VERDICTS[t['passed']]}{extra}", flush=True)
+
+
+def write_tables(tables: dict[str, dict], folder: str | Path):
+    """Write table records (``<id>.json``) into a folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for table_id, record in tables.items():
+        (folder / f"{table_id}.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(f"Wrote the table records to {folder}/", flush=True)
+
+
+def read_run(path: Path) -> dict[str, Any] | None:
+    """A run's JSON file for ``--replot`` (``None``, said, if there is none)."""
+    if not path.exists():
+        print(f"--replot: no {path}")
+        return None
+    return json.loads(path.read_text())

@@ -1,0 +1,452 @@
+"""The worker side of the benchmarks: one configuration's phases in a fresh process.
+
+A worker (``python -m benchmarks.<script> --worker --config JSON``, started by
+:func:`benchmarks._harness.run_worker`) builds its problem untimed, prints a ``setup``
+record and then one record per measured phase as a JSON line (:func:`emit`), so the
+driver keeps what finished when a later phase fails or the worker dies. A phase record
+(:func:`measure`) holds its time, its peak memory (RSS high-water mark, reset before the
+phase; CUDA's allocator peak on a GPU) above and including what the process held
+before, the CPU share other processes used meanwhile, and for a failure its status
+(``oom`` or ``error``), reason and traceback instead of raising.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import importlib
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from benchmarks._load import REPO_ROOT, CpuShare
+
+GiB = 2**30
+#: Prefix of a worker's record lines.
+MARKER = "__BENCH_RECORD__"
+#: Modules that the measured calls may load lazily on their first call.
+DEFAULT_PREIMPORTS: tuple[str, ...] = (
+    "torch._dynamo", "torch._decomp.decompositions_for_jvp", "scipy.sparse.linalg",
+    "backpack")
+#: Besides those, for workers of laplace-torch posteriors.
+LAPLACE_PREIMPORTS: tuple[str, ...] = (*DEFAULT_PREIMPORTS, "curvlinops", "laplace")
+
+
+class Tuning:
+    """A package option that is becoming a module constant.
+
+    Args:
+        module: The module that holds (or will hold) the constant.
+        constant: Its name.
+    """
+
+    def __init__(self, module: str, constant: str):
+        self.module, self.constant = module, constant
+
+    def keyword(self, name: str, value: Any, rank: int) -> dict[str, Any]:
+        """The ``Laplace(...)`` keyword option of a package without the constant."""
+        return {name: value}
+
+
+class FractionOfRank(Tuning):
+    """A constant given as a fraction of the rank, whose keyword option counts columns."""
+
+    def keyword(self, name: str, value: Any, rank: int) -> dict[str, Any]:
+        return {name: max(0, round(value * rank))}
+
+
+#: ``Laplace(...)`` option -> the module constant replacing it.
+TUNINGS: dict[str, Tuning] = {
+    "sketch_test_matrix": Tuning("lowrank_laplace.fitting.sketch", "TEST_MATRIX"),
+    "dense_max_dim": Tuning("lowrank_laplace.fitting.plan", "DENSE_MAX_DIM"),
+    "oversampling": FractionOfRank("lowrank_laplace.fitting.plan", "OVERSAMPLING"),
+    "probe_size": Tuning("lowrank_laplace.posterior.probe", "PROBE_SIZE"),
+    "probe_columns": Tuning("lowrank_laplace.posterior.probe", "PROBE_COLUMNS"),
+    "measure_complement": Tuning("lowrank_laplace.posterior.probe", "MEASURE_COMPLEMENT"),
+}
+
+
+def set_tuning(name: str, value: Any, rank: int = 100) -> dict[str, Any]:
+    """Set a tuning of the package for this worker process, before it builds a posterior.
+
+    Assigns the module constant where the package has it; otherwise the option is still
+    a keyword of ``Laplace(...)``, and this returns it to be passed there.
+
+    Args:
+        name: The option, a key of :data:`TUNINGS`.
+        value: Its value, in the constant's units (``oversampling``: a fraction of the
+            rank).
+        rank: The posterior's rank (converts ``oversampling`` for the keyword option).
+
+    Returns:
+        Keyword options for ``Laplace(...)`` (empty where the constant was assigned).
+    """
+    tuning = TUNINGS[name]
+    try:
+        module = importlib.import_module(tuning.module)
+    except ImportError:
+        module = None
+    if module is None or not hasattr(module, tuning.constant):
+        return tuning.keyword(name, value, rank)
+    setattr(module, tuning.constant, value)
+    return {}
+
+
+###############################################################################
+#                                  Memory                                     #
+###############################################################################
+
+
+def num_cores() -> int:
+    """The number of CPU cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover (non-Linux)
+        return os.cpu_count() or 1
+
+
+def proc_status_bytes(key: str) -> int | None:
+    """An entry (in kB) of ``/proc/self/status`` in bytes, e.g. ``'VmSize'`` (Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f
+                         if line.startswith(key + ":")), None)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def rss_bytes(key: str = "VmRSS") -> int:
+    """The resident set size (``VmRSS``) or its high-water mark since
+    :func:`reset_peak_rss` (``VmHWM``); without ``/proc`` the process's peak."""
+    value = proc_status_bytes(key)
+    if value is None:
+        value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        value *= 1 if sys.platform == "darwin" else 1024
+    return value
+
+
+def reset_peak_rss() -> bool:
+    """Reset the RSS high-water mark to the current RSS (Linux >= 4.0); whether it did."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def limit_address_space(max_bytes: int) -> int | None:
+    """Cap the address space (``RLIMIT_AS``; ``<= 0``: none); the cap in effect.
+
+    Allocations beyond it fail with a catchable error instead of driving the machine into
+    swapping or the OOM killer. Not for CUDA (its driver reserves huge virtual ranges).
+    """
+    if max_bytes <= 0:
+        return None
+    try:
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard != resource.RLIM_INFINITY:
+            max_bytes = min(max_bytes, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (max_bytes, hard))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover
+        return None
+    return max_bytes
+
+
+def set_memory_cap(limit_bytes: int, device: torch.device) -> dict[str, Any]:
+    """Cap the address space at most to what the machine can back (not on CUDA).
+
+    Returns:
+        ``mem_limit_bytes`` (the cap in effect or ``None``) and, if the cap was lowered
+        to the available memory, ``mem_limit_requested_bytes``.
+    """
+    info: dict[str, Any] = {"mem_limit_bytes": None}
+    if device.type == "cuda" or limit_bytes <= 0:
+        return info
+    cap = limit_bytes
+    with contextlib.suppress(ImportError):
+        import psutil
+
+        backed = psutil.virtual_memory().available + psutil.Process().memory_info().vms
+        if backed < cap:
+            info["mem_limit_requested_bytes"], cap = cap, backed
+    info["mem_limit_bytes"] = limit_address_space(cap)
+    return info
+
+
+###############################################################################
+#                              Records                                        #
+###############################################################################
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether an exception means running out of memory."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    msg = str(exc).lower()
+    return any(s in msg for s in ("out of memory", "can't allocate memory", "not enough memory"))
+
+
+def failure_record(exc: BaseException) -> dict[str, str]:
+    """``status`` (``'oom'`` or ``'error'``), ``reason`` and ``traceback`` of a failure."""
+    return {"status": "oom" if is_oom(exc) else "error",
+            "reason": f"{type(exc).__name__}: {exc}"[:2000],
+            "traceback": traceback.format_exc()[-4000:]}
+
+
+def emit(record: dict[str, Any]):
+    """Print a record as one marked JSON line, after everything printed before."""
+    sys.stdout.flush()
+    print(MARKER + json.dumps(record), flush=True)
+
+
+@contextlib.contextmanager
+def failures_reported() -> Iterator[None]:
+    """Report an exception that escapes the block as a failed ``setup`` record."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 (report every failure)
+        emit({"phase": "setup", **failure_record(exc)})
+
+
+def preimport(names: Iterable[str] = DEFAULT_PREIMPORTS):
+    """Import what the measured calls would import lazily (import time is not measured).
+
+    The first forward-mode AD call imports ``torch._dynamo`` (several hundred modules);
+    SciPy's ARPACK and BackPACK may be imported lazily too.
+
+    Args:
+        names: Module names (failures are ignored).
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in names:
+            with contextlib.suppress(Exception):
+                __import__(name)
+
+
+def library_fingerprint() -> dict[str, Any]:
+    """The state of the ``lowrank_laplace`` sources (they may change between runs).
+
+    Returns:
+        ``git_head`` (if available), ``dirty`` (uncommitted changes under
+        ``lowrank_laplace/``; ``None``: unknown) and ``sources_sha1``, a hash over the
+        package's ``*.py`` files.
+    """
+    info: dict[str, Any] = {}
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True,
+                                 text=True, timeout=10, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout if out.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if head:
+        info["git_head"] = head.strip()
+    status = git("status", "--porcelain", "--", "lowrank_laplace")
+    info["dirty"] = None if status is None else bool(status.strip())
+    digest = hashlib.sha1()
+    package = REPO_ROOT / "lowrank_laplace"
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode())
+        digest.update(path.read_bytes())
+    info["sources_sha1"] = digest.hexdigest()
+    return info
+
+
+def measure(phase: str, fn: Callable[[], Any], device: torch.device,
+            load_pid: int = 0) -> tuple[dict, Any]:
+    """Time one phase and measure its peak memory and the machine's load; record failures.
+
+    Args:
+        phase: Phase name.
+        fn: The phase (no arguments).
+        device: The worker's device.
+        load_pid: A competing load's process id, whose CPU share is kept apart from
+            the other processes' (``0``: none).
+
+    Returns:
+        The phase record (``status``, ``time_s`` or for a failure ``time_to_failure_s``,
+        ``reason`` and ``traceback``; ``peak_bytes`` and ``peak_delta_bytes``, the RSS
+        fields and on CUDA ``cuda_peak_bytes``; ``other_cpu_percent_during_phase`` and
+        with a load ``load_cpu_percent_during_phase``) and ``fn``'s output (``None`` on
+        failure).
+    """
+    gc.collect()
+    record: dict[str, Any] = {"phase": phase}
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        cuda_before = torch.cuda.memory_allocated(device)
+    record["peak_reset"] = reset_peak_rss()
+    rss_before, out = rss_bytes(), None
+    share = CpuShare(load_pid=load_pid)
+    start = time.perf_counter()
+    try:
+        out = fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        record["time_s"] = time.perf_counter() - start
+        record["status"] = "ok"
+    except Exception as exc:  # noqa: BLE001 (every failure is a result)
+        record["time_to_failure_s"] = time.perf_counter() - start
+        record.update(failure_record(exc))
+    shares = share.stop()
+    if "others" in shares:
+        record["other_cpu_percent_during_phase"] = shares["others"]
+    if "load" in shares:
+        record["load_cpu_percent_during_phase"] = shares["load"]
+    rss_peak = rss_bytes("VmHWM")
+    record.update(rss_before_bytes=rss_before, rss_peak_bytes=rss_peak,
+                  rss_peak_delta_bytes=max(0, rss_peak - rss_before),
+                  peak_bytes=rss_peak, peak_delta_bytes=max(0, rss_peak - rss_before))
+    if cuda:
+        cuda_peak = torch.cuda.max_memory_allocated(device)
+        record.update(cuda_before_bytes=cuda_before, cuda_peak_bytes=cuda_peak,
+                      peak_bytes=cuda_peak, peak_delta_bytes=max(0, cuda_peak - cuda_before))
+    if record["status"] != "ok":
+        gc.collect()  # release what the failed phase left behind
+    return record, out
+
+
+def worker_setup(config: dict[str, Any]) -> dict[str, Any]:
+    """Start a worker: threads, memory cap, library fingerprint (the setup record so far).
+
+    Args:
+        config: The configuration; ``threads`` (``0``: usable cores, ``None``: torch's
+            default), ``device`` and ``mem_limit_gib`` (``0``: no cap) are read.
+
+    Returns:
+        The setup record, to be completed by the script and passed to :func:`run_phases`.
+    """
+    device = torch.device(config.get("device", "cpu"))
+    preimport(("psutil",))  # before any memory cap: the load measurement needs it
+    threads = config.get("threads", 0)
+    if threads is not None:
+        torch.set_num_threads(threads or num_cores())
+    setup = {"phase": "setup", "status": "ok", "threads": torch.get_num_threads(),
+             "device": str(device), "lowrank_laplace": library_fingerprint()}
+    setup.update(set_memory_cap(int(config.get("mem_limit_gib", 0) * GiB), device))
+    return setup
+
+
+def run_phases(setup: dict[str, Any], phases: Sequence[tuple], config: dict[str, Any],
+               preimports: Sequence[str] = LAPLACE_PREIMPORTS, stop_on_failure: bool = True):
+    """Emit the setup record, then measure and emit every phase.
+
+    Args:
+        setup: The setup record (:func:`worker_setup` and the script's fields).
+        phases: ``(name, fn)`` or ``(name, fn, describe)``: ``fn()`` is measured,
+            ``describe(out)`` adds fields of a successful phase's output to its record.
+        config: The configuration (``device`` and the driver's ``load_pid``).
+        preimports: Modules imported before the first phase.
+        stop_on_failure: End after a failed phase.
+    """
+    device = torch.device(config.get("device", "cpu"))
+    preimport(preimports)
+    setup.update(rss_bytes=rss_bytes(), rss_peak_bytes=rss_bytes("VmHWM"))
+    if device.type == "cuda":
+        setup["cuda_allocated_bytes"] = torch.cuda.memory_allocated(device)
+    emit(setup)
+    for name, fn, *describe in phases:
+        record, out = measure(name, fn, device, config.get("load_pid", 0))
+        if out is not None and describe:
+            record.update(describe[0](out))
+        del out
+        emit(record)
+        if stop_on_failure and record["status"] != "ok":
+            return
+
+
+def run_result(config: dict[str, Any], fn: Callable[[], dict]):
+    """A worker whose one phase, ``result``, computes a JSON-able result (its ``result``)."""
+    run_phases(worker_setup(config), [("result", fn, lambda out: {"result": out})], config)
+
+
+def check_probs(probs: Any, n_test: int, C: int) -> list[str]:
+    """Problems of predictive probabilities (untimed; empty if they are plausible)."""
+    if not isinstance(probs, torch.Tensor):
+        return [f"predictive returned {type(probs).__name__}, expected a tensor"]
+    problems = []
+    if tuple(probs.shape) != (n_test, C):
+        problems.append(f"shape {tuple(probs.shape)} != {(n_test, C)}")
+    if not torch.isfinite(probs).all():
+        problems.append("non-finite probabilities")
+    else:
+        err = (probs.sum(-1) - 1).abs().max().item()
+        if err > 1e-3:
+            problems.append(f"probabilities do not sum to 1 (max error {err:.2e})")
+    return problems
+
+
+def probs_warnings(n_test: int, C: int) -> Callable[[Any], dict]:
+    """A ``describe`` of :func:`run_phases` for a predictive: its problems as warnings."""
+    def describe(probs: Any) -> dict:
+        problems = check_probs(probs, n_test, C)
+        return {"warnings": problems} if problems else {}
+
+    return describe
+
+
+class CountingMatvec:
+    """A matrix-vector product that counts the vectors it multiplies.
+
+    Args:
+        f: Matrix-vector (or matrix-matrix) product on NumPy arrays.
+    """
+
+    def __init__(self, f: Callable):
+        self.f, self.count = f, 0
+
+    def __call__(self, x: Any) -> Any:
+        self.count += 1 if x.ndim == 1 else x.shape[1]
+        return self.f(x)
+
+
+def ggn_eigsh(model: nn.Module, loss_func: nn.Module, batches: list, num_data: int,
+              k: int) -> tuple[Tensor, Tensor, int]:
+    """Top-k GGN eigenpairs by SciPy's ``eigsh`` on curvlinops' GGN operator.
+
+    The operator (deterministic check off) is exported with ``to_scipy(dtype=float32)``;
+    its products are counted.
+
+    Args:
+        model: The network (its trainable parameters).
+        loss_func: Loss function (its reduction defines the GGN's scale).
+        batches: ``(X, y)`` batches the GGN sums over.
+        num_data: Number of data points in ``batches``.
+        k: Number of leading eigenpairs.
+
+    Returns:
+        Eigenvalues ``(k,)`` descending, eigenvectors ``(D, k)`` and the number of
+        GGN-vector products.
+    """
+    import numpy as np
+    from curvlinops import GGNLinearOperator
+    from scipy.sparse.linalg import LinearOperator, eigsh
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    op = GGNLinearOperator(model, loss_func, params, batches, check_deterministic=False,
+                           num_data=num_data).to_scipy(dtype=np.float32)
+    matvec = CountingMatvec(op.matvec)
+    evals, evecs = eigsh(LinearOperator(op.shape, matvec=matvec, dtype=op.dtype), k=k,
+                         which="LA")
+    order = np.argsort(evals)[::-1].copy()
+    return (torch.from_numpy(evals[order].copy()), torch.from_numpy(evecs[:, order].copy()),
+            matvec.count)

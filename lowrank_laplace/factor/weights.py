@@ -1,0 +1,48 @@
+"""Products ``B diag(w) U`` of a block under a diagonal weight (prior variances), in float64.
+
+Blocks widen a slice of entries at a time (``Block.wide_parts``); these helpers weight
+the matching rows of ``U``. Shapes: ``M`` rows of a block, ``d`` entries of the
+parameter, ``r`` columns of ``U``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import torch
+from torch import Tensor
+
+#: A scalar or per-entry weight of a parameter.
+Weight = Union[float, Tensor]
+#: The dtype of the products.
+SMALL_DTYPE = torch.float64
+#: Float64 entries of a widened slice of a block or of ``U`` (32 MiB).
+WIDE_ENTRIES = 2**22
+
+
+def weight_slice(w: Weight, params: slice) -> Weight:
+    """Return the weights of the entries ``params`` in float64 (a scalar whole).
+
+    Args:
+        w: A scalar or per-entry weight.
+        params: The entries.
+    """
+    if not isinstance(w, Tensor):
+        return w
+    return (w[params] if w.numel() > 1 else w).to(SMALL_DTYPE)
+
+
+def weighted_product(block: Any, U: Tensor, w: Weight, params: slice) -> Tensor:
+    """Return ``B diag(w) U_s`` ``(M, r)`` in float64 for a float64 block over the rows ``params``.
+
+    Args:
+        block: A float64 block over the entries ``params``.
+        U: Shape ``(d, r)``, all of the parameter's entries.
+        w: The parameter's weight.
+        params: The entries of the block.
+    """
+    w_s = weight_slice(w, params)
+    U_s = U[params].to(SMALL_DTYPE)
+    if isinstance(w_s, Tensor) and w_s.numel() > 1:
+        return block.t_matmul(U_s * w_s[:, None])
+    return block.t_matmul(U_s) * w_s

@@ -1,0 +1,410 @@
+r"""A loader's GGN as its leading eigenpairs: one engine, one plan, one pass.
+
+:class:`LoaderFit` streams every batch's factor into the solver its plan names, merges
+across processes and with an earlier fit, and keeps the first inputs for a probe pass;
+the plan and thread count hold until it is closed. :func:`fit_lowrank_ggn` is one call.
+
+Shape glossary:
+    D: parameters; r: kept rank; C: model outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+import tqdm
+from torch import Tensor, nn
+from torch.nn.utils import parameters_to_vector
+
+from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.fitting import loader as loaders
+from lowrank_laplace.fitting.config import FitConfig, SolverKind
+from lowrank_laplace.fitting.distributed import process_rank, resolve_process_group
+from lowrank_laplace.fitting.plan import (
+    FitPlan,
+    agree,
+    choose_plan,
+    keep_while_fitting,
+    make_solver,
+    measure_sizes,
+)
+from lowrank_laplace.fitting.streamer import BatchStreamer
+from lowrank_laplace.fitting.streaming import StreamingMerge
+from lowrank_laplace.utils.batches import take, to_device
+from lowrank_laplace.utils.linalg import squared_rows_dot
+from lowrank_laplace.utils.threads import cpu_threads
+
+
+def _identity(X: Any) -> Any:
+    return X
+
+
+@dataclass(frozen=True)
+class FitTarget:
+    """What a fit computes the GGN of.
+
+    Attributes:
+        model: The module whose GGN is computed (its trainable parameters).
+        likelihood: ``"classification"`` or ``"regression"`` (laplace-torch's GGN).
+        params: The parameters of the mean (``None``: ``model``'s trainable ones).
+        to_inputs: Maps a batch's inputs to ``model``'s (e.g. last-layer features).
+        dict_key_y: The targets' key in dict batches.
+        device: Where the fit runs (``None``: the parameters').
+    """
+
+    model: nn.Module
+    likelihood: str
+    params: Optional[List[Tensor]] = None
+    to_inputs: Callable[[Any], Any] = _identity
+    dict_key_y: str = "labels"
+    device: Optional[torch.device] = None
+
+
+@dataclass
+class ProbeInputs:
+    """Training inputs a fit kept for a probe pass after it.
+
+    Attributes:
+        batches: The first inputs the loader yielded, as batches.
+        cap: Most vectors per input a pass may carry within the budget.
+        rng: The fit's private random stream, continued by the probe.
+    """
+
+    batches: List[Any]
+    cap: int
+    rng: Any
+
+
+#: A sketch passes its check when the leading ``rank`` eigenvalues from half its random
+#: columns reach this share of the whole sketch's
+#: (:func:`~lowrank_laplace.fitting.nystrom.sub_sketch_share`); below it they were still
+#: growing, and ``solver="auto"`` streams the data instead (docs/posterior_quality.md).
+SKETCH_CONVERGED = 0.95
+
+
+@dataclass(frozen=True)
+class FastPathCheck:
+    """A fast path's own check after the fit, and what the fit did about it.
+
+    Attributes:
+        name: What was checked (``"sketch convergence"``).
+        value: The measured quantity (``SketchMerge.convergence``).
+        threshold: The value it must reach.
+        passed: Whether it did.
+        action: ``"kept"``, ``"streamed instead"`` or ``"warned"``.
+    """
+
+    name: str
+    value: float
+    threshold: float
+    passed: bool
+    action: str
+
+
+@dataclass
+class FitResult:
+    """A fitted low-rank GGN over a training set, on the GGN's own scale.
+
+    Attributes:
+        mean: The parameters at the fit (the posterior mean), ``(D,)``.
+        eigenvectors: Kept orthonormal eigenvectors ``U``, ``(D, r)``.
+        eigenvalues: Kept eigenvalues ``lambda``, ``(r,)``.
+        trace: The exact GGN trace over the data.
+        residual_diagonal: Diagonal of the dropped curvature, ``(D,)``, or ``None``.
+        loss: The summed loss times laplace-torch's Hessian factor.
+        n_data: Samples fitted (over all processes).
+        n_outputs: Model outputs ``C``.
+        factor_backend: The backend that computed ``V``.
+        fit_path: ``"dense"``, ``"streaming"`` or ``"sketch"``.
+        rank_bound: ``min(D, samples * columns)``.
+        warm_started: Whether the sketch started from a basis.
+        probe: The inputs kept for a probe pass, or ``None``.
+        check: The sketch's own check (``None`` where no sketch ran).
+    """
+
+    mean: Tensor
+    eigenvectors: Tensor
+    eigenvalues: Tensor
+    trace: Tensor
+    residual_diagonal: Optional[Tensor]
+    loss: Any
+    n_data: int
+    n_outputs: int
+    factor_backend: str
+    fit_path: str
+    rank_bound: int
+    warm_started: bool = False
+    probe: Optional[ProbeInputs] = field(default=None, repr=False)
+    check: Optional[FastPathCheck] = None
+
+
+class LoaderFit:
+    """A fit over a loader: one engine, one plan and one thread setting until closed.
+
+    A context manager: work inside it after :meth:`run` (a probe pass) keeps the fit's
+    thread setting; the user's comes back on exit.
+
+    Args:
+        target: What the GGN is computed of.
+        config: The fit's options.
+        process_group: Group to merge across; ``"default"``: the initialised default one.
+
+    Attributes:
+        group: The process group merged across (``None``: this process alone).
+    """
+
+    def __init__(self, target: FitTarget, config: FitConfig, process_group: Any = "default"):
+        self.target, self.config = target, config
+        self.params = [p for p in target.model.parameters() if p.requires_grad] \
+            if target.params is None else target.params
+        loaders.check_params(self.params)
+        self.device = self.params[0].device if target.device is None else target.device
+        self.group = resolve_process_group(process_group)
+        self.loss_func, self.scale = loaders.likelihood_loss(target.likelihood)
+        self._scope = contextlib.ExitStack()
+        self.engine: Optional[FactorEngine] = None
+        self.plan: Optional[FitPlan] = None
+        self.probe: Optional[ProbeInputs] = None
+        self._probe_cap = 1
+        self._sizes: Optional[Any] = None
+
+    def __enter__(self) -> "LoaderFit":
+        self.engine = self._scope.enter_context(FactorEngine(
+            self.target.model, self.loss_func, eval_mode=True,
+            backend=self.config.factor_backend))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._scope.close()
+
+    def run(self, loader: Any, previous: Optional[FitResult] = None,
+            warm_basis: Optional[Tensor] = None, progress_bar: bool = False) -> FitResult:
+        """Fit the low-rank GGN over the whole loader.
+
+        Data-parallel, every process streams its shard and the solvers are combined:
+        all end with the same result, ``n_data`` counting all samples.
+
+        Args:
+            loader: Yields ``(X, y)`` or dict batches; ``loader.dataset`` has a length.
+            previous: An earlier fit to add to (online updates, ``override=False``).
+            warm_basis: ``(D, b)`` first test columns of an auto sketch (the last eigenvectors).
+            progress_bar: Show a tqdm progress bar over batches.
+
+        Returns:
+            The :class:`FitResult`.
+
+        Raises:
+            ValueError: For a loader without ``dataset``, an empty loader, bad targets, or a
+                budget too small for one sample.
+        """
+        known = loaders.loader_size(loader)
+        mean = parameters_to_vector(self.params).detach()
+        stream, loss, seen = self._pass(loader, known, warm_basis, progress_bar)
+        if self._rounded(stream):  # a float32 sketch rounded a kept eigenvalue
+            if self.plan.widen:  # one more pass, in float64
+                self.plan = self.plan.widened()
+                stream, loss, seen = self._pass(loader, known, warm_basis, False)
+            else:
+                _warn_low_precision_sketch(self.params[0].dtype)
+        loss, num_data = self._reduce(stream, loss, seen, known, mean.dtype)
+        check = self._check(stream)
+        if check is not None and check.action == "streamed instead":
+            self.plan = choose_plan(self._sizes, replace(self.config, solver="streaming"))
+            stream, loss, seen = self._pass(loader, known, None, False)
+            loss, num_data = self._reduce(stream, loss, seen, known, mean.dtype)
+        U, lam, trace, residual = stream.solver.result()
+        if previous is not None:
+            U, lam, trace, residual = merge_fits(self.config, previous, (U, lam, trace,
+                                                                         residual))
+            loss, num_data = previous.loss + loss, previous.n_data + num_data
+        if float(trace) <= 0:  # a zero GGN has no eigenpairs, not a fake tiny one
+            U, lam = U[:, :0], lam[:0]
+        samples = math.ceil(num_data * (self.config.subsample_fraction or 1.0))
+        columns = loaders.columns_per_sample(self.target.likelihood, self.config.mc_samples,
+                                             stream.n_outputs)
+        return FitResult(
+            mean=mean, eigenvectors=U, eigenvalues=lam, trace=trace,
+            residual_diagonal=residual, loss=loss, n_data=num_data,
+            n_outputs=stream.n_outputs, factor_backend=self.engine.backend,
+            fit_path=self.plan.path, rank_bound=min(mean.numel(), samples * columns),
+            warm_started=stream.solver.warm_columns > 0, probe=self.probe, check=check,
+        )
+
+    def _pass(self, loader: Any, known: Optional[int], warm_basis: Optional[Tensor],
+              progress_bar: bool) -> Tuple[BatchStreamer, Any, int]:
+        """One pass: the streamer (its solver filled), loss and samples; keeps probe inputs."""
+        config, target = self.config, self.target
+        stream, kept, loss, seen = None, [], 0.0, 0
+        pbar = tqdm.tqdm(loaders.batches(loader, target.dict_key_y), disable=not progress_bar,
+                         desc="[lowrank_ggn: merging GGN factors]")
+        for X, y in pbar:
+            X, y = target.to_inputs(to_device(X, self.device)), y.to(self.device)
+            loaders.check_likelihood_targets(target.likelihood, y)
+            if stream is None:  # the first batch: plan, solver, streamer
+                stream = self._start(X, len(y),
+                                     loaders.planned_samples(loader, known, len(y)), warm_basis)
+            if seen < config.probe_inputs:  # inputs for a probe pass after the fit
+                kept.append(take(X, slice(0, config.probe_inputs - seen), len(y)))
+            loss = loss + stream.add(X, y)
+            seen += len(y)
+            if progress_bar and stream.solver.eigenvalues is not None:
+                share = float(stream.solver.eigenvalues[: config.rank].sum()
+                              / stream.solver.trace)
+                pbar.set_postfix(kept_trace=f"{share:.3f}")
+        if stream is None:
+            raise ValueError("train_loader yielded no batches: nothing to fit.")
+        stream.flush()
+        self.probe = ProbeInputs(kept, self._probe_cap, stream.rng) if kept else None
+        return stream, loss, seen
+
+    def reconfigure(self, config: FitConfig) -> None:
+        """Fit again with other options (another rank): a new plan, the same threads.
+
+        Args:
+            config: The new options.
+        """
+        self.config, self.plan = config, None
+
+    def _start(self, X: Any, batch: int, num_data: int, warm_basis: Optional[Tensor]
+               ) -> BatchStreamer:
+        """At the first batch: plan (threads entered once), probe budget, solver, streamer."""
+        if self.plan is None:
+            sizes = measure_sizes(self.engine, X, batch, num_data, self.config,
+                                  self.group is not None)
+            plan = choose_plan(sizes, self.config)
+            if self.group is not None:
+                plan = choose_plan(sizes, self.config, agree(self.group, plan, self.device))
+            if self._sizes is None:  # the fit's one thread setting
+                self._scope.enter_context(cpu_threads(plan.threads))
+            self.plan, self._sizes = plan, sizes
+            if self.config.probe_inputs:
+                self._probe_cap = probe_cap(sizes)
+        solver = make_solver(self.plan, self.config, self.params,
+                             basis=None if self.group is not None else warm_basis)
+        offset = 0 if self.group is None else process_rank(self.group)
+        return BatchStreamer(self.engine, self.plan, self.config, solver, self.scale,
+                             self.config.seed + offset, self.device)
+
+    def _check(self, stream: BatchStreamer) -> Optional[FastPathCheck]:
+        """The sketch's convergence check: an unconverged auto sketch streams, else warns."""
+        if self.plan.path != "sketch":
+            return None
+        value = stream.solver.convergence
+        passed = value >= SKETCH_CONVERGED
+        auto = self.config.solver == SolverKind.AUTO and self.group is None
+        action = "kept" if passed else ("streamed instead" if auto else "warned")
+        if action == "warned":
+            warnings.warn(
+                f"solver='sketch' has not converged: its leading {self.config.rank} "
+                f"eigenvalues grew by {1 / max(value, 1e-12) - 1:.0%} when the second half "
+                "of its columns was added, so they under-estimate the GGN's by more (a "
+                "flat spectrum). solver='streaming' (or 'auto') keeps more of it.",
+                UserWarning, stacklevel=4,
+            )
+        return FastPathCheck("sketch convergence", value, SKETCH_CONVERGED, passed, action)
+
+    def _rounded(self, stream: BatchStreamer) -> bool:
+        """Whether a sketch accumulated below float64 rounded its kept eigenvalues."""
+        plan = self.plan
+        if plan.path != "sketch" or self.params[0].dtype == torch.float64 \
+                or plan.sketch_dtype is not None:
+            return False
+        return not stream.solver.resolves()
+
+    def _reduce(self, stream: BatchStreamer, loss: Any, seen: int, known: Optional[int],
+                dtype: torch.dtype) -> Tuple[Any, int]:
+        """Merge the solvers across processes; the loss and sample count of all of them."""
+        num_data = seen if known is None else known
+        if self.group is None:
+            return loss, num_data
+        import torch.distributed as dist
+
+        stream.solver.merge_across(self.group)
+        totals = torch.stack([torch.as_tensor(loss, dtype=dtype, device=self.device),
+                              torch.tensor(float(seen), dtype=dtype, device=self.device)])
+        dist.all_reduce(totals, group=self.group)
+        return totals[0], int(totals[1])
+
+
+def probe_cap(sizes: Any) -> int:
+    """The most vectors per input a probe pass may carry (checked before the fit).
+
+    Args:
+        sizes: The fit's :class:`~lowrank_laplace.fitting.plan.FitSizes`.
+
+    Returns:
+        Vectors per input, ``>= 1``.
+
+    Raises:
+        ValueError: If one vector of one input does not fit the budget.
+    """
+    if sizes.vector_bytes > sizes.budget:
+        raise ValueError(
+            f"memory_budget={sizes.budget:,} bytes is too small for the residual model's "
+            f"probe pass (about {sizes.vector_bytes:,} bytes per input): raise "
+            "memory_budget, or pass a residual model without a probe (e.g. "
+            "residual='isotropic')."
+        )
+    return max(1, sizes.budget // sizes.vector_bytes)
+
+
+def merge_fits(config: FitConfig, previous: FitResult, current: tuple
+               ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Merge an earlier fit's ``(U, lam, trace, residual)`` with this one's.
+
+    Args:
+        config: The fit's options.
+        previous: The earlier fit.
+        current: This fit's ``(U, lam, trace, residual diagonal)``.
+
+    Returns:
+        The merged tuple.
+    """
+    first = (previous.eigenvectors, previous.eigenvalues, previous.trace,
+             previous.residual_diagonal)
+    # a previous fit without the diagonal (an older state) merges without it
+    track = config.track_diagonal and previous.residual_diagonal is not None
+    both = StreamingMerge(config.rank, keep_while_fitting(config.rank) - config.rank, track)
+    for U, lam, trace, residual in (first, current):
+        diagonal = residual + squared_rows_dot(U, lam) if track else None
+        both.add_lowrank(U, lam, trace, diagonal)
+    return both.result()
+
+
+def _warn_low_precision_sketch(dtype: torch.dtype) -> None:
+    """Warn that a float32 sketch that could not be redone in float64 rounded eigenvalues."""
+    warnings.warn(
+        f"solver='sketch' accumulated its sketch in {dtype} (its float64 D x l matrix "
+        "exceeds a quarter of memory_budget, or low_memory=True) and rounded kept "
+        "eigenvalues: eigenvalues below about eps * lambda_max are lost, and "
+        "variances in weakly determined directions can be far off at small prior "
+        "precisions. solver='streaming', a larger memory_budget (or a float64 "
+        "model) resolves them.",
+        UserWarning, stacklevel=4,
+    )
+
+
+def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Any, config: FitConfig, *,
+                    previous: Optional[FitResult] = None, process_group: Any = "default",
+                    progress_bar: bool = False) -> FitResult:
+    """Fit the low-rank GGN of ``model``'s trainable parameters (:meth:`LoaderFit.run`).
+
+    Args:
+        model: The module whose GGN is computed.
+        likelihood: ``"classification"`` or ``"regression"``.
+        loader: Yields ``(X, y)`` or dict batches (targets under ``"labels"``).
+        config: The fit's options.
+        previous: An earlier fit to add this loader's curvature to.
+        process_group: ``torch.distributed`` group to merge across.
+        progress_bar: Show a tqdm progress bar over batches.
+
+    Returns:
+        The :class:`FitResult`.
+    """
+    with LoaderFit(FitTarget(model, likelihood), config, process_group) as fit:
+        return fit.run(loader, previous=previous, progress_bar=progress_bar)

@@ -1,0 +1,216 @@
+"""What a fit reads from a training loader: its size, batches and targets, checked.
+
+Batches are ``(X, y)`` tensors or dict batches (targets under ``dict_key_y``); what a fit
+cannot use is refused, with the way out, before any work.
+
+Shape glossary:
+    N: samples of a batch; C: model outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any, Iterator, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+#: Samples planned for a dataset without a length (the plan streams; ``n_data`` is counted).
+UNKNOWN_SIZE = 2**40
+
+
+def likelihood_loss(likelihood: str) -> Tuple[nn.Module, float]:
+    """The summed loss whose GGN is laplace-torch's, and laplace-torch's factor on it.
+
+    Args:
+        likelihood: ``"classification"`` or ``"regression"``.
+
+    Returns:
+        ``(CrossEntropyLoss(sum), 1)`` or ``(MSELoss(sum), 0.5)``.
+    """
+    if likelihood == "regression":
+        return nn.MSELoss(reduction="sum"), 0.5
+    return nn.CrossEntropyLoss(reduction="sum"), 1.0
+
+
+def check_likelihood_targets(likelihood: str, y: Tensor) -> None:
+    """Refuse targets that do not match the likelihood.
+
+    Args:
+        likelihood: The likelihood.
+        y: A batch's targets.
+
+    Raises:
+        ValueError: For float classes, integer regression targets or wrong shapes.
+    """
+    if likelihood == "regression":
+        if y.ndim != 2 or not y.is_floating_point():
+            raise ValueError(
+                "likelihood='regression' needs floating-point targets of the output's "
+                f"shape (N, C), got dtype {y.dtype} and shape {tuple(y.shape)}."
+            )
+    elif y.is_floating_point() or y.ndim != 1:
+        raise ValueError(
+            "likelihood='classification' needs integer class targets of shape (N,), "
+            f"got dtype {y.dtype} and shape {tuple(y.shape)}."
+        )
+
+
+def columns_per_sample(likelihood: str, mc_samples: int, n_outputs: Optional[int]) -> int:
+    """Columns of ``V`` per curvature sample: the GGN's rank per data point.
+
+    Args:
+        likelihood: The likelihood.
+        mc_samples: ``0`` or Monte-Carlo samples ``M``.
+        n_outputs: Model outputs ``C`` (``None``: counted as 1).
+
+    Returns:
+        ``M``, ``C`` (regression) or ``max(C - 1, 1)`` (classification).
+    """
+    if mc_samples:
+        return mc_samples
+    outputs = n_outputs or 1
+    return outputs if likelihood == "regression" else max(outputs - 1, 1)
+
+
+def loader_size(loader: Any) -> Optional[int]:
+    """The number of data points of a loader's dataset.
+
+    Args:
+        loader: A training loader.
+
+    Returns:
+        ``len(loader.dataset)``, or ``None`` for a dataset without ``__len__``.
+
+    Raises:
+        ValueError: For a loader without ``dataset`` or an empty dataset.
+    """
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None:
+        raise ValueError("train_loader needs a .dataset to know the number of data points.")
+    try:
+        num_data = len(dataset)
+    except TypeError:  # an IterableDataset without __len__
+        return None
+    if num_data == 0:
+        raise ValueError("train_loader is empty: nothing to fit.")
+    return num_data
+
+
+def planned_samples(loader: Any, num_data: Optional[int], batch: int) -> int:
+    """Samples this process streams, as far as the loader tells.
+
+    Args:
+        loader: The training loader.
+        num_data: :func:`loader_size`.
+        batch: Samples of its first batch.
+
+    Returns:
+        The count, or :data:`UNKNOWN_SIZE`.
+    """
+    planned = UNKNOWN_SIZE if num_data is None else num_data
+    try:
+        return min(planned, len(loader) * batch)
+    except TypeError:  # no __len__, or one that raises (an IterableDataset's loader)
+        return planned
+
+
+def check_params(params: List[Tensor]) -> None:
+    """Refuse a fit without trainable parameters, or with parameters on ``meta``.
+
+    Args:
+        params: The parameters to fit.
+
+    Raises:
+        ValueError: For no parameters, or parameters on the ``meta`` device.
+    """
+    if not params:
+        raise ValueError(
+            "The model has no trainable parameters: the posterior covers the parameters "
+            "with requires_grad=True, so unfreeze the ones it should cover."
+        )
+    if any(p.is_meta for p in params):
+        raise ValueError(
+            "The model's parameters are on the 'meta' device and hold no values: load "
+            "its weights (e.g. model.to_empty(device='cpu') and load_state_dict) first."
+        )
+
+
+def check_batch_types(X: Any, y: Any) -> None:
+    """Refuse batches that do not hold tensors.
+
+    Args:
+        X: A batch's inputs.
+        y: Its targets.
+
+    Raises:
+        TypeError: For inputs neither a tensor nor a dict, or targets not a tensor.
+    """
+    if not isinstance(X, (Tensor, MutableMapping)) or not isinstance(y, Tensor):
+        raise TypeError(
+            "train_loader must yield (X, y) tensors or dict batches, got "
+            f"({type(X).__name__}, {type(y).__name__}): wrap arrays with torch.as_tensor "
+            "(e.g. in a TensorDataset)."
+        )
+
+
+def unpack(data: Any, dict_key_y: str) -> Tuple[Any, Tensor]:
+    """A loader's batch as checked ``(inputs, targets)``; a dict batch is the inputs whole.
+
+    Args:
+        data: What the loader yielded.
+        dict_key_y: The targets' key in dict batches.
+
+    Returns:
+        ``(X, y)``.
+
+    Raises:
+        KeyError: For a dict batch without ``dict_key_y`` (laplace-torch's exception).
+        TypeError: See :func:`check_batch_types`.
+    """
+    if isinstance(data, MutableMapping):
+        if dict_key_y not in data:
+            raise KeyError(
+                f"The loader's dict batches have no targets under "
+                f"dict_key_y={dict_key_y!r} (keys: {sorted(data)}): pass the "
+                "key of the labels as dict_key_y."
+            )
+        X, y = data, data[dict_key_y]
+    else:
+        X, y = data
+    check_batch_types(X, y)
+    check_finite_inputs(X)
+    return X, y
+
+
+def check_finite_inputs(X: Any) -> None:
+    """Refuse inputs holding NaN or inf (a saturating network hides them until the GGN).
+
+    Args:
+        X: A batch's inputs.
+
+    Raises:
+        ValueError: Naming the entry.
+    """
+    entries = X.items() if isinstance(X, MutableMapping) else [("inputs", X)]
+    for key, value in entries:
+        if isinstance(value, Tensor) and value.is_floating_point() and \
+                not bool(torch.isfinite(value).all()):
+            raise ValueError(
+                f"The loader's {key!r} hold NaN or infinite values: the GGN of such an "
+                "input is not defined. Clean or clip the data first."
+            )
+
+
+def batches(loader: Any, dict_key_y: str) -> Iterator[Tuple[Any, Tensor]]:
+    """The loader's batches as checked ``(inputs, targets)`` pairs (:func:`unpack`).
+
+    Args:
+        loader: The training loader.
+        dict_key_y: The targets' key in dict batches.
+
+    Yields:
+        ``(X, y)`` per batch.
+    """
+    for data in loader:
+        yield unpack(data, dict_key_y)

@@ -1,0 +1,86 @@
+"""How faithful a fit is, in numbers a user can read (``la.fit_report``, ``repr(la)``).
+
+A low-rank posterior is an approximation whose quality depends on the model and the
+data: the share of the GGN's curvature the rank keeps, whether the fast path that ran
+(a sketch) passed its own check, and how much the predictive still moves with the rank.
+:class:`FitReport` holds these after every fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Optional, Tuple
+
+from lowrank_laplace.fitting.fit import FastPathCheck
+
+#: What each fit path is called in the report.
+PATH_NAMES = {"dense": "a dense GGN sum (exact)", "streaming": "streaming merges",
+              "sketch": "a one-pass sketch"}
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """The last fit's faithfulness.
+
+    Attributes:
+        rank: Eigenpairs kept.
+        num_params: Laplace parameters ``D``.
+        kept_fraction: Share of the exact GGN trace the kept eigenvalues hold.
+        fit_path: ``"dense"``, ``"streaming"`` or ``"sketch"``: what ran in the end.
+        factor_backend: What computed ``V``.
+        residual: The model of the dropped curvature.
+        check: The sketch's own check and what the fit did about it (``None``: no
+            sketch ran).
+        variance_change: Median relative change of the probe inputs' predictive
+            variance from the leading half of the kept eigenpairs to all, at the fit's
+            prior (``None``: not measured, e.g. without the spectral residual's probe).
+        warm_started: Whether the sketch started from this posterior's last fit.
+        ranks_tried: ``(rank, variance change)`` of every fit (``rank="auto"`` fits
+            several).
+    """
+
+    rank: int
+    num_params: int
+    kept_fraction: float
+    fit_path: str
+    factor_backend: str
+    residual: str
+    check: Optional[FastPathCheck] = None
+    variance_change: Optional[float] = None
+    warm_started: bool = False
+    ranks_tried: Tuple[Tuple[int, Optional[float]], ...] = ()
+
+    def __str__(self) -> str:
+        lines = [f"lowrank_ggn fit: rank {self.rank} of {self.num_params:,} parameters, "
+                 f"{PATH_NAMES.get(self.fit_path, self.fit_path)} "
+                 f"({self.factor_backend} backend{', warm start' if self.warm_started else ''})",
+                 f"  kept share of the GGN trace: {self.kept_fraction:.3f} "
+                 f"(the rest: residual={self.residual!r})"]
+        if self.check is not None:
+            c = self.check
+            verdict = "passed" if c.passed else "failed"
+            lines.append(f"  {c.name}: {verdict} ({c.value:.3f}, needs {c.threshold:.2f}); "
+                         f"{c.action}")
+        if self.variance_change is not None:
+            lines.append(f"  predictive variance on the probe inputs: changes by "
+                         f"{self.variance_change:.1%} from rank {self.rank // 2} to "
+                         f"{self.rank}")
+        if len(self.ranks_tried) > 1:
+            tried = ", ".join(f"{r} ({'-' if c is None else f'{c:.1%}'})"
+                              for r, c in self.ranks_tried)
+            lines.append(f"  rank='auto' tried: {tried}")
+        return "\n".join(lines)
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The report as plain values (for JSON reports and ``state_dict``)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Optional[Dict[str, Any]]) -> Optional["FitReport"]:
+        """Inverse of :meth:`as_dict` (``None`` stays ``None``)."""
+        if values is None:
+            return None
+        values = dict(values)
+        check = values.pop("check", None)
+        values["ranks_tried"] = tuple(tuple(t) for t in values.get("ranks_tried", ()))
+        return cls(**values, check=None if check is None else FastPathCheck(**check))

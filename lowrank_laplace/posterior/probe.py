@@ -1,0 +1,296 @@
+r"""The spectral residual's probe: what a fit measures on its first training inputs.
+
+One Jacobian pass gives the kept eigenvectors' Jacobian energies (the exponent
+``beta``, :func:`jacobian_exponent`); under a scalar prior another, with all outputs,
+measures the complement variance (:mod:`~lowrank_laplace.posterior.complement`) and
+the rank check. Data-parallel fits sum the energies and take process 0's measurement.
+
+Shape glossary:
+    D: Laplace parameters; r: kept rank; m: measured probe inputs; C: outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.factor.loss_sqrt import hessian_sqrt
+from lowrank_laplace.fitting.budget import (
+    micro_batch_size,
+    resolve_memory_budget,
+    samples_in_budget,
+)
+from lowrank_laplace.fitting.config import FitConfig
+from lowrank_laplace.fitting.fit import FitResult
+from lowrank_laplace.fitting.loader import likelihood_loss
+from lowrank_laplace.posterior.complement import MeasuredComplement, measure_complement
+from lowrank_laplace.posterior.predictive import jacobian_energies, jacobian_engine
+from lowrank_laplace.utils.batches import batch_device, take
+from lowrank_laplace.utils.checks import check_batch
+
+#: Training inputs (the first) a fit with the spectral residual keeps for its probe.
+PROBE_SIZE = 256
+#: Random output combinations over the whole probe for the energies (each input
+#: carries ``ceil(PROBE_COLUMNS / inputs)``, or all ``C`` if not fewer); ``None``: exact.
+PROBE_COLUMNS = 512
+#: Measure the complement variance on the probe (scalar priors) instead of modelling it.
+MEASURE_COMPLEMENT = True
+#: Fewest probe inputs the complement variance is measured on (else it is modelled).
+MIN_MEASURED = 32
+#: Most Jacobian columns (inputs times outputs) of the measurement: its cost grows with
+#: their square and cube, its sub-sampling bias falls with them.
+MAX_COLUMNS = 1024
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What the probe pass measured.
+
+    Attributes:
+        exponent: The Jacobian-weighting exponent ``beta``.
+        complement: The measured complement variance (``None``: modelled).
+        variance_change: :func:`variance_change` from the leading half of the kept
+            eigenpairs to all (``None``: not measured).
+    """
+
+    exponent: float = 0.0
+    complement: Optional[MeasuredComplement] = None
+    variance_change: Optional[float] = None
+
+
+def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig, likelihood: str,
+                   group: Any = None, prior: Optional[Tuple[float, float]] = None
+                   ) -> ProbeResult:
+    """``beta`` of the spectral residual, the measured complement and the rank check.
+
+    The measurement covers the probe inputs within half the memory budget and
+    :data:`MAX_COLUMNS` columns (none below :data:`MIN_MEASURED` inputs).
+
+    Args:
+        model: The module whose GGN was fitted.
+        fit: The fit, with its probe inputs.
+        config: The fit's options.
+        likelihood: ``"classification"`` or ``"regression"``.
+        group: The data-parallel process group, or ``None``.
+        prior: ``(h, delta)`` of a scalar prior to measure under; ``None``: no
+            measurement.
+
+    Returns:
+        The :class:`ProbeResult`.
+    """
+    U, lam, probe = fit.eigenvectors, fit.eigenvalues, fit.probe
+    if U.shape[1] in (0, U.shape[0]) or probe is None:  # nothing kept, or nothing dropped
+        return ProbeResult()
+    measure = prior is not None and MEASURE_COMPLEMENT
+    with jacobian_engine(model, config.factor_backend) as engine:
+        inputs = sum(check_batch(x, None) for x in probe.batches)
+        projections = None if PROBE_COLUMNS is None else -(-PROBE_COLUMNS // max(inputs, 1))
+        if projections is not None and projections >= fit.n_outputs:
+            projections = None  # no cheaper than the exact energies
+        if (projections or fit.n_outputs) > probe.cap:  # fewer random ones fit the budget
+            projections = probe.cap
+        micro = micro_batch_size(engine, probe.batches[0], projections, config.memory_budget,
+                                 config.micro_batch_size)
+        energy = jacobian_energies(engine, probe.batches, U, micro, projections, probe.rng)
+        measured = (None, None)
+        if measure and (group is None or _rank(group) == 0):
+            measured = _measure(engine, probe.batches, (U, lam), config,
+                                (fit.n_data, likelihood_loss(likelihood), prior))
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(energy, group=group)
+        if measure:
+            measured = (_broadcast(measured[0], U, group), None)
+    return ProbeResult(jacobian_exponent(lam, energy), *measured)
+
+
+def jacobian_exponent(eigenvalues: Tensor, energies: Tensor) -> float:
+    r"""The exponent ``beta`` of ``e_k ~ lambda_k^beta``, clamped to ``[0, 1]``.
+
+    Least squares of ``log e_k`` on ``log lambda_k`` over pairs with both positive
+    (``lambda`` above ``1e-12`` of the largest); 0 with fewer than two distinct ones.
+
+    Args:
+        eigenvalues: Kept ``lambda``, ``(r,)``.
+        energies: Jacobian energies ``e_k = sum_n ||J_n u_k||^2``, ``(r,)``.
+
+    Returns:
+        ``beta``.
+    """
+    lam = eigenvalues.detach().to(torch.float64).cpu()
+    energy = energies.detach().to(torch.float64).cpu()
+    if lam.numel() == 0:
+        return 0.0
+    valid = (lam > 1e-12 * lam.max().clamp(min=0)) & (energy > 0) & (lam > 0)
+    x, y = lam[valid].log(), energy[valid].log()
+    if x.numel() < 2 or float(x.max() - x.min()) < 1e-9:
+        return 0.0
+    x = x - x.mean()
+    beta = float((x * (y - y.mean())).sum() / (x * x).sum())
+    return min(max(beta, 0.0), 1.0)
+
+
+def _measure(engine: FactorEngine, probe: List[Any], kept: Tuple[Tensor, Tensor],
+             config: FitConfig, data: tuple
+             ) -> Tuple[Optional[MeasuredComplement], Optional[float]]:
+    """The complement on the probe inputs that fit, and :func:`variance_change`.
+
+    ``kept``: ``(U, lambda)``; ``data``: ``(N, (loss, factor), (h, delta))``.
+    """
+    (U, lam), (num_data, loss, prior) = kept, data
+    budget = resolve_memory_budget(config.memory_budget, batch_device(probe[0]))
+    try:
+        fits, _ = samples_in_budget(engine, probe[0], None, budget / 2, False)
+    except ValueError:  # not one input's C vectors: the model stays
+        return None, None
+    total = sum(check_batch(x, None) for x in probe)
+    m = min(total, fits, num_data, MAX_COLUMNS // max(engine.num_outputs or 1, 1))
+    if m < MIN_MEASURED:
+        return None, None
+    micro = micro_batch_size(engine, probe[0], None, config.memory_budget,
+                             config.micro_batch_size)
+    factors, left = [], m
+    for inputs in probe:
+        n = check_batch(inputs, None)
+        for start in range(0, min(n, left), micro):
+            chunk = take(inputs, slice(start, min(start + micro, n, left)), n)
+            factors.append(engine.compute(chunk, None, gradient=False))
+        left -= min(n, left)
+        if left == 0:
+            break
+    classes = engine.num_outputs
+    gram, Z, outputs = _assemble(factors, U, classes, m)
+    loss_func, factor = loss
+    S = hessian_sqrt(loss_func, outputs.to(torch.float64), 0, None) * factor ** 0.5
+    full = measure_complement(gram, Z, S, num_data)
+    half = lam.numel() // 2
+    if full is None or half == 0:
+        return full, None
+    probe = ProbeColumns(gram.diagonal() / 2, Z / 2**0.5, classes)
+    change = variance_change(probe, (lam, full), (lam[:half], measure_complement(
+        gram, Z[:, :half], S, num_data)), prior)
+    return full, change
+
+
+@dataclass(frozen=True)
+class ProbeColumns:
+    """The measured probe inputs' Jacobians, as the rank check needs them.
+
+    Attributes:
+        norms: ``||J_nc||^2``, ordered ``(c, n)``, ``(C m,)``.
+        projections: ``J_nc U``, ``(C m, r)``, float64.
+        classes: Outputs ``C``.
+    """
+
+    norms: Tensor
+    projections: Tensor
+    classes: int
+
+
+def predictive_variance(probe: ProbeColumns, kept: tuple, prior: Tuple[float, float]
+                        ) -> Tensor:
+    r"""Each probe input's GLM variance summed over outputs, under the spectral residual.
+
+    ``sum_c (sum_k z_nck^2 / (h lambda_k + delta) + v (||J_nc||^2 - sum_k z_nck^2))``.
+
+    Args:
+        probe: The probe's Jacobian columns.
+        kept: ``(lambda, complement)``: the leading eigenvalues kept and the complement
+            measured outside them.
+        prior: ``(h, delta)``.
+
+    Returns:
+        ``(m,)``, float64.
+    """
+    (lam, complement), (scale, delta) = kept, prior
+    lam = lam.to(probe.projections)
+    z2 = probe.projections[:, : lam.numel()] ** 2
+    inside = z2 @ (1 / (scale * lam + delta))
+    outside = (probe.norms - z2.sum(1)).clamp(min=0)
+    v = complement.variance(torch.tensor(scale), torch.tensor(delta), float(lam[-1]))
+    return (inside + v.to(inside) * outside).reshape(probe.classes, -1).sum(0)
+
+
+def variance_change(probe: ProbeColumns, full: tuple, half: tuple,
+                    prior: Tuple[float, float]) -> Optional[float]:
+    """Median relative change of the probe inputs' predictive variance from half to all.
+
+    Args:
+        probe: The probe's Jacobian columns.
+        full: ``(lambda, complement)`` of all kept eigenpairs.
+        half: The same for the leading half (complement ``None``: not measurable).
+        prior: ``(h, delta)``.
+
+    Returns:
+        ``median |var_half - var| / var`` over the inputs, or ``None``.
+    """
+    if half[1] is None:
+        return None
+    var = predictive_variance(probe, full, prior)
+    var_half = predictive_variance(probe, half, prior)
+    return float(((var_half - var).abs() / var.clamp(min=1e-300)).median())
+
+
+def _assemble(factors: List[Any], U: Tensor, classes: int, m: int
+              ) -> Tuple[Tensor, Tensor, Tensor]:
+    """The Gram matrix, ``F^T U`` and outputs of the probe, columns ordered ``(c, n)``."""
+    wide = torch.float64
+    gram = torch.zeros(classes, m, classes, m, dtype=wide, device=U.device)
+    Z = torch.zeros(classes, m, U.shape[1], dtype=wide, device=U.device)
+    spans, start = [], 0
+    for f in factors:
+        spans.append(slice(start, start + f.num_samples))
+        start += f.num_samples
+    for i, (fi, si) in enumerate(zip(factors, spans)):
+        ni = fi.num_samples
+        # the factor's dtype, as its Gram matrix: M = (F^T F - Z Z^T) / 2 cancels alike
+        Z[:, si] = fi.t_matmul(U).to(wide).reshape(classes, ni, -1)
+        for fj, sj in zip(factors[i:], spans[i:]):
+            block = sum(a.cross(b) for a, b in zip(fi.group_blocks(), fj.group_blocks()))
+            block = block.to(wide).reshape(classes, ni, classes, fj.num_samples)
+            gram[:, si, :, sj] = block
+            gram[:, sj, :, si] = block.permute(2, 3, 0, 1)
+    outputs = torch.cat([f.outputs.reshape(f.num_samples, -1) for f in factors])
+    return gram.reshape(classes * m, classes * m), Z.reshape(classes * m, -1), outputs
+
+
+def _rank(group: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(group)
+
+
+def _broadcast(measured: Optional[MeasuredComplement], U: Tensor, group: Any
+               ) -> Optional[MeasuredComplement]:
+    """Process 0's measurement on every process (``None`` stays ``None``)."""
+    import torch.distributed as dist
+
+    src = dist.get_global_rank(group, 0)
+    sizes = torch.zeros(3, dtype=torch.float64, device=U.device)
+    if measured is not None:
+        half = 0 if measured.mu_half is None else measured.mu_half.numel()
+        sizes = torch.tensor([1.0, measured.mu.numel(), half], dtype=torch.float64,
+                             device=U.device)
+    dist.broadcast(sizes, src=src, group=group)
+    present, k, k_half = (int(s) for s in sizes.tolist())
+    if not present:
+        return None
+    flat = torch.zeros(2 * k + 2 * k_half + 3, dtype=torch.float64, device=U.device)
+    if measured is not None:
+        parts = [measured.mu, measured.q] + (
+            [measured.mu_half, measured.q_half] if k_half else [])
+        flat = torch.cat([p.reshape(-1).to(flat) for p in parts] + [
+            measured.energy.reshape(1).to(flat),
+            flat.new_tensor([measured.fraction, measured.floor])])
+    dist.broadcast(flat, src=src, group=group)
+    mu, q, rest = flat[:k], flat[k:2 * k], flat[2 * k:]
+    mu_half = q_half = None
+    if k_half:
+        mu_half, q_half, rest = rest[:k_half], rest[k_half:2 * k_half], rest[2 * k_half:]
+    return MeasuredComplement(mu, q, mu_half, q_half, rest[0], float(rest[1]),
+                              float(rest[2]))
