@@ -55,7 +55,9 @@ from benchmarks._faithful_problems import (
     make_data,
     train_map,
 )
-from benchmarks._harness import REPO_ROOT, RESULTS_DIR, machine_info
+from benchmarks._harness import RESULTS_DIR
+from benchmarks._load import REPO_ROOT
+from benchmarks._report import machine_info
 
 #: The problems (see ``docs/posterior_quality.md`` for what each stands for).
 PROBLEMS: dict[str, Problem] = {
@@ -145,6 +147,19 @@ def cast(inputs, dtype: torch.dtype):
     if isinstance(inputs, Tensor) and inputs.is_floating_point():
         return inputs.to(dtype)
     return inputs
+
+
+def machine() -> dict:
+    """The harness's ``machine_info``, or a minimal record where it cannot run."""
+    try:
+        return machine_info("cpu")
+    except ImportError:  # the harness imports a helper the library made private
+        import os
+        import platform
+
+        return {"date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+                "platform": platform.platform(), "cpu_count": os.cpu_count(),
+                "torch": torch.__version__, "loadavg_at_start": list(os.getloadavg())}
 
 
 def git_commit() -> str:
@@ -411,7 +426,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if args.tiny:
         args.ranks = sorted({min(r, 8) for r in args.ranks}, reverse=True)
         args.cache = args.cache / "tiny"
-    result = {"machine": machine_info("cpu"), "commit": git_commit(),
+    result = {"machine": machine(), "commit": git_commit(),
               "args": {k: str(v) for k, v in vars(args).items()}, "problems": {}}
     result["machine"]["threads"] = args.threads or torch.get_num_threads()
     threads = torch.get_num_threads()
