@@ -37,14 +37,7 @@ SPACES = ("parameters", "gram", "auto")
 
 
 def trainable_names(model: nn.Module) -> list[str]:
-    """Names of the parameters laplace-torch's ``"all"`` covers, in its order.
-
-    Args:
-        model: The network.
-
-    Returns:
-        The names of the parameters that require gradients.
-    """
+    """Names of the parameters laplace-torch's ``"all"`` covers (those requiring grad)."""
     return [name for name, p in model.named_parameters() if p.requires_grad]
 
 
@@ -136,11 +129,6 @@ def factor_rows(model: nn.Module, names: Sequence[str], inputs: Inputs, likeliho
         J, f = jacobians(model, names, part)
         S = loss_sqrt(f, likelihood, sigma)
         yield torch.einsum("bck,bcd->bkd", S, J).reshape(-1, J.shape[-1])
-
-
-def _descending_eigenvalues(matrix: Tensor) -> Tensor:
-    values = torch.linalg.eigvalsh(matrix)
-    return values.flip(0).clamp(min=0)
 
 
 def _top_eigenpairs(matrix: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -286,11 +274,9 @@ def build_ggn(model: nn.Module, inputs: Inputs, likelihood: str, sigma: float = 
         raise ValueError(f"space must be one of {SPACES}, got {space!r}.")
     names = trainable_names(model)
     dim = sum(dict(model.named_parameters())[n].numel() for n in names)
-    width = 1 if likelihood == "regression" else None
     start = time.perf_counter()
     first = next(factor_rows(model, names, take(inputs, slice(0, 1)), likelihood, sigma))
-    width = width or first.shape[0]
-    rows = num_inputs(inputs) * width
+    rows = num_inputs(inputs) * first.shape[0]
     if space == "auto":
         space = "parameters" if dim <= rows else "gram"
     blocks = factor_rows(model, names, inputs, likelihood, sigma, chunk)
@@ -304,7 +290,7 @@ def build_ggn(model: nn.Module, inputs: Inputs, likelihood: str, sigma: float = 
         matrix = factor @ factor.T
     matrix = (matrix + matrix.T) / 2
     assembled = time.perf_counter()
-    eigenvalues = _descending_eigenvalues(matrix)
+    eigenvalues = torch.linalg.eigvalsh(matrix).flip(0).clamp(min=0)
     done = time.perf_counter()
     return ExactGGN(matrix, factor, dim, eigenvalues, float(matrix.diagonal().sum()),
                     {"assemble": assembled - start, "eigenvalues": done - assembled})

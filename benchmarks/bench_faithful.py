@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import copy
 import json
+import os
 import subprocess
 import time
 import warnings
@@ -48,13 +49,7 @@ from benchmarks._exact import (
     marglik_prior,
     trainable_names,
 )
-from benchmarks._faithful_problems import (
-    Problem,
-    build_model,
-    loader,
-    make_data,
-    train_map,
-)
+from benchmarks._faithful_problems import Problem, build_model, loader, make_data, train_map
 from benchmarks._harness import RESULTS_DIR
 from benchmarks._load import REPO_ROOT
 from benchmarks._report import machine_info
@@ -154,11 +149,7 @@ def machine() -> dict:
     try:
         return machine_info("cpu")
     except ImportError:  # the harness imports a helper the library made private
-        import os
-        import platform
-
         return {"date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
-                "platform": platform.platform(), "cpu_count": os.cpu_count(),
                 "torch": torch.__version__, "loadavg_at_start": list(os.getloadavg())}
 
 
