@@ -277,6 +277,7 @@ def lowrank_facts(fitted: Fitted, ref: dict) -> dict:
         "last_eigenvalue_ratio": float(lam[-1] / exact[-1]),
         "eigenvalue_mean_rel_error": float(((lam - exact).abs() / exact).mean()),
         "subspace_overlap": float(overlap), "fit_path": fitted.la.fit_path,
+        "fit_report": str(fitted.la.fit_report),
     }
     measured = fitted.la.measured_complement
     if measured is not None:
