@@ -17,6 +17,13 @@ import pytest
 
 from benchmarks import _harness, _worker, bench_laplace
 
+#: The scripts' end-to-end runs of a minute or more each (worker processes, a loaded
+#: machine, torchrun, ResNet-18): beyond the test command's budget on 2 cores, so they run
+#: where ``LOWRANK_LAPLACE_HEAVY=1`` is set (before a benchmark run, or on a device).
+HEAVY = pytest.mark.skipif(not os.environ.get("LOWRANK_LAPLACE_HEAVY"),
+                           reason="a benchmark script's end-to-end run of minutes: set "
+                                  "LOWRANK_LAPLACE_HEAVY=1")
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
 
@@ -270,6 +277,7 @@ def test_bench_laplace_runs_skips_and_replots(tmp_path):
 
 
 @pytest.mark.slow
+@HEAVY
 def test_bench_lora_runs_quiet_and_beside_a_load(tmp_path):
     from benchmarks import bench_lora
 
@@ -287,6 +295,7 @@ def test_bench_lora_runs_quiet_and_beside_a_load(tmp_path):
 
 
 @pytest.mark.slow
+@HEAVY
 def test_bench_lora_runs_the_llama_choice_head_on_one_and_two_processes(tmp_path):
     """The tiny Llama: bfloat16 base, float32 adapters, 4 answer logits; kron beside ours,
     and ours on two torchrun processes (gloo) gives the same tuned prior."""
@@ -320,10 +329,7 @@ def test_bench_lora_runs_the_llama_choice_head_on_one_and_two_processes(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("LOWRANK_LAPLACE_HEAVY"),
-                    reason="ResNet-18's all-weights fit takes minutes and about 8 GiB on a "
-                           "CPU even at 8 images: set LOWRANK_LAPLACE_HEAVY=1 (or run "
-                           "gpu_check.sh resnet50k on a device)")
+@HEAVY
 def test_bench_models_runs_resnet18_at_scale_and_on_mnist_tiny(tmp_path):
     """The ``scale`` part's rows (laplace-torch's all-weights kron failing as rows) and the
     ``mnist`` part's metrics, on the CPU at tiny sizes."""
@@ -349,6 +355,7 @@ def test_bench_models_runs_resnet18_at_scale_and_on_mnist_tiny(tmp_path):
 
 
 @pytest.mark.slow
+@HEAVY
 def test_bench_shared_runs_both_parts_and_writes_tables(tmp_path):
     from benchmarks import bench_shared
 
@@ -363,6 +370,7 @@ def test_bench_shared_runs_both_parts_and_writes_tables(tmp_path):
 
 
 @pytest.mark.slow
+@HEAVY
 def test_bench_models_runs_eigenpairs_and_laplace_of_the_transformer(tmp_path):
     from benchmarks import bench_models
 
@@ -388,6 +396,7 @@ def test_bench_ncrit_bisects_under_a_budget(tmp_path):
 
 
 @pytest.mark.slow
+@HEAVY
 def test_bench_scaling_fits_with_one_and_two_processes(tmp_path):
     from benchmarks import bench_scaling
 
@@ -400,6 +409,7 @@ def test_bench_scaling_fits_with_one_and_two_processes(tmp_path):
 
 
 @pytest.mark.slow
+@HEAVY
 def test_bench_sketch_test_matrix_sets_the_test_matrix_per_worker(tmp_path):
     from benchmarks import bench_sketch_test_matrix
 
