@@ -261,6 +261,7 @@ def test_bench_eigh_runs_its_methods_and_checks_them(tmp_path):
 
 
 @pytest.mark.slow
+@HEAVY
 def test_bench_laplace_runs_skips_and_replots(tmp_path):
     argv = ["--quick", "--methods", "lowrank_exact", "kron_backpack", "full_backpack",
             "lanczos", "--marglik", "--out", str(tmp_path)]
@@ -420,6 +421,7 @@ def test_bench_sketch_test_matrix_sets_the_test_matrix_per_worker(tmp_path):
 
 
 @pytest.mark.slow
+@HEAVY
 def test_the_quality_scripts_run_a_problem_each(tmp_path):
     from benchmarks import bench_posterior_quality, bench_sketch_quality
 
