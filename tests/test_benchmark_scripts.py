@@ -219,6 +219,7 @@ def test_benchmark_modules_follow_the_house_rules(path):
 
 
 @pytest.mark.slow
+@HEAVY
 def test_gpu_trace_profiles_the_first_fit_on_the_cpu(tmp_path):
     """``benchmarks/gpu_trace.py --top`` falls back to the CPU without CUDA, profiles the
     first fit of its worker process and lists its costliest operators by host time."""
@@ -248,6 +249,7 @@ def _statuses(records):
 
 
 @pytest.mark.slow
+@HEAVY
 def test_bench_eigh_runs_its_methods_and_checks_them(tmp_path):
     from benchmarks import bench_eigh
 
@@ -385,6 +387,7 @@ def test_bench_models_runs_eigenpairs_and_laplace_of_the_transformer(tmp_path):
 
 
 @pytest.mark.slow
+@HEAVY
 def test_bench_ncrit_bisects_under_a_budget(tmp_path):
     from benchmarks import bench_ncrit
 

@@ -2,6 +2,7 @@
 its command line, and its tiny end-to-end run."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -109,6 +110,8 @@ def test_command_line_errors(argv, message, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("LOWRANK_LAPLACE_HEAVY"),
+                    reason="the study's end-to-end run: set LOWRANK_LAPLACE_HEAVY=1")
 def test_tiny_run_writes_json_png_and_tables(tmp_path, capsys):
     """``--tiny`` runs the whole study on a shrunken problem in seconds: reference,
     every default method, the JSON (with machine and commit), the PNG and the table;
