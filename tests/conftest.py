@@ -1,11 +1,18 @@
 """Seeded test cases: dicts of lambdas with readable ids, run in float64."""
 
+import os
+
 import pytest
 import torch
 from backpack.custom_module.branching import Parallel, SumModule
 from torch import nn
 
 import lowrank_laplace as ll
+
+# pytest-xdist workers share the cores: each takes its share of torch's threads
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -145,3 +152,8 @@ def set_tuning(monkeypatch, **values):
 def tune(monkeypatch):
     """``tune(dense_max_dim=0, probe_size=0, ...)``: tuning constants for this test."""
     return lambda **values: set_tuning(monkeypatch, **values)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Start the heavy tests first, so that parallel workers do not end on one of them."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
