@@ -18,7 +18,7 @@ from benchmarks._laplace_worker import PHASES
 from benchmarks._load import BUSY_WARN_PERCENT
 from benchmarks._problems import LAPLACE_NUM_CLASSES as NUM_CLASSES
 from benchmarks._problems import LAPLACE_NUM_PARAMS as EXPECTED_NUM_PARAMS
-from benchmarks._report import VERDICTS, find
+from benchmarks._report import VERDICTS, figure, find
 from benchmarks._worker import GiB
 
 # Targets
@@ -313,39 +313,32 @@ def plot(problem: str, records: Sequence[dict], path: Path, info: dict[str, Any]
         info: Machine information.
         args: Parsed command line arguments of the driver.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     methods = [r["method"] for r in records]
     kinds = {"ours": "tab:blue", "laplace": "tab:gray", "lanczos": "tab:orange"}
     colors = [kinds[r["kind"]] for r in records]
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4.8))
-    for ax, (phase, title) in zip(axes, (
-            ("fit", "fit time [s]"), ("glm", "GLM probit predictive time [s]"),
-            ("nn", f"NN MC predictive time [s] (S={args.nn_samples})"))):
-        _bars(ax, [_phase(records, m, phase) for m in methods], lambda r: r["time_s"],
-              {"colors": colors})
-        ax.set_yscale("log")
-        ax.set_title(title, fontsize=9)
-    for j, (phase, color) in enumerate((("fit", "tab:blue"), ("glm", "tab:green"),
-                                        ("nn", "tab:purple"))):
-        _bars(axes[3], [_phase(records, m, phase) for m in methods],
-              lambda r: r["peak_delta_bytes"] / GiB,
-              {"offset": (j - 1) * 0.27, "width": 0.27, "colors": [color] * len(methods),
-               "label": phase, "log": False})
-    axes[3].plot([], [], "x", color="tab:red", label="failed/skipped")
-    axes[3].axhline(TARGET_GLM_MEMORY_BYTES / GiB, color="k", ls="--", lw=1, label="2 GiB")
-    axes[3].set_title("peak memory above the state before the phase [GiB]", fontsize=9)
-    axes[3].legend(fontsize=7)
-    for ax in axes:
-        ax.set_xticks(range(len(methods)))
-        ax.set_xticklabels(methods, rotation=60, ha="right", fontsize=7)
-        ax.grid(alpha=0.3, axis="y", which="both")
-    fig.suptitle(f"{problem} (D={EXPECTED_NUM_PARAMS[problem]:,}): Laplace on all weights, "
-                 f"n_train={args.n_train}, n_test={args.n_test}, rank={args.rank} "
-                 f"[{info.get('device_name', '')}; hatched: failed/skipped]", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, 1, 4, figsize=(18, 4.8)) as (fig, axes):
+        for ax, (phase, title) in zip(axes, (
+                ("fit", "fit time [s]"), ("glm", "GLM probit predictive time [s]"),
+                ("nn", f"NN MC predictive time [s] (S={args.nn_samples})"))):
+            _bars(ax, [_phase(records, m, phase) for m in methods], lambda r: r["time_s"],
+                  {"colors": colors})
+            ax.set_yscale("log")
+            ax.set_title(title, fontsize=9)
+        for j, (phase, color) in enumerate((("fit", "tab:blue"), ("glm", "tab:green"),
+                                            ("nn", "tab:purple"))):
+            _bars(axes[3], [_phase(records, m, phase) for m in methods],
+                  lambda r: r["peak_delta_bytes"] / GiB,
+                  {"offset": (j - 1) * 0.27, "width": 0.27, "colors": [color] * len(methods),
+                   "label": phase, "log": False})
+        axes[3].plot([], [], "x", color="tab:red", label="failed/skipped")
+        axes[3].axhline(TARGET_GLM_MEMORY_BYTES / GiB, color="k", ls="--", lw=1,
+                        label="2 GiB")
+        axes[3].set_title("peak memory above the state before the phase [GiB]", fontsize=9)
+        axes[3].legend(fontsize=7)
+        for ax in axes:
+            ax.set_xticks(range(len(methods)))
+            ax.set_xticklabels(methods, rotation=60, ha="right", fontsize=7)
+            ax.grid(alpha=0.3, axis="y", which="both")
+        fig.suptitle(f"{problem} (D={EXPECTED_NUM_PARAMS[problem]:,}): Laplace on all "
+                     f"weights, n_train={args.n_train}, n_test={args.n_test}, rank={args.rank} "
+                     f"[{info.get('device_name', '')}; hatched: failed/skipped]", fontsize=10)

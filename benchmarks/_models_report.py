@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import _report
 from benchmarks._report import VERDICTS, find, fmt, status_text, table_common
 from benchmarks._worker import GiB
 
@@ -329,11 +330,6 @@ def plot(payload: dict[str, Any], path: Path):
         payload: The run as written to ``models.json``.
         path: Output path of the figure.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     results, args = payload["records"], payload["settings"]
     panels = []
     for model in args["models"]:
@@ -349,30 +345,21 @@ def plot(payload: dict[str, Any], path: Path):
                        [(m, "backends", "eigh", "3c3d") for m in PART_METHODS["backends"]]))
     if not panels:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4), squeeze=False)
-    for ax, (title, bars) in zip(axes[0], panels):
-        for i, (method, part, phase, model) in enumerate(bars):
-            rec = _ok(results, part, model, method, phase)
-            color = "tab:blue" if method in {"ours", "lowrank_exact", "lowrank_mc",
-                                             "functorch"} else "tab:gray"
-            if rec is None:
-                ax.plot(i, 1.0, "x", color="tab:red", ms=9)
-                continue
-            ax.bar(i, rec["time_s"], color=color, alpha=1.0 if phase != "glm" else 0.55)
-            ax.text(i, rec["time_s"], f"{rec['time_s']:.3g}", ha="center", va="bottom",
-                    fontsize=7)
-        ax.set_xticks(range(len(bars)))
-        ax.set_xticklabels([m + ("" if ph in {"eigh", "fit"} else f"\n{ph}")
-                            for m, _, ph, _ in bars], rotation=45, ha="right", fontsize=7)
-        ax.set_yscale("log")
-        ax.set_ylabel("time [s]")
-        ax.set_title(title, fontsize=9)
-    info = payload["machine"]
-    where = info.get("device_name") if info.get("device") == "cuda" else \
-        f"{info.get('cpu_name')} ({info.get('cpu_count_usable')} cores)"
-    fig.suptitle(f"{where}, torch {info.get('torch')}; red x: failed", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
+    ours = {"ours", "lowrank_exact", "lowrank_mc", "functorch"}
+    with _report.figure(path, 1, len(panels), figsize=(4.2 * len(panels), 4.4),
+                        squeeze=False) as (fig, axes):
+        for ax, (title, bars) in zip(axes[0], panels):
+            for i, (method, part, phase, model) in enumerate(bars):
+                rec = _ok(results, part, model, method, phase)
+                _report.value_bar(ax, i, rec and rec["time_s"],
+                                  color="tab:blue" if method in ours else "tab:gray",
+                                  alpha=1.0 if phase != "glm" else 0.55)
+            ax.set_xticks(range(len(bars)))
+            ax.set_xticklabels([m + ("" if ph in {"eigh", "fit"} else f"\n{ph}")
+                                for m, _, ph, _ in bars], rotation=45, ha="right", fontsize=7)
+            ax.set_yscale("log")
+            ax.set_ylabel("time [s]")
+            ax.set_title(title, fontsize=9)
+        info = payload["machine"]
+        fig.suptitle(f"{_report.machine_text(info)}, torch {info.get('torch')}; red x: failed",
+                     fontsize=9)

@@ -12,10 +12,11 @@ import importlib.metadata
 import json
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks._load import BUSY_WARN_PERCENT
 from benchmarks._worker import GiB, library_fingerprint, num_cores
 
 #: Packages whose versions :func:`machine_info` records by default.
@@ -226,3 +227,64 @@ def read_run(path: Path) -> dict[str, Any] | None:
         print(f"--replot: no {path}")
         return None
     return json.loads(path.read_text())
+
+
+def warn_others(records: Iterable[dict]):
+    """Warn if other processes used much of the CPU during a record's measured phase."""
+    others = [v for v in (others_cpu(r) for r in records) if v is not None]
+    if others and max(others) > BUSY_WARN_PERCENT:
+        print(f"  WARNING: other processes used up to {max(others):.0f}% of the CPU during "
+              "a measured phase; timings may be inflated.", flush=True)
+
+
+def machine_text(info: dict[str, Any]) -> str:
+    """The GPU of a run, or its CPU and cores, for a figure's title."""
+    if info.get("device") == "cuda":
+        return info.get("device_name")
+    return f"{info.get('cpu_name')} ({info.get('cpu_count_usable')} cores)"
+
+
+@contextlib.contextmanager
+def figure(path: str | Path, *shape: int, dpi: int = 120, rect: tuple | None = None,
+           **subplots: Any) -> Iterator[tuple[Any, Any]]:
+    """A matplotlib figure (Agg backend), laid out and written to ``path`` after the block.
+
+    Args:
+        path: The PNG file.
+        *shape: Rows and columns of axes (none: one axes).
+        dpi: Its resolution.
+        rect: The part of the figure the axes fill (``None``: all of it).
+        **subplots: Further arguments of ``plt.subplots`` (``figsize``, ``squeeze``).
+
+    Yields:
+        The figure and its axes.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(*shape, **subplots)
+    yield fig, axes
+    fig.tight_layout(rect=rect)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
+def value_bar(ax: Any, x: float, value: float | None, missing: float = 1.0,
+              text: str = "{:.3g}", fontsize: int = 7, **bar: Any):
+    """A bar labelled with its value; a missing value (a failure) is a red cross at
+    height ``missing``."""
+    if value is None:
+        ax.plot(x, missing, "x", color="tab:red", ms=9)
+        return
+    ax.bar(x, value, **bar)
+    ax.text(x, value, text.format(value), ha="center", va="bottom", fontsize=fontsize)
+
+
+def box_legend(fig: Any, colors: Sequence[str], labels: Sequence[str]):
+    """A legend of coloured boxes in the figure's upper right corner, in one row."""
+    from matplotlib.patches import Rectangle
+
+    fig.legend([Rectangle((0, 0), 1, 1, color=c) for c in colors], list(labels),
+               loc="upper right", fontsize=8, ncol=len(labels))

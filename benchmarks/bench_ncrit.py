@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from benchmarks import _harness, _problems, _worker
-from benchmarks._report import machine_info
+from benchmarks._report import figure, machine_info
 
 TASKS = ("eigvals", "eigpair", "eigpair_lowmem", "newton", "newton_lowmem")
 STRUCTURES = ("full", "blocks")
@@ -169,21 +169,13 @@ def critical_batch_size(config: str, args: argparse.Namespace) -> dict[str, Any]
 
 def plot(records: Sequence[dict], path: Path, title: str) -> None:
     """Bar chart of N_crit per configuration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     labels = [r["config"].replace(",", "\n") for r in records]
-    fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(records)), 4))
-    ax.bar(range(len(records)), [r["n_crit"] for r in records], color="tab:blue")
-    ax.set_xticks(range(len(records)), labels, fontsize=6)
-    ax.set_yscale("log")
-    ax.set_ylabel(r"$N_{\mathrm{crit}}$")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, figsize=(max(6, 0.55 * len(records)), 4)) as (_, ax):
+        ax.bar(range(len(records)), [r["n_crit"] for r in records], color="tab:blue")
+        ax.set_xticks(range(len(records)), labels, fontsize=6)
+        ax.set_yscale("log")
+        ax.set_ylabel(r"$N_{\mathrm{crit}}$")
+        ax.set_title(title, fontsize=9)
 
 
 def table(records: Sequence[dict], problem: str) -> str:

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
 from benchmarks._harness import run_results, run_script, script_parser
-from benchmarks._report import machine_info
+from benchmarks._report import figure, machine_info
 from benchmarks._worker import run_result
 from lowrank_laplace.toolkit import metrics
 
@@ -184,40 +184,35 @@ def run_problem(name: str, ranks, epochs: int) -> dict:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Test NLL and the marglik prior against the full GGN's, per rank and residual."""
     names = list(report["problems"])
-    fig, axes = plt.subplots(2, len(names), figsize=(4.6 * len(names), 7), squeeze=False)
-    for col, name in enumerate(names):
-        rec = report["problems"][name]
-        for residual in RESIDUALS:
-            rows = [r for r in rec["lowrank"] if r["residual"] == residual]
-            ranks = [r["rank"] for r in rows]
-            axes[0, col].plot(ranks, [r["nll"] for r in rows], "o-", label=residual)
-            axes[1, col].plot(ranks, [r["prior_ratio"] for r in rows], "o-", label=residual)
-        for label, value, style in (("full GGN", rec["peers"]["full"]["nll"], "k--"),
-                                    ("kron", rec["peers"]["kron"]["nll"], "k:"),
-                                    ("diag", rec["peers"]["diag"]["nll"], "k-."),
-                                    ("MAP", rec["map"]["nll"], "r:")):
-            axes[0, col].axhline(value, color=style[0], linestyle=style[1:], label=label,
-                                 linewidth=1)
-        axes[1, col].axhline(1.0, color="k", linestyle="--", linewidth=1, label="full GGN")
-        axes[1, col].axhspan(0.75, 1.25, color="0.9")
-        for row in range(2):
-            axes[row, col].set_xscale("log")
-            axes[row, col].set_xlabel("Rank")
-        axes[0, col].set_title(f"{name} (D = {rec['D']:,})")
-        axes[0, col].set_ylabel("Test NLL")
-        axes[1, col].set_ylabel("Marglik prior / full GGN's")
-        axes[1, col].set_yscale("log")
-    axes[0, -1].legend(fontsize=8)
-    axes[1, -1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 2, len(names), dpi=110, figsize=(4.6 * len(names), 7),
+                squeeze=False) as (_, axes):
+        for col, name in enumerate(names):
+            rec = report["problems"][name]
+            for residual in RESIDUALS:
+                rows = [r for r in rec["lowrank"] if r["residual"] == residual]
+                ranks = [r["rank"] for r in rows]
+                axes[0, col].plot(ranks, [r["nll"] for r in rows], "o-", label=residual)
+                axes[1, col].plot(ranks, [r["prior_ratio"] for r in rows], "o-",
+                                  label=residual)
+            for label, value, style in (("full GGN", rec["peers"]["full"]["nll"], "k--"),
+                                        ("kron", rec["peers"]["kron"]["nll"], "k:"),
+                                        ("diag", rec["peers"]["diag"]["nll"], "k-."),
+                                        ("MAP", rec["map"]["nll"], "r:")):
+                axes[0, col].axhline(value, color=style[0], linestyle=style[1:], label=label,
+                                     linewidth=1)
+            axes[1, col].axhline(1.0, color="k", linestyle="--", linewidth=1, label="full GGN")
+            axes[1, col].axhspan(0.75, 1.25, color="0.9")
+            for row in range(2):
+                axes[row, col].set_xscale("log")
+                axes[row, col].set_xlabel("Rank")
+            axes[0, col].set_title(f"{name} (D = {rec['D']:,})")
+            axes[0, col].set_ylabel("Test NLL")
+            axes[1, col].set_ylabel("Marglik prior / full GGN's")
+            axes[1, col].set_yscale("log")
+        axes[0, -1].legend(fontsize=8)
+        axes[1, -1].legend(fontsize=8)
 
 
 def driver_main(args: argparse.Namespace) -> dict:

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import torch
 
 from benchmarks import _harness, _problems, _worker
-from benchmarks._report import failure_text, machine_info
+from benchmarks._report import failure_text, figure, machine_info
 
 
 def _worker_fit(rank: int, world: int, port: int, out: str, config: dict[str, Any]) -> None:
@@ -96,24 +96,16 @@ def worker_main(config: dict[str, Any]) -> None:
 
 def plot(records: Sequence[dict], path: Path, title: str) -> None:
     """Fit time and speed-up against the number of processes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for label in sorted({r["label"] for r in records}):
-        rows = [r for r in records if r["label"] == label]
-        ax.plot([r["processes"] for r in rows], [r["seconds"] for r in rows], "o-",
-                label=label)
-    ax.set_xlabel("processes (cores split evenly)")
-    ax.set_ylabel("fit time [s]")
-    ax.set_xticks(sorted({r["processes"] for r in records}))
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, figsize=(5, 3.5)) as (_, ax):
+        for label in sorted({r["label"] for r in records}):
+            rows = [r for r in records if r["label"] == label]
+            ax.plot([r["processes"] for r in rows], [r["seconds"] for r in rows], "o-",
+                    label=label)
+        ax.set_xlabel("processes (cores split evenly)")
+        ax.set_ylabel("fit time [s]")
+        ax.set_xticks(sorted({r["processes"] for r in records}))
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=8)
 
 
 def driver_main(args: argparse.Namespace) -> list[dict[str, Any]]:
