@@ -1,22 +1,13 @@
 """Critical batch sizes N_crit: the largest mini-batch that fits a memory budget.
 
-For each task (GGN eigenvalues, top eigenpair, damped Newton step; the last two
-also with ``low_memory=True``), curvature
-structure (full network, per-layer blocks), GGN approximation (exact, MC with one
-sample) and curvature data (the whole mini-batch ``mb``, or a sub-sample ``sub`` of
-one eighth of it), a driver bisects the batch size. Every probe runs in its own
-process: it builds the model and a random batch of size ``N``, runs the task once at
-``N = 2`` (lazy imports, allocator arenas), then caps its address space
-(``RLIMIT_AS``) at what it holds plus ``--budget-gib`` and runs the task at ``N``
-(with ``--device cuda``: caps PyTorch's share of device memory the same way). A
-probe succeeds unless the task fails to allocate (or exceeds ``--timeout``).
-
-The ViViT paper reports N_crit of the damped Newton step for DeepOBS ``3c3d``
-(its table "Memory performance for computing damped Newton steps"); those numbers
-are printed beside ours. They were measured on the paper's machines, whose memory
-differs from the budget used here, so compare trends (exact vs MC, mb vs sub, full
-vs blocks), not absolute values. The paper's eigenvalue and eigenpair N_crit are
-plots only.
+For each task (GGN eigenvalues, top eigenpair, damped Newton step; the last two also
+with ``low_memory=True``), curvature structure (whole network, per-layer blocks), GGN
+(exact, MC with one sample) and curvature data (the mini-batch ``mb``, or its first
+eighth ``sub``), the driver grows and bisects the batch size. A probe is a fresh worker:
+it runs the task once at ``N = 2``, caps its memory at what it holds plus
+``--budget-gib`` (``RLIMIT_AS``; on CUDA the allocator's share) and runs it at ``N``.
+The ViViT paper's N_crit of the damped Newton step on ``3c3d``, measured on other
+machines, is printed beside ours: compare trends, not values.
 
 Examples:
     Quick run (mlp, a few configurations)::
@@ -27,7 +18,7 @@ Examples:
 
         python -m benchmarks.bench_ncrit --problem 3c3d --budget-gib 1
 
-Results go to ``<out>/ncrit_<problem>.json`` and ``<out>/ncrit_<problem>.png``.
+Writes ``<out>/ncrit_<problem>.json`` and ``<out>/ncrit_<problem>.png``.
 """
 
 from __future__ import annotations

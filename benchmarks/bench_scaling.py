@@ -1,23 +1,16 @@
 """Data-parallel fit: 1 process vs P processes (torch.distributed, gloo on CPU).
 
-Every configuration starts fresh processes (``torch.multiprocessing.spawn``) that
-join a gloo group on 127.0.0.1, build the same model, take the shard ``rank::P`` of
-the same random training set (``--n-train`` points) and fit ``lowrank_ggn`` on it
-(``LowRankGGNLaplace.fit`` merges the local factors across ranks at the end). The
-cores are split evenly between the processes (``torch.set_num_threads``), so on a
-machine with ``c`` cores the comparison is ``c`` threads in one process against
-``c / P`` threads in each of ``P`` processes: the speed-up shows how well streaming
-plus one all-gather merge parallelises, not extra hardware. Each fit is timed between
-two barriers (the slowest rank counts); the result of every ``P`` is compared with
-the single process (eigenvalues, relative) and recorded. Every configuration (GGN, ``P``)
-runs in a fresh worker process of the harness (this script with ``--worker``), which
-spawns the ``P`` processes.
+Every configuration (GGN, ``P``) is a fresh worker that spawns ``P`` processes in a gloo
+group: each fits ``lowrank_ggn`` on the shard ``rank::P`` of the same training set (the
+fit merges across ranks) on ``cores / P`` threads, timed between two barriers. The
+speed-up shows how well streaming plus one merge parallelises on the same cores; the
+eigenvalues are compared with the single process's.
 
 Example::
 
     python -m benchmarks.bench_scaling --problem 3c3d --processes 1 2
 
-Results go to ``<out>/scaling_<problem>.json`` and ``<out>/scaling_<problem>.png``.
+Writes ``<out>/scaling_<problem>.json`` and ``<out>/scaling_<problem>.png``.
 """
 
 from __future__ import annotations

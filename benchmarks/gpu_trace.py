@@ -1,26 +1,12 @@
 """Host-device traffic of a ``lowrank_ggn`` fit, from a ``torch.profiler`` trace.
 
-The fit's hot loop should make no host-device copies. This script fits
-``Laplace(..., hessian_structure="lowrank_ggn")`` on a DeepOBS problem with the data
-already on the device (so the loader moves nothing), once untimed to warm up and
-once under ``torch.profiler``, and counts per fit:
-
-- memory copies between host and device (the CUDA activities ``Memcpy HtoD`` /
-  ``Memcpy DtoH``; their count and total time),
-- synchronising scalar reads (``aten::_local_scalar_dense``, behind ``.item()``,
-  ``int(t)``, ``bool(t)``): each waits for the device, but moves a few bytes,
-- the numbers of batches and merges, to judge whether anything scales with them.
-
-With ``--top K`` the first fit of the process (the one a user waits for, with the
-device libraries' first-call costs) is profiled instead of warmed up, and the record
-lists its ``K`` operators of most self time on the device and on the host
-(``top_device``, ``top_host``); the timed fit then follows it.
-
-On a machine without CUDA it runs the same fit on the CPU (a smoke test: there are
-no copies to count) so that the script is tested where CI runs. The fits run in a fresh
-worker process (this script with ``--worker``, see ``_harness.py``), so the first is the
-process's first. Writes ``<out>/gpu_trace_<problem>.json`` (and, with ``--chrome``, a
-Chrome trace).
+In a fresh worker, ``Laplace(..., hessian_structure="lowrank_ggn")`` is fitted on a
+DeepOBS problem with the data on the device: once to warm up, once timed and once under
+``torch.profiler``, whose events give the host-device copies, the synchronising scalar
+reads (:data:`PATTERNS`) and the batches. With ``--top K`` the process's first fit is
+profiled instead of the warm-up, and its ``K`` operators of most self time on the device
+and on the host are listed. Without CUDA the fit runs on the CPU (a smoke test). Writes
+``<out>/gpu_trace_<problem>.json`` (with ``--chrome`` also a Chrome trace).
 
 Example (on a GPU machine, see ``benchmarks/gpu_check.sh``)::
 
