@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks._exact import Inputs, num_inputs, take
+from benchmarks._problems import Logits
 
 NUM_CLASSES = 10
 
@@ -98,19 +99,6 @@ def _cnn(inputs: int, channels: tuple = (8, 16), hidden: int = 32) -> nn.Module:
         nn.Flatten(), nn.Linear(channels[1] * side * side, hidden), nn.ReLU(),
         nn.Linear(hidden, NUM_CLASSES),
     )
-
-
-class Logits(nn.Module):
-    """laplace-torch's Hugging Face recipe: a dict batch in, the logits out."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch: Mapping) -> Tensor:
-        """Classify a dict batch (``input_ids``, ``attention_mask``; others ignored)."""
-        return self.model(input_ids=batch["input_ids"],
-                          attention_mask=batch["attention_mask"]).logits
 
 
 def _gpt2_lora(inputs: int, width: int = 32, layers: int = 2, heads: int = 2,

@@ -1,10 +1,4 @@
-"""Summaries, targets and figures of ``bench_laplace.py``.
-
-Prints the result table, failures, eigenvalue checks and CPU-load warnings of a
-problem (:func:`summarize`), evaluates the benchmark's targets
-(:func:`check_targets`) and draws the bar charts (:func:`plot`) from the method
-records written by the driver.
-"""
+"""Summaries, targets (:func:`check_targets`) and figures of ``bench_laplace.py``."""
 
 from __future__ import annotations
 
@@ -102,8 +96,7 @@ def _fit_targets(problem: str, records: Sequence[dict]) -> list[dict[str, Any]]:
 
 
 def _sketch_targets(problem: str, records: Sequence[dict]) -> list[dict[str, Any]]:
-    """The library's defaults and the opt-in sketch against the same bounds, with the
-    trace they keep."""
+    """The defaults and the opt-in sketch against the same bounds, with their kept trace."""
     targets, kron = [], _ok(records, KRON_PEER, "fit")
     kron_total = _with_marglik(kron)
     for method, base, bounds, kind in (
@@ -132,19 +125,9 @@ def _sketch_targets(problem: str, records: Sequence[dict]) -> list[dict[str, Any
 
 
 def check_targets(problem: str, records: Sequence[dict]) -> list[dict[str, Any]]:
-    """Evaluate the benchmark's targets on one problem.
-
-    A Lanczos run that timed out gives a lower bound on its time, which passes the
-    speed-up target if the bound already does.
-
-    Args:
-        problem: Problem name.
-        records: Method records of the problem.
-
-    Returns:
-        One dictionary per target: ``name``, ``value`` (ratio or bytes), ``text``
-        and ``passed`` (``None`` if not evaluable).
-    """
+    """The targets of one problem's method records: per target ``name``, ``value`` (ratio
+    or bytes), ``text`` and ``passed`` (``None``: not measurable; a Lanczos run that timed
+    out passes the speed-up target if its lower bound does)."""
     targets = _fit_targets(problem, records) + _sketch_targets(problem, records)
     ref, lanczos = _ok(records, REFERENCE, "fit"), _phase(records, "lanczos", "fit")
     name = f"lanczos fit >= {TARGET_LANCZOS_SPEEDUP:g}x {REFERENCE} fit"
@@ -255,12 +238,7 @@ def _load_check(records: Sequence[dict]) -> dict[str, Any]:
 
 
 def summarize(problem: str, records: Sequence[dict], args: argparse.Namespace) -> dict[str, Any]:
-    """Print the result table, failures and targets of a problem.
-
-    Args:
-        problem: Problem name.
-        records: Method records of the problem.
-        args: Parsed command line arguments of the driver.
+    """Print the result table, failures and targets of a problem's method records.
 
     Returns:
         Summary (targets, eigenvalue deviations, CPU load warnings).
@@ -304,15 +282,8 @@ def _bars(ax, entries: Sequence[dict | None], value_of, style: dict[str, Any]):
 
 
 def plot(problem: str, records: Sequence[dict], path: Path, info: dict[str, Any], args):
-    """Bar charts of fit time, predictive times and peak memory per method.
-
-    Args:
-        problem: Problem name.
-        records: Method records of the problem.
-        path: Output path of the figure.
-        info: Machine information.
-        args: Parsed command line arguments of the driver.
-    """
+    """Bar charts of fit time, predictive times and peak memory per method (``info``: the
+    machine; ``args``: the driver's arguments)."""
     methods = [r["method"] for r in records]
     kinds = {"ours": "tab:blue", "laplace": "tab:gray", "lanczos": "tab:orange"}
     colors = [kinds[r["kind"]] for r in records]

@@ -102,23 +102,6 @@ RESUME_KEYS = ("n_train", "n_test", "seq_len", "batch_size", "seed", "threads",
                "load_threads", "mem_limit_gib")
 
 
-class Logits(nn.Module):
-    """laplace-torch's Hugging Face recipe: take the dict batch, return the logits.
-
-    Args:
-        model: The (PEFT-wrapped) Hugging Face classifier.
-    """
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch: dict) -> torch.Tensor:
-        """The logits ``(N, 2)`` of a dict batch (``input_ids``, ``attention_mask``)."""
-        return self.model(input_ids=batch["input_ids"],
-                          attention_mask=batch["attention_mask"]).logits
-
-
 class Sequences(torch.utils.data.Dataset):
     """``n`` random token sequences of ``min_len`` to ``seq_len`` tokens, padded, with
     random binary labels (dict samples on ``device``, where the default collate stacks
@@ -160,7 +143,7 @@ def make_model(problem: str, attention: str, seed: int, device: torch.device) ->
     base = hf.GPT2ForSequenceClassification._from_config(config, attn_implementation=attention)
     lora = LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], target_modules=list(spec["targets"]),
                       task_type="SEQ_CLS")
-    return Logits(get_peft_model(base, lora)).eval()
+    return _problems.Logits(get_peft_model(base, lora)).eval()
 
 
 def worker_main(config: dict[str, Any]):
@@ -394,9 +377,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None):
-    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
-    return _harness.run_script(argv, parse_args, worker_main, driver_main)
+main = _harness.script_main(parse_args, worker_main, driver_main)
 
 
 if __name__ == "__main__":

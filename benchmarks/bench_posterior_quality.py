@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
-from benchmarks._harness import run_results, run_script, script_parser
+from benchmarks._harness import run_results, script_main, script_parser
 from benchmarks._report import figure, machine_info
 from benchmarks._worker import run_result
 from lowrank_laplace.toolkit import metrics
@@ -257,9 +257,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv=None):
-    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
-    return run_script(argv, parse_args, worker_main, driver_main)
+main = script_main(parse_args, worker_main, driver_main)
 
 
 if __name__ == "__main__":

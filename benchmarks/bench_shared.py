@@ -264,9 +264,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None):
-    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
-    return _harness.run_script(argv, parse_args, worker_main, driver_main)
+main = _harness.script_main(parse_args, worker_main, driver_main)
 
 
 if __name__ == "__main__":

@@ -186,10 +186,8 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
     return record
 
 
-def main(argv=None) -> dict[str, Any]:
-    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
-    return _harness.run_script(argv, parse_args, lambda config: run_result(
-        config, lambda: run(argparse.Namespace(**config))), driver_main)
+main = _harness.script_main(parse_args, lambda config: run_result(
+    config, lambda: run(argparse.Namespace(**config))), driver_main)
 
 
 if __name__ == "__main__":
