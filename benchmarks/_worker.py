@@ -204,6 +204,17 @@ def preimport(names: Iterable[str] = DEFAULT_PREIMPORTS):
                 __import__(name)
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Set torch's default dtype inside the block (laplace-torch builds tensors in it)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
 def git(*args: str) -> str | None:
     """The output of a git command in the repository (``None`` if it fails)."""
     try:

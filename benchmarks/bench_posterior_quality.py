@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
 from benchmarks._harness import run_results, script_main, script_parser
 from benchmarks._report import figure, machine_info
-from benchmarks._worker import run_result
+from benchmarks._worker import default_dtype, run_result
 from lowrank_laplace.toolkit import metrics
 
 RESIDUALS = ("spectral", "isotropic", "diagonal", "none")
@@ -145,9 +145,7 @@ def run_problem(name: str, ranks, epochs: int) -> dict:
     record = {"D": D, "n_train": len(X), "n_test": len(Xt), "likelihood": likelihood,
               "sigma_noise": sigma, "map": scores(None, model, Xt, y=yt, likelihood=likelihood,
                                                   sigma=sigma), "peers": {}, "lowrank": []}
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # laplace-torch's curvlinops builds eye() in it
-    try:
+    with default_dtype(torch.float64):  # laplace-torch's curvlinops builds eye() in it
         from laplace.curvature import BackPackGGN  # curvlinops' dense GGN is D matvecs
 
         for structure in ("full", "kron", "diag"):
@@ -157,8 +155,6 @@ def run_problem(name: str, ranks, epochs: int) -> dict:
             prior = tuned(la)
             record["peers"][structure] = {"prior_precision": prior,
                                           **scores(la, model, Xt, yt, likelihood, sigma)}
-    finally:
-        torch.set_default_dtype(old)
     full_prior = record["peers"]["full"]["prior_precision"]
     for rank in ranks:
         shared = None

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
 from benchmarks._harness import run_results, script_main, script_parser
 from benchmarks._report import machine_info
-from benchmarks._worker import run_result
+from benchmarks._worker import default_dtype, run_result
 from benchmarks.bench_posterior_quality import problem, scores, train_map, tuned_full
 
 SOLVERS = ("streaming", "sketch")
@@ -60,9 +60,7 @@ def run(name: str, epochs: int, solvers) -> dict:
     if likelihood == "regression":
         with torch.no_grad():
             sigma = float(((model(X) - y) ** 2).mean().sqrt())
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with default_dtype(torch.float64):
         from laplace.curvature import BackPackGGN
 
         full = Laplace(model, likelihood, subset_of_weights="all", hessian_structure="full",
@@ -71,8 +69,6 @@ def run(name: str, epochs: int, solvers) -> dict:
         exact = torch.linalg.eigvalsh(full.H).flip(0).clamp(min=0)
         full_prior = tuned_full(full)
         full_scores = scores(full, model, Xt, yt, likelihood, sigma)
-    finally:
-        torch.set_default_dtype(old)
     D = exact.numel()
     record = {"D": D, "n_train": len(X), "likelihood": likelihood, "sigma_noise": sigma,
               "full": {"prior_precision": full_prior, **full_scores}, "lowrank": []}
