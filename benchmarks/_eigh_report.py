@@ -1,9 +1,5 @@
-"""Report side of ``bench_eigh.py``: summaries, target checks, tables and plots.
-
-Turns the records of one problem into the printed tables (time, peak memory),
-the eigenvalue deviations from ``eigsh``, the checks of the benchmark's targets
-and sanity checks, and the figure of time and peak memory versus ``k``.
-"""
+"""Report side of ``bench_eigh.py``: printed tables, eigenvalue deviations from ``eigsh``,
+targets and sanity checks, and the figure of time and peak memory versus ``k``."""
 
 from __future__ import annotations
 
@@ -41,16 +37,9 @@ def _rel_dev(a: float, b: float) -> float:
 def eigenvalue_deviations(
     records: Sequence[dict[str, Any]], methods: Sequence[str], ks: Sequence[int]
 ) -> dict[str, dict[str, float]]:
-    """Compute per-method maximum relative deviations of eigenvalues from eigsh.
-
-    The top eigenvalue of each (method, k) is compared with the top eigenvalue of
-    eigsh at the same k (or, if missing, eigsh at any k). All eigenvalues are
-    compared against the eigenvalues of the eigsh run with the largest k.
-
-    Returns:
-        ``method -> {'top': max dev of top eigenvalue, 'all': max dev of all
-        eigenvalues}`` (``nan`` if not available).
-    """
+    """Per method, the largest relative deviation from eigsh of its top eigenvalue (eigsh
+    at the same k, else the largest) and of all its eigenvalues (eigsh at the largest k):
+    ``{'top', 'all'}``, ``nan`` where not available."""
     eigsh_runs = {k: _ok(records, "eigsh", k) for k in ks}
     eigsh_runs = {k: r for k, r in eigsh_runs.items() if r is not None}
     result: dict[str, dict[str, float]] = {}
@@ -159,18 +148,8 @@ def _targets(records: Sequence[dict], ks: Sequence[int], V_bytes: int) -> dict[s
 
 def summarize(problem: str, N: int, records: Sequence[dict[str, Any]],
               methods: Sequence[str], ks: Sequence[int]) -> dict[str, Any]:
-    """Print tables and target checks, and return the summary.
-
-    Args:
-        problem: Problem name.
-        N: Mini-batch size used.
-        records: All records of the problem.
-        methods: Method names.
-        ks: Numbers of eigenpairs.
-
-    Returns:
-        Summary dictionary (ratios, target checks, deviations, sanity checks).
-    """
+    """Print the tables and checks of a problem's records (mini-batch ``N``, numbers of
+    eigenpairs ``ks``); the summary (ratios, targets, deviations, sanity checks)."""
     V_bytes = EXPECTED_NUM_PARAMS[problem] * N * NUM_CLASSES[problem] * 4
     devs = eigenvalue_deviations(records, methods, ks)
     _print_tables(problem, N, records, methods, ks, devs)

@@ -30,21 +30,19 @@ class Problem:
         source: ``"mnist"`` (28x28) or ``"digits"`` (8x8).
         model: A key of :data:`MODELS`.
         arch: Keyword arguments of the model factory.
-        encoding: ``"flat"`` (vectors), ``"image"`` or ``"tokens"`` (grey levels as a
-            token sequence, for the transformer).
+        encoding: ``"flat"``, ``"image"`` or ``"tokens"`` (grey levels as tokens).
         pool: Average-pooling factor applied to the images first (2: MNIST at 14x14).
-        standardize: ``0``: inputs as they are; else every input feature is centred
-            and scaled by the training set's mean and standard deviation plus this.
-        n_train: Training images (the rest, up to ``n_test``, are the test set).
+        standardize: ``0``: inputs as they are; else centred and scaled by the training
+            set's mean and standard deviation plus this.
+        n_train: Training images (the next ``n_test`` are the test set).
         n_test: Test images.
         epochs: Adam epochs of MAP training.
         prior: Prior precision of the MAP objective.
         lr: Adam learning rate.
         rotations: Angles (degrees) of the shifted test sets.
         space: Where the exact GGN is held (see :func:`benchmarks._exact.build_ggn`).
-        calibration: ``0``: the posteriors (and the exact GGN) are fitted on the
-            training set; else on this many held-out images (a calibration split, as
-            post-hoc wrappers such as torch-uncertainty's fit them).
+        calibration: Held-out images the posteriors (and the exact GGN) are fitted on
+            (``0``: the training set).
         dtype: ``"float32"``: the posteriors are fitted on a float32 copy of the
             network (the exact reference stays float64).
         marglik_steps: Adam steps of the posteriors' marglik tuning (``None``: the

@@ -214,20 +214,14 @@ def _close(record: dict[str, Any], failure: dict | None, stderr: str, device: st
 
 
 def run_worker(module: str, config: dict[str, Any], args: argparse.Namespace) -> dict:
-    """Run one configuration in a fresh worker process and collect its records.
+    """Run one configuration in a fresh worker process of ``module`` and collect its records.
 
-    Args:
-        module: The script, e.g. ``'benchmarks.bench_lora'``.
-        config: The configuration the worker receives as JSON: ``phases`` it reports
-            after ``setup``; ``load`` (``{"threads", "size", "env"}``) starts a
-            competing process beside it; ``timeout`` overrides ``--timeout``;
-            ``launcher`` (e.g. torchrun's command) replaces the interpreter.
-        args: The driver's arguments (time limit, waits, worker environment).
-
-    Returns:
-        The configuration with ``setup``, ``phases`` (failed and skipped ones too),
-        ``worker_peak_bytes``, the machine's state before, the CPU share of other
-        processes during the worker, ``subprocess_wall_s`` and, with a load, ``load``.
+    ``config`` is what the worker gets as JSON: ``phases`` it reports after ``setup``;
+    ``load`` (``{"threads", "size", "env"}``) starts a competing process beside it;
+    ``timeout`` overrides ``--timeout``; ``launcher`` (e.g. torchrun's) replaces the
+    interpreter. Returns the configuration with ``setup``, ``phases`` (failed and skipped
+    ones too), ``worker_peak_bytes``, the machine's state before and the CPU share of
+    other processes during the worker.
     """
     record: dict[str, Any] = {**config, "phases": {}, "expected": list(config["phases"])}
     busy_procs = _load.wait_for_processes(getattr(args, "wait_for", []),

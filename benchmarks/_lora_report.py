@@ -1,9 +1,5 @@
-"""Summaries, targets, figures and table records of ``bench_lora.py``.
-
-Ratios against ``kron`` per attention implementation and machine condition, the
-targets (:func:`summarize`), the printed results, the bar charts (:func:`plot`) and the
-docs' table records (:func:`table_records`) of the configurations' records.
-"""
+"""Ratios against ``kron`` and targets (:func:`summarize`), printed results, figures and the
+docs' table records (:func:`table_records`) of ``bench_lora.py``."""
 
 from __future__ import annotations
 
@@ -62,17 +58,9 @@ def _glm(record: dict | None) -> float | None:
 
 
 def summarize(problem: str, records: Sequence[dict]) -> dict[str, Any]:
-    """Ratios against ``kron`` of every group and the targets of a problem.
-
-    Args:
-        problem: Problem name.
-        records: Configuration records of the problem.
-
-    Returns:
-        ``ratios`` (per ``attention/condition``: ours' fit + marglik and GLM time over
-        kron's) and ``targets`` (name, value, bound, ``passed``; ``None``: not
-        measurable).
-    """
+    """A problem's ``ratios`` (per ``attention/condition``: ours' fit + marglik and GLM time
+    over kron's) and ``targets`` (``name``, ``where``, ``value``, ``bound``, ``passed``;
+    ``None``: not measurable)."""
     ratios, targets = {}, []
     groups = sorted({(r["attention"], r["condition"]) for r in records},
                     key=lambda g: (ATTENTIONS.index(g[0]), CONDITIONS.index(g[1])))
@@ -130,13 +118,8 @@ def print_summary(problem: str, records: Sequence[dict], summary: dict[str, Any]
 
 
 def plot(problem: str, payload: dict[str, Any], path: Path):
-    """Bar charts: fit + marglik and GLM time (log scale) and worker peak memory.
-
-    Args:
-        problem: Problem name.
-        payload: The run as written to ``lora_<problem>.json``.
-        path: Output path of the figure.
-    """
+    """Bar charts of a run (``lora_<problem>.json``): fit + marglik and GLM time (log
+    scale) and worker peak memory."""
     records = payload["records"]
     groups = sorted({(r["attention"], r["condition"]) for r in records},
                     key=lambda g: (ATTENTIONS.index(g[0]), CONDITIONS.index(g[1])))
@@ -191,16 +174,8 @@ def _row(r: dict[str, Any], records: Sequence[dict]) -> list[str]:
 
 
 def table_records(payloads: dict[str, dict], source_dir: str) -> dict[str, dict]:
-    """The docs' table records (``render_tables.py`` format) of a run.
-
-    Args:
-        payloads: The runs by problem, as written to ``lora_<problem>.json``.
-        source_dir: Folder of the kept raw runs, relative to the repository root.
-
-    Returns:
-        Records by table id: ``lora_<problem>`` for every problem and
-        ``lora_targets``.
-    """
+    """The docs' table records ``lora_<problem>`` and ``lora_targets`` of the runs by
+    problem (``source_dir``: where the raw runs are kept)."""
     tables: dict[str, dict] = {}
     targets, commits = [], {}
     for problem, payload in payloads.items():

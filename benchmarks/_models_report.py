@@ -1,8 +1,5 @@
-"""Targets, table records and the figure of ``bench_models.py``.
-
-Checks the targets (:func:`summarize`), turns the configurations' records into the docs'
-table records (:func:`table_records`) and draws the bar charts (:func:`plot`).
-"""
+"""Targets (:func:`summarize`), the docs' table records and the figure of
+``bench_models.py``."""
 
 from __future__ import annotations
 
@@ -87,16 +84,9 @@ def _ratio(num: dict | None, den: dict | None) -> float | None:
 
 
 def summarize(results: Sequence[dict], settings: dict[str, Any]) -> dict[str, Any]:
-    """Evaluate the targets.
-
-    Args:
-        results: The configurations' records.
-        settings: The run's settings (``models``, ``parts``).
-
-    Returns:
-        Per model and target: the measured ratio, whether it passes (``None``: not
-        measurable) and, where a peer failed, why.
-    """
+    """The targets of the records of a run (``settings``: its ``models`` and ``parts``): per
+    model and target the measured ratio, ``ok`` (``None``: not measurable) and, where a
+    peer failed, why."""
     summary: dict[str, Any] = _scale_targets(results) if "scale" in settings["parts"] else {}
     for model in settings["models"] if {"eigh", "laplace"} & set(settings["parts"]) else ():
         ours, peer = (_ok(results, "eigh", model, m, "eigh") for m in ("ours", "eigsh"))
@@ -273,16 +263,8 @@ def _target_rows(summary: dict[str, Any], k: int) -> list[list]:
 
 
 def table_records(payload: dict[str, Any], source: str) -> dict[str, dict]:
-    """The docs' table records (``render_tables.py`` format) of a run.
-
-    Args:
-        payload: The run as written to ``models.json``.
-        source: Path of the kept raw run, relative to the repository root.
-
-    Returns:
-        Records by table id: ``models_eigh``, ``models_laplace``, ``backends_3c3d``
-        and ``models_targets`` (only those whose part ran).
-    """
+    """The docs' table records of a run (``models.json``) by id, those of the parts that
+    ran and ``models_targets`` (``source``: where the raw run is kept)."""
     results, s = payload["records"], payload["settings"]
     common = table_common(payload, [source])
     busy = [b for r in results if (b := r.get("cpu_busy_before_percent")) is not None]
@@ -324,12 +306,7 @@ def table_records(payload: dict[str, Any], source: str) -> dict[str, dict]:
 
 
 def plot(payload: dict[str, Any], path: Path):
-    """Bar charts of the measured times (log scale), failed runs as red crosses.
-
-    Args:
-        payload: The run as written to ``models.json``.
-        path: Output path of the figure.
-    """
+    """Bar charts of a run's measured times (log scale), failed runs as red crosses."""
     results, args = payload["records"], payload["settings"]
     panels = []
     for model in args["models"]:

@@ -31,14 +31,8 @@ VERDICTS = {True: "PASS", False: "FAIL", None: "not measurable"}
 
 
 def machine_info(device: str, packages: Sequence[str] = DEFAULT_PACKAGES) -> dict[str, Any]:
-    """The date (UTC), machine, device, versions of ``packages`` and library state of a run.
-
-    Returns:
-        ``date``, ``cpu_count``, ``cpu_count_usable``, ``cpu_name``, ``platform``,
-        ``python``, ``torch``, ``device``, ``device_name``, ``total_memory_bytes``,
-        ``version_<package>``, ``lowrank_laplace_sources`` (git head, uncommitted
-        changes, hash of the sources), ``loadavg_at_start``.
-    """
+    """The date (UTC), machine, device, ``version_<package>`` of ``packages``, the library's
+    sources (:func:`library_fingerprint`) and the load average at the start of a run."""
     import datetime
     import platform
 
@@ -161,18 +155,9 @@ def failure_text(record: dict | None, width: int = 60) -> str:
 
 
 def table_common(payload: dict[str, Any], sources: Sequence[str]) -> dict[str, Any]:
-    """``date``, ``machine``, ``versions`` and ``sources`` of a run's table records.
-
-    The ``lowrank_laplace commit`` is the workers' (the sources may change while a run
-    goes on, which it says).
-
-    Args:
-        payload: The run's JSON file.
-        sources: Where its raw file is kept, relative to the repository root.
-
-    Returns:
-        The fields every table record of the run shares.
-    """
+    """``date``, ``machine``, ``versions`` and ``sources`` (where the run's raw file is kept)
+    of a run's table records; the ``lowrank_laplace commit`` is the workers' (it says if
+    the sources changed during the run)."""
     info, records = payload["machine"], payload["records"]
     versions = {"python": info.get("python"), "torch": info.get("torch")}
     versions.update({key[len("version_"):]: value for key, value in info.items()

@@ -1,10 +1,5 @@
-"""Summaries, targets, figures and table records of ``bench_shared.py``.
-
-Ratios of every configuration against ``kron`` in the same condition and, beside the
-busy process, against the method's own quiet time; the targets (:func:`summarize`), the
-printed results, the bar charts (:func:`plot`) and the docs' table records
-(:func:`table_records`).
-"""
+"""Ratios and targets (:func:`summarize`), printed results, figures and the docs' table
+records (:func:`table_records`) of ``bench_shared.py``."""
 
 from __future__ import annotations
 
@@ -61,16 +56,8 @@ def _metrics(record: dict | None) -> dict | None:
 
 
 def summarize(records: Sequence[dict]) -> dict[str, Any]:
-    """Ratios and targets of a run.
-
-    Args:
-        records: Configuration records (repeats combined).
-
-    Returns:
-        ``ratios`` (by configuration key: time over kron's in the same condition and,
-        if loaded, over the method's own quiet time) and ``targets`` (name, where,
-        value, bound, ``passed``; ``None``: not measurable).
-    """
+    """A run's ``ratios`` (by configuration key: time over kron's in the same condition and,
+    if loaded, over its own quiet time) and ``targets`` (as ``_lora_report.summarize``)."""
     ratios: dict[str, dict] = {}
     for r in records:
         peer = _find(records, r["part"], r["condition"], PEER)
@@ -135,12 +122,8 @@ def print_summary(records: Sequence[dict], summary: dict[str, Any]):
 
 
 def plot(payload: dict[str, Any], path: Path):
-    """Bar charts: fit + marglik time, marglik_training time (log scales), test NLL.
-
-    Args:
-        payload: The run as written to ``shared.json``.
-        path: Output path of the figure.
-    """
+    """Bar charts of a run (``shared.json``): fit + marglik and marglik_training time (log
+    scales), test NLL."""
     records = payload["records"]
     colors = {"quiet": "tab:blue", "loaded": "tab:orange"}
     with _report.figure(path, 1, 3, figsize=(15, 4.4), rect=(0, 0, 1, 0.93)) as (fig, axes):
@@ -200,16 +183,8 @@ def _row(r: dict[str, Any], ratios: dict[str, dict]) -> list[str]:
 
 
 def table_records(payload: dict[str, Any], source: str) -> dict[str, dict]:
-    """The docs' table records (``render_tables.py`` format) of a run.
-
-    Args:
-        payload: The run as written to ``shared.json``.
-        source: Path of the kept raw run, relative to the repository root.
-
-    Returns:
-        Records by table id: ``shared_fit``, ``shared_train`` (if run) and
-        ``shared_targets``.
-    """
+    """The docs' table records ``shared_fit``, ``shared_train`` (if run) and
+    ``shared_targets`` of a run (``source``: where the raw run is kept)."""
     common, records = _report.table_common(payload, [source]), payload["records"]
     ratios, s = payload["summary"]["ratios"], payload["settings"]
     tables = {"shared_fit": {

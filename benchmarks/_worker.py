@@ -317,16 +317,9 @@ def worker_setup(config: dict[str, Any]) -> dict[str, Any]:
 
 def run_phases(setup: dict[str, Any], phases: Sequence[tuple], config: dict[str, Any],
                preimports: Sequence[str] = LAPLACE_PREIMPORTS, stop_on_failure: bool = True):
-    """Emit the setup record, then measure and emit every phase.
-
-    Args:
-        setup: The setup record (:func:`worker_setup` and the script's fields).
-        phases: ``(name, fn)`` or ``(name, fn, describe)``: ``fn()`` is measured,
-            ``describe(out)`` adds fields of a successful phase's output to its record.
-        config: The configuration (``device`` and the driver's ``load_pid``).
-        preimports: Modules imported before the first phase.
-        stop_on_failure: End after a failed phase.
-    """
+    """Emit the setup record (:func:`worker_setup`'s, completed), then measure and emit
+    every phase ``(name, fn)`` or ``(name, fn, describe)``: ``fn()`` is measured and
+    ``describe(out)`` adds fields of a successful phase's output to its record."""
     device = torch.device(config.get("device", "cpu"))
     preimport(preimports)
     setup.update(rss_bytes=rss_bytes(), rss_peak_bytes=rss_bytes("VmHWM"))

@@ -44,14 +44,7 @@ def flat(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def driver_main(args: argparse.Namespace) -> dict[str, Any]:
-    """Run all configurations, write JSON and figures, print the summaries.
-
-    Args:
-        args: Parsed command line arguments of the driver.
-
-    Returns:
-        The summaries by problem.
-    """
+    """Run all configurations, write JSON and figures; the summaries by problem."""
     out = Path(args.out)
     info = machine_info(args.device)
     print(f"Machine: {info['cpu_name']} ({info['cpu_count']} CPUs, "

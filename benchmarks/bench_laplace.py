@@ -84,12 +84,8 @@ def configurations(problem: str, args: argparse.Namespace) -> list[dict[str, Any
 
 
 def run_method(module: str, config: dict[str, Any], args: argparse.Namespace) -> dict:
-    """Run a method; a predictive whose worker was killed leaves the next ones to a new one.
-
-    The new worker refits (its fit is recorded under the fit's ``refits``, not timed
-    for the table) and runs the predictives that did not run (``restarts`` lists the
-    new workers).
-    """
+    """Run a method; the predictives after one whose worker was killed run in a new worker,
+    which refits first (the fit's ``refits``; ``restarts`` lists the new workers)."""
     record = _harness.run_worker(module, config, args)
     while record["phases"]["fit"].get("status") == "ok":
         lost = [p for p in config["phases"] if record["phases"][p]["status"] == "skipped"]
@@ -134,14 +130,7 @@ def replot(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def driver_main(args: argparse.Namespace) -> dict[str, Any]:
-    """Run all methods on all problems, write JSON and figures, print summaries.
-
-    Args:
-        args: Parsed command line arguments of the driver.
-
-    Returns:
-        Summaries by problem.
-    """
+    """Run all methods on all problems, write JSON and figures; the summaries by problem."""
     if args.replot:
         return replot(args)
     info = machine_info(args.device, (*DEFAULT_PACKAGES, "laplace-torch",

@@ -147,11 +147,7 @@ def make_model(problem: str, attention: str, seed: int, device: torch.device) ->
 
 
 def worker_main(config: dict[str, Any]):
-    """Build the problem, then run and report the phases of one method.
-
-    Args:
-        config: The configuration (see :func:`configurations`).
-    """
+    """Build the problem, then run and report the phases of one configuration."""
     from torch.utils.data import DataLoader
 
     setup = worker_setup(config)
@@ -286,14 +282,7 @@ def settings(problem: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def driver_main(args: argparse.Namespace) -> dict[str, Any]:
-    """Run every configuration, write JSON, figures and tables, print the targets.
-
-    Args:
-        args: Parsed command line arguments of the driver.
-
-    Returns:
-        Summaries by problem.
-    """
+    """Run every configuration, write JSON, figures and tables; the summaries by problem."""
     out, payloads = Path(args.out), {}
     info = None if args.replot else machine_info(args.device, (
         *DEFAULT_PACKAGES, "laplace-torch", "transformers", "peft"))

@@ -66,11 +66,8 @@ QUICK_SIZES = {"N": {"resnet18": 4, "transformer": 8, "3c3d": 16},
 
 
 class TransformerClassifier(nn.Module):
-    """Token and position embeddings, a masked transformer encoder, mean pooling, head.
-
-    Token 0 (of ``vocab``) is padding: it is masked in attention and left out of the
-    pooling; ``layers`` encoder layers of width ``width`` with 4 heads.
-    """
+    """Token and position embeddings, a masked transformer encoder (4 heads), mean pooling
+    and a head; token 0 is padding, masked in attention and left out of the pooling."""
 
     def __init__(self, vocab: int, width: int, layers: int, seq_len: int, num_classes: int):
         super().__init__()
@@ -286,14 +283,7 @@ def _mnist_phases(config: dict[str, Any], device: torch.device) -> list[tuple]:
 
 
 def worker_main(config: dict[str, Any]):
-    """Run one configuration and emit one record per measured phase.
-
-    The transformer's workers run attention with PyTorch's math kernel and without the
-    fused encoder fast path, since the peers' forward-mode products need them.
-
-    Args:
-        config: The configuration (see :func:`configurations`).
-    """
+    """Run one configuration (:func:`configurations`), one record per measured phase."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     setup = worker_setup(config)
@@ -349,14 +339,7 @@ def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def driver_main(args: argparse.Namespace) -> dict[str, Any]:
-    """Run all configurations, write JSON, tables and figure, print the targets.
-
-    Args:
-        args: Parsed command line arguments of the driver.
-
-    Returns:
-        The summary of the targets.
-    """
+    """Run all configurations, write JSON, tables and figure; print and return the targets."""
     out = Path(args.out)
     info = machine_info(args.device, (*DEFAULT_PACKAGES, "laplace-torch", "torchvision"))
     print(f"Machine: {info['cpu_name']} ({info['cpu_count_usable']} usable cores), "

@@ -50,20 +50,9 @@ PAPER_NEWTON_3C3D = {
 
 def run_task(task: str, structure: str, approx: str, data: str, problem: str, N: int,
              device: str = "cpu"):
-    """Run one task on a fresh random batch of size ``N``.
-
-    Args:
-        task: One of :data:`TASKS`.
-        structure: ``"full"`` or ``"blocks"`` (one parameter group per layer).
-        approx: ``"exact"`` or ``"mc"``.
-        data: ``"mb"`` or ``"sub"``.
-        problem: Problem name.
-        N: Batch size.
-        device: ``"cpu"`` or ``"cuda"``.
-
-    Returns:
-        A function that runs the task (data already built).
-    """
+    """A function that runs one configuration of the task (``structure`` ``"full"`` or
+    ``"blocks"``, ``approx`` ``"exact"`` or ``"mc"``, ``data`` ``"mb"`` or ``"sub"``) on a
+    random batch of size ``N``, built now."""
     import lowrank_laplace as ll
 
     model, loss_func, X, y = _problems.make_problem(problem, N, device=device)
@@ -109,12 +98,8 @@ def worker_main(config: dict[str, Any]) -> None:
 
 
 def probe(config: str, N: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Run one probe in a fresh worker.
-
-    Returns:
-        ``{"N", "status", "seconds"}`` with status ``ok``, ``oom``, ``timeout``,
-        ``killed`` or ``error`` (and then its ``reason``).
-    """
+    """Run one probe in a fresh worker: ``N``, ``status`` (``ok``, ``oom``, ``timeout``,
+    ``killed``, ``error`` with its ``reason``) and ``seconds``."""
     task = dict(zip(("task", "structure", "approx", "data"), config.split(",")))
     record = _harness.run_worker("benchmarks.bench_ncrit", {
         **task, "problem": args.problem, "N": N, "budget_gib": args.budget_gib,
@@ -130,12 +115,8 @@ def probe(config: str, N: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def critical_batch_size(config: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Grow ``N`` geometrically until a probe fails, then bisect to ``--rtol``.
-
-    Returns:
-        ``{"config", "n_crit", "probes", "capped"}``; ``n_crit`` is the largest
-        successful ``N`` (``0`` if ``N = 1`` fails); ``capped`` if ``--n-max`` succeeded.
-    """
+    """Grow ``N`` geometrically until a probe fails, then bisect to ``--rtol``: ``n_crit``
+    is the largest successful ``N``, ``capped`` whether ``--n-max`` succeeded."""
     probes, lo, hi = [], 0, None
     N = args.n_start
     while hi is None:

@@ -1,13 +1,9 @@
 """Posterior quality of the truncated lowrank_ggn posterior against the full GGN's.
 
-On small real problems where laplace-torch's ``FullLaplace`` (exact GGN) fits, every
-residual model of ``lowrank_ggn`` is fitted at several ranks; each posterior's scalar
-prior precision is tuned by the marginal likelihood, then test NLL, ECE and Brier score
-(classification) or Gaussian NLL (regression) of the GLM predictive are recorded next
-to the full posterior, laplace-torch's ``kron`` and ``diag`` and the MAP network. The
-MAP networks are trained under the Gaussian prior (precision 1) that Laplace assumes.
-Quality is not timed: every problem runs in its own worker process (this script with
-``--worker``, see ``_harness.py``).
+On small real problems where laplace-torch's ``FullLaplace`` fits, every residual model of
+``lowrank_ggn`` at several ranks, each prior tuned by the marginal likelihood: test
+metrics of the GLM predictive next to the full posterior's, ``kron``'s, ``diag``'s and
+the MAP network's (trained under Laplace's Gaussian prior); one worker per problem.
 
     python -m benchmarks.bench_posterior_quality --out benchmarks/results/quality
 

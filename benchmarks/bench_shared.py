@@ -138,11 +138,7 @@ def train_phases(model: torch.nn.Module, data: list, config: dict[str, Any]) -> 
 
 
 def worker_main(config: dict[str, Any]):
-    """Build the problem (the ``fit`` part trains a MAP first, untimed), run the phases.
-
-    Args:
-        config: ``part``, ``condition``, ``method``, ``epochs``, ``seed``, ``threads``.
-    """
+    """Build the problem (the ``fit`` part trains a MAP first, untimed), run the phases."""
     setup = worker_setup(config)
     warnings.filterwarnings("ignore")
     import lowrank_laplace  # noqa: F401 (registers hessian_structure="lowrank_ggn")
@@ -179,14 +175,7 @@ def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def driver_main(args: argparse.Namespace) -> dict[str, Any]:
-    """Run every configuration, write JSON, figure and tables, print the targets.
-
-    Args:
-        args: Parsed command line arguments of the driver.
-
-    Returns:
-        The summary.
-    """
+    """Run every configuration, write JSON, figure and tables; print and return the summary."""
     out = Path(args.out)
     path = out / "shared.json"
     if args.replot:

@@ -1,16 +1,9 @@
 """The sketch solver's posterior quality against the full GGN, beside streaming merges.
 
-On the small real problems of ``bench_posterior_quality`` (the same data, splits and MAP
-training), ``lowrank_ggn`` at the default rank and residual is fitted with every
-``solver`` on a float64 and a float32 copy of the MAP network; each scalar prior is tuned
-by the marginal likelihood (300 Adam steps, as there) and the GLM predictive scored on
-held-out data, against laplace-torch's ``FullLaplace`` (exact float64 GGN). Recorded per
-fit: the path the plan took, test NLL relative to the full GGN's, the tuned prior
-relative to the full GGN's, the kept share of the trace, and the relative error of the
-kept eigenvalues against the dense float64 GGN's (largest over the top 10 / 50 / all
-kept). ``digits2`` is ``bench_shared``'s deeper MLP (64-50-50-10, D = 6,310). Quality is
-not timed (the fit times printed are one run each, for orientation only); every problem
-runs in its own worker process (this script with ``--worker``, see ``_harness.py``).
+On the problems of ``bench_posterior_quality`` (and ``digits2``, ``bench_shared``'s deeper
+MLP), ``lowrank_ggn`` with defaults and every ``solver`` on float64 and float32 copies of
+the MAP network, priors tuned as there: the plan's path, test NLL and prior relative to
+``FullLaplace``'s, the kept trace and the kept eigenvalues' errors; one worker per problem.
 
     python -m benchmarks.bench_sketch_quality --out benchmarks/results/sketch_quality
 """

@@ -40,15 +40,8 @@ PATTERNS = {
 
 
 def count_events(prof: Any) -> dict[str, dict[str, float]]:
-    """Count profiler events by :data:`PATTERNS`.
-
-    Args:
-        prof: A finished ``torch.profiler.profile``.
-
-    Returns:
-        For every pattern key: ``count`` and total ``time_ms`` (device time for CUDA
-        activities, CPU time otherwise).
-    """
+    """Per key of :data:`PATTERNS`, the ``count`` and total ``time_ms`` (device time for
+    CUDA activities, else CPU time) of a finished profile's events."""
     counts: Counter = Counter()
     times: Counter = Counter()
     for event in prof.events():
@@ -61,17 +54,8 @@ def count_events(prof: Any) -> dict[str, dict[str, float]]:
 
 
 def top_operators(prof: Any, k: int, key: str) -> list[dict[str, Any]]:
-    """The ``k`` operators of most self time in a profile.
-
-    Args:
-        prof: A finished ``torch.profiler.profile``.
-        k: How many.
-        key: ``"device"`` (self time on the device) or ``"host"`` (self CPU time).
-
-    Returns:
-        Per operator: ``name``, ``calls``, ``self_ms`` (by ``key``) and ``total_ms``
-        (CPU time with children).
-    """
+    """The ``k`` operators of most self time on the ``"device"`` or ``"host"`` in a finished
+    profile: ``name``, ``calls``, ``self_ms`` and ``total_ms`` (CPU time with children)."""
     def self_us(e: Any) -> float:
         if key == "host":
             return e.self_cpu_time_total
