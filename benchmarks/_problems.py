@@ -23,11 +23,8 @@ EXPECTED_NUM_PARAMS: dict[str, int] = {
 }
 
 #: Input shape (without batch axis) of each problem.
-INPUT_SHAPES: dict[str, tuple[int, ...]] = {
-    "3c3d": (3, 32, 32),
-    "2c2d": (1, 28, 28),
-    "mlp": (1, 28, 28),
-}
+INPUT_SHAPES: dict[str, tuple[int, ...]] = {"3c3d": (3, 32, 32), "2c2d": (1, 28, 28),
+                                            "mlp": (1, 28, 28)}
 
 #: Number of classes of each problem.
 NUM_CLASSES: dict[str, int] = {"3c3d": 10, "2c2d": 10, "mlp": 10}
@@ -36,20 +33,15 @@ NUM_CLASSES: dict[str, int] = {"3c3d": 10, "2c2d": 10, "mlp": 10}
 def make_3c3d(num_classes: int = 10) -> nn.Sequential:
     """DeepOBS' ``3c3d`` for 3x32x32 inputs (sizes 32, 28, 14, 12, 6, 6, 3: 1152 features)."""
     return nn.Sequential(
-        nn.Conv2d(3, 64, kernel_size=5),
-        nn.ReLU(),
+        nn.Conv2d(3, 64, kernel_size=5), nn.ReLU(),
         nn.MaxPool2d(kernel_size=3, stride=2, padding=1),
-        nn.Conv2d(64, 96, kernel_size=3),
-        nn.ReLU(),
+        nn.Conv2d(64, 96, kernel_size=3), nn.ReLU(),
         nn.MaxPool2d(kernel_size=3, stride=2, padding=1),
-        nn.Conv2d(96, 128, kernel_size=3, padding=1),
-        nn.ReLU(),
+        nn.Conv2d(96, 128, kernel_size=3, padding=1), nn.ReLU(),
         nn.MaxPool2d(kernel_size=3, stride=2, padding=1),
         nn.Flatten(),
-        nn.Linear(1152, 512),
-        nn.ReLU(),
-        nn.Linear(512, 256),
-        nn.ReLU(),
+        nn.Linear(1152, 512), nn.ReLU(),
+        nn.Linear(512, 256), nn.ReLU(),
         nn.Linear(256, num_classes),
     )
 
@@ -57,15 +49,12 @@ def make_3c3d(num_classes: int = 10) -> nn.Sequential:
 def make_2c2d(num_classes: int = 10) -> nn.Sequential:
     """DeepOBS' ``2c2d`` for 1x28x28 inputs (sizes 28, 28, 14, 14, 7: 3136 features)."""
     return nn.Sequential(
-        nn.Conv2d(1, 32, kernel_size=5, padding=2),
-        nn.ReLU(),
+        nn.Conv2d(1, 32, kernel_size=5, padding=2), nn.ReLU(),
         nn.MaxPool2d(kernel_size=2, stride=2),
-        nn.Conv2d(32, 64, kernel_size=5, padding=2),
-        nn.ReLU(),
+        nn.Conv2d(32, 64, kernel_size=5, padding=2), nn.ReLU(),
         nn.MaxPool2d(kernel_size=2, stride=2),
         nn.Flatten(),
-        nn.Linear(3136, 1024),
-        nn.ReLU(),
+        nn.Linear(3136, 1024), nn.ReLU(),
         nn.Linear(1024, num_classes),
     )
 
@@ -74,20 +63,15 @@ def make_mlp(num_classes: int = 10) -> nn.Sequential:
     """A small MLP (784 -> 128 -> 64 -> classes) on 1x28x28 inputs."""
     return nn.Sequential(
         nn.Flatten(),
-        nn.Linear(784, 128),
-        nn.ReLU(),
-        nn.Linear(128, 64),
-        nn.ReLU(),
+        nn.Linear(784, 128), nn.ReLU(),
+        nn.Linear(128, 64), nn.ReLU(),
         nn.Linear(64, num_classes),
     )
 
 
 #: Model constructors of the available problems.
-MODELS: dict[str, Callable[[int], nn.Sequential]] = {
-    "3c3d": make_3c3d,
-    "2c2d": make_2c2d,
-    "mlp": make_mlp,
-}
+MODELS: dict[str, Callable[[int], nn.Sequential]] = {"3c3d": make_3c3d, "2c2d": make_2c2d,
+                                                     "mlp": make_mlp}
 
 #: Names of the available problems.
 PROBLEMS = tuple(MODELS)

@@ -65,6 +65,19 @@ def machine_info(device: str, packages: Sequence[str] = DEFAULT_PACKAGES) -> dic
     return info
 
 
+def print_machine(info: dict[str, Any]):
+    """Print a run's machine, device, versions beyond the defaults, commit and load."""
+    versions = "".join(f", {key[len('version_'):]} {value}" for key, value in info.items()
+                       if key.startswith("version_") and
+                       key[len("version_"):] not in DEFAULT_PACKAGES)
+    head = info["lowrank_laplace_sources"]
+    print(f"Machine: {info['cpu_name']} ({info['cpu_count']} CPUs, {info['cpu_count_usable']} "
+          f"usable), device {info['device']} ({info['device_name']}), torch {info['torch']}"
+          f"{versions}; commit {head.get('git_head', '?')[:7]}"
+          f"{' (dirty)' if head.get('dirty') else ''}; load average "
+          f"{info['loadavg_at_start'][0]:.2f}", flush=True)
+
+
 def progress_line(key: str, record: dict[str, Any]) -> str:
     """One line about a finished run: every phase's time or status, and what it found."""
     parts, said = [], set()

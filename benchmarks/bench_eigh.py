@@ -30,7 +30,7 @@ from benchmarks import _harness
 from benchmarks._eigh_methods import METHODS, worker_main
 from benchmarks._eigh_report import plot, summarize
 from benchmarks._problems import EXPECTED_NUM_PARAMS, NUM_CLASSES, PROBLEMS
-from benchmarks._report import machine_info
+from benchmarks._report import machine_info, print_machine
 
 
 def flat(record: dict[str, Any]) -> dict[str, Any]:
@@ -47,9 +47,7 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
     """Run all configurations, write JSON and figures; the summaries by problem."""
     out = Path(args.out)
     info = machine_info(args.device)
-    print(f"Machine: {info['cpu_name']} ({info['cpu_count']} CPUs, "
-          f"{info['cpu_count_usable']} usable), torch {info['torch']}, "
-          f"device {args.device} ({info['device_name']})")
+    print_machine(info)
     summaries = {}
     for problem in args.problems:
         N = getattr(args, f"N_{problem}", None) or args.N

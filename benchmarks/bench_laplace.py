@@ -43,7 +43,7 @@ from benchmarks import _harness
 from benchmarks._laplace_report import plot, summarize
 from benchmarks._laplace_worker import METHODS, PHASES, worker_main
 from benchmarks._problems import LAPLACE_NUM_CLASSES, LAPLACE_NUM_PARAMS, LAPLACE_PROBLEMS
-from benchmarks._report import DEFAULT_PACKAGES, machine_info, read_run
+from benchmarks._report import DEFAULT_PACKAGES, machine_info, print_machine, read_run
 from benchmarks._worker import GiB
 
 # ``full`` needs about this many D x D float32 matrices (curvature, posterior
@@ -135,9 +135,7 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
         return replot(args)
     info = machine_info(args.device, (*DEFAULT_PACKAGES, "laplace-torch",
                                       "asdfghjkl"))
-    print(f"Machine: {info['cpu_name']} ({info['cpu_count']} CPUs, "
-          f"{info['cpu_count_usable']} usable), torch {info['torch']}, laplace-torch "
-          f"{info.get('version_laplace-torch')}, device {args.device} ({info['device_name']})")
+    print_machine(info)
     summaries = {}
     for problem in args.problems:
         print(f"\n### Problem {problem}: methods = {args.methods}, timeout {args.timeout:g} s "

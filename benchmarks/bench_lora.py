@@ -59,7 +59,7 @@ from benchmarks._lora_report import (
     summarize,
     table_records,
 )
-from benchmarks._report import DEFAULT_PACKAGES, machine_info, read_run, write_tables
+from benchmarks._report import DEFAULT_PACKAGES, machine_info, print_machine, read_run, write_tables
 from benchmarks._worker import fit_within, probs_warnings, run_phases, worker_setup
 
 #: Problem name -> model, adapters, data and which configurations run by default.
@@ -287,11 +287,7 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
     info = None if args.replot else machine_info(args.device, (
         *DEFAULT_PACKAGES, "laplace-torch", "transformers", "peft"))
     if info:
-        print(f"Machine: {info['cpu_name']} ({info['cpu_count']} CPUs, "
-              f"{info['cpu_count_usable']} usable), torch {info['torch']}, laplace-torch "
-              f"{info.get('version_laplace-torch')}, transformers "
-              f"{info.get('version_transformers')}, peft {info.get('version_peft')}, "
-              f"device {args.device} ({info['device_name']})", flush=True)
+        print_machine(info)
     for problem in args.problems:
         path = out / f"lora_{problem}.json"
         if args.replot:

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from benchmarks import _harness, _models_report, _problems, _worker
 from benchmarks._models_report import MODELS, PART_METHODS, PARTS, plot, summarize, table_records
-from benchmarks._report import DEFAULT_PACKAGES, VERDICTS, machine_info, write_tables
+from benchmarks._report import DEFAULT_PACKAGES, VERDICTS, machine_info, print_machine, write_tables
 from benchmarks._worker import ggn_eigsh, num_cores, probs_warnings, run_phases, worker_setup
 
 NUM_CLASSES = 10
@@ -342,9 +342,7 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
     """Run all configurations, write JSON, tables and figure; print and return the targets."""
     out = Path(args.out)
     info = machine_info(args.device, (*DEFAULT_PACKAGES, "laplace-torch", "torchvision"))
-    print(f"Machine: {info['cpu_name']} ({info['cpu_count_usable']} usable cores), "
-          f"{info['device_name'] if args.device == 'cuda' else 'no GPU'}, torch {info['torch']}",
-          flush=True)
+    print_machine(info)
     settings = {"parts": list(args.parts), "models": list(args.models), "device": args.device,
                 "threads": args.threads or num_cores(),
                 "transformer": {"vocab": args.vocab, "width": args.width, "layers": args.layers,

@@ -41,7 +41,7 @@ import torch
 
 from benchmarks import _harness
 from benchmarks._problems import digits_data, digits_mlp, make_digits
-from benchmarks._report import DEFAULT_PACKAGES, machine_info, read_run, write_tables
+from benchmarks._report import DEFAULT_PACKAGES, machine_info, print_machine, read_run, write_tables
 from benchmarks._shared_report import (
     BATCH_SIZE,
     CONDITIONS,
@@ -186,11 +186,7 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
         path.write_text(json.dumps(payload, indent=2))
     else:
         info = machine_info("cpu", (*DEFAULT_PACKAGES, "laplace-torch"))
-        head = info["lowrank_laplace_sources"]
-        print(f"Machine: {info['cpu_name']} ({info['cpu_count_usable']} usable cores), torch "
-              f"{info['torch']}, laplace-torch {info.get('version_laplace-torch')}; commit "
-              f"{head.get('git_head', '?')[:7]}{' (dirty)' if head.get('dirty') else ''}; "
-              f"load average {info['loadavg_at_start'][0]:.2f}", flush=True)
+        print_machine(info)
         configs = configurations(args)
         settings = {"problem": "digits MLP 64-50-50-10 tanh", "D": None, "n_train": N_TRAIN,
                     "n_test": N_TEST, "batch_size": BATCH_SIZE, "dtype": "float32",
