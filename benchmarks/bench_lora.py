@@ -225,11 +225,6 @@ def distributed_start(device: torch.device) -> tuple[int, int, torch.device]:
     return int(os.environ.get("RANK", "0")), world, device
 
 
-###############################################################################
-#                                  Driver                                     #
-###############################################################################
-
-
 def sizes(problem: str, args: argparse.Namespace) -> dict[str, int]:
     """``n_train``, ``n_test`` and ``seq_len`` of a problem's run (its defaults, the
     ``--quick`` sizes, then the command line's)."""

@@ -60,11 +60,6 @@ QUICK_SIZES = {"N": {"resnet18": 4, "transformer": 8, "3c3d": 16},
                "n_test": {"resnet18": 2, "transformer": 4, "scale": 16, "mnist": 32}}
 
 
-###############################################################################
-#                                  Models                                     #
-###############################################################################
-
-
 class TransformerClassifier(nn.Module):
     """Token and position embeddings, a masked transformer encoder (4 heads), mean pooling
     and a head; token 0 is padding, masked in attention and left out of the pooling."""
@@ -109,11 +104,6 @@ def make_model(name: str, n: int, config: dict[str, Any]) -> tuple[nn.Module, Te
         X = tokens * (torch.arange(seq_len)[None] < lengths[:, None])
     y = torch.randint(0, NUM_CLASSES, (n,), generator=generator)
     return model.eval(), X, y
-
-
-###############################################################################
-#                                  Worker                                     #
-###############################################################################
 
 
 def _eigh_call(method: str, model: nn.Module, X: Tensor, y: Tensor, config: dict[str, Any]
@@ -309,11 +299,6 @@ def worker_main(config: dict[str, Any]):
     kernel = sdpa_kernel(SDPBackend.MATH) if config["model"] == "transformer" else None
     with kernel or contextlib.nullcontext():
         run_phases(setup, phases, config)
-
-
-###############################################################################
-#                                  Driver                                     #
-###############################################################################
 
 
 def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
