@@ -1,10 +1,5 @@
-"""Worker side of ``bench_eigh.py``: the compared methods and their measurement.
-
-Holds the compared eigen-solvers (``lowrank_laplace``'s ``ggn_eigh`` variants,
-PyHessian-style power iteration on ``torch.func`` GGN-vector products, SciPy's ``eigsh``
-on curvlinops' GGN operator via ``_worker.ggn_eigsh``), the untimed checks of returned
-eigenvectors, and the worker that times one configuration (``_worker.run_phases``).
-"""
+"""Worker side of ``bench_eigh.py``: the compared eigen-solvers, the untimed checks of
+their eigenvectors and the worker that times one configuration."""
 
 from __future__ import annotations
 
@@ -41,22 +36,12 @@ METHODS: tuple[str, ...] = (*OURS_CASES, "power", "eigsh")
 POWER_MAX_ITER = 100
 POWER_TOL = 1e-3
 
-###############################################################################
-#                           GGN-vector products                               #
-###############################################################################
-
 
 class GGNVectorProduct:
-    """Mini-batch GGN-vector products of a cross-entropy loss via ``torch.func``.
-
-    The product ``G v = J^T H J v`` is computed as (i) a forward-mode
-    Jacobian-vector product ``J v`` of the model output, (ii) multiplication with
-    the analytic Hessian of the (mean-reduced) cross-entropy loss w.r.t. the
-    logits, ``H_n = (diag(p_n) - p_n p_n^T) / N``, and (iii) a reverse-mode
-    vector-Jacobian product whose forward pass is computed once and cached (like
-    PyHessian caches the gradient graph).
-
-    Vectors are flat tensors of length ``D`` ordered like ``model.parameters()``.
+    """Mini-batch GGN-vector products ``G v = J^T H J v`` of a cross-entropy loss via
+    ``torch.func``: a forward-mode ``J v``, the logits' Hessian ``H_n = (diag(p_n) - p_n
+    p_n^T) / N`` and a reverse-mode product whose forward pass is cached (as PyHessian
+    caches the gradient graph); ``v`` flat, ordered like ``model.parameters()``.
 
     Attributes:
         num_products: Number of GGN-vector products computed so far.
@@ -110,11 +95,6 @@ class GGNVectorProduct:
         return torch.cat([g.detach().flatten() for g in Gv])
 
 
-###############################################################################
-#                             Peer methods                                    #
-###############################################################################
-
-
 def power_iteration(
     ggnvp: Callable[[Tensor], Tensor],
     dim: int,
@@ -125,20 +105,13 @@ def power_iteration(
     dtype: torch.dtype = torch.float32,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """PyHessian-style power iteration with deflation for the top-k eigenpairs.
-
-    Follows ``pyhessian.hessian.eigenvalues``: for each eigenpair, start from a
-    random normalized vector, and repeat (orthonormalize against the previously
-    found eigenvectors, multiply with the matrix, Rayleigh quotient, normalize)
-    until the relative change of the eigenvalue estimate drops below ``tol`` or
-    ``max_iter`` products were used.
-
-    ``ggnvp`` multiplies the ``dim x dim`` matrix onto a flat vector, at most
-    ``max_iter`` times per eigenpair; ``generator`` draws the initial vectors.
+    """PyHessian-style power iteration with deflation (``pyhessian.hessian.eigenvalues``):
+    per eigenpair, from a random vector (``generator``), orthonormalize against those
+    found, multiply (``ggnvp``), Rayleigh quotient, normalize, until the estimate changes
+    by less than ``tol`` (relative) or after ``max_iter`` products.
 
     Returns:
-        Eigenvalues of shape ``(k,)`` (in the order found, i.e. approximately
-        descending) and eigenvectors of shape ``(D, k)``.
+        Eigenvalues ``(k,)`` in the order found and eigenvectors ``(D, k)``.
     """
     eigenvalues: list[float] = []
     eigenvectors: list[Tensor] = []
@@ -171,13 +144,9 @@ def power_iteration(
 
 
 def _verify(ggnvp: GGNVectorProduct, evecs: Tensor, device: torch.device) -> dict[str, Any]:
-    """Check eigenvectors ``(D, k)`` with GGN-vector products independent of the method.
-
-    Returns:
-        Rayleigh quotients ``v_i^T G v_i``, relative residuals
-        ``||G v_i - r_i v_i|| / |r_i|`` and the orthonormality error
-        ``max |V^T V - I|`` (for unit-normalized columns in the residuals).
-    """
+    """Check eigenvectors ``(D, k)`` with independent GGN-vector products: Rayleigh
+    quotients ``r_i``, relative residuals ``||G v_i - r_i v_i|| / |r_i|`` (unit columns)
+    and the orthonormality error ``max |V^T V - I|``."""
     V = evecs.to(device=device, dtype=torch.float32)
     gram = V.T @ V
     ortho_err = (gram - torch.eye(V.shape[1], device=device)).abs().max().item()
@@ -244,13 +213,8 @@ CALLS: dict[str, Callable] = {**dict.fromkeys(OURS_CASES, _ours), "power": _powe
 
 def inspect(out: tuple[Tensor, Tensor], model: nn.Module, loss_func: nn.Module, X: Tensor,
             y: Tensor, config: dict) -> dict[str, Any]:
-    """Untimed checks of a result: eigenvalues, shapes, and (``verify``) the eigenvectors.
-
-    The eigenvectors are checked with independent GGN-vector products: Rayleigh quotients
-    and relative residuals w.r.t. the full mini-batch GGN (``rayleigh``,
-    ``rel_residual``) and, for sub-sampled variants, w.r.t. the GGN on the sub-sample
-    (``sub_rayleigh``, ``sub_rel_residual``).
-    """
+    """Untimed checks of a result: eigenvalues, shapes and (``verify``) the eigenvectors
+    against the mini-batch GGN and, for sub-sampled variants, the sub-sample's (``sub_*``)."""
     evals = torch.as_tensor(out[0]).detach().flatten().cpu().double()
     evecs = torch.as_tensor(out[1]).detach()
     D, k = sum(p.numel() for p in model.parameters()), config["k"]
@@ -285,12 +249,8 @@ def inspect(out: tuple[Tensor, Tensor], model: nn.Module, loss_func: nn.Module, 
 
 
 def worker_main(config: dict[str, Any]):
-    """Run one configuration: the ``eigh`` phase, then the untimed checks of its result.
-
-    Args:
-        config: ``problem``, ``method``, ``N``, ``k``, ``device``, ``seed``, ``threads``
-            and ``verify``.
-    """
+    """Run one configuration (``problem``, ``method``, ``N``, ``k``, ``device``, ``seed``,
+    ``threads``, ``verify``): the ``eigh`` phase, then the untimed checks of its result."""
     setup = worker_setup(config)
     torch.manual_seed(config["seed"])
     model, loss_func, X, y = make_problem(config["problem"], config["N"], seed=config["seed"],

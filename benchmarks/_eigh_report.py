@@ -1,9 +1,5 @@
-"""Report side of ``bench_eigh.py``: summaries, target checks, tables and plots.
-
-Turns the records of one problem into the printed tables (time, peak memory),
-the eigenvalue deviations from ``eigsh``, the checks of the benchmark's targets
-and sanity checks, and the figure of time and peak memory versus ``k``.
-"""
+"""Report side of ``bench_eigh.py``: printed tables, eigenvalue deviations from ``eigsh``,
+targets and sanity checks, and the figure of time and peak memory versus ``k``."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ from typing import Any
 from benchmarks._eigh_methods import OURS_CASES, PAPER_LABELS
 from benchmarks._load import BUSY_WARN_PERCENT
 from benchmarks._problems import EXPECTED_NUM_PARAMS, NUM_CLASSES
-from benchmarks._report import VERDICTS, find
+from benchmarks._report import VERDICTS, figure, find
 from benchmarks._worker import GiB
 
 #: The method whose targets are checked against the peers.
@@ -41,16 +37,9 @@ def _rel_dev(a: float, b: float) -> float:
 def eigenvalue_deviations(
     records: Sequence[dict[str, Any]], methods: Sequence[str], ks: Sequence[int]
 ) -> dict[str, dict[str, float]]:
-    """Compute per-method maximum relative deviations of eigenvalues from eigsh.
-
-    The top eigenvalue of each (method, k) is compared with the top eigenvalue of
-    eigsh at the same k (or, if missing, eigsh at any k). All eigenvalues are
-    compared against the eigenvalues of the eigsh run with the largest k.
-
-    Returns:
-        ``method -> {'top': max dev of top eigenvalue, 'all': max dev of all
-        eigenvalues}`` (``nan`` if not available).
-    """
+    """Per method, the largest relative deviation from eigsh of its top eigenvalue (eigsh
+    at the same k, else the largest) and of all its eigenvalues (eigsh at the largest k):
+    ``{'top', 'all'}``, ``nan`` where not available."""
     eigsh_runs = {k: _ok(records, "eigsh", k) for k in ks}
     eigsh_runs = {k: r for k, r in eigsh_runs.items() if r is not None}
     result: dict[str, dict[str, float]] = {}
@@ -159,18 +148,8 @@ def _targets(records: Sequence[dict], ks: Sequence[int], V_bytes: int) -> dict[s
 
 def summarize(problem: str, N: int, records: Sequence[dict[str, Any]],
               methods: Sequence[str], ks: Sequence[int]) -> dict[str, Any]:
-    """Print tables and target checks, and return the summary.
-
-    Args:
-        problem: Problem name.
-        N: Mini-batch size used.
-        records: All records of the problem.
-        methods: Method names.
-        ks: Numbers of eigenpairs.
-
-    Returns:
-        Summary dictionary (ratios, target checks, deviations, sanity checks).
-    """
+    """Print the tables and checks of a problem's records (mini-batch ``N``, numbers of
+    eigenpairs ``ks``); the summary (ratios, targets, deviations, sanity checks)."""
     V_bytes = EXPECTED_NUM_PARAMS[problem] * N * NUM_CLASSES[problem] * 4
     devs = eigenvalue_deviations(records, methods, ks)
     _print_tables(problem, N, records, methods, ks, devs)
@@ -193,39 +172,31 @@ def summarize(problem: str, N: int, records: Sequence[dict[str, Any]],
 def plot(problem: str, N: int, records: Sequence[dict[str, Any]], methods: Sequence[str],
          ks: Sequence[int], path: Path, info: dict[str, Any]):
     """Plot time and peak memory versus k for each method (``info``: the machine)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     D = EXPECTED_NUM_PARAMS[problem]
     V_bytes = D * N * NUM_CLASSES[problem] * 4
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
     markers = "osDv^<>p"
-    for i, m in enumerate(methods):
-        pts = [(k, r) for k in ks if (r := _ok(records, m, k)) is not None]
-        label = f"{m} ({PAPER_LABELS[m]})" if m in OURS_CASES else m
-        marker = markers[i % len(markers)]
-        if not pts:
-            ax_t.plot([], [], marker=marker, label=label + " [failed]")
-            ax_m.plot([], [], marker=marker)
-            continue
-        kk = [k for k, _ in pts]
-        ax_t.plot(kk, [r["time_s"] for _, r in pts], marker=marker, label=label)
-        ax_m.plot(kk, [r["peak_delta_bytes"] / GiB for _, r in pts], marker=marker,
-                  label=label)
-    ax_m.axhline(V_bytes / GiB, color="k", ls="--", lw=1,
-                 label=f"size of V ({V_bytes / GiB:.2f} GiB)")
-    ax_t.set_yscale("log")
-    ax_t.set_ylabel("time [s]")
-    ax_t.set_title(f"{problem} (D={D:,}, N={N}): run time")
-    ax_m.set_ylabel("peak memory above baseline [GiB]")
-    ax_m.set_title(f"peak memory ({info.get('device_name', '')})", fontsize=9)
-    for ax in (ax_t, ax_m):
-        ax.set_xlabel("k (number of leading eigenpairs)")
-        ax.set_xticks(list(ks))
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(11, 4.2)) as (_, (ax_t, ax_m)):
+        for i, m in enumerate(methods):
+            pts = [(k, r) for k in ks if (r := _ok(records, m, k)) is not None]
+            label = f"{m} ({PAPER_LABELS[m]})" if m in OURS_CASES else m
+            marker = markers[i % len(markers)]
+            if not pts:
+                ax_t.plot([], [], marker=marker, label=label + " [failed]")
+                ax_m.plot([], [], marker=marker)
+                continue
+            kk = [k for k, _ in pts]
+            ax_t.plot(kk, [r["time_s"] for _, r in pts], marker=marker, label=label)
+            ax_m.plot(kk, [r["peak_delta_bytes"] / GiB for _, r in pts], marker=marker,
+                      label=label)
+        ax_m.axhline(V_bytes / GiB, color="k", ls="--", lw=1,
+                     label=f"size of V ({V_bytes / GiB:.2f} GiB)")
+        ax_t.set_yscale("log")
+        ax_t.set_ylabel("time [s]")
+        ax_t.set_title(f"{problem} (D={D:,}, N={N}): run time")
+        ax_m.set_ylabel("peak memory above baseline [GiB]")
+        ax_m.set_title(f"peak memory ({info.get('device_name', '')})", fontsize=9)
+        for ax in (ax_t, ax_m):
+            ax.set_xlabel("k (number of leading eigenpairs)")
+            ax.set_xticks(list(ks))
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=7)

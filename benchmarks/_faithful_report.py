@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from benchmarks._exact import probit
+from benchmarks._report import figure
 
 #: Targets the default posterior must meet where the exact top-r keeps under 40%.
 TARGETS = {"nll_rel": 0.10, "fvar_median": 0.20, "kept_vs_exact_top": 0.95}
@@ -33,12 +34,8 @@ def classification(probs: Tensor, y: Tensor) -> dict[str, float]:
 
 
 def variance_errors(f_var: Tensor, exact: Tensor) -> dict[str, float]:
-    """Per-input relative Frobenius error of ``C x C`` output covariances, and the bias.
-
-    Returns:
-        Median and 90th percentile of ``|S - S*|_F / |S*|_F`` over inputs, and the
-        median ratio of traces ``tr S / tr S*``.
-    """
+    """Median and 90th percentile over inputs of the relative Frobenius error
+    ``|S - S*|_F / |S*|_F`` of ``C x C`` output covariances, and the median ``tr S / tr S*``."""
     err = (f_var - exact).flatten(1).norm(dim=1) / exact.flatten(1).norm(dim=1)
     ratio = f_var.diagonal(dim1=1, dim2=2).sum(-1) / exact.diagonal(dim1=1, dim2=2).sum(-1)
     return {"median": float(err.median()), "p90": float(err.quantile(0.9)),
@@ -47,7 +44,7 @@ def variance_errors(f_var: Tensor, exact: Tensor) -> dict[str, float]:
 
 def set_metrics(got: dict[str, Tensor], exact: dict, y: Tensor,
                 measured_v: Optional[float] = None, rank: Optional[int] = None) -> dict:
-    """A posterior's metrics on one test set against the exact posterior.
+    """A posterior's metrics on one test set (labels ``y``) against the exact predictive.
 
     Args:
         got: ``probs`` (laplace-torch's probit predictive), ``f_var`` (own prior),
@@ -55,8 +52,8 @@ def set_metrics(got: dict[str, Tensor], exact: dict, y: Tensor,
             ``energy_outside`` (each input's Jacobian energy outside its basis).
         exact: The exact predictive of the set (``f_mu``, ``f_var``, ``split``).
         y: Labels.
-        measured_v: The low-rank posterior's measured complement variance at the
-            exact prior (``None``: not measured).
+        measured_v: A low-rank posterior's measured complement variance at the exact
+            prior (``None``: not measured).
         rank: Its rank.
 
     Returns:
@@ -175,40 +172,34 @@ def markdown(name: str, record: dict) -> str:
 
 def plot(result: dict, path: Path) -> None:
     """NLL relative to the exact posterior per test set, and the exact spectrum's share."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(result["problems"])
-    fig, axes = plt.subplots(2, len(names), figsize=(4.4 * len(names), 7.5), squeeze=False)
-    for col, name in enumerate(names):
-        rec = result["problems"][name]
-        sets = list(rec["sets"])
-        for label, row in rec["methods"].items():
-            if "sets" in row:
-                rel = [_rel(row["sets"][s]["nll"], rec["sets"][s]["exact"]["nll"]) for s in sets]
-                axes[0, col].plot(sets, rel, "o-", label=label, linewidth=1)
-        axes[0, col].axhspan(-TARGETS["nll_rel"], TARGETS["nll_rel"], color="0.9")
-        axes[0, col].axhline(0, color="k", linewidth=1)
-        axes[0, col].set_title(f"{name} (D = {rec['D']:,})", fontsize=10)
-        axes[0, col].set_ylabel("test NLL / exact posterior's - 1")
-        spec = rec["spectrum"]
-        values = torch.tensor(spec["value"])
-        axes[1, col].loglog(spec["index"], values / values[0], "k-", linewidth=1,
-                            label="exact eigenvalues / largest")
-        for r, share in rec["exact_top_share"].items():
-            axes[1, col].plot(int(r), share, "ks", markersize=4)
-        for label, row in rec["methods"].items():
-            if "kept_fraction" in row:
-                axes[1, col].plot(row["rank"], row["kept_fraction"], "x", label=label)
-        axes[1, col].set_xlabel("rank")
-        axes[1, col].set_ylabel("kept share of the trace (squares: exact top-r)")
-    axes[0, -1].legend(fontsize=7)
-    axes[1, -1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, 2, len(names), dpi=100, figsize=(4.4 * len(names), 7.5),
+                squeeze=False) as (_, axes):
+        for col, name in enumerate(names):
+            rec = result["problems"][name]
+            sets = list(rec["sets"])
+            for label, row in rec["methods"].items():
+                if "sets" in row:
+                    rel = [_rel(row["sets"][s]["nll"], rec["sets"][s]["exact"]["nll"])
+                           for s in sets]
+                    axes[0, col].plot(sets, rel, "o-", label=label, linewidth=1)
+            axes[0, col].axhspan(-TARGETS["nll_rel"], TARGETS["nll_rel"], color="0.9")
+            axes[0, col].axhline(0, color="k", linewidth=1)
+            axes[0, col].set_title(f"{name} (D = {rec['D']:,})", fontsize=10)
+            axes[0, col].set_ylabel("test NLL / exact posterior's - 1")
+            spec = rec["spectrum"]
+            values = torch.tensor(spec["value"])
+            axes[1, col].loglog(spec["index"], values / values[0], "k-", linewidth=1,
+                                label="exact eigenvalues / largest")
+            for r, share in rec["exact_top_share"].items():
+                axes[1, col].plot(int(r), share, "ks", markersize=4)
+            for label, row in rec["methods"].items():
+                if "kept_fraction" in row:
+                    axes[1, col].plot(row["rank"], row["kept_fraction"], "x", label=label)
+            axes[1, col].set_xlabel("rank")
+            axes[1, col].set_ylabel("kept share of the trace (squares: exact top-r)")
+        axes[0, -1].legend(fontsize=7)
+        axes[1, -1].legend(fontsize=7)
 
 
 _EIGEN_KEYS = ("exact_top_share", "kept_fraction", "kept_vs_exact_top", "top_eigenvalue_ratio",
@@ -217,9 +208,8 @@ _EIGEN_KEYS = ("exact_top_share", "kept_fraction", "kept_vs_exact_top", "top_eig
 
 
 def design_facts(record: dict, ranks) -> dict:
-    """Per rank: (a) the kept eigenvalues of the default and of streaming against the
-    exact top-r and each other; (b) the measured complement variance against the exact.
-    """
+    """Per rank: the kept eigenvalues of the default and of streaming against the exact
+    top-r and each other, and the measured complement variance against the exact one."""
     out = {}
     methods = record["methods"]
     for r in ranks:

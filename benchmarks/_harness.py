@@ -1,22 +1,13 @@
 """The benchmarks' driver: configurations in, one fresh worker process per run, JSON out.
 
 A script is its own worker: ``python -m benchmarks.<script> --worker --config JSON`` runs
-one configuration (see ``_worker.py``); without ``--worker`` it is the driver, which
-hands its configurations (small dicts) to a :class:`Plan`:
-
-- every run of a configuration is a fresh worker process (:func:`run_worker`) with a
-  time limit per phase; a timeout, a crash or a kill (``SIGKILL``: likely the OOM
-  killer) becomes a failure record of the phase that was running, never an exception;
-  in the ``loaded`` conditions a competing process (``_load.CompetingLoad``) runs beside
-  the worker;
-- before a worker the driver may wait for a quiet machine (``--wait-for``,
-  ``--wait-idle``); it records the CPU share other processes used during the worker and
-  repeats a disturbed run (``--retry-busy``), keeping the least disturbed one;
-- ``--repeat`` runs every configuration in rounds, and the record of the repeats holds
-  every phase's median time (:func:`median_record`);
-- after every run the JSON file (settings, :func:`machine_info`: date, machine and
-  versions; the records; the summary) is rewritten, so an interrupted run leaves its
-  records, which ``--resume`` reuses.
+one configuration (``_worker.py``); without ``--worker`` it is the driver, which hands its
+configurations (small dicts) to a :class:`Plan`. Every run is a fresh worker process
+(:func:`run_worker`) with a time limit per phase, where a timeout, a crash or a kill
+becomes the failure record of the running phase; the driver may wait for a quiet
+machine first, records the CPU share of other processes, repeats disturbed runs, takes
+medians of repeats (:func:`median_record`) and rewrites the JSON file after every run,
+which ``--resume`` reuses.
 """
 
 from __future__ import annotations
@@ -94,7 +85,7 @@ ARGUMENTS: dict[str, dict[str, Any]] = {
 
 
 def script_parser(doc: str, *names: str, **defaults: Any) -> argparse.ArgumentParser:
-    """The argument parser of a script that is its own worker (see :func:`run_script`).
+    """The argument parser of a script that is its own worker (see :func:`script_main`).
 
     Args:
         doc: The script's docstring; its first paragraph describes the script.
@@ -117,32 +108,28 @@ def script_parser(doc: str, *names: str, **defaults: Any) -> argparse.ArgumentPa
     return parser
 
 
-def run_script(argv: Sequence[str] | None,
-               parse_args: Callable[[Sequence[str] | None], argparse.Namespace],
-               worker: Callable[[dict], Any], driver: Callable[[argparse.Namespace], Any]):
-    """Entry point of a script: with ``--worker --config JSON`` run one configuration
-    (a failure outside its phases becomes a failed ``setup`` record), else the driver
-    (what it returns)."""
-    args = parse_args(argv)
-    if not args.worker:
-        return driver(args)
-    with failures_reported():
-        worker(json.loads(args.config))
-    return None
+def script_main(parse_args: Callable[[Sequence[str] | None], argparse.Namespace],
+                worker: Callable[[dict], Any], driver: Callable[[argparse.Namespace], Any]
+                ) -> Callable[[Sequence[str] | None], Any]:
+    """A script's entry point ``main(argv=None)`` (``argv`` defaults to ``sys.argv[1:]``):
+    with ``--worker --config JSON`` it runs one configuration (a failure outside its
+    phases becomes a failed ``setup`` record), else the driver (what it returns)."""
+    def main(argv: Sequence[str] | None = None) -> Any:
+        args = parse_args(argv)
+        if not args.worker:
+            return driver(args)
+        with failures_reported():
+            worker(json.loads(args.config))
+        return None
+
+    return main
 
 
 def worker_env(args: argparse.Namespace) -> dict[str, str]:
-    """The environment of the worker processes.
-
-    ``PYTHONPATH`` starts with the repository root, so that a worker finds the
-    ``benchmarks`` package from any folder. Two settings make timings on small (virtual)
-    machines reproducible and apply to every worker alike (``docs/benchmarks.md`` has
-    the measurements): NumPy/SciPy's own OpenBLAS threads are ``--blas-threads``, so
-    that its and PyTorch's thread pools do not busy-wait for each other, and
-    ``OMP_WAIT_POLICY`` is ``--omp-wait-policy`` (``PASSIVE``: OpenMP's spinning default
-    made PyTorch randomly slower on small VMs). A script without these options, or
-    ``0``/``''``, leaves them unset.
-    """
+    """The environment of the worker processes: ``PYTHONPATH`` starts with the repository
+    root; ``OPENBLAS_NUM_THREADS`` is ``--blas-threads`` (NumPy's and PyTorch's thread
+    pools do not busy-wait for each other) and ``OMP_WAIT_POLICY`` ``--omp-wait-policy``
+    (``docs/benchmarks.md`` has the measurements); without them, or ``0``/``''``, unset."""
     env = dict(os.environ)
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(REPO_ROOT) not in paths:
@@ -152,11 +139,6 @@ def worker_env(args: argparse.Namespace) -> dict[str, str]:
     if getattr(args, "omp_wait_policy", ""):
         env["OMP_WAIT_POLICY"] = args.omp_wait_policy
     return env
-
-
-###############################################################################
-#                              One worker                                     #
-###############################################################################
 
 
 def classify_exit(returncode: int) -> tuple[str, str]:
@@ -232,24 +214,14 @@ def _close(record: dict[str, Any], failure: dict | None, stderr: str, device: st
 
 
 def run_worker(module: str, config: dict[str, Any], args: argparse.Namespace) -> dict:
-    """Run one configuration in a fresh worker process and collect its records.
+    """Run one configuration in a fresh worker process of ``module`` and collect its records.
 
-    Args:
-        module: The script, e.g. ``'benchmarks.bench_lora'``.
-        config: The configuration the worker receives as JSON; ``phases`` lists the
-            phases it reports after ``setup``; ``load`` (``{"threads", "size", "env"}``,
-            ``env`` ``'worker'`` or ``'user'``) starts a competing process beside it;
-            ``timeout`` overrides ``--timeout``; ``launcher`` (e.g. ``torchrun``'s
-            command) replaces the Python interpreter.
-        args: The driver's arguments (``timeout`` per phase, the waits, the worker
-            environment).
-
-    Returns:
-        The configuration's fields with ``setup``, ``phases`` (phase -> record; failed
-        and skipped phases included), ``worker_peak_bytes``, the machine's state before
-        (``cpu_busy_before_percent``, ``loadavg_before``), the other processes' CPU share
-        during the worker (``other_cpu_percent_during``), ``subprocess_wall_s`` and, with
-        a load, ``load``.
+    ``config`` is what the worker gets as JSON: ``phases`` it reports after ``setup``;
+    ``load`` (``{"threads", "size", "env"}``) starts a competing process beside it;
+    ``timeout`` overrides ``--timeout``; ``launcher`` (e.g. torchrun's) replaces the
+    interpreter. Returns the configuration with ``setup``, ``phases`` (failed and skipped
+    ones too), ``worker_peak_bytes``, the machine's state before and the CPU share of
+    other processes during the worker.
     """
     record: dict[str, Any] = {**config, "phases": {}, "expected": list(config["phases"])}
     busy_procs = _load.wait_for_processes(getattr(args, "wait_for", []),
@@ -334,13 +306,9 @@ def _total(record: dict[str, Any]) -> float | None:
 
 
 def median_record(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One record of repeated runs of a configuration (the run itself if there is one).
-
-    It is the run of median total time; every phase's times (``time_s`` and other
-    ``*time_s`` fields) become the medians over the runs in which it succeeded
-    (``repeat_<field>`` lists them), its peaks and others' CPU share the largest
-    (``repeat_other_cpu_percent_during_phase`` lists them).
-    """
+    """One record of repeated runs of a configuration: the run of median total time, with
+    every phase's ``*time_s`` the median over the runs in which it succeeded
+    (``repeat_<field>`` lists them), its peaks and others' CPU share the largest."""
     if len(runs) == 1:
         return runs[0]
     totals = sorted((t, i) for i, r in enumerate(runs) if (t := _total(r)) is not None)
@@ -371,28 +339,22 @@ def median_record(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return record
 
 
-###############################################################################
-#                              A plan of runs                                 #
-###############################################################################
-
-
 class Plan:
     """The configurations of one output file, run by :meth:`run` and written by :meth:`write`.
 
     Args:
         module: The script whose workers run the configurations.
-        configs: The configurations, in run order; a configuration's ``repeat`` (else
-            ``--repeat``) is its number of runs, ``skip`` a reason to run none.
+        configs: The configurations in run order; ``repeat`` (else ``--repeat``): runs
+            of one, ``skip``: why it runs none.
         key: The configuration fields that name it (``'a/b/c'``, for ``--rerun``).
         path: The JSON file.
-        settings: The run's settings; entries left ``None`` are filled from the workers'
+        settings: The run's settings; ``None`` entries are filled from the workers'
             setup records (e.g. ``D``).
-        info: :func:`machine_info` of the run.
+        info: ``machine_info`` of the run.
 
     Attributes:
         run_one: One run of a configuration (default: :func:`run_worker`).
-        label: Printed before a configuration's name in the progress lines (``''``: the
-            name is printed in brackets).
+        label: Printed before a configuration's name in the progress lines.
     """
 
     def __init__(self, module: str, configs: list[dict], key: Sequence[str], path: Path,

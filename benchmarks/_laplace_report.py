@@ -1,10 +1,4 @@
-"""Summaries, targets and figures of ``bench_laplace.py``.
-
-Prints the result table, failures, eigenvalue checks and CPU-load warnings of a
-problem (:func:`summarize`), evaluates the benchmark's targets
-(:func:`check_targets`) and draws the bar charts (:func:`plot`) from the method
-records written by the driver.
-"""
+"""Summaries, targets (:func:`check_targets`) and figures of ``bench_laplace.py``."""
 
 from __future__ import annotations
 
@@ -18,7 +12,7 @@ from benchmarks._laplace_worker import PHASES
 from benchmarks._load import BUSY_WARN_PERCENT
 from benchmarks._problems import LAPLACE_NUM_CLASSES as NUM_CLASSES
 from benchmarks._problems import LAPLACE_NUM_PARAMS as EXPECTED_NUM_PARAMS
-from benchmarks._report import VERDICTS, find
+from benchmarks._report import VERDICTS, figure, find
 from benchmarks._worker import GiB
 
 # Targets
@@ -102,8 +96,7 @@ def _fit_targets(problem: str, records: Sequence[dict]) -> list[dict[str, Any]]:
 
 
 def _sketch_targets(problem: str, records: Sequence[dict]) -> list[dict[str, Any]]:
-    """The library's defaults and the opt-in sketch against the same bounds, with the
-    trace they keep."""
+    """The defaults and the opt-in sketch against the same bounds, with their kept trace."""
     targets, kron = [], _ok(records, KRON_PEER, "fit")
     kron_total = _with_marglik(kron)
     for method, base, bounds, kind in (
@@ -132,19 +125,9 @@ def _sketch_targets(problem: str, records: Sequence[dict]) -> list[dict[str, Any
 
 
 def check_targets(problem: str, records: Sequence[dict]) -> list[dict[str, Any]]:
-    """Evaluate the benchmark's targets on one problem.
-
-    A Lanczos run that timed out gives a lower bound on its time, which passes the
-    speed-up target if the bound already does.
-
-    Args:
-        problem: Problem name.
-        records: Method records of the problem.
-
-    Returns:
-        One dictionary per target: ``name``, ``value`` (ratio or bytes), ``text``
-        and ``passed`` (``None`` if not evaluable).
-    """
+    """The targets of one problem's method records: per target ``name``, ``value`` (ratio
+    or bytes), ``text`` and ``passed`` (``None``: not measurable; a Lanczos run that timed
+    out passes the speed-up target if its lower bound does)."""
     targets = _fit_targets(problem, records) + _sketch_targets(problem, records)
     ref, lanczos = _ok(records, REFERENCE, "fit"), _phase(records, "lanczos", "fit")
     name = f"lanczos fit >= {TARGET_LANCZOS_SPEEDUP:g}x {REFERENCE} fit"
@@ -255,12 +238,7 @@ def _load_check(records: Sequence[dict]) -> dict[str, Any]:
 
 
 def summarize(problem: str, records: Sequence[dict], args: argparse.Namespace) -> dict[str, Any]:
-    """Print the result table, failures and targets of a problem.
-
-    Args:
-        problem: Problem name.
-        records: Method records of the problem.
-        args: Parsed command line arguments of the driver.
+    """Print the result table, failures and targets of a problem's method records.
 
     Returns:
         Summary (targets, eigenvalue deviations, CPU load warnings).
@@ -304,48 +282,34 @@ def _bars(ax, entries: Sequence[dict | None], value_of, style: dict[str, Any]):
 
 
 def plot(problem: str, records: Sequence[dict], path: Path, info: dict[str, Any], args):
-    """Bar charts of fit time, predictive times and peak memory per method.
-
-    Args:
-        problem: Problem name.
-        records: Method records of the problem.
-        path: Output path of the figure.
-        info: Machine information.
-        args: Parsed command line arguments of the driver.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Bar charts of fit time, predictive times and peak memory per method (``info``: the
+    machine; ``args``: the driver's arguments)."""
     methods = [r["method"] for r in records]
     kinds = {"ours": "tab:blue", "laplace": "tab:gray", "lanczos": "tab:orange"}
     colors = [kinds[r["kind"]] for r in records]
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4.8))
-    for ax, (phase, title) in zip(axes, (
-            ("fit", "fit time [s]"), ("glm", "GLM probit predictive time [s]"),
-            ("nn", f"NN MC predictive time [s] (S={args.nn_samples})"))):
-        _bars(ax, [_phase(records, m, phase) for m in methods], lambda r: r["time_s"],
-              {"colors": colors})
-        ax.set_yscale("log")
-        ax.set_title(title, fontsize=9)
-    for j, (phase, color) in enumerate((("fit", "tab:blue"), ("glm", "tab:green"),
-                                        ("nn", "tab:purple"))):
-        _bars(axes[3], [_phase(records, m, phase) for m in methods],
-              lambda r: r["peak_delta_bytes"] / GiB,
-              {"offset": (j - 1) * 0.27, "width": 0.27, "colors": [color] * len(methods),
-               "label": phase, "log": False})
-    axes[3].plot([], [], "x", color="tab:red", label="failed/skipped")
-    axes[3].axhline(TARGET_GLM_MEMORY_BYTES / GiB, color="k", ls="--", lw=1, label="2 GiB")
-    axes[3].set_title("peak memory above the state before the phase [GiB]", fontsize=9)
-    axes[3].legend(fontsize=7)
-    for ax in axes:
-        ax.set_xticks(range(len(methods)))
-        ax.set_xticklabels(methods, rotation=60, ha="right", fontsize=7)
-        ax.grid(alpha=0.3, axis="y", which="both")
-    fig.suptitle(f"{problem} (D={EXPECTED_NUM_PARAMS[problem]:,}): Laplace on all weights, "
-                 f"n_train={args.n_train}, n_test={args.n_test}, rank={args.rank} "
-                 f"[{info.get('device_name', '')}; hatched: failed/skipped]", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, 1, 4, figsize=(18, 4.8)) as (fig, axes):
+        for ax, (phase, title) in zip(axes, (
+                ("fit", "fit time [s]"), ("glm", "GLM probit predictive time [s]"),
+                ("nn", f"NN MC predictive time [s] (S={args.nn_samples})"))):
+            _bars(ax, [_phase(records, m, phase) for m in methods], lambda r: r["time_s"],
+                  {"colors": colors})
+            ax.set_yscale("log")
+            ax.set_title(title, fontsize=9)
+        for j, (phase, color) in enumerate((("fit", "tab:blue"), ("glm", "tab:green"),
+                                            ("nn", "tab:purple"))):
+            _bars(axes[3], [_phase(records, m, phase) for m in methods],
+                  lambda r: r["peak_delta_bytes"] / GiB,
+                  {"offset": (j - 1) * 0.27, "width": 0.27, "colors": [color] * len(methods),
+                   "label": phase, "log": False})
+        axes[3].plot([], [], "x", color="tab:red", label="failed/skipped")
+        axes[3].axhline(TARGET_GLM_MEMORY_BYTES / GiB, color="k", ls="--", lw=1,
+                        label="2 GiB")
+        axes[3].set_title("peak memory above the state before the phase [GiB]", fontsize=9)
+        axes[3].legend(fontsize=7)
+        for ax in axes:
+            ax.set_xticks(range(len(methods)))
+            ax.set_xticklabels(methods, rotation=60, ha="right", fontsize=7)
+            ax.grid(alpha=0.3, axis="y", which="both")
+        fig.suptitle(f"{problem} (D={EXPECTED_NUM_PARAMS[problem]:,}): Laplace on all "
+                     f"weights, n_train={args.n_train}, n_test={args.n_test}, rank={args.rank} "
+                     f"[{info.get('device_name', '')}; hatched: failed/skipped]", fontsize=10)

@@ -56,15 +56,8 @@ PHASES: tuple[str, ...] = ("fit", "glm", "nn")
 
 
 def laplace_kwargs(method: str, config: dict[str, Any]) -> dict[str, Any]:
-    """Keyword arguments of ``laplace.Laplace`` for a method (besides model, likelihood).
-
-    Args:
-        method: Method name (kind ``'ours'`` or ``'laplace'``).
-        config: The configuration (``rank``).
-
-    Returns:
-        The keyword arguments.
-    """
+    """Keyword arguments of ``laplace.Laplace`` (besides model and likelihood) for a method
+    of kind ``'ours'`` or ``'laplace'`` (``config``: its ``rank``)."""
     spec = METHODS[method]
     kwargs: dict[str, Any] = {"subset_of_weights": "all"}
     if spec["kind"] == "ours":
@@ -100,16 +93,8 @@ def fit_fields(la: Any, kind: str, config: dict[str, Any], device: torch.device)
 
 
 def worker_main(config: dict[str, Any]):
-    """Run the fit (always) and the requested predictive phases of one method.
-
-    The first record is the setup (problem size, memory cap); a failed fit ends the
-    worker. With ``warm_fit`` the process fits once before the measured fit (its time
-    is the fit record's ``first_fit_s``). A worker whose ``phases`` lack ``fit`` (a rerun
-    of the predictives after a killed one) still fits first.
-
-    Args:
-        config: The configuration (see ``bench_laplace.configurations``).
-    """
+    """Run the fit (always, also before the predictives of a rerun; with ``warm_fit`` after
+    an untimed first fit, ``first_fit_s``) and the requested predictives of one method."""
     from torch.utils.data import DataLoader, TensorDataset
 
     setup = worker_setup(config)

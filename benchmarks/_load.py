@@ -1,14 +1,6 @@
-"""How busy the machine is, and a competing process to make it busy.
-
-One place for every load measurement of the benchmarks:
-
-- :class:`CpuShare`: the CPU share other processes used during a span (a timed phase in a
-  worker, or a whole worker seen from the driver), with a competing load's share apart;
-- :func:`wait_for_idle_cpu` and :func:`wait_for_processes`: wait for a quiet machine
-  before a worker starts;
-- :class:`CompetingLoad`: the busy process of the ``loaded`` conditions (``python -m
-  benchmarks._load``: square float32 matmuls until ``SIGTERM``).
-"""
+"""How busy the machine is (:class:`CpuShare`, waits for a quiet machine), and a
+competing process that makes it busy (:class:`CompetingLoad`: ``python -m
+benchmarks._load``, square float32 matmuls until ``SIGTERM``)."""
 
 from __future__ import annotations
 
@@ -36,14 +28,8 @@ LOAD_MARKER = "__BENCH_LOAD__"
 
 
 def system_busy_cpu_seconds() -> float | None:
-    """Busy CPU seconds of the whole machine since boot, summed over cores.
-
-    Counts user, nice, system, irq and softirq time; guest time is already part of user
-    time and steal time belongs to the hypervisor, so both are left out.
-
-    Returns:
-        The CPU seconds, ``None`` without psutil.
-    """
+    """Busy CPU seconds (user, nice, system, irq, softirq) of the machine since boot,
+    summed over cores (``None`` without psutil)."""
     try:
         import psutil
     except ImportError:  # pragma: no cover
@@ -74,9 +60,8 @@ def process_cpu_seconds(pid: int) -> float | None:
 
 
 class CpuShare:
-    """The CPU share of other processes during a span, started when created.
-
-    Accounting has a granularity of about 10 ms, so shares of short spans are noisy.
+    """The CPU share of other processes during a span from now (noisy for short spans:
+    accounting has about 10 ms granularity).
 
     Args:
         who: Whose CPU time is the span's own: ``RUSAGE_SELF`` (a phase inside a worker)
@@ -96,15 +81,9 @@ class CpuShare:
         return None if now is None or self.load0 is None else now - self.load0
 
     def stop(self, load_s: float | None = None) -> dict[str, float]:
-        """The shares of the span so far, in percent of all cores.
-
-        Args:
-            load_s: The load's CPU seconds if already read (else read now).
-
-        Returns:
-            ``others`` (not counting this process, its children or the load) and, with a
-            load, ``load``; empty without psutil or for an empty span.
-        """
+        """The shares of the span so far in percent of all cores: ``others`` (not this
+        process, its children or the load) and with a load ``load`` (``load_s``: its CPU
+        seconds if already read); empty without psutil."""
         wall = time.perf_counter() - self.start
         busy1 = system_busy_cpu_seconds()
         if self.busy0 is None or busy1 is None or wall <= 0:
@@ -129,12 +108,8 @@ def other_cpu_load(interval: float = 0.5) -> float | None:
 
 
 def wait_for_idle_cpu(max_wait_s: float) -> float | None:
-    """Wait up to ``max_wait_s`` seconds (``0``: measure once) for an (almost) idle CPU.
-
-    Returns:
-        The last measured utilisation in percent (``None`` without psutil); above
-        :data:`BUSY_WARN_PERCENT` if the waiting time ran out.
-    """
+    """Wait up to ``max_wait_s`` seconds (``0``: measure once) for an (almost) idle CPU;
+    the last measured utilisation in percent (``None`` without psutil)."""
     busy = other_cpu_load()
     deadline = time.perf_counter() + max_wait_s
     while busy is not None and busy > BUSY_WARN_PERCENT and time.perf_counter() < deadline:
@@ -212,13 +187,8 @@ def kill_group(proc: subprocess.Popen):
 
 
 class CompetingLoad:
-    """A busy process beside a worker: started, awaited until ready, then stopped.
-
-    Args:
-        threads: Its torch threads.
-        size: The size of its square matrices.
-        env: Its environment.
-    """
+    """A busy process beside a worker (``threads`` torch threads, ``size x size`` matrices,
+    environment ``env``): started, awaited until ready, then stopped."""
 
     def __init__(self, threads: int, size: int, env: dict[str, str]):
         cmd = [sys.executable, "-m", "benchmarks._load", f"--threads={threads}",
@@ -248,11 +218,8 @@ class CompetingLoad:
         return self.proc.pid
 
     def stop(self) -> dict[str, Any]:
-        """Stop the load (``SIGTERM``; its process group is killed if it lingers).
-
-        Returns:
-            ``ready``, ``pid`` and the products per second it reached (if it reported).
-        """
+        """Stop the load (``SIGTERM``, then its process group is killed): ``ready``, ``pid``
+        and the products per second it reached (if it reported)."""
         report: dict[str, Any] = {"pid": self.proc.pid}
         try:
             self.proc.send_signal(signal.SIGTERM)

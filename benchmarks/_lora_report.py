@@ -1,9 +1,5 @@
-"""Summaries, targets, figures and table records of ``bench_lora.py``.
-
-Ratios against ``kron`` per attention implementation and machine condition, the
-targets (:func:`summarize`), the printed results, the bar charts (:func:`plot`) and the
-docs' table records (:func:`table_records`) of the configurations' records.
-"""
+"""Ratios against ``kron`` and targets (:func:`summarize`), printed results, figures and the
+docs' table records (:func:`table_records`) of ``bench_lora.py``."""
 
 from __future__ import annotations
 
@@ -12,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _report
-from benchmarks._load import BUSY_WARN_PERCENT
 from benchmarks._report import find, fmt, others_cpu, phase_ok, ratio
 from benchmarks._worker import GiB
 
@@ -63,17 +58,9 @@ def _glm(record: dict | None) -> float | None:
 
 
 def summarize(problem: str, records: Sequence[dict]) -> dict[str, Any]:
-    """Ratios against ``kron`` of every group and the targets of a problem.
-
-    Args:
-        problem: Problem name.
-        records: Configuration records of the problem.
-
-    Returns:
-        ``ratios`` (per ``attention/condition``: ours' fit + marglik and GLM time over
-        kron's) and ``targets`` (name, value, bound, ``passed``; ``None``: not
-        measurable).
-    """
+    """A problem's ``ratios`` (per ``attention/condition``: ours' fit + marglik and GLM time
+    over kron's) and ``targets`` (``name``, ``where``, ``value``, ``bound``, ``passed``;
+    ``None``: not measurable)."""
     ratios, targets = {}, []
     groups = sorted({(r["attention"], r["condition"]) for r in records},
                     key=lambda g: (ATTENTIONS.index(g[0]), CONDITIONS.index(g[1])))
@@ -127,64 +114,40 @@ def print_summary(problem: str, records: Sequence[dict], summary: dict[str, Any]
               f"{'-' if peak is None else f'{peak / GiB:.2f}':>6} "
               f"{fit.get('factor_backend_used', '')}", flush=True)
     _report.print_targets(summary["targets"])
-    others = [v for v in (others_cpu(r) for r in records) if v is not None]
-    if others and max(others) > BUSY_WARN_PERCENT:
-        print(f"  WARNING: other processes used up to {max(others):.0f}% of the CPU during "
-              "a measured phase; timings may be inflated.", flush=True)
+    _report.warn_others(records)
 
 
 def plot(problem: str, payload: dict[str, Any], path: Path):
-    """Bar charts: fit + marglik and GLM time (log scale) and worker peak memory.
-
-    Args:
-        problem: Problem name.
-        payload: The run as written to ``lora_<problem>.json``.
-        path: Output path of the figure.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Bar charts of a run (``lora_<problem>.json``): fit + marglik and GLM time (log
+    scale) and worker peak memory."""
     records = payload["records"]
     groups = sorted({(r["attention"], r["condition"]) for r in records},
                     key=lambda g: (ATTENTIONS.index(g[0]), CONDITIONS.index(g[1])))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
     width = 0.8 / max(1, len(METHODS))
     colors = {"lowrank_ggn": "tab:blue", "kron": "tab:gray", "diag": "tab:olive"}
     panels = [("fit + marglik [s]", _fit_marglik, True), ("GLM predictive [s]", _glm, True),
               ("worker peak memory [GiB]",
                lambda r: None if r.get("worker_peak_bytes") is None
                else r["worker_peak_bytes"] / GiB, False)]
-    for ax, (label, value_of, log) in zip(axes, panels):
-        for j, method in enumerate(METHODS):
-            for i, (attention, condition) in enumerate(groups):
-                r = _find(records, attention, condition, method)
-                if r is None:
-                    continue
-                x = i + (j - (len(METHODS) - 1) / 2) * width
-                value = value_of(r)
-                if value is None:
-                    ax.plot(x, 1.0 if log else 0.0, "x", color="tab:red", ms=9)
-                    continue
-                ax.bar(x, value, width, color=colors[method])
-                ax.text(x, value, f"{value:.3g}", ha="center", va="bottom", fontsize=6)
-        ax.set_xticks(range(len(groups)))
-        ax.set_xticklabels([f"{a}\n{CONDITION_LABELS[c]}" for a, c in groups], fontsize=8)
-        if log:
-            ax.set_yscale("log")
-        ax.set_ylabel(label)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[m]) for m in METHODS]
-    fig.legend(handles, list(METHODS), loc="upper right", fontsize=8, ncol=len(METHODS))
-    info = payload["machine"]
-    where = info.get("device_name") if info.get("device") == "cuda" else \
-        f"{info.get('cpu_name')} ({info.get('cpu_count_usable')} cores)"
-    s = payload["settings"]
-    fig.suptitle(f"LoRA {problem}: D = {s.get('D', '?')}, {s['n_train']} / {s['n_test']} "
-                 f"sequences; {where}, torch {info.get('torch')}; red x: failed", fontsize=9)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with _report.figure(path, 1, 3, figsize=(15, 4.4), rect=(0, 0, 1, 0.95)) as (fig, axes):
+        for ax, (label, value_of, log) in zip(axes, panels):
+            for j, method in enumerate(METHODS):
+                for i, (attention, condition) in enumerate(groups):
+                    r = _find(records, attention, condition, method)
+                    if r is not None:
+                        _report.value_bar(ax, i + (j - (len(METHODS) - 1) / 2) * width,
+                                          value_of(r), 1.0 if log else 0.0, fontsize=6,
+                                          width=width, color=colors[method])
+            ax.set_xticks(range(len(groups)))
+            ax.set_xticklabels([f"{a}\n{CONDITION_LABELS[c]}" for a, c in groups], fontsize=8)
+            if log:
+                ax.set_yscale("log")
+            ax.set_ylabel(label)
+        _report.box_legend(fig, [colors[m] for m in METHODS], METHODS)
+        info, s = payload["machine"], payload["settings"]
+        fig.suptitle(f"LoRA {problem}: D = {s.get('D', '?')}, {s['n_train']} / {s['n_test']} "
+                     f"sequences; {_report.machine_text(info)}, torch {info.get('torch')}; "
+                     "red x: failed", fontsize=9)
 
 
 def _row(r: dict[str, Any], records: Sequence[dict]) -> list[str]:
@@ -211,16 +174,8 @@ def _row(r: dict[str, Any], records: Sequence[dict]) -> list[str]:
 
 
 def table_records(payloads: dict[str, dict], source_dir: str) -> dict[str, dict]:
-    """The docs' table records (``render_tables.py`` format) of a run.
-
-    Args:
-        payloads: The runs by problem, as written to ``lora_<problem>.json``.
-        source_dir: Folder of the kept raw runs, relative to the repository root.
-
-    Returns:
-        Records by table id: ``lora_<problem>`` for every problem and
-        ``lora_targets``.
-    """
+    """The docs' table records ``lora_<problem>`` and ``lora_targets`` of the runs by
+    problem (``source_dir``: where the raw runs are kept)."""
     tables: dict[str, dict] = {}
     targets, commits = [], {}
     for problem, payload in payloads.items():

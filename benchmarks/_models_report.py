@@ -1,8 +1,5 @@
-"""Targets, table records and the figure of ``bench_models.py``.
-
-Checks the targets (:func:`summarize`), turns the configurations' records into the docs'
-table records (:func:`table_records`) and draws the bar charts (:func:`plot`).
-"""
+"""Targets (:func:`summarize`), the docs' table records and the figure of
+``bench_models.py``."""
 
 from __future__ import annotations
 
@@ -10,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import _report
 from benchmarks._report import VERDICTS, find, fmt, status_text, table_common
 from benchmarks._worker import GiB
 
@@ -86,16 +84,9 @@ def _ratio(num: dict | None, den: dict | None) -> float | None:
 
 
 def summarize(results: Sequence[dict], settings: dict[str, Any]) -> dict[str, Any]:
-    """Evaluate the targets.
-
-    Args:
-        results: The configurations' records.
-        settings: The run's settings (``models``, ``parts``).
-
-    Returns:
-        Per model and target: the measured ratio, whether it passes (``None``: not
-        measurable) and, where a peer failed, why.
-    """
+    """The targets of the records of a run (``settings``: its ``models`` and ``parts``): per
+    model and target the measured ratio, ``ok`` (``None``: not measurable) and, where a
+    peer failed, why."""
     summary: dict[str, Any] = _scale_targets(results) if "scale" in settings["parts"] else {}
     for model in settings["models"] if {"eigh", "laplace"} & set(settings["parts"]) else ():
         ours, peer = (_ok(results, "eigh", model, m, "eigh") for m in ("ours", "eigsh"))
@@ -272,16 +263,8 @@ def _target_rows(summary: dict[str, Any], k: int) -> list[list]:
 
 
 def table_records(payload: dict[str, Any], source: str) -> dict[str, dict]:
-    """The docs' table records (``render_tables.py`` format) of a run.
-
-    Args:
-        payload: The run as written to ``models.json``.
-        source: Path of the kept raw run, relative to the repository root.
-
-    Returns:
-        Records by table id: ``models_eigh``, ``models_laplace``, ``backends_3c3d``
-        and ``models_targets`` (only those whose part ran).
-    """
+    """The docs' table records of a run (``models.json``) by id, those of the parts that
+    ran and ``models_targets`` (``source``: where the raw run is kept)."""
     results, s = payload["records"], payload["settings"]
     common = table_common(payload, [source])
     busy = [b for r in results if (b := r.get("cpu_busy_before_percent")) is not None]
@@ -323,17 +306,7 @@ def table_records(payload: dict[str, Any], source: str) -> dict[str, dict]:
 
 
 def plot(payload: dict[str, Any], path: Path):
-    """Bar charts of the measured times (log scale), failed runs as red crosses.
-
-    Args:
-        payload: The run as written to ``models.json``.
-        path: Output path of the figure.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Bar charts of a run's measured times (log scale), failed runs as red crosses."""
     results, args = payload["records"], payload["settings"]
     panels = []
     for model in args["models"]:
@@ -349,30 +322,21 @@ def plot(payload: dict[str, Any], path: Path):
                        [(m, "backends", "eigh", "3c3d") for m in PART_METHODS["backends"]]))
     if not panels:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4), squeeze=False)
-    for ax, (title, bars) in zip(axes[0], panels):
-        for i, (method, part, phase, model) in enumerate(bars):
-            rec = _ok(results, part, model, method, phase)
-            color = "tab:blue" if method in {"ours", "lowrank_exact", "lowrank_mc",
-                                             "functorch"} else "tab:gray"
-            if rec is None:
-                ax.plot(i, 1.0, "x", color="tab:red", ms=9)
-                continue
-            ax.bar(i, rec["time_s"], color=color, alpha=1.0 if phase != "glm" else 0.55)
-            ax.text(i, rec["time_s"], f"{rec['time_s']:.3g}", ha="center", va="bottom",
-                    fontsize=7)
-        ax.set_xticks(range(len(bars)))
-        ax.set_xticklabels([m + ("" if ph in {"eigh", "fit"} else f"\n{ph}")
-                            for m, _, ph, _ in bars], rotation=45, ha="right", fontsize=7)
-        ax.set_yscale("log")
-        ax.set_ylabel("time [s]")
-        ax.set_title(title, fontsize=9)
-    info = payload["machine"]
-    where = info.get("device_name") if info.get("device") == "cuda" else \
-        f"{info.get('cpu_name')} ({info.get('cpu_count_usable')} cores)"
-    fig.suptitle(f"{where}, torch {info.get('torch')}; red x: failed", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
+    ours = {"ours", "lowrank_exact", "lowrank_mc", "functorch"}
+    with _report.figure(path, 1, len(panels), figsize=(4.2 * len(panels), 4.4),
+                        squeeze=False) as (fig, axes):
+        for ax, (title, bars) in zip(axes[0], panels):
+            for i, (method, part, phase, model) in enumerate(bars):
+                rec = _ok(results, part, model, method, phase)
+                _report.value_bar(ax, i, rec and rec["time_s"],
+                                  color="tab:blue" if method in ours else "tab:gray",
+                                  alpha=1.0 if phase != "glm" else 0.55)
+            ax.set_xticks(range(len(bars)))
+            ax.set_xticklabels([m + ("" if ph in {"eigh", "fit"} else f"\n{ph}")
+                                for m, _, ph, _ in bars], rotation=45, ha="right", fontsize=7)
+            ax.set_yscale("log")
+            ax.set_ylabel("time [s]")
+            ax.set_title(title, fontsize=9)
+        info = payload["machine"]
+        fig.suptitle(f"{_report.machine_text(info)}, torch {info.get('torch')}; red x: failed",
+                     fontsize=9)

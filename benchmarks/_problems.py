@@ -1,24 +1,15 @@
-"""Test problems (DeepOBS architectures on random data) for the benchmarks.
+"""Test problems of the benchmarks: DeepOBS architectures on random data, and more.
 
-All models are plain :class:`torch.nn.Sequential` containers built from standard
-``torch.nn`` layers (no functional ops, no in-place activations) such that
-BackPACK, curvlinops and ``torch.func`` can all handle them.
-
-The architectures follow DeepOBS (Schneider et al., 2019):
-
-- ``3c3d``: CIFAR-10 shaped inputs (3x32x32), 10 classes, D = 895,210.
-- ``2c2d``: Fashion-MNIST shaped inputs (1x28x28), 10 classes, D = 3,274,634.
-- ``mlp``: small fully-connected net on 1x28x28 inputs for quick runs.
-
-Besides: MNIST as 3-channel 32x32 images for ResNets (:func:`mnist_rgb`), a short
-training loop (:func:`train`), the posteriors ResNets are compared with
-(:data:`POSTERIORS`, :func:`posterior`) and a LoRA-adapted Llama with the multiple-choice head of
-Laplace-LoRA (:func:`make_llama`, :class:`Choices`).
+DeepOBS' (Schneider et al., 2019) ``3c3d`` (3x32x32 inputs) and ``2c2d`` (1x28x28), and a
+small MLP (1x28x28), as plain ``nn.Sequential`` stacks that BackPACK, curvlinops and
+``torch.func`` all handle; the digits MLP; MNIST as 3-channel 32x32 images for ResNets
+(:func:`mnist_rgb`) and their posteriors (:data:`POSTERIORS`); the Hugging Face wrappers
+(:class:`Logits`, and the multiple-choice head of Laplace-LoRA on a Llama, :class:`Choices`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,57 +23,38 @@ EXPECTED_NUM_PARAMS: dict[str, int] = {
 }
 
 #: Input shape (without batch axis) of each problem.
-INPUT_SHAPES: dict[str, tuple[int, ...]] = {
-    "3c3d": (3, 32, 32),
-    "2c2d": (1, 28, 28),
-    "mlp": (1, 28, 28),
-}
+INPUT_SHAPES: dict[str, tuple[int, ...]] = {"3c3d": (3, 32, 32), "2c2d": (1, 28, 28),
+                                            "mlp": (1, 28, 28)}
 
 #: Number of classes of each problem.
 NUM_CLASSES: dict[str, int] = {"3c3d": 10, "2c2d": 10, "mlp": 10}
 
 
 def make_3c3d(num_classes: int = 10) -> nn.Sequential:
-    """DeepOBS' ``3c3d`` network for CIFAR-10 shaped inputs (3x32x32).
-
-    Spatial sizes: 32 -conv5-> 28 -pool-> 14 -conv3-> 12 -pool-> 6 -conv3(pad 1)->
-    6 -pool-> 3, hence the flattened feature size is 128 * 3 * 3 = 1152.
-    """
+    """DeepOBS' ``3c3d`` for 3x32x32 inputs (sizes 32, 28, 14, 12, 6, 6, 3: 1152 features)."""
     return nn.Sequential(
-        nn.Conv2d(3, 64, kernel_size=5),
-        nn.ReLU(),
+        nn.Conv2d(3, 64, kernel_size=5), nn.ReLU(),
         nn.MaxPool2d(kernel_size=3, stride=2, padding=1),
-        nn.Conv2d(64, 96, kernel_size=3),
-        nn.ReLU(),
+        nn.Conv2d(64, 96, kernel_size=3), nn.ReLU(),
         nn.MaxPool2d(kernel_size=3, stride=2, padding=1),
-        nn.Conv2d(96, 128, kernel_size=3, padding=1),
-        nn.ReLU(),
+        nn.Conv2d(96, 128, kernel_size=3, padding=1), nn.ReLU(),
         nn.MaxPool2d(kernel_size=3, stride=2, padding=1),
         nn.Flatten(),
-        nn.Linear(1152, 512),
-        nn.ReLU(),
-        nn.Linear(512, 256),
-        nn.ReLU(),
+        nn.Linear(1152, 512), nn.ReLU(),
+        nn.Linear(512, 256), nn.ReLU(),
         nn.Linear(256, num_classes),
     )
 
 
 def make_2c2d(num_classes: int = 10) -> nn.Sequential:
-    """DeepOBS' ``2c2d`` network for Fashion-MNIST shaped inputs (1x28x28).
-
-    Spatial sizes: 28 -conv5(pad 2)-> 28 -pool-> 14 -conv5(pad 2)-> 14 -pool-> 7,
-    hence the flattened feature size is 64 * 7 * 7 = 3136.
-    """
+    """DeepOBS' ``2c2d`` for 1x28x28 inputs (sizes 28, 28, 14, 14, 7: 3136 features)."""
     return nn.Sequential(
-        nn.Conv2d(1, 32, kernel_size=5, padding=2),
-        nn.ReLU(),
+        nn.Conv2d(1, 32, kernel_size=5, padding=2), nn.ReLU(),
         nn.MaxPool2d(kernel_size=2, stride=2),
-        nn.Conv2d(32, 64, kernel_size=5, padding=2),
-        nn.ReLU(),
+        nn.Conv2d(32, 64, kernel_size=5, padding=2), nn.ReLU(),
         nn.MaxPool2d(kernel_size=2, stride=2),
         nn.Flatten(),
-        nn.Linear(3136, 1024),
-        nn.ReLU(),
+        nn.Linear(3136, 1024), nn.ReLU(),
         nn.Linear(1024, num_classes),
     )
 
@@ -91,20 +63,15 @@ def make_mlp(num_classes: int = 10) -> nn.Sequential:
     """A small MLP (784 -> 128 -> 64 -> classes) on 1x28x28 inputs."""
     return nn.Sequential(
         nn.Flatten(),
-        nn.Linear(784, 128),
-        nn.ReLU(),
-        nn.Linear(128, 64),
-        nn.ReLU(),
+        nn.Linear(784, 128), nn.ReLU(),
+        nn.Linear(128, 64), nn.ReLU(),
         nn.Linear(64, num_classes),
     )
 
 
 #: Model constructors of the available problems.
-MODELS: dict[str, Callable[[int], nn.Sequential]] = {
-    "3c3d": make_3c3d,
-    "2c2d": make_2c2d,
-    "mlp": make_mlp,
-}
+MODELS: dict[str, Callable[[int], nn.Sequential]] = {"3c3d": make_3c3d, "2c2d": make_2c2d,
+                                                     "mlp": make_mlp}
 
 #: Names of the available problems.
 PROBLEMS = tuple(MODELS)
@@ -122,25 +89,11 @@ def make_problem(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> tuple[nn.Sequential, nn.CrossEntropyLoss, Tensor, Tensor]:
-    """Create a model, loss function and a random mini-batch.
-
-    Model initialization and data are deterministic given ``seed``.
-
-    Args:
-        name: Problem name, one of ``'3c3d'``, ``'2c2d'``, ``'mlp'``.
-        N: Mini-batch size.
-        seed: Random seed for model initialization and data. Default: ``0``.
-        device: Device of model and data. Default: ``'cpu'``.
-        dtype: Floating point type of model and inputs. Default: ``torch.float32``.
-
-    Returns:
-        Tuple ``(model, loss_func, X, y)`` where ``loss_func`` is
-        ``nn.CrossEntropyLoss()`` (mean reduction), ``X`` has shape
-        ``(N, *input_shape)`` and ``y`` holds ``N`` integer class labels.
+    """A problem's model, ``nn.CrossEntropyLoss()`` and a random mini-batch ``(X, y)`` of
+    ``N`` inputs (deterministic given ``seed``).
 
     Raises:
-        ValueError: If the problem name is unknown or the parameter count of the
-            created model does not match the expected one.
+        ValueError: For an unknown problem, or a model of an unexpected size.
     """
     if name not in MODELS:
         raise ValueError(f"Unknown problem {name!r}. Available: {PROBLEMS}.")
@@ -187,19 +140,8 @@ def digits_mlp() -> nn.Sequential:
 
 def make_digits(N: int, n_train: int, seed: int = 0, device: str | torch.device = "cpu"
                 ) -> tuple[nn.Sequential, nn.CrossEntropyLoss, Tensor, Tensor]:
-    """Digits and its MLP, trained to a MAP on the first ``n_train`` of ``N`` points.
-
-    100 full-batch Adam steps (``lr=1e-2``), as a Laplace fit would start from them.
-
-    Args:
-        N: Points (at most 1,797).
-        n_train: Training points among them.
-        seed: Seed of the shuffle and the initialisation.
-        device: Device of model and data.
-
-    Returns:
-        ``(model, loss_func, X, y)`` as :func:`make_problem`.
-    """
+    """``N`` digits (at most 1,797) and their MLP trained to a MAP (100 full-batch Adam
+    steps) on the first ``n_train``: ``(model, loss_func, X, y)`` as :func:`make_problem`."""
     X, y = digits_data(N, seed)
     torch.manual_seed(seed)
     model = digits_mlp()
@@ -213,15 +155,8 @@ def make_digits(N: int, n_train: int, seed: int = 0, device: str | torch.device 
 
 def make_laplace_problem(name: str, N: int, n_train: int, seed: int = 0,
                          device: str | torch.device = "cpu"):
-    """A problem of :data:`LAPLACE_PROBLEMS`: ``(model, loss_func, X, y)``.
-
-    Args:
-        name: Problem name.
-        N: Points.
-        n_train: Training points among them (``digits`` trains its MAP on them).
-        seed: Seed.
-        device: Device.
-    """
+    """A problem of :data:`LAPLACE_PROBLEMS` as :func:`make_problem` (``digits`` trains its
+    MAP on the first ``n_train`` of the ``N`` points)."""
     if name == "digits":
         return make_digits(N, n_train, seed=seed, device=device)
     return make_problem(name, N, seed=seed, device=device)
@@ -251,14 +186,23 @@ def mnist_rgb(n_train: int, n_test: int, seed: int, device: torch.device
     return X_train, split.train[1].to(device), X_test, split.test[1][:n_test]
 
 
-class Choices(nn.Module):
-    """The multiple-choice head of Laplace-LoRA: a causal language model's logits of the
-    answer tokens at the last position, in float32.
+class Logits(nn.Module):
+    """laplace-torch's Hugging Face recipe: a dict batch in, the (PEFT-wrapped) model's
+    logits out."""
 
-    Args:
-        model: The (PEFT-wrapped) causal language model.
-        answers: Token ids of the answers.
-    """
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: Mapping) -> Tensor:
+        """The logits of a dict batch (``input_ids``, ``attention_mask``; others ignored)."""
+        return self.model(input_ids=batch["input_ids"],
+                          attention_mask=batch["attention_mask"]).logits
+
+
+class Choices(nn.Module):
+    """The multiple-choice head of Laplace-LoRA: the causal language model's logits of the
+    ``answers`` tokens at the last position, in float32."""
 
     def __init__(self, model: nn.Module, answers: Sequence[int]):
         super().__init__()

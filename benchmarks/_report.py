@@ -12,10 +12,11 @@ import importlib.metadata
 import json
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks._load import BUSY_WARN_PERCENT
 from benchmarks._worker import GiB, library_fingerprint, num_cores
 
 #: Packages whose versions :func:`machine_info` records by default.
@@ -30,14 +31,8 @@ VERDICTS = {True: "PASS", False: "FAIL", None: "not measurable"}
 
 
 def machine_info(device: str, packages: Sequence[str] = DEFAULT_PACKAGES) -> dict[str, Any]:
-    """The date (UTC), machine, device, versions of ``packages`` and library state of a run.
-
-    Returns:
-        ``date``, ``cpu_count``, ``cpu_count_usable``, ``cpu_name``, ``platform``,
-        ``python``, ``torch``, ``device``, ``device_name``, ``total_memory_bytes``,
-        ``version_<package>``, ``lowrank_laplace_sources`` (git head, uncommitted
-        changes, hash of the sources), ``loadavg_at_start``.
-    """
+    """The date (UTC), machine, device, ``version_<package>`` of ``packages``, the library's
+    sources (:func:`library_fingerprint`) and the load average at the start of a run."""
     import datetime
     import platform
 
@@ -68,6 +63,19 @@ def machine_info(device: str, packages: Sequence[str] = DEFAULT_PACKAGES) -> dic
     info["lowrank_laplace_sources"] = library_fingerprint()
     info["loadavg_at_start"] = list(os.getloadavg())
     return info
+
+
+def print_machine(info: dict[str, Any]):
+    """Print a run's machine, device, versions beyond the defaults, commit and load."""
+    versions = "".join(f", {key[len('version_'):]} {value}" for key, value in info.items()
+                       if key.startswith("version_") and
+                       key[len("version_"):] not in DEFAULT_PACKAGES)
+    head = info["lowrank_laplace_sources"]
+    print(f"Machine: {info['cpu_name']} ({info['cpu_count']} CPUs, {info['cpu_count_usable']} "
+          f"usable), device {info['device']} ({info['device_name']}), torch {info['torch']}"
+          f"{versions}; commit {head.get('git_head', '?')[:7]}"
+          f"{' (dirty)' if head.get('dirty') else ''}; load average "
+          f"{info['loadavg_at_start'][0]:.2f}", flush=True)
 
 
 def progress_line(key: str, record: dict[str, Any]) -> str:
@@ -160,18 +168,9 @@ def failure_text(record: dict | None, width: int = 60) -> str:
 
 
 def table_common(payload: dict[str, Any], sources: Sequence[str]) -> dict[str, Any]:
-    """``date``, ``machine``, ``versions`` and ``sources`` of a run's table records.
-
-    The ``lowrank_laplace commit`` is the workers' (the sources may change while a run
-    goes on, which it says).
-
-    Args:
-        payload: The run's JSON file.
-        sources: Where its raw file is kept, relative to the repository root.
-
-    Returns:
-        The fields every table record of the run shares.
-    """
+    """``date``, ``machine``, ``versions`` and ``sources`` (where the run's raw file is kept)
+    of a run's table records; the ``lowrank_laplace commit`` is the workers' (it says if
+    the sources changed during the run)."""
     info, records = payload["machine"], payload["records"]
     versions = {"python": info.get("python"), "torch": info.get("torch")}
     versions.update({key[len("version_"):]: value for key, value in info.items()
@@ -226,3 +225,64 @@ def read_run(path: Path) -> dict[str, Any] | None:
         print(f"--replot: no {path}")
         return None
     return json.loads(path.read_text())
+
+
+def warn_others(records: Iterable[dict]):
+    """Warn if other processes used much of the CPU during a record's measured phase."""
+    others = [v for v in (others_cpu(r) for r in records) if v is not None]
+    if others and max(others) > BUSY_WARN_PERCENT:
+        print(f"  WARNING: other processes used up to {max(others):.0f}% of the CPU during "
+              "a measured phase; timings may be inflated.", flush=True)
+
+
+def machine_text(info: dict[str, Any]) -> str:
+    """The GPU of a run, or its CPU and cores, for a figure's title."""
+    if info.get("device") == "cuda":
+        return info.get("device_name")
+    return f"{info.get('cpu_name')} ({info.get('cpu_count_usable')} cores)"
+
+
+@contextlib.contextmanager
+def figure(path: str | Path, *shape: int, dpi: int = 120, rect: tuple | None = None,
+           **subplots: Any) -> Iterator[tuple[Any, Any]]:
+    """A matplotlib figure (Agg backend), laid out and written to ``path`` after the block.
+
+    Args:
+        path: The PNG file.
+        *shape: Rows and columns of axes (none: one axes).
+        dpi: Its resolution.
+        rect: The part of the figure the axes fill (``None``: all of it).
+        **subplots: Further arguments of ``plt.subplots`` (``figsize``, ``squeeze``).
+
+    Yields:
+        The figure and its axes.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(*shape, **subplots)
+    yield fig, axes
+    fig.tight_layout(rect=rect)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
+def value_bar(ax: Any, x: float, value: float | None, missing: float = 1.0,
+              text: str = "{:.3g}", fontsize: int = 7, **bar: Any):
+    """A bar labelled with its value; a missing value (a failure) is a red cross at
+    height ``missing``."""
+    if value is None:
+        ax.plot(x, missing, "x", color="tab:red", ms=9)
+        return
+    ax.bar(x, value, **bar)
+    ax.text(x, value, text.format(value), ha="center", va="bottom", fontsize=fontsize)
+
+
+def box_legend(fig: Any, colors: Sequence[str], labels: Sequence[str]):
+    """A legend of coloured boxes in the figure's upper right corner, in one row."""
+    from matplotlib.patches import Rectangle
+
+    fig.legend([Rectangle((0, 0), 1, 1, color=c) for c in colors], list(labels),
+               loc="upper right", fontsize=8, ncol=len(labels))

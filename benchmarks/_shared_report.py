@@ -1,10 +1,5 @@
-"""Summaries, targets, figures and table records of ``bench_shared.py``.
-
-Ratios of every configuration against ``kron`` in the same condition and, beside the
-busy process, against the method's own quiet time; the targets (:func:`summarize`), the
-printed results, the bar charts (:func:`plot`) and the docs' table records
-(:func:`table_records`).
-"""
+"""Ratios and targets (:func:`summarize`), printed results, figures and the docs' table
+records (:func:`table_records`) of ``bench_shared.py``."""
 
 from __future__ import annotations
 
@@ -13,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _report
-from benchmarks._load import BUSY_WARN_PERCENT
 from benchmarks._report import find, fmt, others_cpu, phase_ok, ratio
 from benchmarks._worker import GiB
 
@@ -62,16 +56,8 @@ def _metrics(record: dict | None) -> dict | None:
 
 
 def summarize(records: Sequence[dict]) -> dict[str, Any]:
-    """Ratios and targets of a run.
-
-    Args:
-        records: Configuration records (repeats combined).
-
-    Returns:
-        ``ratios`` (by configuration key: time over kron's in the same condition and,
-        if loaded, over the method's own quiet time) and ``targets`` (name, where,
-        value, bound, ``passed``; ``None``: not measurable).
-    """
+    """A run's ``ratios`` (by configuration key: time over kron's in the same condition and,
+    if loaded, over its own quiet time) and ``targets`` (as ``_lora_report.summarize``)."""
     ratios: dict[str, dict] = {}
     for r in records:
         peer = _find(records, r["part"], r["condition"], PEER)
@@ -132,76 +118,45 @@ def print_summary(records: Sequence[dict], summary: dict[str, Any]):
     for r in records:
         print(_row_line(r, summary["ratios"]), flush=True)
     _report.print_targets(summary["targets"])
-    others = [v for v in (others_cpu(r) for r in records) if v is not None]
-    if others and max(others) > BUSY_WARN_PERCENT:
-        print(f"  WARNING: other processes used up to {max(others):.0f}% of the CPU during "
-              "a measured phase; timings may be inflated.", flush=True)
+    _report.warn_others(records)
 
 
 def plot(payload: dict[str, Any], path: Path):
-    """Bar charts: fit + marglik time, marglik_training time (log scales), test NLL.
-
-    Args:
-        payload: The run as written to ``shared.json``.
-        path: Output path of the figure.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Bar charts of a run (``shared.json``): fit + marglik and marglik_training time (log
+    scales), test NLL."""
     records = payload["records"]
     colors = {"quiet": "tab:blue", "loaded": "tab:orange"}
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
-    panels = [("fit", "fit + marglik [s] (median of runs)", _time),
-              ("train", "marglik_training [s] (one run)", _time),
-              (None, "test NLL, GLM probit (quiet runs)", None)]
-    for ax, (part, label, value_of) in zip(axes, panels):
-        if part is None:
-            rows = [(r, r["part"] + "\n" + r["method"].replace("_sketch", "\nsketch"))
-                    for r in records if r["condition"] == "quiet"]
-            for i, (r, _) in enumerate(rows):
-                m = _metrics(r)
-                if m is None:
-                    ax.plot(i, 0.0, "x", color="tab:red", ms=9)
-                    continue
-                color = "tab:green" if r["part"] == "fit" else "tab:purple"
-                ax.bar(i, m["test_nll"], 0.7, color=color)
-                ax.text(i, m["test_nll"], f"{m['test_nll']:.3f}", ha="center", va="bottom",
-                        fontsize=7)
-            ax.set_xticks(range(len(rows)))
-            ax.set_xticklabels([name for _, name in rows], fontsize=7)
+    with _report.figure(path, 1, 3, figsize=(15, 4.4), rect=(0, 0, 1, 0.93)) as (fig, axes):
+        quiet = [r for r in records if r["condition"] == "quiet"]
+        for i, r in enumerate(quiet):
+            _report.value_bar(axes[2], i, (_metrics(r) or {}).get("test_nll"), 0.0, "{:.3f}",
+                              width=0.7,
+                              color="tab:green" if r["part"] == "fit" else "tab:purple")
+        axes[2].set_xticks(range(len(quiet)))
+        axes[2].set_xticklabels([r["part"] + "\n" + r["method"].replace("_sketch", "\nsketch")
+                                 for r in quiet], fontsize=7)
+        axes[2].set_ylabel("test NLL, GLM probit (quiet runs)")
+        for ax, part, label in ((axes[0], "fit", "fit + marglik [s] (median of runs)"),
+                                (axes[1], "train", "marglik_training [s] (one run)")):
+            methods = [m for m in (FIT_METHODS if part == "fit" else TRAIN_METHODS)
+                       if any(r["part"] == part and r["method"] == m for r in records)]
+            for i, method in enumerate(methods):
+                for j, condition in enumerate(CONDITIONS):
+                    r = _find(records, part, condition, method)
+                    if r is not None:
+                        _report.value_bar(ax, i + (j - 0.5) * 0.4, _time(r), width=0.4,
+                                          color=colors[condition])
+            ax.set_xticks(range(len(methods)))
+            ax.set_xticklabels([m.replace("_sketch", "\nsketch") for m in methods], fontsize=8)
+            ax.set_yscale("log")
             ax.set_ylabel(label)
-            continue
-        methods = [m for m in (FIT_METHODS if part == "fit" else TRAIN_METHODS)
-                   if any(r["part"] == part and r["method"] == m for r in records)]
-        for i, method in enumerate(methods):
-            for j, condition in enumerate(CONDITIONS):
-                r = _find(records, part, condition, method)
-                if r is None:
-                    continue
-                x = i + (j - 0.5) * 0.4
-                value = value_of(r)
-                if value is None:
-                    ax.plot(x, 1.0, "x", color="tab:red", ms=9)
-                    continue
-                ax.bar(x, value, 0.4, color=colors[condition])
-                ax.text(x, value, f"{value:.3g}", ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(range(len(methods)))
-        ax.set_xticklabels([m.replace("_sketch", "\nsketch") for m in methods], fontsize=8)
-        ax.set_yscale("log")
-        ax.set_ylabel(label)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[c]) for c in CONDITIONS]
-    fig.legend(handles, [CONDITION_LABELS[c] for c in CONDITIONS], loc="upper right",
-               fontsize=8, ncol=2)
-    info = payload["machine"]
-    fig.suptitle(f"digits MLP (D = {payload['settings'].get('D', '?')}), {N_TRAIN} / "
-                 f"{N_TEST} points; {info.get('cpu_name')} ({info.get('cpu_count_usable')} "
-                 f"cores), torch {info.get('torch')}, commit "
-                 f"{payload['git_head'][:7]}; red x: failed", fontsize=9)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        _report.box_legend(fig, [colors[c] for c in CONDITIONS],
+                           [CONDITION_LABELS[c] for c in CONDITIONS])
+        info = payload["machine"]
+        fig.suptitle(f"digits MLP (D = {payload['settings'].get('D', '?')}), {N_TRAIN} / "
+                     f"{N_TEST} points; {_report.machine_text(info)}, torch "
+                     f"{info.get('torch')}, commit {payload['git_head'][:7]}; red x: failed",
+                     fontsize=9)
 
 
 def _row(r: dict[str, Any], ratios: dict[str, dict]) -> list[str]:
@@ -228,16 +183,8 @@ def _row(r: dict[str, Any], ratios: dict[str, dict]) -> list[str]:
 
 
 def table_records(payload: dict[str, Any], source: str) -> dict[str, dict]:
-    """The docs' table records (``render_tables.py`` format) of a run.
-
-    Args:
-        payload: The run as written to ``shared.json``.
-        source: Path of the kept raw run, relative to the repository root.
-
-    Returns:
-        Records by table id: ``shared_fit``, ``shared_train`` (if run) and
-        ``shared_targets``.
-    """
+    """The docs' table records ``shared_fit``, ``shared_train`` (if run) and
+    ``shared_targets`` of a run (``source``: where the raw run is kept)."""
     common, records = _report.table_common(payload, [source]), payload["records"]
     ratios, s = payload["summary"]["ratios"], payload["settings"]
     tables = {"shared_fit": {

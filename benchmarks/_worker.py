@@ -1,13 +1,9 @@
 """The worker side of the benchmarks: one configuration's phases in a fresh process.
 
 A worker (``python -m benchmarks.<script> --worker --config JSON``, started by
-:func:`benchmarks._harness.run_worker`) builds its problem untimed, prints a ``setup``
-record and then one record per measured phase as a JSON line (:func:`emit`), so the
-driver keeps what finished when a later phase fails or the worker dies. A phase record
-(:func:`measure`) holds its time, its peak memory (RSS high-water mark, reset before the
-phase; CUDA's allocator peak on a GPU) above and including what the process held
-before, the CPU share other processes used meanwhile, and for a failure its status
-(``oom`` or ``error``), reason and traceback instead of raising.
+:func:`benchmarks._harness.run_worker`) builds its problem untimed, then prints a
+``setup`` record and one record per measured phase (:func:`measure`) as JSON lines, so
+the driver keeps what finished when a later phase fails or the worker dies.
 """
 
 from __future__ import annotations
@@ -43,18 +39,13 @@ LAPLACE_PREIMPORTS: tuple[str, ...] = (*DEFAULT_PREIMPORTS, "curvlinops", "lapla
 
 
 class Tuning:
-    """A package option that is becoming a module constant.
-
-    Args:
-        module: The module that holds (or will hold) the constant.
-        constant: Its name.
-    """
+    """A package option that is becoming the constant ``constant`` of ``module``."""
 
     def __init__(self, module: str, constant: str):
         self.module, self.constant = module, constant
 
     def keyword(self, name: str, value: Any, rank: int) -> dict[str, Any]:
-        """The ``Laplace(...)`` keyword option of a package without the constant."""
+        """The ``Laplace(...)`` keyword of a package without the constant."""
         return {name: value}
 
 
@@ -77,10 +68,8 @@ TUNINGS: dict[str, Tuning] = {
 
 
 def set_tuning(name: str, value: Any, rank: int = 100) -> dict[str, Any]:
-    """Set a tuning of the package for this worker process, before it builds a posterior.
-
-    Assigns the module constant where the package has it; otherwise the option is still
-    a keyword of ``Laplace(...)``, and this returns it to be passed there.
+    """Set a tuning of the package for this worker, before it builds a posterior: the
+    module constant where the package has it, else the keyword of ``Laplace(...)``.
 
     Args:
         name: The option, a key of :data:`TUNINGS`.
@@ -100,11 +89,6 @@ def set_tuning(name: str, value: Any, rank: int = 100) -> dict[str, Any]:
         return tuning.keyword(name, value, rank)
     setattr(module, tuning.constant, value)
     return {}
-
-
-###############################################################################
-#                                  Memory                                     #
-###############################################################################
 
 
 def num_cores() -> int:
@@ -146,11 +130,9 @@ def reset_peak_rss() -> bool:
 
 
 def limit_address_space(max_bytes: int) -> int | None:
-    """Cap the address space (``RLIMIT_AS``; ``<= 0``: none); the cap in effect.
-
-    Allocations beyond it fail with a catchable error instead of driving the machine into
-    swapping or the OOM killer. Not for CUDA (its driver reserves huge virtual ranges).
-    """
+    """Cap the address space (``RLIMIT_AS``; ``<= 0``: none), so that allocations beyond it
+    fail with a catchable error instead of swapping or the OOM killer (not for CUDA, whose
+    driver reserves huge virtual ranges); the cap in effect."""
     if max_bytes <= 0:
         return None
     try:
@@ -164,12 +146,8 @@ def limit_address_space(max_bytes: int) -> int | None:
 
 
 def set_memory_cap(limit_bytes: int, device: torch.device) -> dict[str, Any]:
-    """Cap the address space at most to what the machine can back (not on CUDA).
-
-    Returns:
-        ``mem_limit_bytes`` (the cap in effect or ``None``) and, if the cap was lowered
-        to the available memory, ``mem_limit_requested_bytes``.
-    """
+    """Cap the address space at most to what the machine can back (not on CUDA):
+    ``mem_limit_bytes`` (the cap or ``None``) and, if lowered, ``mem_limit_requested_bytes``."""
     info: dict[str, Any] = {"mem_limit_bytes": None}
     if device.type == "cuda" or limit_bytes <= 0:
         return info
@@ -182,11 +160,6 @@ def set_memory_cap(limit_bytes: int, device: torch.device) -> dict[str, Any]:
             info["mem_limit_requested_bytes"], cap = cap, backed
     info["mem_limit_bytes"] = limit_address_space(cap)
     return info
-
-
-###############################################################################
-#                              Records                                        #
-###############################################################################
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -220,14 +193,8 @@ def failures_reported() -> Iterator[None]:
 
 
 def preimport(names: Iterable[str] = DEFAULT_PREIMPORTS):
-    """Import what the measured calls would import lazily (import time is not measured).
-
-    The first forward-mode AD call imports ``torch._dynamo`` (several hundred modules);
-    SciPy's ARPACK and BackPACK may be imported lazily too.
-
-    Args:
-        names: Module names (failures are ignored).
-    """
+    """Import what the measured calls would import lazily, e.g. ``torch._dynamo`` on the
+    first forward-mode AD call (failures are ignored)."""
     import warnings
 
     with warnings.catch_warnings():
@@ -237,24 +204,31 @@ def preimport(names: Iterable[str] = DEFAULT_PREIMPORTS):
                 __import__(name)
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Set torch's default dtype inside the block (laplace-torch builds tensors in it)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def git(*args: str) -> str | None:
+    """The output of a git command in the repository (``None`` if it fails)."""
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
 def library_fingerprint() -> dict[str, Any]:
-    """The state of the ``lowrank_laplace`` sources (they may change between runs).
-
-    Returns:
-        ``git_head`` (if available), ``dirty`` (uncommitted changes under
-        ``lowrank_laplace/``; ``None``: unknown) and ``sources_sha1``, a hash over the
-        package's ``*.py`` files.
-    """
+    """The state of the ``lowrank_laplace`` sources (they may change between runs):
+    ``git_head``, ``dirty`` (uncommitted changes; ``None``: unknown) and ``sources_sha1``."""
     info: dict[str, Any] = {}
-
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True,
-                                 text=True, timeout=10, check=False)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.stdout if out.returncode == 0 else None
-
     head = git("rev-parse", "HEAD")
     if head:
         info["git_head"] = head.strip()
@@ -281,11 +255,12 @@ def measure(phase: str, fn: Callable[[], Any], device: torch.device,
             the other processes' (``0``: none).
 
     Returns:
-        The phase record (``status``, ``time_s`` or for a failure ``time_to_failure_s``,
-        ``reason`` and ``traceback``; ``peak_bytes`` and ``peak_delta_bytes``, the RSS
-        fields and on CUDA ``cuda_peak_bytes``; ``other_cpu_percent_during_phase`` and
-        with a load ``load_cpu_percent_during_phase``) and ``fn``'s output (``None`` on
-        failure).
+        The phase record and ``fn``'s output (``None`` on failure). The record holds
+        ``status`` (``ok``, ``oom``, ``error``), ``time_s`` (a failure's
+        ``time_to_failure_s``, ``reason``, ``traceback``), the peak memory (RSS
+        high-water mark, on CUDA the allocator's) with and above what the process held
+        before (``peak_bytes``, ``peak_delta_bytes``) and the CPU share of other
+        processes (and of the load) meanwhile.
     """
     gc.collect()
     record: dict[str, Any] = {"phase": phase}
@@ -326,15 +301,9 @@ def measure(phase: str, fn: Callable[[], Any], device: torch.device,
 
 
 def worker_setup(config: dict[str, Any]) -> dict[str, Any]:
-    """Start a worker: threads, memory cap, library fingerprint (the setup record so far).
-
-    Args:
-        config: The configuration; ``threads`` (``0``: usable cores, ``None``: torch's
-            default), ``device`` and ``mem_limit_gib`` (``0``: no cap) are read.
-
-    Returns:
-        The setup record, to be completed by the script and passed to :func:`run_phases`.
-    """
+    """Start a worker: threads (``0``: usable cores, ``None``: torch's default), memory
+    cap (``mem_limit_gib``), library fingerprint; the setup record so far, which the
+    script completes and passes to :func:`run_phases`."""
     device = torch.device(config.get("device", "cpu"))
     preimport(("psutil",))  # before any memory cap: the load measurement needs it
     threads = config.get("threads", 0)
@@ -348,16 +317,9 @@ def worker_setup(config: dict[str, Any]) -> dict[str, Any]:
 
 def run_phases(setup: dict[str, Any], phases: Sequence[tuple], config: dict[str, Any],
                preimports: Sequence[str] = LAPLACE_PREIMPORTS, stop_on_failure: bool = True):
-    """Emit the setup record, then measure and emit every phase.
-
-    Args:
-        setup: The setup record (:func:`worker_setup` and the script's fields).
-        phases: ``(name, fn)`` or ``(name, fn, describe)``: ``fn()`` is measured,
-            ``describe(out)`` adds fields of a successful phase's output to its record.
-        config: The configuration (``device`` and the driver's ``load_pid``).
-        preimports: Modules imported before the first phase.
-        stop_on_failure: End after a failed phase.
-    """
+    """Emit the setup record (:func:`worker_setup`'s, completed), then measure and emit
+    every phase ``(name, fn)`` or ``(name, fn, describe)``: ``fn()`` is measured and
+    ``describe(out)`` adds fields of a successful phase's output to its record."""
     device = torch.device(config.get("device", "cpu"))
     preimport(preimports)
     setup.update(rss_bytes=rss_bytes(), rss_peak_bytes=rss_bytes("VmHWM"))
@@ -379,37 +341,29 @@ def run_result(config: dict[str, Any], fn: Callable[[], dict]):
     run_phases(worker_setup(config), [("result", fn, lambda out: {"result": out})], config)
 
 
-def check_probs(probs: Any, n_test: int, C: int) -> list[str]:
-    """Problems of predictive probabilities (untimed; empty if they are plausible)."""
-    if not isinstance(probs, torch.Tensor):
-        return [f"predictive returned {type(probs).__name__}, expected a tensor"]
-    problems = []
-    if tuple(probs.shape) != (n_test, C):
-        problems.append(f"shape {tuple(probs.shape)} != {(n_test, C)}")
-    if not torch.isfinite(probs).all():
-        problems.append("non-finite probabilities")
-    else:
-        err = (probs.sum(-1) - 1).abs().max().item()
-        if err > 1e-3:
-            problems.append(f"probabilities do not sum to 1 (max error {err:.2e})")
-    return problems
-
-
 def probs_warnings(n_test: int, C: int) -> Callable[[Any], dict]:
-    """A ``describe`` of :func:`run_phases` for a predictive: its problems as warnings."""
+    """A ``describe`` of :func:`run_phases` for a predictive: the problems of its
+    probabilities (untimed) as ``warnings``."""
     def describe(probs: Any) -> dict:
-        problems = check_probs(probs, n_test, C)
+        if not isinstance(probs, torch.Tensor):
+            return {"warnings": [f"predictive returned {type(probs).__name__}, expected a "
+                                 "tensor"]}
+        problems = []
+        if tuple(probs.shape) != (n_test, C):
+            problems.append(f"shape {tuple(probs.shape)} != {(n_test, C)}")
+        if not torch.isfinite(probs).all():
+            problems.append("non-finite probabilities")
+        elif (err := (probs.sum(-1) - 1).abs().max().item()) > 1e-3:
+            problems.append(f"probabilities do not sum to 1 (max error {err:.2e})")
         return {"warnings": problems} if problems else {}
 
     return describe
 
 
 def fit_within(fit: Callable[[Any], Any], loader: Any, budget_s: float) -> tuple[Any, dict]:
-    """The loader a fit gets within ``budget_s`` seconds (``0``: all of it).
-
-    Untimed, before the phases: fits of one batch (a warm-up that loads the device's
-    kernels), one and two batches give a fit's fixed cost and its cost per batch; if the
-    whole loader would exceed the budget, the fit gets the first batches that fit it.
+    """The loader a fit gets within ``budget_s`` seconds (``0``: all of it): untimed fits
+    of one batch (a warm-up), one and two batches give the fixed cost and the cost per
+    batch; if the whole loader would exceed the budget, the first batches that fit it.
 
     Returns:
         The loader and the record's fields: ``n_fit`` (points), ``n_requested`` if
@@ -448,27 +402,10 @@ def chunks_within(predict: Callable[[Any], Tensor], chunks: Sequence, budget_s: 
     return torch.cat(outs, dim=-2 if outs[0].dim() == 3 else 0)
 
 
-class CountingMatvec:
-    """A matrix-vector product that counts the vectors it multiplies.
-
-    Args:
-        f: Matrix-vector (or matrix-matrix) product on NumPy arrays.
-    """
-
-    def __init__(self, f: Callable):
-        self.f, self.count = f, 0
-
-    def __call__(self, x: Any) -> Any:
-        self.count += 1 if x.ndim == 1 else x.shape[1]
-        return self.f(x)
-
-
 def ggn_eigsh(model: nn.Module, loss_func: nn.Module, batches: list, num_data: int,
               k: int) -> tuple[Tensor, Tensor, int]:
-    """Top-k GGN eigenpairs by SciPy's ``eigsh`` on curvlinops' GGN operator.
-
-    The operator (deterministic check off) is exported with ``to_scipy(dtype=float32)``;
-    its products are counted.
+    """Top-k GGN eigenpairs by SciPy's ``eigsh`` on curvlinops' GGN operator (float32,
+    deterministic check off), counting its products.
 
     Args:
         model: The network (its trainable parameters).
@@ -488,9 +425,14 @@ def ggn_eigsh(model: nn.Module, loss_func: nn.Module, batches: list, num_data: i
     params = [p for p in model.parameters() if p.requires_grad]
     op = GGNLinearOperator(model, loss_func, params, batches, check_deterministic=False,
                            num_data=num_data).to_scipy(dtype=np.float32)
-    matvec = CountingMatvec(op.matvec)
+    count = [0]
+
+    def matvec(x: Any) -> Any:
+        count[0] += 1 if x.ndim == 1 else x.shape[1]
+        return op.matvec(x)
+
     evals, evecs = eigsh(LinearOperator(op.shape, matvec=matvec, dtype=op.dtype), k=k,
                          which="LA")
     order = np.argsort(evals)[::-1].copy()
     return (torch.from_numpy(evals[order].copy()), torch.from_numpy(evecs[:, order].copy()),
-            matvec.count)
+            count[0])

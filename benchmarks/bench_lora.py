@@ -1,88 +1,22 @@
 """Benchmark Laplace over the LoRA adapters of a Hugging Face GPT-2 classifier.
 
-laplace-torch's Hugging Face recipe: ``GPT2ForSequenceClassification`` built from a
-``GPT2Config`` with random weights (``_from_config``, nothing downloaded), PEFT LoRA
-adapters (``task_type="SEQ_CLS"``, so the classification head ``score`` is trained as
-well), wrapped in a module whose forward takes the dict batch and returns ``.logits``;
-dict batches (``input_ids``, ``attention_mask``, ``labels``) from a ``Dataset`` of
-padded random token sequences, batch size 32, ``dict_key_y="labels"``, two classes.
-The Laplace parameters are the trainable ones (``subset_of_weights="all"``). Methods:
-
-- ``lowrank_ggn``: ``hessian_structure="lowrank_ggn"`` with its defaults (this
-  library, registered with laplace-torch's ``Laplace`` by ``import lowrank_laplace``;
-  ``factor_backend="auto"`` should pick the hooks backend; recorded as
-  ``la.factor_backend_used``),
-- ``kron`` and ``diag``: laplace-torch with ``backend=CurvlinopsGGN``.
-
-Problems:
-
-``small``
-    2 layers of width 64 (2 heads, vocabulary 200, 32 positions), LoRA ``r=4``,
-    ``lora_alpha=16`` on ``c_attn``; 256 training sequences of 6-16 tokens, 128 test
-    sequences. Both attention implementations (``sdpa``, the default, and ``eager``),
-    each on a quiet machine and beside other work: a competing process
-    (``_load.CompetingLoad``) that keeps ``--load-threads`` torch threads busy with a loop
-    of 512 x 512 float32 matmuls, started before the worker and stopped after it.
-    Repeated ``--repeat`` times (default 3, fresh processes in rounds over the
-    methods); every phase's time is the median.
-``large``
-    4 layers of width 256 (4 heads, vocabulary 1,000, 64 positions), LoRA ``r=8``,
-    ``lora_alpha=16`` on ``c_attn``, ``c_proj`` and ``c_fc`` (attention and MLP
-    projections); 1,024 training sequences of 8-64 tokens, 128 test sequences; ``sdpa``,
-    quiet, one run.
-``gpt2``
-    GPT-2-small-sized (12 layers of width 768, 12 heads, vocabulary 50,257, 1,024
-    positions: 124 M frozen weights), LoRA ``r=8``, ``lora_alpha=16`` on ``c_attn``;
-    1,024 training sequences of 8-128 tokens, 128 test sequences; ``sdpa``, quiet.
-    Not in the default ``--problems``: meant for ``--device cuda`` (``gpu_check.sh
-    lora``).
-``llama1b`` (``gpu_check.sh llama1b``) and its tiny CPU version ``llama_tiny``
-    A ``LlamaForCausalLM`` of about 1B bfloat16 weights (hidden 2,048, 16 layers,
-    intermediate 5,632, 32 heads, 4 KV heads, vocabulary 32,000), LoRA ``r=8`` on
-    ``q_proj`` and ``v_proj`` (float32), the multiple-choice head of Laplace-LoRA (the
-    last token's logits over 4 answer tokens, ``_problems.Choices``); 4,096 sequences
-    of 256 tokens, 256 test sequences predicted in batches of 32. ``--fit-budget-s``
-    shrinks a fit to the first batches that fit it (``n_fit``; the ratios scale it to
-    all sequences). ``--processes N`` runs each worker as ``N`` torchrun processes (nccl
-    on CUDA, else gloo) that fit disjoint shards and merge (``lowrank_ggn`` only).
-
-Every configuration (problem, attention, condition, method) runs in a fresh worker
-process (this script with ``--worker``, see ``_harness.py``) with three phases, each
-timed and memory-measured separately (imports, model and data creation are excluded):
-
-1. ``fit``: construct ``Laplace(...)`` and call ``la.fit(train_loader)``,
-2. ``marglik``: ``la.optimize_prior_precision(method="marglik")`` (laplace-torch's
-   defaults),
-3. ``glm``: ``la(test_batch, pred_type="glm", link_approx="probit")`` on the test
-   sequences as one dict batch.
-
-The worker prints one JSON record per phase as soon as the phase ends, so a failing
-predictive still reports the fit. Failures are results: out-of-memory errors (the
-address-space cap ``RLIMIT_AS`` of ``--mem-limit-gib`` turns them into catchable
-allocation failures; a worker killed by ``SIGKILL`` counts as out of memory too), other
-exceptions, and phases that exceed ``--timeout`` (the worker is killed; its earlier
-phases are kept). The memory column is the worker's peak RSS (the largest high-water
-mark over setup and phases; on CUDA the largest allocator peak of a phase); each
-phase's peak above the memory held before it is recorded as well.
-
-On a shared machine, ``--wait-for``/``--wait-idle`` delay each worker until other
-processes leave the CPU; the CPU share that other processes (not counting the
-synthetic load) used during each worker and phase is recorded, and ``--retry-busy``
-repeats a disturbed configuration, keeping the least disturbed run. ``--resume`` reuses
-the records of an interrupted run (``--rerun`` names configurations to run again) and
-``--replot`` rewrites summaries, figures and tables from the JSON files.
-
-Targets (printed with PASS/FAIL; ratios within one run):
-
-- ``small``, default attention (``sdpa``): ``lowrank_ggn`` fit + marglik <= 1.5x
-  ``kron``'s, quiet and beside other work;
-- ``small``, default attention: ``lowrank_ggn``'s GLM predictive no slower than
-  ``kron``'s (quiet and beside other work);
-- ``large``: ``lowrank_ggn`` fit + marglik <= 1.5x ``kron``'s.
+laplace-torch's Hugging Face recipe (``docs/lora.md``): ``GPT2ForSequenceClassification``
+built from a ``GPT2Config`` with random weights (nothing downloaded), PEFT LoRA adapters
+(``task_type="SEQ_CLS"``), wrapped to take dict batches and return the logits; the
+Laplace parameters are the trainable ones. ``lowrank_ggn`` with its defaults runs against
+laplace-torch's ``kron`` and ``diag`` (``backend=CurvlinopsGGN``) on the problems of
+:data:`PROBLEMS` (``gpt2`` and the Llama of about 1B weights with Laplace-LoRA's
+multiple-choice head, ``llama1b``, are meant for a GPU; ``llama_tiny`` is its CPU
+version). Every configuration (attention implementation, machine condition: ``quiet``, or
+``loaded`` beside a ``_load.CompetingLoad``; method) runs in fresh workers
+(``_harness.py``) with three phases: ``fit``, ``marglik``
+(``optimize_prior_precision(method="marglik")``) and the GLM probit predictive ``glm``.
+``--fit-budget-s`` shrinks a fit to its first batches; ``--processes`` runs the fit of
+``lowrank_ggn`` on several torchrun processes, which merge. Targets, tables and figures:
+``_lora_report.py``; results: ``docs/benchmarks.md``.
 
 Examples:
-    Smoke test (fewer sequences, one run each, written to
-    ``benchmarks/results/quick``)::
+    Smoke test (fewer sequences, one run each, into ``benchmarks/results/quick``)::
 
         python -m benchmarks.bench_lora --quick
 
@@ -94,11 +28,9 @@ Examples:
 
         python -m benchmarks.bench_lora --device cuda --problems large gpt2
 
-Results are written to ``<out>/lora_<problem>.json`` and ``<out>/lora_<problem>.png``;
-the rows of the docs' tables (``render_tables.py`` format) to
+Writes ``<out>/lora_<problem>.json`` and ``.png``, and the docs' table records
 ``<out>/lora_tables/lora_<problem>.json`` and ``lora_targets.json`` (their ``sources``
-name ``--table-source``/``lora_<problem>.json``, where the raw runs are kept). Summaries,
-targets, figures and tables live in ``_lora_report.py``.
+name ``--table-source``).
 """
 
 from __future__ import annotations
@@ -127,7 +59,7 @@ from benchmarks._lora_report import (
     summarize,
     table_records,
 )
-from benchmarks._report import DEFAULT_PACKAGES, machine_info, read_run, write_tables
+from benchmarks._report import DEFAULT_PACKAGES, machine_info, print_machine, read_run, write_tables
 from benchmarks._worker import fit_within, probs_warnings, run_phases, worker_setup
 
 #: Problem name -> model, adapters, data and which configurations run by default.
@@ -168,23 +100,6 @@ LOAD_SIZE = 512
 #: Settings that must match for ``--resume`` to reuse a previous record.
 RESUME_KEYS = ("n_train", "n_test", "seq_len", "batch_size", "seed", "threads",
                "load_threads", "mem_limit_gib")
-
-
-class Logits(nn.Module):
-    """laplace-torch's Hugging Face recipe: take the dict batch, return the logits.
-
-    Args:
-        model: The (PEFT-wrapped) Hugging Face classifier.
-    """
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch: dict) -> torch.Tensor:
-        """The logits ``(N, 2)`` of a dict batch (``input_ids``, ``attention_mask``)."""
-        return self.model(input_ids=batch["input_ids"],
-                          attention_mask=batch["attention_mask"]).logits
 
 
 class Sequences(torch.utils.data.Dataset):
@@ -228,15 +143,11 @@ def make_model(problem: str, attention: str, seed: int, device: torch.device) ->
     base = hf.GPT2ForSequenceClassification._from_config(config, attn_implementation=attention)
     lora = LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], target_modules=list(spec["targets"]),
                       task_type="SEQ_CLS")
-    return Logits(get_peft_model(base, lora)).eval()
+    return _problems.Logits(get_peft_model(base, lora)).eval()
 
 
 def worker_main(config: dict[str, Any]):
-    """Build the problem, then run and report the phases of one method.
-
-    Args:
-        config: The configuration (see :func:`configurations`).
-    """
+    """Build the problem, then run and report the phases of one configuration."""
     from torch.utils.data import DataLoader
 
     setup = worker_setup(config)
@@ -314,11 +225,6 @@ def distributed_start(device: torch.device) -> tuple[int, int, torch.device]:
     return int(os.environ.get("RANK", "0")), world, device
 
 
-###############################################################################
-#                                  Driver                                     #
-###############################################################################
-
-
 def sizes(problem: str, args: argparse.Namespace) -> dict[str, int]:
     """``n_train``, ``n_test`` and ``seq_len`` of a problem's run (its defaults, the
     ``--quick`` sizes, then the command line's)."""
@@ -371,23 +277,12 @@ def settings(problem: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def driver_main(args: argparse.Namespace) -> dict[str, Any]:
-    """Run every configuration, write JSON, figures and tables, print the targets.
-
-    Args:
-        args: Parsed command line arguments of the driver.
-
-    Returns:
-        Summaries by problem.
-    """
+    """Run every configuration, write JSON, figures and tables; the summaries by problem."""
     out, payloads = Path(args.out), {}
     info = None if args.replot else machine_info(args.device, (
         *DEFAULT_PACKAGES, "laplace-torch", "transformers", "peft"))
     if info:
-        print(f"Machine: {info['cpu_name']} ({info['cpu_count']} CPUs, "
-              f"{info['cpu_count_usable']} usable), torch {info['torch']}, laplace-torch "
-              f"{info.get('version_laplace-torch')}, transformers "
-              f"{info.get('version_transformers')}, peft {info.get('version_peft')}, "
-              f"device {args.device} ({info['device_name']})", flush=True)
+        print_machine(info)
     for problem in args.problems:
         path = out / f"lora_{problem}.json"
         if args.replot:
@@ -462,9 +357,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None):
-    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
-    return _harness.run_script(argv, parse_args, worker_main, driver_main)
+main = _harness.script_main(parse_args, worker_main, driver_main)
 
 
 if __name__ == "__main__":

@@ -1,74 +1,37 @@
 """Benchmark models beyond plain stacks: torchvision ResNet-18 and a transformer encoder.
 
-Three questions, each configuration in a fresh worker process (this script with
-``--worker``, see ``_harness.py``) that reports time and peak memory of the measured
-calls only (imports, model and data creation excluded):
+Every configuration runs in fresh workers (``_harness.py``). The parts (``--parts``):
 
-``eigh``
-    Top-``k`` eigenpairs (default 10) of the mini-batch GGN of a ``CrossEntropyLoss``
-    (``reduction='mean'``): ``lowrank_laplace.ggn_eigh`` (``backend='auto'``: BackPACK
-    with its converter for ResNet-18, torch.func for the transformer) against SciPy's
-    ``eigsh(which='LA')`` on curvlinops' ``GGNLinearOperator`` (float32; the peer of
-    ``bench_eigh.py``). The result's eigenvalues are compared with ``eigsh``'s.
-``laplace``
-    ``Laplace(model, "classification", hessian_structure="lowrank_ggn")`` fitted on
-    ``n_train`` random points (exact GGN and a 1-sample Monte-Carlo GGN, rank
-    ``--rank``) and its GLM probit predictive on ``n_test`` points, against
-    laplace-torch's ``kron`` with each of its backends (``kron_default``: curvlinops'
-    KFAC in laplace-torch 0.3; ``kron_backpack``, ``kron_asdl``); the MC target
-    compares with the fastest that fits. ``grad_pass`` (one forward and backward pass
-    of the loss over the training batches) is the floor any curvature fit pays.
-``backends``
-    ``ggn_eigh`` top-``k`` on DeepOBS ``3c3d`` (``_problems.py``), where both engines
-    apply: ``backend='functorch'`` against ``backend='backpack'``, same batch.
-``scale`` (not run by default; ``gpu_check.sh resnet50k``: 50,000 / 10,000 points)
-    ResNet-18, all weights, default arguments (``lowrank_default``): ``fit``,
-    ``marglik``, GLM probit ``glm`` and ``samples`` (``--samples`` NN predictive
-    samples), next to last-layer ``kron`` and ``full``, all-weights ``kron`` with each
-    backend and ``train_epoch``. ``--fit-budget-s`` / ``--pred-budget-s`` shrink a fit
-    to the first batches, a predictive to the first chunks (``--pred-batch``) that fit
-    the budget (``_worker.fit_within``, ``chunks_within``; records: ``n_fit``, ``n_pred``).
-``mnist`` (not run by default)
-    One worker trains ResNet-18 ``--epochs`` on MNIST as 3-channel 32x32 images and
-    reports test accuracy, NLL and ECE of the MAP, ``lowrank_default``, ``ll_kron``
-    and ``ll_full`` (priors tuned by the marginal likelihood).
+- ``eigh``: top-``k`` eigenpairs of the mini-batch GGN (``CrossEntropyLoss``, mean) by
+  ``lowrank_laplace.ggn_eigh`` (``backend="auto"``) against SciPy's ``eigsh`` on
+  curvlinops' GGN operator, as in ``bench_eigh.py``;
+- ``laplace``: ``lowrank_ggn`` (exact, MC) fit and GLM probit predictive against
+  laplace-torch's ``kron`` with each of its backends, and one gradient pass (the floor);
+- ``backends``: the torch.func engine of ``ggn_eigh`` against BackPACK's on ``3c3d``;
+- ``scale`` (``gpu_check.sh resnet50k``): ResNet-18, all weights, default arguments (fit,
+  marglik, GLM and NN predictive) next to last-layer ``kron`` and ``full``, all-weights
+  ``kron`` and one training epoch; ``--fit-budget-s`` / ``--pred-budget-s`` shrink a fit
+  or a predictive to the batches that fit them (records: ``n_fit``, ``n_pred``);
+- ``mnist``: ResNet-18 trained ``--epochs`` on MNIST; test metrics of the MAP and the
+  posteriors, priors tuned by the marginal likelihood.
 
-Models:
-
-- ``resnet18``: ``torchvision.models.resnet18(num_classes=10)`` in eval mode on
-  CIFAR-10-shaped random inputs (3x32x32), D = 11,181,642.
-- ``transformer``: token embedding (vocabulary ``--vocab``) plus a learned position
-  embedding, ``nn.TransformerEncoder`` (``--layers`` layers of width ``--width``,
-  4 heads, feed-forward 4x width, no dropout), a padding mask (random lengths between
-  a quarter of the sequence and all of it, padding token 0), mean pooling over the
-  unpadded positions and a linear head to 10 classes, in eval mode. Every worker of
-  this model runs attention with PyTorch's math kernel and without the fused
-  encoder fast path (``torch.backends.mha.set_fastpath_enabled(False)``), since the
-  peers' forward-mode products need them; all methods share that setting.
-
-Targets (printed with PASS/FAIL): top-``k`` eigenpairs at least 3x faster than
-``eigsh`` on both models; the Monte-Carlo fit no slower than ``kron``; the torch.func
-engine within 2x of the BackPACK engine on ``3c3d``.
-
-The default sizes are for a CPU run on a few cores: ``eigh`` at
-N = 16 (ResNet-18) and N = 32 (transformer), ``laplace`` on 32 / 8 points
-(ResNet-18) and 256 / 128 points (transformer), ``backends`` at N = 128. On a GPU,
-use ``--device cuda --N 128 --n-train 1024 --n-test 128`` (the targets' sizes; models,
-data and every method's curvature on the GPU, peak memory as CUDA's allocator peak).
+Every worker of the transformer (:class:`TransformerClassifier`) runs attention with
+PyTorch's math kernel and without the fused fast path, which the peers' forward-mode
+products need. The default sizes (:data:`SIZES`) suit a CPU; the targets' are
+``--device cuda --N 128 --n-train 1024 --n-test 128``. Targets, tables and the figure:
+``_models_report.py``; results: ``docs/benchmarks.md``.
 
 Examples:
     Smoke test (tiny sizes)::
 
         python -m benchmarks.bench_models --quick
 
-    Default CPU run, then copy the tables into ``benchmarks/results/tables/``::
+    Default CPU run::
 
         python -m benchmarks.bench_models
 
-Results are written to ``<out>/models.json`` and ``<out>/models.png``; the rows of the
-docs' tables to ``<out>/models_tables/*.json`` (their ``sources`` name
-``docs/benchmarks/models.json``, where the raw run is kept). Targets, tables and the
-figure live in ``_models_report.py``.
+Writes ``<out>/models.json``, ``<out>/models.png`` and the docs' table records
+``<out>/models_tables/*.json`` (their ``sources`` name ``docs/benchmarks/models.json``).
 """
 
 from __future__ import annotations
@@ -84,7 +47,7 @@ from torch import Tensor, nn
 
 from benchmarks import _harness, _models_report, _problems, _worker
 from benchmarks._models_report import MODELS, PART_METHODS, PARTS, plot, summarize, table_records
-from benchmarks._report import DEFAULT_PACKAGES, VERDICTS, machine_info, write_tables
+from benchmarks._report import DEFAULT_PACKAGES, VERDICTS, machine_info, print_machine, write_tables
 from benchmarks._worker import ggn_eigsh, num_cores, probs_warnings, run_phases, worker_setup
 
 NUM_CLASSES = 10
@@ -97,17 +60,9 @@ QUICK_SIZES = {"N": {"resnet18": 4, "transformer": 8, "3c3d": 16},
                "n_test": {"resnet18": 2, "transformer": 4, "scale": 16, "mnist": 32}}
 
 
-###############################################################################
-#                                  Models                                     #
-###############################################################################
-
-
 class TransformerClassifier(nn.Module):
-    """Token and position embeddings, a masked transformer encoder, mean pooling, head.
-
-    Token 0 (of ``vocab``) is padding: it is masked in attention and left out of the
-    pooling; ``layers`` encoder layers of width ``width`` with 4 heads.
-    """
+    """Token and position embeddings, a masked transformer encoder (4 heads), mean pooling
+    and a head; token 0 is padding, masked in attention and left out of the pooling."""
 
     def __init__(self, vocab: int, width: int, layers: int, seq_len: int, num_classes: int):
         super().__init__()
@@ -149,11 +104,6 @@ def make_model(name: str, n: int, config: dict[str, Any]) -> tuple[nn.Module, Te
         X = tokens * (torch.arange(seq_len)[None] < lengths[:, None])
     y = torch.randint(0, NUM_CLASSES, (n,), generator=generator)
     return model.eval(), X, y
-
-
-###############################################################################
-#                                  Worker                                     #
-###############################################################################
 
 
 def _eigh_call(method: str, model: nn.Module, X: Tensor, y: Tensor, config: dict[str, Any]
@@ -323,14 +273,7 @@ def _mnist_phases(config: dict[str, Any], device: torch.device) -> list[tuple]:
 
 
 def worker_main(config: dict[str, Any]):
-    """Run one configuration and emit one record per measured phase.
-
-    The transformer's workers run attention with PyTorch's math kernel and without the
-    fused encoder fast path, since the peers' forward-mode products need them.
-
-    Args:
-        config: The configuration (see :func:`configurations`).
-    """
+    """Run one configuration (:func:`configurations`), one record per measured phase."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     setup = worker_setup(config)
@@ -358,11 +301,6 @@ def worker_main(config: dict[str, Any]):
         run_phases(setup, phases, config)
 
 
-###############################################################################
-#                                  Driver                                     #
-###############################################################################
-
-
 def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every ``(part, model, method)`` configuration with its sizes (``scale`` and
     ``mnist``: ResNet-18 only)."""
@@ -386,19 +324,10 @@ def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def driver_main(args: argparse.Namespace) -> dict[str, Any]:
-    """Run all configurations, write JSON, tables and figure, print the targets.
-
-    Args:
-        args: Parsed command line arguments of the driver.
-
-    Returns:
-        The summary of the targets.
-    """
+    """Run all configurations, write JSON, tables and figure; print and return the targets."""
     out = Path(args.out)
     info = machine_info(args.device, (*DEFAULT_PACKAGES, "laplace-torch", "torchvision"))
-    print(f"Machine: {info['cpu_name']} ({info['cpu_count_usable']} usable cores), "
-          f"{info['device_name'] if args.device == 'cuda' else 'no GPU'}, torch {info['torch']}",
-          flush=True)
+    print_machine(info)
     settings = {"parts": list(args.parts), "models": list(args.models), "device": args.device,
                 "threads": args.threads or num_cores(),
                 "transformer": {"vocab": args.vocab, "width": args.width, "layers": args.layers,
@@ -471,9 +400,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None):
-    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
-    return _harness.run_script(argv, parse_args, worker_main, driver_main)
+main = _harness.script_main(parse_args, worker_main, driver_main)
 
 
 if __name__ == "__main__":

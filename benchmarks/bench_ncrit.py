@@ -1,22 +1,13 @@
 """Critical batch sizes N_crit: the largest mini-batch that fits a memory budget.
 
-For each task (GGN eigenvalues, top eigenpair, damped Newton step; the last two
-also with ``low_memory=True``), curvature
-structure (full network, per-layer blocks), GGN approximation (exact, MC with one
-sample) and curvature data (the whole mini-batch ``mb``, or a sub-sample ``sub`` of
-one eighth of it), a driver bisects the batch size. Every probe runs in its own
-process: it builds the model and a random batch of size ``N``, runs the task once at
-``N = 2`` (lazy imports, allocator arenas), then caps its address space
-(``RLIMIT_AS``) at what it holds plus ``--budget-gib`` and runs the task at ``N``
-(with ``--device cuda``: caps PyTorch's share of device memory the same way). A
-probe succeeds unless the task fails to allocate (or exceeds ``--timeout``).
-
-The ViViT paper reports N_crit of the damped Newton step for DeepOBS ``3c3d``
-(its table "Memory performance for computing damped Newton steps"); those numbers
-are printed beside ours. They were measured on the paper's machines, whose memory
-differs from the budget used here, so compare trends (exact vs MC, mb vs sub, full
-vs blocks), not absolute values. The paper's eigenvalue and eigenpair N_crit are
-plots only.
+For each task (GGN eigenvalues, top eigenpair, damped Newton step; the last two also
+with ``low_memory=True``), curvature structure (whole network, per-layer blocks), GGN
+(exact, MC with one sample) and curvature data (the mini-batch ``mb``, or its first
+eighth ``sub``), the driver grows and bisects the batch size. A probe is a fresh worker:
+it runs the task once at ``N = 2``, caps its memory at what it holds plus
+``--budget-gib`` (``RLIMIT_AS``; on CUDA the allocator's share) and runs it at ``N``.
+The ViViT paper's N_crit of the damped Newton step on ``3c3d``, measured on other
+machines, is printed beside ours: compare trends, not values.
 
 Examples:
     Quick run (mlp, a few configurations)::
@@ -27,7 +18,7 @@ Examples:
 
         python -m benchmarks.bench_ncrit --problem 3c3d --budget-gib 1
 
-Results go to ``<out>/ncrit_<problem>.json`` and ``<out>/ncrit_<problem>.png``.
+Writes ``<out>/ncrit_<problem>.json`` and ``<out>/ncrit_<problem>.png``.
 """
 
 from __future__ import annotations
@@ -40,7 +31,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from benchmarks import _harness, _problems, _worker
-from benchmarks._report import machine_info
+from benchmarks._report import figure, machine_info
 
 TASKS = ("eigvals", "eigpair", "eigpair_lowmem", "newton", "newton_lowmem")
 STRUCTURES = ("full", "blocks")
@@ -59,20 +50,9 @@ PAPER_NEWTON_3C3D = {
 
 def run_task(task: str, structure: str, approx: str, data: str, problem: str, N: int,
              device: str = "cpu"):
-    """Run one task on a fresh random batch of size ``N``.
-
-    Args:
-        task: One of :data:`TASKS`.
-        structure: ``"full"`` or ``"blocks"`` (one parameter group per layer).
-        approx: ``"exact"`` or ``"mc"``.
-        data: ``"mb"`` or ``"sub"``.
-        problem: Problem name.
-        N: Batch size.
-        device: ``"cpu"`` or ``"cuda"``.
-
-    Returns:
-        A function that runs the task (data already built).
-    """
+    """A function that runs one configuration of the task (``structure`` ``"full"`` or
+    ``"blocks"``, ``approx`` ``"exact"`` or ``"mc"``, ``data`` ``"mb"`` or ``"sub"``) on a
+    random batch of size ``N``, built now."""
     import lowrank_laplace as ll
 
     model, loss_func, X, y = _problems.make_problem(problem, N, device=device)
@@ -118,12 +98,8 @@ def worker_main(config: dict[str, Any]) -> None:
 
 
 def probe(config: str, N: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Run one probe in a fresh worker.
-
-    Returns:
-        ``{"N", "status", "seconds"}`` with status ``ok``, ``oom``, ``timeout``,
-        ``killed`` or ``error`` (and then its ``reason``).
-    """
+    """Run one probe in a fresh worker: ``N``, ``status`` (``ok``, ``oom``, ``timeout``,
+    ``killed``, ``error`` with its ``reason``) and ``seconds``."""
     task = dict(zip(("task", "structure", "approx", "data"), config.split(",")))
     record = _harness.run_worker("benchmarks.bench_ncrit", {
         **task, "problem": args.problem, "N": N, "budget_gib": args.budget_gib,
@@ -139,12 +115,8 @@ def probe(config: str, N: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def critical_batch_size(config: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Grow ``N`` geometrically until a probe fails, then bisect to ``--rtol``.
-
-    Returns:
-        ``{"config", "n_crit", "probes", "capped"}``; ``n_crit`` is the largest
-        successful ``N`` (``0`` if ``N = 1`` fails); ``capped`` if ``--n-max`` succeeded.
-    """
+    """Grow ``N`` geometrically until a probe fails, then bisect to ``--rtol``: ``n_crit``
+    is the largest successful ``N``, ``capped`` whether ``--n-max`` succeeded."""
     probes, lo, hi = [], 0, None
     N = args.n_start
     while hi is None:
@@ -169,21 +141,13 @@ def critical_batch_size(config: str, args: argparse.Namespace) -> dict[str, Any]
 
 def plot(records: Sequence[dict], path: Path, title: str) -> None:
     """Bar chart of N_crit per configuration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     labels = [r["config"].replace(",", "\n") for r in records]
-    fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(records)), 4))
-    ax.bar(range(len(records)), [r["n_crit"] for r in records], color="tab:blue")
-    ax.set_xticks(range(len(records)), labels, fontsize=6)
-    ax.set_yscale("log")
-    ax.set_ylabel(r"$N_{\mathrm{crit}}$")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, figsize=(max(6, 0.55 * len(records)), 4)) as (_, ax):
+        ax.bar(range(len(records)), [r["n_crit"] for r in records], color="tab:blue")
+        ax.set_xticks(range(len(records)), labels, fontsize=6)
+        ax.set_yscale("log")
+        ax.set_ylabel(r"$N_{\mathrm{crit}}$")
+        ax.set_title(title, fontsize=9)
 
 
 def table(records: Sequence[dict], problem: str) -> str:
@@ -252,9 +216,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None):
-    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
-    return _harness.run_script(argv, parse_args, worker_main, driver_main)
+main = _harness.script_main(parse_args, worker_main, driver_main)
 
 
 if __name__ == "__main__":

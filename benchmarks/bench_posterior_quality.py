@@ -1,13 +1,9 @@
 """Posterior quality of the truncated lowrank_ggn posterior against the full GGN's.
 
-On small real problems where laplace-torch's ``FullLaplace`` (exact GGN) fits, every
-residual model of ``lowrank_ggn`` is fitted at several ranks; each posterior's scalar
-prior precision is tuned by the marginal likelihood, then test NLL, ECE and Brier score
-(classification) or Gaussian NLL (regression) of the GLM predictive are recorded next
-to the full posterior, laplace-torch's ``kron`` and ``diag`` and the MAP network. The
-MAP networks are trained under the Gaussian prior (precision 1) that Laplace assumes.
-Quality is not timed: every problem runs in its own worker process (this script with
-``--worker``, see ``_harness.py``).
+On small real problems where laplace-torch's ``FullLaplace`` fits, every residual model of
+``lowrank_ggn`` at several ranks, each prior tuned by the marginal likelihood: test
+metrics of the GLM predictive next to the full posterior's, ``kron``'s, ``diag``'s and
+the MAP network's (trained under Laplace's Gaussian prior); one worker per problem.
 
     python -m benchmarks.bench_posterior_quality --out benchmarks/results/quality
 
@@ -28,9 +24,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
-from benchmarks._harness import run_results, run_script, script_parser
-from benchmarks._report import machine_info
-from benchmarks._worker import run_result
+from benchmarks._harness import run_results, script_main, script_parser
+from benchmarks._report import figure, machine_info
+from benchmarks._worker import default_dtype, run_result
 from lowrank_laplace.toolkit import metrics
 
 RESIDUALS = ("spectral", "isotropic", "diagonal", "none")
@@ -145,9 +141,7 @@ def run_problem(name: str, ranks, epochs: int) -> dict:
     record = {"D": D, "n_train": len(X), "n_test": len(Xt), "likelihood": likelihood,
               "sigma_noise": sigma, "map": scores(None, model, Xt, y=yt, likelihood=likelihood,
                                                   sigma=sigma), "peers": {}, "lowrank": []}
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # laplace-torch's curvlinops builds eye() in it
-    try:
+    with default_dtype(torch.float64):  # laplace-torch's curvlinops builds eye() in it
         from laplace.curvature import BackPackGGN  # curvlinops' dense GGN is D matvecs
 
         for structure in ("full", "kron", "diag"):
@@ -157,8 +151,6 @@ def run_problem(name: str, ranks, epochs: int) -> dict:
             prior = tuned(la)
             record["peers"][structure] = {"prior_precision": prior,
                                           **scores(la, model, Xt, yt, likelihood, sigma)}
-    finally:
-        torch.set_default_dtype(old)
     full_prior = record["peers"]["full"]["prior_precision"]
     for rank in ranks:
         shared = None
@@ -184,40 +176,35 @@ def run_problem(name: str, ranks, epochs: int) -> dict:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Test NLL and the marglik prior against the full GGN's, per rank and residual."""
     names = list(report["problems"])
-    fig, axes = plt.subplots(2, len(names), figsize=(4.6 * len(names), 7), squeeze=False)
-    for col, name in enumerate(names):
-        rec = report["problems"][name]
-        for residual in RESIDUALS:
-            rows = [r for r in rec["lowrank"] if r["residual"] == residual]
-            ranks = [r["rank"] for r in rows]
-            axes[0, col].plot(ranks, [r["nll"] for r in rows], "o-", label=residual)
-            axes[1, col].plot(ranks, [r["prior_ratio"] for r in rows], "o-", label=residual)
-        for label, value, style in (("full GGN", rec["peers"]["full"]["nll"], "k--"),
-                                    ("kron", rec["peers"]["kron"]["nll"], "k:"),
-                                    ("diag", rec["peers"]["diag"]["nll"], "k-."),
-                                    ("MAP", rec["map"]["nll"], "r:")):
-            axes[0, col].axhline(value, color=style[0], linestyle=style[1:], label=label,
-                                 linewidth=1)
-        axes[1, col].axhline(1.0, color="k", linestyle="--", linewidth=1, label="full GGN")
-        axes[1, col].axhspan(0.75, 1.25, color="0.9")
-        for row in range(2):
-            axes[row, col].set_xscale("log")
-            axes[row, col].set_xlabel("Rank")
-        axes[0, col].set_title(f"{name} (D = {rec['D']:,})")
-        axes[0, col].set_ylabel("Test NLL")
-        axes[1, col].set_ylabel("Marglik prior / full GGN's")
-        axes[1, col].set_yscale("log")
-    axes[0, -1].legend(fontsize=8)
-    axes[1, -1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 2, len(names), dpi=110, figsize=(4.6 * len(names), 7),
+                squeeze=False) as (_, axes):
+        for col, name in enumerate(names):
+            rec = report["problems"][name]
+            for residual in RESIDUALS:
+                rows = [r for r in rec["lowrank"] if r["residual"] == residual]
+                ranks = [r["rank"] for r in rows]
+                axes[0, col].plot(ranks, [r["nll"] for r in rows], "o-", label=residual)
+                axes[1, col].plot(ranks, [r["prior_ratio"] for r in rows], "o-",
+                                  label=residual)
+            for label, value, style in (("full GGN", rec["peers"]["full"]["nll"], "k--"),
+                                        ("kron", rec["peers"]["kron"]["nll"], "k:"),
+                                        ("diag", rec["peers"]["diag"]["nll"], "k-."),
+                                        ("MAP", rec["map"]["nll"], "r:")):
+                axes[0, col].axhline(value, color=style[0], linestyle=style[1:], label=label,
+                                     linewidth=1)
+            axes[1, col].axhline(1.0, color="k", linestyle="--", linewidth=1, label="full GGN")
+            axes[1, col].axhspan(0.75, 1.25, color="0.9")
+            for row in range(2):
+                axes[row, col].set_xscale("log")
+                axes[row, col].set_xlabel("Rank")
+            axes[0, col].set_title(f"{name} (D = {rec['D']:,})")
+            axes[0, col].set_ylabel("Test NLL")
+            axes[1, col].set_ylabel("Marglik prior / full GGN's")
+            axes[1, col].set_yscale("log")
+        axes[0, -1].legend(fontsize=8)
+        axes[1, -1].legend(fontsize=8)
 
 
 def driver_main(args: argparse.Namespace) -> dict:
@@ -262,9 +249,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv=None):
-    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
-    return run_script(argv, parse_args, worker_main, driver_main)
+main = script_main(parse_args, worker_main, driver_main)
 
 
 if __name__ == "__main__":

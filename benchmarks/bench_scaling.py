@@ -1,23 +1,16 @@
 """Data-parallel fit: 1 process vs P processes (torch.distributed, gloo on CPU).
 
-Every configuration starts fresh processes (``torch.multiprocessing.spawn``) that
-join a gloo group on 127.0.0.1, build the same model, take the shard ``rank::P`` of
-the same random training set (``--n-train`` points) and fit ``lowrank_ggn`` on it
-(``LowRankGGNLaplace.fit`` merges the local factors across ranks at the end). The
-cores are split evenly between the processes (``torch.set_num_threads``), so on a
-machine with ``c`` cores the comparison is ``c`` threads in one process against
-``c / P`` threads in each of ``P`` processes: the speed-up shows how well streaming
-plus one all-gather merge parallelises, not extra hardware. Each fit is timed between
-two barriers (the slowest rank counts); the result of every ``P`` is compared with
-the single process (eigenvalues, relative) and recorded. Every configuration (GGN, ``P``)
-runs in a fresh worker process of the harness (this script with ``--worker``), which
-spawns the ``P`` processes.
+Every configuration (GGN, ``P``) is a fresh worker that spawns ``P`` processes in a gloo
+group: each fits ``lowrank_ggn`` on the shard ``rank::P`` of the same training set (the
+fit merges across ranks) on ``cores / P`` threads, timed between two barriers. The
+speed-up shows how well streaming plus one merge parallelises on the same cores; the
+eigenvalues are compared with the single process's.
 
 Example::
 
     python -m benchmarks.bench_scaling --problem 3c3d --processes 1 2
 
-Results go to ``<out>/scaling_<problem>.json`` and ``<out>/scaling_<problem>.png``.
+Writes ``<out>/scaling_<problem>.json`` and ``<out>/scaling_<problem>.png``.
 """
 
 from __future__ import annotations
@@ -34,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from benchmarks import _harness, _problems, _worker
-from benchmarks._report import failure_text, machine_info
+from benchmarks._report import failure_text, figure, machine_info
 
 
 def _worker_fit(rank: int, world: int, port: int, out: str, config: dict[str, Any]) -> None:
@@ -96,24 +89,16 @@ def worker_main(config: dict[str, Any]) -> None:
 
 def plot(records: Sequence[dict], path: Path, title: str) -> None:
     """Fit time and speed-up against the number of processes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for label in sorted({r["label"] for r in records}):
-        rows = [r for r in records if r["label"] == label]
-        ax.plot([r["processes"] for r in rows], [r["seconds"] for r in rows], "o-",
-                label=label)
-    ax.set_xlabel("processes (cores split evenly)")
-    ax.set_ylabel("fit time [s]")
-    ax.set_xticks(sorted({r["processes"] for r in records}))
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, figsize=(5, 3.5)) as (_, ax):
+        for label in sorted({r["label"] for r in records}):
+            rows = [r for r in records if r["label"] == label]
+            ax.plot([r["processes"] for r in rows], [r["seconds"] for r in rows], "o-",
+                    label=label)
+        ax.set_xlabel("processes (cores split evenly)")
+        ax.set_ylabel("fit time [s]")
+        ax.set_xticks(sorted({r["processes"] for r in records}))
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=8)
 
 
 def driver_main(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -178,9 +163,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None):
-    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
-    return _harness.run_script(argv, parse_args, worker_main, driver_main)
+main = _harness.script_main(parse_args, worker_main, driver_main)
 
 
 if __name__ == "__main__":

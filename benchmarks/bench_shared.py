@@ -1,50 +1,16 @@
 """Benchmark Laplace where users run it: shared machines, defaults, marglik training.
 
-Problem: scikit-learn's digits and the 64-50-50-10 tanh MLP of ``bench_laplace``
-(``_problems.make_digits``: D = 6,310 weights), float32, 1,400 training points in batches of 128,
-397 held-out test points. Two parts:
-
-``fit``
-    The network is trained to a MAP first (100 full-batch Adam steps, not timed); then
-    ``Laplace(model, "classification", subset_of_weights="all", ...)`` is fitted
-    (``la.fit(train_loader)``), tuned by ``la.optimize_prior_precision(method="marglik")``
-    (laplace-torch's defaults) and evaluated by the GLM probit predictive on the test
-    points (test NLL and accuracy). Methods: ``lowrank_ggn`` with its default arguments,
-    ``lowrank_ggn`` with ``solver="sketch"``, laplace-torch's ``kron`` and ``diag``
-    (default backend). Every configuration runs ``--repeat`` times (default 3), each in a
-    fresh process, in rounds over the methods; times are medians.
-``train``
-    laplace-torch's ``marglik_training`` from a fresh initialisation of the same MLP:
-    ``--epochs`` epochs (default 20), ``prior_structure="layerwise"``, Adam with
-    ``lr=1e-2`` (``optimizer_kwargs``), ``backend=None`` (laplace-torch's default
-    backend), its defaults otherwise (``n_hypersteps=10``, ``marglik_frequency=1``,
-    ``n_epochs_burnin=0``, ``lr_hyp=0.1``); ``hessian_structure`` ``lowrank_ggn`` and
-    ``kron`` (``full`` with ``--with-full``, which takes long). Recorded: total time, test
-    NLL and accuracy of the returned posterior (GLM probit), the learned per-layer prior
-    precisions. One run per configuration (a fresh process), to keep the run short.
-
-Conditions: ``quiet`` and ``loaded``: beside a competing process (``_load.CompetingLoad``)
-running a loop of ``--load-size`` x ``--load-size`` float32 matmuls (default 1500) on
-``--load-threads`` torch threads (default 2), started before the measured worker and
-stopped (its process group killed if it lingers) after it. ``fit`` runs both conditions;
-``train`` runs ``quiet`` (and ``loaded`` with ``--load``).
-
-The workers run the way a user runs the library: torch's default number of threads and,
-unlike the other benchmark scripts, neither ``OMP_WAIT_POLICY`` nor
-``OPENBLAS_NUM_THREADS`` set (``--omp-wait-policy PASSIVE --blas-threads 1`` restores the
-harness's settings). Imports, data and MAP training are not timed. Peak memory is the
-worker's RSS high-water mark. Before every worker the driver records the load average
-and the CPU share other processes use (``_load.wait_for_idle_cpu``); during each
-measured phase, the CPU share of other processes (not counting the synthetic load) and
-of the load (``_load.CpuShare``). The workers record the git commit of the library and a
-hash of its sources.
-
-Targets (printed with PASS/FAIL; ratios within one run):
-
-- ``fit``: ``lowrank_ggn`` (defaults) fit + marglik <= 3x ``kron``'s, quiet;
-- ``fit``: ``lowrank_ggn`` loaded <= 3x its own quiet time, and <= 3x ``kron``'s loaded;
-- ``train``: ``lowrank_ggn`` marglik_training time <= 3x ``kron``'s (each condition run);
-- ``train``: ``lowrank_ggn``'s test NLL <= ``full``'s (with ``--with-full``).
+scikit-learn's digits and the 64-50-50-10 tanh MLP of ``bench_laplace``
+(``_problems.make_digits``), 1,400 training and 397 test points. Part ``fit``: the
+``Laplace`` fit of the MAP network, ``optimize_prior_precision(method="marglik")`` and the
+GLM probit predictive (test NLL, accuracy), ``--repeat`` runs each (medians); part
+``train``: laplace-torch's ``marglik_training`` from a fresh initialisation (``--epochs``,
+layerwise prior) with ``lowrank_ggn`` and ``kron`` (``full`` with ``--with-full``), one
+run each. Conditions: ``quiet``, and ``loaded`` beside a ``_load.CompetingLoad`` of
+``--load-threads`` threads (``train`` only with ``--load``). The workers run as a user
+does: torch's default threads, neither ``OMP_WAIT_POLICY`` nor ``OPENBLAS_NUM_THREADS``
+set. Targets, tables and the figure: ``_shared_report.py``; results:
+``docs/benchmarks.md``.
 
 Examples:
     Smoke test (one run each, 2 training epochs, ``benchmarks/results/quick``)::
@@ -57,10 +23,9 @@ Examples:
         python -m benchmarks.bench_shared --with-full --load \\
             --out docs/benchmarks/shared --tables-out benchmarks/results/tables
 
-Results: ``<out>/shared.json`` and ``<out>/shared.png``; with ``--tables-out`` the
-records ``shared_fit.json``, ``shared_train.json`` and ``shared_targets.json``
-(``render_tables.py`` format; their ``sources`` name ``--table-source``/``shared.json``).
-Summaries, targets, figures and tables live in ``_shared_report.py``.
+Writes ``<out>/shared.json`` and ``<out>/shared.png``; with ``--tables-out`` the records
+``shared_fit.json``, ``shared_train.json`` and ``shared_targets.json`` (their ``sources``
+name ``--table-source``).
 """
 
 from __future__ import annotations
@@ -76,7 +41,7 @@ import torch
 
 from benchmarks import _harness
 from benchmarks._problems import digits_data, digits_mlp, make_digits
-from benchmarks._report import DEFAULT_PACKAGES, machine_info, read_run, write_tables
+from benchmarks._report import DEFAULT_PACKAGES, machine_info, print_machine, read_run, write_tables
 from benchmarks._shared_report import (
     BATCH_SIZE,
     CONDITIONS,
@@ -173,11 +138,7 @@ def train_phases(model: torch.nn.Module, data: list, config: dict[str, Any]) -> 
 
 
 def worker_main(config: dict[str, Any]):
-    """Build the problem (the ``fit`` part trains a MAP first, untimed), run the phases.
-
-    Args:
-        config: ``part``, ``condition``, ``method``, ``epochs``, ``seed``, ``threads``.
-    """
+    """Build the problem (the ``fit`` part trains a MAP first, untimed), run the phases."""
     setup = worker_setup(config)
     warnings.filterwarnings("ignore")
     import lowrank_laplace  # noqa: F401 (registers hessian_structure="lowrank_ggn")
@@ -214,14 +175,7 @@ def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def driver_main(args: argparse.Namespace) -> dict[str, Any]:
-    """Run every configuration, write JSON, figure and tables, print the targets.
-
-    Args:
-        args: Parsed command line arguments of the driver.
-
-    Returns:
-        The summary.
-    """
+    """Run every configuration, write JSON, figure and tables; print and return the summary."""
     out = Path(args.out)
     path = out / "shared.json"
     if args.replot:
@@ -232,11 +186,7 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
         path.write_text(json.dumps(payload, indent=2))
     else:
         info = machine_info("cpu", (*DEFAULT_PACKAGES, "laplace-torch"))
-        head = info["lowrank_laplace_sources"]
-        print(f"Machine: {info['cpu_name']} ({info['cpu_count_usable']} usable cores), torch "
-              f"{info['torch']}, laplace-torch {info.get('version_laplace-torch')}; commit "
-              f"{head.get('git_head', '?')[:7]}{' (dirty)' if head.get('dirty') else ''}; "
-              f"load average {info['loadavg_at_start'][0]:.2f}", flush=True)
+        print_machine(info)
         configs = configurations(args)
         settings = {"problem": "digits MLP 64-50-50-10 tanh", "D": None, "n_train": N_TRAIN,
                     "n_test": N_TEST, "batch_size": BATCH_SIZE, "dtype": "float32",
@@ -299,9 +249,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None):
-    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
-    return _harness.run_script(argv, parse_args, worker_main, driver_main)
+main = _harness.script_main(parse_args, worker_main, driver_main)
 
 
 if __name__ == "__main__":

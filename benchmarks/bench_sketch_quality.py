@@ -1,16 +1,9 @@
 """The sketch solver's posterior quality against the full GGN, beside streaming merges.
 
-On the small real problems of ``bench_posterior_quality`` (the same data, splits and MAP
-training), ``lowrank_ggn`` at the default rank and residual is fitted with every
-``solver`` on a float64 and a float32 copy of the MAP network; each scalar prior is tuned
-by the marginal likelihood (300 Adam steps, as there) and the GLM predictive scored on
-held-out data, against laplace-torch's ``FullLaplace`` (exact float64 GGN). Recorded per
-fit: the path the plan took, test NLL relative to the full GGN's, the tuned prior
-relative to the full GGN's, the kept share of the trace, and the relative error of the
-kept eigenvalues against the dense float64 GGN's (largest over the top 10 / 50 / all
-kept). ``digits2`` is ``bench_shared``'s deeper MLP (64-50-50-10, D = 6,310). Quality is
-not timed (the fit times printed are one run each, for orientation only); every problem
-runs in its own worker process (this script with ``--worker``, see ``_harness.py``).
+On the problems of ``bench_posterior_quality`` (and ``digits2``, ``bench_shared``'s deeper
+MLP), ``lowrank_ggn`` with defaults and every ``solver`` on float64 and float32 copies of
+the MAP network, priors tuned as there: the plan's path, test NLL and prior relative to
+``FullLaplace``'s, the kept trace and the kept eigenvalues' errors; one worker per problem.
 
     python -m benchmarks.bench_sketch_quality --out benchmarks/results/sketch_quality
 """
@@ -28,9 +21,9 @@ from laplace import Laplace
 from torch.utils.data import DataLoader, TensorDataset
 
 import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
-from benchmarks._harness import run_results, run_script, script_parser
+from benchmarks._harness import run_results, script_main, script_parser
 from benchmarks._report import machine_info
-from benchmarks._worker import run_result
+from benchmarks._worker import default_dtype, run_result
 from benchmarks.bench_posterior_quality import problem, scores, train_map, tuned_full
 
 SOLVERS = ("streaming", "sketch")
@@ -60,9 +53,7 @@ def run(name: str, epochs: int, solvers) -> dict:
     if likelihood == "regression":
         with torch.no_grad():
             sigma = float(((model(X) - y) ** 2).mean().sqrt())
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with default_dtype(torch.float64):
         from laplace.curvature import BackPackGGN
 
         full = Laplace(model, likelihood, subset_of_weights="all", hessian_structure="full",
@@ -71,8 +62,6 @@ def run(name: str, epochs: int, solvers) -> dict:
         exact = torch.linalg.eigvalsh(full.H).flip(0).clamp(min=0)
         full_prior = tuned_full(full)
         full_scores = scores(full, model, Xt, yt, likelihood, sigma)
-    finally:
-        torch.set_default_dtype(old)
     D = exact.numel()
     record = {"D": D, "n_train": len(X), "likelihood": likelihood, "sigma_noise": sigma,
               "full": {"prior_precision": full_prior, **full_scores}, "lowrank": []}
@@ -134,9 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv=None):
-    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
-    return run_script(argv, parse_args, worker_main, driver_main)
+main = script_main(parse_args, worker_main, driver_main)
 
 
 if __name__ == "__main__":

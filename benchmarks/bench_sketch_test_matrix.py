@@ -1,13 +1,9 @@
 """Kept trace of the sketch solver with Khatri-Rao against fully Gaussian test matrices.
 
-``solver="sketch"`` draws Khatri-Rao columns ``p_k (x) q_k`` in the slices of
-matrix-shaped weights by default (the test matrix ``"kronecker"``; set per worker by
-``_worker.set_tuning("sketch_test_matrix", ...)``). This script fits the exact-GGN sketch
-with both kinds of test matrix over several seeds on the problems of ``bench_laplace.py``
-(the MLP, 3c3d and 2c2d on random data, the trained sklearn digits MLP) and records the
-kept trace, the leading and the last kept eigenvalues, and, for reference, the streaming
-fit's. Quality is the point, not time: every fit runs in its own worker process (this
-script with ``--worker``), and the fit times are recorded but not comparable to
+The exact-GGN sketch with either test matrix (``"kronecker"``, the default, or
+``"gaussian"``; set per worker by ``_worker.set_tuning``) over several seeds, and the
+streaming fit, on the problems of ``bench_laplace.py``: kept trace, leading and last kept
+eigenvalues. One worker per fit; the recorded fit times are not comparable to
 ``bench_laplace.py``'s.
 
     python -m benchmarks.bench_sketch_test_matrix --out benchmarks/results/sketch_test_matrix
@@ -113,9 +109,7 @@ def parse_args(argv: Sequence[str] | None = None):
     return args
 
 
-def main(argv: Sequence[str] | None = None):
-    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
-    return _harness.run_script(argv, parse_args, worker_main, driver_main)
+main = _harness.script_main(parse_args, worker_main, driver_main)
 
 
 if __name__ == "__main__":

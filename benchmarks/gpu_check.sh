@@ -1,69 +1,19 @@
 #!/usr/bin/env bash
-# The GPU checks in one call on a GPU machine (under 10 minutes): CUDA tests, top-10
-# eigenpairs of ResNet-18 and a transformer at N = 128, the Laplace benchmark on the
-# device, the host-device traffic of a fit.
+# The GPU checks on a GPU machine; docs/benchmarks.md ("GPU checks") says what each mode
+# runs and how long it takes. A bare GPU image may lack BackPACK, laplace-torch and
+# curvlinops and the network, so their pure-Python wheels travel with the working tree:
 #
-# A bare GPU image may have PyTorch but not BackPACK, laplace-torch or curvlinops, and
-# no network, so their pure-Python wheels travel with the working tree.
+#   bash benchmarks/gpu_check.sh prepare        # on a CPU machine: wheels into .whl/
+#   bash benchmarks/gpu_check.sh prepare-lora   # the same for transformers, peft (.whl/lora/)
+#   bash benchmarks/gpu_check.sh MODE           # on the GPU machine, .whl/ copied along
 #
-#   On a CPU machine with pip:  bash benchmarks/gpu_check.sh prepare
-#       downloads the wheels into .whl/ (ignored by git, ~0.6 MB).
-#   On the GPU machine, with .whl/ copied along ($OUT: output folder, /tmp/gpu_check):
-#                               bash benchmarks/gpu_check.sh run
-#       installs them into /tmp/site and writes into $OUT (8 files):
-#       card.txt (GPU, driver, torch), pytest_cuda.log (tests/test_cuda.py and the
-#       device-parametrised tests), models.log + models.json + models_lowmem.json
-#       (python -m benchmarks.bench_models --parts eigh at N = 128, the second with
-#       low_memory=True on ResNet-18), laplace.log + laplace_3c3d.json (fit, GLM and
-#       NN predictive of lowrank_ggn exact/MC vs BackPACK-kron on the GPU) and
-#       gpu_trace_3c3d.json (host-device copies and scalar reads during a fit, see
-#       benchmarks/gpu_trace.py).
-#                               bash benchmarks/gpu_check.sh fits
-#       a second call of about 8 minutes: the Laplace fits of ResNet-18 and the
-#       transformer on 1,024 points with the GLM predictive on 128
-#       (models_laplace.log/.json) and the 3c3d Laplace benchmark (laplace.log,
-#       laplace_3c3d.json).
-#                               bash benchmarks/gpu_check.sh tests
-#       the CUDA tests alone (pytest_cuda.log, about 2 minutes), to run before `fits`
-#       in one call after the library has changed.
-#                               bash benchmarks/gpu_check.sh sketch
-#       the CUDA tests, then streaming against solver="sketch" (exact and MC) and
-#       BackPACK-kron on 3c3d and the 784-128-64-10 MLP (sketch.log,
-#       laplace_sketch_3c3d.json, laplace_sketch_mlp.json), about 5 minutes.
-#                               bash benchmarks/gpu_check.sh default
-#       the CUDA tests, then the library's default arguments (`lowrank_default`) against
-#       streaming, the opt-in sketch and `kron` (BackPACK and laplace-torch's default
-#       backend) on 3c3d and the 784-128-64-10 MLP (default.log,
-#       laplace_default_3c3d.json, laplace_default_mlp.json), about 8 minutes. Every
-#       worker fits twice (bench_laplace.py --warm-fit): the record's fit is the
-#       process's second, its first (CUDA's kernels loaded on first use) is first_fit_s.
-#                               bash benchmarks/gpu_check.sh profile
-#       the operators of the MLP's first fit with default arguments, the process's
-#       first, profiled (gpu_trace_mlp.json), about 1 minute.
-#                               bash benchmarks/gpu_check.sh lora
-#       Laplace over the LoRA adapters of a config-built GPT-2 classifier
-#       (benchmarks/bench_lora.py, nothing downloaded): the `large` problem (4 layers of
-#       width 256, LoRA r = 8 on c_attn, c_proj, c_fc, 1,024 sequences of up to 64 tokens)
-#       and the GPT-2-small-sized `gpt2` problem (12 layers of width 768, 12 heads, 124 M
-#       frozen weights, LoRA r = 8 on c_attn, 1,024 sequences of up to 128 tokens),
-#       lowrank_ggn against kron (CurvlinopsGGN), then diag on `large` with a short limit
-#       (lora.log, lora_large.json/.png, lora_gpt2.json/.png, lora_diag_large.json),
-#       about 6 minutes. It needs transformers and peft: if the image lacks them, run
-#                               bash benchmarks/gpu_check.sh prepare-lora
-#       first on the CPU machine: it downloads the wheels of transformers, peft and
-#       their dependencies besides torch and numpy, at the versions installed there, into
-#       .whl/lora/ (~30 MB; carry .whl along), which `lora` installs into /tmp/site.
-#                               bash benchmarks/gpu_check.sh resnet50k | llama1b | llama1b-multi
-#       ResNet-18 on 50,000 images, then on MNIST (bench_models.py --parts scale mnist);
-#       LoRA on a 1B Llama against kron (bench_lora.py --problems llama1b; -multi: ours on
-#       every GPU through torchrun): <mode>.log, JSON and tables in $OUT, each under 8
-#       minutes (phases shrink to time budgets; docs/benchmarks.md says how). The Llama
-#       modes need transformers and peft as `lora` does.
-#
-# SKIP_INSTALL=1 uses the current environment instead of the wheels (to try the
-# script on a CPU machine, where every step falls back to or skips CUDA). SKIP_TESTS=1
-# leaves out the CUDA tests of the modes that run them first (for a second call on
-# unchanged sources).
+# MODE: run (CUDA tests, top-10 eigenpairs of ResNet-18 and the transformer, the 3c3d
+# Laplace benchmark, a profiled fit), fits, tests (the CUDA tests alone), sketch, default,
+# profile, lora, resnet50k, llama1b, llama1b-multi. Logs, JSON and tables go to $OUT
+# (/tmp/gpu_check).
+# SKIP_INSTALL=1 uses the current environment instead of the wheels (on a CPU machine
+# every step falls back to or skips CUDA); SKIP_TESTS=1 leaves out the CUDA tests of the
+# modes that run them first.
 set -uo pipefail
 mode=${1:-run}
 cd "$(dirname "$0")/.."

@@ -1,26 +1,12 @@
 """Host-device traffic of a ``lowrank_ggn`` fit, from a ``torch.profiler`` trace.
 
-The fit's hot loop should make no host-device copies. This script fits
-``Laplace(..., hessian_structure="lowrank_ggn")`` on a DeepOBS problem with the data
-already on the device (so the loader moves nothing), once untimed to warm up and
-once under ``torch.profiler``, and counts per fit:
-
-- memory copies between host and device (the CUDA activities ``Memcpy HtoD`` /
-  ``Memcpy DtoH``; their count and total time),
-- synchronising scalar reads (``aten::_local_scalar_dense``, behind ``.item()``,
-  ``int(t)``, ``bool(t)``): each waits for the device, but moves a few bytes,
-- the numbers of batches and merges, to judge whether anything scales with them.
-
-With ``--top K`` the first fit of the process (the one a user waits for, with the
-device libraries' first-call costs) is profiled instead of warmed up, and the record
-lists its ``K`` operators of most self time on the device and on the host
-(``top_device``, ``top_host``); the timed fit then follows it.
-
-On a machine without CUDA it runs the same fit on the CPU (a smoke test: there are
-no copies to count) so that the script is tested where CI runs. The fits run in a fresh
-worker process (this script with ``--worker``, see ``_harness.py``), so the first is the
-process's first. Writes ``<out>/gpu_trace_<problem>.json`` (and, with ``--chrome``, a
-Chrome trace).
+In a fresh worker, ``Laplace(..., hessian_structure="lowrank_ggn")`` is fitted on a
+DeepOBS problem with the data on the device: once to warm up, once timed and once under
+``torch.profiler``, whose events give the host-device copies, the synchronising scalar
+reads (:data:`PATTERNS`) and the batches. With ``--top K`` the process's first fit is
+profiled instead of the warm-up, and its ``K`` operators of most self time on the device
+and on the host are listed. Without CUDA the fit runs on the CPU (a smoke test). Writes
+``<out>/gpu_trace_<problem>.json`` (with ``--chrome`` also a Chrome trace).
 
 Example (on a GPU machine, see ``benchmarks/gpu_check.sh``)::
 
@@ -54,15 +40,8 @@ PATTERNS = {
 
 
 def count_events(prof: Any) -> dict[str, dict[str, float]]:
-    """Count profiler events by :data:`PATTERNS`.
-
-    Args:
-        prof: A finished ``torch.profiler.profile``.
-
-    Returns:
-        For every pattern key: ``count`` and total ``time_ms`` (device time for CUDA
-        activities, CPU time otherwise).
-    """
+    """Per key of :data:`PATTERNS`, the ``count`` and total ``time_ms`` (device time for
+    CUDA activities, else CPU time) of a finished profile's events."""
     counts: Counter = Counter()
     times: Counter = Counter()
     for event in prof.events():
@@ -75,17 +54,8 @@ def count_events(prof: Any) -> dict[str, dict[str, float]]:
 
 
 def top_operators(prof: Any, k: int, key: str) -> list[dict[str, Any]]:
-    """The ``k`` operators of most self time in a profile.
-
-    Args:
-        prof: A finished ``torch.profiler.profile``.
-        k: How many.
-        key: ``"device"`` (self time on the device) or ``"host"`` (self CPU time).
-
-    Returns:
-        Per operator: ``name``, ``calls``, ``self_ms`` (by ``key``) and ``total_ms``
-        (CPU time with children).
-    """
+    """The ``k`` operators of most self time on the ``"device"`` or ``"host"`` in a finished
+    profile: ``name``, ``calls``, ``self_ms`` and ``total_ms`` (CPU time with children)."""
     def self_us(e: Any) -> float:
         if key == "host":
             return e.self_cpu_time_total
@@ -200,10 +170,8 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
     return record
 
 
-def main(argv=None) -> dict[str, Any]:
-    """Entry point (``argv`` defaults to ``sys.argv[1:]``): see :func:`_harness.run_script`."""
-    return _harness.run_script(argv, parse_args, lambda config: run_result(
-        config, lambda: run(argparse.Namespace(**config))), driver_main)
+main = _harness.script_main(parse_args, lambda config: run_result(
+    config, lambda: run(argparse.Namespace(**config))), driver_main)
 
 
 if __name__ == "__main__":
