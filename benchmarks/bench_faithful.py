@@ -95,6 +95,7 @@ METHODS: dict[str, Method] = {
     "diag": Method("diag"),
     "last_layer": Method("full", subset="last_layer"),
     "residual_none": Method("lowrank_ggn", options={"residual": "none"}, ranked=True),
+    "auto_rank": Method("lowrank_ggn", options={"rank": "auto"}),
 }
 DEFAULT_METHODS = ("default", "streaming", "kron", "diag", "last_layer")
 #: Adam steps of every method's marglik tuning (laplace-torch's lr 0.1, from 1).
@@ -211,10 +212,11 @@ def lowrank_facts(fitted: Fitted, ref: dict) -> dict:
     """The kept eigenpairs against the exact top-``r`` ones, and the measured complement."""
     U, lam = fitted.la.H
     r = lam.numel()
-    exact = ref["top_values"][:r]
-    overlap = (ref["top_vectors"][:, :r].T @ U.double()).pow(2).sum() / r
+    exact = ref["eigenvalues"].double().sort(descending=True).values[:r].to(lam)
+    k = min(r, ref["top_vectors"].shape[1])  # a chosen rank may pass the stored vectors
+    overlap = (ref["top_vectors"][:, :k].T @ U.double()).pow(2).sum() / k
     facts = {
-        "eigenvalues": lam.tolist(), "kept_fraction": float(fitted.la.kept_fraction),
+        "rank": r, "eigenvalues": lam.tolist(), "kept_fraction": float(fitted.la.kept_fraction),
         "exact_top_share": float(exact.sum()) / ref["trace"],
         "kept_vs_exact_top": float(lam.sum() / exact.sum()),
         "top_eigenvalue_ratio": float(lam[0] / exact[0]),
