@@ -21,32 +21,44 @@ def _problem():
     return model, X, y
 
 
-def _worker(rank, world, port, out, rank_kw, tuning, online):
+def _worker(rank, world, port, out, configs):
+    """Every configuration's fit on this process's shard, under one process group."""
     import importlib
 
     from tests.conftest import TUNING
 
-    for name, value in tuning.items():  # a spawned process: its own module constants
-        module, attribute = TUNING[name]
-        setattr(importlib.import_module(module), attribute, value)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
-        model, X, y = _problem()
-        Xs, ys = X[rank::world], y[rank::world]
-        la = LowRankGGNLaplace(model, "classification", **rank_kw)
-        if online:  # two updates: fit(first 6 of the shard), fit(the rest, override=False)
-            la.fit(DataLoader(TensorDataset(Xs[:6], ys[:6]), batch_size=4))
-            la.fit(DataLoader(TensorDataset(Xs[6:], ys[6:]), batch_size=4), override=False)
-        else:
-            la.fit(DataLoader(TensorDataset(Xs, ys), batch_size=4))
-        U, lam = la.H
-        torch.save({"H": U @ torch.diag(lam) @ U.T, "lam": lam, "n_data": la.n_data,
-                    "marglik": la.log_marginal_likelihood().detach(), "trace": la.trace,
-                    "residual": la.residual_diagonal, "fit_path": la.fit_path},
-                   f"{out}.{rank}")
+        for name, (rank_kw, tuning, online) in configs.items():
+            saved = {}
+            for key, value in tuning.items():  # a spawned process: its own module constants
+                module, attribute = TUNING[key]
+                module = importlib.import_module(module)
+                saved[(module, attribute)] = getattr(module, attribute)
+                setattr(module, attribute, value)
+            try:
+                _fit_shard(rank, world, rank_kw, online, f"{out}.{name}.{rank}")
+            finally:
+                for (module, attribute), value in saved.items():
+                    setattr(module, attribute, value)
     finally:
         dist.destroy_process_group()
+
+
+def _fit_shard(rank, world, rank_kw, online, path):
+    model, X, y = _problem()
+    Xs, ys = X[rank::world], y[rank::world]
+    la = LowRankGGNLaplace(model, "classification", **rank_kw)
+    if online:  # two updates: fit(first 6 of the shard), fit(the rest, override=False)
+        la.fit(DataLoader(TensorDataset(Xs[:6], ys[:6]), batch_size=4))
+        la.fit(DataLoader(TensorDataset(Xs[6:], ys[6:]), batch_size=4), override=False)
+    else:
+        la.fit(DataLoader(TensorDataset(Xs, ys), batch_size=4))
+    U, lam = la.H
+    torch.save({"H": U @ torch.diag(lam) @ U.T, "lam": lam, "n_data": la.n_data,
+                "marglik": la.log_marginal_likelihood().detach(), "trace": la.trace,
+                "residual": la.residual_diagonal, "fit_path": la.fit_path}, path)
 
 
 def _free_port():
@@ -55,17 +67,16 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("dense_max_dim, online, solver",
-                         [(0, False, None), (2048, False, None), (0, True, None),
-                          (0, False, "sketch"), (0, True, "sketch"),
-                          (0, False, "sketch-one-merge")],
-                         ids=["streaming", "dense", "streaming-online", "sketch-truncated",
-                              "sketch-online", "sketch-one-merge"])
-@pytest.mark.slow
-def test_two_processes_equal_single_process(tmp_path, monkeypatch, dense_max_dim, online,
-                                            solver):
-    """Exact fits; and truncated sketches, which add up to the single-process sketch."""
-    out = str(tmp_path / "result")
+#: ``(dense_max_dim, online, solver)`` of each configuration, by test id.
+CONFIGS = {
+    "streaming": (0, False, None), "dense": (2048, False, None),
+    "streaming-online": (0, True, None), "sketch-truncated": (0, False, "sketch"),
+    "sketch-online": (0, True, "sketch"), "sketch-one-merge": (0, False, "sketch-one-merge"),
+}
+
+
+def _options(dense_max_dim, online, solver):
+    """``(Laplace keyword arguments, tuning constants)`` of a configuration."""
     kw = dict(rank=1000, residual="diagonal")
     tuning = dict(dense_max_dim=dense_max_dim)
     if solver == "sketch":
@@ -75,14 +86,31 @@ def test_two_processes_equal_single_process(tmp_path, monkeypatch, dense_max_dim
         tuning["oversampling"] = 3 / kw["rank"]
     if solver == "sketch-one-merge":  # every process streams its one exact merge
         kw = dict(rank=1000, residual="diagonal", solver="sketch")
-    mp.spawn(_worker, args=(2, _free_port(), out, kw, tuning, online), nprocs=2, join=True)
+    return kw, tuning
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """The results of every configuration's data-parallel fit (two processes spawned once)."""
+    out = str(tmp_path_factory.mktemp("distributed") / "result")
+    configs = {name: (*_options(*c), c[1]) for name, c in CONFIGS.items()}
+    mp.spawn(_worker, args=(2, _free_port(), out, configs), nprocs=2, join=True)
+    return out
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.slow
+def test_two_processes_equal_single_process(two_processes, monkeypatch, name):
+    """Exact fits; and truncated sketches, which add up to the single-process sketch."""
+    dense_max_dim, online, solver = CONFIGS[name]
+    kw, tuning = _options(dense_max_dim, online, solver)
     set_tuning(monkeypatch, **tuning)
     model, X, y = _problem()
     single = LowRankGGNLaplace(model, "classification", **kw)
     single.fit(DataLoader(TensorDataset(X, y), batch_size=4), process_group=None)
     U, lam = single.H
     H = U @ torch.diag(lam) @ U.T
-    results = [torch.load(f"{out}.{r}") for r in range(2)]
+    results = [torch.load(f"{two_processes}.{name}.{r}") for r in range(2)]
     for res in results:  # every rank ends with the same posterior
         assert res["n_data"] == 30
         assert res["fit_path"] == single.fit_path == \
