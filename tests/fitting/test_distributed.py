@@ -23,25 +23,13 @@ def _problem():
 
 def _worker(rank, world, port, out, configs):
     """Every configuration's fit on this process's shard, under one process group."""
-    import importlib
-
-    from tests.conftest import TUNING
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
         for name, (rank_kw, tuning, online) in configs.items():
-            saved = {}
-            for key, value in tuning.items():  # a spawned process: its own module constants
-                module, attribute = TUNING[key]
-                module = importlib.import_module(module)
-                saved[(module, attribute)] = getattr(module, attribute)
-                setattr(module, attribute, value)
-            try:
+            with pytest.MonkeyPatch.context() as patch:  # a spawned process's own constants
+                set_tuning(patch, **tuning)
                 _fit_shard(rank, world, rank_kw, online, f"{out}.{name}.{rank}")
-            finally:
-                for (module, attribute), value in saved.items():
-                    setattr(module, attribute, value)
     finally:
         dist.destroy_process_group()
 
