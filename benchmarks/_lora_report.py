@@ -11,9 +11,13 @@ from benchmarks import _report
 from benchmarks._report import find, fmt, others_cpu, phase_ok, ratio
 from benchmarks._worker import GiB
 
-METHODS: tuple[str, ...] = ("lowrank_ggn", "kron", "diag")
+#: ``lowrank_ggn`` on the torch.func backend (``factor_backend="functorch"``).
+FUNCTORCH = "lowrank_ggn_functorch"
+#: The methods of a problem that names none.
+PROBLEM_METHODS: tuple[str, ...] = ("lowrank_ggn", "kron", "diag")
+METHODS: tuple[str, ...] = (*PROBLEM_METHODS, FUNCTORCH)
 LABELS = {"lowrank_ggn": "`lowrank_ggn` (defaults)", "kron": "`kron`, CurvlinopsGGN",
-          "diag": "`diag`, CurvlinopsGGN"}
+          "diag": "`diag`, CurvlinopsGGN", FUNCTORCH: "`lowrank_ggn`, torch.func backend"}
 ATTENTIONS: tuple[str, ...] = ("sdpa", "eager")
 CONDITIONS: tuple[str, ...] = ("quiet", "loaded")
 CONDITION_LABELS = {"quiet": "quiet", "loaded": "beside other work"}
@@ -30,6 +34,9 @@ TARGET_GLM_VS_KRON = 1.0
 #: predictive's peak memory (above what the process held before it) <= this times kron's.
 TARGET_LLAMA_FIT_MARGLIK_VS_KRON = 1.0
 TARGET_LLAMA_GLM_MEMORY_VS_KRON = 0.1
+#: Target of the BERT full fine-tune: the default fit <= this times the torch.func
+#: backend's.
+TARGET_BERT_FIT_VS_FUNCTORCH = 0.2
 
 
 def _find(records: Sequence[dict], attention: str, condition: str, method: str
@@ -82,6 +89,12 @@ def summarize(problem: str, records: Sequence[dict]) -> dict[str, Any]:
                             "passed": None if value is None else value <= bound,
                             "peer_failure": note})
 
+        if problem == "bert":
+            functorch = _find(records, attention, condition, FUNCTORCH)
+            fit = ratio(*((phase_ok(r, "fit") or {}).get("time_s") for r in (ours, functorch)))
+            add(f"{OURS} fit <= {TARGET_BERT_FIT_VS_FUNCTORCH:g}x its torch.func backend's",
+                fit, TARGET_BERT_FIT_VS_FUNCTORCH, peer=functorch)
+            continue
         llama = problem.startswith("llama")
         bound = TARGET_LLAMA_FIT_MARGLIK_VS_KRON if llama else TARGET_FIT_MARGLIK_VS_KRON
         add(f"{OURS} fit + marglik <= {bound:g}x {PEER}'s", fm, bound)
@@ -123,19 +136,21 @@ def plot(problem: str, payload: dict[str, Any], path: Path):
     records = payload["records"]
     groups = sorted({(r["attention"], r["condition"]) for r in records},
                     key=lambda g: (ATTENTIONS.index(g[0]), CONDITIONS.index(g[1])))
-    width = 0.8 / max(1, len(METHODS))
-    colors = {"lowrank_ggn": "tab:blue", "kron": "tab:gray", "diag": "tab:olive"}
+    methods = [m for m in METHODS if any(r["method"] == m for r in records)]
+    width = 0.8 / max(1, len(methods))
+    colors = {"lowrank_ggn": "tab:blue", "kron": "tab:gray", "diag": "tab:olive",
+              FUNCTORCH: "tab:cyan"}
     panels = [("fit + marglik [s]", _fit_marglik, True), ("GLM predictive [s]", _glm, True),
               ("worker peak memory [GiB]",
                lambda r: None if r.get("worker_peak_bytes") is None
                else r["worker_peak_bytes"] / GiB, False)]
     with _report.figure(path, 1, 3, figsize=(15, 4.4), rect=(0, 0, 1, 0.95)) as (fig, axes):
         for ax, (label, value_of, log) in zip(axes, panels):
-            for j, method in enumerate(METHODS):
+            for j, method in enumerate(methods):
                 for i, (attention, condition) in enumerate(groups):
                     r = _find(records, attention, condition, method)
                     if r is not None:
-                        _report.value_bar(ax, i + (j - (len(METHODS) - 1) / 2) * width,
+                        _report.value_bar(ax, i + (j - (len(methods) - 1) / 2) * width,
                                           value_of(r), 1.0 if log else 0.0, fontsize=6,
                                           width=width, color=colors[method])
             ax.set_xticks(range(len(groups)))
@@ -143,7 +158,7 @@ def plot(problem: str, payload: dict[str, Any], path: Path):
             if log:
                 ax.set_yscale("log")
             ax.set_ylabel(label)
-        _report.box_legend(fig, [colors[m] for m in METHODS], METHODS)
+        _report.box_legend(fig, [colors[m] for m in methods], methods)
         info, s = payload["machine"], payload["settings"]
         fig.suptitle(f"LoRA {problem}: D = {s.get('D', '?')}, {s['n_train']} / {s['n_test']} "
                      f"sequences; {_report.machine_text(info)}, torch {info.get('torch')}; "

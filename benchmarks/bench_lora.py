@@ -7,7 +7,8 @@ Laplace parameters are the trainable ones. ``lowrank_ggn`` with its defaults run
 laplace-torch's ``kron`` and ``diag`` (``backend=CurvlinopsGGN``) on the problems of
 :data:`PROBLEMS` (``gpt2`` and the Llama of about 1B weights with Laplace-LoRA's
 multiple-choice head, ``llama1b``, are meant for a GPU; ``llama_tiny`` is its CPU
-version). Every configuration (attention implementation, machine condition: ``quiet``, or
+version; ``bert`` is a full fine-tune, fitted by default and on the torch.func backend).
+Every configuration (attention implementation, machine condition: ``quiet``, or
 ``loaded`` beside a ``_load.CompetingLoad``; method) runs in fresh workers
 (``_harness.py``) with three phases: ``fit``, ``marglik``
 (``optimize_prior_precision(method="marglik")``) and the GLM probit predictive ``glm``.
@@ -50,10 +51,12 @@ from benchmarks import _harness, _problems
 from benchmarks._lora_report import (
     ATTENTIONS,
     CONDITIONS,
+    FUNCTORCH,
     METHODS,
     NUM_CLASSES,
     OURS,
     PHASES,
+    PROBLEM_METHODS,
     plot,
     print_summary,
     summarize,
@@ -92,6 +95,13 @@ PROBLEMS.update({
                    "intermediate": 128, "vocab": 200, "positions": 16, "seq_len": 16,
                    "min_len": 16, "answers": (10, 11, 12, 13), "n_train": 16, "n_test": 8,
                    "test_batch": 4, "quick": {}}})
+#: A BERT full fine-tune (every weight trainable; no LoRA): the default fit against the
+#: same posterior on the torch.func backend.
+PROBLEMS["bert"] = {"arch": "bert", "layers": 2, "width": 128, "heads": 2, "intermediate": 256,
+                    "vocab": 100, "positions": 32, "seq_len": 16, "min_len": 4,
+                    "n_train": 256, "n_test": 128, "methods": (OURS, FUNCTORCH),
+                    "attentions": ("sdpa",), "conditions": ("quiet",), "repeat": 3,
+                    "quick": {"n_train": 32, "n_test": 8}}
 #: Problems run without ``--problems``.
 DEFAULT_PROBLEMS: tuple[str, ...] = ("small", "large")
 BATCH_SIZE = 32
@@ -136,6 +146,17 @@ def make_model(problem: str, attention: str, seed: int, device: torch.device) ->
     spec = PROBLEMS[problem]
     if spec.get("arch") == "llama":
         return _problems.make_llama(spec, attention, seed, device)
+    if spec.get("arch") == "bert":
+        config = hf.BertConfig(vocab_size=spec["vocab"], hidden_size=spec["width"],
+                               num_hidden_layers=spec["layers"],
+                               num_attention_heads=spec["heads"],
+                               intermediate_size=spec["intermediate"],
+                               max_position_embeddings=spec["positions"],
+                               num_labels=NUM_CLASSES, hidden_dropout_prob=0.0,
+                               attention_probs_dropout_prob=0.0)
+        torch.manual_seed(seed)
+        return _problems.Logits(hf.BertForSequenceClassification._from_config(
+            config, attn_implementation=attention)).eval()
     config = hf.GPT2Config(n_layer=spec["layers"], n_embd=spec["width"], n_head=spec["heads"],
                         vocab_size=spec["vocab"], n_positions=spec["positions"],
                         num_labels=NUM_CLASSES, pad_token_id=0, bos_token_id=1, eos_token_id=1)
@@ -169,8 +190,10 @@ def worker_main(config: dict[str, Any]):
                  frozen_params=sum(p.numel() for p in model.parameters() if not p.requires_grad),
                  attention_used=getattr(model.model.config, "_attn_implementation", None),
                  processes=world)
-    kwargs: dict[str, Any] = {"hessian_structure": "lowrank_ggn"} if config["method"] == OURS \
-        else {"hessian_structure": config["method"], "backend": CurvlinopsGGN}
+    kwargs: dict[str, Any] = {
+        OURS: {"hessian_structure": OURS},
+        FUNCTORCH: {"hessian_structure": OURS, "factor_backend": "functorch"},
+    }.get(config["method"], {"hessian_structure": config["method"], "backend": CurvlinopsGGN})
     setup["laplace_kwargs"] = {k: getattr(v, "__name__", v) for k, v in kwargs.items()}
     state: dict[str, Any] = {}
 
@@ -257,7 +280,8 @@ def configurations(problem: str, args: argparse.Namespace) -> list[dict[str, Any
     return [{"problem": problem, "attention": a, "condition": c, "method": m, **common,
              **({"load": load} if c == "loaded" else {})}
             for a in spec["attentions"] if a in args.attentions
-            for c in spec["conditions"] if c in args.conditions for m in args.methods]
+            for c in spec["conditions"] if c in args.conditions for m in args.methods
+            if m in spec.get("methods", PROBLEM_METHODS)]
 
 
 def settings(problem: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -267,8 +291,9 @@ def settings(problem: str, args: argparse.Namespace) -> dict[str, Any]:
             "model": {k: spec[k] for k in ("layers", "width", "heads", "vocab", "positions",
                                             "min_len")},
             "lora": {"r": spec["r"], "lora_alpha": spec["alpha"],
-                     "target_modules": list(spec["targets"])},
-            "methods": list(args.methods), "repeat": repeats(problem, args),
+                     "target_modules": list(spec["targets"])} if "r" in spec else None,
+            "methods": [m for m in args.methods if m in spec.get("methods", PROBLEM_METHODS)],
+            "repeat": repeats(problem, args),
             "device": args.device, "D": None, "frozen_params": None,
             "processes": args.processes,
             **{k: getattr(args, k) for k in ("threads", "load_threads", "mem_limit_gib",
