@@ -35,6 +35,9 @@ class Problem:
         standardize: ``0``: inputs as they are; else centred and scaled by the training
             set's mean and standard deviation plus this.
         n_train: Training images (the next ``n_test`` are the test set).
+        augment: Copies of each training image in the training set: the image and
+            ``augment - 1`` randomly rotated (up to 15 degrees) and shifted (up to 7.5%
+            of the width) ones, as an augmented training set holds.
         n_test: Test images.
         epochs: Adam epochs of MAP training.
         prior: Prior precision of the MAP objective.
@@ -57,6 +60,7 @@ class Problem:
     pool: int = 1
     standardize: float = 0.0
     n_train: int = 1000
+    augment: int = 1
     n_test: int = 500
     epochs: int = 30
     prior: float = 1.0
@@ -73,6 +77,7 @@ class Problem:
         small = {"mlp": {"hidden": [8]}, "cnn": {"channels": (2, 2), "hidden": 8},
                  "gpt2_lora": {"width": 8, "layers": 1, "heads": 1, "r": 1}}[self.model]
         return replace(self, arch={**self.arch, **small}, n_train=120, n_test=40,
+                       augment=min(self.augment, 2),
                        epochs=min(self.epochs, 2), rotations=self.rotations[-1:],
                        calibration=min(self.calibration, 30))
 
@@ -132,14 +137,33 @@ def load_images(source: str) -> tuple[Tensor, Tensor]:
     return X, torch.as_tensor(y, dtype=torch.long)
 
 
+def _warp(images: Tensor, radians: Tensor, shifts: Tensor) -> Tensor:
+    """Rotate each image about its centre by ``radians`` ``(N,)`` and shift it by
+    ``shifts`` ``(N, 2)`` (in units of half the width; bilinear, zero fill)."""
+    cos, sin = radians.cos(), radians.sin()
+    mat = torch.stack([torch.stack([cos, -sin, shifts[:, 0]], 1),
+                       torch.stack([sin, cos, shifts[:, 1]], 1)], 1)
+    grid = nn.functional.affine_grid(mat, list(images.shape), align_corners=False)
+    return nn.functional.grid_sample(images, grid, align_corners=False)
+
+
 def rotate(images: Tensor, degrees: float) -> Tensor:
     """Rotate images about their centre (bilinear, zero fill), as rotated MNIST does."""
-    theta = torch.tensor(degrees * math.pi / 180.0, dtype=images.dtype)
-    mat = torch.stack([torch.stack([theta.cos(), -theta.sin(), theta.new_zeros(())]),
-                       torch.stack([theta.sin(), theta.cos(), theta.new_zeros(())])])
-    grid = nn.functional.affine_grid(mat.expand(len(images), 2, 3), list(images.shape),
-                                     align_corners=False)
-    return nn.functional.grid_sample(images, grid, align_corners=False)
+    radians = torch.full((len(images),), degrees * math.pi / 180.0, dtype=images.dtype)
+    return _warp(images, radians, images.new_zeros(len(images), 2))
+
+
+def augment(images: Tensor, copies: int) -> Tensor:
+    """The images followed by ``copies - 1`` randomly rotated (up to 15 degrees) and
+    shifted (up to 0.15 half-widths) copies of them (fixed seed)."""
+    gen = torch.Generator().manual_seed(1)
+    out = [images]
+    for _ in range(copies - 1):
+        radians = (torch.rand(len(images), generator=gen, dtype=images.dtype) * 2 - 1) * (
+            15 * math.pi / 180)
+        shifts = (torch.rand(len(images), 2, generator=gen, dtype=images.dtype) * 2 - 1) * 0.15
+        out.append(_warp(images, radians, shifts))
+    return torch.cat(out)
 
 
 @dataclass
@@ -177,12 +201,12 @@ def make_data(problem: Problem) -> Data:
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     X, y = X[perm], y[perm]
     n, m = problem.n_train, problem.n_test
-    train_images, test_images = X[:n], X[n:n + m]
+    train_images, test_images = augment(X[:n], problem.augment), X[n:n + m]
     encode = _encoder(problem, train_images)
     tests = {"test": (encode(test_images), y[n:n + m])}
     for degrees in problem.rotations:
         tests[f"rot{degrees}"] = (encode(rotate(test_images, degrees)), y[n:n + m])
-    train = (encode(train_images), y[:n])
+    train = (encode(train_images), y[:n].repeat(problem.augment))
     held = slice(n + m, n + m + problem.calibration)
     fit = (encode(X[held]), y[held]) if problem.calibration else train
     return Data(train, fit, tests, X[0].numel())

@@ -98,7 +98,8 @@ def problem_record(problem, ref: dict, data, ranks) -> dict:
     return {
         "problem": {k: (list(v) if isinstance(v, tuple) else v)
                     for k, v in vars(problem).items()},
-        "D": ref["dim"], "n_train": problem.n_train, "space": ref["space"],
+        "D": ref["dim"], "n_train": problem.n_train, "n_fit": len(data.fit[1]),
+        "space": ref["space"],
         "dense_size": ref["size"], "trace": trace, "exact_top_share": shares,
         "nonzero_eigenvalues": int((lam > lam[0] * 1e-12).sum()),
         "spectrum": log_spaced(lam), "exact_prior": ref["delta"],
@@ -142,7 +143,7 @@ def markdown(name: str, record: dict) -> str:
     """A markdown table of one problem: every posterior against the exact one."""
     sets = list(record["sets"])
     head = (f"\n### {name}: {record['problem']['note']} (D = {record['D']:,}, "
-            f"N = {record['n_train']:,}; exact top-100 keeps "
+            f"N = {record.get('n_fit', record['n_train']):,}; exact top-100 keeps "
             f"{100 * record['exact_top_share']['100']:.1f}% of the trace)\n\n")
     cols = ["posterior", "prior", *[f"NLL {s}" for s in sets], "ECE test",
             "f-var err (own / exact prior)", "kept / exact top-r", "fit + marglik s"]

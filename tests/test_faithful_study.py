@@ -143,3 +143,23 @@ def test_tiny_run_writes_json_png_and_tables(tmp_path, capsys):
     assert kept["mnist_mlp"]["run"]["commit"] == saved["commit"]
     assert torch.get_default_dtype() == torch.float32
     assert torch.get_num_threads() == threads
+
+
+def test_augmented_training_set_keeps_the_images_first_and_repeats_the_labels():
+    """An augmented problem's training set: the images themselves, then warped copies
+    (reproducible, none equal to its image), labels repeated; the test sets unchanged."""
+    from dataclasses import replace
+
+    from benchmarks._faithful_problems import Problem, make_data
+
+    plain = Problem("digits", "mlp", {"hidden": [4]}, n_train=20, n_test=10, rotations=(30,))
+    augmented = replace(plain, augment=3)
+    base, data = make_data(plain), make_data(augmented)
+    X, y = data.train
+    assert X.shape == (60, 64) and torch.equal(y, base.train[1].repeat(3))
+    torch.testing.assert_close(X[:20], base.train[0])
+    assert all((X[20 * k:20 * (k + 1)] - X[:20]).abs().amax(1).min() > 0 for k in (1, 2))
+    torch.testing.assert_close(make_data(augmented).train[0], X)
+    for name, (Xt, yt) in base.tests.items():
+        torch.testing.assert_close(data.tests[name][0], Xt)
+        assert torch.equal(data.tests[name][1], yt)
