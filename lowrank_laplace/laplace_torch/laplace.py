@@ -337,7 +337,9 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             kept_fraction=float(self.kept_fraction), fit_path=result.fit_path,
             factor_backend=result.factor_backend, residual=self.residual,
             check=result.check, variance_change=probed.variance_change,
-            warm_started=result.warm_started, ranks_tried=tuple(history))
+            warm_started=result.warm_started, ranks_tried=tuple(history),
+            complement_resolved=None if probed.complement is None
+            else probed.complement.resolved_share)
         self._fitted_residual, self._residual_model = self.residual, None
 
     def _fit_result(self) -> FitResult:

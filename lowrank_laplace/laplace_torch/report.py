@@ -35,6 +35,8 @@ class FitReport:
             variance from the leading half of the kept eigenpairs to all, at the fit's
             prior (``None``: not measured, e.g. without the spectral residual's probe).
         warm_started: Whether the sketch started from this posterior's last fit.
+        complement_resolved: Share of the probe's Jacobian energy outside the kept
+            basis that the measured complement resolves (``None``: not measured).
         ranks_tried: ``(rank, variance change)`` of every fit (``rank="auto"`` fits
             several).
     """
@@ -49,6 +51,7 @@ class FitReport:
     variance_change: Optional[float] = None
     warm_started: bool = False
     ranks_tried: Tuple[Tuple[int, Optional[float]], ...] = ()
+    complement_resolved: Optional[float] = None
 
     def __str__(self) -> str:
         lines = [f"lowrank_ggn fit: rank {self.rank} of {self.num_params:,} parameters, "
@@ -65,6 +68,10 @@ class FitReport:
             lines.append(f"  predictive variance on the probe inputs: changes by "
                          f"{self.variance_change:.1%} from rank {self.rank // 2} to "
                          f"{self.rank}")
+        if self.complement_resolved is not None:
+            lines.append(f"  complement variance: measured on the probe, which resolves "
+                         f"{self.complement_resolved:.0%} of its energy outside the kept "
+                         "basis (the rest meets the modelled tail)")
         if len(self.ranks_tried) > 1:
             tried = ", ".join(f"{r} ({'-' if c is None else f'{c:.1%}'})"
                               for r, c in self.ranks_tried)

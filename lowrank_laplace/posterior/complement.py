@@ -2,8 +2,9 @@ r"""The complement variance measured on a probe of training inputs.
 
 The spectral residual's one variance ``v`` outside ``U``, from one backward pass's
 ``(C m) x (C m)`` Gram matrix: each probe half's complement GGN against the other half's
-Jacobian energy, the sub-sample's bias extrapolated away (docs/posterior_quality.md,
-"The models").
+Jacobian energy, the sub-sample's bias extrapolated away; the energy a half cannot
+resolve meets the modelled tail beyond the directions it resolved
+(:class:`UnresolvedTail`; docs/posterior_quality.md, "The models").
 
 Shape glossary:
     D: parameters; r: kept rank; m: probe inputs; C: outputs; V: loss-factor columns.
@@ -48,29 +49,48 @@ class MeasuredComplement:
     fraction: float
     floor: float = 0.0
 
-    def variance(self, scale: Tensor, prior: Tensor, anchor: float) -> Tensor:
+    def variance(self, scale: Tensor, prior: Tensor, anchor: float,
+                 tail: Optional["UnresolvedTail"] = None) -> Tensor:
         r"""Return the complement variance ``v`` (float64 scalar) at scale ``h``, prior ``delta``.
 
         Args:
             scale: ``h`` (may carry gradients).
             prior: Scalar ``delta`` (may carry gradients).
             anchor: The last kept eigenvalue ``lambda_r`` (the lower clamp).
+            tail: The modelled curvature of the energy a probe half leaves unresolved
+                (``None``: all of it curved by the floor).
         """
         delta = torch.as_tensor(prior).to(device=self.mu.device, dtype=torch.float64)
         h = torch.as_tensor(scale).to(device=self.mu.device, dtype=torch.float64)
-        full = _variance(self.mu, self.q, self.energy, self.floor, h, delta)
+        tail = tail if self.fraction < 1 else None  # the whole data: nothing unresolved
+
+        def measured(mu: Tensor, q: Tensor) -> Tensor:
+            unresolved = 1 / (h * self.floor + delta) if tail is None else \
+                tail.variance(mu.numel() // 2, h, delta, self.floor)
+            return _variance(mu, q, self.energy, h, delta, unresolved)
+
+        full = measured(self.mu, self.q)
         if self.mu_half is None:
             value = full
         else:
-            half = _variance(self.mu_half, self.q_half, self.energy, self.floor, h, delta)
+            half = measured(self.mu_half, self.q_half)
             value = full - (half - full) * (1 - self.fraction)
         low = 1 / (h * anchor + delta)
         return torch.minimum(torch.maximum(value, low), 1 / delta)
 
-    def shift(self, scale: Tensor, prior: Tensor, anchor: float) -> Tensor:
+    @property
+    def resolved_share(self) -> float:
+        """Share of the probe's complement energy its halves resolve.
+
+        The rest meets the modelled tail (:class:`UnresolvedTail`).
+        """
+        return min(float(self.q.sum() / self.energy), 1.0)
+
+    def shift(self, scale: Tensor, prior: Tensor, anchor: float,
+              tail: Optional["UnresolvedTail"] = None) -> Tensor:
         r"""The precision shift :math:`\rho = 1 / v - \delta \ge 0` (float64 scalar)."""
         delta = torch.as_tensor(prior).to(device=self.mu.device, dtype=torch.float64)
-        return (1 / self.variance(scale, delta, anchor) - delta).clamp(min=0)
+        return (1 / self.variance(scale, delta, anchor, tail) - delta).clamp(min=0)
 
     def to(self, device: torch.device) -> "MeasuredComplement":
         """The same measurement on ``device``."""
@@ -92,11 +112,50 @@ class MeasuredComplement:
         return cls(**{name: state[name] for name in _FIELDS})
 
 
-def _variance(mu: Tensor, q: Tensor, energy: Tensor, floor: float, h: Tensor,
-              delta: Tensor) -> Tensor:
-    """``v`` of one measurement (float64); unresolved energy is curved by ``floor``."""
-    unresolved = (energy - q.sum()).clamp(min=0)
-    return ((q / (h * mu + delta)).sum() + unresolved / (h * floor + delta)) / energy
+@dataclass(frozen=True)
+class UnresolvedTail:
+    """Where the energy a probe half leaves unresolved lies: the modelled tail.
+
+    A half of ``n`` inputs resolves at most ``n V`` complement directions, the largest
+    (scaled by ``N / n``); far below ``N`` the rest of its other half's energy still meets
+    curvature. Its unresolved energy is spread over the dropped directions it did not
+    resolve: the modelled tail's beyond the ``k`` it resolved (Jacobian-weighted,
+    ``t^beta``), and the null directions beyond the GGN's rank (curved by the floor).
+
+    Attributes:
+        tail: Modelled dropped eigenvalues (descending, GGN scale), ``(n - r,)``.
+        exponent: The Jacobian-weighting exponent ``beta``.
+        free: Dropped directions ``D - r``.
+    """
+
+    tail: Tensor
+    exponent: float
+    free: int
+
+    def variance(self, resolved: int, scale: Tensor, prior: Tensor, floor: float) -> Tensor:
+        """The variance per unit of unresolved energy where ``resolved`` are resolved.
+
+        A float64 scalar, differentiable in ``scale`` and ``prior``.
+        """
+        flat = 1 / (scale * floor + prior)
+        beyond = self.tail[resolved:].to(device=prior.device, dtype=torch.float64)
+        free = self.free - resolved
+        if beyond.numel() == 0 or free <= 0 or float(beyond.max()) <= 0:
+            return flat
+        weight = (beyond / beyond.max()) ** self.exponent
+        curved = (weight / (scale * beyond + prior)).sum() / weight.sum()
+        share = min(beyond.numel() / free, 1.0)
+        return share * curved + (1 - share) * flat
+
+
+def _variance(mu: Tensor, q: Tensor, energy: Tensor, h: Tensor, delta: Tensor,
+              unresolved: Tensor) -> Tensor:
+    """``v`` of one measurement (float64).
+
+    ``unresolved``: the variance per unit of the energy outside its resolved directions.
+    """
+    rest = (energy - q.sum()).clamp(min=0)
+    return ((q / (h * mu + delta)).sum() + rest * unresolved) / energy
 
 
 def measure_complement(gram: Tensor, Z: Tensor, loss_sqrt: Tensor, num_data: int

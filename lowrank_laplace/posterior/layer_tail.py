@@ -25,6 +25,27 @@ def segment_sums(values: Tensor, sizes: Sequence[int]) -> Tensor:
     return torch.stack([part.sum(0) for part in values.split(list(sizes))])
 
 
+def spectral_tail(eigenvalues: Tensor, mass: float, rank_bound: int, dim: int) -> Tensor:
+    """Return the modelled dropped eigenvalues of a fit.
+
+    :func:`power_law_tail` from the last kept one over the ``min(rank_bound, D) - r``
+    dropped directions the GGN's rank allows (all ``D - r`` where those cannot hold the
+    mass).
+
+    Args:
+        eigenvalues: Kept ``lambda`` (descending), ``(r,)``.
+        mass: The exact dropped curvature.
+        rank_bound: Upper bound on the rank of the GGN.
+        dim: Parameters ``D``.
+    """
+    rank = eigenvalues.numel()
+    count = min(max(int(rank_bound), rank), dim) - rank
+    if count == 0 and mass > 0:  # a bound that cannot hold the mass: spread it
+        count = dim - rank
+    anchor = float(eigenvalues[-1]) if rank else 0.0
+    return power_law_tail(anchor, mass, max(rank, 1), count)
+
+
 def power_law_tail(anchor: float, mass: float, start: int, count: int,
                    stride: float = 1.0) -> Tensor:
     r"""Return ``a (i / s)^-alpha``, ``i = s + j sigma``, ``j = 1..n``, summing to ``mass``.

@@ -12,7 +12,7 @@ Shape glossary:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -27,7 +27,12 @@ from lowrank_laplace.fitting.budget import (
 from lowrank_laplace.fitting.config import FitConfig
 from lowrank_laplace.fitting.fit import FitResult
 from lowrank_laplace.fitting.loader import likelihood_loss
-from lowrank_laplace.posterior.complement import MeasuredComplement, measure_complement
+from lowrank_laplace.posterior.complement import (
+    MeasuredComplement,
+    UnresolvedTail,
+    measure_complement,
+)
+from lowrank_laplace.posterior.layer_tail import spectral_tail
 from lowrank_laplace.posterior.predictive import jacobian_energies, jacobian_engine
 from lowrank_laplace.utils.batches import batch_device, take
 from lowrank_laplace.utils.checks import check_batch
@@ -93,20 +98,24 @@ def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig, likeliho
             projections = None  # no cheaper than the exact energies
         if (projections or fit.n_outputs) > probe.cap:  # fewer random ones fit the budget
             projections = probe.cap
-        micro = micro_batch_size(engine, probe.batches[0], projections, config.memory_budget,
-                                 config.micro_batch_size)
-        energy = jacobian_energies(engine, probe.batches, U, micro, projections, probe.rng)
-        measured = (None, None)
+        complement, energy, rank_check = None, None, None
         if measure and (group is None or torch.distributed.get_rank(group) == 0):
-            measured = _measure(engine, probe.batches, (U, lam), config,
-                                (fit.n_data, likelihood_loss(likelihood), prior))
+            complement, energy, rank_check = _measure(
+                engine, probe.batches, fit, config, (likelihood_loss(likelihood), prior))
+        if energy is None or projections is not None or group is not None:
+            micro = micro_batch_size(engine, probe.batches[0], projections,
+                                     config.memory_budget, config.micro_batch_size)
+            energy = jacobian_energies(engine, probe.batches, U, micro, projections,
+                                       probe.rng)
     if group is not None:
         import torch.distributed as dist
 
         dist.all_reduce(energy, group=group)
         if measure:
-            measured = (_broadcast(measured[0], U, group), None)
-    return ProbeResult(jacobian_exponent(lam, energy), *measured)
+            complement, rank_check = _broadcast(complement, U, group), None
+    exponent = jacobian_exponent(lam, energy)
+    change = None if rank_check is None else rank_check(exponent)
+    return ProbeResult(exponent, complement, change)
 
 
 def jacobian_exponent(eigenvalues: Tensor, energies: Tensor) -> float:
@@ -135,23 +144,27 @@ def jacobian_exponent(eigenvalues: Tensor, energies: Tensor) -> float:
     return min(max(beta, 0.0), 1.0)
 
 
-def _measure(engine: FactorEngine, probe: List[Any], kept: Tuple[Tensor, Tensor],
-             config: FitConfig, data: tuple
-             ) -> Tuple[Optional[MeasuredComplement], Optional[float]]:
-    """The complement on the probe inputs that fit, and :func:`variance_change`.
+def _measure(engine: FactorEngine, probe: List[Any], fit: FitResult, config: FitConfig,
+             data: tuple) -> Tuple[Optional[MeasuredComplement], Optional[Tensor],
+                                   Optional[Callable[[float], Optional[float]]]]:
+    """The complement on the probe inputs that fit, energies of ``U``, and the rank check.
 
-    ``kept``: ``(U, lambda)``; ``data``: ``(N, (loss, factor), (h, delta))``.
+    The exact Jacobian energies come where the measured inputs are the whole probe (the
+    energy pass is then not run again); the rank check is :func:`variance_change` of an
+    exponent ``beta``.
+
+    ``data``: ``((loss, factor), (h, delta))``.
     """
-    (U, lam), (num_data, loss, prior) = kept, data
+    (U, lam, num_data), (loss, prior) = (fit.eigenvectors, fit.eigenvalues, fit.n_data), data
     budget = resolve_memory_budget(config.memory_budget, batch_device(probe[0]))
     try:
         fits, _ = samples_in_budget(engine, probe[0], None, budget / 2, False)
     except ValueError:  # not one input's C vectors: the model stays
-        return None, None
+        return None, None, None
     total = sum(check_batch(x, None) for x in probe)
     m = min(total, fits, num_data, MAX_COLUMNS // max(engine.num_outputs or 1, 1))
     if m < MIN_MEASURED:
-        return None, None
+        return None, None, None
     micro = micro_batch_size(engine, probe[0], None, config.memory_budget,
                              config.micro_batch_size)
     factors, left = [], m
@@ -167,14 +180,27 @@ def _measure(engine: FactorEngine, probe: List[Any], kept: Tuple[Tensor, Tensor]
     gram, Z, outputs = _assemble(factors, U, classes, m)
     loss_func, factor = loss
     S = hessian_sqrt(loss_func, outputs.to(torch.float64), 0, None) * factor ** 0.5
+    energy = (Z**2).sum(0).div(2).to(U.dtype) if m == total else None  # E[V V^T] = 2 J^T J
     full = measure_complement(gram, Z, S, num_data)
     half = lam.numel() // 2
     if full is None or half == 0:
-        return full, None
+        return full, energy, None
     probe = ProbeColumns(gram.diagonal() / 2, Z / 2**0.5, classes)
-    change = variance_change(probe, (lam, full), (lam[:half], measure_complement(
-        gram, Z[:, :half], S, num_data)), prior)
-    return full, change
+    halved = measure_complement(gram, Z[:, :half], S, num_data)
+
+    def rank_check(exponent: float) -> Optional[float]:
+        kept = [(lam[:k], measured, _unresolved(fit, k, exponent))
+                for k, measured in ((lam.numel(), full), (half, halved))]
+        return variance_change(probe, *kept, prior)
+
+    return full, energy, rank_check
+
+
+def _unresolved(fit: FitResult, rank: int, exponent: float) -> UnresolvedTail:
+    """The modelled tail beyond the leading ``rank`` eigenpairs of a fit."""
+    lam, dim = fit.eigenvalues[:rank].double().cpu(), fit.eigenvectors.shape[0]
+    mass = max(float(fit.trace) - float(lam.sum()), 0.0)
+    return UnresolvedTail(spectral_tail(lam, mass, fit.rank_bound, dim), exponent, dim - rank)
 
 
 @dataclass(frozen=True)
@@ -200,19 +226,20 @@ def predictive_variance(probe: ProbeColumns, kept: tuple, prior: Tuple[float, fl
 
     Args:
         probe: The probe's Jacobian columns.
-        kept: ``(lambda, complement)``: the leading eigenvalues kept and the complement
-            measured outside them.
+        kept: ``(lambda, complement, tail)``: the leading eigenvalues kept, the
+            complement measured outside them and the modelled tail of its unresolved
+            energy (``None``: curved by the floor).
         prior: ``(h, delta)``.
 
     Returns:
         ``(m,)``, float64.
     """
-    (lam, complement), (scale, delta) = kept, prior
+    (lam, complement, tail), (scale, delta) = kept, prior
     lam = lam.to(probe.projections)
     z2 = probe.projections[:, : lam.numel()] ** 2
     inside = z2 @ (1 / (scale * lam + delta))
     outside = (probe.norms - z2.sum(1)).clamp(min=0)
-    v = complement.variance(torch.tensor(scale), torch.tensor(delta), float(lam[-1]))
+    v = complement.variance(torch.tensor(scale), torch.tensor(delta), float(lam[-1]), tail)
     return (inside + v.to(inside) * outside).reshape(probe.classes, -1).sum(0)
 
 
@@ -222,7 +249,7 @@ def variance_change(probe: ProbeColumns, full: tuple, half: tuple,
 
     Args:
         probe: The probe's Jacobian columns.
-        full: ``(lambda, complement)`` of all kept eigenpairs.
+        full: ``(lambda, complement, tail)`` of all kept eigenpairs.
         half: The same for the leading half (complement ``None``: not measurable).
         prior: ``(h, delta)``.
 

@@ -17,8 +17,8 @@ from typing import Callable, ClassVar, Dict, Optional, Sequence, Tuple, Type
 import torch
 from torch import Tensor
 
-from lowrank_laplace.posterior.complement import MeasuredComplement
-from lowrank_laplace.posterior.layer_tail import LayerTails, power_law_tail
+from lowrank_laplace.posterior.complement import MeasuredComplement, UnresolvedTail
+from lowrank_laplace.posterior.layer_tail import LayerTails, spectral_tail
 from lowrank_laplace.posterior.precision import GramCache, LowRankPrecision
 
 #: A layerwise prior: parameters per layer and one precision per layer.
@@ -101,6 +101,13 @@ class Residual:
                 f"not keep: refit with residual={cls.name!r}."
             )
         return cls(dropped)
+
+    def complement_variance(self, scale: Tensor, prior: Tensor) -> Optional[Tensor]:
+        """The complement variance ``v`` measured on the probe, as the posterior uses it.
+
+        At scale ``h`` and a scalar prior; ``None`` where it was not measured.
+        """
+        return None
 
     def precision(self, eigenvectors: Tensor, eigenvalues: Tensor, scale: Tensor,
                   prior: Tensor, gram_cache: Optional[GramCache] = None,
@@ -219,12 +226,11 @@ class SpectralResidual(Residual):
     def __init__(self, dropped: DroppedCurvature):
         super().__init__(dropped)
         rank, dim, mass = dropped.eigenvalues.numel(), self.dim, self.mass
-        count = min(max(int(dropped.rank_bound), rank), dim) - rank
-        if count == 0 and mass > 0:  # a bound that cannot hold the mass: spread it
-            count = dim - rank
-        self.tail = power_law_tail(self.anchor, mass, max(rank, 1), count)
+        self.tail = spectral_tail(dropped.eigenvalues, mass, dropped.rank_bound, dim)
+        count = self.tail.numel()
         self.exponent = float(dropped.exponent)
         self.complement = dropped.complement if mass > 0 else None
+        self.unresolved = UnresolvedTail(self.tail, self.exponent, dim - rank)
         self._whole: Dict[int, LayerTails] = {}
         self._layers: Optional[LayerTails] = None
         # built on first use: only layerwise and per-parameter priors read the split
@@ -299,8 +305,15 @@ class SpectralResidual(Residual):
         rho, logdet = whole.shift(scale, prior, self.exponent, device)
         if self.complement is not None:  # measured on the probe, at this prior
             delta = prior.to(torch.float64).mean() if prior.numel() > 1 else prior
-            return self.complement.to(device).shift(scale, delta, self.anchor), logdet
+            return self.complement.to(device).shift(scale, delta, self.anchor,
+                                                    self.unresolved), logdet
         return rho[0], logdet
+
+    def complement_variance(self, scale: Tensor, prior: Tensor) -> Optional[Tensor]:
+        """See :meth:`Residual.complement_variance`."""
+        if self.complement is None:
+            return None
+        return self.complement.variance(scale, prior, self.anchor, self.unresolved)
 
 
 #: The residual models by name (the ``residual`` option).
