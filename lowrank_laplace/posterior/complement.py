@@ -12,7 +12,7 @@ Shape glossary:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -131,6 +131,8 @@ class UnresolvedTail:
     tail: Tensor
     exponent: float
     free: int
+    _parts: Dict[tuple, Optional[Tuple[Tensor, Tensor, float]]] = field(
+        default_factory=dict, compare=False, repr=False)
 
     def variance(self, resolved: int, scale: Tensor, prior: Tensor, floor: float) -> Tensor:
         """The variance per unit of unresolved energy where ``resolved`` are resolved.
@@ -138,14 +140,28 @@ class UnresolvedTail:
         A float64 scalar, differentiable in ``scale`` and ``prior``.
         """
         flat = 1 / (scale * floor + prior)
-        beyond = self.tail[resolved:].to(device=prior.device, dtype=torch.float64)
-        free = self.free - resolved
-        if beyond.numel() == 0 or free <= 0 or float(beyond.max()) <= 0:
+        parts = self._beyond(resolved, prior.device)
+        if parts is None:
             return flat
-        weight = (beyond / beyond.max()) ** self.exponent
+        beyond, weight, share = parts
         curved = (weight / (scale * beyond + prior)).sum() / weight.sum()
-        share = min(beyond.numel() / free, 1.0)
         return share * curved + (1 - share) * flat
+
+    def _beyond(self, resolved: int, device: torch.device
+                ) -> Optional[Tuple[Tensor, Tensor, float]]:
+        """The tail beyond ``resolved``, its weights and share, on ``device``.
+
+        The weights are the Jacobian weights ``t^beta``, the share that of the unresolved
+        directions the tail holds; ``None`` where no curved tail is left.
+        """
+        key = (resolved, str(device))
+        if key not in self._parts:
+            beyond = self.tail[resolved:].to(device=device, dtype=torch.float64)
+            free = self.free - resolved
+            top = float(beyond.max()) if beyond.numel() else 0.0
+            self._parts[key] = None if free <= 0 or top <= 0 else (
+                beyond, (beyond / top) ** self.exponent, min(beyond.numel() / free, 1.0))
+        return self._parts[key]
 
 
 def _variance(mu: Tensor, q: Tensor, energy: Tensor, h: Tensor, delta: Tensor,
