@@ -299,6 +299,24 @@ def test_bench_lora_runs_quiet_and_beside_a_load(tmp_path):
 
 @pytest.mark.slow
 @HEAVY
+def test_bench_lora_runs_the_bert_full_fine_tune_against_its_torch_func_fit(tmp_path):
+    """Every BERT weight trainable: the default fit (hooks) and the torch.func one, and
+    the target's ratio is their fit times'."""
+    from benchmarks import bench_lora
+
+    summary = bench_lora.main(["--quick", "--problems", "bert", "--out", str(tmp_path)])
+    records = json.loads((tmp_path / "lora_bert.json").read_text())["records"]
+    assert [r["method"] for r in records] == ["lowrank_ggn", "lowrank_ggn_functorch"]
+    assert all(p["status"] == "ok" for r in records for p in r["phases"].values())
+    engines = [r["phases"]["fit"]["factor_backend_used"] for r in records]
+    assert engines == ["hooks", "functorch"]
+    (target,) = summary["bert"]["targets"]
+    fits = [r["phases"]["fit"]["time_s"] for r in records]
+    assert target["value"] == pytest.approx(fits[0] / fits[1])
+
+
+@pytest.mark.slow
+@HEAVY
 def test_bench_lora_runs_the_llama_choice_head_on_one_and_two_processes(tmp_path):
     """The tiny Llama: bfloat16 base, float32 adapters, 4 answer logits; kron beside ours,
     and ours on two torchrun processes (gloo) gives the same tuned prior."""
