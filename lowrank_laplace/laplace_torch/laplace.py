@@ -40,6 +40,7 @@ from lowrank_laplace.laplace_torch.tuning import scalar_marglik_call, tune_scala
 from lowrank_laplace.laplace_torch.warm import warm_basis
 from lowrank_laplace.posterior import GramCache, Residual, residual_class
 from lowrank_laplace.posterior.complement import MeasuredComplement
+from lowrank_laplace.posterior.null import NullDirections, head_directions
 from lowrank_laplace.posterior.probe import probe_residual
 from lowrank_laplace.posterior.residual import DEFAULT_RESIDUAL
 from lowrank_laplace.utils.threads import on_one_thread_if_small
@@ -141,6 +142,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         self.factor_backend_used: Optional[str] = None
         self._jacobian_exponent = 0.0
         self._complement: Optional[MeasuredComplement] = None
+        self._null: Optional[NullDirections] = None
         self._gram_cache = GramCache()  # float64 U^T U, kept across predictive calls
         self.residual_diagonal: Optional[Tensor] = None
         self.trace: Optional[Tensor] = None
@@ -316,8 +318,9 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             prior = (float(self._H_factor), float(prior)) if prior.numel() == 1 else None
             while rank is not None:  # one fit, or rank="auto"'s doubling ranks
                 result = run.run(train_loader, previous, basis, progress_bar)
-                probed = probe_residual(module, result, options, self.likelihood, run.group,
-                                        prior)
+                head = (self.likelihood, head_directions(module, params, self.likelihood,
+                                                         result.n_outputs))
+                probed = probe_residual(module, result, options, head, run.group, prior)
                 history.append((result.eigenvalues.numel(), probed.variance_change))
                 rank = None if options.rank != AUTO or run.group is not None else next_rank(
                     rank, probed.variance_change, (result.rank_bound, result.mean.numel(),
@@ -331,7 +334,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         self.trace, self.residual_diagonal = result.trace, result.residual_diagonal
         self.factor_backend_used, self.fit_path = result.factor_backend, result.fit_path
         self.rank_bound, self._jacobian_exponent = result.rank_bound, probed.exponent
-        self._complement = probed.complement
+        self._complement, self._null = probed.complement, probed.null
         self.fit_report = FitReport(
             rank=result.eigenvalues.numel(), num_params=result.mean.numel(),
             kept_fraction=float(self.kept_fraction), fit_path=result.fit_path,
@@ -339,7 +342,8 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             check=result.check, variance_change=probed.variance_change,
             warm_started=result.warm_started, ranks_tried=tuple(history),
             complement_resolved=None if probed.complement is None
-            else probed.complement.resolved_share)
+            else probed.complement.resolved_share,
+            null_directions=0 if probed.null is None else probed.null.count)
         self._fitted_residual, self._residual_model = self.residual, None
 
     def _fit_result(self) -> FitResult:

@@ -7,6 +7,7 @@ import torch
 from lowrank_laplace.laplace_torch.report import FitReport
 from lowrank_laplace.posterior import residual_class
 from lowrank_laplace.posterior.complement import MeasuredComplement
+from lowrank_laplace.posterior.null import NullDirections
 
 
 class StatePersistence:
@@ -25,6 +26,7 @@ class StatePersistence:
                      rank_bound=self.rank_bound, jacobian_exponent=self._jacobian_exponent,
                      measured_complement=None if self._complement is None
                      else self._complement.state(),
+                     null_directions=None if self._null is None else self._null.state(),
                      fit_report=None if self.fit_report is None else self.fit_report.as_dict())
         return state
 
@@ -56,6 +58,7 @@ class StatePersistence:
         self._complement = MeasuredComplement.from_state(state_dict.get("measured_complement"))
         if self._complement is not None:
             self._complement = self._complement.to(U.device)
+        self._null = NullDirections.from_state(state_dict.get("null_directions"))
         self._residual_model = None
         self.fit_report = FitReport.from_dict(state_dict.get("fit_report"))
 

@@ -78,7 +78,7 @@ class PosteriorQueries:
             self._residual_model = self.options.residual_model.from_fit(DroppedCurvature(
                 self.H[0], self.H[1], self.trace, self.rank_bound or self.n_params,
                 self.residual_diagonal, self._jacobian_exponent, self._layer_sizes(),
-                self._complement,
+                self._complement, self._null,
             ))
         return self._residual_model
 

@@ -39,6 +39,8 @@ class FitReport:
             basis that the measured complement resolves (``None``: not measured).
         ranks_tried: ``(rank, variance change)`` of every fit (``rank="auto"`` fits
             several).
+        null_directions: The softmax head's logit-shift directions the probe checked,
+            which keep the prior's variance (``0``: none).
     """
 
     rank: int
@@ -52,6 +54,7 @@ class FitReport:
     warm_started: bool = False
     ranks_tried: Tuple[Tuple[int, Optional[float]], ...] = ()
     complement_resolved: Optional[float] = None
+    null_directions: int = 0
 
     def __str__(self) -> str:
         lines = [f"lowrank_ggn fit: rank {self.rank} of {self.num_params:,} parameters, "
@@ -72,6 +75,9 @@ class FitReport:
             lines.append(f"  complement variance: measured on the probe, which resolves "
                          f"{self.complement_resolved:.0%} of its energy outside the kept "
                          "basis (the rest meets the modelled tail)")
+        if self.null_directions:
+            lines.append(f"  logit-shift directions: {self.null_directions} null directions of "
+                         "the GGN keep the prior's variance (checked on the probe)")
         if len(self.ranks_tried) > 1:
             tried = ", ".join(f"{r} ({'-' if c is None else f'{c:.1%}'})"
                               for r, c in self.ranks_tried)

@@ -17,6 +17,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from lowrank_laplace.posterior.null import NullShift
 from lowrank_laplace.utils.linalg import squared_rows_dot, wide_inner
 
 _ROWS = 2**18  # rows per chunk of D x r products with a diagonal
@@ -69,13 +70,16 @@ class LowRankPrecision:
         gram_cache: A :class:`GramCache` shared by posteriors of the same ``U``.
         layers: ``(sizes, d_l)`` for ``d`` constant over row blocks: the capacitance
             then costs ``O(L r^2)`` (used where ``L r <= D``).
+        null: Null directions of the GGN whose variance is the prior's, not ``1 / d``
+            (every product but :meth:`logdet`, which the residual model's offset holds).
     """
 
     def __init__(self, eigenvectors: Tensor, eigenvalues: Tensor, prior_precision: Tensor,
                  logdet_offset: Optional[Tensor] = None,
                  gram_cache: Optional[GramCache] = None,
-                 layers: Optional[Tuple[Sequence[int], Tensor]] = None):
-        self.U = eigenvectors
+                 layers: Optional[Tuple[Sequence[int], Tensor]] = None,
+                 null: Optional[NullShift] = None):
+        self.U, self.null = eigenvectors, null
         self.layers = layers if layers is not None and \
             len(layers[0]) * eigenvectors.shape[1] <= eigenvectors.shape[0] else None
         self.gram_cache = gram_cache if gram_cache is not None else GramCache()
@@ -148,6 +152,10 @@ class LowRankPrecision:
 
     def inverse_diagonal(self) -> Tensor:
         """Return ``diag(P^{-1})``, ``(D,)``, by Woodbury (float64 for a lower-precision ``U``)."""
+        out = self._inverse_diagonal()
+        return out if self.null is None else out + self.null.diagonal(self.dim).to(out.dtype)
+
+    def _inverse_diagonal(self) -> Tensor:
         if self.isotropic and self.U.dtype != torch.float64 and self.U.shape[1]:
             wide = self._wide_inverse_diagonal()
             if wide is not None:
@@ -185,6 +193,8 @@ class LowRankPrecision:
         x2 = x if x.ndim == 2 else x[:, None]
         d = self.d if self.isotropic else self.d[:, None]
         out = self.U @ (self.ell[:, None] * (self.U.T @ x2)) + d * x2
+        if self.null is not None:
+            out = out + self.null.apply(x2, self.null.prior - self.null.held)
         return out if x.ndim == 2 else out[:, 0]
 
     def solve(self, x: Tensor) -> Tensor:
@@ -197,6 +207,8 @@ class LowRankPrecision:
             wd = self.w_over_d()
             inner = torch.cholesky_solve(wd.T @ x2, self.capacitance_cholesky)
             out = x2 / self.d[:, None] - wd @ inner
+        if self.null is not None:
+            out = out + self.null.apply(x2, self.null.variance_gap)
         return out if x.ndim == 2 else out[:, 0]
 
     def square_norm(self, delta: Tensor) -> Tensor:
@@ -218,14 +230,18 @@ class LowRankPrecision:
                 self._sqrt_parts = (d_sqrt, QY, 1 / (1 + s.clamp(min=0)).sqrt() - 1)
             d_sqrt, QY, coeff = self._sqrt_parts
             out = (x + QY @ (coeff[:, None] * (QY.T @ x))) / d_sqrt[:, None]
+        if self.null is not None:
+            out = out + self.null.apply(x, self.null.scale_gap)
         return out if eps.ndim == 2 else out[:, 0]
 
     def jacobian_variance(self, Js: Tensor) -> Tensor:
         """Return ``J P^{-1} J^T``, ``(..., C, C)``, from Jacobians ``Js`` ``(..., C, D)``."""
+        jn = None if self.null is None else self.null.directions.project(Js)
         return self.functional_variance((Js / self.d) @ Js.transpose(-1, -2),
-                                        Js @ self.w_over_d())
+                                        Js @ self.w_over_d(), jn)
 
-    def functional_variance(self, jdj: Tensor, jdw: Tensor) -> Tensor:
+    def functional_variance(self, jdj: Tensor, jdw: Tensor, jn: Optional[Tensor] = None
+                            ) -> Tensor:
         r"""Return ``J P^{-1} J^T``, ``(..., C, C)`` in ``jdw``'s dtype.
 
         Float64 products of a lower-precision posterior use
@@ -234,7 +250,10 @@ class LowRankPrecision:
         Args:
             jdj: ``J P_0^{-1} J^T``, ``(..., C, C)``.
             jdw: ``J P_0^{-1} W``, ``W = U diag(ell)^{1/2}``, ``(..., C, r)``.
+            jn: ``J N`` on the null directions, ``(..., C, k)`` (``None``: none).
         """
+        if jn is not None and self.null is not None:
+            jdj = jdj + self.null.jacobian_variance(jn.to(jdj.dtype))
         if jdw.shape[-1] == 0:  # nothing kept (a zero GGN): the prior's variance
             return jdj
         wide = jdw.dtype == torch.float64 and self.U.dtype != torch.float64

@@ -77,12 +77,16 @@ def glm_moments(
     num_out, num_in = factor.num_vectors, factor.num_samples
     jdj, jdw = _small_products(factor, precision, weights, joint)
     jdw = jdw.reshape(num_out, num_in, -1).transpose(0, 1)  # (B, C, r), rows were (c, n)
+    jn = None if precision.null is None else (  # J N = V^T N / sqrt(2), (B, C, k)
+        precision.null.directions.factor_product(factor).to(jdj.dtype) / 2**0.5
+    ).reshape(num_out, num_in, -1).transpose(0, 1)
     if joint:  # rows/cols ordered (c, n) -> (n, c)
         jdj = jdj.reshape(num_out, num_in, num_out, num_in).permute(1, 0, 3, 2)
         jdj = jdj.reshape(num_in * num_out, num_in * num_out)
-        f_var = precision.functional_variance(jdj, jdw.reshape(num_in * num_out, -1))
+        flat = None if jn is None else jn.reshape(num_in * num_out, -1)
+        f_var = precision.functional_variance(jdj, jdw.reshape(num_in * num_out, -1), flat)
     else:
-        f_var = precision.functional_variance(jdj, jdw)
+        f_var = precision.functional_variance(jdj, jdw, jn)
     # a bfloat16 head's outputs are given in the posterior's own dtype
     dtype = torch.promote_types(factor.outputs.dtype, precision.U.dtype)
     return factor.outputs.to(dtype), f_var.to(dtype)

@@ -33,6 +33,7 @@ from lowrank_laplace.posterior.complement import (
     measure_complement,
 )
 from lowrank_laplace.posterior.layer_tail import spectral_tail
+from lowrank_laplace.posterior.null import NullDirections, moves_outputs_alike
 from lowrank_laplace.posterior.predictive import jacobian_energies, jacobian_engine
 from lowrank_laplace.utils.batches import batch_device, take
 from lowrank_laplace.utils.checks import check_batch
@@ -60,26 +61,30 @@ class ProbeResult:
         complement: The measured complement variance (``None``: modelled).
         variance_change: :func:`variance_change` from the leading half of the kept
             eigenpairs to all (``None``: not measured).
+        null: The logit-shift directions the probe checked (``None``: none).
     """
 
     exponent: float = 0.0
     complement: Optional[MeasuredComplement] = None
     variance_change: Optional[float] = None
+    null: Optional[NullDirections] = None
 
 
-def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig, likelihood: str,
-                   group: Any = None, prior: Optional[Tuple[float, float]] = None
-                   ) -> ProbeResult:
+def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig,
+                   head: Tuple[str, Optional[NullDirections]], group: Any = None,
+                   prior: Optional[Tuple[float, float]] = None) -> ProbeResult:
     """``beta`` of the spectral residual, the measured complement and the rank check.
 
     The measurement covers the probe inputs within half the memory budget and
-    :data:`MAX_COLUMNS` columns (none below :data:`MIN_MEASURED` inputs).
+    :data:`MAX_COLUMNS` columns (none below :data:`MIN_MEASURED` inputs); it checks the
+    candidate logit-shift directions and measures the complement outside them.
 
     Args:
         model: The module whose GGN was fitted.
         fit: The fit, with its probe inputs.
         config: The fit's options.
-        likelihood: ``"classification"`` or ``"regression"``.
+        head: The likelihood (``"classification"`` or ``"regression"``) and the
+            candidate logit-shift directions (``posterior.null.head_directions``).
         group: The data-parallel process group, or ``None``.
         prior: ``(h, delta)`` of a scalar prior to measure under; ``None``: no
             measurement.
@@ -90,8 +95,9 @@ def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig, likeliho
     U, lam, probe = fit.eigenvectors, fit.eigenvalues, fit.probe
     if U.shape[1] in (0, U.shape[0]) or probe is None:  # nothing kept, or nothing dropped
         return ProbeResult()
-    measure = prior is not None and MEASURE_COMPLEMENT
+    (likelihood, null), measure = head, prior is not None and MEASURE_COMPLEMENT
     with jacobian_engine(model, config.factor_backend) as engine:
+        null = None if null is None else _checked_head(engine, probe.batches[0], null)
         inputs = sum(check_batch(x, None) for x in probe.batches)
         projections = None if PROBE_COLUMNS is None else -(-PROBE_COLUMNS // max(inputs, 1))
         if projections is not None and projections >= fit.n_outputs:
@@ -101,7 +107,7 @@ def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig, likeliho
         complement, energy, rank_check = None, None, None
         if measure and (group is None or torch.distributed.get_rank(group) == 0):
             complement, energy, rank_check = _measure(
-                engine, probe.batches, fit, config, (likelihood_loss(likelihood), prior))
+                engine, probe.batches, fit, config, (likelihood_loss(likelihood), prior, null))
         if energy is None or projections is not None or group is not None:
             micro = micro_batch_size(engine, probe.batches[0], projections,
                                      config.memory_budget, config.micro_batch_size)
@@ -115,7 +121,7 @@ def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig, likeliho
             complement, rank_check = _broadcast(complement, U, group), None
     exponent = jacobian_exponent(lam, energy)
     change = None if rank_check is None else rank_check(exponent)
-    return ProbeResult(exponent, complement, change)
+    return ProbeResult(exponent, complement, change, null)
 
 
 def jacobian_exponent(eigenvalues: Tensor, energies: Tensor) -> float:
@@ -153,9 +159,11 @@ def _measure(engine: FactorEngine, probe: List[Any], fit: FitResult, config: Fit
     energy pass is then not run again); the rank check is :func:`variance_change` of an
     exponent ``beta``.
 
-    ``data``: ``((loss, factor), (h, delta))``.
+    ``data``: ``((loss, factor), (h, delta), null)`` with the checked logit-shift
+    directions (``None``: none), which the complement leaves out.
     """
-    (U, lam, num_data), (loss, prior) = (fit.eigenvectors, fit.eigenvalues, fit.n_data), data
+    (U, lam, num_data), (loss, prior, null) = (fit.eigenvectors, fit.eigenvalues,
+                                               fit.n_data), data
     budget = resolve_memory_budget(config.memory_budget, batch_device(probe[0]))
     try:
         fits, _ = samples_in_budget(engine, probe[0], None, budget / 2, False)
@@ -178,29 +186,54 @@ def _measure(engine: FactorEngine, probe: List[Any], fit: FitResult, config: Fit
             break
     classes = engine.num_outputs
     gram, Z, outputs = _assemble(factors, U, classes, m)
+    ZN = None if null is None else torch.cat([null.factor_product(f).to(Z).reshape(
+        classes, f.num_samples, -1) for f in factors], 1).reshape(classes * m, -1)
+    outside = Z if ZN is None else torch.cat([Z, ZN], 1)  # the complement: outside both
     loss_func, factor = loss
     S = hessian_sqrt(loss_func, outputs.to(torch.float64), 0, None) * factor ** 0.5
     energy = (Z**2).sum(0).div(2).to(U.dtype) if m == total else None  # E[V V^T] = 2 J^T J
-    full = measure_complement(gram, Z, S, num_data)
+    full = measure_complement(gram, outside, S, num_data)
     half = lam.numel() // 2
     if full is None or half == 0:
         return full, energy, None
-    probe = ProbeColumns(gram.diagonal() / 2, Z / 2**0.5, classes)
-    halved = measure_complement(gram, Z[:, :half], S, num_data)
+    null_energy = None if ZN is None else (ZN**2).sum(1) / 2
+    probe = ProbeColumns(gram.diagonal() / 2, Z / 2**0.5, classes, null_energy)
+    halved = measure_complement(gram, outside[:, [*range(half), *range(lam.numel(),
+                                                                      outside.shape[1])]],
+                                S, num_data)
+    known = 0 if null is None else null.count
 
     def rank_check(exponent: float) -> Optional[float]:
-        kept = [(lam[:k], measured, _unresolved(fit, k, exponent))
+        kept = [(lam[:k], measured, _unresolved(fit, k, exponent, known))
                 for k, measured in ((lam.numel(), full), (half, halved))]
         return variance_change(probe, *kept, prior)
 
     return full, energy, rank_check
 
 
-def _unresolved(fit: FitResult, rank: int, exponent: float) -> UnresolvedTail:
-    """The modelled tail beyond the leading ``rank`` eigenpairs of a fit."""
+def _checked_head(engine: FactorEngine, inputs: Any, null: NullDirections
+                  ) -> Optional[NullDirections]:
+    """The candidate logit-shift directions if they move every output alike.
+
+    Checked on the first :data:`MIN_MEASURED` probe inputs (one backward pass); ``None``
+    where they do not.
+    """
+    n = check_batch(inputs, None)
+    factor = engine.compute(take(inputs, slice(0, min(n, MIN_MEASURED)), n), None,
+                            gradient=False)
+    alike = moves_outputs_alike(null.factor_product(factor), engine.num_outputs)
+    return null if alike else None
+
+
+def _unresolved(fit: FitResult, rank: int, exponent: float, known: int) -> UnresolvedTail:
+    """The modelled tail beyond the leading ``rank`` eigenpairs of a fit.
+
+    ``known`` null directions lie apart.
+    """
     lam, dim = fit.eigenvalues[:rank].double().cpu(), fit.eigenvectors.shape[0]
     mass = max(float(fit.trace) - float(lam.sum()), 0.0)
-    return UnresolvedTail(spectral_tail(lam, mass, fit.rank_bound, dim), exponent, dim - rank)
+    tail = spectral_tail(lam, mass, min(fit.rank_bound, dim - known), dim)
+    return UnresolvedTail(tail, exponent, dim - rank - known)
 
 
 @dataclass(frozen=True)
@@ -211,18 +244,21 @@ class ProbeColumns:
         norms: ``||J_nc||^2``, ordered ``(c, n)``, ``(C m,)``.
         projections: ``J_nc U``, ``(C m, r)``, float64.
         classes: Outputs ``C``.
+        null: ``||J_nc N||^2`` on the logit-shift directions (``None``: none known).
     """
 
     norms: Tensor
     projections: Tensor
     classes: int
+    null: Optional[Tensor] = None
 
 
 def predictive_variance(probe: ProbeColumns, kept: tuple, prior: Tuple[float, float]
                         ) -> Tensor:
     r"""Each probe input's GLM variance summed over outputs, under the spectral residual.
 
-    ``sum_c (sum_k z_nck^2 / (h lambda_k + delta) + v (||J_nc||^2 - sum_k z_nck^2))``.
+    ``sum_c (sum_k z_nck^2 / (h lambda_k + delta) + v (||J_nc||^2 - sum_k z_nck^2))``, the
+    logit-shift directions' energy apart at ``1 / delta``.
 
     Args:
         probe: The probe's Jacobian columns.
@@ -238,9 +274,10 @@ def predictive_variance(probe: ProbeColumns, kept: tuple, prior: Tuple[float, fl
     lam = lam.to(probe.projections)
     z2 = probe.projections[:, : lam.numel()] ** 2
     inside = z2 @ (1 / (scale * lam + delta))
-    outside = (probe.norms - z2.sum(1)).clamp(min=0)
+    null = 0 if probe.null is None else probe.null
+    outside = (probe.norms - z2.sum(1) - null).clamp(min=0)
     v = complement.variance(torch.tensor(scale), torch.tensor(delta), float(lam[-1]), tail)
-    return (inside + v.to(inside) * outside).reshape(probe.classes, -1).sum(0)
+    return (inside + v.to(inside) * outside + null / delta).reshape(probe.classes, -1).sum(0)
 
 
 def variance_change(probe: ProbeColumns, full: tuple, half: tuple,

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lowrank_laplace.posterior.complement import MeasuredComplement, UnresolvedTail
 from lowrank_laplace.posterior.layer_tail import LayerTails, spectral_tail
+from lowrank_laplace.posterior.null import NullDirections, NullShift
 from lowrank_laplace.posterior.precision import GramCache, LowRankPrecision
 
 #: A layerwise prior: parameters per layer and one precision per layer.
@@ -38,6 +39,7 @@ class DroppedCurvature:
         exponent: The Jacobian-weighting exponent ``beta`` (spectral).
         layer_sizes: Parameters per layer (laplace-torch's parameter tensors).
         complement: The complement variance measured on the probe (spectral).
+        null: The GGN's checked logit-shift directions (spectral), or ``None``.
     """
 
     eigenvectors: Tensor
@@ -48,6 +50,7 @@ class DroppedCurvature:
     exponent: float = 0.0
     layer_sizes: Optional[Sequence[int]] = None
     complement: Optional[MeasuredComplement] = None
+    null: Optional[NullDirections] = None
 
     @property
     def mass(self) -> float:
@@ -214,10 +217,14 @@ class IsotropicResidual(Residual):
 class SpectralResidual(Residual):
     """A power-law tail continuing the kept spectrum, in random dropped directions.
 
+    The GGN's logit-shift directions, where the probe checked them, keep the prior's
+    variance (:mod:`~lowrank_laplace.posterior.null`); the tail spans the rest.
+
     Attributes:
         tail: Modelled dropped eigenvalues, ``(n - r,)``.
         exponent: Jacobian-weighting exponent ``beta``.
         complement: The measured complement variance (``None``: modelled).
+        null: The logit-shift directions (``None``: none known).
     """
 
     name = "spectral"
@@ -226,11 +233,14 @@ class SpectralResidual(Residual):
     def __init__(self, dropped: DroppedCurvature):
         super().__init__(dropped)
         rank, dim, mass = dropped.eigenvalues.numel(), self.dim, self.mass
-        self.tail = spectral_tail(dropped.eigenvalues, mass, dropped.rank_bound, dim)
+        self.null = dropped.null if rank < dim else None
+        known = 0 if self.null is None else self.null.count
+        self.tail = spectral_tail(dropped.eigenvalues, mass, min(dropped.rank_bound, dim - known),
+                                  dim)
         count = self.tail.numel()
         self.exponent = float(dropped.exponent)
         self.complement = dropped.complement if mass > 0 else None
-        self.unresolved = UnresolvedTail(self.tail, self.exponent, dim - rank)
+        self.unresolved = UnresolvedTail(self.tail, self.exponent, dim - rank - known)
         self._whole: Dict[int, LayerTails] = {}
         self._layers: Optional[LayerTails] = None
         # built on first use: only layerwise and per-parameter priors read the split
@@ -263,7 +273,16 @@ class SpectralResidual(Residual):
         offset = (tail_logdet - num * torch.log(d.to(torch.float64).mean())).to(ell.dtype)
         return LowRankPrecision(eigenvectors, (ell - rho).clamp(min=0), d,
                                 logdet_offset=offset, gram_cache=gram_cache,
-                                layers=_shifted(layer_prior, rho))
+                                layers=_shifted(layer_prior, rho),
+                                null=self._null_shift(prior, d))
+
+    def _null_shift(self, prior: Tensor, held: Tensor) -> Optional[NullShift]:
+        """The prior's variance on the null directions, where the precision holds ``held``."""
+        if self.null is None:
+            return None
+        means = [self.null.column_means(x.expand(self.dim) if x.numel() == 1 else x)
+                 for x in (prior, held)]  # a prior per parameter: not eigenvectors
+        return None if any(m is None for m in means) else NullShift(self.null, *means)
 
     def _dropped_spectrum(self, kept, scale):
         if self.dim - kept.numel() <= 0:
@@ -290,7 +309,7 @@ class SpectralResidual(Residual):
         offset = tail_logdet - (layers.complement.to(ell.device) * log_d).sum()
         return LowRankPrecision(eigenvectors, (ell - kept).clamp(min=0), d,
                                 logdet_offset=offset.to(ell.dtype), gram_cache=gram_cache,
-                                layers=constant)
+                                layers=constant, null=self._null_shift(prior, d))
 
     def _shift(self, scale: Tensor, prior: Tensor, num: int,
                device: torch.device) -> Tuple[Tensor, Tensor]:

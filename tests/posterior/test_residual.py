@@ -73,7 +73,47 @@ def reference_exponent(la, full, X):
     return min(max(float(np.polyfit(x, y, 1)[0]), 0.0), 1.0)
 
 
-def reference_measured_variance(la, full, X, h, delta, tail, beta):
+def reference_null_basis(la, full):
+    """The logit-shift directions of the final linear layer, ``(D, H + 1)`` (``None``:
+    the posterior does not know them: regression, or no measured complement)."""
+    if la.likelihood != "classification" or la.measured_complement is None:
+        assert la.fit_report.null_directions == 0
+        return None
+    params = list(full.model.parameters())
+    head = [m for m in full.model.modules() if isinstance(m, nn.Linear)][-1]
+    offsets = dict(zip(map(id, params), np.cumsum([0] + [p.numel() for p in params])))
+    C, H = head.weight.shape
+    columns = []
+    for k in range(H + 1):
+        v = torch.zeros(la.n_params, dtype=torch.float64)
+        if k < H:
+            block = torch.zeros(C, H, dtype=torch.float64)
+            block[:, k] = C**-0.5
+            start = offsets[id(head.weight)]
+            v[start:start + C * H] = block.flatten()
+        else:
+            start = offsets[id(head.bias)]
+            v[start:start + C] = C**-0.5
+        columns.append(v)
+    assert la.fit_report.null_directions == H + 1
+    return torch.stack(columns, 1)
+
+
+def with_null_prior(P, null, d):
+    """The covariance ``P^{-1}`` with the prior's variance on the null directions, where
+    the precision's diagonal is constant on each (their eigenvectors)."""
+    cov = torch.linalg.inv(P)
+    if null is None:
+        return cov
+    prior_j = (null**2 * d[:, None]).sum(0)
+    rows = null != 0
+    if any(d[rows[:, j]].unique().numel() > 1 for j in range(null.shape[1])):
+        return cov  # a prior per parameter: the posterior keeps P
+    held_j = (null * (P @ null)).sum(0)  # P n_j = held_j n_j
+    return cov + null @ torch.diag(1 / prior_j - 1 / held_j) @ null.T
+
+
+def reference_measured_variance(la, full, X, h, delta, tail, beta, null=None):
     """The complement variance measured on the probe, from dense Jacobians.
 
     A probe of all ``N`` inputs: the exact complement GGN and the probe's Jacobian
@@ -84,10 +124,12 @@ def reference_measured_variance(la, full, X, h, delta, tail, beta):
     the whole data; on a sub-sample, where the halves resolve ``k`` directions each (on
     average), it lies in the ``D - r - k`` unresolved ones: the share the modelled
     ``tail`` (GGN scale) has beyond its first ``k`` with variances weighted by
-    ``tail^beta``, the rest curved by the floor. The result clamped.
+    ``tail^beta``, the rest curved by the floor. The result clamped. Known ``null``
+    directions lie outside the complement measured.
     """
     U, lam = la.H
     D = U.shape[0]
+    known = 0 if null is None else null.shape[1]
     N, m = len(X), min(la.options.probe_inputs, len(X))
     Js, f = full.backend.jacobians(X[:m])  # (m, C, D)
     if la.likelihood == "classification":
@@ -96,6 +138,8 @@ def reference_measured_variance(la, full, X, h, delta, tail, beta):
     else:
         hess = torch.eye(f.shape[-1], dtype=f.dtype).expand(m, -1, -1)
     P = torch.eye(D, dtype=torch.float64) - U @ U.T
+    if null is not None:
+        P = P - null @ null.T
     rows = Js.reshape(-1, D) @ P
     energy = (rows ** 2).sum()
     ggn = [J.T @ H @ J for J, H in zip(Js, hess)]
@@ -112,7 +156,7 @@ def reference_measured_variance(la, full, X, h, delta, tail, beta):
             return flat
         weights = (beyond / beyond.max()) ** beta
         curved = (weights / (h * beyond + delta)).sum() / weights.sum()
-        share = len(beyond) / (D - len(lam) - k)
+        share = len(beyond) / (D - len(lam) - known - k)
         return share * curved + (1 - share) * flat
 
     def variance(pairs, total):
@@ -153,10 +197,13 @@ def reference_posterior(la, full, X):
         P = kept + h * mass / (D - r) * (eye - U @ U.T) + torch.diag(d)
         return torch.linalg.inv(P), torch.logdet(P)
     # spectral: power-law tail over the rank bound, random directions in the complement,
-    # their variances weighted by tail^beta (Jacobian energies against eigenvalues)
-    count = la.rank_bound - r
+    # their variances weighted by tail^beta (Jacobian energies against eigenvalues); the
+    # logit-shift directions apart, at the prior
+    null = reference_null_basis(la, full)
+    count = min(la.rank_bound, D - (0 if null is None else null.shape[1])) - r
     if d.unique().numel() > 1:  # a prior per layer or parameter: one tail per layer
-        return reference_layer_posterior(la, full, X, count, mass, kept)
+        P, logdet = reference_layer_posterior(la, full, X, count, mass, kept)
+        return with_null_prior(P, null, d), logdet
     raw = reference_tail(float(lam[-1]), mass, r, count)
     tail = h * raw
     delta = d.mean()
@@ -166,7 +213,7 @@ def reference_posterior(la, full, X):
     assert la.jacobian_exponent == pytest.approx(beta, abs=0.05)
     beta = la.jacobian_exponent
     if la.measured_complement is not None:
-        v = reference_measured_variance(la, full, X, h, delta, raw, beta)
+        v = reference_measured_variance(la, full, X, h, delta, raw, beta, null)
     elif beta > 0:
         v = (tail**beta / (tail + delta)).sum() / (tail**beta).sum()
     else:
@@ -175,7 +222,7 @@ def reference_posterior(la, full, X):
     rho = 1 / v - delta
     P = kept - rho * U @ U.T + torch.diag(d + rho)  # = U(hl+d)U^T + (rho+d)(I-UU^T) if scalar
     logdet = torch.logdet(P) + tail_logdet - (D - r) * torch.log(rho + delta)
-    return torch.linalg.inv(P), logdet
+    return with_null_prior(P, null, d), logdet
 
 
 def reference_layer_posterior(la, full, X, count, mass, kept):
@@ -219,7 +266,7 @@ def reference_layer_posterior(la, full, X, count, mass, kept):
     # the offset trades each layer's complement, c_l log(delta + rho_l), for its tail
     log_d = torch.stack([part.mean() for part in (d + rho_diag).split(sizes)]).log()
     logdet = torch.logdet(P) + tail_logdet - (complement * log_d).sum()
-    return torch.linalg.inv(P), logdet
+    return P, logdet
 
 
 CASES = [("isotropic", "scalar"), ("isotropic", "param"), ("spectral", "scalar"),
