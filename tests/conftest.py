@@ -9,10 +9,13 @@ from torch import nn
 
 import lowrank_laplace as ll
 
-# pytest-xdist workers share the cores: each takes its share of torch's threads
+# pytest-xdist workers share the cores: each takes its share of torch's threads, and so
+# do the processes a test starts (notebook kernels, command-line runs), which read
+# OMP_NUM_THREADS: two workers' children on all cores each slowed the suite down
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
