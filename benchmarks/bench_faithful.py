@@ -236,9 +236,6 @@ def lowrank_facts(fitted: Fitted, ref: dict) -> dict:
                                                            torch.tensor(ref["delta"]))
     if measured is not None:
         facts["measured_v_at_exact_prior"] = float(measured)
-    split = ref["sets"]["test"]["split"].get(r)
-    if split is not None:
-        facts["exact_v_at_exact_prior"] = float(split["trace"].sum() / split["energy"].sum())
     return facts
 
 
@@ -261,7 +258,8 @@ def evaluate(fits: list[Fitted], model, data, ref: dict) -> None:
         for f in [f for f in fits if "error" not in f.record]:
             got = {k: torch.cat(v) for k, v in parts[f.label].items()}
             f.record.setdefault("sets", {})[set_name] = report.set_metrics(
-                got, exact, y, f.record.get("measured_v_at_exact_prior"), f.rank)
+                got, dict(exact, delta=delta), y, f.record.get("measured_v_at_exact_prior"),
+                f.rank)
     for f in fits:
         if "error" in f.record:
             f.record.pop("sets", None)
@@ -285,6 +283,9 @@ def _accumulate(f: Fitted, acc: dict, X, J: Tensor, delta: float) -> None:
         JU = J @ la.H[0].to(J.dtype)
         outside = (J**2).sum((1, 2)) - (JU**2).sum((1, 2))
         acc.setdefault("energy_outside", []).append(outside)
+        null = getattr(la.residual_model, "null", None)  # the logit-shift directions
+        energy = outside * 0 if null is None else (null.project(J) ** 2).sum((1, 2))
+        acc.setdefault("null_energy", []).append(energy)
 
 
 def run_problem(name: str, problem: Problem, args: argparse.Namespace) -> dict:
