@@ -52,13 +52,20 @@ class PosteriorQueries:
 
         The matrix whose inverse is the posterior covariance: the scaled kept
         eigenvalues and the prior precision diagonal, both shifted by the residual
-        model (see :mod:`lowrank_laplace.posterior.residual`).
+        model (see :mod:`lowrank_laplace.posterior.residual`). The softmax head's
+        logit-shift directions, where the model keeps them at the prior, follow ``U`` as
+        columns whose ``ell`` (the prior minus ``d``) is negative.
         """
         precision = self._precision()
         d = precision.d
         if d.numel() == 1:
             d = d.expand(self.n_params).clone()
-        return (precision.U, precision.ell), d
+        U, ell, null = precision.U, precision.ell, precision.null
+        if null is not None:
+            eye = torch.eye(null.directions.count, dtype=U.dtype, device=U.device)
+            U = torch.cat([U, null.directions.expand(eye, self.n_params).T], 1)
+            ell = torch.cat([ell, (null.prior - null.held).to(ell.dtype)])
+        return (U, ell), d
 
     @property
     def measured_complement(self) -> Optional[MeasuredComplement]:

@@ -71,3 +71,15 @@ def test_the_probe_keeps_only_directions_that_move_every_output_alike(tail, foun
         torch.testing.assert_close(variance, torch.full_like(variance, prior))
     else:
         assert float(variance.max()) < prior
+
+
+def test_posterior_precision_is_the_inverse_of_the_covariance_with_the_directions():
+    model = _mlp()
+    _, _, loader = _data()
+    la = LowRankGGNLaplace(model, "classification", rank=5)
+    la.fit(loader)
+    (U, ell), d = la.posterior_precision
+    assert U.shape[1] == 5 + 7 and (ell[5:] < 0).all()
+    P = U @ torch.diag(ell) @ U.T + torch.diag(d)
+    torch.testing.assert_close(torch.linalg.inv(P), la.posterior_covariance, rtol=1e-6,
+                               atol=1e-9)
