@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -29,6 +29,7 @@ from lowrank_laplace.fitting.plan import (
     FitPlan,
     agree,
     choose_plan,
+    flat_plan,
     keep_while_fitting,
     make_solver,
     measure_sizes,
@@ -209,7 +210,7 @@ class LoaderFit:
         loss, num_data = self._reduce(stream, loss, seen, known, mean.dtype)
         check = self._check(stream)
         if check is not None and check.action == "streamed instead":
-            self.plan = choose_plan(self._sizes, replace(self.config, solver="streaming"))
+            self.plan = flat_plan(self._sizes, self.config)
             stream, loss, seen = self._pass(loader, known, None, False)
             loss, num_data = self._reduce(stream, loss, seen, known, mean.dtype)
         U, lam, trace, residual = stream.solver.result()

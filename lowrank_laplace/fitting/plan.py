@@ -31,6 +31,12 @@ from lowrank_laplace.utils.batches import batch_device
 #: Extra eigenpairs kept while streaming, as a share of the rank (keeping only ``rank``
 #: loses accuracy in the last kept eigenpairs).
 OVERSAMPLING = 0.2
+#: Where ``solver="auto"``'s sketch found the spectrum flat (it failed its check),
+#: streaming keeps this share of the rank more, and at least the next count: on a flat
+#: spectrum merges truncated at :data:`OVERSAMPLING` lose curvature the exact top-``r``
+#: keeps (docs/posterior_quality.md, "Where the rank keeps under 40%").
+FLAT_OVERSAMPLING = 1.0
+FLAT_MIN_EXTRA = 64
 #: Up to this many parameters the fit sums densely wherever streaming would truncate
 #: and the matrix fits; ``0``: never, ``None``: the cost model decides alone.
 DENSE_MAX_DIM = 2048
@@ -55,8 +61,14 @@ AUTO_SKETCH_OVERSAMPLING = 3
 WARM_SKETCH_OVERSAMPLING = 2
 
 
-def keep_while_fitting(rank: int) -> int:
-    """Eigenpairs kept while streaming: ``rank`` plus :data:`OVERSAMPLING` of it."""
+def keep_while_fitting(rank: int, flat: bool = False) -> int:
+    """Eigenpairs kept while streaming: ``rank`` plus :data:`OVERSAMPLING` of it.
+
+    On a ``flat`` spectrum :data:`FLAT_OVERSAMPLING` of it, at least
+    :data:`FLAT_MIN_EXTRA`.
+    """
+    if flat:
+        return rank + max(int(rank * FLAT_OVERSAMPLING), FLAT_MIN_EXTRA)
     return rank + int(rank * OVERSAMPLING)
 
 
@@ -266,6 +278,22 @@ def choose_plan(sizes: FitSizes, config: FitConfig,
         micro, chunk = merge_plan(sizes, config, keep, path=path)
     return _frozen_plan(sizes, "dense" if dense else path, (micro, chunk), low_memory, keep,
                         samples, (dense, single))
+
+
+def flat_plan(sizes: FitSizes, config: FitConfig) -> FitPlan:
+    """The plan after ``solver="auto"``'s sketch found the spectrum flat.
+
+    Streaming merges that keep :func:`keep_while_fitting`'s flat share (auto sketches
+    only where neither a dense sum nor one merge would do, and never in low memory).
+
+    Args:
+        sizes: The first batch's sizes.
+        config: The options.
+    """
+    keep = keep_while_fitting(config.rank, flat=True)
+    passes = merge_plan(sizes, config, keep)
+    samples = math.ceil(sizes.num_data * (config.subsample_fraction or 1.0))
+    return _frozen_plan(sizes, "streaming", passes, False, keep, samples, (False, False))
 
 
 def choose_dense(sizes: FitSizes, keep: int, samples: int, merge_samples: int,

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 #: Most entries of the weight's block of ``N`` (``C H x H``, dense in its products): a
 #: wider head is left to the residual model.
-MAX_ENTRIES = 2**24
+MAX_ENTRIES = 2**22
 #: Largest relative spread of a direction's output change across the outputs that still
 #: counts as moving them alike (factors in float32 round at ``1e-7``).
 ALIKE = 1e-4
