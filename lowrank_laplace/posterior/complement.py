@@ -18,6 +18,8 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from lowrank_laplace.posterior.layer_tail import spectral_tail
+
 #: Share of the probe's GGN trace below which a complement eigenvalue or energy is not
 #: resolved (``M`` holds two Gram matrices' rounding); one floor for every dtype, so
 #: float32 and float64 fits agree at tiny priors.
@@ -133,6 +135,23 @@ class UnresolvedTail:
     free: int
     _parts: Dict[tuple, Optional[Tuple[Tensor, Tensor, float]]] = field(
         default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def of_fit(cls, eigenvalues: Tensor, mass: float, rank_bound: int, dim: int,
+               exponent: float, known: int = 0) -> "UnresolvedTail":
+        """The modelled tail beyond a fit's kept eigenvalues (:func:`spectral_tail`).
+
+        Args:
+            eigenvalues: Kept ``lambda`` (descending), ``(r,)``.
+            mass: The exact dropped curvature.
+            rank_bound: Upper bound on the rank of the GGN.
+            dim: Parameters ``D``.
+            exponent: The Jacobian-weighting exponent ``beta``.
+            known: Null directions known apart (the logit-shift directions): neither in
+                the tail nor among the free directions.
+        """
+        tail = spectral_tail(eigenvalues, mass, min(rank_bound, dim - known), dim)
+        return cls(tail, exponent, dim - eigenvalues.numel() - known)
 
     def variance(self, resolved: int, scale: Tensor, prior: Tensor, floor: float) -> Tensor:
         """The variance per unit of unresolved energy where ``resolved`` are resolved.

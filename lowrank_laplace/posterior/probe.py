@@ -32,7 +32,6 @@ from lowrank_laplace.posterior.complement import (
     UnresolvedTail,
     measure_complement,
 )
-from lowrank_laplace.posterior.layer_tail import spectral_tail
 from lowrank_laplace.posterior.null import NullDirections, moves_outputs_alike
 from lowrank_laplace.posterior.predictive import jacobian_energies, jacobian_engine
 from lowrank_laplace.utils.batches import batch_device, take
@@ -232,8 +231,7 @@ def _unresolved(fit: FitResult, rank: int, exponent: float, known: int) -> Unres
     """
     lam, dim = fit.eigenvalues[:rank].double().cpu(), fit.eigenvectors.shape[0]
     mass = max(float(fit.trace) - float(lam.sum()), 0.0)
-    tail = spectral_tail(lam, mass, min(fit.rank_bound, dim - known), dim)
-    return UnresolvedTail(tail, exponent, dim - rank - known)
+    return UnresolvedTail.of_fit(lam, mass, fit.rank_bound, dim, exponent, known)
 
 
 @dataclass(frozen=True)

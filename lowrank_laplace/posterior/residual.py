@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lowrank_laplace.posterior.complement import MeasuredComplement, UnresolvedTail
-from lowrank_laplace.posterior.layer_tail import LayerTails, spectral_tail
+from lowrank_laplace.posterior.layer_tail import LayerTails
 from lowrank_laplace.posterior.null import NullDirections, NullShift
 from lowrank_laplace.posterior.precision import GramCache, LowRankPrecision
 
@@ -234,13 +234,13 @@ class SpectralResidual(Residual):
         super().__init__(dropped)
         rank, dim, mass = dropped.eigenvalues.numel(), self.dim, self.mass
         self.null = dropped.null if rank < dim else None
-        known = 0 if self.null is None else self.null.count
-        self.tail = spectral_tail(dropped.eigenvalues, mass, min(dropped.rank_bound, dim - known),
-                                  dim)
-        count = self.tail.numel()
         self.exponent = float(dropped.exponent)
+        self.unresolved = UnresolvedTail.of_fit(
+            dropped.eigenvalues, mass, dropped.rank_bound, dim, self.exponent,
+            0 if self.null is None else self.null.count)
+        self.tail = self.unresolved.tail
+        count = self.tail.numel()
         self.complement = dropped.complement if mass > 0 else None
-        self.unresolved = UnresolvedTail(self.tail, self.exponent, dim - rank - known)
         self._whole: Dict[int, LayerTails] = {}
         self._layers: Optional[LayerTails] = None
         # built on first use: only layerwise and per-parameter priors read the split
