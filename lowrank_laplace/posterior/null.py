@@ -78,13 +78,19 @@ class NullDirections:
         """A ``(D,)`` diagonal's value on every direction, ``(k,)``.
 
         ``None`` where it is not constant over a direction's rows (they are then not
-        its eigenvectors).
+        its eigenvectors). Reads the head's rows only.
         """
-        means = self.project(d) / self.classes**0.5
-        spread = d - self.expand(means * self.classes**0.5, d.numel())
-        rows = self.expand(torch.ones_like(means), d.numel()) != 0
-        tol = 64 * torch.finfo(d.dtype).eps
-        return means if bool((spread[rows].abs() <= tol * d[rows].abs()).all()) else None
+        C, H = self.classes, self.features
+        parts = [d[self._rows(self.weight, C * H)].unflatten(-1, (C, H))]
+        if self.bias is not None:
+            parts.append(d[self._rows(self.bias, C)][:, None])
+        tol, means = 64 * torch.finfo(d.dtype).eps, []
+        for part in parts:  # (C, directions of the part)
+            mean = part.mean(0)
+            if not bool(((part - mean).abs() <= tol * part.abs()).all()):
+                return None
+            means.append(mean)
+        return torch.cat(means)
 
     def factor_product(self, factor: Any) -> Tensor:
         """``V^T N`` of a factor over all Laplace parameters, ``(M, k)``."""

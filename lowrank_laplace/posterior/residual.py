@@ -280,7 +280,8 @@ class SpectralResidual(Residual):
         """The prior's variance on the null directions, where the precision holds ``held``."""
         if self.null is None:
             return None
-        means = [self.null.column_means(x.expand(self.dim) if x.numel() == 1 else x)
+        count = self.null.count  # a scalar is constant on every direction
+        means = [x.reshape(()).expand(count) if x.numel() == 1 else self.null.column_means(x)
                  for x in (prior, held)]  # a prior per parameter: not eigenvectors
         return None if any(m is None for m in means) else NullShift(self.null, *means)
 
