@@ -25,6 +25,7 @@ from laplace.baselaplace import ParametricLaplace
 from laplace.lllaplace import LLLaplace
 from torch import Tensor, nn
 
+from lowrank_laplace.fitting.distributed import resolve_process_group
 from lowrank_laplace.fitting.fit import FitResult, FitTarget, LoaderFit
 from lowrank_laplace.laplace_torch.options import (
     OPTION_NAMES,
@@ -42,6 +43,7 @@ from lowrank_laplace.posterior import GramCache, Residual, residual_class
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.null import NullDirections, head_directions
 from lowrank_laplace.posterior.probe import probe_residual
+from lowrank_laplace.posterior.quadrature import DroppedQuadrature, lanczos_quadrature
 from lowrank_laplace.posterior.residual import DEFAULT_RESIDUAL
 from lowrank_laplace.utils.threads import on_one_thread_if_small
 
@@ -76,6 +78,23 @@ def refuse_inference_mode(what: str) -> None:
             "backward passes), which torch.inference_mode() forbids: call it outside, or "
             "under torch.no_grad() instead (it enables gradients where it needs them). "
             "In Lightning, Trainer(inference_mode=False)."
+        )
+
+
+def refuse_other_curvature(la: ParametricLaplace) -> None:
+    """Refuse laplace-torch backend settings that ask for another curvature than the GGN."""
+    name = la._backend_cls.__name__
+    for suffix, what in (("EF", "the empirical Fisher"), ("Hessian", "the Hessian")):
+        if name.endswith(suffix):
+            raise ValueError(
+                "hessian_structure='lowrank_ggn' computes the exact (or Monte-Carlo) "
+                f"GGN with its own engine; backend={name} asks for {what}, which it "
+                "does not provide. Leave backend out or pass a GGN backend."
+            )
+    if la._backend_kwargs.get("stochastic") and not la.mc_samples:
+        raise ValueError(
+            "backend_kwargs={'stochastic': True} asks for a Monte-Carlo GGN: pass "
+            "mc_samples=1 (the lowrank_ggn option) instead."
         )
 
 
@@ -123,7 +142,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         self._set_options(diagonal_correction, split_options(kwargs))
         super().__init__(model, likelihood, *args, **kwargs)
         if not isinstance(self, LLLaplace):  # the last-layer class checks after its options
-            self._check_backend()
+            refuse_other_curvature(self)
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -143,6 +162,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         self._jacobian_exponent = 0.0
         self._complement: Optional[MeasuredComplement] = None
         self._null: Optional[NullDirections] = None
+        self._quadrature: Optional[DroppedQuadrature] = None
         self._gram_cache = GramCache()  # float64 U^T U, kept across predictive calls
         self.residual_diagonal: Optional[Tensor] = None
         self.trace: Optional[Tensor] = None
@@ -211,22 +231,6 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         self.prior_precision = torch.tensor([tuned], device=self._device, dtype=self._dtype)
         if call["verbose"]:
             print(f"Optimized prior precision is {self.prior_precision}.")
-
-    def _check_backend(self) -> None:
-        """Refuse laplace-torch backend settings that ask for another curvature."""
-        name = self._backend_cls.__name__
-        for suffix, what in (("EF", "the empirical Fisher"), ("Hessian", "the Hessian")):
-            if name.endswith(suffix):
-                raise ValueError(
-                    "hessian_structure='lowrank_ggn' computes the exact (or Monte-Carlo) "
-                    f"GGN with its own engine; backend={name} asks for {what}, which it "
-                    "does not provide. Leave backend out or pass a GGN backend."
-                )
-        if self._backend_kwargs.get("stochastic") and not self.mc_samples:
-            raise ValueError(
-                "backend_kwargs={'stochastic': True} asks for a Monte-Carlo GGN: pass "
-                "mc_samples=1 (the lowrank_ggn option) instead."
-            )
 
     @property
     def residual(self) -> str:
@@ -335,6 +339,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         self.factor_backend_used, self.fit_path = result.factor_backend, result.fit_path
         self.rank_bound, self._jacobian_exponent = result.rank_bound, probed.exponent
         self._complement, self._null = probed.complement, probed.null
+        self._quadrature = None
         self.fit_report = FitReport(
             rank=result.eigenvalues.numel(), num_params=result.mean.numel(),
             kept_fraction=float(self.kept_fraction), fit_path=result.fit_path,
@@ -345,6 +350,38 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             else probed.complement.resolved_share,
             null_directions=0 if probed.null is None else probed.null.count)
         self._fitted_residual, self._residual_model = self.residual, None
+
+    def refine_complement(self, train_loader: Any) -> None:
+        """Measure the dropped curvature by Lanczos quadrature over the whole training set.
+
+        Where the rank keeps little and the complement carries much of the predictive
+        variance: Lanczos runs on the GGN outside the kept eigenvectors, one pass over
+        ``train_loader`` per step (:mod:`~lowrank_laplace.posterior.quadrature`),
+        replace the probe's complement variance and the modelled tail's log det and
+        marglik. The runs converge at half the current prior; a later :meth:`fit`
+        discards the result.
+
+        Raises:
+            AttributeError: Before :meth:`fit`.
+            ValueError: For a residual model other than ``"spectral"``.
+            MemoryError: If the Lanczos basis does not fit ``memory_budget``.
+        """
+        self._check_H_init()
+        refuse_inference_mode("refine_complement")
+        if not self.options.residual_model.needs_probe:
+            raise ValueError(f"refine_complement measures the spectral residual; this "
+                             f"posterior uses residual={self.residual!r}: set "
+                             "residual='spectral'.")
+        module, to_inputs, params = self._curvature_target()
+        prior = (float(self._H_factor), float(torch.as_tensor(self.prior_precision).mean()))
+        found = lanczos_quadrature(
+            FitTarget(module, self.likelihood, params, to_inputs, self.dict_key_y,
+                      self._device), train_loader, (self.H[0], self._null, self.n_outputs),
+            self.options, prior, resolve_process_group("default"))
+        self._quadrature, self._complement, self._residual_model = found, found.complement, None
+        self.fit_report = replace(self.fit_report, complement_resolved=None,
+                                  quadrature_steps=found.steps,
+                                  quadrature_converged=found.converged)
 
     def _fit_result(self) -> FitResult:
         """The current fit as a :class:`FitResult` (what online updates add to)."""

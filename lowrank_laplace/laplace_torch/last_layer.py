@@ -18,7 +18,11 @@ from laplace.lllaplace import LLLaplace
 from torch import Tensor, nn
 
 from lowrank_laplace.fitting.loader import check_batch_types, loader_size
-from lowrank_laplace.laplace_torch.laplace import LowRankGGNLaplace, check_positive
+from lowrank_laplace.laplace_torch.laplace import (
+    LowRankGGNLaplace,
+    check_positive,
+    refuse_other_curvature,
+)
 from lowrank_laplace.laplace_torch.options import split_options
 from lowrank_laplace.utils.batches import batch_size, to_device
 
@@ -41,7 +45,7 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
         options = split_options(kwargs)
         super().__init__(model, likelihood, *args, **kwargs)
         self._set_options(diagonal_correction, options)
-        self._check_backend()
+        refuse_other_curvature(self)
         self.whole_model = False
         if self.model.last_layer is None:  # laplace-torch checks the prior at fit
             check_positive("prior_precision", self._prior_precision)

@@ -8,6 +8,7 @@ from lowrank_laplace.laplace_torch.report import FitReport
 from lowrank_laplace.posterior import residual_class
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.null import NullDirections
+from lowrank_laplace.posterior.quadrature import DroppedQuadrature
 
 
 class StatePersistence:
@@ -27,6 +28,8 @@ class StatePersistence:
                      measured_complement=None if self._complement is None
                      else self._complement.state(),
                      null_directions=None if self._null is None else self._null.state(),
+                     quadrature=None if self._quadrature is None
+                     else self._quadrature.state(),
                      fit_report=None if self.fit_report is None else self.fit_report.as_dict())
         return state
 
@@ -59,6 +62,7 @@ class StatePersistence:
         if self._complement is not None:
             self._complement = self._complement.to(U.device)
         self._null = NullDirections.from_state(state_dict.get("null_directions"))
+        self._quadrature = DroppedQuadrature.from_state(state_dict.get("quadrature"), U.device)
         self._residual_model = None
         self.fit_report = FitReport.from_dict(state_dict.get("fit_report"))
 

@@ -86,6 +86,8 @@ class PosteriorQueries:
                 self.H[0], self.H[1], self.trace, self.rank_bound or self.n_params,
                 self.residual_diagonal, self._jacobian_exponent, self._layer_sizes(),
                 self._complement, self._null,
+                None if self._quadrature is None else (self._quadrature.nodes,
+                                                       self._quadrature.counts),
             ))
         return self._residual_model
 

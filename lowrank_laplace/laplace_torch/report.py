@@ -41,6 +41,8 @@ class FitReport:
             several).
         null_directions: The softmax head's logit-shift directions the probe checked,
             which keep the prior's variance (``0``: none).
+        quadrature_steps: Lanczos steps of ``refine_complement`` (``0``: not run).
+        quadrature_converged: Whether its runs converged (``None``: not run).
     """
 
     rank: int
@@ -55,6 +57,8 @@ class FitReport:
     ranks_tried: Tuple[Tuple[int, Optional[float]], ...] = ()
     complement_resolved: Optional[float] = None
     null_directions: int = 0
+    quadrature_steps: int = 0
+    quadrature_converged: Optional[bool] = None
 
     def __str__(self) -> str:
         lines = [f"lowrank_ggn fit: rank {self.rank} of {self.num_params:,} parameters, "
@@ -75,6 +79,11 @@ class FitReport:
             lines.append(f"  complement variance: measured on the probe, which resolves "
                          f"{self.complement_resolved:.0%} of its energy outside the kept "
                          "basis (the rest meets the modelled tail)")
+        if self.quadrature_steps:
+            verdict = "converged" if self.quadrature_converged else "not converged"
+            lines.append(f"  complement variance and dropped spectrum: Lanczos quadrature "
+                         f"over the training data, {self.quadrature_steps} passes "
+                         f"({verdict})")
         if self.null_directions:
             lines.append(f"  logit-shift directions: {self.null_directions} null directions of "
                          "the GGN keep the prior's variance (checked on the probe)")

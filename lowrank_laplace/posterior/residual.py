@@ -40,6 +40,8 @@ class DroppedCurvature:
         layer_sizes: Parameters per layer (laplace-torch's parameter tensors).
         complement: The complement variance measured on the probe (spectral).
         null: The GGN's checked logit-shift directions (spectral), or ``None``.
+        spectrum: Nodes and counts of the dropped spectrum from Lanczos quadrature
+            (spectral; :mod:`~lowrank_laplace.posterior.quadrature`), or ``None``.
     """
 
     eigenvectors: Tensor
@@ -51,6 +53,7 @@ class DroppedCurvature:
     layer_sizes: Optional[Sequence[int]] = None
     complement: Optional[MeasuredComplement] = None
     null: Optional[NullDirections] = None
+    spectrum: Optional[Tuple[Tensor, Tensor]] = None
 
     @property
     def mass(self) -> float:
@@ -220,11 +223,16 @@ class SpectralResidual(Residual):
     The GGN's logit-shift directions, where the probe checked them, keep the prior's
     variance (:mod:`~lowrank_laplace.posterior.null`); the tail spans the rest.
 
+    Where Lanczos quadrature measured the dropped spectrum, its nodes and counts replace
+    the tail in the log det and the marglik (scalar priors; the layerwise split keeps the
+    tail).
+
     Attributes:
         tail: Modelled dropped eigenvalues, ``(n - r,)``.
         exponent: Jacobian-weighting exponent ``beta``.
         complement: The measured complement variance (``None``: modelled).
         null: The logit-shift directions (``None``: none known).
+        spectrum: The measured dropped spectrum ``(nodes, counts)`` (``None``: modelled).
     """
 
     name = "spectral"
@@ -241,6 +249,7 @@ class SpectralResidual(Residual):
         self.tail = self.unresolved.tail
         count = self.tail.numel()
         self.complement = dropped.complement if mass > 0 else None
+        self.spectrum = dropped.spectrum if mass > 0 and rank < dim else None
         self._whole: Dict[int, LayerTails] = {}
         self._layers: Optional[LayerTails] = None
         # built on first use: only layerwise and per-parameter priors read the split
@@ -288,6 +297,9 @@ class SpectralResidual(Residual):
     def _dropped_spectrum(self, kept, scale):
         if self.dim - kept.numel() <= 0:
             return [], []
+        if self.spectrum is not None:
+            nodes, counts = (t.to(device="cpu", dtype=torch.float64) for t in self.spectrum)
+            return [nodes * scale], [counts]
         tail = self.tail.to(device="cpu", dtype=torch.float64) * scale
         return [tail], [torch.ones_like(tail)]
 
@@ -323,11 +335,25 @@ class SpectralResidual(Residual):
         if whole is None:  # one layer, the network; kept with its prior-free factors
             whole = self._whole[num] = LayerTails.whole(self.tail, self.dim, num)
         rho, logdet = whole.shift(scale, prior, self.exponent, device)
+        if self.spectrum is not None:
+            logdet = self._measured_logdet(scale, prior, num, device)
         if self.complement is not None:  # measured on the probe, at this prior
             delta = prior.to(torch.float64).mean() if prior.numel() > 1 else prior
             return self.complement.to(device).shift(scale, delta, self.anchor,
                                                     self.unresolved), logdet
         return rho[0], logdet
+
+    def _measured_logdet(self, scale: Tensor, prior: Tensor, num: int,
+                         device: torch.device) -> Tensor:
+        """The dropped directions' log det from the measured spectrum (float64).
+
+        The ``num`` dropped directions beyond the nodes' counts (the logit-shift ones) see
+        the prior alone.
+        """
+        nodes, counts = (t.to(device=device, dtype=torch.float64) for t in self.spectrum)
+        delta = prior.to(device=device, dtype=torch.float64).mean()
+        h = torch.as_tensor(scale).to(device=device, dtype=torch.float64)
+        return (counts * torch.log(h * nodes + delta)).sum() + (num - counts.sum()) * delta.log()
 
     def complement_variance(self, scale: Tensor, prior: Tensor) -> Optional[Tensor]:
         """See :meth:`Residual.complement_variance`."""

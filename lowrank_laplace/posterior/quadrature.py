@@ -1,0 +1,319 @@
+r"""Lanczos quadrature of the curvature a rank-``r`` fit drops, over the whole training set.
+
+Lanczos runs on the deflated GGN ``P H P`` (``P`` projects out the kept eigenvectors
+and the logit-shift directions), all runs in one block, every step one GGN-matrix
+product ``sum_b V_b (V_b^T Q)`` over the training loader:
+
+- Jacobian starts ``P J^T eps`` (random output combinations of the first training
+  inputs): Gauss quadrature of ``b^T (h P H P + delta)^{-1} b`` is the complement
+  variance per unit of Jacobian energy, a :class:`MeasuredComplement` of the whole data;
+- Gaussian starts (stochastic Lanczos quadrature): nodes and counts of the dropped
+  spectrum, for the log det and the marginal likelihood.
+
+The Gauss rule under-states ``b^T (A + delta)^{-1} b`` and converges as
+``lambda_{r+1} / delta`` allows, so the runs go on until the last two steps moved the
+Jacobian starts' variance and the Gaussian starts' log det by less than
+:data:`TOLERANCE` at :data:`CHECK_PRIOR` times the current prior
+(docs/posterior_quality.md, "Lanczos quadrature of the dropped curvature").
+
+Shape glossary:
+    D: parameters; r: kept rank; s: Lanczos runs; k: steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.fitting import loader as loaders
+from lowrank_laplace.fitting.budget import micro_batch_size, resolve_memory_budget
+from lowrank_laplace.fitting.config import FitConfig
+from lowrank_laplace.fitting.fit import FitTarget
+from lowrank_laplace.posterior.complement import MeasuredComplement
+from lowrank_laplace.posterior.null import NullDirections
+from lowrank_laplace.posterior.predictive import jacobian_engine
+from lowrank_laplace.utils.batches import batch_device, take, to_device
+from lowrank_laplace.utils.checks import check_batch
+
+#: Lanczos runs of each kind (Jacobian starts, Gaussian starts).
+RUNS = 8
+#: Fewest and most Lanczos steps (each one pass over the training data).
+MIN_STEPS, MAX_STEPS = 4, 32
+#: The runs stop when two steps moved the variance and log det by less than this share...
+TOLERANCE = 0.01
+#: ...at this multiple of the current prior (marglik tuning may move it down).
+CHECK_PRIOR = 0.5
+#: Training inputs (the first) whose Jacobians start the complement's runs.
+START_INPUTS = 256
+#: Random output combinations per input of a Jacobian start where the model has more.
+START_PROJECTIONS = 16
+#: A run ends (an invariant subspace) where a step leaves less than this share of it.
+BREAKDOWN = 1e-10
+
+
+@dataclass(frozen=True)
+class DroppedQuadrature:
+    """What the Lanczos runs found, on the GGN's own scale (before ``h``).
+
+    Attributes:
+        complement: The complement variance of the Jacobian starts (whole data).
+        nodes: Ritz values of the Gaussian starts: the dropped spectrum's nodes.
+        counts: Directions per node; they sum to the dropped directions outside the
+            logit-shift ones.
+        steps: Lanczos steps (passes over the training data).
+        converged: Whether the runs met :data:`TOLERANCE` before :data:`MAX_STEPS`.
+        seconds: Wall time of the passes.
+    """
+
+    complement: MeasuredComplement
+    nodes: Tensor
+    counts: Tensor
+    steps: int
+    converged: bool
+    seconds: float
+
+    def state(self) -> Dict[str, Any]:
+        """A plain dict for ``state_dict`` (tensors on the CPU)."""
+        return {"complement": self.complement.state(), "nodes": self.nodes.cpu(),
+                "counts": self.counts.cpu(), "steps": self.steps,
+                "converged": self.converged, "seconds": self.seconds}
+
+    @classmethod
+    def from_state(cls, state: Optional[Dict[str, Any]], device: torch.device
+                   ) -> Optional["DroppedQuadrature"]:
+        """Inverse of :meth:`state` on ``device`` (``None`` stays ``None``)."""
+        if state is None:
+            return None
+        complement = MeasuredComplement.from_state(state["complement"]).to(device)
+        return cls(complement, state["nodes"], state["counts"], int(state["steps"]),
+                   bool(state["converged"]), float(state["seconds"]))
+
+
+class LanczosRuns:
+    """Independent Lanczos runs with full reorthogonalization, one per row of ``starts``.
+
+    Args:
+        starts: ``(s, D)`` float64; a zero row is a run without steps.
+    """
+
+    def __init__(self, starts: Tensor):
+        self.norms = starts.norm(dim=1)
+        self.active = self.norms > 0
+        self.basis = [starts / self.norms.clamp(min=torch.finfo(starts.dtype).tiny)[:, None]]
+        self.alphas: List[Tensor] = []
+        self.betas: List[Tensor] = []
+        self.length = torch.zeros(len(starts), dtype=torch.long)
+
+    @property
+    def current(self) -> Tensor:
+        """The vectors the next product is of, ``(s, D)`` (ended runs: zero)."""
+        return self.basis[-1]
+
+    def step(self, product: Tensor) -> None:
+        """One step with ``product`` ``= A q_k`` of :attr:`current`, ``(s, D)`` float64."""
+        q, W = self.basis[-1], product.clone()
+        alpha = (W * q).sum(1)
+        W -= alpha[:, None] * q
+        for _ in range(2):  # twice is enough: the products carry the model's rounding
+            for v in self.basis:
+                W -= (W * v).sum(1, keepdim=True) * v
+        beta = W.norm(dim=1)
+        self.length += self.active.long()
+        self.alphas.append(alpha)
+        self.betas.append(beta)
+        self.active &= beta > BREAKDOWN * product.norm(dim=1).clamp(min=1e-300)
+        self.basis.append(torch.where(self.active[:, None], W / beta.clamp(
+            min=torch.finfo(W.dtype).tiny)[:, None], torch.zeros_like(W)))
+
+    def rules(self) -> List[Tuple[Tensor, Tensor]]:
+        """Every run's Gauss rule: Ritz values (clamped at 0) and weights ``||b||^2 y_1^2``."""
+        alphas, betas, out = torch.stack(self.alphas, 1), torch.stack(self.betas, 1), []
+        for i, k in enumerate(self.length.tolist()):
+            if k == 0:
+                out.append((alphas.new_zeros(0), alphas.new_zeros(0)))
+                continue
+            off = betas[i, : k - 1]
+            T = torch.diag(alphas[i, :k]) + torch.diag(off, 1) + torch.diag(off, -1)
+            theta, Y = torch.linalg.eigh(T)
+            out.append((theta.clamp(min=0), Y[0] ** 2 * self.norms[i] ** 2))
+        return out
+
+
+def gauss_estimates(rules: List[Tuple[Tensor, Tensor]], scale: float, prior: float
+                    ) -> Tuple[float, float]:
+    """What the stopping rule watches, at ``(h, delta)``.
+
+    The Jacobian runs' variance ``sum w / (h theta + delta) / sum w`` and the Gaussian
+    runs' mean ``log(1 + h theta / delta)`` (zero without weight).
+    """
+    estimates = []
+    for part, f in ((rules[:RUNS], lambda t: 1 / (scale * t + prior)),
+                    (rules[RUNS:], lambda t: torch.log1p(scale * t / prior))):
+        nodes, weights = torch.cat([r[0] for r in part]), torch.cat([r[1] for r in part])
+        total = float(weights.sum())
+        estimates.append(float((weights * f(nodes)).sum()) / total if total > 0 else 0.0)
+    return estimates[0], estimates[1]
+
+
+def lanczos_quadrature(target: FitTarget, loader: Any,
+                       kept: Tuple[Tensor, Optional[NullDirections], int],
+                       config: FitConfig, prior: Tuple[float, float],
+                       group: Any = None) -> DroppedQuadrature:
+    """Run the Lanczos quadrature of a fit's dropped curvature over a training loader.
+
+    Args:
+        target: What the fit computed the GGN of.
+        loader: The training loader (one pass per step).
+        kept: ``(U, null, C)``: the kept eigenvectors ``(D, r)``, the checked logit-shift
+            directions (``None``: none) and the model's outputs.
+        config: The fit's options (backend, memory budget, micro-batches, seed).
+        prior: ``(h, delta)``: the scale and the scalar prior the stopping rule checks at.
+        group: The data-parallel process group (products are summed over it), or ``None``.
+
+    Returns:
+        The :class:`DroppedQuadrature`.
+
+    Raises:
+        MemoryError: If the Lanczos basis of :data:`MAX_STEPS` steps does not fit the
+            memory budget (naming ``memory_budget``).
+    """
+    U, null, outputs = kept
+    dim, wide = U.shape[0], torch.float64
+    _check_basis_memory(dim, config, U.device)
+
+    def project(X: Tensor) -> Tensor:  # rows (s, D)
+        X = X - (X @ U.to(wide)) @ U.to(wide).T
+        return X if null is None else X - null.expand(null.project(X), dim)
+
+    generator = torch.Generator().manual_seed(config.seed)
+    jacobian = _jacobian_starts(target, loader, config, outputs, generator).to(U.device)
+    gaussian = torch.randn(RUNS, dim, generator=generator, dtype=wide).to(U.device)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(jacobian, group=group)  # every process's first inputs
+    runs = LanczosRuns(project(torch.cat([jacobian, gaussian])))
+    start, (scale, delta), steps, converged = time.perf_counter(), prior, 0, False
+    history: List[Tuple[float, float]] = []
+    with FactorEngine(target.model, loaders.likelihood_loss(target.likelihood)[0],
+                      eval_mode=True, backend=config.factor_backend) as engine:
+        while steps < MAX_STEPS and bool(runs.active.any()):
+            product = _ggn_product(engine, target, loader, config, runs.current)
+            if group is not None:
+                dist.all_reduce(product, group=group)
+            runs.step(project(product))
+            steps += 1
+            history.append(gauss_estimates(runs.rules(), scale, CHECK_PRIOR * delta))
+            if steps >= MIN_STEPS and all(abs(now - then) <= TOLERANCE * abs(now) for now, then
+                                          in zip(history[-1], history[-3])):
+                converged = True
+                break
+        converged = converged or not bool(runs.active.any())
+    rules = runs.rules()
+    mu = torch.cat([r[0] for r in rules[:RUNS]])
+    q = torch.cat([r[1] for r in rules[:RUNS]])
+    free = dim - U.shape[1] - (0 if null is None else null.count)
+    totals = [float(r[1].sum()) for r in rules[RUNS:]]
+    used = [(r, t) for r, t in zip(rules[RUNS:], totals) if t > 0]
+    nodes = torch.cat([r[0] for r, _ in used]) if used else mu.new_zeros(0)
+    counts = torch.cat([r[1] / t for r, t in used]) * free / max(len(used), 1) \
+        if used else mu.new_zeros(0)
+    complement = MeasuredComplement(mu, q, None, None, q.sum(), 1.0, 0.0)
+    return DroppedQuadrature(complement, nodes.cpu(), counts.cpu(), steps, converged,
+                             time.perf_counter() - start)
+
+
+def _check_basis_memory(dim: int, config: FitConfig, device: torch.device) -> None:
+    """Refuse a Lanczos basis the memory budget cannot hold."""
+    need = (MAX_STEPS + 3) * 2 * RUNS * dim * 8
+    budget = resolve_memory_budget(config.memory_budget, device)
+    if need > budget:
+        raise MemoryError(
+            f"refine_complement: the Lanczos basis of {MAX_STEPS} steps for {dim:,} "
+            f"parameters needs about {need / 2**30:.1f} GiB, above the memory budget of "
+            f"{budget / 2**30:.1f} GiB: raise memory_budget (e.g. memory_budget=0.5 for half "
+            "the free memory)."
+        )
+
+
+def _batches(target: FitTarget, loader: Any) -> Any:
+    """The loader's batches as ``(inputs, targets)`` of ``target.model``, on its device."""
+    device = target.device or next(target.model.parameters()).device
+    for X, y in loaders.batches(loader, target.dict_key_y):
+        yield target.to_inputs(to_device(X, device)), y.to(device)
+
+
+def _jacobian_starts(target: FitTarget, loader: Any, config: FitConfig, outputs: int,
+                     generator: torch.Generator) -> Tensor:
+    """``J^T eps`` over the first :data:`START_INPUTS` training inputs, ``(RUNS, D)`` float64.
+
+    ``eps``: random signs on every output, or on :data:`START_PROJECTIONS` random output
+    combinations per input where the model has more outputs.
+    """
+    projections = START_PROJECTIONS if outputs > START_PROJECTIONS else 0
+    starts, left = None, START_INPUTS
+    with jacobian_engine(target.model, config.factor_backend) as engine:
+        for X, _ in _batches(target, loader):
+            n = check_batch(X, None)
+            micro = micro_batch_size(engine, X, projections or None, config.memory_budget,
+                                     config.micro_batch_size)
+            for begin in range(0, min(n, left), micro):
+                chunk = take(X, slice(begin, min(begin + micro, n, left)), n)
+                with torch.random.fork_rng(devices=_cuda(chunk)):
+                    torch.manual_seed(config.seed + begin + START_INPUTS - left)
+                    factor = engine.compute(chunk, None, mc_samples=projections,
+                                            gradient=False)
+                signs = torch.randint(0, 2, (factor.num_columns, RUNS), generator=generator)
+                signs = (2 * signs - 1).to(device=_device(target), dtype=_dtype(target))
+                part = factor.matmul(signs).T.to(torch.float64)
+                starts = part if starts is None else starts + part
+            left -= min(n, left)
+            if left == 0:
+                break
+    return starts / 2**0.5  # the MSE-sum factor is sqrt(2) J^T
+
+
+def _ggn_product(engine: FactorEngine, target: FitTarget, loader: Any, config: FitConfig,
+                 Q: Tensor) -> Tensor:
+    """``H Q^T`` over the whole loader (laplace-torch's scale), ``(s, D)`` float64.
+
+    Monte-Carlo draws (``mc_samples``) are seeded per batch, so every step multiplies by
+    the same matrix.
+    """
+    scale = loaders.likelihood_loss(target.likelihood)[1]
+    dtype = _dtype(target)
+    X_t = Q.T.to(dtype).contiguous()
+    out = torch.zeros_like(X_t)
+    for index, (X, y) in enumerate(_batches(target, loader)):
+        n = len(y)
+        micro = micro_batch_size(engine, X, config.mc_samples or None, config.memory_budget,
+                                 config.micro_batch_size)
+        for begin in range(0, n, micro):
+            chunk, labels = take(X, slice(begin, begin + micro), n), y[begin:begin + micro]
+            with torch.random.fork_rng(devices=_cuda(chunk)):
+                torch.manual_seed(config.seed + 7919 * index + begin)
+                factor = engine.compute(chunk, labels, mc_samples=config.mc_samples,
+                                        gradient=False)
+            factor.matmul_add_(out, factor.t_matmul(X_t))
+    return out.T.to(torch.float64) * scale
+
+
+def _dtype(target: FitTarget) -> torch.dtype:
+    """The dtype of the GGN's parameters (its factor's blocks)."""
+    return next(p for p in target.model.parameters() if p.requires_grad).dtype
+
+
+def _device(target: FitTarget) -> torch.device:
+    """The device of the GGN's parameters."""
+    return next(p for p in target.model.parameters() if p.requires_grad).device
+
+
+def _cuda(batch: Any) -> List[torch.device]:
+    """The CUDA devices a batch's random draws may touch (for ``fork_rng``)."""
+    device = batch_device(batch)
+    return [device] if device.type == "cuda" else []

@@ -1,0 +1,179 @@
+"""Lanczos quadrature of the dropped curvature against dense float64 references."""
+
+import pytest
+import torch
+from laplace import FullLaplace, Laplace
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lowrank_laplace import LowRankGGNLaplace
+from lowrank_laplace.fitting.fit import FitTarget
+from lowrank_laplace.posterior import quadrature
+from lowrank_laplace.posterior.quadrature import LanczosRuns
+from tests import reference
+from tests.laplace_torch.test_laplace import fit_reference
+
+
+def _psd(dim, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(dim, dim, generator=g, dtype=torch.float64)
+    return A @ A.T / dim, g
+
+
+def test_lanczos_rules_are_exact_quadratic_forms_once_the_krylov_space_is_full():
+    A, g = _psd(12)
+    starts = torch.randn(3, 12, generator=g, dtype=torch.float64)
+    starts[2] = 0  # a run without steps
+    runs = LanczosRuns(starts)
+    for _ in range(15):  # past the dimension: the runs end themselves
+        runs.step(runs.current @ A)
+    assert runs.length.tolist() == [12, 12, 0] and not runs.active.any()
+    for (theta, weight), b in zip(runs.rules()[:2], starts):
+        for delta in (0.01, 1.0):
+            exact = b @ torch.linalg.solve(A + delta * torch.eye(12, dtype=A.dtype), b)
+            assert float((weight / (theta + delta)).sum()) == pytest.approx(float(exact),
+                                                                           rel=1e-9)
+    assert runs.rules()[2][0].numel() == 0
+
+
+def test_a_start_in_a_small_invariant_subspace_ends_early():
+    A = torch.diag(torch.tensor([3.0, 2.0, 1.0, 0.5], dtype=torch.float64))
+    runs = LanczosRuns(torch.tensor([[1.0, 1.0, 0.0, 0.0]], dtype=torch.float64))
+    for _ in range(4):
+        runs.step(runs.current @ A)
+    theta, weight = runs.rules()[0]
+    assert runs.length.tolist() == [2]
+    torch.testing.assert_close(theta, torch.tensor([2.0, 3.0], dtype=torch.float64))
+    torch.testing.assert_close(weight, torch.ones(2, dtype=torch.float64))
+
+
+def _problem(likelihood="classification"):
+    torch.manual_seed(0)
+    X = torch.randn(120, 6, dtype=torch.float64)
+    out = 3 if likelihood == "classification" else 2
+    y = torch.randint(0, 3, (120,)) if likelihood == "classification" \
+        else torch.randn(120, 2, dtype=torch.float64)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, out)).double()
+    return model, X, y, DataLoader(TensorDataset(X, y), batch_size=32)
+
+
+def test_the_ggn_products_are_the_dense_ggn():
+    model, X, y, loader = _problem()
+    la = LowRankGGNLaplace(model, "classification", rank=5)
+    target = FitTarget(model, "classification", la.params)
+    G = reference.ggn(model, nn.CrossEntropyLoss(reduction="sum"), X, y)
+    Q = torch.randn(4, G.shape[0], dtype=torch.float64)
+    with quadrature.FactorEngine(model, nn.CrossEntropyLoss(reduction="sum"),
+                                 eval_mode=True) as engine:
+        product = quadrature._ggn_product(engine, target, loader, la.options, Q)
+    torch.testing.assert_close(product, Q @ G, rtol=1e-9, atol=1e-10)
+
+
+def test_the_complement_variance_is_the_exact_deflated_quadratic_form(monkeypatch):
+    """Run to the end of every Krylov space: the Gauss rule is then exact."""
+    monkeypatch.setattr(quadrature, "MAX_STEPS", 80)
+    monkeypatch.setattr(quadrature, "MIN_STEPS", 80)
+    model, X, y, loader = _problem()
+    la = LowRankGGNLaplace(model, "classification", rank=6)
+    la.fit(loader)
+    la.refine_complement(loader)
+    U, null, dim = la.H[0], la._null, la.n_params
+    G = reference.ggn(model, nn.CrossEntropyLoss(reduction="sum"), X, y)
+    P = torch.eye(dim, dtype=torch.float64) - U @ U.T
+    if null is not None:
+        P = P - null.expand(null.project(torch.eye(dim, dtype=torch.float64)), dim)
+    target = FitTarget(model, "classification", la.params)
+    starts = quadrature._jacobian_starts(target, loader, la.options, 3,
+                                         torch.Generator().manual_seed(0)) @ P
+    found = la._quadrature
+    assert found.converged and found.steps < 80
+    for h, delta in ((1.0, 1.0), (1.0, 0.05), (0.5, 3.0)):
+        solve = torch.linalg.solve(h * P @ G @ P + delta * torch.eye(dim, dtype=P.dtype),
+                                   starts.T)
+        exact = float((starts.T * solve).sum() / (starts**2).sum())
+        got = found.complement.variance(torch.tensor(h), torch.tensor(delta),
+                                         float(la.H[1][-1]))
+        assert float(got) == pytest.approx(exact, rel=1e-5)
+    # the Gaussian runs' nodes are eigenvalues of P G P, their counts its free directions
+    exact_eigs = torch.linalg.eigvalsh(P @ G @ P)
+    weighty = found.nodes[found.counts > 1e-6 * found.counts.sum()]
+    gaps = (weighty[:, None] - exact_eigs[None]).abs().min(1).values
+    assert float(gaps.max()) < 1e-6 * float(exact_eigs.max())
+    free = dim - U.shape[1] - (0 if null is None else null.count)
+    assert float(found.counts.sum()) == pytest.approx(free, rel=1e-10)
+
+
+@pytest.mark.parametrize("likelihood, marglik, fvar", [("classification", 0.01, 0.05),
+                                                       ("regression", 0.025, 0.35)])
+def test_refined_posterior_is_closer_to_the_full_ggn_one(likelihood, marglik, fvar):
+    """The marglik moves to the full GGN's; the variance keeps the one-``v`` model's error.
+
+    (The regression problem's complement is spread over directions the inputs weight
+    unevenly, which one variance per unit of energy cannot follow.)
+    """
+    model, X, y, loader = _problem(likelihood)
+    full = fit_reference(FullLaplace(model, likelihood), loader)
+    la = LowRankGGNLaplace(model, likelihood, rank=6)
+    la.fit(loader)
+
+    def errors():
+        out = []
+        for prior in (1.0, 0.1):
+            la.prior_precision = full.prior_precision = prior
+            exact = float(full.log_marginal_likelihood())
+            out.append(abs(float(la.log_marginal_likelihood()) - exact) / abs(exact))
+            var = la._glm_predictive_distribution(X[:40])[1].diagonal(dim1=1, dim2=2).sum(1)
+            ref = full._glm_predictive_distribution(X[:40])[1].diagonal(dim1=1, dim2=2).sum(1)
+            out.append(float(((var - ref).abs() / ref).median()))
+        return out
+
+    before = errors()
+    la.prior_precision = 1.0
+    la.refine_complement(loader)
+    after = errors()
+    assert la.fit_report.quadrature_steps >= quadrature.MIN_STEPS
+    assert "Lanczos quadrature" in str(la.fit_report)
+    assert max(after[0], after[2]) < marglik  # at both priors
+    assert after[0] < before[0] / 2 and after[2] < before[2] / 2
+    assert max(after[1], after[3]) < fvar  # the median functional variance
+    assert after[1] < before[1] + 0.02 and after[3] < before[3] + 0.02
+
+
+def test_refinement_is_saved_refused_and_discarded():
+    model, X, y, loader = _problem()
+    la = Laplace(model, "classification", subset_of_weights="all",
+                 hessian_structure="lowrank_ggn", rank=6)
+    with pytest.raises(AttributeError, match="fit"):
+        la.refine_complement(loader)
+    la.fit(loader)
+    la.refine_complement(loader)
+    marglik = float(la.log_marginal_likelihood())
+    loaded = Laplace(model, "classification", subset_of_weights="all",
+                     hessian_structure="lowrank_ggn", rank=6)
+    loaded.load_state_dict(la.state_dict())
+    assert float(loaded.log_marginal_likelihood()) == pytest.approx(marglik, rel=1e-12)
+    assert loaded.fit_report.quadrature_steps == la.fit_report.quadrature_steps
+    la.fit(loader)  # a new fit measures afresh
+    assert la._quadrature is None and la.fit_report.quadrature_steps == 0
+    assert float(la.log_marginal_likelihood()) != pytest.approx(marglik, rel=1e-6)
+    other = LowRankGGNLaplace(model, "classification", rank=6, residual="isotropic")
+    other.fit(loader)
+    with pytest.raises(ValueError, match="residual='spectral'"):
+        other.refine_complement(loader)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
+        la.refine_complement(loader)
+
+
+def test_last_layer_refinement_leaves_the_model_as_it_was():
+    model, X, y, loader = _problem()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    la = Laplace(model, "classification", subset_of_weights="last_layer",
+                 hessian_structure="lowrank_ggn", rank=4)
+    la.fit(loader)
+    la.refine_complement(loader)
+    full = fit_reference(Laplace(model, "classification", subset_of_weights="last_layer",
+                                 hessian_structure="full"), loader)
+    assert float(la.log_marginal_likelihood()) == pytest.approx(
+        float(full.log_marginal_likelihood()), rel=0.01)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert all(p.grad is None for p in model.parameters())
