@@ -454,26 +454,3 @@ def test_the_quality_scripts_run_a_problem_each(tmp_path):
     report = bench_sketch_quality.main(["--problems", "breast_cancer", "--epochs", "1",
                                         "--out", str(tmp_path)])
     assert len(report["problems"]["breast_cancer"]["lowrank"]) == 4
-
-
-def test_the_quadrature_benchmarks_lanczos_rule_is_the_exact_quadratic_form():
-    """``bench_quadrature.lanczos``: its Gauss rule gives ``b^T (A + delta)^{-1} b`` and
-    ``b^T log(A + delta) b`` of a PSD matrix to rounding where the spectrum is smooth for
-    ``f``, run by run."""
-    import torch
-
-    from benchmarks import bench_quadrature
-
-    generator = torch.Generator().manual_seed(0)
-    Q, _ = torch.linalg.qr(torch.randn(60, 60, generator=generator, dtype=torch.float64))
-    A = Q @ torch.diag(torch.linspace(0, 4, 60, dtype=torch.float64) ** 2) @ Q.T
-    starts = torch.randn(3, 60, generator=generator, dtype=torch.float64)
-    theta, weight = bench_quadrature.lanczos(lambda X: X @ A, starts, 30)
-    delta = 2.0
-    exact = torch.einsum("sd,de,se->s", starts, torch.linalg.inv(A + delta * torch.eye(60,
-                         dtype=torch.float64)), starts)
-    torch.testing.assert_close((weight / (theta + delta)).sum(1), exact, rtol=1e-8, atol=0)
-    evals, vecs = torch.linalg.eigh(A + delta * torch.eye(60, dtype=torch.float64))
-    logs = ((starts @ vecs) ** 2 * evals.log()).sum(1)
-    torch.testing.assert_close((weight * (theta + delta).log()).sum(1), logs, rtol=1e-6, atol=0)
-    torch.testing.assert_close(weight.sum(1), (starts**2).sum(1))

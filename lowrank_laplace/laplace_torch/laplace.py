@@ -378,7 +378,10 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             FitTarget(module, self.likelihood, params, to_inputs, self.dict_key_y,
                       self._device), train_loader, (self.H[0], self._null, self.n_outputs),
             self.options, prior, resolve_process_group("default"))
-        self._quadrature, self._complement, self._residual_model = found, found.complement, None
+        exact = self._complement is not None and self._complement.fraction >= 1
+        self._quadrature, self._residual_model = found, None
+        if not exact:  # a probe of the whole data measured it exactly, without random starts
+            self._complement = found.complement
         self.fit_report = replace(self.fit_report, complement_resolved=None,
                                   quadrature_steps=found.steps,
                                   quadrature_converged=found.converged)

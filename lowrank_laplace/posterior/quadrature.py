@@ -190,9 +190,9 @@ def lanczos_quadrature(target: FitTarget, loader: Any,
         X = X - (X @ U.to(wide)) @ U.to(wide).T
         return X if null is None else X - null.expand(null.project(X), dim)
 
-    generator = torch.Generator().manual_seed(config.seed)
-    jacobian = _jacobian_starts(target, loader, config, outputs, generator).to(U.device)
+    generator = torch.Generator().manual_seed(config.seed)  # the same on every process
     gaussian = torch.randn(RUNS, dim, generator=generator, dtype=wide).to(U.device)
+    jacobian = _jacobian_starts(target, loader, config, outputs, generator).to(U.device)
     if group is not None:
         import torch.distributed as dist
 

@@ -110,3 +110,55 @@ def test_two_processes_equal_single_process(two_processes, monkeypatch, name):
         torch.testing.assert_close(res["residual"], single.residual_diagonal, rtol=0,
                                    atol=1e-9 * H.abs().max())
     torch.testing.assert_close(results[0]["lam"], results[1]["lam"], rtol=0, atol=0)
+
+
+def _refine_worker(rank, world, port, path):
+    """Fit and refine on this process's shard (ten Lanczos steps), save what was found."""
+    from lowrank_laplace.posterior import quadrature
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        quadrature.MIN_STEPS = quadrature.MAX_STEPS = 10
+        model, X, y = _problem()
+        la = LowRankGGNLaplace(model, "classification", rank=5)
+        loader = DataLoader(TensorDataset(X[rank::world], y[rank::world]), batch_size=4)
+        la.fit(loader)
+        la.refine_complement(loader)
+        torch.save(_refined(la), f"{path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _refined(la):
+    found = la._quadrature
+    return {"nodes": found.nodes, "counts": found.counts, "steps": found.steps,
+            "v": found.complement.variance(torch.tensor(1.0), torch.tensor(1.0), 0.0)}
+
+
+@pytest.mark.slow
+def test_refine_complement_sums_the_products_over_processes(tmp_path, monkeypatch):
+    """The Gaussian runs see the whole data's GGN: the single process's nodes and counts."""
+    from lowrank_laplace.posterior import quadrature
+
+    path = str(tmp_path / "refined")
+    mp.spawn(_refine_worker, args=(2, _free_port(), path), nprocs=2, join=True)
+    monkeypatch.setattr(quadrature, "MIN_STEPS", 10)
+    monkeypatch.setattr(quadrature, "MAX_STEPS", 10)
+    model, X, y = _problem()
+    single = LowRankGGNLaplace(model, "classification", rank=5)
+    loader = DataLoader(TensorDataset(X, y), batch_size=4)
+    single.fit(loader, process_group=None)
+    # one process's view of the data, as refine_complement resolves it
+    monkeypatch.setattr("lowrank_laplace.laplace_torch.laplace.resolve_process_group",
+                        lambda group: None)
+    single.refine_complement(loader)
+    expected = _refined(single)
+    results = [torch.load(f"{path}.{r}") for r in range(2)]
+    for res in results:
+        assert res["steps"] == expected["steps"] == 10
+        torch.testing.assert_close(res["nodes"], expected["nodes"], rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(res["counts"], expected["counts"], rtol=1e-6, atol=1e-8)
+        # the Jacobian starts are other random combinations of the same 30 inputs
+        assert float(res["v"]) == pytest.approx(float(expected["v"]), rel=0.3)
+    torch.testing.assert_close(results[0]["v"], results[1]["v"], rtol=0, atol=0)

@@ -49,12 +49,12 @@ def test_a_start_in_a_small_invariant_subspace_ends_early():
 
 def _problem(likelihood="classification"):
     torch.manual_seed(0)
-    X = torch.randn(120, 6, dtype=torch.float64)
+    X = torch.randn(600, 6, dtype=torch.float64)
     out = 3 if likelihood == "classification" else 2
-    y = torch.randint(0, 3, (120,)) if likelihood == "classification" \
-        else torch.randn(120, 2, dtype=torch.float64)
+    y = torch.randint(0, 3, (600,)) if likelihood == "classification" \
+        else torch.randn(600, 2, dtype=torch.float64)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, out)).double()
-    return model, X, y, DataLoader(TensorDataset(X, y), batch_size=32)
+    return model, X, y, DataLoader(TensorDataset(X, y), batch_size=100)
 
 
 def test_the_ggn_products_are_the_dense_ggn():
@@ -83,8 +83,9 @@ def test_the_complement_variance_is_the_exact_deflated_quadratic_form(monkeypatc
     if null is not None:
         P = P - null.expand(null.project(torch.eye(dim, dtype=torch.float64)), dim)
     target = FitTarget(model, "classification", la.params)
-    starts = quadrature._jacobian_starts(target, loader, la.options, 3,
-                                         torch.Generator().manual_seed(0)) @ P
+    generator = torch.Generator().manual_seed(0)
+    torch.randn(quadrature.RUNS, dim, generator=generator, dtype=torch.float64)  # Gaussian
+    starts = quadrature._jacobian_starts(target, loader, la.options, 3, generator) @ P
     found = la._quadrature
     assert found.converged and found.steps < 80
     for h, delta in ((1.0, 1.0), (1.0, 0.05), (0.5, 3.0)):
