@@ -16,6 +16,8 @@ from lowrank_laplace.fitting.fit import FastPathCheck
 #: What each fit path is called in the report.
 PATH_NAMES = {"dense": "a dense GGN sum (exact)", "streaming": "streaming merges",
               "sketch": "a one-pass sketch"}
+#: Below this kept share the report points to ``la.refine_complement``.
+REFINE_BELOW = 0.6
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,9 @@ class FitReport:
             lines.append(f"  complement variance and dropped spectrum: Lanczos quadrature "
                          f"over the training data, {self.quadrature_steps} passes "
                          f"({verdict})")
+        elif self.residual == "spectral" and self.kept_fraction < REFINE_BELOW:
+            lines.append("  most of the curvature is dropped: la.refine_complement("
+                         "train_loader) measures it over the whole training set")
         if self.null_directions:
             lines.append(f"  logit-shift directions: {self.null_directions} null directions of "
                          "the GGN keep the prior's variance (checked on the probe)")

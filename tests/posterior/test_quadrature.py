@@ -129,6 +129,7 @@ def test_refined_posterior_is_closer_to_the_full_ggn_one(likelihood, marglik, fv
         return out
 
     before = errors()
+    assert ("refine_complement" in str(la.fit_report)) == (la.kept_fraction < 0.6)
     la.prior_precision = 1.0
     la.refine_complement(loader)
     after = errors()
