@@ -179,3 +179,16 @@ def test_last_layer_refinement_leaves_the_model_as_it_was():
         float(full.log_marginal_likelihood()), rel=0.01)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_float32_refinement_matches_the_float64_one():
+    model, X, y, _ = _problem()
+    found = []
+    for dtype in (torch.float32, torch.float64):
+        loader = DataLoader(TensorDataset(X.to(dtype), y), batch_size=100)
+        la = LowRankGGNLaplace(model.to(dtype), "classification", rank=6)
+        la.fit(loader)
+        la.refine_complement(loader)
+        found.append((float(la.log_marginal_likelihood()), la.fit_report.quadrature_steps))
+    assert found[0][1] == found[1][1]
+    assert found[0][0] == pytest.approx(found[1][0], rel=1e-5)
