@@ -57,7 +57,8 @@ def run_problem(name: str, cache: Path) -> dict:
     model.eval()
     fitted = faithful.fit_method("default", 100, model, data.fit, faithful.MARGLIK_STEPS)
     exact = {k: s["exact"]["nll"] for k, s in report.exact_sets(ref, data).items()}
-    record = {"exact_prior": ref["delta"], "fit_s": fitted.record["fit_s"], "exact_nll": exact}
+    record = {"exact_prior": ref["delta"], "fit_s": fitted.record["fit_s"], "exact_nll": exact,
+              "commit": (faithful.git("rev-parse", "--short", "HEAD") or "unknown").strip()}
     record["default"] = errors(fitted, model, data, ref)
     start = time.perf_counter()
     fitted.la.refine_complement(faithful.loader(*data.fit))
@@ -79,7 +80,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     torch.set_num_threads(1)
     path = args.out / "quadrature.json"
     result = json.loads(path.read_text()) if path.exists() else {"problems": {}}
-    result["git"] = faithful.git()
     for name in args.problems.split(","):
         result["problems"].setdefault(name, {})["refine_complement"] = run_problem(
             name, args.cache)
