@@ -348,7 +348,8 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             warm_started=result.warm_started, ranks_tried=tuple(history),
             complement_resolved=None if probed.complement is None
             else probed.complement.resolved_share,
-            null_directions=0 if probed.null is None else probed.null.count)
+            null_directions=0 if probed.null is None else probed.null.count,
+            refinable=options.residual_model.needs_probe)
         self._fitted_residual, self._residual_model = self.residual, None
 
     def refine_complement(self, train_loader: Any) -> None:
@@ -378,10 +379,8 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             FitTarget(module, self.likelihood, params, to_inputs, self.dict_key_y,
                       self._device), train_loader, (self.H[0], self._null, self.n_outputs),
             self.options, prior, resolve_process_group("default"))
-        exact = self._complement is not None and self._complement.fraction >= 1
         self._quadrature, self._residual_model = found, None
-        if not exact:  # a probe of the whole data measured it exactly, without random starts
-            self._complement = found.complement
+        self._complement = found.kept_complement(self._complement)
         self.fit_report = replace(self.fit_report, complement_resolved=None,
                                   quadrature_steps=found.steps,
                                   quadrature_converged=found.converged)

@@ -45,6 +45,7 @@ class FitReport:
             which keep the prior's variance (``0``: none).
         quadrature_steps: Lanczos steps of ``refine_complement`` (``0``: not run).
         quadrature_converged: Whether its runs converged (``None``: not run).
+        refinable: Whether the residual model takes ``refine_complement``.
     """
 
     rank: int
@@ -61,6 +62,7 @@ class FitReport:
     null_directions: int = 0
     quadrature_steps: int = 0
     quadrature_converged: Optional[bool] = None
+    refinable: bool = False
 
     def __str__(self) -> str:
         lines = [f"lowrank_ggn fit: rank {self.rank} of {self.num_params:,} parameters, "
@@ -86,7 +88,7 @@ class FitReport:
             lines.append(f"  complement variance and dropped spectrum: Lanczos quadrature "
                          f"over the training data, {self.quadrature_steps} passes "
                          f"({verdict})")
-        elif self.residual == "spectral" and self.kept_fraction < REFINE_BELOW:
+        elif self.refinable and self.kept_fraction < REFINE_BELOW:
             lines.append("  most of the curvature is dropped: la.refine_complement("
                          "train_loader) measures it over the whole training set")
         if self.null_directions:

@@ -77,6 +77,13 @@ class DroppedQuadrature:
     converged: bool
     seconds: float
 
+    def kept_complement(self, probed: Optional[MeasuredComplement]) -> MeasuredComplement:
+        """The complement to keep: the probe's where it covered the whole data, else this one.
+
+        A probe of every training input measured it exactly, without random starts.
+        """
+        return probed if probed is not None and probed.fraction >= 1 else self.complement
+
     def state(self) -> Dict[str, Any]:
         """A plain dict for ``state_dict`` (tensors on the CPU)."""
         return {"complement": self.complement.state(), "nodes": self.nodes.cpu(),
