@@ -129,7 +129,7 @@ def batched_glm_moments(
         ``f_mu`` ``(B, C)`` and ``f_var`` ``(B, C, C)``.
     """
     moments = [glm_moments(engine, chunk, precision, weights)
-               for chunk in _micro_batches(inputs, micro_batch_size)]
+               for chunk in micro_batches(inputs, micro_batch_size)]
     return torch.cat([mu for mu, _ in moments]), torch.cat([var for _, var in moments])
 
 
@@ -201,7 +201,7 @@ def jacobian_energies(engine: FactorEngine, batches: List, U: Tensor,
     """
     energy = U.new_zeros(U.shape[1])
     for inputs in batches:
-        for chunk in _micro_batches(inputs, micro_batch_size):
+        for chunk in micro_batches(inputs, micro_batch_size):
             with rng if rng is not None and projections else contextlib.nullcontext():
                 factor = engine.compute(chunk, None, mc_samples=projections or 0,
                                         gradient=False)
@@ -209,7 +209,7 @@ def jacobian_energies(engine: FactorEngine, batches: List, U: Tensor,
     return energy
 
 
-def _micro_batches(inputs: Any, size: int) -> Iterator[Any]:
+def micro_batches(inputs: Any, size: int) -> Iterator[Any]:
     """Consecutive slices of ``size`` samples of a tensor or dict batch."""
     num = check_batch(inputs, None)
     for start in range(0, num, size):

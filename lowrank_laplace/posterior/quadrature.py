@@ -36,7 +36,7 @@ from lowrank_laplace.fitting.config import FitConfig
 from lowrank_laplace.fitting.fit import FitTarget
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.null import NullDirections
-from lowrank_laplace.posterior.predictive import jacobian_engine
+from lowrank_laplace.posterior.predictive import jacobian_engine, micro_batches
 from lowrank_laplace.utils.batches import batch_device, take, to_device
 from lowrank_laplace.utils.checks import check_batch
 
@@ -193,8 +193,10 @@ def lanczos_quadrature(target: FitTarget, loader: Any,
     dim, wide = U.shape[0], torch.float64
     _check_basis_memory(dim, config, U.device)
 
+    basis = U.to(wide)
+
     def project(X: Tensor) -> Tensor:  # rows (s, D)
-        X = X - (X @ U.to(wide)) @ U.to(wide).T
+        X = X - (X @ basis) @ basis.T
         return X if null is None else X - null.expand(null.project(X), dim)
 
     generator = torch.Generator().manual_seed(config.seed)  # the same on every process
@@ -250,7 +252,7 @@ def _check_basis_memory(dim: int, config: FitConfig, device: torch.device) -> No
 
 def _batches(target: FitTarget, loader: Any) -> Any:
     """The loader's batches as ``(inputs, targets)`` of ``target.model``, on its device."""
-    device = target.device or next(target.model.parameters()).device
+    device = target.device or _first_param(target).device
     for X, y in loaders.batches(loader, target.dict_key_y):
         yield target.to_inputs(to_device(X, device)), y.to(device)
 
@@ -263,24 +265,23 @@ def _jacobian_starts(target: FitTarget, loader: Any, config: FitConfig, outputs:
     combinations per input where the model has more outputs.
     """
     projections = START_PROJECTIONS if outputs > START_PROJECTIONS else 0
-    starts, left = None, START_INPUTS
+    param, starts, seen = _first_param(target), None, 0
     with jacobian_engine(target.model, config.factor_backend) as engine:
         for X, _ in _batches(target, loader):
             n = check_batch(X, None)
             micro = micro_batch_size(engine, X, projections or None, config.memory_budget,
                                      config.micro_batch_size)
-            for begin in range(0, min(n, left), micro):
-                chunk = take(X, slice(begin, min(begin + micro, n, left)), n)
+            for chunk in micro_batches(take(X, slice(0, START_INPUTS - seen), n), micro):
                 with torch.random.fork_rng(devices=_cuda(chunk)):
-                    torch.manual_seed(config.seed + begin + START_INPUTS - left)
+                    torch.manual_seed(config.seed + seen)
                     factor = engine.compute(chunk, None, mc_samples=projections,
                                             gradient=False)
                 signs = torch.randint(0, 2, (factor.num_columns, RUNS), generator=generator)
-                signs = (2 * signs - 1).to(device=_device(target), dtype=_dtype(target))
+                signs = (2 * signs - 1).to(param)
                 part = factor.matmul(signs).T.to(torch.float64)
                 starts = part if starts is None else starts + part
-            left -= min(n, left)
-            if left == 0:
+                seen += check_batch(chunk, None)
+            if seen >= START_INPUTS:
                 break
     return starts / 2**0.5  # the MSE-sum factor is sqrt(2) J^T
 
@@ -293,8 +294,7 @@ def _ggn_product(engine: FactorEngine, target: FitTarget, loader: Any, config: F
     the same matrix.
     """
     scale = loaders.likelihood_loss(target.likelihood)[1]
-    dtype = _dtype(target)
-    X_t = Q.T.to(dtype).contiguous()
+    X_t = Q.T.to(_first_param(target).dtype).contiguous()
     out = torch.zeros_like(X_t)
     for index, (X, y) in enumerate(_batches(target, loader)):
         n = len(y)
@@ -310,14 +310,9 @@ def _ggn_product(engine: FactorEngine, target: FitTarget, loader: Any, config: F
     return out.T.to(torch.float64) * scale
 
 
-def _dtype(target: FitTarget) -> torch.dtype:
-    """The dtype of the GGN's parameters (its factor's blocks)."""
-    return next(p for p in target.model.parameters() if p.requires_grad).dtype
-
-
-def _device(target: FitTarget) -> torch.device:
-    """The device of the GGN's parameters."""
-    return next(p for p in target.model.parameters() if p.requires_grad).device
+def _first_param(target: FitTarget) -> Tensor:
+    """The GGN's first parameter: its dtype and device are the factor's blocks'."""
+    return next(p for p in target.model.parameters() if p.requires_grad)
 
 
 def _cuda(batch: Any) -> List[torch.device]:
