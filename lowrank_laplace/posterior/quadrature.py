@@ -23,6 +23,7 @@ Shape glossary:
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -223,6 +224,15 @@ def lanczos_quadrature(target: FitTarget, loader: Any,
                 converged = True
                 break
         converged = converged or not bool(runs.active.any())
+    if not converged:
+        moved = max(abs(now - then) / max(abs(now), 1e-300)
+                    for now, then in zip(history[-1], history[-min(3, len(history))]))
+        warnings.warn(
+            f"refine_complement has not converged in {steps} passes: the last two moved "
+            f"the complement variance or log det by {moved:.1%} (needs {TOLERANCE:.0%}), "
+            "so it still under-states the complement variance; "
+            "lowrank_laplace.posterior.quadrature.MAX_STEPS allows more passes.",
+            UserWarning, stacklevel=3)
     rules = runs.rules()
     mu = torch.cat([r[0] for r in rules[:RUNS]])
     q = torch.cat([r[1] for r in rules[:RUNS]])

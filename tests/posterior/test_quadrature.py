@@ -192,3 +192,16 @@ def test_a_float32_refinement_matches_the_float64_one():
         found.append((float(la.log_marginal_likelihood()), la.fit_report.quadrature_steps))
     assert found[0][1] == found[1][1]
     assert found[0][0] == pytest.approx(found[1][0], rel=1e-5)
+
+
+def test_an_unconverged_refinement_warns_with_the_number(monkeypatch):
+    monkeypatch.setattr(quadrature, "MIN_STEPS", 3)
+    monkeypatch.setattr(quadrature, "MAX_STEPS", 3)
+    monkeypatch.setattr(quadrature, "TOLERANCE", 0.0)
+    model, X, y, loader = _problem()
+    la = LowRankGGNLaplace(model, "classification", rank=6)
+    la.fit(loader)
+    with pytest.warns(UserWarning, match=r"not converged in 3 passes: .* by \d+\.\d%"):
+        la.refine_complement(loader)
+    assert la.fit_report.quadrature_converged is False
+    assert "not converged" in str(la.fit_report)
