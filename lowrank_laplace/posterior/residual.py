@@ -326,22 +326,25 @@ class SpectralResidual(Residual):
 
     def _shift(self, scale: Tensor, prior: Tensor, num: int,
                device: torch.device) -> Tuple[Tensor, Tensor]:
-        """The network-wide shift ``rho = 1 / v - delta`` and the tail's log det (float64).
+        """The network-wide shift ``rho = 1 / v - delta`` and the dropped log det (float64).
 
         ``v``: the complement variance measured at the prior's mean, else the
-        Jacobian-weighted tail's.
+        Jacobian-weighted tail's; the log det: the measured spectrum's, else the tail's.
         """
-        whole = self._whole.get(num)
-        if whole is None:  # one layer, the network; kept with its prior-free factors
-            whole = self._whole[num] = LayerTails.whole(self.tail, self.dim, num)
-        rho, logdet = whole.shift(scale, prior, self.exponent, device)
+        rho = logdet = None
         if self.spectrum is not None:
             logdet = self._measured_logdet(scale, prior, num, device)
         if self.complement is not None:  # measured on the probe, at this prior
             delta = prior.to(torch.float64).mean() if prior.numel() > 1 else prior
-            return self.complement.to(device).shift(scale, delta, self.anchor,
-                                                    self.unresolved), logdet
-        return rho[0], logdet
+            rho = self.complement.to(device).shift(scale, delta, self.anchor, self.unresolved)
+        if rho is None or logdet is None:  # the modelled tail fills what was not measured
+            whole = self._whole.get(num)
+            if whole is None:  # one layer, the network; kept with its prior-free factors
+                whole = self._whole[num] = LayerTails.whole(self.tail, self.dim, num)
+            tail_rho, tail_logdet = whole.shift(scale, prior, self.exponent, device)
+            rho = tail_rho[0] if rho is None else rho
+            logdet = tail_logdet if logdet is None else logdet
+        return rho, logdet
 
     def _measured_logdet(self, scale: Tensor, prior: Tensor, num: int,
                          device: torch.device) -> Tensor:
