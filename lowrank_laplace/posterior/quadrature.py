@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -55,6 +55,9 @@ START_INPUTS = 256
 START_PROJECTIONS = 16
 #: A run ends (an invariant subspace) where a step leaves less than this share of it.
 BREAKDOWN = 1e-10
+#: Share of the memory budget the first pass's factors may keep: the later passes then
+#: multiply by them instead of recomputing them (where they do not fit, every pass does).
+CACHE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -210,10 +213,13 @@ def lanczos_quadrature(target: FitTarget, loader: Any,
     runs = LanczosRuns(project(torch.cat([jacobian, gaussian])))
     start, (scale, delta), steps, converged = time.perf_counter(), prior, 0, False
     history: List[Tuple[float, float]] = []
+    cache = FactorCache(int(CACHE_SHARE * resolve_memory_budget(config.memory_budget,
+                                                                U.device)))
     with FactorEngine(target.model, loaders.likelihood_loss(target.likelihood)[0],
                       eval_mode=True, backend=config.factor_backend) as engine:
         while steps < MAX_STEPS and bool(runs.active.any()):
-            product = _ggn_product(engine, target, loader, config, runs.current)
+            product = _ggn_product(cache.passes(_factors(engine, target, loader, config)),
+                                   target, runs.current)
             if group is not None:
                 dist.all_reduce(product, group=group)
             runs.step(project(product))
@@ -296,16 +302,36 @@ def _jacobian_starts(target: FitTarget, loader: Any, config: FitConfig, outputs:
     return starts / 2**0.5  # the MSE-sum factor is sqrt(2) J^T
 
 
-def _ggn_product(engine: FactorEngine, target: FitTarget, loader: Any, config: FitConfig,
-                 Q: Tensor) -> Tensor:
-    """``H Q^T`` over the whole loader (laplace-torch's scale), ``(s, D)`` float64.
+class FactorCache:
+    """The factors of a loader's first pass, kept for the later passes while they fit.
 
-    Monte-Carlo draws (``mc_samples``) are seeded per batch, so every step multiplies by
-    the same matrix.
+    Args:
+        room: Bytes the kept blocks may take.
     """
-    scale = loaders.likelihood_loss(target.likelihood)[1]
-    X_t = Q.T.to(_first_param(target).dtype).contiguous()
-    out = torch.zeros_like(X_t)
+
+    def __init__(self, room: int):
+        self.room, self.kept, self.complete = room, [], False
+
+    def passes(self, fresh: Iterator[Any]) -> Iterable[Any]:
+        """The kept factors after a complete first pass, else ``fresh``'s, kept while they fit."""
+        if self.complete:
+            yield from self.kept
+            return
+        for factor in fresh:
+            if self.room >= 0:
+                self.room -= sum(block.nbytes for block in factor.blocks.values())
+                self.kept = self.kept + [factor] if self.room >= 0 else []
+            yield factor
+        self.complete = self.room >= 0
+
+
+def _factors(engine: FactorEngine, target: FitTarget, loader: Any, config: FitConfig
+             ) -> Iterator[Any]:
+    """The GGN factors of the loader's micro-batches, in one pass.
+
+    Monte-Carlo draws (``mc_samples``) are seeded per batch, so every pass yields the
+    same matrix.
+    """
     for index, (X, y) in enumerate(_batches(target, loader)):
         n = len(y)
         micro = micro_batch_size(engine, X, config.mc_samples or None, config.memory_budget,
@@ -314,9 +340,17 @@ def _ggn_product(engine: FactorEngine, target: FitTarget, loader: Any, config: F
             chunk, labels = take(X, slice(begin, begin + micro), n), y[begin:begin + micro]
             with torch.random.fork_rng(devices=_cuda(chunk)):
                 torch.manual_seed(config.seed + 7919 * index + begin)
-                factor = engine.compute(chunk, labels, mc_samples=config.mc_samples,
-                                        gradient=False)
-            factor.matmul_add_(out, factor.t_matmul(X_t))
+                yield engine.compute(chunk, labels, mc_samples=config.mc_samples,
+                                     gradient=False)
+
+
+def _ggn_product(factors: Iterable[Any], target: FitTarget, Q: Tensor) -> Tensor:
+    """``H Q^T`` summed over a pass's factors (laplace-torch's scale), ``(s, D)`` float64."""
+    scale = loaders.likelihood_loss(target.likelihood)[1]
+    X_t = Q.T.to(_first_param(target).dtype).contiguous()
+    out = torch.zeros_like(X_t)
+    for factor in factors:
+        factor.matmul_add_(out, factor.t_matmul(X_t))
     return out.T.to(torch.float64) * scale
 
 

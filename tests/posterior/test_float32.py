@@ -134,8 +134,8 @@ def test_tiny_priors_float32_residual(example, residual):
     and a NaN marginal likelihood at 1e-8). The spectral model's measured complement
     variance is, at these priors, the probe's Jacobian energy in directions of
     unresolved curvature: a difference of two Gram traces, whose float32 rounding
-    moves it by 0.3-0.9% with the BLAS kernel (laplace-torch's float32 ``FullLaplace`` fails its Cholesky
-    factorisation at these priors).
+    moves it by 0.3-0.9% with the BLAS kernel (laplace-torch's float32 ``FullLaplace``
+    fails its Cholesky factorisation at these priors).
     """
     rtol = 2e-2 if residual == "spectral" else 1e-3
     priors = (1e-7, 1e-8, 1e-10)

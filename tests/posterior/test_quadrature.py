@@ -57,16 +57,39 @@ def _problem(likelihood="classification"):
     return model, X, y, DataLoader(TensorDataset(X, y), batch_size=100)
 
 
-def test_the_ggn_products_are_the_dense_ggn():
-    model, X, y, loader = _problem()
-    la = LowRankGGNLaplace(model, "classification", rank=5)
+def _products(la, model, loader, Qs, room):
+    """``H Q^T`` of each ``Q`` in turn, one pass each, through a cache of ``room`` bytes."""
     target = FitTarget(model, "classification", la.params)
-    G = reference.ggn(model, nn.CrossEntropyLoss(reduction="sum"), X, y)
-    Q = torch.randn(4, G.shape[0], dtype=torch.float64)
+    cache = quadrature.FactorCache(room)
     with quadrature.FactorEngine(model, nn.CrossEntropyLoss(reduction="sum"),
                                  eval_mode=True) as engine:
-        product = quadrature._ggn_product(engine, target, loader, la.options, Q)
-    torch.testing.assert_close(product, Q @ G, rtol=1e-9, atol=1e-10)
+        return [quadrature._ggn_product(
+            cache.passes(quadrature._factors(engine, target, loader, la.options)), target, Q)
+            for Q in Qs], cache
+
+
+@pytest.mark.parametrize("room", [2**30, 1000, 0])
+def test_the_ggn_products_are_the_dense_ggn_whether_the_factors_are_kept_or_not(room):
+    """A cache the factors fit is used from the second pass on; one they overflow is not."""
+    model, X, y, loader = _problem()
+    la = LowRankGGNLaplace(model, "classification", rank=5)
+    G = reference.ggn(model, nn.CrossEntropyLoss(reduction="sum"), X, y)
+    Qs = [torch.randn(4, G.shape[0], dtype=torch.float64) for _ in range(3)]
+    products, cache = _products(la, model, loader, Qs, room)
+    assert cache.complete == (room == 2**30) and (len(cache.kept) == 6) == cache.complete
+    for product, Q in zip(products, Qs):
+        torch.testing.assert_close(product, Q @ G, rtol=1e-9, atol=1e-10)
+
+
+def test_monte_carlo_passes_multiply_by_the_same_matrix_kept_or_recomputed():
+    model, X, y, loader = _problem()
+    la = LowRankGGNLaplace(model, "classification", rank=5, mc_samples=1)
+    Q = torch.randn(4, la.n_params, dtype=torch.float64)
+    kept, cache = _products(la, model, loader, [Q, Q], 2**30)
+    fresh, _ = _products(la, model, loader, [Q, Q], 0)
+    assert cache.complete
+    for product in kept[1:] + fresh:
+        torch.testing.assert_close(product, kept[0], rtol=1e-12, atol=1e-12)
 
 
 def test_the_complement_variance_is_the_exact_deflated_quadratic_form(monkeypatch):
