@@ -39,7 +39,7 @@ from lowrank_laplace.laplace_torch.rank import AUTO, next_rank
 from lowrank_laplace.laplace_torch.report import FitReport
 from lowrank_laplace.laplace_torch.tuning import scalar_marglik_call, tune_scalar_prior
 from lowrank_laplace.laplace_torch.warm import warm_basis
-from lowrank_laplace.posterior import GramCache, Residual, residual_class
+from lowrank_laplace.posterior import GramCache, Residual, quadrature, residual_class
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.null import NullDirections, head_directions
 from lowrank_laplace.posterior.probe import probe_residual
@@ -278,11 +278,11 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             process_group: Any = "default") -> None:
         """Fit the low-rank GGN over the whole loader (see :class:`LoaderFit`).
 
-        Data-parallel: when ``torch.distributed`` is initialised (or a group is
-        passed), every process streams the shard its loader yields; every process
-        ends with the same posterior, and ``n_data`` is the number of samples seen by
-        all processes together. Launch e.g. with ``torchrun --nproc_per_node=2
-        script.py`` and give each process a disjoint shard.
+        Data-parallel where ``torch.distributed`` is initialised (or a group is passed):
+        each process streams its loader's disjoint shard (e.g. under ``torchrun``), all
+        end with the same posterior, and ``n_data`` counts every process's samples. A
+        fit that keeps less than ``quadrature.REFINE_BELOW`` of the GGN trace ends with
+        :meth:`refine_complement` on the same loader.
 
         Args:
             train_loader: Yields ``(X, y)`` batches (or dict batches);
@@ -332,35 +332,32 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
                 if rank is not None:
                     run.reconfigure(options.at_rank(rank))
                     basis = result.eigenvectors if options.warm_start else None
+            self._store(result, probed, tuple(history))
+            if previous is None and self.fit_report.refinable and quadrature.refines_itself(
+                    self.fit_report.kept_fraction, self.n_params, options, self._device):
+                self._refine(train_loader, run.group)  # on the fit's threads
+
+    def _store(self, result: FitResult, probed: Any, ranks_tried: tuple) -> None:
+        """Hold a fit's result, its probe's measurements and its report."""
         self.warm_started = result.warm_started
         self.mean, self.H = result.mean, (result.eigenvectors, result.eigenvalues)
         self.n_outputs, self.loss, self.n_data = result.n_outputs, result.loss, result.n_data
         self.trace, self.residual_diagonal = result.trace, result.residual_diagonal
         self.factor_backend_used, self.fit_path = result.factor_backend, result.fit_path
         self.rank_bound, self._jacobian_exponent = result.rank_bound, probed.exponent
-        self._complement, self._null = probed.complement, probed.null
-        self._quadrature = None
-        self.fit_report = FitReport(
-            rank=result.eigenvalues.numel(), num_params=result.mean.numel(),
-            kept_fraction=float(self.kept_fraction), fit_path=result.fit_path,
-            factor_backend=result.factor_backend, residual=self.residual,
-            check=result.check, variance_change=probed.variance_change,
-            warm_started=result.warm_started, ranks_tried=tuple(history),
-            complement_resolved=None if probed.complement is None
-            else probed.complement.resolved_share,
-            null_directions=0 if probed.null is None else probed.null.count,
-            refinable=options.residual_model.needs_probe)
+        self._complement, self._null, self._quadrature = probed.complement, probed.null, None
+        self.fit_report = FitReport.of_fit(result, probed, ranks_tried,
+                                           float(self.kept_fraction), self.options)
         self._fitted_residual, self._residual_model = self.residual, None
 
     def refine_complement(self, train_loader: Any) -> None:
         """Measure the dropped curvature by Lanczos quadrature over the whole training set.
 
-        Where the rank keeps little and the complement carries much of the predictive
-        variance: Lanczos runs on the GGN outside the kept eigenvectors, one pass over
-        ``train_loader`` per step (:mod:`~lowrank_laplace.posterior.quadrature`),
-        replace the probe's complement variance and the modelled tail's log det and
-        marglik. The runs converge at half the current prior; a later :meth:`fit`
-        discards the result.
+        Lanczos runs on the GGN outside the kept eigenvectors, one pass over
+        ``train_loader`` per step (:mod:`~lowrank_laplace.posterior.quadrature`), replace
+        the probe's complement variance and the modelled tail's log det and marglik. They
+        converge at half the current prior; a later :meth:`fit` discards the result, and
+        runs them itself where its kept share is below ``quadrature.REFINE_BELOW``.
 
         Raises:
             AttributeError: Before :meth:`fit`.
@@ -373,12 +370,16 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             raise ValueError(f"refine_complement measures the spectral residual; this "
                              f"posterior uses residual={self.residual!r}: set "
                              "residual='spectral'.")
+        self._refine(train_loader, resolve_process_group("default"))
+
+    def _refine(self, train_loader: Any, group: Any) -> None:
+        """Run the Lanczos quadrature over ``train_loader``, summed over ``group``."""
         module, to_inputs, params = self._curvature_target()
         prior = (float(self._H_factor), float(torch.as_tensor(self.prior_precision).mean()))
         found = lanczos_quadrature(
             FitTarget(module, self.likelihood, params, to_inputs, self.dict_key_y,
                       self._device), train_loader, (self.H[0], self._null, self.n_outputs),
-            self.options, prior, resolve_process_group("default"))
+            self.options, prior, self.n_data, group)
         self._quadrature, self._residual_model = found, None
         self._complement = found.kept_complement(self._complement)
         self.fit_report = replace(self.fit_report, complement_resolved=None,
@@ -402,8 +403,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         Fitted: the kept eigenvectors' Jacobian energies on the first ``PROBE_SIZE``
         training inputs against their eigenvalues. Settable (``0``: the plain mean over
         random directions; ``1``: the training curvature's weighting). Where the fit
-        measured the complement variance (:attr:`measured_complement`), only
-        layerwise and per-parameter priors use it.
+        measured the complement variance, only layerwise and per-parameter priors use it.
         """
         return self._jacobian_exponent
 

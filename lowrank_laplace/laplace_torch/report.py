@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from lowrank_laplace.fitting.fit import FastPathCheck
+from lowrank_laplace.fitting.fit import FastPathCheck, FitResult
+from lowrank_laplace.posterior import quadrature
+from lowrank_laplace.posterior.probe import ProbeResult
 
 #: What each fit path is called in the report.
 PATH_NAMES = {"dense": "a dense GGN sum (exact)", "streaming": "streaming merges",
               "sketch": "a one-pass sketch"}
-#: Below this kept share the report points to ``la.refine_complement``.
-REFINE_BELOW = 0.6
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,22 @@ class FitReport:
     quadrature_converged: Optional[bool] = None
     refinable: bool = False
 
+    @classmethod
+    def of_fit(cls, result: FitResult, probed: ProbeResult,
+               ranks_tried: Tuple[Tuple[int, Optional[float]], ...], kept_fraction: float,
+               options: Any) -> "FitReport":
+        """The report of a fit, its probe and the ranks it tried, under ``options``."""
+        complement = probed.complement
+        return cls(
+            rank=result.eigenvalues.numel(), num_params=result.mean.numel(),
+            kept_fraction=kept_fraction, fit_path=result.fit_path,
+            factor_backend=result.factor_backend, residual=options.residual,
+            check=result.check, variance_change=probed.variance_change,
+            warm_started=result.warm_started, ranks_tried=ranks_tried,
+            complement_resolved=None if complement is None else complement.resolved_share,
+            null_directions=0 if probed.null is None else probed.null.count,
+            refinable=options.residual_model.needs_probe)
+
     def __str__(self) -> str:
         lines = [f"lowrank_ggn fit: rank {self.rank} of {self.num_params:,} parameters, "
                  f"{PATH_NAMES.get(self.fit_path, self.fit_path)} "
@@ -88,9 +104,9 @@ class FitReport:
             lines.append(f"  complement variance and dropped spectrum: Lanczos quadrature "
                          f"over the training data, {self.quadrature_steps} passes "
                          f"({verdict})")
-        elif self.refinable and self.kept_fraction < REFINE_BELOW:
-            lines.append("  most of the curvature is dropped: la.refine_complement("
-                         "train_loader) measures it over the whole training set")
+        elif self.refinable and self.kept_fraction < quadrature.REFINE_BELOW:
+            lines.append("  most of the curvature is dropped: la.refine_complement(loader of "
+                         "all the fitted data) measures it over the whole training set")
         if self.null_directions:
             lines.append(f"  logit-shift directions: {self.null_directions} null directions of "
                          "the GGN keep the prior's variance (checked on the probe)")

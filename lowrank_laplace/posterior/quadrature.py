@@ -41,6 +41,10 @@ from lowrank_laplace.posterior.predictive import jacobian_engine, micro_batches
 from lowrank_laplace.utils.batches import batch_device, take, to_device
 from lowrank_laplace.utils.checks import check_batch
 
+#: Below this kept share of the GGN trace a fit with the spectral residual refines its
+#: complement itself (``0``: only ``la.refine_complement`` does): most of its predictive
+#: variance then lies in the curvature the rank drops.
+REFINE_BELOW = 0.6
 #: Lanczos runs of each kind (Jacobian starts, Gaussian starts).
 RUNS = 8
 #: Fewest and most Lanczos steps (each one pass over the training data).
@@ -173,7 +177,7 @@ def gauss_estimates(rules: List[Tuple[Tensor, Tensor]], scale: float, prior: flo
 
 def lanczos_quadrature(target: FitTarget, loader: Any,
                        kept: Tuple[Tensor, Optional[NullDirections], int],
-                       config: FitConfig, prior: Tuple[float, float],
+                       config: FitConfig, prior: Tuple[float, float], num_data: int,
                        group: Any = None) -> DroppedQuadrature:
     """Run the Lanczos quadrature of a fit's dropped curvature over a training loader.
 
@@ -184,6 +188,7 @@ def lanczos_quadrature(target: FitTarget, loader: Any,
             directions (``None``: none) and the model's outputs.
         config: The fit's options (backend, memory budget, micro-batches, seed).
         prior: ``(h, delta)``: the scale and the scalar prior the stopping rule checks at.
+        num_data: Samples the fit saw (over all processes), which the loader must hold.
         group: The data-parallel process group (products are summed over it), or ``None``.
 
     Returns:
@@ -192,6 +197,7 @@ def lanczos_quadrature(target: FitTarget, loader: Any,
     Raises:
         MemoryError: If the Lanczos basis of :data:`MAX_STEPS` steps does not fit the
             memory budget (naming ``memory_budget``).
+        ValueError: If the loader does not hold ``num_data`` samples (after one pass).
     """
     U, null, outputs = kept
     dim, wide = U.shape[0], torch.float64
@@ -224,6 +230,8 @@ def lanczos_quadrature(target: FitTarget, loader: Any,
                 dist.all_reduce(product, group=group)
             runs.step(project(product))
             steps += 1
+            if steps == 1:
+                _check_samples(cache.samples, num_data, group, product.device)
             history.append(gauss_estimates(runs.rules(), scale, CHECK_PRIOR * delta))
             if steps >= MIN_STEPS and all(abs(now - then) <= TOLERANCE * abs(now) for now, then
                                           in zip(history[-1], history[-3])):
@@ -231,31 +239,55 @@ def lanczos_quadrature(target: FitTarget, loader: Any,
                 break
         converged = converged or not bool(runs.active.any())
     if not converged:
-        moved = max(abs(now - then) / max(abs(now), 1e-300)
-                    for now, then in zip(history[-1], history[-min(3, len(history))]))
-        warnings.warn(
-            f"refine_complement has not converged in {steps} passes: the last two moved "
-            f"the complement variance or log det by {moved:.1%} (needs {TOLERANCE:.0%}), "
-            "so it still under-states the complement variance; "
-            "lowrank_laplace.posterior.quadrature.MAX_STEPS allows more passes.",
-            UserWarning, stacklevel=3)
-    rules = runs.rules()
+        _warn_unconverged(history, steps)
+    free = dim - U.shape[1] - (0 if null is None else null.count)
+    return _found(runs.rules(), free, steps, converged, time.perf_counter() - start)
+
+
+def _warn_unconverged(history: List[Tuple[float, float]], steps: int) -> None:
+    """Warn with how much the last two steps moved the estimates."""
+    moved = max(abs(now - then) / max(abs(now), 1e-300)
+                for now, then in zip(history[-1], history[-min(3, len(history))]))
+    warnings.warn(
+        f"refine_complement has not converged in {steps} passes: the last two moved "
+        f"the complement variance or log det by {moved:.1%} (needs {TOLERANCE:.0%}), "
+        "so it still under-states the complement variance; "
+        "lowrank_laplace.posterior.quadrature.MAX_STEPS allows more passes.",
+        UserWarning, stacklevel=5)  # the caller of la.fit or la.refine_complement
+
+
+def _found(rules: List[Tuple[Tensor, Tensor]], free: int, steps: int, converged: bool,
+           seconds: float) -> DroppedQuadrature:
+    """The runs' Gauss rules as a :class:`DroppedQuadrature` (``free`` dropped directions)."""
     mu = torch.cat([r[0] for r in rules[:RUNS]])
     q = torch.cat([r[1] for r in rules[:RUNS]])
-    free = dim - U.shape[1] - (0 if null is None else null.count)
     totals = [float(r[1].sum()) for r in rules[RUNS:]]
     used = [(r, t) for r, t in zip(rules[RUNS:], totals) if t > 0]
     nodes = torch.cat([r[0] for r, _ in used]) if used else mu.new_zeros(0)
     counts = torch.cat([r[1] / t for r, t in used]) * free / max(len(used), 1) \
         if used else mu.new_zeros(0)
     complement = MeasuredComplement(mu, q, None, None, q.sum(), 1.0, 0.0)
-    return DroppedQuadrature(complement, nodes.cpu(), counts.cpu(), steps, converged,
-                             time.perf_counter() - start)
+    return DroppedQuadrature(complement, nodes.cpu(), counts.cpu(), steps, converged, seconds)
+
+
+def refines_itself(kept_fraction: float, dim: int, config: FitConfig,
+                   device: torch.device) -> bool:
+    """Whether a fit that keeps ``kept_fraction`` of the GGN trace runs the quadrature itself.
+
+    Below :data:`REFINE_BELOW`, where the Lanczos basis fits the memory budget.
+    """
+    return kept_fraction < REFINE_BELOW and _basis_bytes(dim) <= resolve_memory_budget(
+        config.memory_budget, device)
+
+
+def _basis_bytes(dim: int) -> int:
+    """Bytes of the Lanczos basis of :data:`MAX_STEPS` steps (float64)."""
+    return (MAX_STEPS + 3) * 2 * RUNS * dim * 8
 
 
 def _check_basis_memory(dim: int, config: FitConfig, device: torch.device) -> None:
     """Refuse a Lanczos basis the memory budget cannot hold."""
-    need = (MAX_STEPS + 3) * 2 * RUNS * dim * 8
+    need = _basis_bytes(dim)
     budget = resolve_memory_budget(config.memory_budget, device)
     if need > budget:
         raise MemoryError(
@@ -266,11 +298,31 @@ def _check_basis_memory(dim: int, config: FitConfig, device: torch.device) -> No
         )
 
 
+def _check_samples(seen: int, num_data: int, group: Any, device: torch.device) -> None:
+    """Refuse a loader of other samples than the fit's (a later one of online updates)."""
+    if group is not None:
+        import torch.distributed as dist
+
+        count = torch.tensor([seen], dtype=torch.float64, device=device)
+        dist.all_reduce(count, group=group)
+        seen = int(count)
+    if seen != num_data:
+        raise ValueError(
+            f"refine_complement: train_loader yields {seen:,} samples where the posterior "
+            f"was fitted on {num_data:,}: pass a loader of all the data it was fitted on "
+            "(after online updates, of every fitted loader's data).")
+
+
 def _batches(target: FitTarget, loader: Any) -> Any:
-    """The loader's batches as ``(inputs, targets)`` of ``target.model``, on its device."""
+    """The loader's batches as ``(inputs, targets)`` of ``target.model``, on its device.
+
+    A loader draws its workers' seed and its shuffle from torch's generator: restored
+    after the pass, so a refinement draws nothing from the caller's stream.
+    """
     device = target.device or _first_param(target).device
-    for X, y in loaders.batches(loader, target.dict_key_y):
-        yield target.to_inputs(to_device(X, device)), y.to(device)
+    with torch.random.fork_rng(devices=[]):  # a pass's draws leave the caller's stream
+        for X, y in loaders.batches(loader, target.dict_key_y):
+            yield target.to_inputs(to_device(X, device)), y.to(device)
 
 
 def _jacobian_starts(target: FitTarget, loader: Any, config: FitConfig, outputs: int,
@@ -310,14 +362,16 @@ class FactorCache:
     """
 
     def __init__(self, room: int):
-        self.room, self.kept, self.complete = room, [], False
+        self.room, self.kept, self.complete, self.samples = room, [], False, 0
 
     def passes(self, fresh: Iterator[Any]) -> Iterable[Any]:
         """The kept factors after a complete first pass, else ``fresh``'s, kept while they fit."""
         if self.complete:
             yield from self.kept
             return
+        self.samples = 0
         for factor in fresh:
+            self.samples += factor.num_samples
             if self.room >= 0:
                 self.room -= sum(block.nbytes for block in factor.blocks.values())
                 self.kept = self.kept + [factor] if self.room >= 0 else []

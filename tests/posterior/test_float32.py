@@ -166,7 +166,7 @@ def test_tiny_priors_float32_default_rank(example):
     Xt = example[3]
     fits = {dtype: _laplace(example, dtype, "lowrank_ggn") for dtype in (torch.float64,
                                                                       torch.float32)}
-    for prior, rtol in ((1e-7, 1e-2), (1e-8, 2e-2), (1e-10, None)):
+    for prior, rtol in ((1e-7, 1e-2), (1e-8, 3e-2), (1e-10, None)):
         values = {}
         for dtype, la in fits.items():
             la.prior_precision = prior

@@ -228,3 +228,38 @@ def test_an_unconverged_refinement_warns_with_the_number(monkeypatch):
         la.refine_complement(loader)
     assert la.fit_report.quadrature_converged is False
     assert "not converged" in str(la.fit_report)
+
+
+def test_a_fit_that_keeps_little_refines_itself_as_refine_complement_would(monkeypatch):
+    model, X, y, loader = _problem()
+    found = {}
+    for below in (0.0, 1.0):  # never / always below the kept share
+        monkeypatch.setattr(quadrature, "REFINE_BELOW", below)
+        la = LowRankGGNLaplace(model, "classification", rank=6)
+        la.fit(loader)
+        assert (la.fit_report.quadrature_steps > 0) == (below == 1.0)
+        if below == 0.0:
+            assert "refine_complement" not in str(la.fit_report)
+            la.refine_complement(loader)
+        found[below] = (float(la.log_marginal_likelihood()), la.fit_report.quadrature_steps)
+    assert found[0.0][1] == found[1.0][1]
+    assert found[0.0][0] == pytest.approx(found[1.0][0], rel=1e-12)
+
+
+def test_an_online_update_is_not_refined_from_its_last_loader_alone(monkeypatch):
+    """The GGN of ``override=False`` sums every fitted loader's: refining needs them all."""
+    monkeypatch.setattr(quadrature, "REFINE_BELOW", 1.0)
+    model, X, y, _ = _problem()
+    first, second = (DataLoader(TensorDataset(X[s], y[s]), batch_size=100)
+                     for s in (slice(0, 400), slice(400, 600)))
+    la = LowRankGGNLaplace(model, "classification", rank=6)
+    la.fit(first)
+    assert la.fit_report.quadrature_steps > 0
+    la.fit(second, override=False)
+    assert la.fit_report.quadrature_steps == 0
+    assert "loader of all the fitted data" in str(la.fit_report)
+    with pytest.raises(ValueError, match="yields 200 samples where the posterior was fitted "
+                                         "on 600"):
+        la.refine_complement(second)
+    la.refine_complement(DataLoader(TensorDataset(X, y), batch_size=100))
+    assert la.fit_report.quadrature_converged
