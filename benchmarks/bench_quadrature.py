@@ -1,7 +1,8 @@
 """``la.refine_complement`` (Lanczos quadrature) against the exact full-GGN posterior.
 
 Runs beside ``bench_faithful``'s cached exact references (run that first with
-``--cache``): the default fit at rank 100 with its marglik prior, then
+``--cache``): the default fit at each ``--ranks`` (default 100) with its marglik prior,
+unrefined (``quadrature.REFINE_BELOW`` set to 0 for it), then
 ``la.refine_complement(train_loader)``: Lanczos runs on the deflated whole-data GGN
 (:mod:`lowrank_laplace.posterior.quadrature`), each step one pass over the training
 data, until the complement variance and the dropped spectrum's log det converge. Both
@@ -11,11 +12,14 @@ the dropped curvature"); the eight-step runs of that section were measured by th
 script at commit b321eca::
 
     python -m benchmarks.bench_quadrature --problems mnist_aug_early --cache CACHE
+    python -m benchmarks.bench_quadrature --problems client_digits,mnist_cnn --ranks 100,30 \
+        --cache CACHE
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 import warnings
@@ -27,17 +31,20 @@ import torch
 from benchmarks import _faithful_report as report
 from benchmarks import bench_faithful as faithful
 from benchmarks._faithful_problems import build_model, make_data
+from benchmarks._worker import default_dtype
+from lowrank_laplace.posterior import quadrature
 
 
-def errors(fitted, model, data, ref) -> dict:
+def errors(fitted, model, data, ref, steps: int) -> dict:
     """Median f-var errors (own / exact prior), NLL and the complement ratio per test set."""
     la = fitted.la
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        la.optimize_prior_precision(method="marglik", n_steps=faithful.MARGLIK_STEPS, lr=0.1)
+        la.optimize_prior_precision(method="marglik", n_steps=steps, lr=0.1)
     v = la.residual_model.complement_variance(torch.tensor(1.0), torch.tensor(ref["delta"]))
     fitted.record.update(measured_v_at_exact_prior=float(v), sets={})
-    faithful.evaluate([fitted], model, data, ref)
+    with default_dtype(la.mean.dtype):
+        faithful.evaluate([fitted], model, data, ref)
     out = {"prior": float(la.prior_precision.reshape(-1)[0]), "v_at_exact_prior": float(v)}
     for name, metrics in fitted.record["sets"].items():
         out[name] = {"fvar_error": metrics["fvar_error"]["median"],
@@ -47,26 +54,40 @@ def errors(fitted, model, data, ref) -> dict:
     return out
 
 
-def run_problem(name: str, cache: Path) -> dict:
-    """The default fit, then its refined complement, on one cached problem."""
+def run_problem(name: str, rank: int, cache: Path) -> dict:
+    """The default fit unrefined, then its refined complement, on one cached problem.
+
+    The fit runs in the problem's dtype with its marglik steps, as ``bench_faithful``'s.
+    """
     ref = torch.load(cache / f"{name}.pt", weights_only=False)
     problem = faithful.PROBLEMS[name]
     data = make_data(problem)
     model = build_model(problem, data.features).double()
     model.load_state_dict(ref["state"])
     model.eval()
-    fitted = faithful.fit_method("default", 100, model, data.fit, faithful.MARGLIK_STEPS)
+    dtype = getattr(torch, problem.dtype)
+    work = model if dtype == torch.float64 else copy.deepcopy(model).to(dtype)
+    fit_set = (faithful.cast(data.fit[0], dtype), data.fit[1])
+    steps = problem.marglik_steps or faithful.MARGLIK_STEPS
+    below, quadrature.REFINE_BELOW = quadrature.REFINE_BELOW, 0.0  # the fit alone first
+    try:
+        with default_dtype(dtype):
+            fitted = faithful.fit_method("default", rank, work, fit_set, steps)
+    finally:
+        quadrature.REFINE_BELOW = below
     exact = {k: s["exact"]["nll"] for k, s in report.exact_sets(ref, data).items()}
-    record = {"exact_prior": ref["delta"], "fit_s": fitted.record["fit_s"], "exact_nll": exact,
+    record = {"rank": rank, "kept_fraction": float(fitted.la.kept_fraction),
+              "exact_prior": ref["delta"], "fit_s": fitted.record["fit_s"], "exact_nll": exact,
               "commit": (faithful.git("rev-parse", "--short", "HEAD") or "unknown").strip()}
-    record["default"] = errors(fitted, model, data, ref)
+    record["default"] = errors(fitted, model, data, ref, steps)
     start = time.perf_counter()
-    fitted.la.refine_complement(faithful.loader(*data.fit))
+    with default_dtype(dtype):
+        fitted.la.refine_complement(faithful.loader(*fit_set))
     record["refine_s"] = time.perf_counter() - start
     record["refine_steps"] = fitted.la.fit_report.quadrature_steps
     record["refine_converged"] = fitted.la.fit_report.quadrature_converged
     fitted.la.prior_precision = 1.0
-    record["refined"] = errors(fitted, model, data, ref)
+    record["refined"] = errors(fitted, model, data, ref, steps)
     print(name, json.dumps(record), flush=True)
     return record
 
@@ -74,6 +95,7 @@ def run_problem(name: str, cache: Path) -> dict:
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", default="mnist_aug_early")
+    parser.add_argument("--ranks", default="100", help="comma-separated ranks")
     parser.add_argument("--cache", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/quadrature"))
     args = parser.parse_args(argv)
@@ -81,8 +103,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     path = args.out / "quadrature.json"
     result = json.loads(path.read_text()) if path.exists() else {"problems": {}}
     for name in args.problems.split(","):
-        result["problems"].setdefault(name, {})["refine_complement"] = run_problem(
-            name, args.cache)
+        for rank in (int(r) for r in args.ranks.split(",")):
+            key = "refine_complement" + ("" if rank == 100 else f" r={rank}")
+            result["problems"].setdefault(name, {})[key] = run_problem(name, rank, args.cache)
     args.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     return result
