@@ -1,9 +1,6 @@
 r"""The solvers' base (``H = sum_b V_b V_b^T`` as its leading eigenpairs), float64 merges.
 
 Merge precision: docs/concepts.md, "Over a training set".
-
-Shape glossary:
-    D: parameters; r: kept rank; k: eigenpairs kept while fitting (r + oversampling).
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-r"""The exact solver: ``H = sum_b V_b V_b^T`` dense in float64, eigendecomposed at the end.
-
-Shape glossary:
-    D: parameters; k: eigenpairs kept.
-"""
+r"""The exact solver: ``H = sum_b V_b V_b^T`` dense in float64, eigendecomposed at the end."""
 
 from __future__ import annotations
 

@@ -3,9 +3,6 @@ r"""A loader's GGN as its leading eigenpairs: one engine, one plan, one pass.
 :class:`LoaderFit` streams every batch's factor into the solver its plan names, merges
 across processes and with an earlier fit, and keeps the first inputs for a probe pass;
 the plan and thread count hold until it is closed. :func:`fit_lowrank_ggn` is one call.
-
-Shape glossary:
-    D: parameters; r: kept rank; C: model outputs.
 """
 
 from __future__ import annotations
@@ -221,13 +218,11 @@ class LoaderFit:
         if float(trace) <= 0:  # a zero GGN has no eigenpairs, not a fake tiny one
             U, lam = U[:, :0], lam[:0]
         samples = math.ceil(num_data * (self.config.subsample_fraction or 1.0))
-        columns = loaders.columns_per_sample(self.target.likelihood, self.config.mc_samples,
-                                             stream.n_outputs)
         return FitResult(
             mean=mean, eigenvectors=U, eigenvalues=lam, trace=trace,
             residual_diagonal=residual, loss=loss, n_data=num_data,
             n_outputs=stream.n_outputs, factor_backend=self.engine.backend,
-            fit_path=self.plan.path, rank_bound=min(mean.numel(), samples * columns),
+            fit_path=self.plan.path, rank_bound=min(mean.numel(), samples * self._sizes.columns),
             warm_started=stream.solver.warm_columns > 0, probe=self.probe, check=check,
         )
 

@@ -2,9 +2,6 @@
 
 Batches are ``(X, y)`` tensors or dict batches (targets under ``dict_key_y``); what a fit
 cannot use is refused, with the way out, before any work.
-
-Shape glossary:
-    N: samples of a batch; C: model outputs.
 """
 
 from __future__ import annotations
@@ -47,20 +44,6 @@ def check_likelihood_targets(likelihood: str, y: Tensor) -> None:
             "likelihood='classification' needs integer class targets of shape (N,), "
             f"got dtype {y.dtype} and shape {tuple(y.shape)}."
         )
-
-
-def columns_per_sample(likelihood: str, mc_samples: int, n_outputs: Optional[int]) -> int:
-    """Return the GGN's rank per data point: ``M``, ``C`` or (classification) ``max(C - 1, 1)``.
-
-    Args:
-        likelihood: The likelihood.
-        mc_samples: ``0`` or Monte-Carlo samples ``M``.
-        n_outputs: Model outputs ``C`` (``None``: counted as 1).
-    """
-    if mc_samples:
-        return mc_samples
-    outputs = n_outputs or 1
-    return outputs if likelihood == "regression" else max(outputs - 1, 1)
 
 
 def loader_size(loader: Any) -> Optional[int]:

@@ -1,8 +1,4 @@
-"""A micro-batch's GGN factor for low-memory fits: recomputed by passes instead of kept.
-
-Shape glossary:
-    D: parameters; M: columns of the micro-batch's ``V``; K: columns of a product.
-"""
+"""A micro-batch's GGN factor for low-memory fits: recomputed by passes instead of kept."""
 
 from __future__ import annotations
 

@@ -5,9 +5,6 @@ Every batch factor adds ``V_b (V_b^T Omega)`` to ``Y = H Omega`` for a fixed tes
 approximation. Exact where the GGN's rank fits ``l``, else an under-estimate; a
 Kronecker-structured ``Omega``, float64 accumulation and data-parallel sums: see
 docs/concepts.md, "One-pass sketch".
-
-Shape glossary:
-    D: parameters; l: sketch size (rank + oversampling); M: columns of a batch factor.
 """
 
 from __future__ import annotations
@@ -158,11 +155,7 @@ class SketchMerge(Solver):
             merged.matmul_add_(part, proj.view(-1, proj.shape[2]))
 
     def projection_targets(self) -> List[Tensor]:
-        """The test matrix, formed once for low-memory passes' ``V^T Omega``.
-
-        Returns:
-            ``[Omega]`` (empty before it is drawn).
-        """
+        """``[Omega]``, formed once for low-memory passes' ``V^T Omega`` (empty before drawn)."""
         if self._omega is None:
             return []
         if self._projection is None:

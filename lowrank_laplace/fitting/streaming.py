@@ -5,9 +5,6 @@ eigenproblem of ``[W, V_b]^T [W, V_b]``: exact whenever the total rank fits, one
 the same operation across processes. The basis is updated lazily (``U = B R``), and
 float32 merges of wide spectra are formed in float64; derivations: docs/concepts.md,
 "Streaming merges" and "Float32 factors".
-
-Shape glossary:
-    D: parameters; r: kept rank; M: columns of one batch factor.
 """
 
 from __future__ import annotations
@@ -16,6 +13,7 @@ from dataclasses import replace
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lowrank_laplace.factor import GGNFactor, cat_blocks
@@ -140,11 +138,7 @@ class StreamingMerge(Solver):
         self._basis, self._coords, self._shared = new, None, False
 
     def projection_targets(self) -> List[Tensor]:
-        """The ``D x K`` matrices whose ``V^T x`` the next merge needs.
-
-        Returns:
-            The basis, then the deferred corrections (empty before the first merge).
-        """
+        """The basis, then the deferred corrections (empty before the first merge)."""
         if self._basis is None:
             return []
         return [self._basis] + [X for X, _ in self._deferred]
@@ -260,13 +254,9 @@ class StreamingMerge(Solver):
         U, lam = self.eigenvectors, self.eigenvalues
         if U is None:
             raise RuntimeError("merge_across needs a local factor on every process.")
-        dim, keep = U.shape[0], self.keep
-        padded_U = U.new_zeros(dim, keep)
-        padded_lam = lam.new_zeros(keep)
-        padded_U[:, : lam.numel()] = U
-        padded_lam[: lam.numel()] = lam
-        diagonal = self.diagonal if self.track_diagonal else U.new_zeros(dim)
-        local = [padded_U, padded_lam, self.trace.reshape(1), diagonal,
+        pad = self.keep - lam.numel()
+        diagonal = self.diagonal if self.track_diagonal else U.new_zeros(U.shape[0])
+        local = [F.pad(U, (0, pad)), F.pad(lam, (0, pad)), self.trace.reshape(1), diagonal,
                  torch.tensor([lam.numel()], device=U.device)]
         gathered = []
         for tensor in local:
