@@ -134,8 +134,8 @@ def wide_merge(factor: Any, group: int, eigenvalues: Optional[Tensor], keep: int
                span: float) -> bool:
     """Return whether a merge forms its products and basis in float64 (docs/concepts.md).
 
-    For lower-precision factors with blocks while the kept spectrum is not yet full or
-    spans more than ``span eps``.
+    For lower-precision factors with blocks while the kept spectrum is short of ``keep``
+    or spans more than ``span eps``.
 
     Args:
         factor: The batch factor.
@@ -193,8 +193,7 @@ def wide_combine(factor: Any, blocks: Optional[List[Any]], y: Tensor, dtype: tor
                  in_place: bool = False) -> Tensor:
     """Return ``basis @ rotation + V y`` ``(D, K)``, rows formed in float64, rounded once.
 
-    Keeps a merge's new eigenvectors orthonormal; a factor without blocks is combined in
-    its own dtype.
+    Keeps a merge's eigenvectors orthonormal (a factor without blocks: in its own dtype).
 
     Args:
         factor: The factor.

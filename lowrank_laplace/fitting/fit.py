@@ -1,8 +1,7 @@
 r"""A loader's GGN as its leading eigenpairs: one engine, one plan, one pass.
 
-:class:`LoaderFit` streams every batch's factor into the solver its plan names, merges
-across processes and with an earlier fit, and keeps the first inputs for a probe pass;
-the plan and thread count hold until it is closed. :func:`fit_lowrank_ggn` is one call.
+:class:`LoaderFit` streams the batches into its plan's solver, merges across processes and
+with an earlier fit, and keeps inputs for a probe pass; :func:`fit_lowrank_ggn` is one call.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from torch.nn.utils import parameters_to_vector
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.fitting import loader as loaders
 from lowrank_laplace.fitting.config import FitConfig, SolverKind
-from lowrank_laplace.fitting.distributed import process_rank, resolve_process_group
+from lowrank_laplace.fitting.distributed import resolve_process_group
 from lowrank_laplace.fitting.plan import (
     FitPlan,
     agree,
@@ -78,9 +77,9 @@ class ProbeInputs:
     rng: Any
 
 
-#: A sketch passes its check when the leading eigenvalues from half its random columns
-#: reach this share of the whole sketch's (``nystrom.sub_sketch_share``); below it,
-#: ``solver="auto"`` streams the data instead (docs/posterior_quality.md).
+#: A sketch passes its check where half its random columns reach this share of its leading
+#: eigenvalues (``nystrom.sub_sketch_share``); else ``solver="auto"`` streams instead
+#: (docs/posterior_quality.md).
 SKETCH_CONVERGED = 0.95
 
 
@@ -273,7 +272,7 @@ class LoaderFit:
                 self._probe_cap = probe_cap(sizes)
         solver = make_solver(self.plan, self.config, self.params,
                              basis=None if self.group is not None else warm_basis)
-        offset = 0 if self.group is None else process_rank(self.group)
+        offset = 0 if self.group is None else torch.distributed.get_rank(self.group)
         return BatchStreamer(self.engine, self.plan, self.config, solver, self.scale,
                              self.config.seed + offset, self.device)
 

@@ -57,8 +57,7 @@ WARM_SKETCH_OVERSAMPLING = 2
 def keep_while_fitting(rank: int, flat: bool = False) -> int:
     """Eigenpairs kept while streaming: ``rank`` plus :data:`OVERSAMPLING` of it.
 
-    On a ``flat`` spectrum :data:`FLAT_OVERSAMPLING` of it, at least
-    :data:`FLAT_MIN_EXTRA`.
+    On a ``flat`` spectrum :data:`FLAT_OVERSAMPLING` of it, at least :data:`FLAT_MIN_EXTRA`.
     """
     if flat:
         return rank + max(int(rank * FLAT_OVERSAMPLING), FLAT_MIN_EXTRA)
@@ -174,8 +173,7 @@ def merge_plan(sizes: FitSizes, config: FitConfig, keep: int, low_memory: bool =
                path: str = "streaming") -> Tuple[int, int]:
     """Return ``(samples per backward pass, per merge)``; a larger pass merges in pieces.
 
-    Merges spanning several batches hold their factors and a concatenated copy, so
-    they get half the budget (``cost.merge_size``).
+    Merges spanning several batches hold their factors and a copy: half the budget.
 
     Args:
         sizes: The first batch's sizes.
@@ -208,10 +206,9 @@ def merge_plan(sizes: FitSizes, config: FitConfig, keep: int, low_memory: bool =
 def choose_solver(sizes: FitSizes, config: FitConfig) -> Tuple[str, int]:
     """Return ``solver="auto"``'s ``("sketch" or "streaming", columns kept while fitting)``.
 
-    A sketch needs its float64 ``D x l`` within :data:`WIDE_SKETCH_SHARE` of the budget
-    and, on the CPU, a lower cost than streaming; on CUDA, where every merge waits on a
-    small eigendecomposition, fitting is enough (docs/benchmarks.md, "Default arguments
-    and LoRA adapters on an H200"). Low-memory and data-parallel fits stream.
+    A sketch needs its float64 ``D x l`` within :data:`WIDE_SKETCH_SHARE` of the budget and,
+    on the CPU, a lower cost than streaming (on CUDA fitting is enough: docs/benchmarks.md,
+    "Default arguments and LoRA adapters on an H200"). Low-memory and data-parallel fits stream.
 
     Args:
         sizes: The first batch's sizes.
@@ -226,9 +223,7 @@ def choose_solver(sizes: FitSizes, config: FitConfig) -> Tuple[str, int]:
         return "sketch", columns
     _, chunk = merge_plan(sizes, config, keep)
     args = (sizes.columns, keep, sizes.dim, sizes.gram_dim, sizes.num_data)
-    stream = cost.streaming_cost(*args, chunk)
-    if cost.sketch_cost(sizes.columns, columns, sizes.dim, sizes.gram_dim,
-                        sizes.num_data) < stream:
+    if cost.sketch_cost(sizes.columns, columns, *args[2:]) < cost.streaming_cost(*args, chunk):
         return "sketch", columns
     return "streaming", keep
 
@@ -276,8 +271,7 @@ def choose_plan(sizes: FitSizes, config: FitConfig,
 def flat_plan(sizes: FitSizes, config: FitConfig) -> FitPlan:
     """The plan after ``solver="auto"``'s sketch found the spectrum flat.
 
-    Streaming merges that keep :func:`keep_while_fitting`'s flat share (auto sketches
-    only where neither a dense sum nor one merge would do, and never in low memory).
+    Streaming merges keeping :func:`keep_while_fitting`'s flat share (never in low memory).
 
     Args:
         sizes: The first batch's sizes.
