@@ -1,10 +1,9 @@
 r"""Streaming low-rank merge of GGN factors over a data set.
 
-Keeps ``W = U diag(lambda)^{1/2}`` and merges every batch factor through the small
-eigenproblem of ``[W, V_b]^T [W, V_b]``: exact whenever the total rank fits, one pass,
-the same operation across processes. The basis is updated lazily (``U = B R``), and
-float32 merges of wide spectra are formed in float64; derivations: docs/concepts.md,
-"Streaming merges" and "Float32 factors".
+Keeps ``W = U diag(lambda)^{1/2}`` and merges every batch factor through the small eigenproblem
+of ``[W, V_b]^T [W, V_b]``: exact whenever the total rank fits, one pass, the same operation
+across processes; a lazy basis (``U = B R``), float32 merges of wide spectra formed in float64
+(docs/concepts.md, "Streaming merges" and "Float32 factors").
 """
 
 from __future__ import annotations
@@ -272,7 +271,7 @@ class StreamingMerge(Solver):
 def concat_factors(factors: Sequence[GGNFactor], scales: Sequence[float]) -> GGNFactor:
     """One factor whose columns are those of several factors, each times ``sqrt(scale)``.
 
-    Lets one merge span several backward passes (fewer, larger merges).
+    Lets one merge span several backward passes.
 
     Args:
         factors: Factors with the same groups and vectors per sample, blocks kept.
@@ -285,13 +284,10 @@ def concat_factors(factors: Sequence[GGNFactor], scales: Sequence[float]) -> GGN
         return factors[0]
     first = factors[0]
     alphas = [float(s) ** 0.5 for s in scales]
-    blocks = {
-        i: cat_blocks([f.blocks[i] for f in factors], alphas, first.num_vectors)
-        for i in first.blocks
-    }
-    num = sum(f.num_curv_samples for f in factors)
+    blocks = {i: cat_blocks([f.blocks[i] for f in factors], alphas, first.num_vectors)
+              for i in first.blocks}
     return replace(
         first, blocks=blocks, grams=[], grad={}, batch_grads={}, outputs=None,
-        num_curv_samples=num, num_samples=sum(f.num_samples for f in factors),
-        loss=sum(f.loss for f in factors),
+        num_curv_samples=sum(f.num_curv_samples for f in factors),
+        num_samples=sum(f.num_samples for f in factors), loss=sum(f.loss for f in factors),
     )
