@@ -45,6 +45,8 @@ class Solver:
         self.trace: Optional[Tensor] = None
         self.diagonal: Optional[Tensor] = None  # exact diagonal of the merged sum
         self.num_merges = 0
+        self._dtype: Optional[torch.dtype] = None  # the factors' dtype (of the result)
+        self._vectors: Optional[Tensor] = None  # eigenvectors formed at the end
 
     @property
     def keep(self) -> int:
@@ -54,7 +56,11 @@ class Solver:
     @property
     def eigenvectors(self) -> Optional[Tensor]:
         """The kept orthonormal eigenvectors, ``(D, k)`` (``None`` before a merge)."""
-        raise NotImplementedError
+        self._finalize()
+        return self._vectors
+
+    def _finalize(self) -> None:
+        """Form :attr:`eigenvectors` from what was accumulated (solvers that defer them)."""
 
     def add_factor(self, factor: Any, group: int = 0, scale: float = 1.0) -> None:
         """Add ``scale * V V^T`` of one group of a batch factor.

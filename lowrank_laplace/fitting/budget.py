@@ -59,7 +59,7 @@ def samples_in_budget(engine: Any, X: Any, num_vectors: Optional[int],
     """Samples whose ``V`` fits the budget, and the bytes of one sample's ``V``.
 
     Raises:
-        ValueError: If one sample does not fit the budget.
+        ValueError: If one sample does not fit the budget (:func:`samples_that_fit`).
     """
     per_sample = engine.bytes_per_sample(X, num_vectors, one_block=one_block)
     return samples_that_fit(per_sample, resolve_memory_budget(budget, batch_device(X)))

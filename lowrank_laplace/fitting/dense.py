@@ -21,14 +21,6 @@ class DenseSum(Solver):
     def __init__(self, rank: int, oversampling: int = 0, track_diagonal: bool = False):
         super().__init__(rank, oversampling, track_diagonal)
         self._dense: Optional[Tensor] = None  # (D, D) float64 sum until finalised
-        self._dtype: Optional[torch.dtype] = None  # the factors' dtype
-        self._vectors: Optional[Tensor] = None
-
-    @property
-    def eigenvectors(self) -> Optional[Tensor]:
-        """The leading eigenvectors of the sum, ``(D, k)`` (formed on first read)."""
-        self._finalize()
-        return self._vectors
 
     def _add(self, V: Tensor, scale: float) -> Tensor:
         """Add ``scale * V V^T`` in float64, a slice of columns at a time; its trace."""

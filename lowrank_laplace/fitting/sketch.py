@@ -71,7 +71,6 @@ class SketchMerge(Solver):
         self.test_matrix = test_matrix
         self.seed = int(seed)
         self.accumulate = accumulate
-        self._dtype: Optional[torch.dtype] = None  # the factors' dtype (of the result)
         self.basis = basis  # the warm start's columns, until the test matrix is drawn
         self.warm_columns = 0 if basis is None else basis.shape[1]
         self._omega: Optional[Union[Omega, BasisOmega]] = None  # the test matrix
@@ -79,7 +78,6 @@ class SketchMerge(Solver):
         self._sketch: Optional[Tensor] = None  # Y = H Omega, laid out like Omega
         self.shift: Optional[float] = None  # nu of the last finalisation
         self._convergence = 1.0  # sub_sketch_share of the last finalisation
-        self._vectors: Optional[Tensor] = None  # the eigenvectors, once finalised
         # parameter index -> (blocks, scaled V^T Omega rows, sketch slice) not yet added
         self._kron: Dict[int, Tuple[List[Block], List[Tensor], Tensor]] = {}
 
@@ -218,7 +216,7 @@ class SketchMerge(Solver):
         Returns:
             ``True`` also when nothing was kept.
         """
-        self._finalize_sketch()
+        self._finalize()
         lam = self.eigenvalues
         if lam is None or lam.numel() == 0 or self.shift is None:
             return True
@@ -228,16 +226,10 @@ class SketchMerge(Solver):
     @property
     def convergence(self) -> float:
         """``sub_sketch_share`` of the sketch, ``1.0`` where converged (finalises it)."""
-        self._finalize_sketch()
+        self._finalize()
         return self._convergence
 
-    @property
-    def eigenvectors(self) -> Optional[Tensor]:
-        """The leading orthonormal eigenvectors of the sketch's approximation."""
-        self._finalize_sketch()
-        return self._vectors
-
-    def _finalize_sketch(self) -> None:
+    def _finalize(self) -> None:
         """Replace the sketch by its eigenpairs (:func:`nystrom_eigenpairs`)."""
         if self._sketch is None:
             return
