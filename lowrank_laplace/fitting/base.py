@@ -104,10 +104,13 @@ class Solver:
         if diagonal is not None:
             self.diagonal = diagonal if self.diagonal is None else self.diagonal + diagonal
 
-    def sum_trace_across(self, group: Any) -> None:
-        """Replace the trace by its sum over the processes of ``group``."""
+    def sum_trace_across(self, group: Any, total: Tensor) -> None:
+        """Sum ``total``, any diagonal and the trace over the processes of ``group``, in place."""
         import torch.distributed as dist
 
+        dist.all_reduce(total, group=group)
+        if self.diagonal is not None:
+            dist.all_reduce(self.diagonal, group=group)
         trace = self.trace.reshape(1).clone()
         dist.all_reduce(trace, group=group)
         self.trace = trace[0]

@@ -64,10 +64,7 @@ class DenseSum(Solver):
 
     def merge_across(self, group: Any) -> None:
         """Sum the dense matrices and traces of all processes of ``group`` (exact)."""
-        import torch.distributed as dist
-
-        dist.all_reduce(self._dense, group=group)
-        self.sum_trace_across(group)
+        self.sum_trace_across(group, self._dense)
         self._finalize()
 
     def _finalize(self) -> None:

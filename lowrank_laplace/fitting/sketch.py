@@ -197,15 +197,10 @@ class SketchMerge(Solver):
         Raises:
             RuntimeError: If some process sketched nothing.
         """
-        import torch.distributed as dist
-
         if self._sketch is None:
             raise RuntimeError("merge_across needs a local sketch on every process.")
         self._add_deferred()
-        dist.all_reduce(self._sketch.T, group=group)  # its contiguous (l, D) storage
-        self.sum_trace_across(group)
-        if self.track_diagonal:
-            dist.all_reduce(self.diagonal, group=group)
+        self.sum_trace_across(group, self._sketch.T)  # its contiguous (l, D) storage
 
     def resolves(self, ratio: Optional[float] = None) -> bool:
         """Whether every kept eigenvalue is ``ratio`` times its shift ``nu`` (finalises).
