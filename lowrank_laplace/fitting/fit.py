@@ -290,8 +290,7 @@ class LoaderFit:
                 f"eigenvalues grew by {1 / max(value, 1e-12) - 1:.0%} when the second half "
                 "of its columns was added, so they under-estimate the GGN's by more (a "
                 "flat spectrum). solver='streaming' (or 'auto') keeps more of it.",
-                UserWarning, stacklevel=4,
-            )
+                UserWarning, stacklevel=4)
         return FastPathCheck("sketch convergence", value, SKETCH_CONVERGED, passed, action)
 
     def _rounded(self, stream: BatchStreamer) -> bool:
@@ -328,8 +327,7 @@ def probe_cap(sizes: Any) -> int:
             f"memory_budget={sizes.budget:,} bytes is too small for the residual model's "
             f"probe pass (about {sizes.vector_bytes:,} bytes per input): raise "
             "memory_budget, or pass a residual model without a probe (e.g. "
-            "residual='isotropic')."
-        )
+            "residual='isotropic').")
     return max(1, sizes.budget // sizes.vector_bytes)
 
 
@@ -362,8 +360,7 @@ def _warn_low_precision_sketch(dtype: torch.dtype) -> None:
         "variances in weakly determined directions can be far off at small prior "
         "precisions. solver='streaming', a larger memory_budget (or a float64 "
         "model) resolves them.",
-        UserWarning, stacklevel=4,
-    )
+        UserWarning, stacklevel=4)
 
 
 def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Any, config: FitConfig, *,

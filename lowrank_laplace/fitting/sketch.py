@@ -62,12 +62,9 @@ class SketchMerge(Solver):
         if basis is not None and not 0 < basis.shape[1] < self.keep:
             raise ValueError(
                 f"A warm-start basis needs between 1 and {self.keep - 1} columns (fewer "
-                f"than the sketch's {self.keep}), got {basis.shape[1]}."
-            )
+                f"than the sketch's {self.keep}), got {basis.shape[1]}.")
         if test_matrix not in ("kronecker", "gaussian"):
-            raise ValueError(
-                f"test_matrix must be 'kronecker' or 'gaussian', got {test_matrix!r}."
-            )
+            raise ValueError(f"test_matrix must be 'kronecker' or 'gaussian', got {test_matrix!r}.")
         self.test_matrix = test_matrix
         self.seed = int(seed)
         self.accumulate = accumulate

@@ -78,10 +78,8 @@ class StreamingMerge(Solver):
         gram = wide_inner(basis)
         chol, info = torch.linalg.cholesky_ex(gram)
         if int(info) == 0:
-            to_orth = torch.linalg.solve_triangular(
-                chol.T, torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device),
-                upper=True,
-            )
+            eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+            to_orth = torch.linalg.solve_triangular(chol.T, eye, upper=True)
             inner = chol.T @ coords
         else:  # numerically rank-deficient basis: symmetric inverse square root
             g, Z = torch.linalg.eigh(gram)
@@ -152,10 +150,8 @@ class StreamingMerge(Solver):
         """
         r, root = lam.numel(), lam.to(WIDE).sqrt()
         cross = cross.to(WIDE) * root[:, None]  # diag(lam)^1/2 U^T Z
-        small = torch.cat(
-            [torch.cat([torch.diag(lam.to(WIDE)), cross], 1),
-             torch.cat([cross.T, gram.to(WIDE)], 1)], 0
-        )
+        small = torch.cat([torch.cat([torch.diag(lam.to(WIDE)), cross], 1),
+                           torch.cat([cross.T, gram.to(WIDE)], 1)], 0)
         evals, q = top_eigh(small, self.keep, lam.dtype, formed)
         inv = evals.rsqrt()[None, :]
         return evals, root[:, None] * q[:r] * inv, q[r:] * inv
