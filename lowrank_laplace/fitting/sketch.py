@@ -36,12 +36,10 @@ RESOLVED_RATIO = 1e3
 class SketchMerge(Solver):
     """Accumulates ``H = sum_b V_b V_b^T`` as a one-pass Nyström sketch ``Y = H Omega``.
 
-    The eigenpairs are formed when :meth:`result` or :attr:`eigenvectors` is first read.
+    The eigenpairs are formed when :meth:`result` or :attr:`eigenvectors` is first read;
+    ``rank``, ``oversampling`` (extra sketch columns) and ``track_diagonal`` as for ``Solver``.
 
     Args:
-        rank: Eigenpairs kept in the end.
-        oversampling: Extra sketch columns; ``l = rank + oversampling``.
-        track_diagonal: Also accumulate the exact diagonal of the sum.
         seed: Seed of ``Omega``; processes that merge their sketches need the same.
         test_matrix: ``"kronecker"`` (Khatri-Rao slices for matrix-shaped weights) or
             ``"gaussian"``; entries of variance ``1 / D``, uncorrelated, either way.
@@ -50,7 +48,7 @@ class SketchMerge(Solver):
         basis: ``(D, b)`` warm start, the first ``b`` test columns.
 
     Raises:
-        ValueError: For a bad rank, oversampling, basis or ``test_matrix``.
+        ValueError: For a bad rank, oversampling (``Solver``), basis or ``test_matrix``.
     """
 
     path = "sketch"

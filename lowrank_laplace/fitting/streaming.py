@@ -35,14 +35,11 @@ WIDE_SPAN = 1e3
 class StreamingMerge(Solver):
     """Accumulates ``H = sum_b V_b V_b^T`` as a truncated eigendecomposition.
 
-    Args:
-        rank: Eigenpairs kept in the end.
-        oversampling: Extra eigenpairs kept while streaming (a more accurate truncation).
-        track_diagonal: Also accumulate the exact diagonal of the sum.
-        lazy: Update a basis times small coordinates; ``False`` rotates it every merge.
+    ``rank``, ``oversampling`` (extra eigenpairs kept while streaming) and ``track_diagonal``
+    as for ``Solver``.
 
-    Raises:
-        ValueError: For ``rank < 1`` or negative oversampling.
+    Args:
+        lazy: Update a basis times small coordinates; ``False`` rotates it every merge.
     """
 
     path = "streaming"
