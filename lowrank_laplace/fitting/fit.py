@@ -202,7 +202,13 @@ class LoaderFit:
                 self.plan = self.plan.widened()
                 stream, loss, seen = self._pass(loader, known, warm_basis, False)
             else:
-                _warn_low_precision_sketch(self.params[0].dtype)
+                warnings.warn(
+                    f"solver='sketch' accumulated its sketch in {self.params[0].dtype} (its "
+                    "float64 D x l matrix exceeds a quarter of memory_budget, or low_memory=True) "
+                    "and rounded kept eigenvalues: eigenvalues below about eps * lambda_max are "
+                    "lost, and variances in weakly determined directions can be far off at small "
+                    "prior precisions. solver='streaming', a larger memory_budget (or a float64 "
+                    "model) resolves them.", UserWarning, stacklevel=3)
         loss, num_data = self._reduce(stream, loss, seen, known, mean.dtype)
         check = self._check(stream)
         if check is not None and check.action == "streamed instead":
@@ -349,18 +355,6 @@ def merge_fits(config: FitConfig, previous: FitResult, current: tuple
         diagonal = residual + squared_rows_dot(U, lam) if track else None
         both.add_lowrank(U, lam, trace, diagonal)
     return both.result()
-
-
-def _warn_low_precision_sketch(dtype: torch.dtype) -> None:
-    """Warn that a float32 sketch that could not be redone in float64 rounded eigenvalues."""
-    warnings.warn(
-        f"solver='sketch' accumulated its sketch in {dtype} (its float64 D x l matrix "
-        "exceeds a quarter of memory_budget, or low_memory=True) and rounded kept "
-        "eigenvalues: eigenvalues below about eps * lambda_max are lost, and "
-        "variances in weakly determined directions can be far off at small prior "
-        "precisions. solver='streaming', a larger memory_budget (or a float64 "
-        "model) resolves them.",
-        UserWarning, stacklevel=4)
 
 
 def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Any, config: FitConfig, *,
