@@ -215,11 +215,11 @@ class LoaderFit:
             self.plan = flat_plan(self._sizes, self.config)
             stream, loss, seen = self._pass(loader, known, None, False)
             loss, num_data = self._reduce(stream, loss, seen, known, mean.dtype)
-        U, lam, trace, residual = stream.solver.result()
+        result = stream.solver.result()
         if previous is not None:
-            U, lam, trace, residual = merge_fits(self.config, previous, (U, lam, trace,
-                                                                         residual))
+            result = merge_fits(self.config, previous, result)
             loss, num_data = previous.loss + loss, previous.n_data + num_data
+        U, lam, trace, residual = result
         if float(trace) <= 0:  # a zero GGN has no eigenpairs, not a fake tiny one
             U, lam = U[:, :0], lam[:0]
         samples = math.ceil(num_data * (self.config.subsample_fraction or 1.0))

@@ -100,8 +100,7 @@ class StreamingMerge(Solver):
         blocks = merge_blocks(factor, group) if wide else None
         if blocks is not None:
             self._flush()  # a wide merge applies its corrections at once
-        targets = self.projection_targets()
-        gram, products, formed = wide_products(factor, blocks, targets, group)
+        gram, products, formed = wide_products(factor, blocks, self.projection_targets(), group)
         gram = gram * scale
         diagonal = factor.diag(group) * scale if self.track_diagonal else None
         self.add_trace_and_diagonal(gram.diagonal().sum(), diagonal)
