@@ -89,8 +89,7 @@ def directional_from_factor(factor: GGNFactor, group: int = 0, top_k: Optional[i
 def _directional_eigh(factor: GGNFactor, group: int, top_k, threshold, indices):
     if not (factor.batch_grads or group in factor.t_batch_grads):
         raise ValueError("The factor has no per-sample gradients: compute it with batch_grad=True.")
-    evals, gvecs, _ = gram_eigh(factor, group, top_k, threshold, indices)
-    return evals, gvecs
+    return gram_eigh(factor, group, top_k, threshold, indices)[:2]
 
 
 def _directional(factor: GGNFactor, group: int, evals: Tensor, gvecs: Tensor,

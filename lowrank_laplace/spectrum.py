@@ -155,14 +155,12 @@ def gram_eigh(factor: GGNFactor, group: int = 0, top_k: Optional[int] = None,
         dtype, device = factor.grad_dtype(), factor.grad_device()
         empty = torch.zeros(0, dtype=dtype, device=device)
         return empty, torch.zeros(num_cols, 0, dtype=dtype, device=device), empty
-    if solver == "auto":
-        on_cpu = factor.grad_device().type == "cpu"
+    if solver == "auto":  # ARPACK on the CPU for a small top_k
         small_k = only_top and top_k < num_cols / 4
-        solver = "arpack" if (on_cpu and small_k) else "eigh"
+        solver = "arpack" if small_k and factor.grad_device().type == "cpu" else "eigh"
     if solver != "eigh" and top_k < num_cols - 1:
         return (*_arpack(factor, group, int(top_k), solver == "matrix_free"), None)
-    gram = factor.gram(group)
-    evals, evecs = torch.linalg.eigh(gram)
+    evals, evecs = torch.linalg.eigh(factor.gram(group))
     evals, evecs = evals.flip(0), evecs.flip(1)
     nonzero = evals > nonzero_tolerance(evals, num_cols)
     evals, evecs = evals[nonzero], evecs[:, nonzero]

@@ -1,9 +1,6 @@
 r"""The solvers' base (``H = sum_b V_b V_b^T`` as its leading eigenpairs), float64 merges.
 
 Merge precision: docs/concepts.md, "Over a training set".
-
-Shape glossary:
-    D: parameters; r: kept rank; k: eigenpairs kept while fitting (r + oversampling).
 """
 
 from __future__ import annotations
@@ -48,6 +45,8 @@ class Solver:
         self.trace: Optional[Tensor] = None
         self.diagonal: Optional[Tensor] = None  # exact diagonal of the merged sum
         self.num_merges = 0
+        self._dtype: Optional[torch.dtype] = None  # the factors' dtype (of the result)
+        self._vectors: Optional[Tensor] = None  # eigenvectors formed at the end
 
     @property
     def keep(self) -> int:
@@ -57,7 +56,11 @@ class Solver:
     @property
     def eigenvectors(self) -> Optional[Tensor]:
         """The kept orthonormal eigenvectors, ``(D, k)`` (``None`` before a merge)."""
-        raise NotImplementedError
+        self._finalize()
+        return self._vectors
+
+    def _finalize(self) -> None:
+        """Form :attr:`eigenvectors` from what was accumulated (solvers that defer them)."""
 
     def add_factor(self, factor: Any, group: int = 0, scale: float = 1.0) -> None:
         """Add ``scale * V V^T`` of one group of a batch factor.
@@ -101,10 +104,13 @@ class Solver:
         if diagonal is not None:
             self.diagonal = diagonal if self.diagonal is None else self.diagonal + diagonal
 
-    def sum_trace_across(self, group: Any) -> None:
-        """Replace the trace by its sum over the processes of ``group``."""
+    def sum_trace_across(self, group: Any, total: Tensor) -> None:
+        """Sum ``total``, any diagonal and the trace over the processes of ``group``, in place."""
         import torch.distributed as dist
 
+        dist.all_reduce(total, group=group)
+        if self.diagonal is not None:
+            dist.all_reduce(self.diagonal, group=group)
         trace = self.trace.reshape(1).clone()
         dist.all_reduce(trace, group=group)
         self.trace = trace[0]
@@ -137,8 +143,8 @@ def wide_merge(factor: Any, group: int, eigenvalues: Optional[Tensor], keep: int
                span: float) -> bool:
     """Return whether a merge forms its products and basis in float64 (docs/concepts.md).
 
-    For lower-precision factors with blocks while the kept spectrum is not yet full or
-    spans more than ``span eps``.
+    For lower-precision factors with blocks while the kept spectrum is short of ``keep``
+    or spans more than ``span eps``.
 
     Args:
         factor: The batch factor.
@@ -196,8 +202,7 @@ def wide_combine(factor: Any, blocks: Optional[List[Any]], y: Tensor, dtype: tor
                  in_place: bool = False) -> Tensor:
     """Return ``basis @ rotation + V y`` ``(D, K)``, rows formed in float64, rounded once.
 
-    Keeps a merge's new eigenvectors orthonormal; a factor without blocks is combined in
-    its own dtype.
+    Keeps a merge's eigenvectors orthonormal (a factor without blocks: in its own dtype).
 
     Args:
         factor: The factor.

@@ -59,7 +59,7 @@ def samples_in_budget(engine: Any, X: Any, num_vectors: Optional[int],
     """Samples whose ``V`` fits the budget, and the bytes of one sample's ``V``.
 
     Raises:
-        ValueError: If one sample does not fit the budget.
+        ValueError: If one sample does not fit the budget (:func:`samples_that_fit`).
     """
     per_sample = engine.bytes_per_sample(X, num_vectors, one_block=one_block)
     return samples_that_fit(per_sample, resolve_memory_budget(budget, batch_device(X)))
@@ -75,8 +75,7 @@ def samples_that_fit(per_sample: int, budget: int) -> Tuple[int, int]:
         raise ValueError(
             f"memory_budget={budget:,} bytes is too small for one sample (about "
             f"{per_sample:,} bytes of V): raise memory_budget, use mc_samples=1, or "
-            "subset_of_weights='last_layer'."
-        )
+            "subset_of_weights='last_layer'.")
     return max(1, budget // per_sample), per_sample
 
 
@@ -101,6 +100,5 @@ def dense_identity(dim: int, dtype: torch.dtype, device: torch.device,
             f"{what} is a dense {dim:,} x {dim:,} matrix ({need / 2**30:.1f} GiB with "
             f"its workspace), over memory_budget={budget:,} bytes: use "
             "posterior_variance (its diagonal), functional_variance / "
-            "functional_covariance (outputs) or sample(), or raise memory_budget."
-        )
+            "functional_covariance (outputs) or sample(), or raise memory_budget.")
     return torch.eye(dim, dtype=dtype, device=device)

@@ -40,12 +40,6 @@ def check_count(name: str, value: Any, minimum: int, allow_none: bool = False) -
         raise ValueError(f"{name} must be a {kind} integer, got {value!r}.")
 
 
-def _check_seed(seed) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or \
-            not -2**63 <= seed < 2**64:
-        raise ValueError(f"seed must be an integer (a torch.Generator seed), got {seed!r}.")
-
-
 @dataclass(frozen=True)
 class FitConfig:
     r"""The options of a fit, validated and normalised when the record is made.
@@ -82,7 +76,10 @@ class FitConfig:
         check_mc_samples(self.mc_samples)
         check_count("micro_batch_size", self.micro_batch_size, 1, allow_none=True)
         check_count("probe_inputs", self.probe_inputs, 0)
-        _check_seed(self.seed)
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or \
+                not -2**63 <= seed < 2**64:
+            raise ValueError(f"seed must be an integer (a torch.Generator seed), got {seed!r}.")
         budget = parse_memory(self.memory_budget)  # refuses nan, inf and 1.5 bytes
         if budget is not None and budget <= 0:
             raise ValueError(f"memory_budget must be positive, got {self.memory_budget!r}.")

@@ -6,11 +6,6 @@ over the basis (``~180 D k``), a float64 eigendecomposition (``EIGH_WEIGHT (k + 
 the columns' Gram matrix (``M^2 D_gram``) and a fixed ``OVERHEAD``; weights measured on
 CPU (docs/benchmarks/design_measurements.md).
 
-Shape glossary:
-    D: parameters; D_gram: expanded parameters plus ``out + in`` per factored linear
-    weight; k: kept eigenpairs (rank + oversampling); M: columns of a merge; l: sketch
-    columns.
-
 The functions' arguments: ``columns_per_sample`` (columns of ``V`` per sample), ``keep``
 (``k``, or ``l`` for a sketch), ``dim`` (``D``), ``gram_dim`` (``D_gram``), ``num_data``
 (samples streamed by this process).

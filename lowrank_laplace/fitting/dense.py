@@ -1,8 +1,4 @@
-r"""The exact solver: ``H = sum_b V_b V_b^T`` dense in float64, eigendecomposed at the end.
-
-Shape glossary:
-    D: parameters; k: eigenpairs kept.
-"""
+r"""The exact solver: ``H = sum_b V_b V_b^T`` dense in float64, eigendecomposed at the end."""
 
 from __future__ import annotations
 
@@ -25,14 +21,6 @@ class DenseSum(Solver):
     def __init__(self, rank: int, oversampling: int = 0, track_diagonal: bool = False):
         super().__init__(rank, oversampling, track_diagonal)
         self._dense: Optional[Tensor] = None  # (D, D) float64 sum until finalised
-        self._dtype: Optional[torch.dtype] = None  # the factors' dtype
-        self._vectors: Optional[Tensor] = None
-
-    @property
-    def eigenvectors(self) -> Optional[Tensor]:
-        """The leading eigenvectors of the sum, ``(D, k)`` (formed on first read)."""
-        self._finalize()
-        return self._vectors
 
     def _add(self, V: Tensor, scale: float) -> Tensor:
         """Add ``scale * V V^T`` in float64, a slice of columns at a time; its trace."""
@@ -76,10 +64,7 @@ class DenseSum(Solver):
 
     def merge_across(self, group: Any) -> None:
         """Sum the dense matrices and traces of all processes of ``group`` (exact)."""
-        import torch.distributed as dist
-
-        dist.all_reduce(self._dense, group=group)
-        self.sum_trace_across(group)
+        self.sum_trace_across(group, self._dense)
         self._finalize()
 
     def _finalize(self) -> None:

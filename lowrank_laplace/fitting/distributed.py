@@ -16,10 +16,3 @@ def resolve_process_group(process_group: Any):
     if process_group is None or dist.get_world_size(process_group) == 1:
         return None
     return process_group
-
-
-def process_rank(group) -> int:
-    """This process's rank in a ``torch.distributed`` group."""
-    import torch.distributed as dist
-
-    return dist.get_rank(group)

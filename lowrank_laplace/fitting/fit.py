@@ -1,11 +1,7 @@
 r"""A loader's GGN as its leading eigenpairs: one engine, one plan, one pass.
 
-:class:`LoaderFit` streams every batch's factor into the solver its plan names, merges
-across processes and with an earlier fit, and keeps the first inputs for a probe pass;
-the plan and thread count hold until it is closed. :func:`fit_lowrank_ggn` is one call.
-
-Shape glossary:
-    D: parameters; r: kept rank; C: model outputs.
+:class:`LoaderFit` streams the batches into its plan's solver, merges across processes and
+with an earlier fit, and keeps inputs for a probe pass; :func:`fit_lowrank_ggn` is one call.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from torch.nn.utils import parameters_to_vector
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.fitting import loader as loaders
 from lowrank_laplace.fitting.config import FitConfig, SolverKind
-from lowrank_laplace.fitting.distributed import process_rank, resolve_process_group
+from lowrank_laplace.fitting.distributed import resolve_process_group
 from lowrank_laplace.fitting.plan import (
     FitPlan,
     agree,
@@ -81,9 +77,9 @@ class ProbeInputs:
     rng: Any
 
 
-#: A sketch passes its check when the leading eigenvalues from half its random columns
-#: reach this share of the whole sketch's (``nystrom.sub_sketch_share``); below it,
-#: ``solver="auto"`` streams the data instead (docs/posterior_quality.md).
+#: A sketch passes its check where half its random columns reach this share of its leading
+#: eigenvalues (``nystrom.sub_sketch_share``); else ``solver="auto"`` streams instead
+#: (docs/posterior_quality.md).
 SKETCH_CONVERGED = 0.95
 
 
@@ -206,28 +202,32 @@ class LoaderFit:
                 self.plan = self.plan.widened()
                 stream, loss, seen = self._pass(loader, known, warm_basis, False)
             else:
-                _warn_low_precision_sketch(self.params[0].dtype)
+                warnings.warn(
+                    f"solver='sketch' accumulated its sketch in {self.params[0].dtype} (its "
+                    "float64 D x l matrix exceeds a quarter of memory_budget, or low_memory=True) "
+                    "and rounded kept eigenvalues: eigenvalues below about eps * lambda_max are "
+                    "lost, and variances in weakly determined directions can be far off at small "
+                    "prior precisions. solver='streaming', a larger memory_budget (or a float64 "
+                    "model) resolves them.", UserWarning, stacklevel=3)
         loss, num_data = self._reduce(stream, loss, seen, known, mean.dtype)
         check = self._check(stream)
         if check is not None and check.action == "streamed instead":
             self.plan = flat_plan(self._sizes, self.config)
             stream, loss, seen = self._pass(loader, known, None, False)
             loss, num_data = self._reduce(stream, loss, seen, known, mean.dtype)
-        U, lam, trace, residual = stream.solver.result()
+        result = stream.solver.result()
         if previous is not None:
-            U, lam, trace, residual = merge_fits(self.config, previous, (U, lam, trace,
-                                                                         residual))
+            result = merge_fits(self.config, previous, result)
             loss, num_data = previous.loss + loss, previous.n_data + num_data
+        U, lam, trace, residual = result
         if float(trace) <= 0:  # a zero GGN has no eigenpairs, not a fake tiny one
             U, lam = U[:, :0], lam[:0]
         samples = math.ceil(num_data * (self.config.subsample_fraction or 1.0))
-        columns = loaders.columns_per_sample(self.target.likelihood, self.config.mc_samples,
-                                             stream.n_outputs)
         return FitResult(
             mean=mean, eigenvectors=U, eigenvalues=lam, trace=trace,
             residual_diagonal=residual, loss=loss, n_data=num_data,
             n_outputs=stream.n_outputs, factor_backend=self.engine.backend,
-            fit_path=self.plan.path, rank_bound=min(mean.numel(), samples * columns),
+            fit_path=self.plan.path, rank_bound=min(mean.numel(), samples * self._sizes.columns),
             warm_started=stream.solver.warm_columns > 0, probe=self.probe, check=check,
         )
 
@@ -278,7 +278,7 @@ class LoaderFit:
                 self._probe_cap = probe_cap(sizes)
         solver = make_solver(self.plan, self.config, self.params,
                              basis=None if self.group is not None else warm_basis)
-        offset = 0 if self.group is None else process_rank(self.group)
+        offset = 0 if self.group is None else torch.distributed.get_rank(self.group)
         return BatchStreamer(self.engine, self.plan, self.config, solver, self.scale,
                              self.config.seed + offset, self.device)
 
@@ -296,8 +296,7 @@ class LoaderFit:
                 f"eigenvalues grew by {1 / max(value, 1e-12) - 1:.0%} when the second half "
                 "of its columns was added, so they under-estimate the GGN's by more (a "
                 "flat spectrum). solver='streaming' (or 'auto') keeps more of it.",
-                UserWarning, stacklevel=4,
-            )
+                UserWarning, stacklevel=4)
         return FastPathCheck("sketch convergence", value, SKETCH_CONVERGED, passed, action)
 
     def _rounded(self, stream: BatchStreamer) -> bool:
@@ -334,8 +333,7 @@ def probe_cap(sizes: Any) -> int:
             f"memory_budget={sizes.budget:,} bytes is too small for the residual model's "
             f"probe pass (about {sizes.vector_bytes:,} bytes per input): raise "
             "memory_budget, or pass a residual model without a probe (e.g. "
-            "residual='isotropic')."
-        )
+            "residual='isotropic').")
     return max(1, sizes.budget // sizes.vector_bytes)
 
 
@@ -357,19 +355,6 @@ def merge_fits(config: FitConfig, previous: FitResult, current: tuple
         diagonal = residual + squared_rows_dot(U, lam) if track else None
         both.add_lowrank(U, lam, trace, diagonal)
     return both.result()
-
-
-def _warn_low_precision_sketch(dtype: torch.dtype) -> None:
-    """Warn that a float32 sketch that could not be redone in float64 rounded eigenvalues."""
-    warnings.warn(
-        f"solver='sketch' accumulated its sketch in {dtype} (its float64 D x l matrix "
-        "exceeds a quarter of memory_budget, or low_memory=True) and rounded kept "
-        "eigenvalues: eigenvalues below about eps * lambda_max are lost, and "
-        "variances in weakly determined directions can be far off at small prior "
-        "precisions. solver='streaming', a larger memory_budget (or a float64 "
-        "model) resolves them.",
-        UserWarning, stacklevel=4,
-    )
 
 
 def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Any, config: FitConfig, *,

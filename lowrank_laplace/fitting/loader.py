@@ -2,9 +2,6 @@
 
 Batches are ``(X, y)`` tensors or dict batches (targets under ``dict_key_y``); what a fit
 cannot use is refused, with the way out, before any work.
-
-Shape glossary:
-    N: samples of a batch; C: model outputs.
 """
 
 from __future__ import annotations
@@ -40,27 +37,11 @@ def check_likelihood_targets(likelihood: str, y: Tensor) -> None:
         if y.ndim != 2 or not y.is_floating_point():
             raise ValueError(
                 "likelihood='regression' needs floating-point targets of the output's "
-                f"shape (N, C), got dtype {y.dtype} and shape {tuple(y.shape)}."
-            )
+                f"shape (N, C), got dtype {y.dtype} and shape {tuple(y.shape)}.")
     elif y.is_floating_point() or y.ndim != 1:
         raise ValueError(
             "likelihood='classification' needs integer class targets of shape (N,), "
-            f"got dtype {y.dtype} and shape {tuple(y.shape)}."
-        )
-
-
-def columns_per_sample(likelihood: str, mc_samples: int, n_outputs: Optional[int]) -> int:
-    """Return the GGN's rank per data point: ``M``, ``C`` or (classification) ``max(C - 1, 1)``.
-
-    Args:
-        likelihood: The likelihood.
-        mc_samples: ``0`` or Monte-Carlo samples ``M``.
-        n_outputs: Model outputs ``C`` (``None``: counted as 1).
-    """
-    if mc_samples:
-        return mc_samples
-    outputs = n_outputs or 1
-    return outputs if likelihood == "regression" else max(outputs - 1, 1)
+            f"got dtype {y.dtype} and shape {tuple(y.shape)}.")
 
 
 def loader_size(loader: Any) -> Optional[int]:
@@ -108,13 +89,11 @@ def check_params(params: List[Tensor]) -> None:
     if not params:
         raise ValueError(
             "The model has no trainable parameters: the posterior covers the parameters "
-            "with requires_grad=True, so unfreeze the ones it should cover."
-        )
+            "with requires_grad=True, so unfreeze the ones it should cover.")
     if any(p.is_meta for p in params):
         raise ValueError(
             "The model's parameters are on the 'meta' device and hold no values: load "
-            "its weights (e.g. model.to_empty(device='cpu') and load_state_dict) first."
-        )
+            "its weights (e.g. model.to_empty(device='cpu') and load_state_dict) first.")
 
 
 def check_batch_types(X: Any, y: Any) -> None:
@@ -127,8 +106,7 @@ def check_batch_types(X: Any, y: Any) -> None:
         raise TypeError(
             "train_loader must yield (X, y) tensors or dict batches, got "
             f"({type(X).__name__}, {type(y).__name__}): wrap arrays with torch.as_tensor "
-            "(e.g. in a TensorDataset)."
-        )
+            "(e.g. in a TensorDataset).")
 
 
 def unpack(data: Any, dict_key_y: str) -> Tuple[Any, Tensor]:
@@ -147,8 +125,7 @@ def unpack(data: Any, dict_key_y: str) -> Tuple[Any, Tensor]:
             raise KeyError(
                 f"The loader's dict batches have no targets under "
                 f"dict_key_y={dict_key_y!r} (keys: {sorted(data)}): pass the "
-                "key of the labels as dict_key_y."
-            )
+                "key of the labels as dict_key_y.")
         X, y = data, data[dict_key_y]
     else:
         X, y = data
@@ -169,8 +146,7 @@ def check_finite_inputs(X: Any) -> None:
                 not bool(torch.isfinite(value).all()):
             raise ValueError(
                 f"The loader's {key!r} hold NaN or infinite values: the GGN of such an "
-                "input is not defined. Clean or clip the data first."
-            )
+                "input is not defined. Clean or clip the data first.")
 
 
 def batches(loader: Any, dict_key_y: str) -> Iterator[Tuple[Any, Tensor]]:

@@ -1,9 +1,6 @@
 r"""Nyström eigenpairs of a sketch ``Y = H Omega`` and their check (Tropp et al., 2017).
 
 Stable evaluation with a shift ``nu`` (docs/concepts.md, "One-pass sketch").
-
-Shape glossary:
-    D: parameters; l: sketch columns.
 """
 
 from __future__ import annotations

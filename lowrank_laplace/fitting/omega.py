@@ -3,9 +3,6 @@ r"""The sketch's random test matrix ``Omega`` (``D x l``), kept per parameter sl
 A matrix-shaped weight's slice holds Khatri-Rao columns ``p_k (x) q_k``, kept as ``p``
 (``l x out``) and ``q`` (``l x in``); other slices are Gaussian ``l x d`` tensors.
 :class:`BasisOmega` puts warm-start basis columns first.
-
-Shape glossary:
-    D: parameters; l: columns of the test matrix; K: columns of another matrix.
 """
 
 from __future__ import annotations

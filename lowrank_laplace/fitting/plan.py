@@ -1,12 +1,8 @@
 """The fit's plan: a pure function of the first batch's sizes and the options.
 
-:func:`measure_sizes` reads the sizes, :func:`choose_plan` makes the frozen
-:class:`FitPlan` (path, pass and merge sizes, threads) from the cost model, and
-:func:`make_solver` builds its solver. Measurements behind the constants:
+:func:`measure_sizes` reads the sizes, :func:`choose_plan` makes the frozen :class:`FitPlan`
+from the cost model, :func:`make_solver` its solver. Measurements behind the constants:
 docs/benchmarks/design_measurements.md.
-
-Shape glossary:
-    D: parameters; k: kept eigenpairs (rank + oversampling); M: columns of a merge.
 """
 
 from __future__ import annotations
@@ -28,23 +24,20 @@ from lowrank_laplace.fitting.sketch import SketchMerge
 from lowrank_laplace.fitting.streaming import StreamingMerge
 from lowrank_laplace.utils.batches import batch_device
 
-#: Extra eigenpairs kept while streaming, as a share of the rank (keeping only ``rank``
-#: loses accuracy in the last kept eigenpairs).
+#: Extra eigenpairs kept while streaming, as a share of the rank.
 OVERSAMPLING = 0.2
-#: Where ``solver="auto"``'s sketch found the spectrum flat (it failed its check),
-#: streaming keeps this share of the rank more, and at least the next count: on a flat
-#: spectrum merges truncated at :data:`OVERSAMPLING` lose curvature the exact top-``r``
-#: keeps (docs/posterior_quality.md, "Where the rank keeps under 40%").
+#: Where ``solver="auto"``'s sketch found the spectrum flat, streaming keeps this share of
+#: the rank more, at least the next count (docs/posterior_quality.md, "Where the rank
+#: keeps under 40%").
 FLAT_OVERSAMPLING = 1.0
 FLAT_MIN_EXTRA = 64
 #: Up to this many parameters the fit sums densely wherever streaming would truncate
 #: and the matrix fits; ``0``: never, ``None``: the cost model decides alone.
 DENSE_MAX_DIM = 2048
-#: Streaming fits with merges below this ``S D k`` and passes below the next entries of
-#: ``V`` run on one CPU thread.
+#: Fits run on one CPU thread below these streaming merge ``S D k``, entries of ``V`` in a
+#: pass and ``sketch_cost``.
 SINGLE_THREAD_MERGE_WORK = 2**26
 SINGLE_THREAD_PASS_ENTRIES = 2**22
-#: Sketch fits whose ``sketch_cost`` is below this run on one CPU thread.
 SINGLE_THREAD_SKETCH_WORK = 2**34
 #: Sketch merges span several passes up to this many bytes of ``V``.
 SKETCH_MERGE_BYTES = 2**28
@@ -56,7 +49,7 @@ WIDE_SKETCH_SHARE = 0.25
 #: ``solver="auto"`` sketches with ``rank * (1 + AUTO_SKETCH_OVERSAMPLING)`` columns
 #: (fewer tune the marglik prior too strong; docs/posterior_quality.md).
 AUTO_SKETCH_OVERSAMPLING = 3
-#: Random columns of a warm-started sketch besides its basis, per rank (at most the cold
+#: Random columns per rank of a warm-started sketch besides its basis (at most the cold
 #: sketch's columns in all).
 WARM_SKETCH_OVERSAMPLING = 2
 
@@ -64,8 +57,7 @@ WARM_SKETCH_OVERSAMPLING = 2
 def keep_while_fitting(rank: int, flat: bool = False) -> int:
     """Eigenpairs kept while streaming: ``rank`` plus :data:`OVERSAMPLING` of it.
 
-    On a ``flat`` spectrum :data:`FLAT_OVERSAMPLING` of it, at least
-    :data:`FLAT_MIN_EXTRA`.
+    On a ``flat`` spectrum :data:`FLAT_OVERSAMPLING` of it, at least :data:`FLAT_MIN_EXTRA`.
     """
     if flat:
         return rank + max(int(rank * FLAT_OVERSAMPLING), FLAT_MIN_EXTRA)
@@ -104,14 +96,14 @@ class FitSizes:
     float64: bool = True
     grouped: bool = False
 
-    def limit(self, low_memory: bool, budget: Optional[int] = None) -> Tuple[int, int]:
+    def limit(self, low_memory: bool) -> Tuple[int, int]:
         """Samples whose ``V`` fits the budget, and one sample's bytes.
 
         Raises:
             ValueError: If one sample does not fit the budget.
         """
         per_sample = self.columns * (self.block_bytes if low_memory else self.vector_bytes)
-        return samples_that_fit(per_sample, self.budget if budget is None else budget)
+        return samples_that_fit(per_sample, self.budget)
 
 
 def measure_sizes(engine: Any, X: Any, batch_size: int, num_data: int, config: FitConfig,
@@ -181,8 +173,7 @@ def merge_plan(sizes: FitSizes, config: FitConfig, keep: int, low_memory: bool =
                path: str = "streaming") -> Tuple[int, int]:
     """Return ``(samples per backward pass, per merge)``; a larger pass merges in pieces.
 
-    Merges spanning several batches hold their factors and a concatenated copy, so
-    they get half the budget (``cost.merge_size``).
+    Merges spanning several batches hold their factors and a copy: half the budget.
 
     Args:
         sizes: The first batch's sizes.
@@ -215,10 +206,9 @@ def merge_plan(sizes: FitSizes, config: FitConfig, keep: int, low_memory: bool =
 def choose_solver(sizes: FitSizes, config: FitConfig) -> Tuple[str, int]:
     """Return ``solver="auto"``'s ``("sketch" or "streaming", columns kept while fitting)``.
 
-    A sketch needs its float64 ``D x l`` within :data:`WIDE_SKETCH_SHARE` of the budget
-    and, on the CPU, a lower cost than streaming; on CUDA, where every merge waits on a
-    small eigendecomposition, fitting is enough (docs/benchmarks.md, "Default arguments
-    and LoRA adapters on an H200"). Low-memory and data-parallel fits stream.
+    A sketch needs its float64 ``D x l`` within :data:`WIDE_SKETCH_SHARE` of the budget and,
+    on the CPU, a lower cost than streaming (on CUDA fitting is enough: docs/benchmarks.md,
+    "Default arguments and LoRA adapters on an H200"). Low-memory and data-parallel fits stream.
 
     Args:
         sizes: The first batch's sizes.
@@ -233,9 +223,7 @@ def choose_solver(sizes: FitSizes, config: FitConfig) -> Tuple[str, int]:
         return "sketch", columns
     _, chunk = merge_plan(sizes, config, keep)
     args = (sizes.columns, keep, sizes.dim, sizes.gram_dim, sizes.num_data)
-    stream = cost.streaming_cost(*args, chunk)
-    if cost.sketch_cost(sizes.columns, columns, sizes.dim, sizes.gram_dim,
-                        sizes.num_data) < stream:
+    if cost.sketch_cost(sizes.columns, columns, *args[2:]) < cost.streaming_cost(*args, chunk):
         return "sketch", columns
     return "streaming", keep
 
@@ -283,8 +271,7 @@ def choose_plan(sizes: FitSizes, config: FitConfig,
 def flat_plan(sizes: FitSizes, config: FitConfig) -> FitPlan:
     """The plan after ``solver="auto"``'s sketch found the spectrum flat.
 
-    Streaming merges that keep :func:`keep_while_fitting`'s flat share (auto sketches
-    only where neither a dense sum nor one merge would do, and never in low memory).
+    Streaming merges keeping :func:`keep_while_fitting`'s flat share (never in low memory).
 
     Args:
         sizes: The first batch's sizes.
@@ -327,9 +314,15 @@ def _frozen_plan(sizes: FitSizes, path: str, passes: Tuple[int, int], low_memory
                  keep: int, samples: int, flags: Tuple[bool, bool]) -> FitPlan:
     """The :class:`FitPlan` of :func:`choose_plan`'s decisions (threads, laziness, dtype)."""
     micro, chunk = passes
+    if path == "sketch":
+        work = cost.sketch_cost(sizes.columns, min(keep, sizes.dim), sizes.dim,
+                                sizes.gram_dim, samples)
+        small = work < SINGLE_THREAD_SKETCH_WORK
+    else:
+        small = path != "dense" and chunk * sizes.dim * keep < SINGLE_THREAD_MERGE_WORK
     pass_entries = min(micro, sizes.batch_size) * (
         sizes.columns * sizes.vector_bytes // sizes.itemsize)
-    small = path != "dense" and _small_fit(sizes, path, keep, samples, chunk, pass_entries)
+    small = small and pass_entries < SINGLE_THREAD_PASS_ENTRIES
     wide = path == "sketch" and not low_memory and not sizes.float64 and \
         sizes.dim * keep * 8 <= WIDE_SKETCH_SHARE * sizes.budget
     return FitPlan(
@@ -338,18 +331,6 @@ def _frozen_plan(sizes: FitSizes, path: str, passes: Tuple[int, int], low_memory
         threads=1 if small and sizes.device == "cpu" else None,
         dim=sizes.dim, keep=keep, widen=wide, dense=flags[0], single=flags[1],
     )
-
-
-def _small_fit(sizes: FitSizes, path: str, keep: int, samples: int, chunk: int,
-               pass_entries: int) -> bool:
-    """Whether a fit is small enough for one CPU thread (the ``SINGLE_THREAD_*`` limits)."""
-    if pass_entries >= SINGLE_THREAD_PASS_ENTRIES:
-        return False
-    if path == "sketch":
-        work = cost.sketch_cost(sizes.columns, min(keep, sizes.dim), sizes.dim,
-                                sizes.gram_dim, samples)
-        return work < SINGLE_THREAD_SKETCH_WORK
-    return chunk * sizes.dim * keep < SINGLE_THREAD_MERGE_WORK
 
 
 def agree(group: Any, plan: FitPlan, device: torch.device) -> Tuple[bool, bool]:

@@ -1,8 +1,4 @@
-"""A micro-batch's GGN factor for low-memory fits: recomputed by passes instead of kept.
-
-Shape glossary:
-    D: parameters; M: columns of the micro-batch's ``V``; K: columns of a product.
-"""
+"""A micro-batch's GGN factor for low-memory fits: recomputed by passes instead of kept."""
 
 from __future__ import annotations
 
@@ -45,12 +41,9 @@ class RecomputedFactor:
                                compute_diag=diagonal or not gram,
                                t_project=[list(targets_x)] if targets_x else None)
         self._replay.mark()
-        products = first.t_projected.get(0, [])
-        self._products = [(x, p) for x, p in zip(targets_x, products)]
-        self.first = first
-        self.loss, self.outputs = first.loss, first.outputs
-        self.num_columns = first.num_columns
-        self.num_curv_samples = first.num_curv_samples
+        self._products = list(zip(targets_x, first.t_projected.get(0, [])))
+        self.first, self.loss, self.outputs = first, first.loss, first.outputs
+        self.num_columns, self.num_curv_samples = first.num_columns, first.num_curv_samples
 
     def group_dim(self, group: int = 0) -> int:
         """Parameters ``D``."""

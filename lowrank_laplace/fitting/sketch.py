@@ -5,9 +5,6 @@ Every batch factor adds ``V_b (V_b^T Omega)`` to ``Y = H Omega`` for a fixed tes
 approximation. Exact where the GGN's rank fits ``l``, else an under-estimate; a
 Kronecker-structured ``Omega``, float64 accumulation and data-parallel sums: see
 docs/concepts.md, "One-pass sketch".
-
-Shape glossary:
-    D: parameters; l: sketch size (rank + oversampling); M: columns of a batch factor.
 """
 
 from __future__ import annotations
@@ -39,12 +36,10 @@ RESOLVED_RATIO = 1e3
 class SketchMerge(Solver):
     """Accumulates ``H = sum_b V_b V_b^T`` as a one-pass Nyström sketch ``Y = H Omega``.
 
-    The eigenpairs are formed when :meth:`result` or :attr:`eigenvectors` is first read.
+    The eigenpairs are formed when :meth:`result` or :attr:`eigenvectors` is first read;
+    ``rank``, ``oversampling`` (extra sketch columns) and ``track_diagonal`` as for ``Solver``.
 
     Args:
-        rank: Eigenpairs kept in the end.
-        oversampling: Extra sketch columns; ``l = rank + oversampling``.
-        track_diagonal: Also accumulate the exact diagonal of the sum.
         seed: Seed of ``Omega``; processes that merge their sketches need the same.
         test_matrix: ``"kronecker"`` (Khatri-Rao slices for matrix-shaped weights) or
             ``"gaussian"``; entries of variance ``1 / D``, uncorrelated, either way.
@@ -53,7 +48,7 @@ class SketchMerge(Solver):
         basis: ``(D, b)`` warm start, the first ``b`` test columns.
 
     Raises:
-        ValueError: For a bad rank, oversampling, basis or ``test_matrix``.
+        ValueError: For a bad rank, oversampling (``Solver``), basis or ``test_matrix``.
     """
 
     path = "sketch"
@@ -65,16 +60,12 @@ class SketchMerge(Solver):
         if basis is not None and not 0 < basis.shape[1] < self.keep:
             raise ValueError(
                 f"A warm-start basis needs between 1 and {self.keep - 1} columns (fewer "
-                f"than the sketch's {self.keep}), got {basis.shape[1]}."
-            )
+                f"than the sketch's {self.keep}), got {basis.shape[1]}.")
         if test_matrix not in ("kronecker", "gaussian"):
-            raise ValueError(
-                f"test_matrix must be 'kronecker' or 'gaussian', got {test_matrix!r}."
-            )
+            raise ValueError(f"test_matrix must be 'kronecker' or 'gaussian', got {test_matrix!r}.")
         self.test_matrix = test_matrix
         self.seed = int(seed)
         self.accumulate = accumulate
-        self._dtype: Optional[torch.dtype] = None  # the factors' dtype (of the result)
         self.basis = basis  # the warm start's columns, until the test matrix is drawn
         self.warm_columns = 0 if basis is None else basis.shape[1]
         self._omega: Optional[Union[Omega, BasisOmega]] = None  # the test matrix
@@ -82,7 +73,6 @@ class SketchMerge(Solver):
         self._sketch: Optional[Tensor] = None  # Y = H Omega, laid out like Omega
         self.shift: Optional[float] = None  # nu of the last finalisation
         self._convergence = 1.0  # sub_sketch_share of the last finalisation
-        self._vectors: Optional[Tensor] = None  # the eigenvectors, once finalised
         # parameter index -> (blocks, scaled V^T Omega rows, sketch slice) not yet added
         self._kron: Dict[int, Tuple[List[Block], List[Tensor], Tensor]] = {}
 
@@ -158,11 +148,7 @@ class SketchMerge(Solver):
             merged.matmul_add_(part, proj.view(-1, proj.shape[2]))
 
     def projection_targets(self) -> List[Tensor]:
-        """The test matrix, formed once for low-memory passes' ``V^T Omega``.
-
-        Returns:
-            ``[Omega]`` (empty before it is drawn).
-        """
+        """``[Omega]``, formed once for low-memory passes' ``V^T Omega`` (empty before drawn)."""
         if self._omega is None:
             return []
         if self._projection is None:
@@ -206,15 +192,10 @@ class SketchMerge(Solver):
         Raises:
             RuntimeError: If some process sketched nothing.
         """
-        import torch.distributed as dist
-
         if self._sketch is None:
             raise RuntimeError("merge_across needs a local sketch on every process.")
         self._add_deferred()
-        dist.all_reduce(self._sketch.T, group=group)  # its contiguous (l, D) storage
-        self.sum_trace_across(group)
-        if self.track_diagonal:
-            dist.all_reduce(self.diagonal, group=group)
+        self.sum_trace_across(group, self._sketch.T)  # its contiguous (l, D) storage
 
     def resolves(self, ratio: Optional[float] = None) -> bool:
         """Whether every kept eigenvalue is ``ratio`` times its shift ``nu`` (finalises).
@@ -225,7 +206,7 @@ class SketchMerge(Solver):
         Returns:
             ``True`` also when nothing was kept.
         """
-        self._finalize_sketch()
+        self._finalize()
         lam = self.eigenvalues
         if lam is None or lam.numel() == 0 or self.shift is None:
             return True
@@ -235,16 +216,10 @@ class SketchMerge(Solver):
     @property
     def convergence(self) -> float:
         """``sub_sketch_share`` of the sketch, ``1.0`` where converged (finalises it)."""
-        self._finalize_sketch()
+        self._finalize()
         return self._convergence
 
-    @property
-    def eigenvectors(self) -> Optional[Tensor]:
-        """The leading orthonormal eigenvectors of the sketch's approximation."""
-        self._finalize_sketch()
-        return self._vectors
-
-    def _finalize_sketch(self) -> None:
+    def _finalize(self) -> None:
         """Replace the sketch by its eigenpairs (:func:`nystrom_eigenpairs`)."""
         if self._sketch is None:
             return

@@ -1,8 +1,4 @@
-"""The batch loop of a fit: loader batches -> micro-batch factors -> the plan's solver.
-
-Shape glossary:
-    N: samples of a batch; D: parameters.
-"""
+"""The batch loop of a fit: loader batches -> micro-batch factors -> the plan's solver."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 r"""Streaming low-rank merge of GGN factors over a data set.
 
-Keeps ``W = U diag(lambda)^{1/2}`` and merges every batch factor through the small
-eigenproblem of ``[W, V_b]^T [W, V_b]``: exact whenever the total rank fits, one pass,
-the same operation across processes. The basis is updated lazily (``U = B R``), and
-float32 merges of wide spectra are formed in float64; derivations: docs/concepts.md,
-"Streaming merges" and "Float32 factors".
-
-Shape glossary:
-    D: parameters; r: kept rank; M: columns of one batch factor.
+Keeps ``W = U diag(lambda)^{1/2}`` and merges every batch factor through the small eigenproblem
+of ``[W, V_b]^T [W, V_b]``: exact whenever the total rank fits, one pass, the same operation
+across processes; a lazy basis (``U = B R``), float32 merges of wide spectra formed in float64
+(docs/concepts.md, "Streaming merges" and "Float32 factors").
 """
 
 from __future__ import annotations
@@ -16,6 +12,7 @@ from dataclasses import replace
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lowrank_laplace.factor import GGNFactor, cat_blocks
@@ -38,14 +35,11 @@ WIDE_SPAN = 1e3
 class StreamingMerge(Solver):
     """Accumulates ``H = sum_b V_b V_b^T`` as a truncated eigendecomposition.
 
-    Args:
-        rank: Eigenpairs kept in the end.
-        oversampling: Extra eigenpairs kept while streaming (a more accurate truncation).
-        track_diagonal: Also accumulate the exact diagonal of the sum.
-        lazy: Update a basis times small coordinates; ``False`` rotates it every merge.
+    ``rank``, ``oversampling`` (extra eigenpairs kept while streaming) and ``track_diagonal``
+    as for ``Solver``.
 
-    Raises:
-        ValueError: For ``rank < 1`` or negative oversampling.
+    Args:
+        lazy: Update a basis times small coordinates; ``False`` rotates it every merge.
     """
 
     path = "streaming"
@@ -81,10 +75,8 @@ class StreamingMerge(Solver):
         gram = wide_inner(basis)
         chol, info = torch.linalg.cholesky_ex(gram)
         if int(info) == 0:
-            to_orth = torch.linalg.solve_triangular(
-                chol.T, torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device),
-                upper=True,
-            )
+            eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+            to_orth = torch.linalg.solve_triangular(chol.T, eye, upper=True)
             inner = chol.T @ coords
         else:  # numerically rank-deficient basis: symmetric inverse square root
             g, Z = torch.linalg.eigh(gram)
@@ -108,8 +100,7 @@ class StreamingMerge(Solver):
         blocks = merge_blocks(factor, group) if wide else None
         if blocks is not None:
             self._flush()  # a wide merge applies its corrections at once
-        targets = self.projection_targets()
-        gram, products, formed = wide_products(factor, blocks, targets, group)
+        gram, products, formed = wide_products(factor, blocks, self.projection_targets(), group)
         gram = gram * scale
         diagonal = factor.diag(group) * scale if self.track_diagonal else None
         self.add_trace_and_diagonal(gram.diagonal().sum(), diagonal)
@@ -140,11 +131,7 @@ class StreamingMerge(Solver):
         self._basis, self._coords, self._shared = new, None, False
 
     def projection_targets(self) -> List[Tensor]:
-        """The ``D x K`` matrices whose ``V^T x`` the next merge needs.
-
-        Returns:
-            The basis, then the deferred corrections (empty before the first merge).
-        """
+        """The basis, then the deferred corrections (empty before the first merge)."""
         if self._basis is None:
             return []
         return [self._basis] + [X for X, _ in self._deferred]
@@ -159,10 +146,8 @@ class StreamingMerge(Solver):
         """
         r, root = lam.numel(), lam.to(WIDE).sqrt()
         cross = cross.to(WIDE) * root[:, None]  # diag(lam)^1/2 U^T Z
-        small = torch.cat(
-            [torch.cat([torch.diag(lam.to(WIDE)), cross], 1),
-             torch.cat([cross.T, gram.to(WIDE)], 1)], 0
-        )
+        small = torch.cat([torch.cat([torch.diag(lam.to(WIDE)), cross], 1),
+                           torch.cat([cross.T, gram.to(WIDE)], 1)], 0)
         evals, q = top_eigh(small, self.keep, lam.dtype, formed)
         inv = evals.rsqrt()[None, :]
         return evals, root[:, None] * q[:r] * inv, q[r:] * inv
@@ -260,13 +245,9 @@ class StreamingMerge(Solver):
         U, lam = self.eigenvectors, self.eigenvalues
         if U is None:
             raise RuntimeError("merge_across needs a local factor on every process.")
-        dim, keep = U.shape[0], self.keep
-        padded_U = U.new_zeros(dim, keep)
-        padded_lam = lam.new_zeros(keep)
-        padded_U[:, : lam.numel()] = U
-        padded_lam[: lam.numel()] = lam
-        diagonal = self.diagonal if self.track_diagonal else U.new_zeros(dim)
-        local = [padded_U, padded_lam, self.trace.reshape(1), diagonal,
+        pad = self.keep - lam.numel()
+        diagonal = self.diagonal if self.track_diagonal else U.new_zeros(U.shape[0])
+        local = [F.pad(U, (0, pad)), F.pad(lam, (0, pad)), self.trace.reshape(1), diagonal,
                  torch.tensor([lam.numel()], device=U.device)]
         gathered = []
         for tensor in local:
@@ -282,7 +263,7 @@ class StreamingMerge(Solver):
 def concat_factors(factors: Sequence[GGNFactor], scales: Sequence[float]) -> GGNFactor:
     """One factor whose columns are those of several factors, each times ``sqrt(scale)``.
 
-    Lets one merge span several backward passes (fewer, larger merges).
+    Lets one merge span several backward passes.
 
     Args:
         factors: Factors with the same groups and vectors per sample, blocks kept.
@@ -295,13 +276,10 @@ def concat_factors(factors: Sequence[GGNFactor], scales: Sequence[float]) -> GGN
         return factors[0]
     first = factors[0]
     alphas = [float(s) ** 0.5 for s in scales]
-    blocks = {
-        i: cat_blocks([f.blocks[i] for f in factors], alphas, first.num_vectors)
-        for i in first.blocks
-    }
-    num = sum(f.num_curv_samples for f in factors)
+    blocks = {i: cat_blocks([f.blocks[i] for f in factors], alphas, first.num_vectors)
+              for i in first.blocks}
     return replace(
         first, blocks=blocks, grams=[], grad={}, batch_grads={}, outputs=None,
-        num_curv_samples=num, num_samples=sum(f.num_samples for f in factors),
-        loss=sum(f.loss for f in factors),
+        num_curv_samples=sum(f.num_curv_samples for f in factors),
+        num_samples=sum(f.num_samples for f in factors), loss=sum(f.loss for f in factors),
     )
