@@ -1,23 +1,21 @@
-"""The studies' Laplace posteriors: fitted, prior tuned, predicting (GLM, probit).
-
-Each method of :data:`~lowrank_laplace.toolkit.options.LAPLACE_METHODS` is a
-laplace-torch ``Laplace(...)``.
-"""
+"""The studies' Laplace posteriors (laplace-torch's ``Laplace(...)``): fit, tuned, predicting."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.utils.data import DataLoader
 
 from lowrank_laplace.toolkit import datasets, metrics
-from lowrank_laplace.toolkit.options import LAPLACE_METHODS, SHARED_RESIDUALS, SMALL_ONLY, fits
-
-if TYPE_CHECKING:
-    from torch.utils.data import DataLoader
-
-    from lowrank_laplace.toolkit.options import CalibrationConfig
+from lowrank_laplace.toolkit.options import (
+    LAPLACE_METHODS,
+    SHARED_RESIDUALS,
+    SMALL_ONLY,
+    CalibrationConfig,
+    fits,
+)
 
 
 def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
