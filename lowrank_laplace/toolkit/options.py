@@ -445,8 +445,7 @@ def _check_checkpoint(path: str, dataset: str) -> None:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # whatever the reason, the file cannot be used
         text = str(err).strip()  # torch's messages run to paragraphs: keep the gist
-        if "WeightsUnpickler error:" in text:  # the part that names what was in the file
-            text = text.split("WeightsUnpickler error:", 1)[1].strip()
+        text = text.split("WeightsUnpickler error:", 1)[-1].strip()  # what the file held
         gist = text.splitlines()[0].split(". ")[0].strip()[:160] if text else ""
         raise UserError(f"cannot load checkpoint {path!r} as a state_dict saved by "
                         f"torch.save: {gist or type(err).__name__}") from err
