@@ -231,8 +231,7 @@ TABLE_COLUMNS: Tuple[Tuple[str, Callable[[dict], float], str], ...] = tuple(
 def _format_table(report: dict) -> str:
     """A row per method, a column per :data:`TABLE_COLUMNS` entry."""
     widths = [max(len(header) + 2, 9) for header, _, _ in TABLE_COLUMNS]
-    header = f"{'method':<24}" + "".join(
-        f"{h:>{w}}" for (h, _, _), w in zip(TABLE_COLUMNS, widths))
+    header = f"{'method':<24}" + "".join(f"{h:>{w}}" for (h, _, _), w in zip(TABLE_COLUMNS, widths))
     lines = [header, "-" * len(header)]
     for name, m in report["methods"].items():
         if "error" in m:

@@ -168,8 +168,7 @@ def rotation_scores(predict: Callable[[Tensor], Tensor], test: Tuple[Tensor, Ten
     """
     out = {}
     for angle in config.angles:
-        probs = predict_batched(predict, datasets.rotate(test[0], angle), config.batch_size,
-                                device)
+        probs = predict_batched(predict, datasets.rotate(test[0], angle), config.batch_size, device)
         scores = metrics.classification_metrics(probs, test[1])
         out[f"{angle:g}"] = {k: scores[k] for k in keys}
     return out
