@@ -59,18 +59,16 @@ _DISPLAY_NAMES = {"mnist": "MNIST", "digits": "scikit-learn digits"}
 
 def _machine_record(device: torch.device) -> dict:
     """When and where a report was made: UTC date, CPU, device and package versions."""
+    import contextlib
     import datetime
     import importlib.metadata
     import os
     import platform
 
     cpu_name = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu_name = next((line.split(":", 1)[1].strip() for line in f
-                             if line.startswith("model name")), cpu_name)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu_name = next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name")), cpu_name)
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
         "cpu_name": cpu_name, "cpu_count": os.cpu_count(), "platform": platform.platform(),
@@ -78,10 +76,8 @@ def _machine_record(device: torch.device) -> dict:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name,
     }
     for package in ("lowrank_laplace", "laplace-torch", "backpack-for-pytorch"):
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             record[f"version_{package}"] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:  # pragma: no cover
-            pass
     return record
 
 
@@ -165,8 +161,7 @@ def run(config: CalibrationConfig, log: Callable[[str], None] = silent) -> dict:
             shifts, metric, path=out / f"shift_{metric}.png",
             title=f"{plots.metric_name(metric)} under rotation "
             f"({_DISPLAY_NAMES.get(config.dataset, config.dataset)} test set)"))
-    faithful = faithfulness(report)
-    if faithful:
+    if faithful := faithfulness(report):
         report["faithfulness"] = faithful
     (out / "calibration.json").write_text(json.dumps(report, indent=2))
     return report
@@ -236,8 +231,7 @@ TABLE_COLUMNS: Tuple[Tuple[str, Callable[[dict], float], str], ...] = tuple(
 def _format_table(report: dict) -> str:
     """A row per method, a column per :data:`TABLE_COLUMNS` entry."""
     widths = [max(len(header) + 2, 9) for header, _, _ in TABLE_COLUMNS]
-    header = f"{'method':<24}" + "".join(
-        f"{h:>{w}}" for (h, _, _), w in zip(TABLE_COLUMNS, widths))
+    header = f"{'method':<24}" + "".join(f"{h:>{w}}" for (h, _, _), w in zip(TABLE_COLUMNS, widths))
     lines = [header, "-" * len(header)]
     for name, m in report["methods"].items():
         if "error" in m:

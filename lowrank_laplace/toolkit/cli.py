@@ -1,10 +1,8 @@
 """The ``lowrank-laplace`` command (also ``python -m lowrank_laplace``).
 
-``calibrate`` (:mod:`~lowrank_laplace.toolkit.calibration`), ``rank-study``
-(:mod:`~lowrank_laplace.toolkit.rank_study`) and ``spectrum``
-(:mod:`~lowrank_laplace.toolkit.spectrum_demo`), their parser built from the tables of
-:mod:`~lowrank_laplace.toolkit.options`. Every option is checked before a command imports
-its study, loads data or trains; a refused run prints one line, exit code 2.
+``calibrate``, ``rank-study`` and ``spectrum``, parsed by the tables of
+:mod:`~lowrank_laplace.toolkit.options`. Every option is checked before a command imports its
+study, loads data or trains; a refused run prints one line, exit code 2.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The commands' options, the studies' methods, and the checks run before any work.
 
 Every option is a row of a table (:class:`Option`) that builds the command's parser and the
-studies' configs; a config is checked by the parsers that read the command line. Plain
-Python: torch is imported only to check a GPU or load a checkpoint, so ``--help`` is fast.
+studies' configs, which the same parsers check. Torch is imported only to check a GPU or a
+checkpoint.
 """
 
 from __future__ import annotations
@@ -223,10 +223,7 @@ def _check(option: Option, value: Any) -> None:
         raise UserError(f"invalid {option.name} {value!r}")
 
 
-def _counts() -> str:
-    return ", ".join(f"{name} {count}" for name, count in CNN_PARAMETERS.items())
-
-
+_COUNTS = ", ".join(f"{name} {count}" for name, count in CNN_PARAMETERS.items())
 DEVICE = Option("device", "cpu", "torch device: cpu, cuda, cuda:N or mps", _device)
 #: The options ``calibrate`` and ``rank-study`` share, in ``--help`` order.
 STUDY_OPTIONS = (
@@ -258,7 +255,7 @@ STUDY_OPTIONS = (
 #: ``calibrate``'s options, in ``--help`` order (also :data:`CalibrationConfig`'s fields).
 CALIBRATE_OPTIONS = STUDY_OPTIONS + (
     Option("rank", 100, "rank of the lowrank_ggn posteriors (at most the CNN's parameter "
-           f"count: {_counts()})", POSITIVE),
+           f"count: {_COUNTS})", POSITIVE),
     Option("angles", "0,15,30,60,90,120,180",
            "rotation angles in degrees for the shift evaluation", _angles),
     Option("methods", "", "comma-separated methods; empty: all of "
@@ -270,7 +267,7 @@ CALIBRATE_OPTIONS = STUDY_OPTIONS + (
 #: ``rank-study``'s options, in ``--help`` order.
 RANK_STUDY_OPTIONS = STUDY_OPTIONS + (
     Option("ranks", "10,30,100,300,1000", "comma-separated ranks (each at most the CNN's "
-           f"parameter count: {_counts()})", _ranks),
+           f"parameter count: {_COUNTS})", _ranks),
     Option("residuals", ",".join(RESIDUAL_MODELS), "comma-separated residual models",
            convert=_residuals),
     Option("train", "map", "map: the calibration CNN, every posterior tunes a scalar prior; "
@@ -412,14 +409,13 @@ def _check_checkpoint_paths(checkpoint: Optional[str], save_checkpoint: Optional
     if checkpoint is not None:
         raise UserError(f"nothing to save to {save_checkpoint!r}: the network is loaded from "
                         f"{checkpoint!r}, not trained")
-    path, refusal = Path(save_checkpoint), f"cannot save the checkpoint to {save_checkpoint!r}"
-    if path.is_dir() or save_checkpoint.endswith(("/", os.sep)):
-        raise UserError(f"{refusal}: it names a folder, not a file (e.g. "
-                        f"{str(path / 'cnn.pt')!r})")
-    if not path.parent.is_dir():
-        raise UserError(f"{refusal}: its folder does not exist")
-    if not os.access(path.parent, os.W_OK):
-        raise UserError(f"{refusal}: its folder is not writable")
+    path = Path(save_checkpoint)
+    for broken, what in ((path.is_dir() or save_checkpoint.endswith(("/", os.sep)),
+                          f"it names a folder, not a file (e.g. {str(path / 'cnn.pt')!r})"),
+                         (not path.parent.is_dir(), "its folder does not exist"),
+                         (not os.access(path.parent, os.W_OK), "its folder is not writable")):
+        if broken:
+            raise UserError(f"cannot save the checkpoint to {save_checkpoint!r}: {what}")
 
 
 def _check_device(name: str) -> None:
@@ -449,8 +445,7 @@ def _check_checkpoint(path: str, dataset: str) -> None:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # whatever the reason, the file cannot be used
         text = str(err).strip()  # torch's messages run to paragraphs: keep the gist
-        if "WeightsUnpickler error:" in text:  # the part that names what was in the file
-            text = text.split("WeightsUnpickler error:", 1)[1].strip()
+        text = text.split("WeightsUnpickler error:", 1)[-1].strip()  # what the file held
         gist = text.splitlines()[0].split(". ")[0].strip()[:160] if text else ""
         raise UserError(f"cannot load checkpoint {path!r} as a state_dict saved by "
                         f"torch.save: {gist or type(err).__name__}") from err

@@ -7,16 +7,14 @@ matplotlib's backend is left alone (figures show inline in notebooks; the comman
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Union
+from typing import Callable, Dict, Optional, Sequence, Union
 
 import matplotlib.pyplot as plt
 import torch
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from matplotlib.axes import Axes
-    from matplotlib.figure import Figure
 
 PathLike = Union[str, Path, None]
 
@@ -32,9 +30,8 @@ def reliability_diagram(probs: Tensor, targets: Tensor, n_bins: int = 15,
                         title: str = "", path: PathLike = None) -> Figure:
     """Return a reliability diagram: accuracy per confidence bin against the diagonal.
 
-    Bars: each bin's accuracy; line: (mean confidence, accuracy) of the non-empty bins,
-    whose distance from the diagonal is the bin's calibration error. The title carries
-    the ECE (same bins), a lower panel the share of points per bin.
+    Bars: each bin's accuracy; line: (mean confidence, accuracy) of the non-empty bins. The
+    title carries the ECE (same bins), a lower panel the share of points per bin.
 
     Args:
         probs: Predictive probabilities, shape ``(N, C)``.
@@ -54,10 +51,9 @@ def reliability_diagram(probs: Tensor, targets: Tensor, n_bins: int = 15,
     ece = float((count[nonempty] / count.sum() * (bin_acc - bin_conf).abs()).sum())
     fig, (ax, hist) = plt.subplots(2, 1, figsize=(4.5, 5.5), sharex=True,
                                    gridspec_kw={"height_ratios": [3, 1]})
-    centers = (edges[:-1] + edges[1:]) / 2
     # matplotlib gets numpy arrays (tensors trigger NumPy's __array_wrap__ deprecation)
-    centers, count, nonempty = centers.numpy(), count.numpy(), nonempty.numpy()
-    bin_acc, bin_conf = bin_acc.numpy(), bin_conf.numpy()
+    centers, count, nonempty, bin_acc, bin_conf = (t.numpy() for t in (
+        (edges[:-1] + edges[1:]) / 2, count, nonempty, bin_acc, bin_conf))
     ax.bar(centers[nonempty], bin_acc, width=1 / n_bins, edgecolor="k", alpha=0.7,
            label="Accuracy per bin")
     ax.plot([0, 1], [0, 1], "k--", lw=1, label="Perfect calibration")

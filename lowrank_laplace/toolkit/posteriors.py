@@ -1,23 +1,21 @@
-"""The studies' Laplace posteriors: fitted, prior tuned, predicting (GLM, probit).
-
-Each method of :data:`~lowrank_laplace.toolkit.options.LAPLACE_METHODS` is a
-laplace-torch ``Laplace(...)``.
-"""
+"""The studies' Laplace posteriors (laplace-torch's ``Laplace(...)``): fit, tuned, predicting."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.utils.data import DataLoader
 
 from lowrank_laplace.toolkit import datasets, metrics
-from lowrank_laplace.toolkit.options import LAPLACE_METHODS, SHARED_RESIDUALS, SMALL_ONLY, fits
-
-if TYPE_CHECKING:
-    from torch.utils.data import DataLoader
-
-    from lowrank_laplace.toolkit.options import CalibrationConfig
+from lowrank_laplace.toolkit.options import (
+    LAPLACE_METHODS,
+    SHARED_RESIDUALS,
+    SMALL_ONLY,
+    CalibrationConfig,
+    fits,
+)
 
 
 def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
@@ -170,8 +168,7 @@ def rotation_scores(predict: Callable[[Tensor], Tensor], test: Tuple[Tensor, Ten
     """
     out = {}
     for angle in config.angles:
-        probs = predict_batched(predict, datasets.rotate(test[0], angle), config.batch_size,
-                                device)
+        probs = predict_batched(predict, datasets.rotate(test[0], angle), config.batch_size, device)
         scores = metrics.classification_metrics(probs, test[1])
         out[f"{angle:g}"] = {k: scores[k] for k in keys}
     return out

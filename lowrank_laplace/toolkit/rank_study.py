@@ -22,9 +22,11 @@ import json
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
+import matplotlib.pyplot as plt
 import torch
+from matplotlib.figure import Figure
 
 from lowrank_laplace.toolkit import calibration, plots
 from lowrank_laplace.toolkit.options import (
@@ -41,9 +43,6 @@ from lowrank_laplace.toolkit.posteriors import (
     rotation_scores,
 )
 from lowrank_laplace.toolkit.training import marglik_train, train_or_load
-
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
 
 #: Metrics of the study, in plot order.
 METRICS = ("nll", "ece", "brier")
@@ -114,8 +113,6 @@ def run(config: RankStudyConfig, log: Callable[[str], None] = silent) -> dict:
 
 def _plot(report: dict, path: Path) -> Figure:
     """NLL, ECE and Brier score against rank, a row per angle, references as lines."""
-    import matplotlib.pyplot as plt
-
     angles = [f"{a:g}" for a in report["config"]["angles"]]
     fig, axes = plt.subplots(len(angles), len(METRICS), squeeze=False,
                              figsize=(4.2 * len(METRICS), 3.2 * len(angles)))

@@ -34,9 +34,10 @@ CASES = {"exact, full batch": (0, False), "exact, sub-sampled": (0, True),
 MODELS = {"cnn": lambda: make_cnn("digits"),
           "mlp": lambda: nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.Tanh(),
                                        nn.Linear(64, 10))}
-COLUMNS = (("case", "<24"), ("rank", ">6"), ("lambda_1", ">11"), ("trace", ">11"),
-           ("top-k kept", ">12"), ("grad SNR", ">10"), ("curv SNR", ">10"),
-           ("time [s]", ">10"))
+#: The printed table: header, alignment and width, number format.
+COLUMNS = (("case", "<24", ""), ("rank", ">6", ""), ("lambda_1", ">11", ".4g"),
+           ("trace", ">11", ".4g"), ("top-k kept", ">12", ".3f"), ("grad SNR", ">10", ".3g"),
+           ("curv SNR", ">10", ".3g"), ("time [s]", ">10", ".3f"))
 
 
 def load_digits(seed: int) -> Tuple[Tensor, Tensor]:
@@ -45,9 +46,7 @@ def load_digits(seed: int) -> Tuple[Tensor, Tensor]:
     Args:
         seed: Seed of the shuffling permutation.
     """
-    X, y = datasets.load_images("digits")
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    return X[perm], y[perm]
+    return datasets.split(*datasets.load_images("digits"), fractions=(1, 0, 0), seed=seed).train
 
 
 def train(model: nn.Module, X: Tensor, y: Tensor, epochs: int, device: torch.device) -> None:
@@ -93,7 +92,7 @@ def run(args: argparse.Namespace) -> dict:
     report = {"config": config | {"num_params": sum(p.numel() for p in model.parameters())}}
     print(f"GGN spectrum of a {args.model} on digits: D = {report['config']['num_params']:,}, "
           f"N = {args.batch_size}, sub-sample = {len(sub)}, top-k = {args.top_k}")
-    header = "".join(f"{name:{align}}" for name, align in COLUMNS)
+    header = "".join(f"{name:{align}}" for name, align, _ in COLUMNS)
     print(header + "\n" + "-" * len(header))
     Xb, yb = X[: args.batch_size].to(device), y[: args.batch_size].to(device)
     report["cases"] = _compute_cases(model, Xb, yb, sub, args.top_k)
@@ -120,18 +119,16 @@ def _compute_cases(model: nn.Module, X: Tensor, y: Tensor, sub: list, top_k: int
                          "trace": trace, "top_k_kept_fraction": float(dd.eigenvalues.sum()) / trace,
                          "gamma_snr": dd.gamma_snr.tolist(), "lambda_snr": dd.lambda_snr.tolist(),
                          "time_s": elapsed}
-            row = (name, out[name]["rank"], f"{float(evals[0]):.4g}", f"{trace:.4g}",
-                   f"{out[name]['top_k_kept_fraction']:.3f}",
-                   f"{float(dd.gamma_snr.median()):.3g}",
-                   f"{float(dd.lambda_snr.median()):.3g}", f"{elapsed:.3f}")
-            print("".join(f"{value:{align}}" for value, (_, align) in zip(row, COLUMNS)))
+            row = (name, out[name]["rank"], float(evals[0]), trace,
+                   out[name]["top_k_kept_fraction"], float(dd.gamma_snr.median()),
+                   float(dd.lambda_snr.median()), elapsed)
+            print("".join(f"{v:{align}{fmt}}" for v, (_, align, fmt) in zip(row, COLUMNS)))
     return out
 
 
 def _write_report(report: dict, out: Path) -> None:
     """Write ``spectrum.json``, the spectrum plot and the SNR plot to ``out``."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
+    try:  # check_spectrum made the folder
         (out / "spectrum.json").write_text(json.dumps(report, indent=2))
         evals = {n: torch.tensor(c["eigenvalues"]) for n, c in report["cases"].items()}
         plots.close(plots.spectrum(evals, title="Mini-batch GGN spectrum",

@@ -21,16 +21,11 @@ def make_cnn(dataset: str) -> nn.Module:
     Args:
         dataset: ``'mnist'`` (28x28) or ``'digits'`` (8x8).
     """
-    if dataset == "mnist":
-        return nn.Sequential(
-            nn.Conv2d(1, 8, 5), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(8, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10),
-        )
+    kernel, padding, flat, hidden = (5, 0, 256, 64) if dataset == "mnist" else (3, 1, 64, 32)
     return nn.Sequential(
-        nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10),
+        nn.Conv2d(1, 8, kernel, padding=padding), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, kernel, padding=padding), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(flat, hidden), nn.ReLU(), nn.Linear(hidden, 10),
     )
 
 
@@ -49,8 +44,7 @@ def train_or_load(config: CalibrationConfig, split: datasets.Split, device: torc
     """
     model = make_cnn(config.dataset).to(device)
     if config.checkpoint is not None:  # options.check_checkpoint made sure it fits
-        model.load_state_dict(torch.load(config.checkpoint, map_location=device,
-                                         weights_only=True))
+        model.load_state_dict(torch.load(config.checkpoint, map_location=device, weights_only=True))
         log(f"loaded the {config.dataset} CNN from {config.checkpoint}")
         return model.eval()
     opt = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
