@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from lowrank_laplace.engine.model_copy import private_copy, removing
 from lowrank_laplace.engine.request import Collector, Request
+from lowrank_laplace.engine.rng import forked_rng
 from lowrank_laplace.factor import GGNFactor, factor_columns
 from lowrank_laplace.utils import batches, checks
 
@@ -25,10 +26,7 @@ from lowrank_laplace.utils import batches, checks
 class EngineBase:
     """Computes :class:`GGNFactor` objects for a model without touching it.
 
-    Args:
-        model: The network; its output must have shape ``(N, C)``.
-        loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss`` with mean/sum reduction.
-        eval_mode: Evaluate in eval mode whatever the model's mode; ``False`` mirrors it.
+    Arguments as :class:`~lowrank_laplace.engine.factor_engine.FactorEngine`'s, but ``backend``.
     """
 
     #: The backend's name, as in ``backend=...``.
@@ -63,11 +61,9 @@ class EngineBase:
         raise NotImplementedError
 
     def probe(self, inputs: Any, targets: Optional[Tensor] = None) -> None:
-        """Check on one sample, before any pass, that the backend takes the model (no RNG draws).
+        """Check on one sample of a batch, before any pass, that the backend takes the model.
 
-        Args:
-            inputs: A batch of inputs.
-            targets: Its targets (or ``None``).
+        Draws no random numbers.
 
         Raises:
             NotImplementedError: If it cannot, naming the module and the way out.
@@ -93,9 +89,6 @@ class EngineBase:
         """Return the outputs ``(1, C)`` and leaf output sizes of a forward pass on one sample.
 
         In the passes' mode, drawing no random numbers.
-
-        Args:
-            inputs: A batch of inputs.
         """
         sizes = [0]
 
@@ -106,20 +99,14 @@ class EngineBase:
         self._sync()
         leaves = [m for m in self._copy.modules() if not list(m.children())]
         handles = [m.register_forward_hook(hook) for m in leaves]
-        device = batches.batch_device(inputs)
-        devices = [device] if device.type == "cuda" else []
-        with removing(handles), torch.no_grad(), torch.random.fork_rng(devices=devices):
+        with removing(handles), torch.no_grad(), forked_rng(batches.batch_device(inputs)):
             outputs = self._copy(batches.take(inputs, slice(0, 1)))
         if isinstance(outputs, Tensor) and outputs.ndim == 2:
             self.num_outputs = outputs.shape[-1]
         return outputs, sizes
 
     def check_independent(self, inputs: Any) -> bool:
-        """Return whether :func:`check_independent_samples` could check this batch (on the copy).
-
-        Args:
-            inputs: A batch.
-        """
+        """Return whether :func:`check_independent_samples` could check this batch (on the copy)."""
         self._sync()
         return check_independent_samples(self._net, inputs)
 
@@ -254,12 +241,7 @@ class EngineBase:
 
 
 def distinct_sample(inputs: Any, n: int) -> Optional[int]:
-    """Return the index of the first sample whose inputs differ from the first's, or ``None``.
-
-    Args:
-        inputs: A tensor or dict batch.
-        n: The batch size.
-    """
+    """Return the first sample (of ``n``) whose inputs differ from sample 0's, or ``None``."""
     if n < 2:
         return None
     rows = [inputs] if isinstance(inputs, Tensor) else [
@@ -273,12 +255,7 @@ def distinct_sample(inputs: Any, n: int) -> Optional[int]:
 
 
 def perturbed_pair(inputs: Any, n: int) -> Optional[Any]:
-    """Return the first sample beside a copy with its floating-point entries shifted, or ``None``.
-
-    Args:
-        inputs: A tensor or dict batch.
-        n: The batch size.
-    """
+    """Return sample 0 (of ``n``) beside a copy with its float entries shifted, or ``None``."""
     pair = batches.take(inputs, [0, 0], n)
     entries = {None: pair} if isinstance(pair, Tensor) else {
         k: v for k, v in pair.items()
@@ -303,10 +280,6 @@ def check_independent_samples(net: nn.Module, inputs: Any) -> bool:
     Its outputs alone and beside a distinct sample (:func:`distinct_sample`, else
     :func:`perturbed_pair`) are compared in eval mode, drawing no random numbers.
 
-    Args:
-        net: The network.
-        inputs: A batch.
-
     Returns:
         Whether the batch was checked (``False``: no distinct sample, check a later one).
 
@@ -320,10 +293,8 @@ def check_independent_samples(net: nn.Module, inputs: Any) -> bool:
         return False
     modes = [m.training for m in net.modules()]
     net.eval()
-    device = batches.batch_device(inputs)
     try:
-        with torch.no_grad(), torch.random.fork_rng(
-                devices=[device] if device.type == "cuda" else []):
+        with torch.no_grad(), forked_rng(batches.batch_device(inputs)):
             both = net(first)
             if isinstance(both, Tensor) and both.ndim == 2:
                 alone = net(batches.take(first, slice(0, 1), 2))

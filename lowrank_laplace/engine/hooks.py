@@ -18,16 +18,13 @@ from lowrank_laplace.engine.base import EngineBase, distinct_sample
 from lowrank_laplace.engine.hooks_rules import LayerRule, rule_for, supported_parameters
 from lowrank_laplace.engine.model_copy import removing
 from lowrank_laplace.engine.request import Collector
-from lowrank_laplace.engine.rng import rng_state, set_rng_state
-from lowrank_laplace.factor.loss_sqrt import hessian_sqrt
+from lowrank_laplace.engine.rng import forked_rng, rng_state, set_rng_state
+from lowrank_laplace.factor.loss_sqrt import hessian_sqrt, mc_noise
 from lowrank_laplace.utils import batches, checks
 
 
 def trainable_layers(model: nn.Module) -> Dict[str, Tuple[nn.Module, LayerRule]]:
     """Return every module holding trainable parameters, with its rule: name -> ``(module, rule)``.
-
-    Args:
-        model: The network.
 
     Raises:
         NotImplementedError: Naming the trainable parameters no rule covers, or tied ones.
@@ -145,21 +142,17 @@ class HooksEngine(EngineBase):
         order = [name for name in names if name in record]
         shifts = [record[name][1] for name in order]
         cols = columns(outputs.detach())
-        last = cols is None or len(cols) == 0
-        g_loss = [None] * len(shifts)
-        if gradient:
-            g_loss = torch.autograd.grad(loss, shifts, retain_graph=not last, allow_unused=True)
-        g_cols = [[] for _ in order]
-        for v in range(0 if cols is None else len(cols)):
-            pulled = torch.autograd.grad(outputs, shifts, grad_outputs=cols[v],
-                                         retain_graph=v < len(cols) - 1, allow_unused=True)
-            for k, g in enumerate(pulled):
-                g_cols[k].append(torch.zeros_like(shifts[k]) if g is None else g)
-        found = {}
-        for k, name in enumerate(order):
-            gl = g_loss[k] if g_loss[k] is not None or not gradient else \
-                torch.zeros_like(shifts[k])
-            found[name] = (record[name][0], gl, g_cols[k])
+        num_cols = 0 if cols is None else len(cols)
+
+        def pulled(out: Tensor, cotangent: Optional[Tensor], retain: bool) -> List[Tensor]:
+            grads = torch.autograd.grad(out, shifts, grad_outputs=cotangent,
+                                        retain_graph=retain, allow_unused=True)
+            return [torch.zeros_like(s) if g is None else g for s, g in zip(shifts, grads)]
+
+        g_loss = pulled(loss, None, num_cols > 0) if gradient else [None] * len(shifts)
+        g_cols = [pulled(outputs, cols[v], v < num_cols - 1) for v in range(num_cols)]
+        found = {name: (record[name][0], g_loss[k], [g[k] for g in g_cols])
+                 for k, name in enumerate(order)}
         return outputs.detach(), loss.detach(), found
 
     def _pass(self, inputs: Any, targets: Optional[Tensor], mc_samples: int,
@@ -171,14 +164,8 @@ class HooksEngine(EngineBase):
         mean = self.loss_func.reduction == "mean"
 
         def columns(outputs: Tensor) -> Tensor:
-            sub = outputs[curv]
-            noise = None
-            if mc_samples:
-                shape = (len(curv), mc_samples) + \
-                    ((outputs.shape[1],) if isinstance(self.loss_func, nn.MSELoss) else ())
-                draw = torch.randn if len(shape) == 3 else torch.rand
-                noise = draw(shape, dtype=outputs.dtype, device=outputs.device)
-            s = hessian_sqrt(self.loss_func, sub, mc_samples, noise)
+            noise = mc_noise(self.loss_func, len(curv), outputs.shape[1], mc_samples, outputs)
+            s = hessian_sqrt(self.loss_func, outputs[curv], mc_samples, noise)
             if mean:
                 s = s / len(curv) ** 0.5
             full = s.new_zeros(s.shape[0], n, outputs.shape[1])
@@ -218,13 +205,12 @@ class HooksEngine(EngineBase):
             return
         self._sync()
         n = batches.batch_size(inputs)
-        device = batches.batch_device(inputs)
         # two samples, distinct where the batch has them (else the one sample twice)
         j = distinct_sample(inputs, n)
         pair = [0, j if j is not None else min(1, n - 1)]
         first = batches.take(inputs, pair, n)
         y = None if targets is None else targets[pair]
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with forked_rng(batches.batch_device(inputs)):
             self._check_gradients(first, y)
         self._probed = True
 

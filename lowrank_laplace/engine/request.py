@@ -55,14 +55,7 @@ class Request:
             raise ValueError("cross_batch_grads needs batch_grad=True.")
 
     def check_groups(self, num_groups: int) -> None:
-        """Refuse per-group arguments of another length.
-
-        Args:
-            num_groups: The number of parameter groups.
-
-        Raises:
-            ValueError: For a per-group argument without one entry per group.
-        """
+        """Refuse (``ValueError``) a per-group argument without ``num_groups`` entries."""
         for name in ("project", "t_project", "project_into"):
             value = getattr(self, name)
             if value is not None and len(value) != num_groups:

@@ -59,6 +59,16 @@ def per_sample_scale(loss: nn.Module, num_outputs: int) -> float:
     return 1 / num_outputs if isinstance(loss, nn.MSELoss) and loss.reduction == "mean" else 1.0
 
 
+def mc_noise(loss: nn.Module, num: int, classes: int, mc_samples: int,
+             like: Tensor) -> Optional[Tensor]:
+    """Return :func:`hessian_sqrt`'s ``noise`` (``None`` if exact) in ``like``'s dtype, device."""
+    if not mc_samples:
+        return None
+    if isinstance(loss, nn.MSELoss):
+        return torch.randn(num, mc_samples, classes, dtype=like.dtype, device=like.device)
+    return torch.rand(num, mc_samples, dtype=like.dtype, device=like.device)
+
+
 def hessian_sqrt(loss: nn.Module, out: Tensor, mc_samples: int,
                  noise: Optional[Tensor]) -> Tensor:
     """Return ``s`` ``(V, N, C)``: ``sum_v s_vn s_vn^T`` is (an MC estimate of) ``l_n``'s Hessian.

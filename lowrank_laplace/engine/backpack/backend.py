@@ -28,6 +28,7 @@ from lowrank_laplace.engine.backpack.extensions import (
 from lowrank_laplace.engine.base import EngineBase
 from lowrank_laplace.engine.model_copy import function_hooks, removing
 from lowrank_laplace.engine.request import Collector
+from lowrank_laplace.engine.rng import forked_rng
 from lowrank_laplace.factor import factor_columns
 from lowrank_laplace.factor.blocks import Block, DenseBlock
 from lowrank_laplace.utils import checks
@@ -40,11 +41,7 @@ _BACKPACK_LOCK = threading.RLock()
 
 
 def serialized(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Return the method, run holding the lock on BackPACK's globals.
-
-    Args:
-        method: A method of :class:`BackpackEngine`.
-    """
+    """Return a method of :class:`BackpackEngine`, run holding the lock on BackPACK's globals."""
     @functools.wraps(method)
     def locked(*args, **kwargs):
         with _BACKPACK_LOCK:
@@ -56,9 +53,7 @@ def serialized(method: Callable[..., Any]) -> Callable[..., Any]:
 def check_model(model: nn.Module, supported: Sequence[type]) -> None:
     """Check that BackPACK can backpropagate the GGN factor through every layer.
 
-    Args:
-        model: The network.
-        supported: Module classes with a ``SqrtGGN`` extension.
+    ``supported`` are the module classes with a ``SqrtGGN`` extension.
 
     Raises:
         NotImplementedError: Naming the first unsupported layer or tied parameter.
@@ -91,10 +86,6 @@ def check_model(model: nn.Module, supported: Sequence[type]) -> None:
 
 def checked_forward(model: nn.Module, inputs: Tensor) -> Tensor:
     """Return the output of a forward pass that verifies every operation is a module BackPACK sees.
-
-    Args:
-        model: The (private copy of the) network.
-        inputs: Inputs.
 
     Raises:
         NotImplementedError: For a functional operation between modules, a module
@@ -147,11 +138,8 @@ def probe_graph(net: nn.Module, sample: Tensor) -> Tuple[Optional[str], List[Ten
 
     A module running with gradient tracking off (reentrant checkpointing, ``no_grad``)
     gives it nothing; one running again in the backward pass overwrites what it read; a
-    trainable parameter the output does not depend on gets no block.
-
-    Args:
-        net: The extended network.
-        sample: One input sample ``(1, ...)``.
+    trainable parameter the output does not depend on gets no block. ``net`` is extended,
+    ``sample`` one input ``(1, ...)``.
 
     Raises:
         RuntimeError: What the passes raise otherwise (e.g. in-place operations on views).
@@ -219,9 +207,8 @@ class BackpackEngine(EngineBase):
                 "BackPACK takes tensor inputs, not dict batches: the functorch backend "
                 "does (backend='auto' or 'functorch').")
         self._sync()
-        devices = [inputs.device] if inputs.device.type == "cuda" else []
         problem = None
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        with torch.no_grad(), forked_rng(inputs.device):
             with function_hooks(self._copy) as found:
                 try:
                     checked_forward(self._copy, inputs[:1])
@@ -245,7 +232,7 @@ class BackpackEngine(EngineBase):
                 extend(module)
         extend(self._loss)
         self._handles = CTX.hook_handles[num_handles:]
-        with torch.enable_grad(), torch.random.fork_rng(devices=devices):
+        with torch.enable_grad(), forked_rng(inputs.device):
             try:  # BackPACK's module hooks return views that in-place operations break
                 problem, unused = probe_graph(self._net, inputs[:1])
             except RuntimeError as err:
