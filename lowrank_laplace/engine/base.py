@@ -37,6 +37,7 @@ class EngineBase:
     def __init__(self, model: nn.Module, loss_func: nn.Module, eval_mode: bool = False):
         checks.check_loss_func(loss_func)
         checks.check_model_runs(model)
+        checks.check_batchnorm_mode(model, eval_mode)
         self._check_model(model, eval_mode)
         self.eval_mode, self.model, self.loss_func = eval_mode, model, loss_func
         self._copy = private_copy(model)
@@ -111,13 +112,19 @@ class EngineBase:
         return check_independent_samples(self._net, inputs)
 
     def dense_param_count(self, largest: bool = False) -> int:
-        """Return the entries of ``V``'s rows stored explicitly, per column.
+        """Return the entries of ``V``'s rows stored, per column (factored weights: ``out + in``).
 
         Args:
             largest: Count only the largest single parameter's block.
         """
-        sizes = [0] + [p.numel() for p in self.model.parameters() if p.requires_grad]
+        factored = self._factored_ids()
+        sizes = [0] + [sum(p.shape) if id(p) in factored else p.numel()
+                       for p in self.model.parameters() if p.requires_grad]
         return max(sizes) if largest else sum(sizes)
+
+    def _factored_ids(self) -> set:
+        """Ids of the model's parameters whose blocks :meth:`dense_param_count` counts factored."""
+        return set()
 
     def bytes_per_sample(self, inputs: Any, num_vectors: Optional[int] = None,
                          one_block: bool = False) -> int:

@@ -60,15 +60,11 @@ class FuncEngine(EngineBase):
         self._has_rnn = any(isinstance(m, nn.RNNBase) for m in self._copy.modules())
 
     def _check_model(self, model: nn.Module, eval_mode: bool) -> None:
-        checks.check_batchnorm_mode(model, eval_mode)
         _refuse_prelu(model)
 
-    def dense_param_count(self, largest: bool = False) -> int:
-        """See :meth:`EngineBase.dense_param_count`; factored weights count ``out + in``."""
-        sizes = [0] + [sum(p.shape) if name in self._factored else p.numel()
-                       for name, p in zip(self._names, self.model.parameters())
-                       if p.requires_grad]
-        return max(sizes) if largest else sum(sizes)
+    def _factored_ids(self) -> set:
+        return {id(p) for name, p in zip(self._names, self.model.parameters())
+                if name in self._factored}
 
     def _vector_entries(self, feature_sizes: List[int], one_block: bool) -> int:
         # all of V is held (no factored layers), plus the products' intermediates
@@ -103,16 +99,13 @@ class FuncEngine(EngineBase):
                 # train-mode dropout draws from a forked generator: the caller's do not move
                 with forked_rng(device), warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
-                    for vectorize in (True, False):
-                        self.vectorize = vectorize
+                    self.vectorize = True
+                    try:
+                        self._products(first, y, params, aliases, 0, True, (1, 1), {})
+                    except Exception:  # noqa: BLE001 - vmap failed: one sample at a time
+                        self.vectorize = False
                         stack.clear()
-                        try:
-                            self._products(first, y, params, aliases, 0, True, (1, 1), {})
-                            break
-                        except Exception:  # noqa: BLE001 - vmap failed: one sample at a time
-                            if vectorize:
-                                continue
-                            raise
+                        self._products(first, y, params, aliases, 0, True, (1, 1), {})
                     self._factored = self._factorable(first, y, params, aliases, device)
                 _warn_if_looping(caught, self.vectorize)
             except Exception as err:  # noqa: BLE001 - re-raised with the module named

@@ -94,7 +94,6 @@ class HooksEngine(EngineBase):
         self._probed = False
 
     def _check_model(self, model: nn.Module, eval_mode: bool) -> None:
-        checks.check_batchnorm_mode(model, eval_mode)
         trainable_layers(model)
 
     def _vector_entries(self, feature_sizes: List[int], one_block: bool) -> int:

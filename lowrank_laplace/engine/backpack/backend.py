@@ -190,7 +190,6 @@ class BackpackEngine(EngineBase):
         self._unused: set = set()  # trainable parameters the output ignores: zero blocks
 
     def _check_model(self, model: nn.Module, eval_mode: bool) -> None:
-        checks.check_batchnorm_mode(model, eval_mode)
         check_model(model, supported_modules())
 
     @serialized
@@ -269,15 +268,8 @@ class BackpackEngine(EngineBase):
             ) from problem
         return net
 
-    def dense_param_count(self, largest: bool = False) -> int:
-        """See :meth:`EngineBase.dense_param_count`; linear weights count ``out + in``."""
-        sizes = [0]
-        for module in self.model.modules():
-            for name, p in module.named_parameters(recurse=False):
-                if p.requires_grad:
-                    factored = isinstance(module, nn.Linear) and name == "weight"
-                    sizes.append(sum(p.shape) if factored else p.numel())
-        return max(sizes) if largest else sum(sizes)
+    def _factored_ids(self) -> set:
+        return {id(m.weight) for m in self.model.modules() if isinstance(m, nn.Linear)}
 
     def _vector_entries(self, feature_sizes: List[int], one_block: bool) -> int:
         # expanded blocks plus the backpropagated vectors at the widest layer output

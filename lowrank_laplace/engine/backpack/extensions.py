@@ -154,13 +154,8 @@ def _exclusive(ext, mat: Tensor) -> bool:
 
 
 _IN_PLACE_SQRT_GGN = {
-    nn.ReLU: _in_place_elementwise(activations.SqrtGGNReLU),
-    nn.Tanh: _in_place_elementwise(activations.SqrtGGNTanh),
-    nn.Sigmoid: _in_place_elementwise(activations.SqrtGGNSigmoid),
-    nn.ELU: _in_place_elementwise(activations.SqrtGGNELU),
-    nn.SELU: _in_place_elementwise(activations.SqrtGGNSELU),
-    nn.LeakyReLU: _in_place_elementwise(activations.SqrtGGNLeakyReLU),
-    nn.LogSigmoid: _in_place_elementwise(activations.SqrtGGNLogSigmoid),
+    layer: _in_place_elementwise(getattr(activations, f"SqrtGGN{layer.__name__}"))
+    for layer in (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.ELU, nn.SELU, nn.LeakyReLU, nn.LogSigmoid)
 }
 
 _EXTRA_SQRT_GGN = {
