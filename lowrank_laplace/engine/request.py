@@ -101,13 +101,7 @@ class Collector:
         self.done: set = set()
 
     def add(self, i: int, block: Block, grads: Optional[Block] = None) -> None:
-        """Consume the block of parameter ``i`` (and its per-sample gradients).
-
-        Args:
-            i: Parameter index.
-            block: Its rows of ``V^T``, ``(M, d)``.
-            grads: Its per-sample gradients ``(N, d)`` (with ``batch_grad``).
-        """
+        """Consume parameter ``i``'s block ``(M, d)`` (and per-sample ``grads`` ``(N, d)``)."""
         g, request = self.group_of[i], self.request
         self.done.add(i)
         if request.compute_grams:

@@ -50,12 +50,7 @@ def reduced_cross_entropy_sqrt(logits: Tensor, reduction: str) -> Tensor:
 
 
 def per_sample_scale(loss: nn.Module, num_outputs: int) -> float:
-    """Return ``c`` with ``l_n = c *`` the sum-reduced loss of sample ``n`` (``1/C`` for MSE mean).
-
-    Args:
-        loss: The loss module.
-        num_outputs: Model outputs ``C``.
-    """
+    """Return ``c``: ``l_n = c *`` the sum-reduced loss of sample ``n`` (``1/C`` for MSE mean)."""
     return 1 / num_outputs if isinstance(loss, nn.MSELoss) and loss.reduction == "mean" else 1.0
 
 

@@ -21,12 +21,7 @@ WIDE_ENTRIES = 2**22
 
 
 def weight_slice(w: Weight, params: slice) -> Weight:
-    """Return the weights of the entries ``params`` in float64 (a scalar whole).
-
-    Args:
-        w: A scalar or per-entry weight.
-        params: The entries.
-    """
+    """Return the weights ``w`` of the entries ``params`` in float64 (a scalar whole)."""
     if not isinstance(w, Tensor):
         return w
     return (w[params] if w.numel() > 1 else w).to(SMALL_DTYPE)
