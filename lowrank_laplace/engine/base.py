@@ -171,10 +171,7 @@ class EngineBase:
                  param_groups: Optional[List[dict]] = None) -> List[Tensor]:
         """Return the mini-batch gradient per group, flat, from a plain backward pass.
 
-        Args:
-            inputs: Inputs ``(N, ...)`` or a dict batch.
-            targets: Targets (``None`` for ``MSELoss`` uses zeros).
-            param_groups: Optimizer-style groups; ``None`` is one group.
+        The arguments are those of :meth:`compute`.
         """
         self._check_open()
         checks.check_batch(inputs, targets)

@@ -25,13 +25,8 @@ from lowrank_laplace.engine.base import EngineBase
 from lowrank_laplace.engine.model_copy import removing
 from lowrank_laplace.engine.request import Collector
 from lowrank_laplace.engine.rng import forked_rng, rng_state, set_rng_state
-from lowrank_laplace.factor.blocks import DenseBlock, KronBlock
-from lowrank_laplace.factor.loss_sqrt import (
-    factor_columns,
-    hessian_sqrt,
-    mc_noise,
-    per_sample_scale,
-)
+from lowrank_laplace.factor import DenseBlock, KronBlock, factor_columns
+from lowrank_laplace.factor.loss_sqrt import hessian_sqrt, mc_noise, per_sample_scale
 from lowrank_laplace.utils import batches, checks
 
 #: Bytes of a chunk's vmapped products (docs/benchmarks/design_measurements.md).

@@ -52,18 +52,13 @@ def trainable_layers(model: nn.Module) -> Dict[str, Tuple[nn.Module, LayerRule]]
 
 
 def per_sample(a: Tensor, g: Tensor, n: int, name: str) -> Tuple[Tensor, Tensor]:
-    """Return a layer's input ``(N, ...)`` and vectors ``(V, N, ...)`` with rows grouped per sample.
+    """Return a layer's input ``a`` and vectors ``g`` as ``(N, ...)``, ``(V, N, ...)``, per sample.
 
-    Several rows per sample (``(B, 2, d)`` pairs reshaped to ``(2 B, d)``) are taken
-    ``k`` consecutive rows per sample, as a reshape gives (the gradient check confirms);
+    ``a`` has ``N'`` rows, ``g`` is ``(V, N', ...)`` (``(V, N, ...)`` for a shared row), ``name``
+    is the layer's. Several rows per sample (``(B, 2, d)`` pairs reshaped to ``(2 B, d)``) are
+    taken ``k`` consecutive rows per sample, as a reshape gives (the gradient check confirms);
     one row shared by all samples (a lookup broadcast later) is expanded, each sample's
     vectors there being its own.
-
-    Args:
-        a: The layer's input ``(N', ...)``.
-        g: Its output vectors ``(V, N', ...)`` (``(V, N, ...)`` for a shared row).
-        n: Samples ``N`` (``N'`` a multiple of it, or 1).
-        name: The layer's name, for the message.
 
     Raises:
         NotImplementedError: If ``N'`` is neither a multiple of ``N`` nor 1.
@@ -183,8 +178,7 @@ class HooksEngine(EngineBase):
             a, g = per_sample(a_rows, torch.stack(g_cols), n, name)
             if gradient:
                 g_loss = per_sample(a_rows, g_loss[None], n, name)[1][0]
-            g = g[:, idx] if subsampling is not None else g
-            a_curv = a if subsampling is None else a[idx]
+            a_curv, g = (a, g) if subsampling is None else (a[idx], g[:, idx])
             for pname, param in module.named_parameters(recurse=False):
                 i = self._index.get(id(param))
                 if i is None or i not in collector.group_of:
@@ -231,7 +225,7 @@ class HooksEngine(EngineBase):
             both = torch.autograd.grad(loss, [*params.values(), *shifts], retain_graph=True,
                                        allow_unused=True)  # one backward pass for both
             exact, pulled = both[:len(params)], both[len(params):]
-            ours = self._rows(order, record, pulled, n, k)
+            ours = self._rows(order, record, pulled, n)
             for (i, p), e in zip(params.items(), exact):
                 e = torch.zeros_like(p).flatten() if e is None else e.flatten()
                 o = ours.get(i, torch.zeros(n, e.numel(), dtype=e.dtype, device=e.device))
@@ -273,8 +267,7 @@ class HooksEngine(EngineBase):
                 "depends on its shape.")
         return outputs, record
 
-    def _rows(self, order: List[str], record: dict, pulled: tuple, n: int, k: int
-              ) -> Dict[int, Tensor]:
+    def _rows(self, order: List[str], record: dict, pulled: tuple, n: int) -> Dict[int, Tensor]:
         """Per-sample gradient rows ``(n, d)`` of every parameter from pulled vectors."""
         ours = {}
         for name, g in zip(order, pulled):

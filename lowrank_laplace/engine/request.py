@@ -1,8 +1,6 @@
 """What one pass collects: a :class:`Request`, and the :class:`Collector` that serves it.
 
-The collector feeds each block of ``V`` to the consumers asked for and frees what is
-not kept. Shapes: ``N`` batch size, ``M`` columns of ``V``, ``D_g`` parameters of a
-group, ``K`` vectors.
+Shapes: ``N`` batch size, ``M`` columns of ``V``, ``D_g`` parameters of a group, ``K`` vectors.
 """
 
 from __future__ import annotations
@@ -64,7 +62,7 @@ class Request:
 
 
 class Collector:
-    """Hands each parameter's block of ``V`` to the consumers a request asks for.
+    """Hands each block of ``V`` to the consumers a request asks for; what is not kept is freed.
 
     Args:
         groups: Parameter indices per group.

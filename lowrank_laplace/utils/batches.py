@@ -20,12 +20,9 @@ def batch_size(inputs: Any) -> int:
 
 
 def take(inputs: Any, index: Any, n: Optional[int] = None) -> Any:
-    """Return the samples ``index`` of a tensor or dict batch, of the type of ``inputs``.
+    """Return the samples ``index`` (a slice or indices) of a tensor or dict batch, of its type.
 
-    Args:
-        inputs: A tensor or dict batch.
-        index: A slice or indices along the batch axis.
-        n: The batch size (dict entries of another leading size stay whole); ``None``: found.
+    ``n`` is the batch size (``None``: found); dict entries of another leading size stay whole.
     """
     if isinstance(inputs, Tensor):
         return inputs[index]

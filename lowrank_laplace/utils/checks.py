@@ -253,15 +253,13 @@ def resolve_param_groups(
         members = list(group["params"])
         if not members:
             raise ValueError(f"param_groups[{g}] has no parameters.")
-        indices = []
         for p in members:
             if id(p) not in position:
                 raise ValueError(f"param_groups[{g}] holds a parameter not in the model.")
             if id(p) in seen:
                 raise ValueError(f"A parameter appears in more than one group ({g}).")
             seen.add(id(p))
-            indices.append(position[id(p)])
-        groups.append(indices)
+        groups.append([position[id(p)] for p in members])
     return groups
 
 

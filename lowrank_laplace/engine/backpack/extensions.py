@@ -71,14 +71,8 @@ def unfold_input(x: Tensor, kernel: Tuple[int, int], dilation: Tuple[int, int],
                  padding: Tuple[int, int], stride: Tuple[int, int]) -> Tensor:
     """Return the patches ``(N, C kh kw, H' W')`` of a 2d convolution's input (as ``F.unfold``).
 
-    Built from strided views and one copy.
-
-    Args:
-        x: Input ``(N, C, H, W)``.
-        kernel: Kernel size ``(kh, kw)``.
-        dilation: Dilation ``(dh, dw)``.
-        padding: Zero padding ``(ph, pw)``.
-        stride: Stride ``(sh, sw)``.
+    From strided views of ``x`` ``(N, C, H, W)`` and one copy; the rest are ``(h, w)`` pairs
+    (``padding`` with zeros).
     """
     x = pad(x, (padding[1], padding[1], padding[0], padding[0]))
     for d in range(2):
