@@ -10,7 +10,6 @@ samples, ``C`` outputs, ``M`` columns of ``V``.
 from __future__ import annotations
 
 import copy
-from collections.abc import MutableMapping
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -312,10 +311,8 @@ def check_independent_samples(net: nn.Module, inputs: Any) -> bool:
     tol = max(1e-4, 50 * torch.finfo(both.dtype).eps) * (float(both.abs().max()) + 1.0)
     if float((both - alone).abs().max()) <= tol:
         return True
-    per_sample = []
-    if isinstance(inputs, MutableMapping):
-        per_sample = [k for k, v in inputs.items()
-                      if isinstance(v, Tensor) and v.ndim and v.shape[0] == n]
+    per_sample = [] if isinstance(inputs, Tensor) else [
+        k for k, v in inputs.items() if isinstance(v, Tensor) and v.ndim and v.shape[0] == n]
     raise ValueError(
         "The model's output for one sample depends on the other samples of the batch "
         "(batch statistics in the forward pass, or a dict entry shared by the whole "

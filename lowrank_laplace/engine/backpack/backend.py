@@ -66,22 +66,20 @@ def check_model(model: nn.Module, supported: Sequence[type]) -> None:
             "backend handles tied weights exactly (backend='auto' or 'functorch').")
     for name, module in model.named_modules():
         name = name or type(model).__name__
-        children = list(module.children())
-        if children:
-            own_params = list(module.parameters(recurse=False))
-            if own_params and not isinstance(module, tuple(supported)):
+        if isinstance(module, tuple(supported)):
+            continue
+        if list(module.children()):  # a container: traced through, unless it owns parameters
+            if list(module.parameters(recurse=False)):
                 raise NotImplementedError(
                     f"Module {name!r} ({type(module).__name__}) owns parameters but "
                     "is not a layer BackPACK supports: use backend='functorch' (or "
                     "'auto').")
-            continue
-        if isinstance(module, tuple(supported)) or is_no_op(module):
-            continue
-        raise NotImplementedError(
-            f"Layer {name!r} ({type(module).__name__}) is not supported by BackPACK's "
-            "GGN factor extension: use backend='functorch' (or 'auto'), replace it "
-            "with a supported layer, or compute the curvature of the layers after it "
-            "only (e.g. laplace-torch's subset_of_weights='last_layer').")
+        elif not is_no_op(module):
+            raise NotImplementedError(
+                f"Layer {name!r} ({type(module).__name__}) is not supported by BackPACK's "
+                "GGN factor extension: use backend='functorch' (or 'auto'), replace it "
+                "with a supported layer, or compute the curvature of the layers after it "
+                "only (e.g. laplace-torch's subset_of_weights='last_layer').")
 
 
 def checked_forward(model: nn.Module, inputs: Tensor) -> Tensor:
@@ -113,13 +111,11 @@ def checked_forward(model: nn.Module, inputs: Tensor) -> Tensor:
                     f"{names[module]!r} ({type(module).__name__}) maps input size "
                     f"{tuple(spatial)} to {tuple(out.shape[2:])}, which does not divide "
                     "it (BackPACK needs equal pooling windows)")
-        outs = out if isinstance(out, tuple) else (out,)
-        for t in outs:
+        for t in out if isinstance(out, tuple) else (out,):
             produced.add(id(t))
             keep_alive.append(t)
 
-    leaves = [m for m in model.modules() if not list(m.children())]
-    handles = [m.register_forward_hook(hook) for m in leaves]
+    handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
     with removing(handles):
         outputs = model(inputs)
     if id(outputs) not in produced and not problems:
