@@ -64,10 +64,7 @@ class Request:
 class Collector:
     """Hands each block of ``V`` to the consumers a request asks for; what is not kept is freed.
 
-    Args:
-        groups: Parameter indices per group.
-        request: What the pass collects.
-        sizes: Entries of every parameter.
+    ``groups`` holds the parameter indices per group, ``sizes`` the entries of every parameter.
     """
 
     def __init__(self, groups: List[List[int]], request: Request, sizes: List[int]):

@@ -80,9 +80,7 @@ class Block(Protocol):
     def sample_gram(self, num_vectors: int, weight: Weight = 1.0) -> Tensor:
         """Return the per-sample diagonal blocks ``(N, V, V)`` of ``B diag(w) B^T``.
 
-        Args:
-            num_vectors: Vectors per sample ``V`` (``M = V N``).
-            weight: Scalar or ``(d,)``.
+        ``num_vectors`` is ``V`` (``M = V N``), ``weight`` a scalar or ``(d,)``.
         """
 
     def row_sq_norms(self) -> Tensor:

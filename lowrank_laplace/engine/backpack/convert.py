@@ -76,9 +76,5 @@ def _functional_to_modules(model: nn.Module) -> GraphModule:
 
 
 def convert(model: nn.Module) -> GraphModule:
-    """Return a network of BackPACK modules computing ``model``'s function, sharing its parameters.
-
-    Args:
-        model: The (private copy of the) network.
-    """
+    """Return a network of BackPACK modules computing ``model``'s function, with its parameters."""
     return convert_module_to_backpack(_functional_to_modules(model), debug=False)
