@@ -5,13 +5,5 @@ from lowrank_laplace.engine.factor_engine import BACKENDS, FactorEngine, check_b
 from lowrank_laplace.engine.request import Request
 from lowrank_laplace.engine.rng import RNGReplay, rng_state, set_rng_state
 
-__all__ = [
-    "BACKENDS",
-    "EngineBase",
-    "FactorEngine",
-    "RNGReplay",
-    "Request",
-    "check_backend",
-    "rng_state",
-    "set_rng_state",
-]
+__all__ = ["BACKENDS", "EngineBase", "FactorEngine", "RNGReplay", "Request", "check_backend",
+           "rng_state", "set_rng_state"]

@@ -10,7 +10,6 @@ samples, ``C`` outputs, ``M`` columns of ``V``.
 from __future__ import annotations
 
 import copy
-from collections.abc import MutableMapping
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -18,6 +17,7 @@ from torch import Tensor, nn
 
 from lowrank_laplace.engine.model_copy import private_copy, removing
 from lowrank_laplace.engine.request import Collector, Request
+from lowrank_laplace.engine.rng import forked_rng
 from lowrank_laplace.factor import GGNFactor, factor_columns
 from lowrank_laplace.utils import batches, checks
 
@@ -25,10 +25,7 @@ from lowrank_laplace.utils import batches, checks
 class EngineBase:
     """Computes :class:`GGNFactor` objects for a model without touching it.
 
-    Args:
-        model: The network; its output must have shape ``(N, C)``.
-        loss_func: ``nn.CrossEntropyLoss`` or ``nn.MSELoss`` with mean/sum reduction.
-        eval_mode: Evaluate in eval mode whatever the model's mode; ``False`` mirrors it.
+    Arguments as :class:`~lowrank_laplace.engine.factor_engine.FactorEngine`'s, but ``backend``.
     """
 
     #: The backend's name, as in ``backend=...``.
@@ -39,6 +36,7 @@ class EngineBase:
     def __init__(self, model: nn.Module, loss_func: nn.Module, eval_mode: bool = False):
         checks.check_loss_func(loss_func)
         checks.check_model_runs(model)
+        checks.check_batchnorm_mode(model, eval_mode)
         self._check_model(model, eval_mode)
         self.eval_mode, self.model, self.loss_func = eval_mode, model, loss_func
         self._copy = private_copy(model)
@@ -63,11 +61,9 @@ class EngineBase:
         raise NotImplementedError
 
     def probe(self, inputs: Any, targets: Optional[Tensor] = None) -> None:
-        """Check on one sample, before any pass, that the backend takes the model (no RNG draws).
+        """Check on one sample of a batch, before any pass, that the backend takes the model.
 
-        Args:
-            inputs: A batch of inputs.
-            targets: Its targets (or ``None``).
+        Draws no random numbers.
 
         Raises:
             NotImplementedError: If it cannot, naming the module and the way out.
@@ -93,9 +89,6 @@ class EngineBase:
         """Return the outputs ``(1, C)`` and leaf output sizes of a forward pass on one sample.
 
         In the passes' mode, drawing no random numbers.
-
-        Args:
-            inputs: A batch of inputs.
         """
         sizes = [0]
 
@@ -106,31 +99,31 @@ class EngineBase:
         self._sync()
         leaves = [m for m in self._copy.modules() if not list(m.children())]
         handles = [m.register_forward_hook(hook) for m in leaves]
-        device = batches.batch_device(inputs)
-        devices = [device] if device.type == "cuda" else []
-        with removing(handles), torch.no_grad(), torch.random.fork_rng(devices=devices):
+        with removing(handles), torch.no_grad(), forked_rng(batches.batch_device(inputs)):
             outputs = self._copy(batches.take(inputs, slice(0, 1)))
         if isinstance(outputs, Tensor) and outputs.ndim == 2:
             self.num_outputs = outputs.shape[-1]
         return outputs, sizes
 
     def check_independent(self, inputs: Any) -> bool:
-        """Return whether :func:`check_independent_samples` could check this batch (on the copy).
-
-        Args:
-            inputs: A batch.
-        """
+        """Return whether :func:`check_independent_samples` could check this batch (on the copy)."""
         self._sync()
         return check_independent_samples(self._net, inputs)
 
     def dense_param_count(self, largest: bool = False) -> int:
-        """Return the entries of ``V``'s rows stored explicitly, per column.
+        """Return the entries of ``V``'s rows stored, per column (factored weights: ``out + in``).
 
         Args:
             largest: Count only the largest single parameter's block.
         """
-        sizes = [0] + [p.numel() for p in self.model.parameters() if p.requires_grad]
+        factored = self._factored_ids()
+        sizes = [0] + [sum(p.shape) if id(p) in factored else p.numel()
+                       for p in self.model.parameters() if p.requires_grad]
         return max(sizes) if largest else sum(sizes)
+
+    def _factored_ids(self) -> set:
+        """Ids of the model's parameters whose blocks :meth:`dense_param_count` counts factored."""
+        return set()
 
     def bytes_per_sample(self, inputs: Any, num_vectors: Optional[int] = None,
                          one_block: bool = False) -> int:
@@ -177,10 +170,7 @@ class EngineBase:
                  param_groups: Optional[List[dict]] = None) -> List[Tensor]:
         """Return the mini-batch gradient per group, flat, from a plain backward pass.
 
-        Args:
-            inputs: Inputs ``(N, ...)`` or a dict batch.
-            targets: Targets (``None`` for ``MSELoss`` uses zeros).
-            param_groups: Optimizer-style groups; ``None`` is one group.
+        The arguments are those of :meth:`compute`.
         """
         self._check_open()
         checks.check_batch(inputs, targets)
@@ -254,12 +244,7 @@ class EngineBase:
 
 
 def distinct_sample(inputs: Any, n: int) -> Optional[int]:
-    """Return the index of the first sample whose inputs differ from the first's, or ``None``.
-
-    Args:
-        inputs: A tensor or dict batch.
-        n: The batch size.
-    """
+    """Return the first sample (of ``n``) whose inputs differ from sample 0's, or ``None``."""
     if n < 2:
         return None
     rows = [inputs] if isinstance(inputs, Tensor) else [
@@ -273,12 +258,7 @@ def distinct_sample(inputs: Any, n: int) -> Optional[int]:
 
 
 def perturbed_pair(inputs: Any, n: int) -> Optional[Any]:
-    """Return the first sample beside a copy with its floating-point entries shifted, or ``None``.
-
-    Args:
-        inputs: A tensor or dict batch.
-        n: The batch size.
-    """
+    """Return sample 0 (of ``n``) beside a copy with its float entries shifted, or ``None``."""
     pair = batches.take(inputs, [0, 0], n)
     entries = {None: pair} if isinstance(pair, Tensor) else {
         k: v for k, v in pair.items()
@@ -303,10 +283,6 @@ def check_independent_samples(net: nn.Module, inputs: Any) -> bool:
     Its outputs alone and beside a distinct sample (:func:`distinct_sample`, else
     :func:`perturbed_pair`) are compared in eval mode, drawing no random numbers.
 
-    Args:
-        net: The network.
-        inputs: A batch.
-
     Returns:
         Whether the batch was checked (``False``: no distinct sample, check a later one).
 
@@ -320,10 +296,8 @@ def check_independent_samples(net: nn.Module, inputs: Any) -> bool:
         return False
     modes = [m.training for m in net.modules()]
     net.eval()
-    device = batches.batch_device(inputs)
     try:
-        with torch.no_grad(), torch.random.fork_rng(
-                devices=[device] if device.type == "cuda" else []):
+        with torch.no_grad(), forked_rng(batches.batch_device(inputs)):
             both = net(first)
             if isinstance(both, Tensor) and both.ndim == 2:
                 alone = net(batches.take(first, slice(0, 1), 2))
@@ -337,10 +311,8 @@ def check_independent_samples(net: nn.Module, inputs: Any) -> bool:
     tol = max(1e-4, 50 * torch.finfo(both.dtype).eps) * (float(both.abs().max()) + 1.0)
     if float((both - alone).abs().max()) <= tol:
         return True
-    per_sample = []
-    if isinstance(inputs, MutableMapping):
-        per_sample = [k for k, v in inputs.items()
-                      if isinstance(v, Tensor) and v.ndim and v.shape[0] == n]
+    per_sample = [] if isinstance(inputs, Tensor) else [
+        k for k, v in inputs.items() if isinstance(v, Tensor) and v.ndim and v.shape[0] == n]
     raise ValueError(
         "The model's output for one sample depends on the other samples of the batch "
         "(batch statistics in the forward pass, or a dict entry shared by the whole "

@@ -30,14 +30,7 @@ CANDIDATES = {
 
 
 def check_backend(backend: str) -> str:
-    """Return a valid ``backend`` argument (one of :data:`BACKENDS`).
-
-    Args:
-        backend: The value given.
-
-    Raises:
-        ValueError: For another value.
-    """
+    """Return a valid ``backend`` argument (one of :data:`BACKENDS`); raise ``ValueError`` else."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
     return backend

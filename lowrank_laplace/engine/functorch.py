@@ -24,9 +24,9 @@ from torch.utils._pytree import tree_map
 from lowrank_laplace.engine.base import EngineBase
 from lowrank_laplace.engine.model_copy import removing
 from lowrank_laplace.engine.request import Collector
-from lowrank_laplace.engine.rng import rng_state, set_rng_state
-from lowrank_laplace.factor.blocks import DenseBlock, KronBlock
-from lowrank_laplace.factor.loss_sqrt import factor_columns, hessian_sqrt, per_sample_scale
+from lowrank_laplace.engine.rng import forked_rng, rng_state, set_rng_state
+from lowrank_laplace.factor import DenseBlock, KronBlock, factor_columns
+from lowrank_laplace.factor.loss_sqrt import hessian_sqrt, mc_noise, per_sample_scale
 from lowrank_laplace.utils import batches, checks
 
 #: Bytes of a chunk's vmapped products (docs/benchmarks/design_measurements.md).
@@ -36,11 +36,7 @@ CHUNK_BUDGET = 2**30
 class FuncEngine(EngineBase):
     """The torch.func backend (arguments as :class:`~lowrank_laplace.engine.base.EngineBase`'s).
 
-    Args:
-        model: The network.
-        loss_func: The loss module.
-        eval_mode: Evaluate in eval mode.
-        chunk_budget: Bytes one chunk of vmapped products may take.
+    ``chunk_budget`` is the bytes one chunk of vmapped products may take.
     """
 
     backend = "functorch"
@@ -59,15 +55,11 @@ class FuncEngine(EngineBase):
         self._has_rnn = any(isinstance(m, nn.RNNBase) for m in self._copy.modules())
 
     def _check_model(self, model: nn.Module, eval_mode: bool) -> None:
-        checks.check_batchnorm_mode(model, eval_mode)
         _refuse_prelu(model)
 
-    def dense_param_count(self, largest: bool = False) -> int:
-        """See :meth:`EngineBase.dense_param_count`; factored weights count ``out + in``."""
-        sizes = [0] + [sum(p.shape) if name in self._factored else p.numel()
-                       for name, p in zip(self._names, self.model.parameters())
-                       if p.requires_grad]
-        return max(sizes) if largest else sum(sizes)
+    def _factored_ids(self) -> set:
+        return {id(p) for name, p in zip(self._names, self.model.parameters())
+                if name in self._factored}
 
     def _vector_entries(self, feature_sizes: List[int], one_block: bool) -> int:
         # all of V is held (no factored layers), plus the products' intermediates
@@ -96,23 +88,19 @@ class FuncEngine(EngineBase):
         first = batches.take(inputs, slice(0, 1))
         y = outputs.new_zeros(1, outputs.shape[1]) if targets is None else targets[:1]
         self._sync()
-        params, aliases = self._param_dicts(None)
+        params, aliases = self._param_dicts()
         with removing(handles):
             try:
                 # train-mode dropout draws from a forked generator: the caller's do not move
-                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                        warnings.catch_warnings(record=True) as caught:
+                with forked_rng(device), warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
-                    for vectorize in (True, False):
-                        self.vectorize = vectorize
+                    self.vectorize = True
+                    try:
+                        self._products(first, y, params, aliases, 0, True, (1, 1), {})
+                    except Exception:  # noqa: BLE001 - vmap failed: one sample at a time
+                        self.vectorize = False
                         stack.clear()
-                        try:
-                            self._products(first, y, params, aliases, 0, True, (1, 1), {})
-                            break
-                        except Exception:  # noqa: BLE001 - vmap failed: one sample at a time
-                            if vectorize:
-                                continue
-                            raise
+                        self._products(first, y, params, aliases, 0, True, (1, 1), {})
                     self._factored = self._factorable(first, y, params, aliases, device)
                 _warn_if_looping(caught, self.vectorize)
             except Exception as err:  # noqa: BLE001 - re-raised with the module named
@@ -148,7 +136,7 @@ class FuncEngine(EngineBase):
                 if torch.allclose(plain[n].flatten(2),
                                   (rows[n][..., None] * zs[n][:, None, None, :]).flatten(2))}
 
-    def _param_dicts(self, groups: Optional[List[List[int]]]):
+    def _param_dicts(self):
         """The differentiated parameters of the copy by name, and their aliases."""
         params = {name: p.detach() for name, p in zip(self._names, self._copy_params)
                   if p.requires_grad}
@@ -161,15 +149,8 @@ class FuncEngine(EngineBase):
         """Outputs, rows ``(N_c, V + 1, ...)`` (``rho``-scaled VJPs of ``s`` and ``g``), inputs."""
         n = batches.batch_size(inputs)
         model, loss = self._copy, self.loss_func
-        mse = isinstance(loss, nn.MSELoss)
-        noise = None
-        if curvature and mc_samples:
-            ref = next(iter(params.values()))
-            if mse:
-                noise = torch.randn(n, mc_samples, self.num_outputs, dtype=ref.dtype,
-                                    device=ref.device)
-            else:
-                noise = torch.rand(n, mc_samples, dtype=ref.dtype, device=ref.device)
+        ref = next(iter(params.values()))
+        noise = mc_noise(loss, n, self.num_outputs, mc_samples, ref) if curvature else None
 
         vectorize = self.vectorize
         fixed = {name: params[name] for name in factored}  # not differentiated
@@ -201,8 +182,7 @@ class FuncEngine(EngineBase):
             if vectorize:
                 grads, out_vectors = vmap(pull)(cotangents)
                 return out, {**grads, **out_vectors}, zs
-            pulled = [pull(c) for c in cotangents]
-            pulled = [{**g, **s} for g, s in pulled]
+            pulled = [{**g, **s} for g, s in map(pull, cotangents)]
             return out, {k: torch.stack([r[k] for r in pulled]) for k in pulled[0]}, zs
 
         if vectorize:
@@ -238,7 +218,7 @@ class FuncEngine(EngineBase):
         curv = list(range(n)) if subsampling is None else subsampling
         rest = [] if subsampling is None else sorted(set(range(n)) - set(subsampling))
         num_vectors = factor_columns(self.loss_func, (n, num_out), mc_samples)
-        params, aliases = self._param_dicts(collector.groups)
+        params, aliases = self._param_dicts()
         factored = {name: m for name, m in self._factored.items() if name in params}
         chunk = self._chunk_size(num_vectors, ref.element_size())
         outputs = ref.new_zeros(n, num_out)
@@ -322,8 +302,6 @@ def _aliases(model: nn.Module) -> Dict[str, List[str]]:
 
 def _batched_dims(inputs: Any, n: int):
     """``in_dims`` for vmap: 0 for tensors with ``n`` rows, ``None`` otherwise."""
-    if isinstance(inputs, Tensor):
-        return 0
     if isinstance(inputs, MutableMapping):
         return {k: 0 if isinstance(v, Tensor) and v.ndim and v.shape[0] == n else None
                 for k, v in inputs.items()}

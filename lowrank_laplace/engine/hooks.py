@@ -18,16 +18,13 @@ from lowrank_laplace.engine.base import EngineBase, distinct_sample
 from lowrank_laplace.engine.hooks_rules import LayerRule, rule_for, supported_parameters
 from lowrank_laplace.engine.model_copy import removing
 from lowrank_laplace.engine.request import Collector
-from lowrank_laplace.engine.rng import rng_state, set_rng_state
-from lowrank_laplace.factor.loss_sqrt import hessian_sqrt
+from lowrank_laplace.engine.rng import forked_rng, rng_state, set_rng_state
+from lowrank_laplace.factor.loss_sqrt import hessian_sqrt, mc_noise
 from lowrank_laplace.utils import batches, checks
 
 
 def trainable_layers(model: nn.Module) -> Dict[str, Tuple[nn.Module, LayerRule]]:
     """Return every module holding trainable parameters, with its rule: name -> ``(module, rule)``.
-
-    Args:
-        model: The network.
 
     Raises:
         NotImplementedError: Naming the trainable parameters no rule covers, or tied ones.
@@ -55,18 +52,13 @@ def trainable_layers(model: nn.Module) -> Dict[str, Tuple[nn.Module, LayerRule]]
 
 
 def per_sample(a: Tensor, g: Tensor, n: int, name: str) -> Tuple[Tensor, Tensor]:
-    """Return a layer's input ``(N, ...)`` and vectors ``(V, N, ...)`` with rows grouped per sample.
+    """Return a layer's input ``a`` and vectors ``g`` as ``(N, ...)``, ``(V, N, ...)``, per sample.
 
-    Several rows per sample (``(B, 2, d)`` pairs reshaped to ``(2 B, d)``) are taken
-    ``k`` consecutive rows per sample, as a reshape gives (the gradient check confirms);
+    ``a`` has ``N'`` rows, ``g`` is ``(V, N', ...)`` (``(V, N, ...)`` for a shared row), ``name``
+    is the layer's. Several rows per sample (``(B, 2, d)`` pairs reshaped to ``(2 B, d)``) are
+    taken ``k`` consecutive rows per sample, as a reshape gives (the gradient check confirms);
     one row shared by all samples (a lookup broadcast later) is expanded, each sample's
     vectors there being its own.
-
-    Args:
-        a: The layer's input ``(N', ...)``.
-        g: Its output vectors ``(V, N', ...)`` (``(V, N, ...)`` for a shared row).
-        n: Samples ``N`` (``N'`` a multiple of it, or 1).
-        name: The layer's name, for the message.
 
     Raises:
         NotImplementedError: If ``N'`` is neither a multiple of ``N`` nor 1.
@@ -97,7 +89,6 @@ class HooksEngine(EngineBase):
         self._probed = False
 
     def _check_model(self, model: nn.Module, eval_mode: bool) -> None:
-        checks.check_batchnorm_mode(model, eval_mode)
         trainable_layers(model)
 
     def _vector_entries(self, feature_sizes: List[int], one_block: bool) -> int:
@@ -145,21 +136,17 @@ class HooksEngine(EngineBase):
         order = [name for name in names if name in record]
         shifts = [record[name][1] for name in order]
         cols = columns(outputs.detach())
-        last = cols is None or len(cols) == 0
-        g_loss = [None] * len(shifts)
-        if gradient:
-            g_loss = torch.autograd.grad(loss, shifts, retain_graph=not last, allow_unused=True)
-        g_cols = [[] for _ in order]
-        for v in range(0 if cols is None else len(cols)):
-            pulled = torch.autograd.grad(outputs, shifts, grad_outputs=cols[v],
-                                         retain_graph=v < len(cols) - 1, allow_unused=True)
-            for k, g in enumerate(pulled):
-                g_cols[k].append(torch.zeros_like(shifts[k]) if g is None else g)
-        found = {}
-        for k, name in enumerate(order):
-            gl = g_loss[k] if g_loss[k] is not None or not gradient else \
-                torch.zeros_like(shifts[k])
-            found[name] = (record[name][0], gl, g_cols[k])
+        num_cols = 0 if cols is None else len(cols)
+
+        def pulled(out: Tensor, cotangent: Optional[Tensor], retain: bool) -> List[Tensor]:
+            grads = torch.autograd.grad(out, shifts, grad_outputs=cotangent,
+                                        retain_graph=retain, allow_unused=True)
+            return [torch.zeros_like(s) if g is None else g for s, g in zip(shifts, grads)]
+
+        g_loss = pulled(loss, None, num_cols > 0) if gradient else [None] * len(shifts)
+        g_cols = [pulled(outputs, cols[v], v < num_cols - 1) for v in range(num_cols)]
+        found = {name: (record[name][0], g_loss[k], [g[k] for g in g_cols])
+                 for k, name in enumerate(order)}
         return outputs.detach(), loss.detach(), found
 
     def _pass(self, inputs: Any, targets: Optional[Tensor], mc_samples: int,
@@ -171,14 +158,8 @@ class HooksEngine(EngineBase):
         mean = self.loss_func.reduction == "mean"
 
         def columns(outputs: Tensor) -> Tensor:
-            sub = outputs[curv]
-            noise = None
-            if mc_samples:
-                shape = (len(curv), mc_samples) + \
-                    ((outputs.shape[1],) if isinstance(self.loss_func, nn.MSELoss) else ())
-                draw = torch.randn if len(shape) == 3 else torch.rand
-                noise = draw(shape, dtype=outputs.dtype, device=outputs.device)
-            s = hessian_sqrt(self.loss_func, sub, mc_samples, noise)
+            noise = mc_noise(self.loss_func, len(curv), outputs.shape[1], mc_samples, outputs)
+            s = hessian_sqrt(self.loss_func, outputs[curv], mc_samples, noise)
             if mean:
                 s = s / len(curv) ** 0.5
             full = s.new_zeros(s.shape[0], n, outputs.shape[1])
@@ -197,8 +178,7 @@ class HooksEngine(EngineBase):
             a, g = per_sample(a_rows, torch.stack(g_cols), n, name)
             if gradient:
                 g_loss = per_sample(a_rows, g_loss[None], n, name)[1][0]
-            g = g[:, idx] if subsampling is not None else g
-            a_curv = a if subsampling is None else a[idx]
+            a_curv, g = (a, g) if subsampling is None else (a[idx], g[:, idx])
             for pname, param in module.named_parameters(recurse=False):
                 i = self._index.get(id(param))
                 if i is None or i not in collector.group_of:
@@ -218,13 +198,12 @@ class HooksEngine(EngineBase):
             return
         self._sync()
         n = batches.batch_size(inputs)
-        device = batches.batch_device(inputs)
         # two samples, distinct where the batch has them (else the one sample twice)
         j = distinct_sample(inputs, n)
         pair = [0, j if j is not None else min(1, n - 1)]
         first = batches.take(inputs, pair, n)
         y = None if targets is None else targets[pair]
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with forked_rng(batches.batch_device(inputs)):
             self._check_gradients(first, y)
         self._probed = True
 
@@ -246,7 +225,7 @@ class HooksEngine(EngineBase):
             both = torch.autograd.grad(loss, [*params.values(), *shifts], retain_graph=True,
                                        allow_unused=True)  # one backward pass for both
             exact, pulled = both[:len(params)], both[len(params):]
-            ours = self._rows(order, record, pulled, n, k)
+            ours = self._rows(order, record, pulled, n)
             for (i, p), e in zip(params.items(), exact):
                 e = torch.zeros_like(p).flatten() if e is None else e.flatten()
                 o = ours.get(i, torch.zeros(n, e.numel(), dtype=e.dtype, device=e.device))
@@ -288,8 +267,7 @@ class HooksEngine(EngineBase):
                 "depends on its shape.")
         return outputs, record
 
-    def _rows(self, order: List[str], record: dict, pulled: tuple, n: int, k: int
-              ) -> Dict[int, Tensor]:
+    def _rows(self, order: List[str], record: dict, pulled: tuple, n: int) -> Dict[int, Tensor]:
         """Per-sample gradient rows ``(n, d)`` of every parameter from pulled vectors."""
         ours = {}
         for name, g in zip(order, pulled):

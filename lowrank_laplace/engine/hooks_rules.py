@@ -20,21 +20,12 @@ from lowrank_laplace.factor.blocks import Block
 
 
 def positions(g: Tensor, width: int) -> Tensor:
-    """Return the vectors ``(V, N, *, out)`` at a layer's output as ``(V, N, T, width)``.
-
-    Args:
-        g: The vectors.
-        width: The features per position.
-    """
+    """Return the vectors ``g`` ``(V, N, *, out)`` at a layer's output as ``(V, N, T, width)``."""
     return g.reshape(g.shape[0], g.shape[1], -1, width)
 
 
 def bias_rows(gs: Tensor) -> Block:
-    """Return a bias's rows ``(V N, width)``: the vectors summed over the positions.
-
-    Args:
-        gs: The vectors ``(V, N, T, width)``.
-    """
+    """Return a bias's rows ``(V N, width)``: the vectors ``gs`` ``(V, N, T, width)`` summed."""
     num_vectors, n, _, width = gs.shape
     return DenseBlock(gs.sum(2).reshape(num_vectors * n, width))
 
@@ -63,11 +54,7 @@ class LayerRule:
     label = ""
 
     def matches(self, module: nn.Module) -> bool:
-        """Return whether the rule takes a module (rules in :data:`NAMED_RULES` only).
-
-        Args:
-            module: A module.
-        """
+        """Return whether the rule takes a module (rules in :data:`NAMED_RULES` only)."""
         return False
 
     def block(self, module: nn.Module, param: str, a: Tensor, g: Tensor) -> Block:
@@ -137,12 +124,7 @@ class NormRule(LayerRule):
     """A norm's affine parameters: ``y = w * x_hat + b`` with ``x_hat`` the normalised input."""
 
     def normalized(self, module: nn.Module, a: Tensor) -> Tensor:
-        """Return the layer's input normalised, before its affine parameters, ``(N, T, d)``.
-
-        Args:
-            module: The layer.
-            a: Its input ``(N, *, d)``.
-        """
+        """Return the input ``a`` ``(N, *, d)`` normalised, not yet scaled, as ``(N, T, d)``."""
         raise NotImplementedError
 
     def block(self, module: nn.Module, param: str, a: Tensor, g: Tensor) -> Block:
@@ -221,11 +203,7 @@ NAMED_RULES: Tuple[LayerRule, ...] = (Conv1DRule(), RMSNormRule())
 
 
 def rule_for(module: nn.Module) -> Optional[LayerRule]:
-    """Return the rule of a layer whose per-sample gradients the hooks backend knows, or ``None``.
-
-    Args:
-        module: A module.
-    """
+    """Return the rule of a layer whose per-sample gradients are known, else ``None``."""
     for cls in type(module).__mro__:
         if cls in RULES:
             return RULES[cls]

@@ -30,10 +30,8 @@ def private_copy(model: nn.Module) -> nn.Module:
 
     Also without BackPACK's ``extend`` hooks; global module hooks still apply. Tensors a
     pre-hook computed from parameters (a pruned ``weight``) are copied detached; options
-    of the backward pass take their neutral values (:data:`BACKWARD_OPTIONS`).
-
-    Args:
-        model: The user's network (unchanged).
+    of the backward pass take their neutral values (:data:`BACKWARD_OPTIONS`). The user's
+    ``model`` is unchanged.
     """
     memo = {id(value): value.detach().clone() for module in model.modules()
             for value in vars(module).values()
@@ -59,14 +57,7 @@ def private_copy(model: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def removing(handles: List[Any]) -> Iterator[None]:
-    """Remove hooks when the block exits, however it exits.
-
-    Args:
-        handles: The hooks' handles.
-
-    Yields:
-        Nothing.
-    """
+    """Remove the hooks of ``handles`` when the block exits, however it exits."""
     try:
         yield
     finally:
@@ -84,11 +75,8 @@ def function_hooks(net: nn.Module) -> Iterator[List[str]]:
     """Yield the names of modules whose forward hooks take part in the function, as they run.
 
     A hook that returns a value, changes its tensors in place or changes its module's
-    attributes (as pruning does) takes part; one that only looks does not. The hooks are
-    restored on exit.
-
-    Args:
-        net: The (private copy of the) network.
+    attributes (as pruning does) takes part; one that only looks does not. The hooks of
+    ``net`` (the private copy) are restored on exit.
     """
     found: List[str] = []
     saved = []

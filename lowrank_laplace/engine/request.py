@@ -1,8 +1,6 @@
 """What one pass collects: a :class:`Request`, and the :class:`Collector` that serves it.
 
-The collector feeds each block of ``V`` to the consumers asked for and frees what is
-not kept. Shapes: ``N`` batch size, ``M`` columns of ``V``, ``D_g`` parameters of a
-group, ``K`` vectors.
+Shapes: ``N`` batch size, ``M`` columns of ``V``, ``D_g`` parameters of a group, ``K`` vectors.
 """
 
 from __future__ import annotations
@@ -55,14 +53,7 @@ class Request:
             raise ValueError("cross_batch_grads needs batch_grad=True.")
 
     def check_groups(self, num_groups: int) -> None:
-        """Refuse per-group arguments of another length.
-
-        Args:
-            num_groups: The number of parameter groups.
-
-        Raises:
-            ValueError: For a per-group argument without one entry per group.
-        """
+        """Refuse (``ValueError``) a per-group argument without ``num_groups`` entries."""
         for name in ("project", "t_project", "project_into"):
             value = getattr(self, name)
             if value is not None and len(value) != num_groups:
@@ -71,12 +62,9 @@ class Request:
 
 
 class Collector:
-    """Hands each parameter's block of ``V`` to the consumers a request asks for.
+    """Hands each block of ``V`` to the consumers a request asks for; what is not kept is freed.
 
-    Args:
-        groups: Parameter indices per group.
-        request: What the pass collects.
-        sizes: Entries of every parameter.
+    ``groups`` holds the parameter indices per group, ``sizes`` the entries of every parameter.
     """
 
     def __init__(self, groups: List[List[int]], request: Request, sizes: List[int]):
@@ -108,13 +96,7 @@ class Collector:
         self.done: set = set()
 
     def add(self, i: int, block: Block, grads: Optional[Block] = None) -> None:
-        """Consume the block of parameter ``i`` (and its per-sample gradients).
-
-        Args:
-            i: Parameter index.
-            block: Its rows of ``V^T``, ``(M, d)``.
-            grads: Its per-sample gradients ``(N, d)`` (with ``batch_grad``).
-        """
+        """Consume parameter ``i``'s block ``(M, d)`` (and per-sample ``grads`` ``(N, d)``)."""
         g, request = self.group_of[i], self.request
         self.done.add(i)
         if request.compute_grams:

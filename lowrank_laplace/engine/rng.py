@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import ContextManager, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -64,23 +64,19 @@ class PrivateRNG:
         set_rng_state(self.saved, self.device)
 
 
-def rng_state(device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
-    """Return the global CPU generator's state and, for a CUDA device, that device's (or ``None``).
+def forked_rng(device: torch.device) -> ContextManager:
+    """``torch.random.fork_rng`` of the CPU generator and ``device``'s (draws inside are undone)."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
-    Args:
-        device: The device.
-    """
+
+def rng_state(device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
+    """Return the CPU generator's state and, for a CUDA device, that device's (or ``None``)."""
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return torch.get_rng_state(), cuda
 
 
 def set_rng_state(state: Tuple[Tensor, Optional[Tensor]], device: torch.device) -> None:
-    """Restore a state from :func:`rng_state` (the CUDA one on ``device``).
-
-    Args:
-        state: ``(cpu_state, cuda_state or None)``.
-        device: The device.
-    """
+    """Restore a state ``(cpu_state, cuda_state or None)`` from :func:`rng_state` on ``device``."""
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)

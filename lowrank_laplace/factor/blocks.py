@@ -45,68 +45,42 @@ class Block(Protocol):
                                                                      Weight]]:
         """Yield ``(B_s, B_s diag(w_s) U_s, w_s)`` for float64 parts ``B_s`` of the block.
 
-        Each part and its widened rows of ``U`` stay near ``WIDE_ENTRIES`` entries.
-
-        Args:
-            U: Shape ``(d, r)``.
-            weight: The parameter's weight (scalar or ``(d,)``).
+        ``U`` is ``(d, r)``, ``weight`` the parameter's (scalar or ``(d,)``). Each part and its
+        widened rows of ``U`` stay near ``WIDE_ENTRIES`` entries.
         """
 
     def wide_slices(self, width: int) -> Iterator[Tuple[int, int, "Block"]]:
         """Yield ``(lo, hi, sub)``: the block in float64 on entries ``lo:hi``, slice by slice.
 
         Factored blocks are sliced by output units; a slice and a ``(slice, width)`` float64
-        matrix stay near ``WIDE_ENTRIES`` entries.
-
-        Args:
-            width: Columns of the matrices the slices will be multiplied with.
+        matrix (``width``: the columns it will be multiplied with) stay near ``WIDE_ENTRIES``.
         """
 
     def to(self, dtype: torch.dtype) -> "Block":
         """The block in ``dtype`` (itself if it already is)."""
 
     def scale_(self, alpha: float) -> "Block":
-        """Scale the block in place and return it.
-
-        Args:
-            alpha: Scalar factor.
-        """
+        """Scale the block in place by a scalar ``alpha`` and return it."""
 
     def to_dense(self) -> Tensor:
         """``B``, ``(M, d)``."""
 
     def take_samples(self, start: int, stop: int, num_vectors: int) -> "Block":
-        """Return the rows ``(v, n)`` of samples ``start:stop`` (``num_vectors`` per sample).
-
-        Args:
-            start: First sample.
-            stop: One past the last sample.
-            num_vectors: Vectors per sample.
-        """
+        """Return the rows ``(v, n)`` of samples ``start:stop`` (``num_vectors`` per sample)."""
 
     def gram(self) -> Tensor:
         """``B B^T``, ``(M, M)``."""
 
     def cross(self, other: "Block") -> Tensor:
-        """Return ``B B'^T`` ``(M, M')`` with another block of the same parameter.
-
-        Args:
-            other: Block of ``M'`` rows.
-        """
+        """Return ``B B'^T`` ``(M, M')`` with another block (``M'`` rows) of the same parameter."""
 
     def weighted_gram(self, weight: Weight) -> Tensor:
-        """Return ``B diag(w) B^T``, ``(M, M)``.
-
-        Args:
-            weight: Scalar or ``(d,)``.
-        """
+        """Return ``B diag(w) B^T``, ``(M, M)``, for a ``weight`` scalar or ``(d,)``."""
 
     def sample_gram(self, num_vectors: int, weight: Weight = 1.0) -> Tensor:
         """Return the per-sample diagonal blocks ``(N, V, V)`` of ``B diag(w) B^T``.
 
-        Args:
-            num_vectors: Vectors per sample ``V`` (``M = V N``).
-            weight: Scalar or ``(d,)``.
+        ``num_vectors`` is ``V`` (``M = V N``), ``weight`` a scalar or ``(d,)``.
         """
 
     def row_sq_norms(self) -> Tensor:
@@ -116,11 +90,7 @@ class Block(Protocol):
         """``diag(B^T B)`` (the parameter's GGN diagonal), ``(d,)``."""
 
     def t_matmul(self, x: Tensor) -> Tensor:
-        """Return ``B x`` ``(M, K)`` (``V^T x`` on this parameter).
-
-        Args:
-            x: Shape ``(d, K)``.
-        """
+        """Return ``B x`` ``(M, K)`` (``V^T x`` on this parameter) for ``x`` ``(d, K)``."""
 
     def t_matmul_khatri_rao(self, p: Tensor, q: Tensor) -> Tensor:
         r"""Return ``B x`` ``(M, K)`` for ``x`` of Khatri-Rao columns ``x_k = p_k \otimes q_k``.
@@ -134,19 +104,10 @@ class Block(Protocol):
         """
 
     def matmul(self, y: Tensor) -> Tensor:
-        """Return ``B^T y`` ``(d, K)`` (``V y`` on this parameter).
-
-        Args:
-            y: Shape ``(M, K)``.
-        """
+        """Return ``B^T y`` ``(d, K)`` (``V y`` on this parameter) for ``y`` ``(M, K)``."""
 
     def matmul_add_(self, out: Tensor, y: Tensor) -> Tensor:
-        """Add ``B^T y`` into ``out`` in place and return ``out``.
-
-        Args:
-            out: Shape ``(d, K)``.
-            y: Shape ``(M, K)``.
-        """
+        """Add ``B^T y`` (``y`` ``(M, K)``) into ``out`` ``(d, K)`` in place and return ``out``."""
 
 
 def cat_blocks(blocks: List[Block], alphas: list, num_vectors: int) -> Block:

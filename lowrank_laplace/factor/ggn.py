@@ -109,10 +109,6 @@ class GGNFactor:
         """Return the factor of curvature samples ``start:stop``, blocks only (``loss`` zero).
 
         One pass can thus feed several merges.
-
-        Args:
-            start: First curvature sample.
-            stop: One past the last one.
         """
         blocks = {i: b.take_samples(start, stop, self.num_vectors)
                   for i, b in self.blocks.items()}

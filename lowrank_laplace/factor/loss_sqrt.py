@@ -50,13 +50,18 @@ def reduced_cross_entropy_sqrt(logits: Tensor, reduction: str) -> Tensor:
 
 
 def per_sample_scale(loss: nn.Module, num_outputs: int) -> float:
-    """Return ``c`` with ``l_n = c *`` the sum-reduced loss of sample ``n`` (``1/C`` for MSE mean).
-
-    Args:
-        loss: The loss module.
-        num_outputs: Model outputs ``C``.
-    """
+    """Return ``c``: ``l_n = c *`` the sum-reduced loss of sample ``n`` (``1/C`` for MSE mean)."""
     return 1 / num_outputs if isinstance(loss, nn.MSELoss) and loss.reduction == "mean" else 1.0
+
+
+def mc_noise(loss: nn.Module, num: int, classes: int, mc_samples: int,
+             like: Tensor) -> Optional[Tensor]:
+    """Return :func:`hessian_sqrt`'s ``noise`` (``None`` if exact) in ``like``'s dtype, device."""
+    if not mc_samples:
+        return None
+    if isinstance(loss, nn.MSELoss):
+        return torch.randn(num, mc_samples, classes, dtype=like.dtype, device=like.device)
+    return torch.rand(num, mc_samples, dtype=like.dtype, device=like.device)
 
 
 def hessian_sqrt(loss: nn.Module, out: Tensor, mc_samples: int,

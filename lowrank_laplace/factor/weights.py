@@ -21,12 +21,7 @@ WIDE_ENTRIES = 2**22
 
 
 def weight_slice(w: Weight, params: slice) -> Weight:
-    """Return the weights of the entries ``params`` in float64 (a scalar whole).
-
-    Args:
-        w: A scalar or per-entry weight.
-        params: The entries.
-    """
+    """Return the weights ``w`` of the entries ``params`` in float64 (a scalar whole)."""
     if not isinstance(w, Tensor):
         return w
     return (w[params] if w.numel() > 1 else w).to(SMALL_DTYPE)
@@ -35,11 +30,7 @@ def weight_slice(w: Weight, params: slice) -> Weight:
 def weighted_product(block: Any, U: Tensor, w: Weight, params: slice) -> Tensor:
     """Return ``B diag(w) U_s`` ``(M, r)`` in float64 for a float64 block over the rows ``params``.
 
-    Args:
-        block: A float64 block over the entries ``params``.
-        U: Shape ``(d, r)``, all of the parameter's entries.
-        w: The parameter's weight.
-        params: The entries of the block.
+    ``U`` ``(d, r)`` and ``w`` cover all of the parameter's entries.
     """
     w_s = weight_slice(w, params)
     U_s = U[params].to(SMALL_DTYPE)

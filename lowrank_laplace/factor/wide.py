@@ -26,11 +26,7 @@ def widen(block: Union[DenseBlock, KronBlock]) -> Union[DenseBlock, KronBlock]:
 
 
 def wide_gram(block: Union[DenseBlock, KronBlock]) -> Tensor:
-    """Return ``B B^T`` ``(M, M)`` in float64, exactly symmetric.
-
-    Args:
-        block: A block.
-    """
+    """Return ``B B^T`` ``(M, M)`` of a block in float64, exactly symmetric."""
     if isinstance(block, KronBlock):
         gram = block.to(WIDE).gram()
         return (gram + gram.T) / 2
@@ -39,19 +35,14 @@ def wide_gram(block: Union[DenseBlock, KronBlock]) -> Tensor:
         return block.gram()
     gram = 0
     step = max(1, weights.WIDE_ENTRIES // max(rows.shape[0], 1))
-    for lo, hi in _ranges(rows.shape[1], step):
-        part = rows[:, lo:hi].to(WIDE)
+    for lo in range(0, rows.shape[1], step):
+        part = rows[:, lo:lo + step].to(WIDE)
         gram = gram + part @ part.T
     return (gram + gram.T) / 2
 
 
 def wide_t_matmul(block: Union[DenseBlock, KronBlock], x: Tensor) -> Tensor:
-    """Return ``B x`` ``(M, K)`` in float64.
-
-    Args:
-        block: A block.
-        x: Shape ``(d, K)``, any floating dtype.
-    """
+    """Return ``B x`` ``(M, K)`` in float64 for ``x`` ``(d, K)`` of any floating dtype."""
     if isinstance(block, KronBlock) or block.rows.dtype != WIDE:
         return sum(sub.t_matmul(x[lo:hi].to(WIDE))
                    for lo, hi, sub in wide_slices(block, x.shape[1]))
@@ -60,16 +51,5 @@ def wide_t_matmul(block: Union[DenseBlock, KronBlock], x: Tensor) -> Tensor:
 
 def wide_slices(block: Union[DenseBlock, KronBlock], width: int
                 ) -> Iterator[Tuple[int, int, Union[DenseBlock, KronBlock]]]:
-    """Return ``block.wide_slices(width)``.
-
-    Args:
-        block: A block.
-        width: Columns of the matrices the slices will be multiplied with.
-    """
+    """Return ``block.wide_slices(width)`` (see ``Block.wide_slices``)."""
     return block.wide_slices(width)
-
-
-def _ranges(total: int, step: int) -> Iterator[Tuple[int, int]]:
-    """Consecutive ``(lo, hi)`` ranges of ``step`` covering ``range(total)``."""
-    for lo in range(0, total, step):
-        yield lo, min(lo + step, total)

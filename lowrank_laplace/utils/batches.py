@@ -12,11 +12,7 @@ from torch import Tensor
 
 
 def batch_size(inputs: Any) -> int:
-    """Return the number of samples ``N`` of a tensor or dict batch (its first batched tensor).
-
-    Args:
-        inputs: A tensor or dict batch.
-    """
+    """Return the number of samples ``N`` of a tensor or dict batch (its first batched tensor)."""
     if isinstance(inputs, Tensor):
         return inputs.shape[0] if inputs.ndim else 0
     sizes = [v.shape[0] for v in inputs.values() if isinstance(v, Tensor) and v.ndim]
@@ -24,12 +20,9 @@ def batch_size(inputs: Any) -> int:
 
 
 def take(inputs: Any, index: Any, n: Optional[int] = None) -> Any:
-    """Return the samples ``index`` of a tensor or dict batch, of the type of ``inputs``.
+    """Return the samples ``index`` (a slice or indices) of a tensor or dict batch, of its type.
 
-    Args:
-        inputs: A tensor or dict batch.
-        index: A slice or indices along the batch axis.
-        n: The batch size (dict entries of another leading size stay whole); ``None``: found.
+    ``n`` is the batch size (``None``: found); dict entries of another leading size stay whole.
     """
     if isinstance(inputs, Tensor):
         return inputs[index]
@@ -48,12 +41,8 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 def available_memory(device: torch.device) -> int:
     """Bytes that can still be allocated on a device.
 
-    Args:
-        device: The device.
-
-    Returns:
-        CUDA: the driver's free memory; CPU: ``MemAvailable`` of ``/proc/meminfo``,
-        else the free physical pages.
+    CUDA: the driver's free memory; CPU: ``MemAvailable`` of ``/proc/meminfo``, else the free
+    physical pages.
     """
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -103,12 +92,7 @@ def parse_memory(budget: Any) -> Any:
 
 
 def to_device(inputs: Any, device: torch.device) -> Any:
-    """Return a tensor or dict batch with its tensors moved to ``device``.
-
-    Args:
-        inputs: A tensor or dict batch.
-        device: The target device.
-    """
+    """Return a tensor or dict batch with its tensors moved to ``device``."""
     if isinstance(inputs, Tensor):
         return inputs.to(device)
     out = copy.copy(inputs)

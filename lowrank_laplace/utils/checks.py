@@ -17,11 +17,7 @@ _BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 def check_batchnorm_mode(model: nn.Module, allow_train: bool) -> None:
-    """Refuse BatchNorm in training mode unless the passes run in eval mode.
-
-    Args:
-        model: The network.
-        allow_train: The passes run in eval mode (laplace-torch's fits).
+    """Refuse BatchNorm in training mode unless ``allow_train`` (the passes run in eval mode).
 
     Raises:
         ValueError: For a BatchNorm layer in training mode.
@@ -37,11 +33,7 @@ def check_batchnorm_mode(model: nn.Module, allow_train: bool) -> None:
 
 
 def shared_parameters(model: nn.Module) -> List[List[str]]:
-    """Return the names of each parameter used by several modules, one list per parameter.
-
-    Args:
-        model: The network.
-    """
+    """Return the names of each parameter used by several modules, one list per parameter."""
     owners: Dict[int, List[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         for pname, p in module.named_parameters(recurse=False):
@@ -51,9 +43,6 @@ def shared_parameters(model: nn.Module) -> List[List[str]]:
 
 def check_model_runs(model: nn.Module) -> None:
     """Refuse models the engine cannot run.
-
-    Args:
-        model: The network.
 
     Raises:
         TypeError: For a TorchScript module in the model.
@@ -77,9 +66,6 @@ def check_model_runs(model: nn.Module) -> None:
 
 def check_loss_func(loss_func: nn.Module) -> None:
     """Check that the loss is supported and uses mean or sum reduction.
-
-    Args:
-        loss_func: The loss module.
 
     Raises:
         TypeError: If the loss is not ``CrossEntropyLoss`` or ``MSELoss``.
@@ -132,8 +118,7 @@ def check_batch(inputs: Any, targets: Optional[Tensor]) -> int:
     n = batch_size(inputs) if targets is None else (targets.shape[0] if targets.ndim else 0)
     if n == 0:
         raise ValueError("Empty batch: the batch must hold at least one sample.")
-    if isinstance(inputs, Tensor) and (targets is not None and (
-            targets.ndim == 0 or targets.shape[0] != inputs.shape[0])):
+    if isinstance(inputs, Tensor) and targets is not None and targets.shape[0] != inputs.shape[0]:
         raise ValueError(
             f"inputs have {inputs.shape[0]} samples but targets have shape "
             f"{tuple(targets.shape)}: the first dimensions must match.")
@@ -144,9 +129,6 @@ def check_batch(inputs: Any, targets: Optional[Tensor]) -> int:
 
 def check_padding(batch: MutableMapping) -> None:
     """Refuse sequences that are padding only: a transformer's output on them is undefined.
-
-    Args:
-        batch: A dict batch.
 
     Raises:
         ValueError: Naming the samples whose ``attention_mask`` is all zero.
@@ -162,14 +144,7 @@ def check_padding(batch: MutableMapping) -> None:
 
 
 def check_outputs(outputs: Any) -> None:
-    """Check that the model returned a ``(N, C)`` tensor.
-
-    Args:
-        outputs: The model output.
-
-    Raises:
-        ValueError: Otherwise.
-    """
+    """Check that the model returned a ``(N, C)`` tensor (else raise ``ValueError``)."""
     if not isinstance(outputs, Tensor) or outputs.ndim != 2:
         shape = tuple(outputs.shape) if isinstance(outputs, Tensor) else type(outputs).__name__
         hint = ""
@@ -182,20 +157,11 @@ def check_outputs(outputs: Any) -> None:
 
 
 def check_targets(loss_func: nn.Module, outputs: Tensor, targets: Tensor) -> None:
-    """Check that targets match the loss and the model outputs.
-
-    Args:
-        loss_func: The loss module.
-        outputs: Model outputs ``(N, C)``.
-        targets: Targets.
+    """Check that targets match the loss and the model outputs ``(N, C)`` (checked before).
 
     Raises:
         ValueError: If shapes, dtypes or class indices do not fit.
     """
-    if outputs.ndim != 2:
-        raise ValueError(
-            f"The model output must have shape (N, C), got {tuple(outputs.shape)}; "
-            "add an nn.Flatten layer.")
     if isinstance(loss_func, nn.CrossEntropyLoss):
         if targets.dtype != torch.long or targets.shape != outputs.shape[:1]:
             raise ValueError(
@@ -220,11 +186,7 @@ def check_targets(loss_func: nn.Module, outputs: Tensor, targets: Tensor) -> Non
 
 
 def check_subsampling(subsampling: Optional[Sequence[int]], n: int) -> Optional[List[int]]:
-    """Return curvature sub-sampling indices as a list (``None``: all samples).
-
-    Args:
-        subsampling: Indices into the batch, or ``None``.
-        n: Batch size.
+    """Return curvature sub-sampling indices into a batch of ``n`` as a list (``None``: all).
 
     Raises:
         ValueError: For an empty list, indices out of range or duplicates.
@@ -248,10 +210,7 @@ def check_subsampling(subsampling: Optional[Sequence[int]], n: int) -> Optional[
 
 
 def check_mc_samples(mc_samples: int) -> int:
-    """Return the number of Monte-Carlo samples as ``int``, checked.
-
-    Args:
-        mc_samples: ``0`` (exact GGN) or ``M >= 1``.
+    """Return the number of Monte-Carlo samples, ``0`` (exact GGN) or ``M >= 1``, as ``int``.
 
     Raises:
         ValueError: If negative or not an integer.
@@ -275,17 +234,17 @@ def resolve_param_groups(
         ValueError: For empty groups, foreign parameters, or a parameter in several.
     """
     params = list(model.parameters())
-    position = {id(p): i for i, p in enumerate(params)}
-    if param_groups is not None and not isinstance(param_groups, (list, tuple)):
-        raise ValueError("param_groups must be a list of dicts with key 'params'.")
-    if param_groups is not None and len(param_groups) == 0:
-        raise ValueError(
-            "param_groups is empty: pass None for one group of all trainable parameters.")
     if param_groups is None:
         group = [i for i, p in enumerate(params) if p.requires_grad]
         if not group:
             raise ValueError("The model has no parameters with requires_grad=True.")
         return [group]
+    if not isinstance(param_groups, (list, tuple)):
+        raise ValueError("param_groups must be a list of dicts with key 'params'.")
+    if not param_groups:
+        raise ValueError(
+            "param_groups is empty: pass None for one group of all trainable parameters.")
+    position = {id(p): i for i, p in enumerate(params)}
     groups, seen = [], set()
     for g, group in enumerate(param_groups):
         if not isinstance(group, dict) or "params" not in group:
@@ -294,15 +253,13 @@ def resolve_param_groups(
         members = list(group["params"])
         if not members:
             raise ValueError(f"param_groups[{g}] has no parameters.")
-        indices = []
         for p in members:
             if id(p) not in position:
                 raise ValueError(f"param_groups[{g}] holds a parameter not in the model.")
             if id(p) in seen:
                 raise ValueError(f"A parameter appears in more than one group ({g}).")
             seen.add(id(p))
-            indices.append(position[id(p)])
-        groups.append(indices)
+        groups.append([position[id(p)] for p in members])
     return groups
 
 
@@ -321,14 +278,7 @@ def layerwise_param_groups(model: nn.Module) -> List[Dict[str, Any]]:
 
 
 def check_finite(loss: Tensor) -> None:
-    """Refuse a NaN or infinite loss.
-
-    Args:
-        loss: The loss.
-
-    Raises:
-        ValueError: If the loss is not finite.
-    """
+    """Refuse a NaN or infinite loss (``ValueError``)."""
     if not torch.isfinite(loss).all():
         raise ValueError(
             f"The loss is not finite ({loss.item()}): check inputs, targets and "
@@ -336,15 +286,7 @@ def check_finite(loss: Tensor) -> None:
 
 
 def check_damping(damping: Any, positive: bool = False) -> None:
-    """Refuse a damping that is not a finite non-negative number.
-
-    Args:
-        damping: The value given.
-        positive: Also refuse zero.
-
-    Raises:
-        ValueError: Otherwise.
-    """
+    """Refuse (``ValueError``) a damping that is not finite and non-negative (``positive``: > 0)."""
     try:
         value = math.nan if isinstance(damping, (str, bytes)) else float(damping)
     except (TypeError, ValueError, RuntimeError):
@@ -366,15 +308,7 @@ class Choice(str, Enum):
 
     @classmethod
     def parse(cls, value: Any, name: str) -> "Choice":
-        """Return the member for ``value`` (a member or its string).
-
-        Args:
-            value: The value given.
-            name: The argument's name, for the message.
-
-        Raises:
-            ValueError: For any other value.
-        """
+        """Return the member for ``value`` (a member or its string); ``name``: the argument's."""
         try:
             return cls(value)
         except ValueError:

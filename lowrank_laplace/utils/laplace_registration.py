@@ -43,13 +43,7 @@ class LaplaceFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None,
                   target: Optional[ModuleType] = None
                   ) -> Optional[importlib.machinery.ModuleSpec]:
-        """Return ``laplace``'s own spec, its module's execution followed by ours; else ``None``.
-
-        Args:
-            fullname: The dotted module path being imported.
-            path: Passed on to the other finders.
-            target: Passed on to the other finders.
-        """
+        """Return ``laplace``'s own spec, its module's execution followed by ours; else ``None``."""
         if fullname != "laplace":
             return None
         for finder in [f for f in sys.meta_path if f is not self]:
@@ -70,16 +64,11 @@ class LaplaceFinder(importlib.abc.MetaPathFinder):
             finally:
                 with contextlib.suppress(AttributeError):
                     del loader.exec_module  # the loader's own method again
-            _uninstall_laplace_finder()
+            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, LaplaceFinder)]
             import_laplace_classes()  # laplace is complete (and in sys.modules) by now
 
         loader.exec_module = exec_then_register
         return spec
-
-
-def _uninstall_laplace_finder() -> None:
-    """Remove every :class:`LaplaceFinder` from ``sys.meta_path``."""
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, LaplaceFinder)]
 
 
 def register_with_laplace() -> None:

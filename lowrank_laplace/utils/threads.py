@@ -24,11 +24,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 def cpu_threads(num: Optional[int]) -> Iterator[None]:
     """Run a block with ``num`` PyTorch CPU threads, restoring the setting afterwards.
 
-    Args:
-        num: Threads; ``None`` or more than the current setting changes nothing.
-
-    Yields:
-        Nothing.
+    ``None`` or more than the current setting changes nothing.
     """
     threads = torch.get_num_threads()
     if num is None or num >= threads:

@@ -28,6 +28,7 @@ from lowrank_laplace.engine.backpack.extensions import (
 from lowrank_laplace.engine.base import EngineBase
 from lowrank_laplace.engine.model_copy import function_hooks, removing
 from lowrank_laplace.engine.request import Collector
+from lowrank_laplace.engine.rng import forked_rng
 from lowrank_laplace.factor import factor_columns
 from lowrank_laplace.factor.blocks import Block, DenseBlock
 from lowrank_laplace.utils import checks
@@ -40,11 +41,7 @@ _BACKPACK_LOCK = threading.RLock()
 
 
 def serialized(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Return the method, run holding the lock on BackPACK's globals.
-
-    Args:
-        method: A method of :class:`BackpackEngine`.
-    """
+    """Return a method of :class:`BackpackEngine`, run holding the lock on BackPACK's globals."""
     @functools.wraps(method)
     def locked(*args, **kwargs):
         with _BACKPACK_LOCK:
@@ -56,9 +53,7 @@ def serialized(method: Callable[..., Any]) -> Callable[..., Any]:
 def check_model(model: nn.Module, supported: Sequence[type]) -> None:
     """Check that BackPACK can backpropagate the GGN factor through every layer.
 
-    Args:
-        model: The network.
-        supported: Module classes with a ``SqrtGGN`` extension.
+    ``supported`` are the module classes with a ``SqrtGGN`` extension.
 
     Raises:
         NotImplementedError: Naming the first unsupported layer or tied parameter.
@@ -71,30 +66,24 @@ def check_model(model: nn.Module, supported: Sequence[type]) -> None:
             "backend handles tied weights exactly (backend='auto' or 'functorch').")
     for name, module in model.named_modules():
         name = name or type(model).__name__
-        children = list(module.children())
-        if children:
-            own_params = list(module.parameters(recurse=False))
-            if own_params and not isinstance(module, tuple(supported)):
+        if isinstance(module, tuple(supported)):
+            continue
+        if list(module.children()):  # a container: traced through, unless it owns parameters
+            if list(module.parameters(recurse=False)):
                 raise NotImplementedError(
                     f"Module {name!r} ({type(module).__name__}) owns parameters but "
                     "is not a layer BackPACK supports: use backend='functorch' (or "
                     "'auto').")
-            continue
-        if isinstance(module, tuple(supported)) or is_no_op(module):
-            continue
-        raise NotImplementedError(
-            f"Layer {name!r} ({type(module).__name__}) is not supported by BackPACK's "
-            "GGN factor extension: use backend='functorch' (or 'auto'), replace it "
-            "with a supported layer, or compute the curvature of the layers after it "
-            "only (e.g. laplace-torch's subset_of_weights='last_layer').")
+        elif not is_no_op(module):
+            raise NotImplementedError(
+                f"Layer {name!r} ({type(module).__name__}) is not supported by BackPACK's "
+                "GGN factor extension: use backend='functorch' (or 'auto'), replace it "
+                "with a supported layer, or compute the curvature of the layers after it "
+                "only (e.g. laplace-torch's subset_of_weights='last_layer').")
 
 
 def checked_forward(model: nn.Module, inputs: Tensor) -> Tensor:
     """Return the output of a forward pass that verifies every operation is a module BackPACK sees.
-
-    Args:
-        model: The (private copy of the) network.
-        inputs: Inputs.
 
     Raises:
         NotImplementedError: For a functional operation between modules, a module
@@ -122,13 +111,11 @@ def checked_forward(model: nn.Module, inputs: Tensor) -> Tensor:
                     f"{names[module]!r} ({type(module).__name__}) maps input size "
                     f"{tuple(spatial)} to {tuple(out.shape[2:])}, which does not divide "
                     "it (BackPACK needs equal pooling windows)")
-        outs = out if isinstance(out, tuple) else (out,)
-        for t in outs:
+        for t in out if isinstance(out, tuple) else (out,):
             produced.add(id(t))
             keep_alive.append(t)
 
-    leaves = [m for m in model.modules() if not list(m.children())]
-    handles = [m.register_forward_hook(hook) for m in leaves]
+    handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
     with removing(handles):
         outputs = model(inputs)
     if id(outputs) not in produced and not problems:
@@ -147,11 +134,8 @@ def probe_graph(net: nn.Module, sample: Tensor) -> Tuple[Optional[str], List[Ten
 
     A module running with gradient tracking off (reentrant checkpointing, ``no_grad``)
     gives it nothing; one running again in the backward pass overwrites what it read; a
-    trainable parameter the output does not depend on gets no block.
-
-    Args:
-        net: The extended network.
-        sample: One input sample ``(1, ...)``.
+    trainable parameter the output does not depend on gets no block. ``net`` is extended,
+    ``sample`` one input ``(1, ...)``.
 
     Raises:
         RuntimeError: What the passes raise otherwise (e.g. in-place operations on views).
@@ -202,7 +186,6 @@ class BackpackEngine(EngineBase):
         self._unused: set = set()  # trainable parameters the output ignores: zero blocks
 
     def _check_model(self, model: nn.Module, eval_mode: bool) -> None:
-        checks.check_batchnorm_mode(model, eval_mode)
         check_model(model, supported_modules())
 
     @serialized
@@ -219,9 +202,8 @@ class BackpackEngine(EngineBase):
                 "BackPACK takes tensor inputs, not dict batches: the functorch backend "
                 "does (backend='auto' or 'functorch').")
         self._sync()
-        devices = [inputs.device] if inputs.device.type == "cuda" else []
         problem = None
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        with torch.no_grad(), forked_rng(inputs.device):
             with function_hooks(self._copy) as found:
                 try:
                     checked_forward(self._copy, inputs[:1])
@@ -245,7 +227,7 @@ class BackpackEngine(EngineBase):
                 extend(module)
         extend(self._loss)
         self._handles = CTX.hook_handles[num_handles:]
-        with torch.enable_grad(), torch.random.fork_rng(devices=devices):
+        with torch.enable_grad(), forked_rng(inputs.device):
             try:  # BackPACK's module hooks return views that in-place operations break
                 problem, unused = probe_graph(self._net, inputs[:1])
             except RuntimeError as err:
@@ -282,15 +264,8 @@ class BackpackEngine(EngineBase):
             ) from problem
         return net
 
-    def dense_param_count(self, largest: bool = False) -> int:
-        """See :meth:`EngineBase.dense_param_count`; linear weights count ``out + in``."""
-        sizes = [0]
-        for module in self.model.modules():
-            for name, p in module.named_parameters(recurse=False):
-                if p.requires_grad:
-                    factored = isinstance(module, nn.Linear) and name == "weight"
-                    sizes.append(sum(p.shape) if factored else p.numel())
-        return max(sizes) if largest else sum(sizes)
+    def _factored_ids(self) -> set:
+        return {id(m.weight) for m in self.model.modules() if isinstance(m, nn.Linear)}
 
     def _vector_entries(self, feature_sizes: List[int], one_block: bool) -> int:
         # expanded blocks plus the backpropagated vectors at the widest layer output

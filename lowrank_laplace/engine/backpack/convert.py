@@ -21,14 +21,11 @@ _ACTIVATIONS: Dict[object, Callable[[], nn.Module]] = {
     torch.tanh: nn.Tanh, F.tanh: nn.Tanh, "tanh": nn.Tanh,
     torch.sigmoid: nn.Sigmoid, F.sigmoid: nn.Sigmoid, "sigmoid": nn.Sigmoid,
 }
-_POOLS = {F.max_pool2d: nn.MaxPool2d, F.avg_pool2d: nn.AvgPool2d,
-          F.max_pool1d: nn.MaxPool1d, F.avg_pool1d: nn.AvgPool1d}
-_POOL_ARGS = {
-    nn.MaxPool2d: ("kernel_size", "stride", "padding", "dilation", "ceil_mode"),
-    nn.MaxPool1d: ("kernel_size", "stride", "padding", "dilation", "ceil_mode"),
-    nn.AvgPool2d: ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad"),
-    nn.AvgPool1d: ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad"),
-}
+_MAX_ARGS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
+_AVG_ARGS = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad")
+#: Functional pool -> its module and the module's positional arguments after the input.
+_POOLS = {F.max_pool2d: (nn.MaxPool2d, _MAX_ARGS), F.avg_pool2d: (nn.AvgPool2d, _AVG_ARGS),
+          F.max_pool1d: (nn.MaxPool1d, _MAX_ARGS), F.avg_pool1d: (nn.AvgPool1d, _AVG_ARGS)}
 
 
 def _module_for(node: Node):
@@ -41,8 +38,7 @@ def _module_for(node: Node):
     if node.target in _ACTIVATIONS and len(node.args) == 1 and not extra:
         return _ACTIVATIONS[node.target](), node.args[0]
     if node.op == "call_function" and node.target in _POOLS:
-        cls = _POOLS[node.target]
-        names = _POOL_ARGS[cls]
+        cls, names = _POOLS[node.target]
         if len(node.args) - 1 > len(names) or any(k not in names for k in extra):
             return None
         kwargs = dict(zip(names, node.args[1:]))
@@ -80,9 +76,5 @@ def _functional_to_modules(model: nn.Module) -> GraphModule:
 
 
 def convert(model: nn.Module) -> GraphModule:
-    """Return a network of BackPACK modules computing ``model``'s function, sharing its parameters.
-
-    Args:
-        model: The (private copy of the) network.
-    """
+    """Return a network of BackPACK modules computing ``model``'s function, with its parameters."""
     return convert_module_to_backpack(_functional_to_modules(model), debug=False)

@@ -71,14 +71,8 @@ def unfold_input(x: Tensor, kernel: Tuple[int, int], dilation: Tuple[int, int],
                  padding: Tuple[int, int], stride: Tuple[int, int]) -> Tensor:
     """Return the patches ``(N, C kh kw, H' W')`` of a 2d convolution's input (as ``F.unfold``).
 
-    Built from strided views and one copy.
-
-    Args:
-        x: Input ``(N, C, H, W)``.
-        kernel: Kernel size ``(kh, kw)``.
-        dilation: Dilation ``(dh, dw)``.
-        padding: Zero padding ``(ph, pw)``.
-        stride: Stride ``(sh, sw)``.
+    From strided views of ``x`` ``(N, C, H, W)`` and one copy; the rest are ``(h, w)`` pairs
+    (``padding`` with zeros).
     """
     x = pad(x, (padding[1], padding[1], padding[0], padding[0]))
     for d in range(2):
@@ -90,28 +84,19 @@ def unfold_input(x: Tensor, kernel: Tuple[int, int], dilation: Tuple[int, int],
     return x.permute(0, 1, 4, 5, 2, 3).reshape(n, c * kh * kw, h * w)
 
 
-def _block_or_mjp(ext_module, block, ext, module, g_inp, g_out, backproped):
-    """The weight's block where the tuned path applies, else BackPACK's own product."""
-    if block is not None:
-        return block
-    return ext_module.derivatives.param_mjp(
-        "weight", module, g_inp, g_out, backproped, sum_batch=False,
-        subsampling=ext.get_subsampling())
+def _sqrt_ggn(base, weight_fn):
+    """``base`` with the weight's block from ``weight_fn`` where it applies, else BackPACK's."""
 
-
-class _SqrtGGNLinear(SqrtGGNLinear):
-    def weight(self, ext, module, g_inp, g_out, backproped):  # noqa: D102
-        block = _linear_weight(module, backproped, ext.get_subsampling())
-        return _block_or_mjp(self, block, ext, module, g_inp, g_out, backproped)
-
-
-def _sqrt_ggn_conv(base):
-    class _SqrtGGNConv(base):
+    class _SqrtGGN(base):
         def weight(self, ext, module, g_inp, g_out, backproped):  # noqa: D102
-            block = _conv_weight(module, backproped, ext.get_subsampling())
-            return _block_or_mjp(self, block, ext, module, g_inp, g_out, backproped)
+            block = weight_fn(module, backproped, ext.get_subsampling())
+            if block is not None:
+                return block
+            return self.derivatives.param_mjp(
+                "weight", module, g_inp, g_out, backproped, sum_batch=False,
+                subsampling=ext.get_subsampling())
 
-    return _SqrtGGNConv
+    return _SqrtGGN
 
 
 def _batch_grad(base, weight_fn):
@@ -163,13 +148,8 @@ def _exclusive(ext, mat: Tensor) -> bool:
 
 
 _IN_PLACE_SQRT_GGN = {
-    nn.ReLU: _in_place_elementwise(activations.SqrtGGNReLU),
-    nn.Tanh: _in_place_elementwise(activations.SqrtGGNTanh),
-    nn.Sigmoid: _in_place_elementwise(activations.SqrtGGNSigmoid),
-    nn.ELU: _in_place_elementwise(activations.SqrtGGNELU),
-    nn.SELU: _in_place_elementwise(activations.SqrtGGNSELU),
-    nn.LeakyReLU: _in_place_elementwise(activations.SqrtGGNLeakyReLU),
-    nn.LogSigmoid: _in_place_elementwise(activations.SqrtGGNLogSigmoid),
+    layer: _in_place_elementwise(getattr(activations, f"SqrtGGN{layer.__name__}"))
+    for layer in (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.ELU, nn.SELU, nn.LeakyReLU, nn.LogSigmoid)
 }
 
 _EXTRA_SQRT_GGN = {
@@ -192,10 +172,10 @@ def sqrt_ggn_extension(mc_samples: int, subsampling: Optional[List[int]]) -> Bac
         ext = SqrtGGNMC(mc_samples=mc_samples, subsampling=subsampling)
     else:
         ext = SqrtGGNExact(subsampling=subsampling)
-    ext.set_module_extension(nn.Linear, _SqrtGGNLinear(), overwrite=True)
+    ext.set_module_extension(nn.Linear, _sqrt_ggn(SqrtGGNLinear, _linear_weight)(), overwrite=True)
     ext.set_module_extension(nn.CrossEntropyLoss, _SqrtGGNCrossEntropy(), overwrite=True)
-    ext.set_module_extension(nn.Conv1d, _sqrt_ggn_conv(SqrtGGNConv1d)(), overwrite=True)
-    ext.set_module_extension(nn.Conv2d, _sqrt_ggn_conv(SqrtGGNConv2d)(), overwrite=True)
+    ext.set_module_extension(nn.Conv1d, _sqrt_ggn(SqrtGGNConv1d, _conv_weight)(), overwrite=True)
+    ext.set_module_extension(nn.Conv2d, _sqrt_ggn(SqrtGGNConv2d, _conv_weight)(), overwrite=True)
     for layer, derivatives in _EXTRA_SQRT_GGN.items():
         ext.set_module_extension(layer, SqrtGGNBaseModule(derivatives()), overwrite=True)
     for layer, extension in _IN_PLACE_SQRT_GGN.items():
