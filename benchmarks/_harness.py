@@ -85,17 +85,9 @@ ARGUMENTS: dict[str, dict[str, Any]] = {
 
 
 def script_parser(doc: str, *names: str, **defaults: Any) -> argparse.ArgumentParser:
-    """The argument parser of a script that is its own worker (see :func:`script_main`).
-
-    Args:
-        doc: The script's docstring; its first paragraph describes the script.
-        *names: The shared options it takes (keys of :data:`ARGUMENTS`).
-        **defaults: Its own defaults of those options.
-
-    Returns:
-        A parser whose help shows the defaults, with the hidden ``--worker`` and
-        ``--config``.
-    """
+    """The argument parser of a script that is its own worker (:func:`script_main`),
+    described by its docstring's first paragraph, with the hidden ``--worker`` and
+    ``--config``, the shared options ``names`` (of :data:`ARGUMENTS`) and its ``defaults``."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -340,21 +332,14 @@ def median_record(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class Plan:
-    """The configurations of one output file, run by :meth:`run` and written by :meth:`write`.
+    """The configurations of one output file (``path``), run by :meth:`run` and written by
+    :meth:`write`.
 
-    Args:
-        module: The script whose workers run the configurations.
-        configs: The configurations in run order; ``repeat`` (else ``--repeat``): runs
-            of one, ``skip``: why it runs none.
-        key: The configuration fields that name it (``'a/b/c'``, for ``--rerun``).
-        path: The JSON file.
-        settings: The run's settings; ``None`` entries are filled from the workers'
-            setup records (e.g. ``D``).
-        info: ``machine_info`` of the run.
-
-    Attributes:
-        run_one: One run of a configuration (default: :func:`run_worker`).
-        label: Printed before a configuration's name in the progress lines.
+    A configuration's ``repeat`` (else ``--repeat``) is its number of runs, ``skip`` why it
+    runs none; ``key`` names the fields that name it (``'a/b/c'``, for ``--rerun``);
+    ``None`` entries of ``settings`` are filled from the workers' setup records (e.g.
+    ``D``). ``run_one`` runs a configuration once (:func:`run_worker`); ``label`` starts
+    its progress lines.
     """
 
     def __init__(self, module: str, configs: list[dict], key: Sequence[str], path: Path,

@@ -1,20 +1,13 @@
 """Benchmark top-k eigenpairs of the mini-batch GGN (ViViT paper's run-time figure).
 
-Time and peak memory of the top-``k`` eigenpairs of the mini-batch GGN of a
-``CrossEntropyLoss`` (mean): ``lowrank_laplace.ggn_eigh`` in the paper's four variants
-and a two-pass one, PyHessian-style power iteration and SciPy's ``eigsh`` on curvlinops'
-GGN operator (``_eigh_methods.py``), every configuration in fresh workers
-(``_harness.py``). Checks and figures: ``_eigh_report.py``; results:
-``docs/benchmarks.md``.
+Time and peak memory of ``ggn_eigh`` in the paper's four variants and a two-pass one,
+PyHessian-style power iteration and SciPy's ``eigsh`` on curvlinops' GGN operator
+(``_eigh_methods.py``), every configuration in fresh workers.
 
-Examples:
-    Smoke test (small MLP, N=32, k in {1, 2})::
+Examples::
 
-        python -m benchmarks.bench_eigh --quick
-
-    Full run of the paper's figure on CPU::
-
-        python -m benchmarks.bench_eigh --problems 3c3d 2c2d --N 128 --N-2c2d 64
+    python -m benchmarks.bench_eigh --quick   # small MLP, N=32, k in {1, 2}
+    python -m benchmarks.bench_eigh --problems 3c3d 2c2d --N 128 --N-2c2d 64
 
 Writes ``<out>/eigh_<problem>.json`` and ``<out>/eigh_<problem>.png``.
 """

@@ -1,32 +1,21 @@
 """Benchmark full-network Laplace approximations: fit, predictive and peak memory.
 
-On all weights of a classifier (``CrossEntropyLoss``), every method of
-``_laplace_worker.METHODS`` (``lowrank_ggn`` exact, MC, with default arguments, with the
-opt-in ``solver="sketch"`` and with ``low_memory=True``; laplace-torch's ``diag``,
-``kron`` and ``full`` with the BackPACK or its default backend; the top-``--rank``
-eigenpairs by ``eigsh`` on curvlinops' GGN) runs in fresh workers (``_harness.py``) on a
-problem of ``_problems.py`` (``3c3d``, ``2c2d``, ``mlp`` on random data; ``digits``, an
-MLP trained to its MAP). Its phases, each timed with its peak memory above the state
-before it: ``fit`` (with ``--marglik`` also the marglik prior tuning; with ``--warm-fit``
-after an untimed first fit), the GLM probit predictive ``glm`` and the NN MC predictive
-``nn``. ``full`` is skipped where its ``D x D`` matrices exceed the memory cap; the
-predictives after a killed one run in a new worker (:func:`run_method`). Targets and
-figures: ``_laplace_report.py``; results: ``docs/benchmarks.md``.
+Every method of ``_laplace_worker.METHODS`` (``lowrank_ggn`` variants; laplace-torch's
+``diag``, ``kron`` and ``full`` with BackPACK or the default backend; ``eigsh`` on
+curvlinops' GGN) on all weights of a problem of ``_problems.py``, in fresh workers. The
+phases, each timed with its peak memory above the state before it: ``fit`` (with
+``--marglik`` also the marglik prior tuning; with ``--warm-fit`` after an untimed first
+fit), the GLM probit predictive ``glm`` and the NN MC predictive ``nn``. ``full`` is
+skipped where its ``D x D`` matrices exceed the memory cap; the predictives after a
+killed one run in a new worker (:func:`run_method`).
 
-Examples:
-    Smoke test (mlp, 128 training points, rank 20; into ``benchmarks/results/quick``)::
+Examples::
 
-        python -m benchmarks.bench_laplace --quick
-
-    Full run on 3c3d, waiting for other benchmarks and tests to leave the CPU::
-
-        python -m benchmarks.bench_laplace --problems 3c3d \\
-            --wait-for bench_eigh pytest --wait-idle 900
-
-    Continue an interrupted run, with a shorter limit for a slow peer::
-
-        python -m benchmarks.bench_laplace --problems 2c2d --resume \\
-            --method-timeout diag_default=600
+    python -m benchmarks.bench_laplace --quick   # mlp, 128 points, rank 20
+    python -m benchmarks.bench_laplace --problems 3c3d --wait-for bench_eigh pytest \\
+        --wait-idle 900
+    python -m benchmarks.bench_laplace --problems 2c2d --resume \\
+        --method-timeout diag_default=600
 
 Writes ``<out>/laplace_<problem>.json`` and ``<out>/laplace_<problem>.png``.
 """

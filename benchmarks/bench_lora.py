@@ -1,33 +1,21 @@
 """Benchmark Laplace over the LoRA adapters of a Hugging Face GPT-2 classifier.
 
-laplace-torch's Hugging Face recipe (``docs/lora.md``): ``GPT2ForSequenceClassification``
-built from a ``GPT2Config`` with random weights (nothing downloaded), PEFT LoRA adapters
-(``task_type="SEQ_CLS"``), wrapped to take dict batches and return the logits; the
-Laplace parameters are the trainable ones. ``lowrank_ggn`` with its defaults runs against
-laplace-torch's ``kron`` and ``diag`` (``backend=CurvlinopsGGN``) on the problems of
-:data:`PROBLEMS` (``gpt2`` and the Llama of about 1B weights with Laplace-LoRA's
+laplace-torch's Hugging Face recipe (``docs/lora.md``) on config-built models with random
+weights (nothing downloaded) and PEFT LoRA adapters: ``lowrank_ggn`` with its defaults
+against laplace-torch's ``kron`` and ``diag`` (``backend=CurvlinopsGGN``) on the problems
+of :data:`PROBLEMS` (``gpt2`` and the Llama of about 1B weights with Laplace-LoRA's
 multiple-choice head, ``llama1b``, are meant for a GPU; ``llama_tiny`` is its CPU
 version; ``bert`` is a full fine-tune, fitted by default and on the torch.func backend).
-Every configuration (attention implementation, machine condition: ``quiet``, or
-``loaded`` beside a ``_load.CompetingLoad``; method) runs in fresh workers
-(``_harness.py``) with three phases: ``fit``, ``marglik``
-(``optimize_prior_precision(method="marglik")``) and the GLM probit predictive ``glm``.
-``--fit-budget-s`` shrinks a fit to its first batches; ``--processes`` runs the fit of
-``lowrank_ggn`` on several torchrun processes, which merge. Targets, tables and figures:
-``_lora_report.py``; results: ``docs/benchmarks.md``.
+Every configuration (attention, machine condition ``quiet`` or ``loaded`` beside a
+``_load.CompetingLoad``, method) runs in fresh workers with the phases ``fit``,
+``marglik`` and the GLM probit predictive ``glm``. ``--fit-budget-s`` shrinks a fit to
+its first batches; ``--processes`` fits ``lowrank_ggn`` on several torchrun processes.
 
-Examples:
-    Smoke test (fewer sequences, one run each, into ``benchmarks/results/quick``)::
+Examples::
 
-        python -m benchmarks.bench_lora --quick
-
-    Full CPU run, waiting for tests and other benchmarks to leave the CPU::
-
-        python -m benchmarks.bench_lora --wait-for pytest bench_ --wait-idle 600
-
-    On a GPU::
-
-        python -m benchmarks.bench_lora --device cuda --problems large gpt2
+    python -m benchmarks.bench_lora --quick   # smoke test, into benchmarks/results/quick
+    python -m benchmarks.bench_lora --wait-for pytest bench_ --wait-idle 600
+    python -m benchmarks.bench_lora --device cuda --problems large gpt2
 
 Writes ``<out>/lora_<problem>.json`` and ``.png``, and the docs' table records
 ``<out>/lora_tables/lora_<problem>.json`` and ``lora_targets.json`` (their ``sources``

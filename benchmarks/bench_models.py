@@ -1,34 +1,26 @@
 """Benchmark models beyond plain stacks: torchvision ResNet-18 and a transformer encoder.
 
-Every configuration runs in fresh workers (``_harness.py``). The parts (``--parts``):
+The parts (``--parts``), every configuration in fresh workers (``_harness.py``):
 
-- ``eigh``: top-``k`` eigenpairs of the mini-batch GGN (``CrossEntropyLoss``, mean) by
-  ``lowrank_laplace.ggn_eigh`` (``backend="auto"``) against SciPy's ``eigsh`` on
+- ``eigh``: top-``k`` GGN eigenpairs by ``ggn_eigh`` against SciPy's ``eigsh`` on
   curvlinops' GGN operator, as in ``bench_eigh.py``;
 - ``laplace``: ``lowrank_ggn`` (exact, MC) fit and GLM probit predictive against
   laplace-torch's ``kron`` with each of its backends, and one gradient pass (the floor);
 - ``backends``: the torch.func engine of ``ggn_eigh`` against BackPACK's on ``3c3d``;
-- ``scale`` (``gpu_check.sh resnet50k``): ResNet-18, all weights, default arguments (fit,
-  marglik, GLM and NN predictive) next to last-layer ``kron`` and ``full``, all-weights
-  ``kron`` and one training epoch; ``--fit-budget-s`` / ``--pred-budget-s`` shrink a fit
-  or a predictive to the batches that fit them (records: ``n_fit``, ``n_pred``);
+- ``scale`` (``gpu_check.sh resnet50k``): ResNet-18 with default arguments next to
+  last-layer ``kron`` and ``full``, all-weights ``kron`` and one training epoch, shrunk
+  to ``--fit-budget-s`` / ``--pred-budget-s`` (records: ``n_fit``, ``n_pred``);
 - ``mnist``: ResNet-18 trained ``--epochs`` on MNIST; test metrics of the MAP and the
-  posteriors, priors tuned by the marginal likelihood.
+  marglik-tuned posteriors.
 
-Every worker of the transformer (:class:`TransformerClassifier`) runs attention with
-PyTorch's math kernel and without the fused fast path, which the peers' forward-mode
-products need. The default sizes (:data:`SIZES`) suit a CPU; the targets' are
-``--device cuda --N 128 --n-train 1024 --n-test 128``. Targets, tables and the figure:
-``_models_report.py``; results: ``docs/benchmarks.md``.
+The transformer runs attention with PyTorch's math kernel and without the fused fast path
+(the peers' forward-mode products need it). The default sizes (:data:`SIZES`) suit a CPU;
+the targets' are ``--device cuda --N 128 --n-train 1024 --n-test 128``.
 
-Examples:
-    Smoke test (tiny sizes)::
+Examples::
 
-        python -m benchmarks.bench_models --quick
-
-    Default CPU run::
-
-        python -m benchmarks.bench_models
+    python -m benchmarks.bench_models --quick   # smoke test (tiny sizes)
+    python -m benchmarks.bench_models           # default CPU run
 
 Writes ``<out>/models.json``, ``<out>/models.png`` and the docs' table records
 ``<out>/models_tables/*.json`` (their ``sources`` name ``docs/benchmarks/models.json``).

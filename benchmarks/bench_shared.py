@@ -1,27 +1,18 @@
 """Benchmark Laplace where users run it: shared machines, defaults, marglik training.
 
-scikit-learn's digits and the 64-50-50-10 tanh MLP of ``bench_laplace``
-(``_problems.make_digits``), 1,400 training and 397 test points. Part ``fit``: the
-``Laplace`` fit of the MAP network, ``optimize_prior_precision(method="marglik")`` and the
-GLM probit predictive (test NLL, accuracy), ``--repeat`` runs each (medians); part
-``train``: laplace-torch's ``marglik_training`` from a fresh initialisation (``--epochs``,
-layerwise prior) with ``lowrank_ggn`` and ``kron`` (``full`` with ``--with-full``), one
-run each. Conditions: ``quiet``, and ``loaded`` beside a ``_load.CompetingLoad`` of
-``--load-threads`` threads (``train`` only with ``--load``). The workers run as a user
-does: torch's default threads, neither ``OMP_WAIT_POLICY`` nor ``OPENBLAS_NUM_THREADS``
-set. Targets, tables and the figure: ``_shared_report.py``; results:
-``docs/benchmarks.md``.
+The digits MLP of ``bench_laplace`` (1,400 training and 397 test points). Part ``fit``:
+the ``Laplace`` fit of the MAP network, marglik prior tuning and the GLM probit
+predictive, ``--repeat`` runs each (medians); part ``train``: laplace-torch's
+``marglik_training`` from scratch with ``lowrank_ggn`` and ``kron`` (``full`` with
+``--with-full``), one run each. Conditions: ``quiet``, and ``loaded`` beside a
+``_load.CompetingLoad`` (``train`` only with ``--load``). The workers run as a user
+does: torch's default threads, neither ``OMP_WAIT_POLICY`` nor ``OPENBLAS_NUM_THREADS``.
 
-Examples:
-    Smoke test (one run each, 2 training epochs, ``benchmarks/results/quick``)::
+Examples::
 
-        python -m benchmarks.bench_shared --quick
-
-    The recorded run (raw JSON and figure into the docs, table records for
-    ``render_tables.py``)::
-
-        python -m benchmarks.bench_shared --with-full --load \\
-            --out docs/benchmarks/shared --tables-out benchmarks/results/tables
+    python -m benchmarks.bench_shared --quick   # one run each, 2 epochs
+    python -m benchmarks.bench_shared --with-full --load \\
+        --out docs/benchmarks/shared --tables-out benchmarks/results/tables
 
 Writes ``<out>/shared.json`` and ``<out>/shared.png``; with ``--tables-out`` the records
 ``shared_fit.json``, ``shared_train.json`` and ``shared_targets.json`` (their ``sources``
