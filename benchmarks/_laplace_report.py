@@ -8,13 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks._laplace_worker import PHASES
 from benchmarks._load import BUSY_WARN_PERCENT
 from benchmarks._problems import LAPLACE_NUM_CLASSES as NUM_CLASSES
 from benchmarks._problems import LAPLACE_NUM_PARAMS as EXPECTED_NUM_PARAMS
 from benchmarks._report import VERDICTS, figure, ok, phase_of, ratio
 from benchmarks._worker import GiB
 
+PHASES: tuple[str, ...] = ("fit", "glm", "nn")
 # Targets
 REFERENCE = "lowrank_exact"
 KRON_PEER = "kron_backpack"

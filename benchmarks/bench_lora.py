@@ -36,20 +36,8 @@ import torch
 from torch import nn
 
 from benchmarks import _harness, _problems
-from benchmarks._lora_report import (
-    ATTENTIONS,
-    CONDITIONS,
-    FUNCTORCH,
-    METHODS,
-    NUM_CLASSES,
-    OURS,
-    PHASES,
-    PROBLEM_METHODS,
-    plot,
-    print_summary,
-    summarize,
-    table_records,
-)
+from benchmarks import _lora_report as report
+from benchmarks._lora_report import FUNCTORCH, NUM_CLASSES, OURS, PROBLEM_METHODS
 from benchmarks._report import DEFAULT_PACKAGES, machine_info, print_machine, read_run, write_tables
 from benchmarks._worker import fit_within, probs_warnings, run_phases, worker_setup
 
@@ -258,9 +246,9 @@ def repeats(problem: str, args: argparse.Namespace) -> int:
 def configurations(problem: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The configurations of a problem, in the order they run in every round."""
     spec = PROBLEMS[problem]
-    common = {**sizes(problem, args), "phases": list(PHASES), "repeat": repeats(problem, args),
-              **{k: getattr(args, k) for k in ("batch_size", "seed", "threads", "device",
-                                               "mem_limit_gib", "fit_budget_s")}}
+    common = {**sizes(problem, args), "phases": list(report.PHASES),
+              "repeat": repeats(problem, args), **{k: getattr(args, k) for k in (
+                  "batch_size", "seed", "threads", "device", "mem_limit_gib", "fit_budget_s")}}
     load = {"threads": args.load_threads, "size": LOAD_SIZE, "env": "worker"}
     if args.processes > 1:  # torchrun's processes: the first one reports
         common["launcher"] = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -302,7 +290,7 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
             payload = read_run(path)
             if payload is None:
                 continue
-            payload["summary"] = summarize(problem, payload["records"])
+            payload["summary"] = report.summarize(problem, payload["records"])
             path.write_text(json.dumps(payload, indent=2))
         else:
             plan = _harness.Plan("benchmarks.bench_lora", configurations(problem, args),
@@ -312,13 +300,13 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
                   f"configurations x {repeats(problem, args)} run(s), timeout "
                   f"{args.timeout:g} s per phase", flush=True)
             records = plan.run(args, RESUME_KEYS)
-            payload = plan.write(records, summarize(problem, records), args)
-        plot(problem, payload, out / f"lora_{problem}.png")
-        print_summary(problem, payload["records"], payload["summary"])
+            payload = plan.write(records, report.summarize(problem, records), args)
+        report.plot(problem, payload, out / f"lora_{problem}.png")
+        report.print_summary(problem, payload["records"], payload["summary"])
         print(f"Wrote {path} and {out / f'lora_{problem}.png'}", flush=True)
         payloads[problem] = payload
     if payloads:
-        write_tables(table_records(payloads, args.table_source), out / "lora_tables")
+        write_tables(report.table_records(payloads, args.table_source), out / "lora_tables")
     return {problem: p["summary"] for problem, p in payloads.items()}
 
 
@@ -331,13 +319,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         repeat=None, retry_busy=2)
     parser.add_argument("--problems", nargs="+", default=list(DEFAULT_PROBLEMS),
                         choices=list(PROBLEMS), help="Problems.")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
-                        help="Methods.")
-    parser.add_argument("--attentions", nargs="+", default=list(ATTENTIONS),
-                        choices=ATTENTIONS,
+    parser.add_argument("--methods", nargs="+", default=list(report.METHODS),
+                        choices=report.METHODS, help="Methods.")
+    parser.add_argument("--attentions", nargs="+", default=list(report.ATTENTIONS),
+                        choices=report.ATTENTIONS,
                         help="Attention implementations (of those a problem runs).")
-    parser.add_argument("--conditions", nargs="+", default=list(CONDITIONS),
-                        choices=CONDITIONS, help="Machine conditions (of those a problem "
+    parser.add_argument("--conditions", nargs="+", default=list(report.CONDITIONS),
+                        choices=report.CONDITIONS, help="Machine conditions (of those a problem "
                         "runs): quiet, or loaded (beside a competing process).")
     for name, what in (("n-train", "Training sequences"), ("n-test", "Test sequences"),
                        ("seq-len", "Padded sequence length")):
