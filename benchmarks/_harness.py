@@ -43,10 +43,8 @@ HOPELESS = ("timeout", "oom", "killed")
 
 #: The driver options the scripts share (each script picks its own and their defaults).
 ARGUMENTS: dict[str, dict[str, Any]] = {
-    "device": {"default": "cpu", "help": "Device of models, data and curvature ('cpu', "
-               "'cuda')."},
-    "threads": {"type": int, "default": 0, "help": "torch threads in workers (0: usable "
-                "cores)."},
+    "device": {"default": "cpu", "help": "Device of models, data and curvature ('cpu', 'cuda')."},
+    "threads": {"type": int, "default": 0, "help": "torch threads in workers (0: usable cores)."},
     "blas_threads": {"type": int, "default": 1, "help": "OPENBLAS_NUM_THREADS for "
                      "NumPy/SciPy in workers (0: do not set)."},
     "omp_wait_policy": {"default": "PASSIVE", "help": "OMP_WAIT_POLICY in workers ('' to "
@@ -65,10 +63,8 @@ ARGUMENTS: dict[str, dict[str, Any]] = {
     "wait_for": {"nargs": "*", "default": [], "metavar": "PATTERN", "help": "Before each "
                  "worker, wait while other processes whose command line contains one of "
                  "these strings use CPU (e.g. pytest bench_)."},
-    "wait_max": {"type": float, "default": 1200.0, "help": "Maximum wait for --wait-for "
-                 "[s]."},
-    "wait_poll": {"type": float, "default": 30.0, "help": "Polling interval of --wait-for "
-                  "[s]."},
+    "wait_max": {"type": float, "default": 1200.0, "help": "Maximum wait for --wait-for [s]."},
+    "wait_poll": {"type": float, "default": 30.0, "help": "Polling interval of --wait-for [s]."},
     "wait_idle": {"type": float, "default": 0.0, "help": "Before each worker, wait up to "
                   "this many seconds for the CPU to be less than "
                   f"{BUSY_WARN_PERCENT:g}%% busy; 0: do not wait."},

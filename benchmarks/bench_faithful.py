@@ -72,14 +72,9 @@ PROBLEMS: dict[str, Problem] = {
 
 @dataclass(frozen=True)
 class Method:
-    """A laplace-torch posterior: ``Laplace(model, "classification", ...)`` arguments.
-
-    Attributes:
-        structure: ``hessian_structure``.
-        subset: ``subset_of_weights``.
-        options: Further keyword arguments (the ``lowrank_ggn`` options).
-        ranked: Fitted once per rank of ``--ranks`` (``rank=`` is passed).
-    """
+    """A laplace-torch posterior: ``hessian_structure``, ``subset_of_weights``, further
+    keyword arguments of ``Laplace(model, "classification", ...)``, and whether it is
+    fitted once per rank of ``--ranks``."""
 
     structure: str
     subset: str = "all"
