@@ -194,8 +194,7 @@ CALLS: dict[str, Callable] = {**dict.fromkeys(OURS_CASES, _ours), "power": _powe
 
 def inspect(out: tuple[Tensor, Tensor], model: nn.Module, loss_func: nn.Module, X: Tensor,
             y: Tensor, config: dict) -> dict[str, Any]:
-    """Untimed checks of a result: eigenvalues, shapes and (``verify``) the eigenvectors
-    against the mini-batch GGN and, for sub-sampled variants, the sub-sample's (``sub_*``)."""
+    """Untimed checks of a result: eigenvalues, shapes and (``verify``) its eigenvectors."""
     evals = torch.as_tensor(out[0]).detach().flatten().cpu().double()
     evecs = torch.as_tensor(out[1]).detach()
     D, k = sum(p.numel() for p in model.parameters()), config["k"]
@@ -230,8 +229,7 @@ def inspect(out: tuple[Tensor, Tensor], model: nn.Module, loss_func: nn.Module, 
 
 
 def worker_main(config: dict[str, Any]):
-    """Run one configuration (``problem``, ``method``, ``N``, ``k``, ``device``, ``seed``,
-    ``threads``, ``verify``): the ``eigh`` phase, then the untimed checks of its result."""
+    """Run one configuration: the ``eigh`` phase, then the untimed checks of its result."""
     setup = worker_setup(config)
     torch.manual_seed(config["seed"])
     model, loss_func, X, y = make_problem(config["problem"], config["N"], seed=config["seed"],

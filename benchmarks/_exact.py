@@ -85,8 +85,7 @@ def loss_sqrt(logits: Tensor, likelihood: str, sigma: float = 1.0) -> Tensor:
 
 def factor_rows(model: nn.Module, names: Sequence[str], inputs: Inputs, likelihood: str,
                 sigma: float = 1.0, chunk: int = 64) -> Iterator[Tensor]:
-    """Rows of ``A`` (``G = A^T A``) over the named parameters, in blocks ``(B K, D)`` of
-    ``chunk`` inputs."""
+    """Rows of ``A`` (``G = A^T A``) in blocks ``(B K, D)`` of ``chunk`` inputs."""
     for part in chunks(inputs, chunk):
         J, f = jacobians(model, names, part)
         S = loss_sqrt(f, likelihood, sigma)
@@ -223,8 +222,7 @@ def build_ggn(model: nn.Module, inputs: Inputs, likelihood: str, sigma: float = 
 
 
 def probit(f_mu: Tensor, f_var: Tensor) -> Tensor:
-    """laplace-torch's probit GLM predictive: class probabilities ``(B, C)`` of output
-    means ``(B, C)`` and covariances ``(B, C, C)``."""
+    """laplace-torch's probit GLM predictive of output means and covariances."""
     kappa = 1 / torch.sqrt(1.0 + math.pi / 8 * f_var.diagonal(dim1=1, dim2=2))
     return torch.softmax(kappa * f_mu, dim=-1)
 

@@ -210,8 +210,7 @@ def build_model(problem: Problem, features: int) -> nn.Module:
 
 
 def train_map(model: nn.Module, problem: Problem, X: Inputs, y: Tensor) -> dict[str, Any]:
-    """Train the float32 ``model`` in place to its MAP under the problem's Gaussian prior
-    (Adam), leaving it in float64; its training NLL and accuracy."""
+    """Train ``model`` in place to its MAP (float32), leaving it in float64; its train metrics."""
     gen = torch.Generator().manual_seed(0)
     X = X.float() if isinstance(X, Tensor) else X
     params = [p for p in model.parameters() if p.requires_grad]

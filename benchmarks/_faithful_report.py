@@ -203,8 +203,7 @@ _EIGEN_KEYS = ("exact_top_share", "kept_fraction", "kept_vs_exact_top", "top_eig
 
 
 def design_facts(record: dict, ranks) -> dict:
-    """Per rank: the kept eigenvalues of the default and of streaming against the exact
-    top-r and each other, and the measured complement variance against the exact one."""
+    """Per rank: the default's and streaming's kept eigenvalues and measured complement."""
     out = {}
     methods = record["methods"]
     for r in ranks:

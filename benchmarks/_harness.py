@@ -368,9 +368,7 @@ class Plan:
                 if self.key(r) not in getattr(args, "rerun", [])}
 
     def run(self, args: argparse.Namespace, same: Sequence[str] = ()) -> list[dict]:
-        """Run every configuration (rounds over the repeats), saving after every run; one
-        record per configuration in plan order (``same``: the settings that must match
-        for ``--resume`` to reuse a record)."""
+        """Run every configuration (rounds over the repeats, saved after each run); the records."""
         done = self.previous(args, same)
         for key, record in done.items():
             print(progress_line(self.head(key), record) + " (from the previous run)",
@@ -430,8 +428,7 @@ class Plan:
 
 
 def run_results(module: str, configs: dict[str, dict], args: argparse.Namespace) -> dict:
-    """Run workers of :func:`_worker.run_result`, one per configuration (by name, in
-    order); their results by name, a failed one's its failure (``status``, ``reason``)."""
+    """Run one :func:`_worker.run_result` worker per configuration; the results by name."""
     results = {}
     for name, config in configs.items():
         record = run_config(module, {**config, "phases": ["result"]}, args)

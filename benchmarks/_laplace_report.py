@@ -256,8 +256,7 @@ def summarize(problem: str, records: Sequence[dict], args: argparse.Namespace) -
 
 
 def _bars(ax, entries: Sequence[dict | None], value_of, style: dict[str, Any]):
-    """One bar per method (a phase's value); failures hatched and labelled with their
-    status, or on a linear (memory) panel a red cross."""
+    """One bar per method; failures hatched (log panels) or a red cross (linear)."""
     values = [value_of(r) if r and r.get("status") == "ok" else None for r in entries]
     ok_vals = [v for v in values if v is not None and v > 0]
     top, log = max(ok_vals, default=1.0), style.get("log", True)
@@ -284,8 +283,7 @@ def _bars(ax, entries: Sequence[dict | None], value_of, style: dict[str, Any]):
 
 
 def plot(problem: str, records: Sequence[dict], path: Path, info: dict[str, Any], args):
-    """Bar charts of fit time, predictive times and peak memory per method (``info``: the
-    machine; ``args``: the driver's arguments)."""
+    """Bar charts of fit time, predictive times and peak memory per method."""
     methods = [r["method"] for r in records]
     kinds = {"ours": "tab:blue", "laplace": "tab:gray", "lanczos": "tab:orange"}
     colors = [kinds[r["kind"]] for r in records]

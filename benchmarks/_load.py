@@ -28,8 +28,7 @@ LOAD_MARKER = "__BENCH_LOAD__"
 
 
 def system_busy_cpu_seconds() -> float | None:
-    """Busy CPU seconds (user, nice, system, irq, softirq) of the machine since boot,
-    summed over cores (``None`` without psutil)."""
+    """Busy CPU seconds of the machine since boot (``None`` without psutil)."""
     try:
         import psutil
     except ImportError:  # pragma: no cover
@@ -39,15 +38,13 @@ def system_busy_cpu_seconds() -> float | None:
 
 
 def own_cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
-    """User plus system CPU seconds of this process (``RUSAGE_SELF``, all threads) or of
-    its reaped children (``RUSAGE_CHILDREN``)."""
+    """User plus system CPU seconds of this process or of its reaped children."""
     r = resource.getrusage(who)
     return r.ru_utime + r.ru_stime
 
 
 def process_cpu_seconds(pid: int) -> float | None:
-    """User plus system CPU seconds of another process (``None``: no pid, no psutil, or
-    the process is gone)."""
+    """User plus system CPU seconds of another process (``None``: unknown)."""
     if not pid:
         return None
     try:
@@ -151,8 +148,7 @@ def wait_for_processes(patterns: Sequence[str], max_wait_s: float, poll_s: float
 
 
 def read_lines(stream, lines: queue.Queue | None, tail: Any = None):
-    """Forward a stream's lines into a queue (``None`` marks the end; no queue: none)
-    and keep its last lines in a ``deque`` ``tail``."""
+    """Forward a stream's lines into a queue (``None`` at the end), its last ones to ``tail``."""
     for line in stream:
         if tail is not None:
             tail.append(line)
@@ -172,8 +168,7 @@ def kill_group(proc: subprocess.Popen):
 
 
 class CompetingLoad:
-    """A busy process beside a worker (``threads`` torch threads, ``size x size`` matrices,
-    environment ``env``): started, awaited until ready, then stopped."""
+    """A busy process of ``size x size`` matmuls on ``threads`` threads beside a worker."""
 
     def __init__(self, threads: int, size: int, env: dict[str, str]):
         cmd = [sys.executable, "-m", "benchmarks._load", f"--threads={threads}",
@@ -220,9 +215,7 @@ class CompetingLoad:
 
 
 def matmul_load(threads: int, size: int):
-    """The competing work: ``size x size`` float32 matmuls on ``threads`` torch threads
-    until ``SIGTERM``; prints a marked line when ready and one with its products per
-    second at the end."""
+    """The competing work: float32 matmuls until ``SIGTERM``, reporting its rate."""
     import torch
 
     stop: list[bool] = []

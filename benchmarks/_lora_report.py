@@ -127,8 +127,7 @@ def print_summary(problem: str, records: Sequence[dict], summary: dict[str, Any]
 
 
 def plot(problem: str, payload: dict[str, Any], path: Path):
-    """Bar charts of a run (``lora_<problem>.json``): fit + marglik and GLM time (log
-    scale) and worker peak memory."""
+    """Bar charts of a run: fit + marglik and GLM time, worker peak memory."""
     records = payload["records"]
     groups = sorted({(r["attention"], r["condition"]) for r in records},
                     key=lambda g: (ATTENTIONS.index(g[0]), CONDITIONS.index(g[1])))
@@ -185,8 +184,7 @@ def _row(r: dict[str, Any], records: Sequence[dict]) -> list[str]:
 
 
 def table_records(payloads: dict[str, dict], source_dir: str) -> dict[str, dict]:
-    """The docs' table records ``lora_<problem>`` and ``lora_targets`` of the runs by
-    problem (``source_dir``: where the raw runs are kept)."""
+    """The docs' table records ``lora_<problem>`` and ``lora_targets`` of the runs."""
     tables: dict[str, dict] = {}
     targets, commits = [], {}
     for problem, payload in payloads.items():

@@ -254,8 +254,7 @@ def _target_rows(summary: dict[str, Any], k: int) -> list[list]:
 
 
 def table_records(payload: dict[str, Any], source: str) -> dict[str, dict]:
-    """The docs' table records of a run (``models.json``) by id, those of the parts that
-    ran and ``models_targets`` (``source``: where the raw run is kept)."""
+    """The docs' table records of a run, by id."""
     results, s = payload["records"], payload["settings"]
     common = table_common(payload, [source])
     busy = [b for r in results if (b := r.get("cpu_busy_before_percent")) is not None]

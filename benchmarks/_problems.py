@@ -136,8 +136,7 @@ def make_digits(N: int, n_train: int, seed: int = 0, device: str | torch.device 
 
 def make_laplace_problem(name: str, N: int, n_train: int, seed: int = 0,
                          device: str | torch.device = "cpu"):
-    """A problem of :data:`LAPLACE_PROBLEMS` as :func:`make_problem` (``digits`` trains its
-    MAP on the first ``n_train`` of the ``N`` points)."""
+    """A problem of :data:`LAPLACE_PROBLEMS` as :func:`make_problem`."""
     if name == "digits":
         return make_digits(N, n_train, seed=seed, device=device)
     return make_problem(name, N, seed=seed, device=device)
@@ -168,8 +167,7 @@ def mnist_rgb(n_train: int, n_test: int, seed: int, device: torch.device
 
 
 class Logits(nn.Module):
-    """laplace-torch's Hugging Face recipe: a dict batch in, the (PEFT-wrapped) model's
-    logits out."""
+    """laplace-torch's Hugging Face recipe: a dict batch in, the model's logits out."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -198,8 +196,7 @@ class Choices(nn.Module):
 
 def make_llama(spec: dict[str, Any], attention: str, seed: int, device: torch.device
                ) -> Choices:
-    """A config-built Llama of ``spec`` (random bfloat16 weights, built on ``device``) with
-    float32 PEFT LoRA adapters, under :class:`Choices`, in eval mode."""
+    """A config-built Llama of ``spec`` with LoRA adapters under :class:`Choices`."""
     import transformers
     from peft import LoraConfig, get_peft_model
 

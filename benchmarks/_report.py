@@ -141,8 +141,7 @@ def gib(value: float | None) -> str:
 
 
 def max_rel_dev(a: Sequence[float] | None, b: Sequence[float] | None) -> float | None:
-    """The largest ``|a_i - b_i| / |b_i|`` (``None`` if either is empty or they differ in
-    length)."""
+    """The largest ``|a_i - b_i| / |b_i|`` (``None``: empty, or lengths differ)."""
     if not a or not b or len(a) != len(b):
         return None
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
@@ -290,8 +289,7 @@ def figure(path: str | Path, *shape: int, dpi: int = 120, rect: tuple | None = N
 
 def value_bar(ax: Any, x: float, value: float | None, missing: float = 1.0,
               text: str = "{:.3g}", fontsize: int = 7, **bar: Any):
-    """A bar labelled with its value; a missing value (a failure) is a red cross at
-    height ``missing``."""
+    """A bar labelled with its value; a missing one is a red cross at ``missing``."""
     if value is None:
         ax.plot(x, missing, "x", color="tab:red", ms=9)
         return

@@ -183,8 +183,7 @@ def failures_reported() -> Iterator[None]:
 
 
 def preimport(names: Iterable[str] = DEFAULT_PREIMPORTS):
-    """Import what the measured calls would import lazily, e.g. ``torch._dynamo`` on the
-    first forward-mode AD call (failures are ignored)."""
+    """Import what the measured calls would import lazily (failures are ignored)."""
     import warnings
 
     with warnings.catch_warnings():
@@ -323,8 +322,7 @@ def run_result(config: dict[str, Any], fn: Callable[[], dict]):
 
 
 def probs_warnings(n_test: int, C: int) -> Callable[[Any], dict]:
-    """A ``describe`` of :func:`run_phases` for a predictive: the problems of its
-    probabilities (untimed) as ``warnings``."""
+    """A ``describe`` of :func:`run_phases`: the problems of predictive probabilities."""
     def describe(probs: Any) -> dict:
         if not isinstance(probs, torch.Tensor):
             return {"warnings": [f"predictive returned {type(probs).__name__}, expected a "

@@ -161,8 +161,7 @@ def _targets(records: Sequence[dict], ks: Sequence[int], V_bytes: int) -> dict[s
 
 def summarize(problem: str, N: int, records: Sequence[dict[str, Any]],
               methods: Sequence[str], ks: Sequence[int]) -> dict[str, Any]:
-    """Print the tables and checks of a problem's records (mini-batch ``N``, numbers of
-    eigenpairs ``ks``); the summary (ratios, targets, deviations, sanity checks)."""
+    """Print the tables and checks of a problem's records; their summary."""
     V_bytes = EXPECTED_NUM_PARAMS[problem] * N * NUM_CLASSES[problem] * 4
     devs = eigenvalue_deviations(records, methods, ks)
     _print_tables(problem, N, records, methods, ks, devs)

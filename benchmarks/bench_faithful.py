@@ -188,8 +188,7 @@ def fit_method(key: str, rank: Optional[int], model, fit_set, steps: int) -> Fit
 
 
 def column_index(model, fitted: Fitted) -> Optional[Tensor]:
-    """Columns of the full Jacobian a last-layer posterior covers (``None``: all), found
-    by name in the copy of the model laplace-torch's last-layer posteriors hold."""
+    """Columns of the full Jacobian a last-layer posterior covers (``None``: all)."""
     if fitted.record["subset"] == "all":
         return None
     copy = fitted.la.model.model
@@ -228,8 +227,7 @@ def lowrank_facts(fitted: Fitted, ref: dict) -> dict:
 
 
 def evaluate(fits: list[Fitted], model, data, ref: dict) -> None:
-    """Predict every test set with every posterior into its record's metrics (a failing
-    predictive, e.g. laplace-torch's last layer on a sequence model, is recorded)."""
+    """Predict every test set with every posterior into its record's metrics."""
     names = _exact.trainable_names(model)
     delta = ref["delta"]
     for set_name, (X, y) in data.tests.items():

@@ -68,8 +68,7 @@ METHODS: dict[str, dict[str, Any]] = {
 
 
 def laplace_kwargs(method: str, config: dict[str, Any]) -> dict[str, Any]:
-    """Keyword arguments of ``laplace.Laplace`` (besides model and likelihood) for a method
-    of kind ``'ours'`` or ``'laplace'`` (``config``: its ``rank``)."""
+    """Keyword arguments of ``laplace.Laplace`` for a method of ours or laplace-torch's."""
     spec = METHODS[method]
     kwargs: dict[str, Any] = {"subset_of_weights": "all"}
     if spec["kind"] == "ours":

@@ -211,8 +211,7 @@ def worker_main(config: dict[str, Any]):
 
 
 def distributed_start(device: torch.device) -> tuple[int, int, torch.device]:
-    """Join the process group of ``torchrun``'s processes, if any (nccl on CUDA, one GPU
-    each; else gloo): ``(rank, world size, device)``; only the first process reports."""
+    """Join torchrun's process group, if any: ``(rank, world size, device)``."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         if device.type == "cuda":
@@ -225,8 +224,7 @@ def distributed_start(device: torch.device) -> tuple[int, int, torch.device]:
 
 
 def sizes(problem: str, args: argparse.Namespace) -> dict[str, int]:
-    """``n_train``, ``n_test`` and ``seq_len`` of a problem's run (its defaults, the
-    ``--quick`` sizes, then the command line's)."""
+    """``n_train``, ``n_test`` and ``seq_len`` of a problem's run."""
     spec = PROBLEMS[problem]
     size = {key: spec[key] for key in ("n_train", "n_test", "seq_len")}
     if args.quick:

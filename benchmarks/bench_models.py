@@ -132,9 +132,7 @@ def _eigh_call(method: str, model: nn.Module, X: Tensor, y: Tensor, config: dict
 
 def _laplace_phases(method: str, model: nn.Module, X: Tensor, y: Tensor,
                     config: dict[str, Any]) -> list[tuple[str, Callable[[], Any]]]:
-    """The measured phases ``(name, call, describe)`` of a ``laplace`` method on training
-    inputs followed by test inputs ``X``: ``fit`` and, except for ``grad_pass``,
-    ``glm``."""
+    """The phases ``fit`` and (except ``grad_pass``) ``glm`` of a ``laplace`` method."""
     from torch.utils.data import DataLoader, TensorDataset
 
     loader = DataLoader(TensorDataset(X[: config["n_train"]], y[: config["n_train"]]),
@@ -188,8 +186,7 @@ def _laplace_phases(method: str, model: nn.Module, X: Tensor, y: Tensor,
 
 def _scale_phases(method: str, model: nn.Module, X: Tensor, y: Tensor, config: dict[str, Any]
                   ) -> list[tuple]:
-    """``fit``, ``marglik``, ``glm`` and NN ``samples`` of a ``scale`` method within the
-    budgets (``train_epoch``: one training epoch as ``fit``)."""
+    """``fit``, ``marglik``, ``glm`` and NN ``samples`` of a ``scale`` method."""
     from torch.utils.data import DataLoader, TensorDataset
 
     loader = DataLoader(TensorDataset(X[: config["n_train"]], y[: config["n_train"]]),
@@ -230,8 +227,7 @@ def _scale_phases(method: str, model: nn.Module, X: Tensor, y: Tensor, config: d
 
 
 def _mnist_phases(config: dict[str, Any], device: torch.device) -> list[tuple]:
-    """MNIST as 3-channel 32x32 images: ``train`` a ResNet-18 briefly, then the test
-    metrics of its MAP and of each posterior (fit, marglik, GLM probit)."""
+    """MNIST: ``train`` a ResNet-18, then the test metrics of its MAP and each posterior."""
     import torchvision
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -294,8 +290,7 @@ def worker_main(config: dict[str, Any]):
 
 
 def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every ``(part, model, method)`` configuration with its sizes (``scale`` and
-    ``mnist``: ResNet-18 only)."""
+    """Every ``(part, model, method)`` configuration with its sizes."""
     common = {k: getattr(args, k) for k in (
         "k", "seed", "threads", "rank", "batch_size", "mem_limit_gib", "vocab", "width",
         "layers", "seq_len", "device", "low_memory", "fit_budget_s", "pred_budget_s",
@@ -347,8 +342,7 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the command line (``argv``; default ``sys.argv[1:]``); ``sizes`` holds the
-    sizes by model that the command line leaves open."""
+    """Parse the command line; ``sizes`` holds the sizes it leaves open."""
     parser = _harness.script_parser(
         __doc__, "timeout", "mem_limit_gib", "device", "out", "seed", "threads",
         "blas_threads", "omp_wait_policy", "wait_for", "wait_max", "wait_poll", "wait_idle",

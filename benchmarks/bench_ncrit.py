@@ -92,8 +92,7 @@ def worker_main(config: dict[str, Any]) -> None:
 
 
 def probe(config: str, N: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Run one probe in a fresh worker: ``N``, ``status`` (``ok``, ``oom``, ``timeout``,
-    ``killed``, ``error`` with its ``reason``) and ``seconds``."""
+    """Run one probe in a fresh worker: ``N``, ``status`` (and ``reason``), ``seconds``."""
     task = dict(zip(("task", "structure", "approx", "data"), config.split(",")))
     record = _harness.run_worker("benchmarks.bench_ncrit", {
         **task, "problem": args.problem, "N": N, "budget_gib": args.budget_gib,

@@ -64,8 +64,7 @@ def _free_port() -> int:
 
 
 def worker_main(config: dict[str, Any]) -> None:
-    """Fit with ``world`` processes (phase ``fit``: spawning them included; the fit's own
-    time between the barriers is its ``seconds``)."""
+    """Fit with ``world`` processes (phase ``fit``; its own time is ``seconds``)."""
     import torch.multiprocessing as mp
 
     setup = _worker.worker_setup({**config, "threads": None})

@@ -144,8 +144,7 @@ def print_summary(records: Sequence[dict], summary: dict[str, Any]):
 
 
 def plot(payload: dict[str, Any], path: Path):
-    """Bar charts of a run (``shared.json``): fit + marglik and marglik_training time (log
-    scales), test NLL."""
+    """Bar charts of a run: fit + marglik and marglik_training time, test NLL."""
     records = payload["records"]
     colors = {"quiet": "tab:blue", "loaded": "tab:orange"}
     with _report.figure(path, 1, 3, figsize=(15, 4.4), rect=(0, 0, 1, 0.93)) as (fig, axes):
@@ -204,8 +203,7 @@ def _row(r: dict[str, Any], ratios: dict[str, dict]) -> list[str]:
 
 
 def table_records(payload: dict[str, Any], source: str) -> dict[str, dict]:
-    """The docs' table records ``shared_fit``, ``shared_train`` (if run) and
-    ``shared_targets`` of a run (``source``: where the raw run is kept)."""
+    """The docs' table records ``shared_fit``, ``shared_train`` and ``shared_targets``."""
     common, records = _report.table_common(payload, [source]), payload["records"]
     ratios, s = payload["summary"]["ratios"], payload["settings"]
     tables = {"shared_fit": {

@@ -66,8 +66,7 @@ def _versions(versions) -> str:
 
 
 def render_table(table_id: str, record: dict) -> str:
-    """One table in markdown (ending with a newline), with a line naming its data file,
-    date, machine and versions."""
+    """One table in markdown with a line naming its data file, date, machine and versions."""
     lines = ["| " + " | ".join(record["columns"]) + " |",
              "|" + "---|" * len(record["columns"])]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in record["rows"]]
