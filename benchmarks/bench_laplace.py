@@ -112,8 +112,8 @@ def worker_main(config: dict[str, Any]):
     device = torch.device(config["device"])
     torch.manual_seed(config["seed"])
     spec, n_train = METHODS[config["method"]], config["n_train"]
-    model, _, X, y = _problems.make_laplace_problem(config["problem"], n_train + config["n_test"],
-                                          n_train, seed=config["seed"], device=device)
+    model, _, X, y = _problems.make_laplace_problem(
+        config["problem"], n_train + config["n_test"], n_train, seed=config["seed"], device=device)
     loader = DataLoader(TensorDataset(X[:n_train], y[:n_train]),
                         batch_size=config["batch_size"], shuffle=False)
     setup.update(D=sum(p.numel() for p in model.parameters() if p.requires_grad),

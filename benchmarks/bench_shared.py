@@ -375,7 +375,7 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
     print(f"Wrote {path} and {out / 'shared.png'}", flush=True)
     if args.tables_out:
         _report.write_tables(table_records(payload, f"{args.table_source}/shared.json"),
-                     args.tables_out)
+                             args.tables_out)
     return payload["summary"]
 
 
