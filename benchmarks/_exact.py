@@ -118,10 +118,7 @@ def marglik_prior(eigenvalues: Tensor, sq_norm: float, low: float = 1e-8,
     for _ in range(200):
         mid = (lo + hi) / 2
         delta = math.exp(mid)
-        if float((lam / (delta * (lam + delta))).sum()) > sq_norm:
-            lo = mid
-        else:
-            hi = mid
+        lo, hi = (mid, hi) if float((lam / (delta * (lam + delta))).sum()) > sq_norm else (lo, mid)
     return math.exp((lo + hi) / 2)
 
 

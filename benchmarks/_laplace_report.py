@@ -240,11 +240,8 @@ def _load_check(records: Sequence[dict]) -> dict[str, Any]:
 
 
 def summarize(problem: str, records: Sequence[dict], args: argparse.Namespace) -> dict[str, Any]:
-    """Print the result table, failures and targets of a problem's method records.
-
-    Returns:
-        Summary (targets, eigenvalue deviations, CPU load warnings).
-    """
+    """Print the result table, failures and targets of a problem's method records; the
+    summary (targets, eigenvalue deviations, CPU load)."""
     _print_table(problem, records, args)
     summary = {"eigenvalue_deviation_from_lanczos": _eigenvalue_check(records, args.rank),
                **_load_check(records), "targets": check_targets(problem, records)}

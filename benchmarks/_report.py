@@ -157,9 +157,8 @@ def others_cpu(record: dict | None) -> float | None:
     """The largest CPU share of other processes during a record's successful phases."""
     if record is None:
         return None
-    values = [r.get("other_cpu_percent_during_phase") for r in record["phases"].values()
-              if r.get("status") == "ok"]
-    values = [v for v in values if v is not None]
+    values = [v for r in record["phases"].values() if r.get("status") == "ok"
+              and (v := r.get("other_cpu_percent_during_phase")) is not None]
     return max(values) if values else record.get("other_cpu_percent_during")
 
 

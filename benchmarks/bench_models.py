@@ -100,17 +100,16 @@ def make_model(name: str, n: int, config: dict[str, Any]) -> tuple[nn.Module, Te
 
 def _eigh_call(method: str, model: nn.Module, X: Tensor, y: Tensor, config: dict[str, Any]
                ) -> tuple[Callable[[], Any], dict[str, Any]]:
-    """The measured call of an ``eigh`` or ``backends`` method (``'ours'``, ``'eigsh'``,
-    ``'backpack'``, ``'functorch'``): it returns eigenvalues and eigenvectors and fills
-    the returned dict (engine used, number of GGN-vector products)."""
+    """The measured call of an ``eigh`` or ``backends`` method (eigenvalues, eigenvectors)
+    and the dict it fills (engine used, number of GGN-vector products)."""
     loss_func = nn.CrossEntropyLoss()
     extra: dict[str, Any] = {}
     if method == "eigsh":
         import curvlinops  # noqa: F401
 
         def call():
-            evals, evecs, count = ggn_eigsh(model, loss_func, [(X, y)], len(y), config["k"])
-            extra["num_products"] = count
+            evals, evecs, extra["num_products"] = ggn_eigsh(model, loss_func, [(X, y)], len(y),
+                                                            config["k"])
             return evals, evecs
 
         return call, extra
@@ -123,8 +122,8 @@ def _eigh_call(method: str, model: nn.Module, X: Tensor, y: Tensor, config: dict
         torch.manual_seed(config["seed"])
         result = ll.ggn_eigh(model, loss_func, X, y, top_k=config["k"], backend=backend,
                              low_memory=config["low_memory"])
-        extra["backend_used"] = result.backend
-        extra["kept_fraction"] = float(result.eigenvalues.sum() / result.trace)
+        extra.update(backend_used=result.backend,
+                     kept_fraction=float(result.eigenvalues.sum() / result.trace))
         return result.eigenvalues, result.eigenvectors
 
     return call, extra
@@ -180,8 +179,7 @@ def _laplace_phases(method: str, model: nn.Module, X: Tensor, y: Tensor,
         return {"H_type": type(la.H).__name__, "kept_fraction": float(la.kept_fraction),
                 "backend_used": la.factor_backend_used}
 
-    return [("fit", fit, fitted),
-            ("glm", glm, probs_warnings(len(X_test), NUM_CLASSES))]
+    return [("fit", fit, fitted), ("glm", glm, probs_warnings(len(X_test), NUM_CLASSES))]
 
 
 def _scale_phases(method: str, model: nn.Module, X: Tensor, y: Tensor, config: dict[str, Any]
