@@ -230,10 +230,8 @@ def run_worker(module: str, config: dict[str, Any], args: argparse.Namespace) ->
                             cwd=REPO_ROOT, env=worker_env(args), start_new_session=True)
     lines: queue.Queue = queue.Queue()
     tail: deque = deque(maxlen=60)
-    readers = [threading.Thread(target=_load.read_lines, args=(proc.stdout, lines),
-                                daemon=True),
-               threading.Thread(target=_load.read_lines, args=(proc.stderr, None, tail),
-                                daemon=True)]
+    readers = [threading.Thread(target=_load.read_lines, args=a, daemon=True)
+               for a in ((proc.stdout, lines), (proc.stderr, None, tail))]
     for reader in readers:
         reader.start()
     try:
