@@ -185,11 +185,7 @@ def build_ggn(model: nn.Module, inputs: Inputs, likelihood: str, sigma: float = 
               space: str = "auto", chunk: int = 64) -> ExactGGN:
     """Assemble the exact GGN of ``model`` (float64, at its MAP) on all training inputs and
     all its eigenvalues, in ``space`` ``"parameters"``, ``"gram"`` or ``"auto"`` (the
-    smaller), ``chunk`` inputs per Jacobian evaluation.
-
-    Raises:
-        ValueError: For an unknown space.
-    """
+    smaller), ``chunk`` inputs per Jacobian evaluation."""
     import time
 
     if space not in SPACES:

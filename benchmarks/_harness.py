@@ -202,14 +202,12 @@ def _close(record: dict[str, Any], failure: dict | None, stderr: str, device: st
 
 
 def run_worker(module: str, config: dict[str, Any], args: argparse.Namespace) -> dict:
-    """Run one configuration in a fresh worker process of ``module`` and collect its records.
+    """Run one configuration in a fresh worker process of ``module``: its record.
 
     ``config`` is what the worker gets as JSON: ``phases`` it reports after ``setup``;
     ``load`` (``{"threads", "size", "env"}``) starts a competing process beside it;
     ``timeout`` overrides ``--timeout``; ``launcher`` (e.g. torchrun's) replaces the
-    interpreter. Returns the configuration with ``setup``, ``phases`` (failed and skipped
-    ones too), ``worker_peak_bytes``, the machine's state before and the CPU share of
-    other processes during the worker.
+    interpreter.
     """
     record: dict[str, Any] = {**config, "phases": {}, "expected": list(config["phases"])}
     busy_procs = _load.wait_for_processes(getattr(args, "wait_for", []),

