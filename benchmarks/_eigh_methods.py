@@ -38,18 +38,12 @@ POWER_TOL = 1e-3
 
 
 class GGNVectorProduct:
-    """Mini-batch GGN-vector products ``G v = J^T H J v`` of a cross-entropy loss via
-    ``torch.func``: a forward-mode ``J v``, the logits' Hessian ``H_n = (diag(p_n) - p_n
-    p_n^T) / N`` and a reverse-mode product whose forward pass is cached (as PyHessian
-    caches the gradient graph); ``v`` flat, ordered like ``model.parameters()``.
-
-    Attributes:
-        num_products: Number of GGN-vector products computed so far.
-    """
+    """Mini-batch GGN-vector products ``G v = J^T H J v`` of a cross-entropy loss (mean or
+    sum; ``y`` unused) via ``torch.func``: a forward-mode ``J v``, the logits' Hessian
+    ``H_n = (diag(p_n) - p_n p_n^T) / N`` and a reverse-mode product whose forward pass is
+    cached (as PyHessian caches the gradient graph); ``num_products`` counts them."""
 
     def __init__(self, model: nn.Module, loss_func: nn.CrossEntropyLoss, X: Tensor, y: Tensor):
-        """Set up the forward pass and the cached VJP (``y`` is unused by the GGN of the
-        cross-entropy loss, whose ``reduction`` must be ``'mean'`` or ``'sum'``)."""
         from torch.func import vjp
 
         if not isinstance(loss_func, nn.CrossEntropyLoss) or \
@@ -62,15 +56,10 @@ class GGNVectorProduct:
         self._shapes = [p.shape for p in self._params]
         self._numels = [p.numel() for p in self._params]
         self.dim = sum(self._numels)
-        self._model = model
-        self._X = X
-        self.num_products = 0
-
+        self._model, self._X, self.num_products = model, X, 0
         out, self._vjp_fn = vjp(self._f, *self._params)
-        out = out.detach()
-        scale = 1.0 / X.shape[0] if loss_func.reduction == "mean" else 1.0
-        self._probs = out.softmax(dim=-1)
-        self._scale = scale
+        self._probs = out.detach().softmax(dim=-1)
+        self._scale = 1.0 / X.shape[0] if loss_func.reduction == "mean" else 1.0
 
     def _f(self, *params: Tensor) -> Tensor:
         """The model's output (logits) on the mini-batch, as a function of the parameters."""
@@ -106,13 +95,10 @@ def power_iteration(
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor]:
     """PyHessian-style power iteration with deflation (``pyhessian.hessian.eigenvalues``):
-    per eigenpair, from a random vector (``generator``), orthonormalize against those
-    found, multiply (``ggnvp``), Rayleigh quotient, normalize, until the estimate changes
-    by less than ``tol`` (relative) or after ``max_iter`` products.
-
-    Returns:
-        Eigenvalues ``(k,)`` in the order found and eigenvectors ``(D, k)``.
-    """
+    per eigenpair, from a random vector, orthonormalize against those found, multiply,
+    Rayleigh quotient, normalize, until the estimate changes by less than ``tol``
+    (relative) or after ``max_iter`` products; eigenvalues ``(k,)`` as found, vectors
+    ``(D, k)``."""
     eigenvalues: list[float] = []
     eigenvectors: list[Tensor] = []
 
@@ -128,15 +114,10 @@ def power_iteration(
         for _ in range(max_iter):
             v = orthonormalize(v)
             Gv = ggnvp(v)
-            tmp_eigenvalue = (Gv @ v).item()
+            previous, eigenvalue = eigenvalue, (Gv @ v).item()
             v = Gv / (Gv.norm() + 1e-6)
-            if eigenvalue is None:
-                eigenvalue = tmp_eigenvalue
-            elif abs(eigenvalue - tmp_eigenvalue) / (abs(eigenvalue) + 1e-6) < tol:
-                eigenvalue = tmp_eigenvalue
+            if previous is not None and abs(previous - eigenvalue) / (abs(previous) + 1e-6) < tol:
                 break
-            else:
-                eigenvalue = tmp_eigenvalue
         eigenvalues.append(eigenvalue)
         eigenvectors.append(v)
 
@@ -213,8 +194,7 @@ CALLS: dict[str, Callable] = {**dict.fromkeys(OURS_CASES, _ours), "power": _powe
 
 def inspect(out: tuple[Tensor, Tensor], model: nn.Module, loss_func: nn.Module, X: Tensor,
             y: Tensor, config: dict) -> dict[str, Any]:
-    """Untimed checks of a result: eigenvalues, shapes and (``verify``) the eigenvectors
-    against the mini-batch GGN and, for sub-sampled variants, the sub-sample's (``sub_*``)."""
+    """Untimed checks of a result: eigenvalues, shapes and (``verify``) its eigenvectors."""
     evals = torch.as_tensor(out[0]).detach().flatten().cpu().double()
     evecs = torch.as_tensor(out[1]).detach()
     D, k = sum(p.numel() for p in model.parameters()), config["k"]
@@ -249,8 +229,7 @@ def inspect(out: tuple[Tensor, Tensor], model: nn.Module, loss_func: nn.Module, 
 
 
 def worker_main(config: dict[str, Any]):
-    """Run one configuration (``problem``, ``method``, ``N``, ``k``, ``device``, ``seed``,
-    ``threads``, ``verify``): the ``eigh`` phase, then the untimed checks of its result."""
+    """Run one configuration: the ``eigh`` phase, then the untimed checks of its result."""
     setup = worker_setup(config)
     torch.manual_seed(config["seed"])
     model, loss_func, X, y = make_problem(config["problem"], config["N"], seed=config["seed"],

@@ -85,8 +85,7 @@ def loss_sqrt(logits: Tensor, likelihood: str, sigma: float = 1.0) -> Tensor:
 
 def factor_rows(model: nn.Module, names: Sequence[str], inputs: Inputs, likelihood: str,
                 sigma: float = 1.0, chunk: int = 64) -> Iterator[Tensor]:
-    """Rows of ``A`` (``G = A^T A``) over the named parameters, in blocks ``(B K, D)`` of
-    ``chunk`` inputs."""
+    """Rows of ``A`` (``G = A^T A``) in blocks ``(B K, D)`` of ``chunk`` inputs."""
     for part in chunks(inputs, chunk):
         J, f = jacobians(model, names, part)
         S = loss_sqrt(f, likelihood, sigma)
@@ -119,10 +118,7 @@ def marglik_prior(eigenvalues: Tensor, sq_norm: float, low: float = 1e-8,
     for _ in range(200):
         mid = (lo + hi) / 2
         delta = math.exp(mid)
-        if float((lam / (delta * (lam + delta))).sum()) > sq_norm:
-            lo = mid
-        else:
-            hi = mid
+        lo, hi = (mid, hi) if float((lam / (delta * (lam + delta))).sum()) > sq_norm else (lo, mid)
     return math.exp((lo + hi) / 2)
 
 
@@ -189,11 +185,7 @@ def build_ggn(model: nn.Module, inputs: Inputs, likelihood: str, sigma: float = 
               space: str = "auto", chunk: int = 64) -> ExactGGN:
     """Assemble the exact GGN of ``model`` (float64, at its MAP) on all training inputs and
     all its eigenvalues, in ``space`` ``"parameters"``, ``"gram"`` or ``"auto"`` (the
-    smaller), ``chunk`` inputs per Jacobian evaluation.
-
-    Raises:
-        ValueError: For an unknown space.
-    """
+    smaller), ``chunk`` inputs per Jacobian evaluation."""
     import time
 
     if space not in SPACES:
@@ -223,8 +215,7 @@ def build_ggn(model: nn.Module, inputs: Inputs, likelihood: str, sigma: float = 
 
 
 def probit(f_mu: Tensor, f_var: Tensor) -> Tensor:
-    """laplace-torch's probit GLM predictive: class probabilities ``(B, C)`` of output
-    means ``(B, C)`` and covariances ``(B, C, C)``."""
+    """laplace-torch's probit GLM predictive of output means and covariances."""
     kappa = 1 / torch.sqrt(1.0 + math.pi / 8 * f_var.diagonal(dim1=1, dim2=2))
     return torch.softmax(kappa * f_mu, dim=-1)
 

@@ -28,29 +28,20 @@ class Problem:
 
     Attributes:
         source: ``"mnist"`` (28x28) or ``"digits"`` (8x8).
-        model: A key of :data:`MODELS`.
-        arch: Keyword arguments of the model factory.
+        model: A key of :data:`MODELS`, ``arch`` its keyword arguments.
         encoding: ``"flat"``, ``"image"`` or ``"tokens"`` (grey levels as tokens).
         pool: Average-pooling factor applied to the images first (2: MNIST at 14x14).
         standardize: ``0``: inputs as they are; else centred and scaled by the training
             set's mean and standard deviation plus this.
-        n_train: Training images (the next ``n_test`` are the test set).
-        augment: Copies of each training image in the training set: the image and
-            ``augment - 1`` randomly rotated (up to 15 degrees) and shifted (up to 7.5%
-            of the width) ones, as an augmented training set holds.
-        n_test: Test images.
-        epochs: Adam epochs of MAP training.
-        prior: Prior precision of the MAP objective.
-        lr: Adam learning rate.
+        augment: Copies of each training image (:func:`augment`).
+        prior: Prior precision of the MAP objective (``epochs`` of Adam at ``lr``).
         rotations: Angles (degrees) of the shifted test sets.
         space: Where the exact GGN is held (see :func:`benchmarks._exact.build_ggn`).
         calibration: Held-out images the posteriors (and the exact GGN) are fitted on
             (``0``: the training set).
-        dtype: ``"float32"``: the posteriors are fitted on a float32 copy of the
-            network (the exact reference stays float64).
-        marglik_steps: Adam steps of the posteriors' marglik tuning (``None``: the
-            script's ``--marglik-steps``).
-        note: What the problem stands for.
+        dtype: ``"float32"``: the posteriors are fitted on a float32 copy of the network.
+        marglik_steps: Adam steps of the posteriors' marglik tuning (``None``:
+            ``--marglik-steps``).
     """
 
     source: str
@@ -219,8 +210,7 @@ def build_model(problem: Problem, features: int) -> nn.Module:
 
 
 def train_map(model: nn.Module, problem: Problem, X: Inputs, y: Tensor) -> dict[str, Any]:
-    """Train the float32 ``model`` in place to its MAP under the problem's Gaussian prior
-    (Adam), leaving it in float64; its training NLL and accuracy."""
+    """Train ``model`` in place to its MAP (float32), leaving it in float64; its train metrics."""
     gen = torch.Generator().manual_seed(0)
     X = X.float() if isinstance(X, Tensor) else X
     params = [p for p in model.parameters() if p.requires_grad]

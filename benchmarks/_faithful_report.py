@@ -44,23 +44,12 @@ def variance_errors(f_var: Tensor, exact: Tensor) -> dict[str, float]:
 
 def set_metrics(got: dict[str, Tensor], exact: dict, y: Tensor,
                 measured_v: Optional[float] = None, rank: Optional[int] = None) -> dict:
-    """A posterior's metrics on one test set (labels ``y``) against the exact predictive.
-
-    Args:
-        got: ``probs`` (laplace-torch's probit predictive), ``f_var`` (own prior),
-            ``f_var_same`` (the exact posterior's prior) and, for a low-rank posterior,
-            ``energy_outside`` (each input's Jacobian energy outside its basis) and
-            ``null_energy`` (its part on the logit-shift directions the posterior keeps
-            apart, at the prior in both posteriors).
-        exact: The exact predictive of the set (``f_mu``, ``f_var``, ``split``).
-        y: Labels.
-        measured_v: A low-rank posterior's measured complement variance at the exact
-            prior (``None``: not measured).
-        rank: Its rank.
-
-    Returns:
-        The metrics.
-    """
+    """A posterior's metrics on one test set (labels ``y``) against the exact predictive
+    (``f_mu``, ``f_var``, ``split``); ``got``: its ``probs`` (probit predictive), ``f_var``
+    (own prior), ``f_var_same`` (the exact posterior's prior) and, for a low-rank posterior
+    of ``rank`` with measured complement variance ``measured_v``, ``energy_outside`` (each
+    input's Jacobian energy outside its basis) and ``null_energy`` (its part on the
+    logit-shift directions the posterior keeps apart)."""
     out: dict[str, Any] = classification(got["probs"], y)
     out["fvar_error"] = variance_errors(got["f_var"], exact["f_var"])
     out["fvar_error_at_exact_prior"] = variance_errors(got["f_var_same"], exact["f_var"])
@@ -214,8 +203,7 @@ _EIGEN_KEYS = ("exact_top_share", "kept_fraction", "kept_vs_exact_top", "top_eig
 
 
 def design_facts(record: dict, ranks) -> dict:
-    """Per rank: the kept eigenvalues of the default and of streaming against the exact
-    top-r and each other, and the measured complement variance against the exact one."""
+    """Per rank: the default's and streaming's kept eigenvalues and measured complement."""
     out = {}
     methods = record["methods"]
     for r in ranks:

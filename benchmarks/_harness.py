@@ -43,10 +43,8 @@ HOPELESS = ("timeout", "oom", "killed")
 
 #: The driver options the scripts share (each script picks its own and their defaults).
 ARGUMENTS: dict[str, dict[str, Any]] = {
-    "device": {"default": "cpu", "help": "Device of models, data and curvature ('cpu', "
-               "'cuda')."},
-    "threads": {"type": int, "default": 0, "help": "torch threads in workers (0: usable "
-                "cores)."},
+    "device": {"default": "cpu", "help": "Device of models, data and curvature ('cpu', 'cuda')."},
+    "threads": {"type": int, "default": 0, "help": "torch threads in workers (0: usable cores)."},
     "blas_threads": {"type": int, "default": 1, "help": "OPENBLAS_NUM_THREADS for "
                      "NumPy/SciPy in workers (0: do not set)."},
     "omp_wait_policy": {"default": "PASSIVE", "help": "OMP_WAIT_POLICY in workers ('' to "
@@ -65,10 +63,8 @@ ARGUMENTS: dict[str, dict[str, Any]] = {
     "wait_for": {"nargs": "*", "default": [], "metavar": "PATTERN", "help": "Before each "
                  "worker, wait while other processes whose command line contains one of "
                  "these strings use CPU (e.g. pytest bench_)."},
-    "wait_max": {"type": float, "default": 1200.0, "help": "Maximum wait for --wait-for "
-                 "[s]."},
-    "wait_poll": {"type": float, "default": 30.0, "help": "Polling interval of --wait-for "
-                  "[s]."},
+    "wait_max": {"type": float, "default": 1200.0, "help": "Maximum wait for --wait-for [s]."},
+    "wait_poll": {"type": float, "default": 30.0, "help": "Polling interval of --wait-for [s]."},
     "wait_idle": {"type": float, "default": 0.0, "help": "Before each worker, wait up to "
                   "this many seconds for the CPU to be less than "
                   f"{BUSY_WARN_PERCENT:g}%% busy; 0: do not wait."},
@@ -85,17 +81,9 @@ ARGUMENTS: dict[str, dict[str, Any]] = {
 
 
 def script_parser(doc: str, *names: str, **defaults: Any) -> argparse.ArgumentParser:
-    """The argument parser of a script that is its own worker (see :func:`script_main`).
-
-    Args:
-        doc: The script's docstring; its first paragraph describes the script.
-        *names: The shared options it takes (keys of :data:`ARGUMENTS`).
-        **defaults: Its own defaults of those options.
-
-    Returns:
-        A parser whose help shows the defaults, with the hidden ``--worker`` and
-        ``--config``.
-    """
+    """The argument parser of a script that is its own worker (:func:`script_main`),
+    described by its docstring's first paragraph, with the hidden ``--worker`` and
+    ``--config``, the shared options ``names`` (of :data:`ARGUMENTS`) and its ``defaults``."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -214,14 +202,12 @@ def _close(record: dict[str, Any], failure: dict | None, stderr: str, device: st
 
 
 def run_worker(module: str, config: dict[str, Any], args: argparse.Namespace) -> dict:
-    """Run one configuration in a fresh worker process of ``module`` and collect its records.
+    """Run one configuration in a fresh worker process of ``module``: its record.
 
     ``config`` is what the worker gets as JSON: ``phases`` it reports after ``setup``;
     ``load`` (``{"threads", "size", "env"}``) starts a competing process beside it;
     ``timeout`` overrides ``--timeout``; ``launcher`` (e.g. torchrun's) replaces the
-    interpreter. Returns the configuration with ``setup``, ``phases`` (failed and skipped
-    ones too), ``worker_peak_bytes``, the machine's state before and the CPU share of
-    other processes during the worker.
+    interpreter.
     """
     record: dict[str, Any] = {**config, "phases": {}, "expected": list(config["phases"])}
     busy_procs = _load.wait_for_processes(getattr(args, "wait_for", []),
@@ -242,10 +228,8 @@ def run_worker(module: str, config: dict[str, Any], args: argparse.Namespace) ->
                             cwd=REPO_ROOT, env=worker_env(args), start_new_session=True)
     lines: queue.Queue = queue.Queue()
     tail: deque = deque(maxlen=60)
-    readers = [threading.Thread(target=_load.read_lines, args=(proc.stdout, lines),
-                                daemon=True),
-               threading.Thread(target=_load.read_lines, args=(proc.stderr, None, tail),
-                                daemon=True)]
+    readers = [threading.Thread(target=_load.read_lines, args=a, daemon=True)
+               for a in ((proc.stdout, lines), (proc.stderr, None, tail))]
     for reader in readers:
         reader.start()
     try:
@@ -340,21 +324,14 @@ def median_record(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class Plan:
-    """The configurations of one output file, run by :meth:`run` and written by :meth:`write`.
+    """The configurations of one output file (``path``), run by :meth:`run` and written by
+    :meth:`write`.
 
-    Args:
-        module: The script whose workers run the configurations.
-        configs: The configurations in run order; ``repeat`` (else ``--repeat``): runs
-            of one, ``skip``: why it runs none.
-        key: The configuration fields that name it (``'a/b/c'``, for ``--rerun``).
-        path: The JSON file.
-        settings: The run's settings; ``None`` entries are filled from the workers'
-            setup records (e.g. ``D``).
-        info: ``machine_info`` of the run.
-
-    Attributes:
-        run_one: One run of a configuration (default: :func:`run_worker`).
-        label: Printed before a configuration's name in the progress lines.
+    A configuration's ``repeat`` (else ``--repeat``) is its number of runs, ``skip`` why it
+    runs none; ``key`` names the fields that name it (``'a/b/c'``, for ``--rerun``);
+    ``None`` entries of ``settings`` are filled from the workers' setup records (e.g.
+    ``D``). ``run_one`` runs a configuration once (:func:`run_worker`); ``label`` starts
+    its progress lines.
     """
 
     def __init__(self, module: str, configs: list[dict], key: Sequence[str], path: Path,
@@ -387,9 +364,7 @@ class Plan:
                 if self.key(r) not in getattr(args, "rerun", [])}
 
     def run(self, args: argparse.Namespace, same: Sequence[str] = ()) -> list[dict]:
-        """Run every configuration (rounds over the repeats), saving after every run; one
-        record per configuration in plan order (``same``: the settings that must match
-        for ``--resume`` to reuse a record)."""
+        """Run every configuration (rounds over the repeats, saved after each run); the records."""
         done = self.previous(args, same)
         for key, record in done.items():
             print(progress_line(self.head(key), record) + " (from the previous run)",
@@ -449,8 +424,7 @@ class Plan:
 
 
 def run_results(module: str, configs: dict[str, dict], args: argparse.Namespace) -> dict:
-    """Run workers of :func:`_worker.run_result`, one per configuration (by name, in
-    order); their results by name, a failed one's its failure (``status``, ``reason``)."""
+    """Run one :func:`_worker.run_result` worker per configuration; the results by name."""
     results = {}
     for name, config in configs.items():
         record = run_config(module, {**config, "phases": ["result"]}, args)

@@ -8,13 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks._laplace_worker import PHASES
 from benchmarks._load import BUSY_WARN_PERCENT
 from benchmarks._problems import LAPLACE_NUM_CLASSES as NUM_CLASSES
 from benchmarks._problems import LAPLACE_NUM_PARAMS as EXPECTED_NUM_PARAMS
-from benchmarks._report import VERDICTS, figure, find
+from benchmarks._report import VERDICTS, figure, ok, phase_of, ratio
 from benchmarks._worker import GiB
 
+PHASES: tuple[str, ...] = ("fit", "glm", "nn")
 # Targets
 REFERENCE = "lowrank_exact"
 KRON_PEER = "kron_backpack"
@@ -33,14 +33,12 @@ TARGET_GLM_MEMORY_PROBLEM = "3c3d"
 
 def _phase(records: Sequence[dict], method: str, phase: str) -> dict | None:
     """The record of a phase of a method (``None`` if the method did not run)."""
-    r = find(records, method=method)
-    return None if r is None else r["phases"].get(phase)
+    return phase_of(records, phase, method=method)
 
 
 def _ok(records: Sequence[dict], method: str, phase: str) -> dict | None:
     """The record of a phase of a method if it succeeded, else ``None``."""
-    r = _phase(records, method, phase)
-    return r if r is not None and r.get("status") == "ok" else None
+    return ok(_phase(records, method, phase))
 
 
 def _cell(r: dict | None, key: str, scale: float = 1.0, fmt: str = "{:.3g}") -> str:
@@ -64,6 +62,16 @@ def _target(name: str, value: float | None, passed: bool | None, text: str) -> d
             "text": text if value is not None else "missing or failed run"}
 
 
+def _bounded(name: str, value: float | None, bound: float | None, note: str = "") -> dict:
+    """The target ``value <= bound`` on a ratio (``bound`` ``None``: informative)."""
+    return _target(name, value, None if value is None or not bound else value <= bound,
+                   f"ratio {value or 0:.2f}{note}")
+
+
+def _time_ratio(a: dict | None, b: dict | None) -> float | None:
+    return ratio(a and a["time_s"], b and b["time_s"])
+
+
 def _with_marglik(r: dict | None) -> float | None:
     return None if r is None or r.get("marglik_time_s") is None else \
         r["time_s"] + r["marglik_time_s"]
@@ -73,25 +81,21 @@ def _fit_targets(problem: str, records: Sequence[dict]) -> list[dict[str, Any]]:
     """Exact and MC fits against BackPACK-``kron`` (and ``full``, with marglik tuning)."""
     ref, mc, kron = (_ok(records, m, "fit") for m in (REFERENCE, "lowrank_mc", KRON_PEER))
     bound = TARGET_EXACT_VS_KRON.get(problem)
-    ratio = ref["time_s"] / kron["time_s"] if ref and kron else None
-    targets = [_target(f"{REFERENCE} fit <= {bound:g}x {KRON_PEER} fit" if bound else
-                       f"{REFERENCE} fit / {KRON_PEER} fit (informative)", ratio,
-                       None if ratio is None or not bound else ratio <= bound,
-                       f"ratio {ratio or 0:.2f}")]
+    targets = [_bounded(f"{REFERENCE} fit <= {bound:g}x {KRON_PEER} fit" if bound else
+                        f"{REFERENCE} fit / {KRON_PEER} fit (informative)",
+                        _time_ratio(ref, kron), bound)]
     full = _with_marglik(_ok(records, FULL_PEER, "fit"))
     ours, kron_total = _with_marglik(ref), _with_marglik(kron)
     if ours is not None and full is not None:
-        targets.append(_target(f"{REFERENCE} fit+marglik <= {FULL_PEER} fit+marglik",
-                               ours / full, ours / full <= 1.0, f"ratio {ours / full:.2f}"))
+        targets.append(_bounded(f"{REFERENCE} fit+marglik <= {FULL_PEER} fit+marglik",
+                                ours / full, 1.0))
     if ours is not None and kron_total is not None:
-        ratio = ours / kron_total
-        targets.append(_target(f"{REFERENCE} fit+marglik <= {TARGET_MARGLIK_VS_KRON:g}x "
-                               f"{KRON_PEER} fit+marglik", ratio,
-                               ratio <= TARGET_MARGLIK_VS_KRON, f"ratio {ratio:.2f}"))
+        targets.append(_bounded(f"{REFERENCE} fit+marglik <= {TARGET_MARGLIK_VS_KRON:g}x "
+                                f"{KRON_PEER} fit+marglik", ours / kron_total,
+                                TARGET_MARGLIK_VS_KRON))
     bound = TARGET_MC_VS_KRON.get(problem, 1.0)
-    ratio = mc["time_s"] / kron["time_s"] if mc and kron else None
-    targets.append(_target(f"lowrank_mc fit <= {bound:g}x {KRON_PEER} fit", ratio,
-                           None if ratio is None else ratio <= bound, f"ratio {ratio or 0:.2f}"))
+    targets.append(_bounded(f"lowrank_mc fit <= {bound:g}x {KRON_PEER} fit",
+                            _time_ratio(mc, kron), bound))
     return targets
 
 
@@ -110,17 +114,15 @@ def _sketch_targets(problem: str, records: Sequence[dict]) -> list[dict[str, Any
         if streamed and streamed.get("kept_fraction") is not None:
             kept += f" (streaming {streamed['kept_fraction']:.3f})"
         bound = bounds.get(problem, None if base == REFERENCE else 1.0)
-        ratio = sketch["time_s"] / kron["time_s"]
         if bound:
-            targets.append(_target(f"{method} fit <= {bound:g}x {KRON_PEER} fit ({kind})",
-                                   ratio, ratio <= bound, f"ratio {ratio:.2f}, {kept}"))
+            targets.append(_bounded(f"{method} fit <= {bound:g}x {KRON_PEER} fit ({kind})",
+                                    sketch["time_s"] / kron["time_s"], bound, f", {kept}"))
         total = _with_marglik(sketch)
         if base == REFERENCE and total is not None and kron_total is not None:
-            ratio = total / kron_total
-            targets.append(_target(
+            targets.append(_bounded(
                 f"{method} fit+marglik <= {TARGET_MARGLIK_VS_KRON:g}x {KRON_PEER} "
-                f"fit+marglik ({kind})", ratio, ratio <= TARGET_MARGLIK_VS_KRON,
-                f"ratio {ratio:.2f}, {kept}"))
+                f"fit+marglik ({kind})", total / kron_total, TARGET_MARGLIK_VS_KRON,
+                f", {kept}"))
     return targets
 
 
@@ -133,9 +135,9 @@ def check_targets(problem: str, records: Sequence[dict]) -> list[dict[str, Any]]
     name = f"lanczos fit >= {TARGET_LANCZOS_SPEEDUP:g}x {REFERENCE} fit"
     status = (lanczos or {}).get("status") if ref else None
     if status == "ok":
-        ratio = lanczos["time_s"] / ref["time_s"]
-        targets.append(_target(name, ratio, ratio >= TARGET_LANCZOS_SPEEDUP,
-                               f"speed-up {ratio:.2f}"))
+        speedup = lanczos["time_s"] / ref["time_s"]
+        targets.append(_target(name, speedup, speedup >= TARGET_LANCZOS_SPEEDUP,
+                               f"speed-up {speedup:.2f}"))
     elif status == "timeout":
         bound = lanczos["time_to_failure_s"] / ref["time_s"]
         targets.append(_target(name, bound, True if bound >= TARGET_LANCZOS_SPEEDUP else None,
@@ -238,11 +240,8 @@ def _load_check(records: Sequence[dict]) -> dict[str, Any]:
 
 
 def summarize(problem: str, records: Sequence[dict], args: argparse.Namespace) -> dict[str, Any]:
-    """Print the result table, failures and targets of a problem's method records.
-
-    Returns:
-        Summary (targets, eigenvalue deviations, CPU load warnings).
-    """
+    """Print the result table, failures and targets of a problem's method records; the
+    summary (targets, eigenvalue deviations, CPU load)."""
     _print_table(problem, records, args)
     summary = {"eigenvalue_deviation_from_lanczos": _eigenvalue_check(records, args.rank),
                **_load_check(records), "targets": check_targets(problem, records)}
@@ -254,8 +253,7 @@ def summarize(problem: str, records: Sequence[dict], args: argparse.Namespace) -
 
 
 def _bars(ax, entries: Sequence[dict | None], value_of, style: dict[str, Any]):
-    """One bar per method (a phase's value); failures hatched and labelled with their
-    status, or on a linear (memory) panel a red cross."""
+    """One bar per method; failures hatched (log panels) or a red cross (linear)."""
     values = [value_of(r) if r and r.get("status") == "ok" else None for r in entries]
     ok_vals = [v for v in values if v is not None and v > 0]
     top, log = max(ok_vals, default=1.0), style.get("log", True)
@@ -282,8 +280,7 @@ def _bars(ax, entries: Sequence[dict | None], value_of, style: dict[str, Any]):
 
 
 def plot(problem: str, records: Sequence[dict], path: Path, info: dict[str, Any], args):
-    """Bar charts of fit time, predictive times and peak memory per method (``info``: the
-    machine; ``args``: the driver's arguments)."""
+    """Bar charts of fit time, predictive times and peak memory per method."""
     methods = [r["method"] for r in records]
     kinds = {"ours": "tab:blue", "laplace": "tab:gray", "lanczos": "tab:orange"}
     colors = [kinds[r["kind"]] for r in records]

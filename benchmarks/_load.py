@@ -28,8 +28,7 @@ LOAD_MARKER = "__BENCH_LOAD__"
 
 
 def system_busy_cpu_seconds() -> float | None:
-    """Busy CPU seconds (user, nice, system, irq, softirq) of the machine since boot,
-    summed over cores (``None`` without psutil)."""
+    """Busy CPU seconds of the machine since boot (``None`` without psutil)."""
     try:
         import psutil
     except ImportError:  # pragma: no cover
@@ -39,15 +38,13 @@ def system_busy_cpu_seconds() -> float | None:
 
 
 def own_cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
-    """User plus system CPU seconds of this process (``RUSAGE_SELF``, all threads) or of
-    its reaped children (``RUSAGE_CHILDREN``)."""
+    """User plus system CPU seconds of this process or of its reaped children."""
     r = resource.getrusage(who)
     return r.ru_utime + r.ru_stime
 
 
 def process_cpu_seconds(pid: int) -> float | None:
-    """User plus system CPU seconds of another process (``None``: no pid, no psutil, or
-    the process is gone)."""
+    """User plus system CPU seconds of another process (``None``: unknown)."""
     if not pid:
         return None
     try:
@@ -61,13 +58,9 @@ def process_cpu_seconds(pid: int) -> float | None:
 
 class CpuShare:
     """The CPU share of other processes during a span from now (noisy for short spans:
-    accounting has about 10 ms granularity).
-
-    Args:
-        who: Whose CPU time is the span's own: ``RUSAGE_SELF`` (a phase inside a worker)
-            or ``RUSAGE_CHILDREN`` (the driver's reaped workers).
-        load_pid: A competing load's process id, counted apart (``0``: none).
-    """
+    accounting has about 10 ms granularity); ``who``: whose CPU time is the span's own
+    (``RUSAGE_SELF``: a worker's phase, ``RUSAGE_CHILDREN``: the driver's reaped workers),
+    ``load_pid``: a competing load's process, counted apart (``0``: none)."""
 
     def __init__(self, who: int = resource.RUSAGE_SELF, load_pid: int = 0):
         self.who, self.load_pid = who, load_pid
@@ -75,20 +68,15 @@ class CpuShare:
         self.load0 = process_cpu_seconds(load_pid)
         self.start = time.perf_counter()
 
-    def load_seconds(self) -> float | None:
-        """CPU seconds the competing load used since the span started."""
-        now = process_cpu_seconds(self.load_pid)
-        return None if now is None or self.load0 is None else now - self.load0
-
-    def stop(self, load_s: float | None = None) -> dict[str, float]:
+    def stop(self) -> dict[str, float]:
         """The shares of the span so far in percent of all cores: ``others`` (not this
-        process, its children or the load) and with a load ``load`` (``load_s``: its CPU
-        seconds if already read); empty without psutil."""
+        process, its children or the load) and with a load ``load``; empty without psutil."""
         wall = time.perf_counter() - self.start
         busy1 = system_busy_cpu_seconds()
         if self.busy0 is None or busy1 is None or wall <= 0:
             return {}
-        load_s = self.load_seconds() if load_s is None else load_s
+        now = process_cpu_seconds(self.load_pid)
+        load_s = None if now is None or self.load0 is None else now - self.load0
         capacity = wall * (os.cpu_count() or 1) / 100.0
         own = own_cpu_seconds(self.who) - self.own0 + (load_s or 0.0)
         shares = {"others": max(0.0, (busy1 - self.busy0 - own) / capacity)}
@@ -97,23 +85,17 @@ class CpuShare:
         return shares
 
 
-def other_cpu_load(interval: float = 0.5) -> float | None:
-    """The machine's CPU utilisation over ``interval`` seconds in percent of all cores
-    (``None`` without psutil), measured while no worker runs."""
+def wait_for_idle_cpu(max_wait_s: float) -> float | None:
+    """Wait up to ``max_wait_s`` seconds (``0``: measure once) for an (almost) idle CPU;
+    the last measured utilisation in percent of all cores (``None`` without psutil)."""
     try:
         import psutil
     except ImportError:  # pragma: no cover
         return None
-    return psutil.cpu_percent(interval=interval)
-
-
-def wait_for_idle_cpu(max_wait_s: float) -> float | None:
-    """Wait up to ``max_wait_s`` seconds (``0``: measure once) for an (almost) idle CPU;
-    the last measured utilisation in percent (``None`` without psutil)."""
-    busy = other_cpu_load()
+    busy = psutil.cpu_percent(interval=0.5)
     deadline = time.perf_counter() + max_wait_s
-    while busy is not None and busy > BUSY_WARN_PERCENT and time.perf_counter() < deadline:
-        busy = other_cpu_load(interval=2.0)
+    while busy > BUSY_WARN_PERCENT and time.perf_counter() < deadline:
+        busy = psutil.cpu_percent(interval=2.0)
     return busy
 
 
@@ -166,8 +148,7 @@ def wait_for_processes(patterns: Sequence[str], max_wait_s: float, poll_s: float
 
 
 def read_lines(stream, lines: queue.Queue | None, tail: Any = None):
-    """Forward a stream's lines into a queue (``None`` marks the end; no queue: none)
-    and keep its last lines in a ``deque`` ``tail``."""
+    """Forward a stream's lines into a queue (``None`` at the end), its last ones to ``tail``."""
     for line in stream:
         if tail is not None:
             tail.append(line)
@@ -187,8 +168,7 @@ def kill_group(proc: subprocess.Popen):
 
 
 class CompetingLoad:
-    """A busy process beside a worker (``threads`` torch threads, ``size x size`` matrices,
-    environment ``env``): started, awaited until ready, then stopped."""
+    """A busy process of ``size x size`` matmuls on ``threads`` threads beside a worker."""
 
     def __init__(self, threads: int, size: int, env: dict[str, str]):
         cmd = [sys.executable, "-m", "benchmarks._load", f"--threads={threads}",
@@ -202,14 +182,12 @@ class CompetingLoad:
         self.thread.start()
         self.ready = False
         deadline = time.perf_counter() + 120.0
-        while not self.ready and time.perf_counter() < deadline:
-            try:
+        with contextlib.suppress(queue.Empty):
+            while not self.ready and time.perf_counter() < deadline:
                 line = self.lines.get(timeout=max(0.0, deadline - time.perf_counter()))
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            self.ready = line.startswith(LOAD_MARKER)
+                if line is None:
+                    break
+                self.ready = line.startswith(LOAD_MARKER)
         time.sleep(1.0)  # let it reach its steady state
 
     @property
@@ -227,11 +205,9 @@ class CompetingLoad:
         except subprocess.TimeoutExpired:
             kill_group(self.proc)
         self.thread.join(timeout=5)
-        while True:
-            try:
-                line = self.lines.get_nowait()
-            except queue.Empty:
-                break
+        with self.lines.mutex:
+            lines = list(self.lines.queue)
+        for line in lines:
             if line and line.startswith(LOAD_MARKER):
                 report.update(json.loads(line[len(LOAD_MARKER):]))
         report["ready"] = self.ready  # not a late ready line's
@@ -239,9 +215,7 @@ class CompetingLoad:
 
 
 def matmul_load(threads: int, size: int):
-    """The competing work: ``size x size`` float32 matmuls on ``threads`` torch threads
-    until ``SIGTERM``; prints a marked line when ready and one with its products per
-    second at the end."""
+    """The competing work: float32 matmuls until ``SIGTERM``, reporting its rate."""
     import torch
 
     stop: list[bool] = []

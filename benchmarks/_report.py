@@ -49,17 +49,13 @@ def machine_info(device: str, packages: Sequence[str] = DEFAULT_PACKAGES) -> dic
         "python": platform.python_version(), "torch": torch.__version__, "device": device,
         "device_name": torch.cuda.get_device_name(0) if cuda else cpu_name,
         "cpu_count_usable": num_cores()}
-    try:
+    with contextlib.suppress(ImportError):
         import psutil
 
         info["total_memory_bytes"] = psutil.virtual_memory().total
-    except ImportError:  # pragma: no cover
-        pass
     for pkg in packages:
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             info[f"version_{pkg}"] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            pass
     info["lowrank_laplace_sources"] = library_fingerprint()
     info["loadavg_at_start"] = list(os.getloadavg())
     return info
@@ -123,19 +119,46 @@ def find(records: Iterable[dict], **fields: Any) -> dict | None:
     return next((r for r in records if all(r.get(k) == v for k, v in fields.items())), None)
 
 
-def phase_ok(record: dict | None, phase: str) -> dict | None:
+def ok(r: dict | None) -> dict | None:
     """A phase's record if it succeeded, else ``None``."""
-    r = None if record is None else record["phases"].get(phase)
     return r if r and r.get("status") == "ok" else None
+
+
+def phase_ok(record: dict | None, phase: str) -> dict | None:
+    """A configuration's phase record if it succeeded, else ``None``."""
+    return None if record is None else ok(record["phases"].get(phase))
+
+
+def phase_of(records: Iterable[dict], phase: str, **fields: Any) -> dict | None:
+    """A phase's record (any status) of the first configuration with the given fields."""
+    r = find(records, **fields)
+    return None if r is None else r["phases"].get(phase)
+
+
+def gib(value: float | None) -> str:
+    """Bytes in GiB with two decimals (``'-'`` for ``None``)."""
+    return "-" if value is None else f"{value / GiB:.2f}"
+
+
+def max_rel_dev(a: Sequence[float] | None, b: Sequence[float] | None) -> float | None:
+    """The largest ``|a_i - b_i| / |b_i|`` (``None``: empty, or lengths differ)."""
+    if not a or not b or len(a) != len(b):
+        return None
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def target(name: str, where: str, value: float | None, bound: float, **extra: Any) -> dict:
+    """A checked target ``value <= bound`` (``passed`` ``None``: not measurable)."""
+    return {"name": name, "where": where, "value": value, "bound": bound,
+            "passed": None if value is None else value <= bound, **extra}
 
 
 def others_cpu(record: dict | None) -> float | None:
     """The largest CPU share of other processes during a record's successful phases."""
     if record is None:
         return None
-    values = [r.get("other_cpu_percent_during_phase") for r in record["phases"].values()
-              if r.get("status") == "ok"]
-    values = [v for v in values if v is not None]
+    values = [v for r in record["phases"].values() if r.get("status") == "ok"
+              and (v := r.get("other_cpu_percent_during_phase")) is not None]
     return max(values) if values else record.get("other_cpu_percent_during")
 
 
@@ -190,24 +213,28 @@ def table_common(payload: dict[str, Any], sources: Sequence[str]) -> dict[str, A
             "versions": versions, "sources": list(sources)}
 
 
+def _measured(t: dict) -> str:
+    """A checked target's ratio."""
+    return "-" if t["value"] is None else f"{t['value']:.2f}x"
+
+
+def _peer(t: dict) -> str:
+    """Why a checked target's peer failed, in parentheses."""
+    return f" ({t['peer_failure']})" if t.get("peer_failure") else ""
+
+
 def target_rows(targets: Iterable[dict]) -> list[list[str]]:
     """Table rows of checked targets: name, where, the measured ratio, the verdict."""
-    rows = []
-    for t in targets:
-        value = "-" if t["value"] is None else f"{t['value']:.2f}x"
-        if t.get("peer_failure"):
-            value += f" ({t['peer_failure']})"
-        rows.append([t["name"], t["where"], value, VERDICTS[t["passed"]]])
-    return rows
+    return [[t["name"], t["where"], _measured(t) + _peer(t), VERDICTS[t["passed"]]]
+            for t in targets]
 
 
 def print_targets(targets: Iterable[dict]):
     """Print checked targets, one line each."""
     for t in targets:
-        value = "-" if t["value"] is None else f"{t['value']:.2f}x"
-        extra = f" ({t['peer_failure']})" if t.get("peer_failure") else ""
-        print(f"  TARGET [{t['where']}] {t['name']}: {value} -> "
-              f"{'n/a' if t['passed'] is None else VERDICTS[t['passed']]}{extra}", flush=True)
+        verdict = "n/a" if t["passed"] is None else VERDICTS[t["passed"]]
+        print(f"  TARGET [{t['where']}] {t['name']}: {_measured(t)} -> {verdict}{_peer(t)}",
+              flush=True)
 
 
 def write_tables(tables: dict[str, dict], folder: str | Path):
@@ -245,18 +272,8 @@ def machine_text(info: dict[str, Any]) -> str:
 @contextlib.contextmanager
 def figure(path: str | Path, *shape: int, dpi: int = 120, rect: tuple | None = None,
            **subplots: Any) -> Iterator[tuple[Any, Any]]:
-    """A matplotlib figure (Agg backend), laid out and written to ``path`` after the block.
-
-    Args:
-        path: The PNG file.
-        *shape: Rows and columns of axes (none: one axes).
-        dpi: Its resolution.
-        rect: The part of the figure the axes fill (``None``: all of it).
-        **subplots: Further arguments of ``plt.subplots`` (``figsize``, ``squeeze``).
-
-    Yields:
-        The figure and its axes.
-    """
+    """A matplotlib figure and its axes (``plt.subplots(*shape, **subplots)``, Agg backend),
+    laid out (``rect``: the part the axes fill) and written to ``path`` after the block."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -271,8 +288,7 @@ def figure(path: str | Path, *shape: int, dpi: int = 120, rect: tuple | None = N
 
 def value_bar(ax: Any, x: float, value: float | None, missing: float = 1.0,
               text: str = "{:.3g}", fontsize: int = 7, **bar: Any):
-    """A bar labelled with its value; a missing value (a failure) is a red cross at
-    height ``missing``."""
+    """A bar labelled with its value; a missing one is a red cross at ``missing``."""
     if value is None:
         ax.plot(x, missing, "x", color="tab:red", ms=9)
         return

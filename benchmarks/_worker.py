@@ -1,9 +1,8 @@
 """The worker side of the benchmarks: one configuration's phases in a fresh process.
 
-A worker (``python -m benchmarks.<script> --worker --config JSON``, started by
-:func:`benchmarks._harness.run_worker`) builds its problem untimed, then prints a
-``setup`` record and one record per measured phase (:func:`measure`) as JSON lines, so
-the driver keeps what finished when a later phase fails or the worker dies.
+A worker (started by :func:`benchmarks._harness.run_worker`) builds its problem untimed,
+then prints a ``setup`` record and one per measured phase (:func:`measure`) as JSON lines,
+so the driver keeps what finished when a later phase fails or the worker dies.
 """
 
 from __future__ import annotations
@@ -68,18 +67,9 @@ TUNINGS: dict[str, Tuning] = {
 
 
 def set_tuning(name: str, value: Any, rank: int = 100) -> dict[str, Any]:
-    """Set a tuning of the package for this worker, before it builds a posterior: the
-    module constant where the package has it, else the keyword of ``Laplace(...)``.
-
-    Args:
-        name: The option, a key of :data:`TUNINGS`.
-        value: Its value, in the constant's units (``oversampling``: a fraction of the
-            rank).
-        rank: The posterior's rank (converts ``oversampling`` for the keyword option).
-
-    Returns:
-        Keyword options for ``Laplace(...)`` (empty where the constant was assigned).
-    """
+    """Set a tuning (a key of :data:`TUNINGS`, ``value`` in the constant's units) for this
+    worker before it builds a posterior: the module constant where the package has it, else
+    the returned keyword options of ``Laplace(...)`` (``rank`` converts fractions)."""
     tuning = TUNINGS[name]
     try:
         module = importlib.import_module(tuning.module)
@@ -193,8 +183,7 @@ def failures_reported() -> Iterator[None]:
 
 
 def preimport(names: Iterable[str] = DEFAULT_PREIMPORTS):
-    """Import what the measured calls would import lazily, e.g. ``torch._dynamo`` on the
-    first forward-mode AD call (failures are ignored)."""
+    """Import what the measured calls would import lazily (failures are ignored)."""
     import warnings
 
     with warnings.catch_warnings():
@@ -245,23 +234,9 @@ def library_fingerprint() -> dict[str, Any]:
 
 def measure(phase: str, fn: Callable[[], Any], device: torch.device,
             load_pid: int = 0) -> tuple[dict, Any]:
-    """Time one phase and measure its peak memory and the machine's load; record failures.
-
-    Args:
-        phase: Phase name.
-        fn: The phase (no arguments).
-        device: The worker's device.
-        load_pid: A competing load's process id, whose CPU share is kept apart from
-            the other processes' (``0``: none).
-
-    Returns:
-        The phase record and ``fn``'s output (``None`` on failure). The record holds
-        ``status`` (``ok``, ``oom``, ``error``), ``time_s`` (a failure's
-        ``time_to_failure_s``, ``reason``, ``traceback``), the peak memory (RSS
-        high-water mark, on CUDA the allocator's) with and above what the process held
-        before (``peak_bytes``, ``peak_delta_bytes``) and the CPU share of other
-        processes (and of the load) meanwhile.
-    """
+    """Time ``fn()`` as ``phase``: its record (``status``, ``time_s`` or a failure's
+    ``time_to_failure_s`` and ``reason``, peak memory with and above what the process held
+    before, CPU share of others and of the load ``load_pid``) and output (``None``: failed)."""
     gc.collect()
     record: dict[str, Any] = {"phase": phase}
     cuda = device.type == "cuda"
@@ -317,9 +292,8 @@ def worker_setup(config: dict[str, Any]) -> dict[str, Any]:
 
 def run_phases(setup: dict[str, Any], phases: Sequence[tuple], config: dict[str, Any],
                preimports: Sequence[str] = LAPLACE_PREIMPORTS, stop_on_failure: bool = True):
-    """Emit the setup record (:func:`worker_setup`'s, completed), then measure and emit
-    every phase ``(name, fn)`` or ``(name, fn, describe)``: ``fn()`` is measured and
-    ``describe(out)`` adds fields of a successful phase's output to its record."""
+    """Emit the setup record, then measure and emit every phase ``(name, fn)`` or ``(name, fn,
+    describe)``, where ``describe(out)`` adds fields of a successful phase's output."""
     device = torch.device(config.get("device", "cpu"))
     preimport(preimports)
     setup.update(rss_bytes=rss_bytes(), rss_peak_bytes=rss_bytes("VmHWM"))
@@ -342,8 +316,7 @@ def run_result(config: dict[str, Any], fn: Callable[[], dict]):
 
 
 def probs_warnings(n_test: int, C: int) -> Callable[[Any], dict]:
-    """A ``describe`` of :func:`run_phases` for a predictive: the problems of its
-    probabilities (untimed) as ``warnings``."""
+    """A ``describe`` of :func:`run_phases`: the problems of predictive probabilities."""
     def describe(probs: Any) -> dict:
         if not isinstance(probs, torch.Tensor):
             return {"warnings": [f"predictive returned {type(probs).__name__}, expected a "
@@ -361,13 +334,10 @@ def probs_warnings(n_test: int, C: int) -> Callable[[Any], dict]:
 
 
 def fit_within(fit: Callable[[Any], Any], loader: Any, budget_s: float) -> tuple[Any, dict]:
-    """The loader a fit gets within ``budget_s`` seconds (``0``: all of it): untimed fits
-    of one batch (a warm-up), one and two batches give the fixed cost and the cost per
-    batch; if the whole loader would exceed the budget, the first batches that fit it.
-
-    Returns:
-        The loader and the record's fields: ``n_fit`` (points), ``n_requested`` if
-        shrunk, ``probe_failure`` if the probe failed (the measured fit reports it).
+    """The loader a fit gets within ``budget_s`` seconds (``0``: all of it), and the
+    record's fields ``n_fit``, ``n_requested`` (if shrunk) and ``probe_failure``: untimed
+    fits of one batch (a warm-up), one and two batches give the fixed cost and the cost
+    per batch; if the whole loader would exceed the budget, the first batches that fit it.
     """
     from torch.utils.data import DataLoader, Subset
 
@@ -404,20 +374,8 @@ def chunks_within(predict: Callable[[Any], Tensor], chunks: Sequence, budget_s: 
 
 def ggn_eigsh(model: nn.Module, loss_func: nn.Module, batches: list, num_data: int,
               k: int) -> tuple[Tensor, Tensor, int]:
-    """Top-k GGN eigenpairs by SciPy's ``eigsh`` on curvlinops' GGN operator (float32,
-    deterministic check off), counting its products.
-
-    Args:
-        model: The network (its trainable parameters).
-        loss_func: Loss function (its reduction defines the GGN's scale).
-        batches: ``(X, y)`` batches the GGN sums over.
-        num_data: Number of data points in ``batches``.
-        k: Number of leading eigenpairs.
-
-    Returns:
-        Eigenvalues ``(k,)`` descending, eigenvectors ``(D, k)`` and the number of
-        GGN-vector products.
-    """
+    """Top-k eigenpairs (descending) of the GGN of ``num_data`` points in ``batches`` by
+    SciPy's ``eigsh`` on curvlinops' operator (float32), and its number of products."""
     import numpy as np
     from curvlinops import GGNLinearOperator
     from scipy.sparse.linalg import LinearOperator, eigsh

@@ -29,15 +29,8 @@ from laplace import Laplace
 from torch import Tensor
 
 import lowrank_laplace  # noqa: F401  (registers hessian_structure="lowrank_ggn")
+from benchmarks import _exact
 from benchmarks import _faithful_report as report
-from benchmarks._exact import (
-    build_ggn,
-    chunks,
-    exact_predictive,
-    jacobians,
-    marglik_prior,
-    trainable_names,
-)
 from benchmarks._faithful_problems import Problem, build_model, loader, make_data, train_map
 from benchmarks._harness import RESULTS_DIR
 from benchmarks._report import machine_info
@@ -79,14 +72,9 @@ PROBLEMS: dict[str, Problem] = {
 
 @dataclass(frozen=True)
 class Method:
-    """A laplace-torch posterior: ``Laplace(model, "classification", ...)`` arguments.
-
-    Attributes:
-        structure: ``hessian_structure``.
-        subset: ``subset_of_weights``.
-        options: Further keyword arguments (the ``lowrank_ggn`` options).
-        ranked: Fitted once per rank of ``--ranks`` (``rank=`` is passed).
-    """
+    """A laplace-torch posterior: ``hessian_structure``, ``subset_of_weights``, further
+    keyword arguments of ``Laplace(model, "classification", ...)``, and whether it is
+    fitted once per rank of ``--ranks``."""
 
     structure: str
     subset: str = "all"
@@ -156,16 +144,16 @@ def reference(name: str, problem: Problem, ranks: Sequence[int], cache: Path,
 
 def exact_reference(model, problem: Problem, data, ranks: Sequence[int]) -> dict:
     """Everything the study needs from the exact full-GGN posterior of ``model``."""
-    ggn = build_ggn(model, data.fit[0], "classification", space=problem.space)
+    ggn = _exact.build_ggn(model, data.fit[0], "classification", space=problem.space)
     params = torch.cat([p.detach().flatten() for n, p in model.named_parameters()
-                        if n in set(trainable_names(model))])
+                        if n in set(_exact.trainable_names(model))])
     sq_norm = float((params**2).sum())
-    delta = marglik_prior(ggn.eigenvalues, sq_norm)
+    delta = _exact.marglik_prior(ggn.eigenvalues, sq_norm)
     start = time.perf_counter()
     lam, U = ggn.top_pairs(max(ranks))
     seconds = dict(ggn.seconds, top_pairs=time.perf_counter() - start)
     start = time.perf_counter()
-    sets = {name: exact_predictive(ggn, model, X, delta, ranks, CHUNK)
+    sets = {name: _exact.exact_predictive(ggn, model, X, delta, ranks, CHUNK)
             for name, (X, _) in data.tests.items()}
     seconds["predictive"] = time.perf_counter() - start
     return {"dim": ggn.dim, "space": ggn.space, "size": len(ggn.matrix),
@@ -200,8 +188,7 @@ def fit_method(key: str, rank: Optional[int], model, fit_set, steps: int) -> Fit
 
 
 def column_index(model, fitted: Fitted) -> Optional[Tensor]:
-    """Columns of the full Jacobian a last-layer posterior covers (``None``: all), found
-    by name in the copy of the model laplace-torch's last-layer posteriors hold."""
+    """Columns of the full Jacobian a last-layer posterior covers (``None``: all)."""
     if fitted.record["subset"] == "all":
         return None
     copy = fitted.la.model.model
@@ -209,7 +196,7 @@ def column_index(model, fitted: Fitted) -> Optional[Tensor]:
     wanted = [n for n, p in copy.named_parameters() if id(p) in last]
     params = dict(model.named_parameters())
     offsets, start = {}, 0
-    for n in trainable_names(model):
+    for n in _exact.trainable_names(model):
         offsets[n] = (start, start + params[n].numel())
         start += params[n].numel()
     return torch.cat([torch.arange(*offsets[n]) for n in wanted])
@@ -240,14 +227,13 @@ def lowrank_facts(fitted: Fitted, ref: dict) -> dict:
 
 
 def evaluate(fits: list[Fitted], model, data, ref: dict) -> None:
-    """Predict every test set with every posterior into its record's metrics (a failing
-    predictive, e.g. laplace-torch's last layer on a sequence model, is recorded)."""
-    names = trainable_names(model)
+    """Predict every test set with every posterior into its record's metrics."""
+    names = _exact.trainable_names(model)
     delta = ref["delta"]
     for set_name, (X, y) in data.tests.items():
         parts: dict[str, dict[str, list]] = {f.label: {} for f in fits}
-        for part in chunks(X, CHUNK):
-            J, _ = jacobians(model, names, part)
+        for part in _exact.chunks(X, CHUNK):
+            J, _ = _exact.jacobians(model, names, part)
             for f in [f for f in fits if "error" not in f.record]:
                 try:
                     _accumulate(f, parts[f.label], part, J.double(), delta)

@@ -1,12 +1,10 @@
 """The kernel's share of the CPU time of a default fit, beside training the same network.
 
 Temporaries above glibc's mmap threshold are mapped afresh and zero-filled by the kernel
-on first touch: system CPU time and minor faults that training barely has. One fresh
-worker trains the MNIST CNN of :mod:`lowrank_laplace.toolkit.training` (phase ``train``,
-the baseline), then runs the default ``lowrank_ggn`` posterior: ``fit``, ``marglik`` and
-the GLM probit ``predictive``. Each phase records its user and system CPU seconds, minor
-faults, the kernel's share and wall time; the posterior's results show that a change
-left them as they were.
+on first touch: system CPU time and minor faults that training barely has. One worker
+trains the MNIST CNN of :mod:`lowrank_laplace.toolkit.training` (``train``, the
+baseline), then runs the default posterior's ``fit``, ``marglik`` and GLM ``predictive``,
+recording each phase's user and system CPU seconds, minor faults and wall time::
 
     python -m benchmarks.bench_kernel_share --out benchmarks/results/kernel_share
 

@@ -1,33 +1,21 @@
 """Benchmark Laplace over the LoRA adapters of a Hugging Face GPT-2 classifier.
 
-laplace-torch's Hugging Face recipe (``docs/lora.md``): ``GPT2ForSequenceClassification``
-built from a ``GPT2Config`` with random weights (nothing downloaded), PEFT LoRA adapters
-(``task_type="SEQ_CLS"``), wrapped to take dict batches and return the logits; the
-Laplace parameters are the trainable ones. ``lowrank_ggn`` with its defaults runs against
-laplace-torch's ``kron`` and ``diag`` (``backend=CurvlinopsGGN``) on the problems of
-:data:`PROBLEMS` (``gpt2`` and the Llama of about 1B weights with Laplace-LoRA's
+laplace-torch's Hugging Face recipe (``docs/lora.md``) on config-built models with random
+weights (nothing downloaded) and PEFT LoRA adapters: ``lowrank_ggn`` with its defaults
+against laplace-torch's ``kron`` and ``diag`` (``backend=CurvlinopsGGN``) on the problems
+of :data:`PROBLEMS` (``gpt2`` and the Llama of about 1B weights with Laplace-LoRA's
 multiple-choice head, ``llama1b``, are meant for a GPU; ``llama_tiny`` is its CPU
 version; ``bert`` is a full fine-tune, fitted by default and on the torch.func backend).
-Every configuration (attention implementation, machine condition: ``quiet``, or
-``loaded`` beside a ``_load.CompetingLoad``; method) runs in fresh workers
-(``_harness.py``) with three phases: ``fit``, ``marglik``
-(``optimize_prior_precision(method="marglik")``) and the GLM probit predictive ``glm``.
-``--fit-budget-s`` shrinks a fit to its first batches; ``--processes`` runs the fit of
-``lowrank_ggn`` on several torchrun processes, which merge. Targets, tables and figures:
-``_lora_report.py``; results: ``docs/benchmarks.md``.
+Every configuration (attention, machine condition ``quiet`` or ``loaded`` beside a
+``_load.CompetingLoad``, method) runs in fresh workers with the phases ``fit``,
+``marglik`` and the GLM probit predictive ``glm``. ``--fit-budget-s`` shrinks a fit to
+its first batches; ``--processes`` fits ``lowrank_ggn`` on several torchrun processes.
 
-Examples:
-    Smoke test (fewer sequences, one run each, into ``benchmarks/results/quick``)::
+Examples::
 
-        python -m benchmarks.bench_lora --quick
-
-    Full CPU run, waiting for tests and other benchmarks to leave the CPU::
-
-        python -m benchmarks.bench_lora --wait-for pytest bench_ --wait-idle 600
-
-    On a GPU::
-
-        python -m benchmarks.bench_lora --device cuda --problems large gpt2
+    python -m benchmarks.bench_lora --quick   # smoke test, into benchmarks/results/quick
+    python -m benchmarks.bench_lora --wait-for pytest bench_ --wait-idle 600
+    python -m benchmarks.bench_lora --device cuda --problems large gpt2
 
 Writes ``<out>/lora_<problem>.json`` and ``.png``, and the docs' table records
 ``<out>/lora_tables/lora_<problem>.json`` and ``lora_targets.json`` (their ``sources``
@@ -48,20 +36,8 @@ import torch
 from torch import nn
 
 from benchmarks import _harness, _problems
-from benchmarks._lora_report import (
-    ATTENTIONS,
-    CONDITIONS,
-    FUNCTORCH,
-    METHODS,
-    NUM_CLASSES,
-    OURS,
-    PHASES,
-    PROBLEM_METHODS,
-    plot,
-    print_summary,
-    summarize,
-    table_records,
-)
+from benchmarks import _lora_report as report
+from benchmarks._lora_report import FUNCTORCH, NUM_CLASSES, OURS, PROBLEM_METHODS
 from benchmarks._report import DEFAULT_PACKAGES, machine_info, print_machine, read_run, write_tables
 from benchmarks._worker import fit_within, probs_warnings, run_phases, worker_setup
 
@@ -235,8 +211,7 @@ def worker_main(config: dict[str, Any]):
 
 
 def distributed_start(device: torch.device) -> tuple[int, int, torch.device]:
-    """Join the process group of ``torchrun``'s processes, if any (nccl on CUDA, one GPU
-    each; else gloo): ``(rank, world size, device)``; only the first process reports."""
+    """Join torchrun's process group, if any: ``(rank, world size, device)``."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         if device.type == "cuda":
@@ -249,8 +224,7 @@ def distributed_start(device: torch.device) -> tuple[int, int, torch.device]:
 
 
 def sizes(problem: str, args: argparse.Namespace) -> dict[str, int]:
-    """``n_train``, ``n_test`` and ``seq_len`` of a problem's run (its defaults, the
-    ``--quick`` sizes, then the command line's)."""
+    """``n_train``, ``n_test`` and ``seq_len`` of a problem's run."""
     spec = PROBLEMS[problem]
     size = {key: spec[key] for key in ("n_train", "n_test", "seq_len")}
     if args.quick:
@@ -270,9 +244,9 @@ def repeats(problem: str, args: argparse.Namespace) -> int:
 def configurations(problem: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The configurations of a problem, in the order they run in every round."""
     spec = PROBLEMS[problem]
-    common = {**sizes(problem, args), "phases": list(PHASES), "repeat": repeats(problem, args),
-              **{k: getattr(args, k) for k in ("batch_size", "seed", "threads", "device",
-                                               "mem_limit_gib", "fit_budget_s")}}
+    common = {**sizes(problem, args), "phases": list(report.PHASES),
+              "repeat": repeats(problem, args), **{k: getattr(args, k) for k in (
+                  "batch_size", "seed", "threads", "device", "mem_limit_gib", "fit_budget_s")}}
     load = {"threads": args.load_threads, "size": LOAD_SIZE, "env": "worker"}
     if args.processes > 1:  # torchrun's processes: the first one reports
         common["launcher"] = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -314,7 +288,7 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
             payload = read_run(path)
             if payload is None:
                 continue
-            payload["summary"] = summarize(problem, payload["records"])
+            payload["summary"] = report.summarize(problem, payload["records"])
             path.write_text(json.dumps(payload, indent=2))
         else:
             plan = _harness.Plan("benchmarks.bench_lora", configurations(problem, args),
@@ -324,13 +298,13 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
                   f"configurations x {repeats(problem, args)} run(s), timeout "
                   f"{args.timeout:g} s per phase", flush=True)
             records = plan.run(args, RESUME_KEYS)
-            payload = plan.write(records, summarize(problem, records), args)
-        plot(problem, payload, out / f"lora_{problem}.png")
-        print_summary(problem, payload["records"], payload["summary"])
+            payload = plan.write(records, report.summarize(problem, records), args)
+        report.plot(problem, payload, out / f"lora_{problem}.png")
+        report.print_summary(problem, payload["records"], payload["summary"])
         print(f"Wrote {path} and {out / f'lora_{problem}.png'}", flush=True)
         payloads[problem] = payload
     if payloads:
-        write_tables(table_records(payloads, args.table_source), out / "lora_tables")
+        write_tables(report.table_records(payloads, args.table_source), out / "lora_tables")
     return {problem: p["summary"] for problem, p in payloads.items()}
 
 
@@ -343,13 +317,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         repeat=None, retry_busy=2)
     parser.add_argument("--problems", nargs="+", default=list(DEFAULT_PROBLEMS),
                         choices=list(PROBLEMS), help="Problems.")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
-                        help="Methods.")
-    parser.add_argument("--attentions", nargs="+", default=list(ATTENTIONS),
-                        choices=ATTENTIONS,
+    parser.add_argument("--methods", nargs="+", default=list(report.METHODS),
+                        choices=report.METHODS, help="Methods.")
+    parser.add_argument("--attentions", nargs="+", default=list(report.ATTENTIONS),
+                        choices=report.ATTENTIONS,
                         help="Attention implementations (of those a problem runs).")
-    parser.add_argument("--conditions", nargs="+", default=list(CONDITIONS),
-                        choices=CONDITIONS, help="Machine conditions (of those a problem "
+    parser.add_argument("--conditions", nargs="+", default=list(report.CONDITIONS),
+                        choices=report.CONDITIONS, help="Machine conditions (of those a problem "
                         "runs): quiet, or loaded (beside a competing process).")
     for name, what in (("n-train", "Training sequences"), ("n-test", "Test sequences"),
                        ("seq-len", "Padded sequence length")):

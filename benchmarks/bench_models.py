@@ -1,34 +1,26 @@
 """Benchmark models beyond plain stacks: torchvision ResNet-18 and a transformer encoder.
 
-Every configuration runs in fresh workers (``_harness.py``). The parts (``--parts``):
+The parts (``--parts``), every configuration in fresh workers (``_harness.py``):
 
-- ``eigh``: top-``k`` eigenpairs of the mini-batch GGN (``CrossEntropyLoss``, mean) by
-  ``lowrank_laplace.ggn_eigh`` (``backend="auto"``) against SciPy's ``eigsh`` on
+- ``eigh``: top-``k`` GGN eigenpairs by ``ggn_eigh`` against SciPy's ``eigsh`` on
   curvlinops' GGN operator, as in ``bench_eigh.py``;
 - ``laplace``: ``lowrank_ggn`` (exact, MC) fit and GLM probit predictive against
   laplace-torch's ``kron`` with each of its backends, and one gradient pass (the floor);
 - ``backends``: the torch.func engine of ``ggn_eigh`` against BackPACK's on ``3c3d``;
-- ``scale`` (``gpu_check.sh resnet50k``): ResNet-18, all weights, default arguments (fit,
-  marglik, GLM and NN predictive) next to last-layer ``kron`` and ``full``, all-weights
-  ``kron`` and one training epoch; ``--fit-budget-s`` / ``--pred-budget-s`` shrink a fit
-  or a predictive to the batches that fit them (records: ``n_fit``, ``n_pred``);
+- ``scale`` (``gpu_check.sh resnet50k``): ResNet-18 with default arguments next to
+  last-layer ``kron`` and ``full``, all-weights ``kron`` and one training epoch, shrunk
+  to ``--fit-budget-s`` / ``--pred-budget-s`` (records: ``n_fit``, ``n_pred``);
 - ``mnist``: ResNet-18 trained ``--epochs`` on MNIST; test metrics of the MAP and the
-  posteriors, priors tuned by the marginal likelihood.
+  marglik-tuned posteriors.
 
-Every worker of the transformer (:class:`TransformerClassifier`) runs attention with
-PyTorch's math kernel and without the fused fast path, which the peers' forward-mode
-products need. The default sizes (:data:`SIZES`) suit a CPU; the targets' are
-``--device cuda --N 128 --n-train 1024 --n-test 128``. Targets, tables and the figure:
-``_models_report.py``; results: ``docs/benchmarks.md``.
+The transformer runs attention with PyTorch's math kernel and without the fused fast path
+(the peers' forward-mode products need it). The default sizes (:data:`SIZES`) suit a CPU;
+the targets' are ``--device cuda --N 128 --n-train 1024 --n-test 128``.
 
-Examples:
-    Smoke test (tiny sizes)::
+Examples::
 
-        python -m benchmarks.bench_models --quick
-
-    Default CPU run::
-
-        python -m benchmarks.bench_models
+    python -m benchmarks.bench_models --quick   # smoke test (tiny sizes)
+    python -m benchmarks.bench_models           # default CPU run
 
 Writes ``<out>/models.json``, ``<out>/models.png`` and the docs' table records
 ``<out>/models_tables/*.json`` (their ``sources`` name ``docs/benchmarks/models.json``).
@@ -108,17 +100,16 @@ def make_model(name: str, n: int, config: dict[str, Any]) -> tuple[nn.Module, Te
 
 def _eigh_call(method: str, model: nn.Module, X: Tensor, y: Tensor, config: dict[str, Any]
                ) -> tuple[Callable[[], Any], dict[str, Any]]:
-    """The measured call of an ``eigh`` or ``backends`` method (``'ours'``, ``'eigsh'``,
-    ``'backpack'``, ``'functorch'``): it returns eigenvalues and eigenvectors and fills
-    the returned dict (engine used, number of GGN-vector products)."""
+    """The measured call of an ``eigh`` or ``backends`` method (eigenvalues, eigenvectors)
+    and the dict it fills (engine used, number of GGN-vector products)."""
     loss_func = nn.CrossEntropyLoss()
     extra: dict[str, Any] = {}
     if method == "eigsh":
         import curvlinops  # noqa: F401
 
         def call():
-            evals, evecs, count = ggn_eigsh(model, loss_func, [(X, y)], len(y), config["k"])
-            extra["num_products"] = count
+            evals, evecs, extra["num_products"] = ggn_eigsh(model, loss_func, [(X, y)], len(y),
+                                                            config["k"])
             return evals, evecs
 
         return call, extra
@@ -131,8 +122,8 @@ def _eigh_call(method: str, model: nn.Module, X: Tensor, y: Tensor, config: dict
         torch.manual_seed(config["seed"])
         result = ll.ggn_eigh(model, loss_func, X, y, top_k=config["k"], backend=backend,
                              low_memory=config["low_memory"])
-        extra["backend_used"] = result.backend
-        extra["kept_fraction"] = float(result.eigenvalues.sum() / result.trace)
+        extra.update(backend_used=result.backend,
+                     kept_fraction=float(result.eigenvalues.sum() / result.trace))
         return result.eigenvalues, result.eigenvectors
 
     return call, extra
@@ -140,9 +131,7 @@ def _eigh_call(method: str, model: nn.Module, X: Tensor, y: Tensor, config: dict
 
 def _laplace_phases(method: str, model: nn.Module, X: Tensor, y: Tensor,
                     config: dict[str, Any]) -> list[tuple[str, Callable[[], Any]]]:
-    """The measured phases ``(name, call, describe)`` of a ``laplace`` method on training
-    inputs followed by test inputs ``X``: ``fit`` and, except for ``grad_pass``,
-    ``glm``."""
+    """The phases ``fit`` and (except ``grad_pass``) ``glm`` of a ``laplace`` method."""
     from torch.utils.data import DataLoader, TensorDataset
 
     loader = DataLoader(TensorDataset(X[: config["n_train"]], y[: config["n_train"]]),
@@ -190,14 +179,12 @@ def _laplace_phases(method: str, model: nn.Module, X: Tensor, y: Tensor,
         return {"H_type": type(la.H).__name__, "kept_fraction": float(la.kept_fraction),
                 "backend_used": la.factor_backend_used}
 
-    return [("fit", fit, fitted),
-            ("glm", glm, probs_warnings(len(X_test), NUM_CLASSES))]
+    return [("fit", fit, fitted), ("glm", glm, probs_warnings(len(X_test), NUM_CLASSES))]
 
 
 def _scale_phases(method: str, model: nn.Module, X: Tensor, y: Tensor, config: dict[str, Any]
                   ) -> list[tuple]:
-    """``fit``, ``marglik``, ``glm`` and NN ``samples`` of a ``scale`` method within the
-    budgets (``train_epoch``: one training epoch as ``fit``)."""
+    """``fit``, ``marglik``, ``glm`` and NN ``samples`` of a ``scale`` method."""
     from torch.utils.data import DataLoader, TensorDataset
 
     loader = DataLoader(TensorDataset(X[: config["n_train"]], y[: config["n_train"]]),
@@ -238,8 +225,7 @@ def _scale_phases(method: str, model: nn.Module, X: Tensor, y: Tensor, config: d
 
 
 def _mnist_phases(config: dict[str, Any], device: torch.device) -> list[tuple]:
-    """MNIST as 3-channel 32x32 images: ``train`` a ResNet-18 briefly, then the test
-    metrics of its MAP and of each posterior (fit, marglik, GLM probit)."""
+    """MNIST: ``train`` a ResNet-18, then the test metrics of its MAP and each posterior."""
     import torchvision
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -302,8 +288,7 @@ def worker_main(config: dict[str, Any]):
 
 
 def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every ``(part, model, method)`` configuration with its sizes (``scale`` and
-    ``mnist``: ResNet-18 only)."""
+    """Every ``(part, model, method)`` configuration with its sizes."""
     common = {k: getattr(args, k) for k in (
         "k", "seed", "threads", "rank", "batch_size", "mem_limit_gib", "vocab", "width",
         "layers", "seq_len", "device", "low_memory", "fit_budget_s", "pred_budget_s",
@@ -355,8 +340,7 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the command line (``argv``; default ``sys.argv[1:]``); ``sizes`` holds the
-    sizes by model that the command line leaves open."""
+    """Parse the command line; ``sizes`` holds the sizes it leaves open."""
     parser = _harness.script_parser(
         __doc__, "timeout", "mem_limit_gib", "device", "out", "seed", "threads",
         "blas_threads", "omp_wait_policy", "wait_for", "wait_max", "wait_poll", "wait_idle",

@@ -1,22 +1,16 @@
 """Critical batch sizes N_crit: the largest mini-batch that fits a memory budget.
 
 For each task (GGN eigenvalues, top eigenpair, damped Newton step; the last two also
-with ``low_memory=True``), curvature structure (whole network, per-layer blocks), GGN
-(exact, MC with one sample) and curvature data (the mini-batch ``mb``, or its first
-eighth ``sub``), the driver grows and bisects the batch size. A probe is a fresh worker:
-it runs the task once at ``N = 2``, caps its memory at what it holds plus
-``--budget-gib`` (``RLIMIT_AS``; on CUDA the allocator's share) and runs it at ``N``.
-The ViViT paper's N_crit of the damped Newton step on ``3c3d``, measured on other
-machines, is printed beside ours: compare trends, not values.
+with ``low_memory=True``), structure (whole network, per-layer blocks), GGN (exact, MC)
+and curvature data (the mini-batch ``mb``, or its first eighth ``sub``), the batch size
+grows and is bisected. A probe is a fresh worker that runs the task at ``N = 2``, caps
+its memory at what it holds plus ``--budget-gib`` and runs it at ``N``. The ViViT
+paper's values for the Newton step on ``3c3d`` (other machines) are printed beside ours.
 
-Examples:
-    Quick run (mlp, a few configurations)::
+Examples::
 
-        python -m benchmarks.bench_ncrit --problem mlp --tasks eigvals --budget-gib 0.25
-
-    Full table on 3c3d::
-
-        python -m benchmarks.bench_ncrit --problem 3c3d --budget-gib 1
+    python -m benchmarks.bench_ncrit --problem mlp --tasks eigvals --budget-gib 0.25
+    python -m benchmarks.bench_ncrit --problem 3c3d --budget-gib 1
 
 Writes ``<out>/ncrit_<problem>.json`` and ``<out>/ncrit_<problem>.png``.
 """
@@ -98,8 +92,7 @@ def worker_main(config: dict[str, Any]) -> None:
 
 
 def probe(config: str, N: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Run one probe in a fresh worker: ``N``, ``status`` (``ok``, ``oom``, ``timeout``,
-    ``killed``, ``error`` with its ``reason``) and ``seconds``."""
+    """Run one probe in a fresh worker: ``N``, ``status`` (and ``reason``), ``seconds``."""
     task = dict(zip(("task", "structure", "approx", "data"), config.split(",")))
     record = _harness.run_worker("benchmarks.bench_ncrit", {
         **task, "problem": args.problem, "N": N, "budget_gib": args.budget_gib,

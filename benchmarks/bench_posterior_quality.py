@@ -107,12 +107,9 @@ def tuned(la) -> float:
 
 
 def tuned_full(la) -> float:
-    """The same objective for the dense GGN from its eigenvalues, computed once.
-
-    laplace-torch's ``FullLaplace`` re-factors the ``D x D`` precision at every step;
-    with ``H``'s eigenvalues ``lambda`` the log-determinant is
-    ``sum log(h lambda + delta)``, so 300 steps cost ``O(300 D)`` instead.
-    """
+    """The same objective for the dense GGN from its eigenvalues ``lambda``, computed once
+    (``FullLaplace`` re-factors the precision every step): ``log det = sum log(h lambda +
+    delta)``, so 300 steps cost ``O(300 D)``."""
     lam = torch.linalg.eigvalsh(la.H).clamp(min=0) * la._H_factor
     sq = float(((la.mean - la.prior_mean) ** 2).sum())
     D = lam.numel()

@@ -1,15 +1,11 @@
 """``la.refine_complement`` (Lanczos quadrature) against the exact full-GGN posterior.
 
-Runs beside ``bench_faithful``'s cached exact references (run that first with
-``--cache``): the default fit at each ``--ranks`` (default 100) with its marglik prior,
-unrefined (``quadrature.REFINE_BELOW`` set to 0 for it), then
-``la.refine_complement(train_loader)``: Lanczos runs on the deflated whole-data GGN
-(:mod:`lowrank_laplace.posterior.quadrature`), each step one pass over the training
-data, until the complement variance and the dropped spectrum's log det converge. Both
-posteriors' per-point functional variance is compared with the exact one's, at their own
-marglik prior and at the exact one (``docs/posterior_quality.md``, "Lanczos quadrature of
-the dropped curvature"); the eight-step runs of that section were measured by this
-script at commit b321eca::
+On ``bench_faithful``'s cached exact references (``--cache``): the default fit at each
+``--ranks`` (default 100) with its marglik prior, unrefined (``quadrature.REFINE_BELOW``
+set to 0 for it), then ``la.refine_complement(train_loader)``; both posteriors'
+functional variance against the exact one's, at their own marglik prior and at the exact
+one (``docs/posterior_quality.md``, "Lanczos quadrature of the dropped curvature", was
+measured at commit b321eca)::
 
     python -m benchmarks.bench_quadrature --problems mnist_aug_early --cache CACHE
     python -m benchmarks.bench_quadrature --problems client_digits,mnist_cnn --ranks 100,30 \

@@ -1,12 +1,9 @@
 """Data-parallel fit: 1 process vs P processes (torch.distributed, gloo on CPU).
 
 Every configuration (GGN, ``P``) is a fresh worker that spawns ``P`` processes in a gloo
-group: each fits ``lowrank_ggn`` on the shard ``rank::P`` of the same training set (the
-fit merges across ranks) on ``cores / P`` threads, timed between two barriers. The
-speed-up shows how well streaming plus one merge parallelises on the same cores; the
-eigenvalues are compared with the single process's.
-
-Example::
+group, each fitting ``lowrank_ggn`` on the shard ``rank::P`` on ``cores / P`` threads
+(the fit merges across ranks), timed between two barriers; the eigenvalues are compared
+with the single process's::
 
     python -m benchmarks.bench_scaling --problem 3c3d --processes 1 2
 
@@ -67,8 +64,7 @@ def _free_port() -> int:
 
 
 def worker_main(config: dict[str, Any]) -> None:
-    """Fit with ``world`` processes (phase ``fit``: spawning them included; the fit's own
-    time between the barriers is its ``seconds``)."""
+    """Fit with ``world`` processes (phase ``fit``; its own time is ``seconds``)."""
     import torch.multiprocessing as mp
 
     setup = _worker.worker_setup({**config, "threads": None})

@@ -1,10 +1,9 @@
 """Kept trace of the sketch solver with Khatri-Rao against fully Gaussian test matrices.
 
 The exact-GGN sketch with either test matrix (``"kronecker"``, the default, or
-``"gaussian"``; set per worker by ``_worker.set_tuning``) over several seeds, and the
-streaming fit, on the problems of ``bench_laplace.py``: kept trace, leading and last kept
-eigenvalues. One worker per fit; the recorded fit times are not comparable to
-``bench_laplace.py``'s.
+``"gaussian"``, set by ``_worker.set_tuning``) over several seeds, and the streaming fit,
+on the problems of ``bench_laplace.py``: kept trace, leading and last kept eigenvalues,
+one worker per fit::
 
     python -m benchmarks.bench_sketch_test_matrix --out benchmarks/results/sketch_test_matrix
 

@@ -1,14 +1,11 @@
 """Host-device traffic of a ``lowrank_ggn`` fit, from a ``torch.profiler`` trace.
 
-In a fresh worker, ``Laplace(..., hessian_structure="lowrank_ggn")`` is fitted on a
-DeepOBS problem with the data on the device: once to warm up, once timed and once under
-``torch.profiler``, whose events give the host-device copies, the synchronising scalar
-reads (:data:`PATTERNS`) and the batches. With ``--top K`` the process's first fit is
-profiled instead of the warm-up, and its ``K`` operators of most self time on the device
-and on the host are listed. Without CUDA the fit runs on the CPU (a smoke test). Writes
-``<out>/gpu_trace_<problem>.json`` (with ``--chrome`` also a Chrome trace).
-
-Example (on a GPU machine, see ``benchmarks/gpu_check.sh``)::
+In a fresh worker, a ``lowrank_ggn`` fit on a DeepOBS problem with the data on the device
+runs once to warm up, once timed and once profiled, whose events count the host-device
+copies, the synchronising scalar reads (:data:`PATTERNS`) and the batches. With ``--top
+K`` the first fit is profiled instead of the warm-up and its ``K`` costliest operators on
+device and host are listed. Without CUDA it runs on the CPU. Writes
+``<out>/gpu_trace_<problem>.json`` (with ``--chrome`` also a Chrome trace)::
 
     python -m benchmarks.gpu_trace --device cuda --problem 3c3d --n-train 1024
 """
@@ -42,8 +39,7 @@ PATTERNS = {
 def count_events(prof: Any) -> dict[str, dict[str, float]]:
     """Per key of :data:`PATTERNS`, the ``count`` and total ``time_ms`` (device time for
     CUDA activities, else CPU time) of a finished profile's events."""
-    counts: Counter = Counter()
-    times: Counter = Counter()
+    counts, times = Counter(), Counter()
     for event in prof.events():
         for key, patterns in PATTERNS.items():
             if any(p in event.name for p in patterns):
@@ -73,6 +69,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
 
     device = torch.device(args.device if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
     model, _, X, y = _problems.make_problem(args.problem, args.n_train, device=device)
     X, y = X.to(device), y.to(device)
     loader = DataLoader(TensorDataset(X, y), batch_size=args.batch_size)
@@ -84,13 +81,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      hessian_structure="lowrank_ggn", rank=args.rank,
                      mc_samples=args.mc_samples)
         la.fit(data)
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize(device)
         return la
 
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     top: dict[str, Any] = {}
     if args.top:  # the process's first fit, profiled: where a user's first wait goes
         with profile(activities=activities) as cold:
@@ -108,24 +103,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fit(loader)
     if args.chrome:
         prof.export_chrome_trace(str(Path(args.out) / f"gpu_trace_{args.problem}.trace.json"))
-    record = {
-        "problem": args.problem,
-        "device": str(device),
-        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
-                        else "cpu"),
-        "torch": torch.__version__,
-        "n_train": args.n_train,
-        "batch_size": args.batch_size,
-        "rank": args.rank,
-        "mc_samples": args.mc_samples,
-        "fit_s": round(seconds, 3),
-        "batches": len(loader),
-        "kept_fraction": float(la.kept_fraction),
-        "events": count_events(prof),
-        **top,
-        "machine": machine_info(str(device)),  # date, CPU/GPU, package versions
-    }
-    return record
+    return {"problem": args.problem, "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "torch": torch.__version__, "n_train": args.n_train, "batch_size": args.batch_size,
+            "rank": args.rank, "mc_samples": args.mc_samples, "fit_s": round(seconds, 3),
+            "batches": len(loader), "kept_fraction": float(la.kept_fraction),
+            "events": count_events(prof), **top, "machine": machine_info(str(device))}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

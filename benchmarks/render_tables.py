@@ -1,18 +1,11 @@
 """Render the tables of ``docs/benchmarks.md`` from the recorded results.
 
-Each table of the benchmarks page is data: one JSON file in ``benchmarks/results/tables/``
-with the numbers as columns and rows, when and where they were measured (``date``,
-``machine``, ``versions``), and the raw run files they come from (``sources``). In the
-page a table sits between two marker comments::
-
-    <!-- table: eigh_3c3d_k10 -->
-    | method | time [s] | ... |
-    ...
-    <!-- /table -->
-
-and this script replaces everything between the markers by the table rendered from
-``benchmarks/results/tables/eigh_3c3d_k10.json``, followed by one line that says where
-the numbers come from. After a new benchmark run, update or add the JSON file and run::
+Each table is one JSON file in ``benchmarks/results/tables/``: its ``columns`` and
+``rows``, when and where they were measured (``date``, ``machine``, ``versions``) and the
+raw run files they come from (``sources``). In the page a table sits between two marker
+comments, ``<!-- table: eigh_3c3d_k10 -->`` and ``<!-- /table -->``; this script
+replaces what is between them by the table rendered from ``eigh_3c3d_k10.json`` and a
+line that says where the numbers come from::
 
     python -m benchmarks.render_tables           # rewrite docs/benchmarks.md
     python -m benchmarks.render_tables --check   # exit 1 if the page is out of date
@@ -40,27 +33,16 @@ _BLOCK = re.compile(r"(<!-- table: (?P<id>[\w-]+) -->\n)(?P<body>.*?)(<!-- /tabl
 
 
 def load_tables(folder: Path = TABLES) -> dict[str, dict]:
-    """Read every table record of a folder.
-
-    Args:
-        folder: Where the ``<id>.json`` files are.
-
-    Returns:
-        The records by id (the file name without ``.json``).
-
-    Raises:
-        ValueError: If a record lacks a required field or a row has the wrong length.
-    """
+    """The table records (``<id>.json``) of a folder by id; a ``ValueError`` if a record
+    lacks a required field or a row has the wrong length."""
     tables = {}
     for path in sorted(folder.glob("*.json")):
         record = json.loads(path.read_text())
-        missing = [key for key in REQUIRED if key not in record]
-        if missing:
+        if missing := [key for key in REQUIRED if key not in record]:
             raise ValueError(f"{path.name} lacks {', '.join(missing)}")
         width = len(record["columns"])
-        for row in record["rows"]:
-            if len(row) != width:
-                raise ValueError(f"{path.name}: row {row} has {len(row)} cells, not {width}")
+        if (bad := next((r for r in record["rows"] if len(r) != width), None)) is not None:
+            raise ValueError(f"{path.name}: row {bad} has {len(bad)} cells, not {width}")
         tables[path.stem] = record
     return tables
 
@@ -81,15 +63,7 @@ def _versions(versions) -> str:
 
 
 def render_table(table_id: str, record: dict) -> str:
-    """One table in markdown, with a line naming its data file, date, machine, versions.
-
-    Args:
-        table_id: The record's id (its file name without ``.json``).
-        record: The record (see the module docstring).
-
-    Returns:
-        The markdown (ends with a newline).
-    """
+    """One table in markdown with a line naming its data file, date, machine and versions."""
     lines = ["| " + " | ".join(record["columns"]) + " |",
              "|" + "---|" * len(record["columns"])]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in record["rows"]]
@@ -102,18 +76,8 @@ def render_table(table_id: str, record: dict) -> str:
 
 
 def render(page: str, tables: dict[str, dict]) -> str:
-    """Replace every marked table of a page by its rendering.
-
-    Args:
-        page: The markdown page.
-        tables: Records by id, from :func:`load_tables`.
-
-    Returns:
-        The page with every marked table rendered from its record.
-
-    Raises:
-        KeyError: If the page marks a table that has no record.
-    """
+    """The page with every marked table rendered from its record (``tables``: by id); a
+    ``KeyError`` if the page marks a table that has no record."""
     def replace(match: re.Match) -> str:
         table_id = match["id"]
         if table_id not in tables:
@@ -124,26 +88,12 @@ def render(page: str, tables: dict[str, dict]) -> str:
 
 
 def marked_ids(page: str) -> list[str]:
-    """The ids of the tables a page marks, in order.
-
-    Args:
-        page: The markdown page.
-
-    Returns:
-        The ids.
-    """
+    """The ids of the tables a page marks, in order."""
     return [m["id"] for m in _BLOCK.finditer(page)]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Rewrite the page, or with ``--check`` only compare.
-
-    Args:
-        argv: Command-line arguments.
-
-    Returns:
-        0 if the page is (now) up to date, 1 if ``--check`` found it stale.
-    """
+    """Rewrite the page, or with ``--check`` only compare: 1 if it is stale, else 0."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
                         help="only check that the page matches the records")
