@@ -114,12 +114,14 @@ class LanczosRuns:
 
     Args:
         starts: ``(s, D)`` float64; a zero row is a run without steps.
+        steps: The most steps the runs take (their basis is held for them).
     """
 
-    def __init__(self, starts: Tensor):
+    def __init__(self, starts: Tensor, steps: int):
         self.norms = starts.norm(dim=1)
         self.active = self.norms > 0
-        self.basis = [starts / self.norms.clamp(min=torch.finfo(starts.dtype).tiny)[:, None]]
+        self.basis = starts.new_zeros(len(starts), steps + 1, starts.shape[1])  # (s, k, D)
+        self.basis[:, 0] = starts / self.norms.clamp(min=torch.finfo(starts.dtype).tiny)[:, None]
         self.alphas: List[Tensor] = []
         self.betas: List[Tensor] = []
         self.length = torch.zeros(len(starts), dtype=torch.long)
@@ -127,23 +129,23 @@ class LanczosRuns:
     @property
     def current(self) -> Tensor:
         """The vectors the next product is of, ``(s, D)`` (ended runs: zero)."""
-        return self.basis[-1]
+        return self.basis[:, len(self.alphas)]
 
     def step(self, product: Tensor) -> None:
         """One step with ``product`` ``= A q_k`` of :attr:`current`, ``(s, D)`` float64."""
-        q, W = self.basis[-1], product.clone()
+        k = len(self.alphas)
+        q, W, held = self.basis[:, k], product.clone(), self.basis[:, : k + 1]
         alpha = (W * q).sum(1)
         W -= alpha[:, None] * q
         for _ in range(2):  # twice is enough: the products carry the model's rounding
-            for v in self.basis:
-                W -= (W * v).sum(1, keepdim=True) * v
+            W -= torch.bmm(torch.bmm(held, W[:, :, None]).transpose(1, 2), held)[:, 0]
         beta = W.norm(dim=1)
         self.length += self.active.long()
         self.alphas.append(alpha)
         self.betas.append(beta)
         self.active &= beta > BREAKDOWN * product.norm(dim=1).clamp(min=1e-300)
-        self.basis.append(torch.where(self.active[:, None], W / beta.clamp(
-            min=torch.finfo(W.dtype).tiny)[:, None], torch.zeros_like(W)))
+        self.basis[:, k + 1] = torch.where(self.active[:, None], W / beta.clamp(
+            min=torch.finfo(W.dtype).tiny)[:, None], torch.zeros_like(W))
 
     def rules(self) -> List[Tuple[Tensor, Tensor]]:
         """Every run's Gauss rule: Ritz values (clamped at 0) and weights ``||b||^2 y_1^2``."""
@@ -216,7 +218,7 @@ def lanczos_quadrature(target: FitTarget, loader: Any,
         import torch.distributed as dist
 
         dist.all_reduce(jacobian, group=group)  # every process's first inputs
-    runs = LanczosRuns(project(torch.cat([jacobian, gaussian])))
+    runs = LanczosRuns(project(torch.cat([jacobian, gaussian])), MAX_STEPS)
     start, (scale, delta), steps, converged = time.perf_counter(), prior, 0, False
     history: List[Tuple[float, float]] = []
     cache = FactorCache(int(CACHE_SHARE * resolve_memory_budget(config.memory_budget,

@@ -24,7 +24,7 @@ def test_lanczos_rules_are_exact_quadratic_forms_once_the_krylov_space_is_full()
     A, g = _psd(12)
     starts = torch.randn(3, 12, generator=g, dtype=torch.float64)
     starts[2] = 0  # a run without steps
-    runs = LanczosRuns(starts)
+    runs = LanczosRuns(starts, 15)
     for _ in range(15):  # past the dimension: the runs end themselves
         runs.step(runs.current @ A)
     assert runs.length.tolist() == [12, 12, 0] and not runs.active.any()
@@ -38,7 +38,7 @@ def test_lanczos_rules_are_exact_quadratic_forms_once_the_krylov_space_is_full()
 
 def test_a_start_in_a_small_invariant_subspace_ends_early():
     A = torch.diag(torch.tensor([3.0, 2.0, 1.0, 0.5], dtype=torch.float64))
-    runs = LanczosRuns(torch.tensor([[1.0, 1.0, 0.0, 0.0]], dtype=torch.float64))
+    runs = LanczosRuns(torch.tensor([[1.0, 1.0, 0.0, 0.0]], dtype=torch.float64), 4)
     for _ in range(4):
         runs.step(runs.current @ A)
     theta, weight = runs.rules()[0]
