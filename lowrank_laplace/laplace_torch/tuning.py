@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -80,7 +81,8 @@ def tune_scalar_prior(la: Any, spectrum: Tuple[Tensor, Tensor], init: float, n_s
         lr: Adam's learning rate.
 
     Returns:
-        The tuned prior precision.
+        The tuned prior precision (with a warning where it lies below the prior its
+        refinement's Lanczos quadrature was checked at).
     """
     a, c = (t.numpy() for t in spectrum)
     diff = (la.mean - la.prior_mean).detach().double()
@@ -94,4 +96,11 @@ def tune_scalar_prior(la: Any, spectrum: Tuple[Tensor, Tensor], init: float, n_s
         v = beta2 * v + (1 - beta2) * grad * grad
         denom = math.sqrt(v) / math.sqrt(1 - beta2**step) + ADAM_EPS
         x -= lr / (1 - beta1**step) * m / denom
-    return math.exp(x)
+    tuned, found = math.exp(x), getattr(la, "_quadrature", None)
+    if found is not None and tuned < found.checked_prior:
+        warnings.warn(
+            f"The tuned prior precision {tuned:.3g} is below {found.checked_prior:.3g}, the "
+            "lowest its Lanczos quadrature of the complement was checked at, which may "
+            "under-state the complement there: call la.refine_complement(train_loader) at "
+            "this prior and tune again.", UserWarning, stacklevel=4)
+    return tuned

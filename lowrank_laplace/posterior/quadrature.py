@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
@@ -76,6 +76,8 @@ class DroppedQuadrature:
         steps: Lanczos steps (passes over the training data).
         converged: Whether the runs met :data:`TOLERANCE` before :data:`MAX_STEPS`.
         seconds: Wall time of the passes.
+        checked_prior: The prior precision the convergence was checked at (below it the
+            Gauss rule may under-state the complement).
     """
 
     complement: MeasuredComplement
@@ -84,6 +86,7 @@ class DroppedQuadrature:
     steps: int
     converged: bool
     seconds: float
+    checked_prior: float = 0.0
 
     def kept_complement(self, probed: Optional[MeasuredComplement]) -> MeasuredComplement:
         """The complement to keep: the probe's where it covered the whole data, else this one.
@@ -96,7 +99,8 @@ class DroppedQuadrature:
         """A plain dict for ``state_dict`` (tensors on the CPU)."""
         return {"complement": self.complement.state(), "nodes": self.nodes.cpu(),
                 "counts": self.counts.cpu(), "steps": self.steps,
-                "converged": self.converged, "seconds": self.seconds}
+                "converged": self.converged, "seconds": self.seconds,
+                "checked_prior": self.checked_prior}
 
     @classmethod
     def from_state(cls, state: Optional[Dict[str, Any]], device: torch.device
@@ -106,7 +110,8 @@ class DroppedQuadrature:
             return None
         complement = MeasuredComplement.from_state(state["complement"]).to(device)
         return cls(complement, state["nodes"], state["counts"], int(state["steps"]),
-                   bool(state["converged"]), float(state["seconds"]))
+                   bool(state["converged"]), float(state["seconds"]),
+                   float(state.get("checked_prior", 0.0)))
 
 
 class LanczosRuns:
@@ -243,7 +248,8 @@ def lanczos_quadrature(target: FitTarget, loader: Any,
     if not converged:
         _warn_unconverged(history, steps)
     free = dim - U.shape[1] - (0 if null is None else null.count)
-    return _found(runs.rules(), free, steps, converged, time.perf_counter() - start)
+    found = _found(runs.rules(), free, steps, converged, time.perf_counter() - start)
+    return replace(found, checked_prior=CHECK_PRIOR * delta)
 
 
 def _warn_unconverged(history: List[Tuple[float, float]], steps: int) -> None:

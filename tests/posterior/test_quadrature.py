@@ -1,5 +1,7 @@
 """Lanczos quadrature of the dropped curvature against dense float64 references."""
 
+import warnings
+
 import pytest
 import torch
 from laplace import FullLaplace, Laplace
@@ -263,3 +265,26 @@ def test_an_online_update_is_not_refined_from_its_last_loader_alone(monkeypatch)
         la.refine_complement(second)
     la.refine_complement(DataLoader(TensorDataset(X, y), batch_size=100))
     assert la.fit_report.quadrature_converged
+
+
+def test_tuning_below_the_checked_prior_warns_and_a_new_refinement_clears_it():
+    model, X, y, loader = _problem()
+    la = LowRankGGNLaplace(model, "classification", rank=6)
+    la.fit(loader)
+    la.prior_precision = 100.0  # the runs converge at 50
+    la.refine_complement(loader)
+    assert la._quadrature.checked_prior == pytest.approx(50.0)
+    with pytest.warns(UserWarning, match=r"below 50, the lowest .* la\.refine_complement"):
+        la.optimize_prior_precision(method="marglik", n_steps=100, lr=0.1)
+    tuned = float(la.prior_precision)
+    assert tuned < 50
+    la.refine_complement(loader)
+    assert la._quadrature.checked_prior == pytest.approx(tuned / 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        la.optimize_prior_precision(method="marglik", n_steps=100, lr=0.1,
+                                    init_prior_prec=tuned)
+    assert not [w for w in caught if "Lanczos quadrature" in str(w.message)]
+    loaded = LowRankGGNLaplace(model, "classification", rank=6)
+    loaded.load_state_dict(la.state_dict())
+    assert loaded._quadrature.checked_prior == pytest.approx(tuned / 2)
