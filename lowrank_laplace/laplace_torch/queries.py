@@ -57,10 +57,9 @@ class PosteriorQueries:
         columns whose ``ell`` (the prior minus ``d``) is negative.
         """
         precision = self._precision()
-        d = precision.d
+        U, ell, null, d = precision.U, precision.ell, precision.null, precision.d
         if d.numel() == 1:
             d = d.expand(self.n_params).clone()
-        U, ell, null = precision.U, precision.ell, precision.null
         if null is not None:
             eye = torch.eye(null.directions.count, dtype=U.dtype, device=U.device)
             U = torch.cat([U, null.directions.expand(eye, self.n_params).T], 1)
