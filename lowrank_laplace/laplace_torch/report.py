@@ -1,10 +1,4 @@
-"""How faithful a fit is, in numbers a user can read (``la.fit_report``, ``repr(la)``).
-
-A low-rank posterior is an approximation whose quality depends on the model and the
-data: the share of the GGN's curvature the rank keeps, whether the fast path that ran
-(a sketch) passed its own check, and how much the predictive still moves with the rank.
-:class:`FitReport` holds these after every fit.
-"""
+"""How faithful a fit is, in numbers a user can read (``la.fit_report``, ``repr(la)``)."""
 
 from __future__ import annotations
 
