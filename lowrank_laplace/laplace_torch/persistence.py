@@ -12,15 +12,10 @@ from lowrank_laplace.posterior.quadrature import DroppedQuadrature
 
 
 class StatePersistence:
-    """``state_dict`` / ``load_state_dict`` of :class:`~lowrank_laplace.LowRankGGNLaplace`.
-
-    laplace-torch's state (mean, curvature, hyperparameters) plus what the low-rank
-    posterior needs besides: the exact GGN trace, the rank options, the residual's
-    fitted quantities.
-    """
+    """``state_dict`` / ``load_state_dict`` of :class:`~lowrank_laplace.LowRankGGNLaplace`."""
 
     def state_dict(self) -> dict:
-        """laplace-torch's state plus the exact GGN trace and the rank options."""
+        """laplace-torch's state plus the exact GGN trace, the options and the residual's fit."""
         state = super().state_dict()
         state.update(trace=self.trace, rank=self.rank, mc_samples=self.mc_samples,
                      residual_diagonal=self.residual_diagonal, residual=self.residual,

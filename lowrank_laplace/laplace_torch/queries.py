@@ -92,11 +92,8 @@ class PosteriorQueries:
 
     def _layer_sizes(self) -> Optional[List[int]]:
         """Parameters per layer (laplace-torch's ``n_layers`` parameter tensors)."""
-        params = getattr(self, "params", None)
-        if not params:
-            return None
-        sizes = [p.numel() for p in params]
-        return sizes if sum(sizes) == self.n_params else None
+        sizes = [p.numel() for p in getattr(self, "params", None) or ()]
+        return sizes if sizes and sum(sizes) == self.n_params else None
 
     def _layer_prior(self) -> Optional[Tuple[List[int], Tensor]]:
         """``(sizes, delta_l)`` for a layerwise prior (one value per parameter tensor)."""

@@ -52,8 +52,7 @@ def scalar_marglik_call(la: Any, args: tuple, kwargs: dict
     except TypeError:
         return None
     bound.apply_defaults()
-    call = dict(bound.arguments)
-    call.pop("self")
+    call = {name: value for name, value in bound.arguments.items() if name != "self"}
     init = call["init_prior_prec"]
     scalar_init = np.size(init) == 1 if not hasattr(init, "numel") else init.numel() == 1
     if call["method"] != "marglik" or not scalar_init \
