@@ -80,11 +80,10 @@ class FitReport:
                  f"({self.factor_backend} backend{', warm start' if self.warm_started else ''})",
                  f"  kept share of the GGN trace: {self.kept_fraction:.3f} "
                  f"(the rest: residual={self.residual!r})"]
-        if self.check is not None:
-            c = self.check
-            verdict = "passed" if c.passed else "failed"
-            lines.append(f"  {c.name}: {verdict} ({c.value:.3f}, needs {c.threshold:.2f}); "
-                         f"{c.action}")
+        c = self.check
+        if c is not None:
+            lines.append(f"  {c.name}: {'passed' if c.passed else 'failed'} ({c.value:.3f}, "
+                         f"needs {c.threshold:.2f}); {c.action}")
         if self.variance_change is not None:
             lines.append(f"  predictive variance on the probe inputs: changes by "
                          f"{self.variance_change:.1%} from rank {self.rank // 2} to "
@@ -94,10 +93,9 @@ class FitReport:
                          f"{self.complement_resolved:.0%} of its energy outside the kept "
                          "basis (the rest meets the modelled tail)")
         if self.quadrature_steps:
-            verdict = "converged" if self.quadrature_converged else "not converged"
-            lines.append(f"  complement variance and dropped spectrum: Lanczos quadrature "
-                         f"over the training data, {self.quadrature_steps} passes "
-                         f"({verdict})")
+            lines.append(f"  complement variance and dropped spectrum: Lanczos quadrature over "
+                         f"the training data, {self.quadrature_steps} passes "
+                         f"({'converged' if self.quadrature_converged else 'not converged'})")
         elif self.refinable and self.kept_fraction < quadrature.REFINE_BELOW:
             lines.append("  most of the curvature is dropped: la.refine_complement(loader of "
                          "all the fitted data) measures it over the whole training set")

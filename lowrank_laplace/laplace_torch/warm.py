@@ -37,6 +37,4 @@ def warm_basis(la: Any, params: List[Tensor]) -> Optional[Tensor]:
     if mean.numel() != sum(p.numel() for p in params) or mean.dtype != params[0].dtype \
             or mean.device != params[0].device or basis.shape[0] != mean.numel():
         return None
-    if torch.equal(mean, parameters_to_vector(params).detach()):
-        return None
-    return basis
+    return None if torch.equal(mean, parameters_to_vector(params).detach()) else basis
