@@ -105,11 +105,10 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
     r"""Full-network Laplace with the GGN's exact leading eigenspace as curvature.
 
     Accepts laplace-torch's ``ParametricLaplace`` arguments (``backend`` only serves
-    inherited paths such as ``enable_backprop=True``; an empirical-Fisher or Hessian
-    backend raises) and the options of
-    :class:`~lowrank_laplace.laplace_torch.options.LowRankOptions`, each readable as an
-    attribute (``la.rank``). ``diagonal_correction`` is a deprecated alias
-    (``True``: ``residual="diagonal"``, ``False``: ``residual="none"``).
+    inherited paths such as ``enable_backprop=True``; an empirical-Fisher or Hessian backend
+    raises) and the options of :class:`~lowrank_laplace.laplace_torch.options.LowRankOptions`,
+    each readable as an attribute (``la.rank``). ``diagonal_correction`` is a deprecated
+    alias of ``residual`` (``True``: ``"diagonal"``, ``False``: ``"none"``).
 
     Attributes:
         options: The validated :class:`LowRankOptions`.

@@ -1,8 +1,7 @@
 r"""laplace-torch's posterior interface, served from a stored low-rank fit.
 
-:class:`PosteriorQueries` answers the questions about ``P = U diag(ell) U^T + diag(d)``
-(variances, samples, log det, Jacobian variances, the GLM predictive) from what
-laplace-torch's ``ParametricLaplace`` and the fit set.
+Variances, samples, log det, Jacobian variances and the GLM predictive of the precision
+``P = U diag(ell) U^T + diag(d)``.
 
 Shape glossary:
     D: Laplace parameters; r: kept rank; B: inputs; C: outputs.
@@ -50,9 +49,8 @@ class PosteriorQueries:
     def posterior_precision(self) -> Tuple[Tuple[Tensor, Tensor], Tensor]:
         """``((U, ell), d)`` with ``P = U diag(ell) U^T + diag(d)``, ``d`` of shape ``(D,)``.
 
-        The matrix whose inverse is the posterior covariance: the scaled kept
-        eigenvalues and the prior precision diagonal, both shifted by the residual
-        model (see :mod:`lowrank_laplace.posterior.residual`). The softmax head's
+        The scaled kept eigenvalues and the prior precision diagonal, both shifted by the
+        residual model (:mod:`lowrank_laplace.posterior.residual`). The softmax head's
         logit-shift directions, where the model keeps them at the prior, follow ``U`` as
         columns whose ``ell`` (the prior minus ``d``) is negative.
         """
