@@ -58,7 +58,14 @@ def check_positive(name: str, value) -> None:
 
 
 def refuse_inference_mode(what: str) -> None:
-    """Refuse the call ``what`` under ``torch.inference_mode()`` (no backward passes there)."""
+    """Refuse a call under ``torch.inference_mode()``, which forbids its backward passes.
+
+    Args:
+        what: The call, for the message.
+
+    Raises:
+        RuntimeError: Under ``torch.inference_mode()``.
+    """
     if torch.is_inference_mode_enabled():
         raise RuntimeError(
             f"lowrank_ggn's {what} differentiates the model (the GGN factor comes from "
