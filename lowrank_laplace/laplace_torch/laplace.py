@@ -341,8 +341,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         One pass over ``train_loader`` per Lanczos step on the GGN outside the kept
         eigenvectors (:mod:`~lowrank_laplace.posterior.quadrature`), converged at half the
         current prior; the results replace the probe's complement variance and the tail's
-        log det and marglik. A later :meth:`fit` discards them (and refines itself below
-        ``quadrature.REFINE_BELOW``).
+        log det and marglik. A later :meth:`fit` discards them.
 
         Raises:
             AttributeError: Before :meth:`fit`.

@@ -150,8 +150,7 @@ class PosteriorQueries:
     def log_prob(self, value: Tensor, normalized: bool = True) -> Tensor:
         """Log density of ``value`` under the posterior; under the prior before :meth:`fit`.
 
-        Before a fit the curvature is zero, so the Laplace approximation is the prior
-        ``N(prior_mean, P_0^{-1})`` (as laplace-torch's ``FullLaplace`` gives it).
+        Before a fit: the prior ``N(prior_mean, P_0^{-1})``, as in laplace-torch's ``FullLaplace``.
 
         Args:
             value: Parameter vector, shape ``(D,)``.

@@ -25,16 +25,14 @@ class FitReport:
         fit_path: ``"dense"``, ``"streaming"`` or ``"sketch"``: what ran in the end.
         factor_backend: What computed ``V``.
         residual: The model of the dropped curvature.
-        check: The sketch's own check and what the fit did about it (``None``: no
-            sketch ran).
-        variance_change: Median relative change of the probe inputs' predictive
-            variance from the leading half of the kept eigenpairs to all, at the fit's
-            prior (``None``: not measured, e.g. without the spectral residual's probe).
+        check: The sketch's own check and what the fit did about it (``None``: no sketch ran).
+        variance_change: Median relative change of the probe inputs' predictive variance
+            from the leading half of the kept eigenpairs to all, at the fit's prior
+            (``None``: not measured, e.g. without the spectral residual's probe).
         warm_started: Whether the sketch started from this posterior's last fit.
-        complement_resolved: Share of the probe's Jacobian energy outside the kept
-            basis that the measured complement resolves (``None``: not measured).
-        ranks_tried: ``(rank, variance change)`` of every fit (``rank="auto"`` fits
-            several).
+        complement_resolved: Share of the probe's Jacobian energy outside the kept basis
+            that the measured complement resolves (``None``: not measured).
+        ranks_tried: ``(rank, variance change)`` of every fit (``rank="auto"`` fits several).
         null_directions: The softmax head's logit-shift directions the probe checked,
             which keep the prior's variance (``0``: none).
         quadrature_steps: Lanczos steps of ``refine_complement`` (``0``: not run).
