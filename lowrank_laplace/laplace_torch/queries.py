@@ -160,8 +160,7 @@ class PosteriorQueries:
             Scalar tensor.
 
         Raises:
-            AttributeError: Before the fit of a last-layer posterior whose layer is not
-                known yet.
+            AttributeError: Before the fit of a last-layer posterior whose layer is not known yet.
         """
         if getattr(self, "H", None) is not None:
             return super().log_prob(value, normalized)
@@ -205,8 +204,7 @@ class PosteriorQueries:
 
     def _dense_identity(self, what: str) -> Tensor:
         self._check_H_init()
-        return dense_identity(self.n_params, self._dtype, self._device, self.memory_budget,
-                              what)
+        return dense_identity(self.n_params, self._dtype, self._device, self.memory_budget, what)
 
     @property
     @on_one_thread_if_small

@@ -28,9 +28,8 @@ AUTO_RANK_MEMORY_SHARE = 0.25
 def next_rank(rank: int, change: Optional[float], bounds: tuple) -> Optional[int]:
     """Twice the fitted ``rank`` (at most the rank bound), or ``None`` to stop.
 
-    ``change`` is its probe's variance change (``None``: not measured, so nothing tells that
-    more rank would help); ``bounds`` is ``(GGN rank bound, parameters D, memory budget as
-    given, device)``.
+    ``change`` is its probe's variance change (``None``: not measured, so nothing tells that more
+    rank would help); ``bounds`` is ``(GGN rank bound, D, memory budget as given, device)``.
     """
     rank_bound, dim, budget, device = bounds
     if change is None or change <= AUTO_RANK_TOLERANCE or rank >= min(rank_bound, dim):

@@ -68,8 +68,7 @@ def tune_scalar_prior(la: Any, spectrum: Tuple[Tensor, Tensor], init: float, n_s
 
     Args:
         la: The fitted Laplace object (its posterior under a scalar prior).
-        spectrum: The curvature's eigenvalues and their counts, from
-            :func:`scalar_marglik_call`.
+        spectrum: The curvature's eigenvalues and their counts, from :func:`scalar_marglik_call`.
         init: The starting prior precision.
         n_steps: Adam steps.
         lr: Adam's learning rate.
