@@ -6,8 +6,7 @@ eigenspace: a sketch taking them as its first test columns
 fewer random columns (:data:`~lowrank_laplace.fitting.plan.WARM_SKETCH_OVERSAMPLING`).
 
 Only the same object's last fit is a source, and only if the parameters moved since:
-refitting unchanged weights stays a cold start, so fitting one network twice gives one
-answer. ``warm_start=False`` turns warm starts off.
+refitting unchanged weights stays a cold start, so fitting one network twice gives one answer.
 """
 
 from __future__ import annotations
