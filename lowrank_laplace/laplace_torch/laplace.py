@@ -1,14 +1,8 @@
-r"""``hessian_structure="lowrank_ggn"`` for laplace-torch.
-
-After ``import lowrank_laplace``, laplace-torch's own factory returns these classes::
-
-    la = Laplace(model, "classification", subset_of_weights="all",
-                 hessian_structure="lowrank_ggn")
-    la.fit(train_loader)
+r"""``hessian_structure="lowrank_ggn"`` for laplace-torch, whose ``Laplace`` factory returns it.
 
 The curvature is the GGN's exact leading eigenpairs
-(:class:`~lowrank_laplace.fitting.fit.LoaderFit`); the posterior
-precision ``U diag(ell) U^T + P_0``, shifted by the residual model, is a
+(:class:`~lowrank_laplace.fitting.fit.LoaderFit`); the posterior precision
+``U diag(ell) U^T + P_0``, shifted by the residual model, is a
 :class:`~lowrank_laplace.posterior.LowRankPrecision`.
 """
 
@@ -118,11 +112,10 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
     r"""Full-network Laplace with the GGN's exact leading eigenspace as curvature.
 
     Accepts laplace-torch's ``ParametricLaplace`` arguments (``backend`` only serves
-    inherited paths such as ``enable_backprop=True``; an empirical-Fisher or Hessian
-    backend raises) and the options of
-    :class:`~lowrank_laplace.laplace_torch.options.LowRankOptions`, each readable as an
-    attribute (``la.rank``). ``diagonal_correction`` is a deprecated alias
-    (``True``: ``residual="diagonal"``, ``False``: ``residual="none"``).
+    inherited paths such as ``enable_backprop=True``; an empirical-Fisher or Hessian backend
+    raises) and the options of :class:`~lowrank_laplace.laplace_torch.options.LowRankOptions`,
+    each readable as an attribute (``la.rank``). ``diagonal_correction`` is a deprecated
+    alias of ``residual`` (``True``: ``"diagonal"``, ``False``: ``"none"``).
 
     Attributes:
         options: The validated :class:`LowRankOptions`.
@@ -146,11 +139,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
 
     @property
     def _dtype(self) -> torch.dtype:
-        """The Laplace parameters' dtype.
-
-        laplace-torch takes the model's first parameter's, which may be a frozen
-        bfloat16 base beside float32 adapters.
-        """
+        """The Laplace parameters' dtype (laplace-torch's is the model's first parameter's)."""
         params = getattr(self, "params", None)
         return params[0].dtype if params else next(self.model.parameters()).dtype
 
@@ -215,10 +204,8 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
     def optimize_prior_precision(self, *args: Any, **kwargs: Any) -> None:
         """laplace-torch's prior tuning (marginal likelihood, or grid search on data).
 
-        Small posteriors are tuned on one CPU thread (see
-        :mod:`lowrank_laplace.utils.threads`); a scalar prior's marginal likelihood
-        is tuned by the same Adam steps on its closed-form gradient
-        (:mod:`~lowrank_laplace.laplace_torch.tuning`). Arguments as in laplace-torch.
+        A scalar prior's marginal likelihood is tuned by the same Adam steps on its
+        closed-form gradient (:mod:`~lowrank_laplace.laplace_torch.tuning`).
         """
         scalar = scalar_marglik_call(self, args, kwargs)
         if scalar is None:
@@ -279,19 +266,17 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         """Fit the low-rank GGN over the whole loader (see :class:`LoaderFit`).
 
         Data-parallel where ``torch.distributed`` is initialised (or a group is passed):
-        each process streams its loader's disjoint shard (e.g. under ``torchrun``), all
-        end with the same posterior, and ``n_data`` counts every process's samples. A
-        fit that keeps less than ``quadrature.REFINE_BELOW`` of the GGN trace ends with
-        :meth:`refine_complement` on the same loader.
+        each process streams its own shard, all end with the same posterior, and
+        ``n_data`` counts every process's samples. A fit keeping less than
+        ``quadrature.REFINE_BELOW`` of the GGN trace ends with :meth:`refine_complement`.
 
         Args:
             train_loader: Yields ``(X, y)`` batches (or dict batches);
                 ``train_loader.dataset`` gives the number of data points.
-            override: ``False`` keeps the current curvature, loss and ``n_data`` and
-                adds this loader's (laplace-torch's online updates): the two truncated
-                eigendecompositions are merged like two batches, exact whenever the
-                total rank fits ``rank``. The mean moves to the model's current
-                parameters, as in laplace-torch.
+            override: ``False`` adds this loader's curvature, loss and ``n_data`` to the
+                current ones (laplace-torch's online updates; the two eigendecompositions
+                merge exactly while the total rank fits ``rank``); the mean moves to the
+                model's current parameters.
             progress_bar: Show a tqdm progress bar over batches.
             process_group: ``torch.distributed`` group to merge across; the default
                 uses the default group if ``torch.distributed`` is initialised,
@@ -353,11 +338,10 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
     def refine_complement(self, train_loader: Any) -> None:
         """Measure the dropped curvature by Lanczos quadrature over the whole training set.
 
-        Lanczos runs on the GGN outside the kept eigenvectors, one pass over
-        ``train_loader`` per step (:mod:`~lowrank_laplace.posterior.quadrature`), replace
-        the probe's complement variance and the modelled tail's log det and marglik. They
-        converge at half the current prior; a later :meth:`fit` discards the result, and
-        runs them itself where its kept share is below ``quadrature.REFINE_BELOW``.
+        One pass over ``train_loader`` per Lanczos step on the GGN outside the kept
+        eigenvectors (:mod:`~lowrank_laplace.posterior.quadrature`), converged at half the
+        current prior; the results replace the probe's complement variance and the tail's
+        log det and marglik. A later :meth:`fit` discards them.
 
         Raises:
             AttributeError: Before :meth:`fit`.

@@ -159,8 +159,7 @@ def _head_jacobians(phi: Tensor, f: Tensor, bias: bool) -> Tensor:
 class _LastLayer(nn.Module):
     """The last layer on per-sample features; ``(N, k, d)`` features give ``(N, k C)``.
 
-    A pairwise reward model scores the two items of a sample with its last layer and
-    returns them side by side: its curvature's outputs are the ``k`` scores of a sample.
+    A pairwise reward model's curvature outputs are the ``k`` scores of a sample.
     """
 
     def __init__(self, last: nn.Module):
@@ -175,8 +174,7 @@ class _LastLayer(nn.Module):
 class _WholeModel(nn.Module):
     """The model as a function of its last layer's parameters alone (the rest held fixed).
 
-    The model is kept outside the module tree, so that the engine sees the last layer's
-    parameters only and differentiates the model's own outputs.
+    The model is kept outside the module tree: the engine sees the last layer's parameters.
     """
 
     def __init__(self, model: nn.Module, last: nn.Module):

@@ -1,12 +1,7 @@
 """The options of ``hessian_structure="lowrank_ggn"``, validated once, in one record.
 
-:class:`LowRankOptions` is the fit's :class:`~lowrank_laplace.fitting.config.FitConfig`
-plus the posterior's own options; the laplace-torch classes build it once, in their
-constructor, and pass this same object down the fit. What the fit needs of the residual
-model (the GGN diagonal, probe inputs) is derived here from the model's class.
-
-Shape glossary:
-    D: Laplace parameters; r: kept rank.
+The laplace-torch classes build :class:`LowRankOptions` once, in their constructor, and
+pass this same object down the fit.
 """
 
 from __future__ import annotations

@@ -12,25 +12,18 @@ from lowrank_laplace.posterior.quadrature import DroppedQuadrature
 
 
 class StatePersistence:
-    """``state_dict`` / ``load_state_dict`` of :class:`~lowrank_laplace.LowRankGGNLaplace`.
-
-    laplace-torch's state (mean, curvature, hyperparameters) plus what the low-rank
-    posterior needs besides: the exact GGN trace, the rank options, the residual's
-    fitted quantities.
-    """
+    """``state_dict`` / ``load_state_dict`` of :class:`~lowrank_laplace.LowRankGGNLaplace`."""
 
     def state_dict(self) -> dict:
-        """laplace-torch's state plus the exact GGN trace and the rank options."""
+        """laplace-torch's state plus the exact GGN trace, the options and the residual's fit."""
         state = super().state_dict()
         state.update(trace=self.trace, rank=self.rank, mc_samples=self.mc_samples,
                      residual_diagonal=self.residual_diagonal, residual=self.residual,
                      rank_bound=self.rank_bound, jacobian_exponent=self._jacobian_exponent,
-                     measured_complement=None if self._complement is None
-                     else self._complement.state(),
-                     null_directions=None if self._null is None else self._null.state(),
-                     quadrature=None if self._quadrature is None
-                     else self._quadrature.state(),
                      fit_report=None if self.fit_report is None else self.fit_report.as_dict())
+        parts = {"measured_complement": self._complement, "null_directions": self._null,
+                 "quadrature": self._quadrature}
+        state.update({key: None if part is None else part.state() for key, part in parts.items()})
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -58,9 +51,8 @@ class StatePersistence:
         self.residual_diagonal = state_dict.get("residual_diagonal")
         self.rank_bound = state_dict.get("rank_bound")
         self._jacobian_exponent = float(state_dict.get("jacobian_exponent", 0.0))
-        self._complement = MeasuredComplement.from_state(state_dict.get("measured_complement"))
-        if self._complement is not None:
-            self._complement = self._complement.to(U.device)
+        complement = MeasuredComplement.from_state(state_dict.get("measured_complement"))
+        self._complement = None if complement is None else complement.to(U.device)
         self._null = NullDirections.from_state(state_dict.get("null_directions"))
         self._quadrature = DroppedQuadrature.from_state(state_dict.get("quadrature"), U.device)
         self._residual_model = None

@@ -1,8 +1,7 @@
 r"""laplace-torch's posterior interface, served from a stored low-rank fit.
 
-:class:`PosteriorQueries` answers the questions about ``P = U diag(ell) U^T + diag(d)``
-(variances, samples, log det, Jacobian variances, the GLM predictive) from what
-laplace-torch's ``ParametricLaplace`` and the fit set.
+Variances, samples, log det, Jacobian variances and the GLM predictive of the precision
+``P = U diag(ell) U^T + diag(d)``.
 
 Shape glossary:
     D: Laplace parameters; r: kept rank; B: inputs; C: outputs.
@@ -50,17 +49,15 @@ class PosteriorQueries:
     def posterior_precision(self) -> Tuple[Tuple[Tensor, Tensor], Tensor]:
         """``((U, ell), d)`` with ``P = U diag(ell) U^T + diag(d)``, ``d`` of shape ``(D,)``.
 
-        The matrix whose inverse is the posterior covariance: the scaled kept
-        eigenvalues and the prior precision diagonal, both shifted by the residual
-        model (see :mod:`lowrank_laplace.posterior.residual`). The softmax head's
+        The scaled kept eigenvalues and the prior precision diagonal, both shifted by the
+        residual model (:mod:`lowrank_laplace.posterior.residual`). The softmax head's
         logit-shift directions, where the model keeps them at the prior, follow ``U`` as
         columns whose ``ell`` (the prior minus ``d``) is negative.
         """
         precision = self._precision()
-        d = precision.d
+        U, ell, null, d = precision.U, precision.ell, precision.null, precision.d
         if d.numel() == 1:
             d = d.expand(self.n_params).clone()
-        U, ell, null = precision.U, precision.ell, precision.null
         if null is not None:
             eye = torch.eye(null.directions.count, dtype=U.dtype, device=U.device)
             U = torch.cat([U, null.directions.expand(eye, self.n_params).T], 1)
@@ -93,11 +90,8 @@ class PosteriorQueries:
 
     def _layer_sizes(self) -> Optional[List[int]]:
         """Parameters per layer (laplace-torch's ``n_layers`` parameter tensors)."""
-        params = getattr(self, "params", None)
-        if not params:
-            return None
-        sizes = [p.numel() for p in params]
-        return sizes if sum(sizes) == self.n_params else None
+        sizes = [p.numel() for p in getattr(self, "params", None) or ()]
+        return sizes if sizes and sum(sizes) == self.n_params else None
 
     def _layer_prior(self) -> Optional[Tuple[List[int], Tensor]]:
         """``(sizes, delta_l)`` for a layerwise prior (one value per parameter tensor)."""
@@ -156,8 +150,7 @@ class PosteriorQueries:
     def log_prob(self, value: Tensor, normalized: bool = True) -> Tensor:
         """Log density of ``value`` under the posterior; under the prior before :meth:`fit`.
 
-        Before a fit the curvature is zero, so the Laplace approximation is the prior
-        ``N(prior_mean, P_0^{-1})`` (as laplace-torch's ``FullLaplace`` gives it).
+        Before a fit: the prior ``N(prior_mean, P_0^{-1})``, as in laplace-torch's ``FullLaplace``.
 
         Args:
             value: Parameter vector, shape ``(D,)``.
@@ -167,8 +160,7 @@ class PosteriorQueries:
             Scalar tensor.
 
         Raises:
-            AttributeError: Before the fit of a last-layer posterior whose layer is not
-                known yet.
+            AttributeError: Before the fit of a last-layer posterior whose layer is not known yet.
         """
         if getattr(self, "H", None) is not None:
             return super().log_prob(value, normalized)
@@ -212,8 +204,7 @@ class PosteriorQueries:
 
     def _dense_identity(self, what: str) -> Tensor:
         self._check_H_init()
-        return dense_identity(self.n_params, self._dtype, self._device, self.memory_budget,
-                              what)
+        return dense_identity(self.n_params, self._dtype, self._device, self.memory_budget, what)
 
     @property
     @on_one_thread_if_small

@@ -1,13 +1,8 @@
 """``rank="auto"``: the rank chosen from the data.
 
-The fit starts at :data:`AUTO_RANK_START` eigenpairs. After each fit the spectral
-residual's probe says how much the probe inputs' predictive variance moves from the
-leading half of the kept eigenpairs to all of them
-(:func:`~lowrank_laplace.posterior.probe.variance_change`): where it moves by more than
-:data:`AUTO_RANK_TOLERANCE`, the rank still matters and the fit is redone with twice the
-rank, until the change is below the tolerance, the GGN's rank bound is reached, or the
-``D x 2r`` basis would exceed :data:`AUTO_RANK_MEMORY_SHARE` of the memory budget. The
-fit report lists every rank tried with its change.
+The fit starts at :data:`AUTO_RANK_START` eigenpairs and is redone with twice the rank while
+the spectral residual's probe (:func:`~lowrank_laplace.posterior.probe.variance_change`) says
+the rank still matters; the fit report lists every rank tried with its change.
 """
 
 from __future__ import annotations
@@ -31,16 +26,10 @@ AUTO_RANK_MEMORY_SHARE = 0.25
 
 
 def next_rank(rank: int, change: Optional[float], bounds: tuple) -> Optional[int]:
-    """The rank of the next fit of ``rank="auto"``, or ``None`` to stop.
+    """Twice the fitted ``rank`` (at most the rank bound), or ``None`` to stop.
 
-    Args:
-        rank: The rank just fitted.
-        change: Its probe's variance change (``None``: not measured, so nothing tells
-            that more rank would help).
-        bounds: ``(rank bound of the GGN, parameters D, memory budget as given, device)``.
-
-    Returns:
-        Twice the rank (at most the rank bound), or ``None``.
+    ``change`` is its probe's variance change (``None``: not measured, so nothing tells that more
+    rank would help); ``bounds`` is ``(GGN rank bound, D, memory budget as given, device)``.
     """
     rank_bound, dim, budget, device = bounds
     if change is None or change <= AUTO_RANK_TOLERANCE or rank >= min(rank_bound, dim):

@@ -1,10 +1,4 @@
-"""How faithful a fit is, in numbers a user can read (``la.fit_report``, ``repr(la)``).
-
-A low-rank posterior is an approximation whose quality depends on the model and the
-data: the share of the GGN's curvature the rank keeps, whether the fast path that ran
-(a sketch) passed its own check, and how much the predictive still moves with the rank.
-:class:`FitReport` holds these after every fit.
-"""
+"""How faithful a fit is, in numbers a user can read (``la.fit_report``, ``repr(la)``)."""
 
 from __future__ import annotations
 
@@ -31,16 +25,14 @@ class FitReport:
         fit_path: ``"dense"``, ``"streaming"`` or ``"sketch"``: what ran in the end.
         factor_backend: What computed ``V``.
         residual: The model of the dropped curvature.
-        check: The sketch's own check and what the fit did about it (``None``: no
-            sketch ran).
-        variance_change: Median relative change of the probe inputs' predictive
-            variance from the leading half of the kept eigenpairs to all, at the fit's
-            prior (``None``: not measured, e.g. without the spectral residual's probe).
+        check: The sketch's own check and what the fit did about it (``None``: no sketch ran).
+        variance_change: Median relative change of the probe inputs' predictive variance
+            from the leading half of the kept eigenpairs to all, at the fit's prior
+            (``None``: not measured, e.g. without the spectral residual's probe).
         warm_started: Whether the sketch started from this posterior's last fit.
-        complement_resolved: Share of the probe's Jacobian energy outside the kept
-            basis that the measured complement resolves (``None``: not measured).
-        ranks_tried: ``(rank, variance change)`` of every fit (``rank="auto"`` fits
-            several).
+        complement_resolved: Share of the probe's Jacobian energy outside the kept basis
+            that the measured complement resolves (``None``: not measured).
+        ranks_tried: ``(rank, variance change)`` of every fit (``rank="auto"`` fits several).
         null_directions: The softmax head's logit-shift directions the probe checked,
             which keep the prior's variance (``0``: none).
         quadrature_steps: Lanczos steps of ``refine_complement`` (``0``: not run).
@@ -86,11 +78,10 @@ class FitReport:
                  f"({self.factor_backend} backend{', warm start' if self.warm_started else ''})",
                  f"  kept share of the GGN trace: {self.kept_fraction:.3f} "
                  f"(the rest: residual={self.residual!r})"]
-        if self.check is not None:
-            c = self.check
-            verdict = "passed" if c.passed else "failed"
-            lines.append(f"  {c.name}: {verdict} ({c.value:.3f}, needs {c.threshold:.2f}); "
-                         f"{c.action}")
+        c = self.check
+        if c is not None:
+            lines.append(f"  {c.name}: {'passed' if c.passed else 'failed'} ({c.value:.3f}, "
+                         f"needs {c.threshold:.2f}); {c.action}")
         if self.variance_change is not None:
             lines.append(f"  predictive variance on the probe inputs: changes by "
                          f"{self.variance_change:.1%} from rank {self.rank // 2} to "
@@ -100,10 +91,9 @@ class FitReport:
                          f"{self.complement_resolved:.0%} of its energy outside the kept "
                          "basis (the rest meets the modelled tail)")
         if self.quadrature_steps:
-            verdict = "converged" if self.quadrature_converged else "not converged"
-            lines.append(f"  complement variance and dropped spectrum: Lanczos quadrature "
-                         f"over the training data, {self.quadrature_steps} passes "
-                         f"({verdict})")
+            lines.append(f"  complement variance and dropped spectrum: Lanczos quadrature over "
+                         f"the training data, {self.quadrature_steps} passes "
+                         f"({'converged' if self.quadrature_converged else 'not converged'})")
         elif self.refinable and self.kept_fraction < quadrature.REFINE_BELOW:
             lines.append("  most of the curvature is dropped: la.refine_complement(loader of "
                          "all the fitted data) measures it over the whole training set")

@@ -1,20 +1,18 @@
 r"""laplace-torch's marginal-likelihood tuning of a scalar prior, on scalars.
 
-``optimize_prior_precision(method="marglik")`` takes ``n_steps`` Adam steps on
-:math:`x = \log\delta` through autograd, a few hundred small tensor operations per step.
 Under a scalar prior the marginal likelihood depends on :math:`\delta` only through the
 curvature's spectrum (:meth:`~lowrank_laplace.posterior.Residual.curvature_spectrum`:
 weights :math:`c_j` of eigenvalues :math:`a_j`) and the scatter
-:math:`s = \|\theta_* - \mu_0\|^2`:
+:math:`s = \|\theta_* - \mu_0\|^2`; in :math:`x = \log\delta`:
 
 .. math::
 
     \frac{\partial (-\log p(\mathcal{D} \mid \delta))}{\partial x} = \tfrac12 \Big(\delta s
     - \sum_j \frac{c_j a_j}{a_j + \delta}\Big).
 
-:func:`tune_scalar_prior` runs ``torch.optim.Adam``'s update from laplace-torch's starting
-point on that gradient in float64 scalars: the same optimum, without tensor operations.
-Layerwise and per-parameter priors keep laplace-torch's loop.
+:func:`tune_scalar_prior` runs laplace-torch's ``n_steps`` Adam steps on :math:`x` from
+its starting point on that gradient, in float64 scalars instead of autograd: the same
+optimum. Layerwise and per-parameter priors keep laplace-torch's loop.
 """
 
 from __future__ import annotations
@@ -46,19 +44,16 @@ def scalar_marglik_call(la: Any, args: tuple, kwargs: dict
 
     Returns:
         The bound arguments (defaults applied, without ``self``) and the curvature's
-        spectrum at the posterior's scale
-        (:meth:`~lowrank_laplace.posterior.Residual.curvature_spectrum`), or ``None`` when
-        the call is anything else (grid search, a layerwise or per-parameter prior, a
-        ``"diagonal"`` residual, an unfitted posterior, arguments laplace-torch would
-        refuse), which laplace-torch's own method then handles.
+        spectrum at the posterior's scale (``Residual.curvature_spectrum``), or ``None``
+        for any other call (grid search, a layerwise or per-parameter prior, a
+        ``"diagonal"`` residual, an unfitted posterior, arguments laplace-torch refuses).
     """
     try:
         bound = _SIGNATURE.bind(la, *args, **kwargs)
     except TypeError:
         return None
     bound.apply_defaults()
-    call = dict(bound.arguments)
-    call.pop("self")
+    call = {name: value for name, value in bound.arguments.items() if name != "self"}
     init = call["init_prior_prec"]
     scalar_init = np.size(init) == 1 if not hasattr(init, "numel") else init.numel() == 1
     if call["method"] != "marglik" or not scalar_init \
@@ -74,8 +69,7 @@ def tune_scalar_prior(la: Any, spectrum: Tuple[Tensor, Tensor], init: float, n_s
 
     Args:
         la: The fitted Laplace object (its posterior under a scalar prior).
-        spectrum: The curvature's eigenvalues and their counts, from
-            :func:`scalar_marglik_call`.
+        spectrum: The curvature's eigenvalues and their counts, from :func:`scalar_marglik_call`.
         init: The starting prior precision.
         n_steps: Adam steps.
         lr: Adam's learning rate.

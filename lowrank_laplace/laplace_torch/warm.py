@@ -1,17 +1,12 @@
 r"""Warm starts: a refit after the model moved begins from the same posterior's last fit.
 
-A user may refit the same posterior after more training; the last fit's eigenvectors
-``U`` then lie close to the new leading eigenspace. A sketch that takes them as its
-first test columns (:class:`~lowrank_laplace.fitting.omega.BasisOmega`) is exact on
-every eigenvector they span and needs fewer random columns: where ``solver="auto"``
-chooses the sketch, a warm start draws ``2 * rank`` random columns besides the ``rank``
-of ``U`` (:data:`~lowrank_laplace.fitting.plan.WARM_SKETCH_OVERSAMPLING`) instead of
-``4 * rank``, and costs less (docs/benchmarks/design_measurements.md).
+After more training the last fit's eigenvectors ``U`` lie close to the new leading
+eigenspace: a sketch taking them as its first test columns
+(:class:`~lowrank_laplace.fitting.omega.BasisOmega`) is exact on their span and draws
+fewer random columns (:data:`~lowrank_laplace.fitting.plan.WARM_SKETCH_OVERSAMPLING`).
 
-Only the same object's last fit is a source: no fit's answer depends on which other
-objects are alive. The basis is used only if the model's parameters moved since that
-fit: refitting unchanged weights stays a cold start, so fitting one network twice
-gives one answer. ``warm_start=False`` turns warm starts off.
+Only the same object's last fit is a source, and only if the parameters moved since:
+refitting unchanged weights stays a cold start, so fitting one network twice gives one answer.
 """
 
 from __future__ import annotations
@@ -41,6 +36,4 @@ def warm_basis(la: Any, params: List[Tensor]) -> Optional[Tensor]:
     if mean.numel() != sum(p.numel() for p in params) or mean.dtype != params[0].dtype \
             or mean.device != params[0].device or basis.shape[0] != mean.numel():
         return None
-    if torch.equal(mean, parameters_to_vector(params).detach()):
-        return None
-    return basis
+    return None if torch.equal(mean, parameters_to_vector(params).detach()) else basis
