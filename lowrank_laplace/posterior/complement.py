@@ -12,7 +12,7 @@ Shape glossary:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -26,7 +26,6 @@ from lowrank_laplace.posterior.layer_tail import spectral_tail
 RESOLUTION = 1e-6
 #: Fewest inputs of a sub-sampled GGN that the bias correction measures again on.
 MIN_HALF = 16
-_FIELDS = ("mu", "q", "mu_half", "q_half", "energy", "fraction", "floor")
 
 
 @dataclass
@@ -96,22 +95,21 @@ class MeasuredComplement:
 
     def to(self, device: torch.device) -> "MeasuredComplement":
         """The same measurement on ``device``."""
-        move = (lambda t: None if t is None else t.to(device))  # noqa: E731
-        return MeasuredComplement(move(self.mu), move(self.q), move(self.mu_half),
-                                  move(self.q_half), move(self.energy), self.fraction,
-                                  self.floor)
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return MeasuredComplement(**{name: value.to(device) if torch.is_tensor(value) else value
+                                     for name, value in values.items()})
 
     def state(self) -> Dict[str, object]:
         """A plain dict for ``state_dict`` (tensors on the CPU)."""
         cpu = self.to(torch.device("cpu"))
-        return {name: getattr(cpu, name) for name in _FIELDS}
+        return {f.name: getattr(cpu, f.name) for f in fields(cpu)}
 
     @classmethod
     def from_state(cls, state: Optional[Dict[str, object]]) -> Optional["MeasuredComplement"]:
         """Inverse of :meth:`state` (``None`` stays ``None``)."""
         if state is None:
             return None
-        return cls(**{name: state[name] for name in _FIELDS})
+        return cls(**{f.name: state[f.name] for f in fields(cls)})
 
 
 @dataclass(frozen=True)

@@ -63,12 +63,10 @@ def power_law_tail(anchor: float, mass: float, start: int, count: int,
     """
     if count <= 0:
         return torch.zeros(0, dtype=torch.float64)
-    if mass <= 0 or anchor <= 0:
+    if mass <= 0 or anchor <= 0 or anchor * count <= mass:
         return torch.full((count,), max(mass, 0.0) / count, dtype=torch.float64)
     steps = torch.arange(1, count + 1, dtype=torch.float64) * stride
     log_ratio = torch.log1p(steps / start)
-    if anchor * count <= mass:
-        return torch.full((count,), mass / count, dtype=torch.float64)
     lo, hi = 0.0, 1.0
     while float((anchor * torch.exp(-hi * log_ratio)).sum()) > mass:
         lo, hi = hi, 2 * hi

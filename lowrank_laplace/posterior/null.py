@@ -16,6 +16,7 @@ Shape glossary:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence
 
@@ -138,12 +139,9 @@ def head_directions(model: nn.Module, params: Sequence[Tensor], likelihood: str,
     head = heads[-1]
     if outputs * head.in_features**2 > MAX_ENTRIES:
         return None
-    offsets, start = [], 0
-    for p in params:
-        offsets.append(start)
-        start += p.numel()
+    offsets = tuple(itertools.accumulate((p.numel() for p in params[:-1]), initial=0))
     bias = None if head.bias is None else index.get(id(head.bias))
-    return NullDirections(index[id(head.weight)], bias, tuple(offsets), outputs,
+    return NullDirections(index[id(head.weight)], bias, offsets, outputs,
                           head.in_features)
 
 

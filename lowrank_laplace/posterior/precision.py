@@ -120,22 +120,20 @@ class LowRankPrecision:
     def _capacitance_cholesky(self, dtype: torch.dtype, orthonormal: bool) -> Tensor:
         """Cholesky factor of ``K`` in ``dtype``; ``orthonormal`` takes ``U^T U = I``."""
         ell, d = self.ell.to(dtype), self.d.to(dtype)
+        s = ell.sqrt()
         if orthonormal:  # scalar prior: K = I + diag(ell / d)
             K = torch.diag(ell / d)
         elif self.isotropic:  # U^T U / d, U^T U from the (shared) float64 cache
-            s = ell.sqrt()
             K = s[:, None] * self.gram_cache.get(self.U).to(dtype) / d * s[None, :]
         elif self.layers is not None:  # sum_l U_l^T U_l / d_l from the cached blocks
             sizes, layer_d = self.layers
             grams = self.gram_cache.layer_grams(self.U, sizes).to(dtype)
-            s = ell.sqrt()
             K = s[:, None] * (grams / layer_d.to(dtype)[:, None, None]).sum(0) * s[None, :]
         else:  # U^T diag(1/d) U over row chunks: no D x r temporary
             K = 0
-            for i, U in enumerate(self.U.split(_ROWS)):
+            for U, d_rows in zip(self.U.split(_ROWS), d.split(_ROWS)):
                 U = U.to(dtype)
-                K = K + (U / d[i * _ROWS: i * _ROWS + U.shape[0], None]).T @ U
-            s = ell.sqrt()
+                K = K + (U / d_rows[:, None]).T @ U
             K = s[:, None] * K * s[None, :]
         K = K + torch.eye(K.shape[0], dtype=K.dtype, device=K.device)
         return torch.linalg.cholesky(K)

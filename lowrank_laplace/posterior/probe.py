@@ -324,27 +324,8 @@ def _broadcast(measured: Optional[MeasuredComplement], U: Tensor, group: Any
     """Process 0's measurement on every process (``None`` stays ``None``)."""
     import torch.distributed as dist
 
-    src = dist.get_global_rank(group, 0)
-    sizes = torch.zeros(3, dtype=torch.float64, device=U.device)
-    if measured is not None:
-        half = 0 if measured.mu_half is None else measured.mu_half.numel()
-        sizes = torch.tensor([1.0, measured.mu.numel(), half], dtype=torch.float64,
-                             device=U.device)
-    dist.broadcast(sizes, src=src, group=group)
-    present, k, k_half = (int(s) for s in sizes.tolist())
-    if not present:
-        return None
-    flat = torch.zeros(2 * k + 2 * k_half + 3, dtype=torch.float64, device=U.device)
-    if measured is not None:
-        parts = [measured.mu, measured.q] + (
-            [measured.mu_half, measured.q_half] if k_half else [])
-        flat = torch.cat([p.reshape(-1).to(flat) for p in parts] + [
-            measured.energy.reshape(1).to(flat),
-            flat.new_tensor([measured.fraction, measured.floor])])
-    dist.broadcast(flat, src=src, group=group)
-    mu, q, rest = flat[:k], flat[k:2 * k], flat[2 * k:]
-    mu_half = q_half = None
-    if k_half:
-        mu_half, q_half, rest = rest[:k_half], rest[k_half:2 * k_half], rest[2 * k_half:]
-    return MeasuredComplement(mu, q, mu_half, q_half, rest[0], float(rest[1]),
-                              float(rest[2]))
+    box = [None if measured is None else measured.state()]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group,
+                               device=U.device)
+    state = box[0]
+    return None if state is None else MeasuredComplement.from_state(state).to(U.device)

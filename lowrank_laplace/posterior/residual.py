@@ -155,9 +155,7 @@ class Residual:
         """
         kept = eigenvalues.detach().to(device="cpu", dtype=torch.float64) * scale
         values, counts = self._dropped_spectrum(kept, scale)
-        values = torch.cat([kept] + values) if values else kept
-        counts = torch.cat([torch.ones_like(kept)] + counts) if counts else \
-            torch.ones_like(kept)
+        values, counts = torch.cat([kept, *values]), torch.cat([torch.ones_like(kept), *counts])
         keep = values > 0
         return values[keep], counts[keep]
 
