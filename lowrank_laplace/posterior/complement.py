@@ -81,10 +81,7 @@ class MeasuredComplement:
 
     @property
     def resolved_share(self) -> float:
-        """Share of the probe's complement energy its halves resolve.
-
-        The rest meets the modelled tail (:class:`UnresolvedTail`).
-        """
+        """Share of the probe's complement energy its halves resolve (the rest meets the tail)."""
         return min(float(self.q.sum() / self.energy), 1.0)
 
     def shift(self, scale: Tensor, prior: Tensor, anchor: float,
@@ -116,11 +113,9 @@ class MeasuredComplement:
 class UnresolvedTail:
     """Where the energy a probe half leaves unresolved lies: the modelled tail.
 
-    A half of ``n`` inputs resolves at most ``n V`` complement directions, the largest
-    (scaled by ``N / n``); far below ``N`` the rest of its other half's energy still meets
-    curvature. Its unresolved energy is spread over the dropped directions it did not
-    resolve: the modelled tail's beyond the ``k`` it resolved (Jacobian-weighted,
-    ``t^beta``), and the null directions beyond the GGN's rank (curved by the floor).
+    A half of ``n`` inputs resolves at most ``n V`` complement directions; the energy it
+    leaves is spread over the modelled tail beyond the ``k`` it resolved (weighted
+    ``t^beta``) and the null directions beyond the GGN's rank (curved by the floor).
 
     Attributes:
         tail: Modelled dropped eigenvalues (descending, GGN scale), ``(n - r,)``.
@@ -166,10 +161,9 @@ class UnresolvedTail:
 
     def _beyond(self, resolved: int, device: torch.device
                 ) -> Optional[Tuple[Tensor, Tensor, float]]:
-        """The tail beyond ``resolved``, its weights and share, on ``device``.
+        """The tail beyond ``resolved``, its weights ``t^beta`` and share, on ``device``.
 
-        The weights are the Jacobian weights ``t^beta``, the share that of the unresolved
-        directions the tail holds; ``None`` where no curved tail is left.
+        The share is that of the unresolved directions; ``None``: no curved tail left.
         """
         key = (resolved, str(device))
         if key not in self._parts:
@@ -183,10 +177,7 @@ class UnresolvedTail:
 
 def _variance(mu: Tensor, q: Tensor, energy: Tensor, h: Tensor, delta: Tensor,
               unresolved: Tensor) -> Tensor:
-    """``v`` of one measurement (float64).
-
-    ``unresolved``: the variance per unit of the energy outside its resolved directions.
-    """
+    """``v`` of one measurement; ``unresolved``: the variance per unit of unresolved energy."""
     rest = (energy - q.sum()).clamp(min=0)
     return ((q / (h * mu + delta)).sum() + rest * unresolved) / energy
 
@@ -195,9 +186,8 @@ def measure_complement(gram: Tensor, Z: Tensor, loss_sqrt: Tensor, num_data: int
                        ) -> Optional[MeasuredComplement]:
     r"""Return the complement spectrum of a probe (``None``: no energy outside ``U``).
 
-    Energy below the :data:`RESOLUTION` floor counts as curved by it: flat directions
-    (the logits' sum under cross-entropy) get ``1 / delta`` above ``h`` times the floor,
-    as in the full GGN's posterior, and a bounded variance below, in either dtype.
+    Energy below the :data:`RESOLUTION` floor counts as curved by it (flat directions get
+    ``1 / delta`` above ``h`` times the floor and a bounded variance below, in either dtype).
 
     Args:
         gram: ``F^T F`` of the probe's factor ``F = sqrt(2) J^T``, columns ``(c, n)``,

@@ -46,8 +46,7 @@ PROBE_COLUMNS = 512
 MEASURE_COMPLEMENT = True
 #: Fewest probe inputs the complement variance is measured on (else it is modelled).
 MIN_MEASURED = 32
-#: Most Jacobian columns (inputs times outputs) of the measurement: its cost grows with
-#: their square and cube, its sub-sampling bias falls with them.
+#: Most Jacobian columns (inputs times outputs) of the measurement.
 MAX_COLUMNS = 1024
 
 
@@ -152,14 +151,10 @@ def jacobian_exponent(eigenvalues: Tensor, energies: Tensor) -> float:
 def _measure(engine: FactorEngine, probe: List[Any], fit: FitResult, config: FitConfig,
              data: tuple) -> Tuple[Optional[MeasuredComplement], Optional[Tensor],
                                    Optional[Callable[[float], Optional[float]]]]:
-    """The complement on the probe inputs that fit, energies of ``U``, and the rank check.
+    """The complement on the probe inputs that fit, exact energies of ``U`` and the rank check.
 
-    The exact Jacobian energies come where the measured inputs are the whole probe (the
-    energy pass is then not run again); the rank check is :func:`variance_change` of an
-    exponent ``beta``.
-
-    ``data``: ``((loss, factor), (h, delta), null)`` with the checked logit-shift
-    directions (``None``: none), which the complement leaves out.
+    The energies only where those inputs are the whole probe; the rank check maps ``beta``
+    to :func:`variance_change`. ``data``: ``((loss, factor), (h, delta), null)``.
     """
     (U, lam, num_data), (loss, prior, null) = (fit.eigenvectors, fit.eigenvalues,
                                                fit.n_data), data
@@ -212,10 +207,9 @@ def _measure(engine: FactorEngine, probe: List[Any], fit: FitResult, config: Fit
 
 def _checked_head(engine: FactorEngine, inputs: Any, null: NullDirections
                   ) -> Optional[NullDirections]:
-    """The candidate logit-shift directions if they move every output alike.
+    """The candidate logit-shift directions if they move every output alike, else ``None``.
 
-    Checked on the first :data:`MIN_MEASURED` probe inputs (one backward pass); ``None``
-    where they do not.
+    Checked on the first :data:`MIN_MEASURED` probe inputs.
     """
     n = check_batch(inputs, None)
     factor = engine.compute(take(inputs, slice(0, min(n, MIN_MEASURED)), n), None,
@@ -225,10 +219,7 @@ def _checked_head(engine: FactorEngine, inputs: Any, null: NullDirections
 
 
 def _unresolved(fit: FitResult, rank: int, exponent: float, known: int) -> UnresolvedTail:
-    """The modelled tail beyond the leading ``rank`` eigenpairs of a fit.
-
-    ``known`` null directions lie apart.
-    """
+    """The modelled tail beyond a fit's leading ``rank`` eigenpairs (``known`` null ones apart)."""
     lam, dim = fit.eigenvalues[:rank].double().cpu(), fit.eigenvectors.shape[0]
     mass = max(float(fit.trace) - float(lam.sum()), 0.0)
     return UnresolvedTail.of_fit(lam, mass, fit.rank_bound, dim, exponent, known)

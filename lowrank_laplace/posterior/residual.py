@@ -109,10 +109,7 @@ class Residual:
         return cls(dropped)
 
     def complement_variance(self, scale: Tensor, prior: Tensor) -> Optional[Tensor]:
-        """The complement variance ``v`` measured on the probe, as the posterior uses it.
-
-        At scale ``h`` and a scalar prior; ``None`` where it was not measured.
-        """
+        """The complement variance ``v`` measured on the probe at ``h`` (``None``: not measured)."""
         return None
 
     def precision(self, eigenvectors: Tensor, eigenvalues: Tensor, scale: Tensor,
@@ -218,12 +215,9 @@ class IsotropicResidual(Residual):
 class SpectralResidual(Residual):
     """A power-law tail continuing the kept spectrum, in random dropped directions.
 
-    The GGN's logit-shift directions, where the probe checked them, keep the prior's
-    variance (:mod:`~lowrank_laplace.posterior.null`); the tail spans the rest.
-
-    Where Lanczos quadrature measured the dropped spectrum, its nodes and counts replace
-    the tail in the log det and the marglik (scalar priors; the layerwise split keeps the
-    tail).
+    Checked logit-shift directions keep the prior's variance
+    (:mod:`~lowrank_laplace.posterior.null`); a measured dropped spectrum replaces the
+    tail in the log det under scalar priors.
 
     Attributes:
         tail: Modelled dropped eigenvalues, ``(n - r,)``.
@@ -326,8 +320,7 @@ class SpectralResidual(Residual):
                device: torch.device) -> Tuple[Tensor, Tensor]:
         """The network-wide shift ``rho = 1 / v - delta`` and the dropped log det (float64).
 
-        ``v``: the complement variance measured at the prior's mean, else the
-        Jacobian-weighted tail's; the log det: the measured spectrum's, else the tail's.
+        Each measured where it was (``v`` at the prior's mean), else the modelled tail's.
         """
         rho = logdet = None
         if self.spectrum is not None:
@@ -346,10 +339,9 @@ class SpectralResidual(Residual):
 
     def _measured_logdet(self, scale: Tensor, prior: Tensor, num: int,
                          device: torch.device) -> Tensor:
-        """The dropped directions' log det from the measured spectrum (float64).
+        """The ``num`` dropped directions' log det from the measured spectrum (float64).
 
-        The ``num`` dropped directions beyond the nodes' counts (the logit-shift ones) see
-        the prior alone.
+        Those beyond the nodes' counts (the logit-shift ones) see the prior alone.
         """
         nodes, counts = (t.to(device=device, dtype=torch.float64) for t in self.spectrum)
         delta = prior.to(device=device, dtype=torch.float64).mean()
