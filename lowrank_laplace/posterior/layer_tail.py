@@ -26,11 +26,9 @@ def segment_sums(values: Tensor, sizes: Sequence[int]) -> Tensor:
 
 
 def spectral_tail(eigenvalues: Tensor, mass: float, rank_bound: int, dim: int) -> Tensor:
-    """Return the modelled dropped eigenvalues of a fit.
+    """Return the modelled dropped eigenvalues of a fit: :func:`power_law_tail` from the last kept.
 
-    :func:`power_law_tail` from the last kept one over the ``min(rank_bound, D) - r``
-    dropped directions the GGN's rank allows (all ``D - r`` where those cannot hold the
-    mass).
+    Over the ``min(rank_bound, D) - r`` directions the rank allows (all ``D - r`` if none).
 
     Args:
         eigenvalues: Kept ``lambda`` (descending), ``(r,)``.
@@ -51,15 +49,14 @@ def power_law_tail(anchor: float, mass: float, start: int, count: int,
     r"""Return ``a (i / s)^-alpha``, ``i = s + j sigma``, ``j = 1..n``, summing to ``mass``.
 
     Float64 ``(count,)``, non-increasing; ``alpha`` by bisection; a mass above the flat
-    continuation is spread evenly. The stride places a layer's share at its positions in
-    the whole tail.
+    continuation is spread evenly.
 
     Args:
         anchor: The last kept eigenvalue ``a``.
         mass: The total the tail must hold.
         start: The last kept index ``s = r >= 1``.
         count: Tail eigenvalues ``n``.
-        stride: Spacing ``sigma >= 1`` of the tail's indices.
+        stride: Spacing ``sigma >= 1`` of the indices (a layer's positions in the whole tail).
     """
     if count <= 0:
         return torch.zeros(0, dtype=torch.float64)
@@ -176,8 +173,7 @@ class LayerTails:
               device: torch.device) -> Tuple[Tensor, Tensor]:
         r"""Return each layer's shift ``rho_l`` ``(L,)`` and the tails' log det, at mean priors.
 
-        The log det is ``sum_l (sum_j log(h t_lj + delta_l) + z_l log delta_l)``; both are
-        float64, differentiable in ``scale`` and ``prior``.
+        Float64, differentiable in ``scale`` and ``prior``.
 
         Args:
             scale: ``h``.

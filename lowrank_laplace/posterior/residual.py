@@ -265,17 +265,17 @@ class SpectralResidual(Residual):
     def _precision(self, eigenvectors, ell, scale, prior, extra):
         gram_cache, layer_prior = extra
         if prior.numel() > 1 and self.layers is not None:  # builds the split on first use
-            return self._layer_precision(eigenvectors, ell, scale, prior, extra)
-        num = self.dim - ell.numel()
-        rho, tail_logdet = self._shift(scale, prior, num, ell.device)
-        rho = rho.to(ell.dtype)
-        d = prior + rho
-        # against the d the precision holds, so its (D - r) log d cancels exactly
-        offset = (tail_logdet - num * torch.log(d.to(torch.float64).mean())).to(ell.dtype)
-        return LowRankPrecision(eigenvectors, (ell - rho).clamp(min=0), d,
-                                logdet_offset=offset, gram_cache=gram_cache,
-                                layers=_shifted(layer_prior, rho),
-                                null=self._null_shift(prior, d))
+            kept, d, offset, layers = self._layer_parts(ell, scale, prior, layer_prior)
+        else:
+            num = self.dim - ell.numel()
+            rho, tail_logdet = self._shift(scale, prior, num, ell.device)
+            kept = rho.to(ell.dtype)
+            d, layers = prior + kept, _shifted(layer_prior, kept)
+            # against the d the precision holds, so its (D - r) log d cancels exactly
+            offset = tail_logdet - num * torch.log(d.to(torch.float64).mean())
+        return LowRankPrecision(eigenvectors, (ell - kept).clamp(min=0), d,
+                                logdet_offset=offset.to(ell.dtype), gram_cache=gram_cache,
+                                layers=layers, null=self._null_shift(prior, d))
 
     def _null_shift(self, prior: Tensor, held: Tensor) -> Optional[NullShift]:
         """The prior's variance on the null directions, where the precision holds ``held``."""
@@ -295,26 +295,23 @@ class SpectralResidual(Residual):
         tail = self.tail.to(device="cpu", dtype=torch.float64) * scale
         return [tail], [torch.ones_like(tail)]
 
-    def _layer_precision(self, eigenvectors, ell, scale, prior, extra):
-        """The spectral model with one tail per layer (docs/posterior_quality.md)."""
-        gram_cache, layer_prior = extra
+    def _layer_parts(self, ell: Tensor, scale: Tensor, prior: Tensor,
+                     layer_prior: Optional[LayerPrior]) -> tuple:
+        """One tail per layer: the shift on ``U``, ``d``, log det offset and constant ``d_l``."""
         layers = self.layers
         rho, tail_logdet = layers.shift(scale, prior, self.exponent, ell.device)
         rho = rho.to(ell.dtype)
         sizes = torch.tensor(layers.sizes, device=ell.device)
         d = prior + rho.repeat_interleave(sizes, output_size=self.dim)
-        kept = (layers.norms.to(device=ell.device, dtype=ell.dtype).T @ rho)
+        kept = layers.norms.to(device=ell.device, dtype=ell.dtype).T @ rho
+        constant = None
         if layer_prior is not None and list(layer_prior[0]) == layers.sizes:
-            layer_d = layer_prior[1] + rho
-            log_d = torch.log(layer_d.to(torch.float64))
-            constant = (layers.sizes, layer_d)
+            constant = (layers.sizes, layer_prior[1] + rho)
+            log_d = torch.log(constant[1].to(torch.float64))
         else:
             log_d = torch.log(layers.layer_means(d.to(torch.float64)))  # as the tails' delta_l
-            constant = None
         offset = tail_logdet - (layers.complement.to(ell.device) * log_d).sum()
-        return LowRankPrecision(eigenvectors, (ell - kept).clamp(min=0), d,
-                                logdet_offset=offset.to(ell.dtype), gram_cache=gram_cache,
-                                layers=constant, null=self._null_shift(prior, d))
+        return kept, d, offset, constant
 
     def _shift(self, scale: Tensor, prior: Tensor, num: int,
                device: torch.device) -> Tuple[Tensor, Tensor]:
