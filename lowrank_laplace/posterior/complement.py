@@ -1,10 +1,8 @@
 r"""The complement variance measured on a probe of training inputs.
 
-The spectral residual's one variance ``v`` outside ``U``, from one backward pass's
-``(C m) x (C m)`` Gram matrix: each probe half's complement GGN against the other half's
-Jacobian energy, the sub-sample's bias extrapolated away; the energy a half cannot
-resolve meets the modelled tail beyond the directions it resolved
-(:class:`UnresolvedTail`; docs/posterior_quality.md, "The models").
+The spectral residual's variance ``v`` outside ``U``, from the probe's ``(C m) x (C m)``
+Gram matrix: each half's complement GGN against the other half's Jacobian energy
+(:class:`UnresolvedTail` for what a half cannot resolve; docs/posterior_quality.md).
 
 Shape glossary:
     D: parameters; r: kept rank; m: probe inputs; C: outputs; V: loss-factor columns.
@@ -70,12 +68,9 @@ class MeasuredComplement:
                 tail.variance(mu.numel() // 2, h, delta, self.floor)
             return _variance(mu, q, self.energy, h, delta, unresolved)
 
-        full = measured(self.mu, self.q)
-        if self.mu_half is None:
-            value = full
-        else:
-            half = measured(self.mu_half, self.q_half)
-            value = full - (half - full) * (1 - self.fraction)
+        value = measured(self.mu, self.q)
+        if self.mu_half is not None:  # the sub-sample's bias extrapolated away
+            value = value - (measured(self.mu_half, self.q_half) - value) * (1 - self.fraction)
         low = 1 / (h * anchor + delta)
         return torch.minimum(torch.maximum(value, low), 1 / delta)
 
@@ -205,9 +200,8 @@ def measure_complement(gram: Tensor, Z: Tensor, loss_sqrt: Tensor, num_data: int
     if float(energy) <= RESOLUTION * float(gram.diagonal().sum()) / 2:
         return None
     S = loss_sqrt.to(wide)
-    weight = num_data / m
     # the GGN's trace as the probe estimates it: the scale of M's rounding in K
-    trace = weight * float(torch.einsum("vnc,vnb,cnbn->", S, S,
+    trace = num_data / m * float(torch.einsum("vnc,vnb,cnbn->", S, S,
                                         gram.reshape(classes, m, classes, m))) / 2
     floor = RESOLUTION * trace
     # M S: columns (v, n') of the probe's complement GGN factor, rows (c, n)

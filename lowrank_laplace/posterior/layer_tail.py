@@ -1,8 +1,7 @@
 r"""The spectral residual per layer: each parameter tensor's share of the dropped curvature.
 
-Layer ``l`` holds the exact mass ``T_l`` (its residual diagonal's sum) and
-``c_l = D_l - sum_k ||U_{l,k}||^2`` of the dropped directions, ``n_l`` of which carry a
-power law continuing the kept spectrum; each layer gets its own shift and tail log det
+Layer ``l`` holds the mass ``T_l`` (its residual diagonal's sum) and ``c_l`` dropped
+directions, ``n_l`` of which carry a power law continuing the kept spectrum
 (docs/posterior_quality.md, "The models" and "Per-layer priors").
 
 Shape glossary:
@@ -110,8 +109,7 @@ class LayerTails:
             eigenvectors: Kept ``U``, ``(D, r)``.
             eigenvalues: Kept ``lambda`` (descending), ``(r,)``.
             mass: The exact dropped mass ``T``.
-            residual_diagonal: ``(D,)``; its layer sums, scaled to ``T``, are the
-                layers' masses.
+            residual_diagonal: ``(D,)``; its layer sums, scaled to ``T``, are their masses.
             sizes: Parameters per layer.
             tail_count: The network's nonzero dropped eigenvalues ``n - r``.
         """

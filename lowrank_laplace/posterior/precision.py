@@ -1,9 +1,7 @@
 r"""Low-rank plus diagonal posterior precision: solves, log-determinants, samples.
 
-``P = U diag(ell) U^T + diag(d)`` through its ``r x r`` capacitance matrix (Woodbury,
-determinant lemma, a square root for sampling); closed forms for an isotropic prior;
-nothing ``O(D^2)``. Formulas and float32 care: docs/concepts.md, "The posterior
-precision".
+``P = U diag(ell) U^T + diag(d)`` through its ``r x r`` capacitance matrix, nothing
+``O(D^2)`` (docs/concepts.md, "The posterior precision").
 
 Shape glossary:
     D: parameters; r: rank; B: inputs; C: outputs; K: vectors.

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lowrank_laplace.engine import FactorEngine
@@ -103,7 +104,7 @@ def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig,
         if (projections or fit.n_outputs) > probe.cap:  # fewer random ones fit the budget
             projections = probe.cap
         complement, energy, rank_check = None, None, None
-        if measure and (group is None or torch.distributed.get_rank(group) == 0):
+        if measure and (group is None or dist.get_rank(group) == 0):
             complement, energy, rank_check = _measure(
                 engine, probe.batches, fit, config, (likelihood_loss(likelihood), prior, null))
         if energy is None or projections is not None or group is not None:
@@ -112,8 +113,6 @@ def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig,
             energy = jacobian_energies(engine, probe.batches, U, micro, projections,
                                        probe.rng)
     if group is not None:
-        import torch.distributed as dist
-
         dist.all_reduce(energy, group=group)
         if measure:
             complement, rank_check = _broadcast(complement, U, group), None
@@ -313,8 +312,6 @@ def _assemble(factors: List[Any], U: Tensor, classes: int, m: int
 def _broadcast(measured: Optional[MeasuredComplement], U: Tensor, group: Any
                ) -> Optional[MeasuredComplement]:
     """Process 0's measurement on every process (``None`` stays ``None``)."""
-    import torch.distributed as dist
-
     box = [None if measured is None else measured.state()]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group,
                                device=U.device)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lowrank_laplace.engine import FactorEngine
@@ -81,9 +82,8 @@ class DroppedQuadrature:
 
     def state(self) -> Dict[str, Any]:
         """A plain dict for ``state_dict`` (tensors on the CPU)."""
-        return {"complement": self.complement.state(), "nodes": self.nodes.cpu(),
-                "counts": self.counts.cpu(), "steps": self.steps,
-                "converged": self.converged, "seconds": self.seconds}
+        return {**vars(self), "complement": self.complement.state(), "nodes": self.nodes.cpu(),
+                "counts": self.counts.cpu()}
 
     @classmethod
     def from_state(cls, state: Optional[Dict[str, Any]], device: torch.device
@@ -199,8 +199,6 @@ def lanczos_quadrature(target: FitTarget, loader: Any,
     gaussian = torch.randn(RUNS, dim, generator=generator, dtype=wide).to(U.device)
     jacobian = _jacobian_starts(target, loader, config, outputs, generator).to(U.device)
     if group is not None:
-        import torch.distributed as dist
-
         dist.all_reduce(jacobian, group=group)  # every process's first inputs
     runs = LanczosRuns(project(torch.cat([jacobian, gaussian])))
     start, (scale, delta), steps, converged = time.perf_counter(), prior, 0, False
@@ -247,11 +245,10 @@ def _found(rules: List[Tuple[Tensor, Tensor]], free: int, steps: int, converged:
     """The runs' Gauss rules as a :class:`DroppedQuadrature` (``free`` dropped directions)."""
     mu = torch.cat([r[0] for r in rules[:RUNS]])
     q = torch.cat([r[1] for r in rules[:RUNS]])
-    totals = [float(r[1].sum()) for r in rules[RUNS:]]
-    used = [(r, t) for r, t in zip(rules[RUNS:], totals) if t > 0]
-    nodes = torch.cat([r[0] for r, _ in used]) if used else mu.new_zeros(0)
-    counts = torch.cat([r[1] / t for r, t in used]) * free / max(len(used), 1) \
-        if used else mu.new_zeros(0)
+    used = [(r, float(r[1].sum())) for r in rules[RUNS:]]
+    used, empty = [(r, t) for r, t in used if t > 0], [mu.new_zeros(0)]
+    nodes = torch.cat([r[0] for r, _ in used] + empty)
+    counts = torch.cat([r[1] / t for r, t in used] + empty) * free / max(len(used), 1)
     complement = MeasuredComplement(mu, q, None, None, q.sum(), 1.0, 0.0)
     return DroppedQuadrature(complement, nodes.cpu(), counts.cpu(), steps, converged, seconds)
 
@@ -287,8 +284,6 @@ def _check_basis_memory(dim: int, config: FitConfig, device: torch.device) -> No
 def _check_samples(seen: int, num_data: int, group: Any, device: torch.device) -> None:
     """Refuse a loader of other samples than the fit's (a later one of online updates)."""
     if group is not None:
-        import torch.distributed as dist
-
         count = torch.tensor([seen], dtype=torch.float64, device=device)
         dist.all_reduce(count, group=group)
         seen = int(count)

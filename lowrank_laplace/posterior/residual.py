@@ -88,8 +88,7 @@ class Residual:
     def __init__(self, dropped: DroppedCurvature):
         self.dim = dropped.eigenvectors.shape[0]
         self.mass = dropped.mass
-        rank = dropped.eigenvalues.numel()
-        self.anchor = float(dropped.eigenvalues[-1]) if rank else 0.0
+        self.anchor = float(dropped.eigenvalues[-1]) if dropped.eigenvalues.numel() else 0.0
 
     @classmethod
     def from_fit(cls, dropped: DroppedCurvature) -> "Residual":
@@ -239,7 +238,6 @@ class SpectralResidual(Residual):
             dropped.eigenvalues, mass, dropped.rank_bound, dim, self.exponent,
             0 if self.null is None else self.null.count)
         self.tail = self.unresolved.tail
-        count = self.tail.numel()
         self.complement = dropped.complement if mass > 0 else None
         self.spectrum = dropped.spectrum if mass > 0 and rank < dim else None
         self._whole: Dict[int, LayerTails] = {}
@@ -249,7 +247,7 @@ class SpectralResidual(Residual):
         if dropped.diagonal is not None and dropped.layer_sizes and mass > 0 and rank < dim:
             self._split = functools.partial(
                 LayerTails.build, dropped.eigenvectors, dropped.eigenvalues, mass,
-                dropped.diagonal, dropped.layer_sizes, count)
+                dropped.diagonal, dropped.layer_sizes, self.tail.numel())
 
     @property
     def layers(self) -> Optional[LayerTails]:
