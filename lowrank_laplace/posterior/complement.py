@@ -156,10 +156,7 @@ class UnresolvedTail:
 
     def _beyond(self, resolved: int, device: torch.device
                 ) -> Optional[Tuple[Tensor, Tensor, float]]:
-        """The tail beyond ``resolved``, its weights ``t^beta`` and share, on ``device``.
-
-        The share is that of the unresolved directions; ``None``: no curved tail left.
-        """
+        """The tail beyond ``resolved``, its weights ``t^beta`` and its share, or ``None``."""
         key = (resolved, str(device))
         if key not in self._parts:
             beyond = self.tail[resolved:].to(device=device, dtype=torch.float64)

@@ -72,10 +72,7 @@ class NullDirections:
         return out
 
     def column_means(self, d: Tensor) -> Optional[Tensor]:
-        """A ``(D,)`` diagonal's value on every direction, ``(k,)`` (``None``: not constant).
-
-        Reads the head's rows only.
-        """
+        """A ``(D,)`` diagonal's value on every direction, ``(k,)`` (``None``: not constant)."""
         C, H = self.classes, self.features
         parts = [d[self._rows(self.weight, C * H)].unflatten(-1, (C, H))]
         if self.bias is not None:

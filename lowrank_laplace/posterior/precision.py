@@ -9,6 +9,7 @@ Shape glossary:
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Optional, Sequence, Tuple
 
@@ -87,8 +88,6 @@ class LowRankPrecision:
                                           device=eigenvectors.device)
         self.isotropic = prior_precision.numel() == 1
         self.d = prior_precision.reshape(()) if self.isotropic else prior_precision
-        self._chol: Optional[Tensor] = None
-        self._wide_chol: Optional[Tensor] = None
         self._sqrt_parts = None
 
     @property
@@ -101,19 +100,15 @@ class LowRankPrecision:
         W = self.U * self.ell.sqrt()
         return W / self.d if self.isotropic else W / self.d[:, None]
 
-    @property
+    @functools.cached_property
     def capacitance_cholesky(self) -> Tensor:
         """Lower Cholesky factor of ``K = I + W^T P_0^{-1} W``, shape ``(r, r)``."""
-        if self._chol is None:
-            self._chol = self._capacitance_cholesky(self.U.dtype, orthonormal=self.isotropic)
-        return self._chol
+        return self._capacitance_cholesky(self.U.dtype, orthonormal=self.isotropic)
 
-    @property
+    @functools.cached_property
     def wide_capacitance_cholesky(self) -> Tensor:
         """Float64 Cholesky factor of ``K`` from the actual ``U^T U`` (lower-precision ``U``)."""
-        if self._wide_chol is None:
-            self._wide_chol = self._capacitance_cholesky(torch.float64, orthonormal=False)
-        return self._wide_chol
+        return self._capacitance_cholesky(torch.float64, orthonormal=False)
 
     def _capacitance_cholesky(self, dtype: torch.dtype, orthonormal: bool) -> Tensor:
         """Cholesky factor of ``K`` in ``dtype``; ``orthonormal`` takes ``U^T U = I``."""

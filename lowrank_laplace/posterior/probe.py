@@ -34,7 +34,7 @@ from lowrank_laplace.posterior.complement import (
     measure_complement,
 )
 from lowrank_laplace.posterior.null import NullDirections, moves_outputs_alike
-from lowrank_laplace.posterior.predictive import jacobian_energies, jacobian_engine
+from lowrank_laplace.posterior.predictive import jacobian_energies, jacobian_engine, micro_batches
 from lowrank_laplace.utils.batches import batch_device, take
 from lowrank_laplace.utils.checks import check_batch
 
@@ -171,9 +171,8 @@ def _measure(engine: FactorEngine, probe: List[Any], fit: FitResult, config: Fit
     factors, left = [], m
     for inputs in probe:
         n = check_batch(inputs, None)
-        for start in range(0, min(n, left), micro):
-            chunk = take(inputs, slice(start, min(start + micro, n, left)), n)
-            factors.append(engine.compute(chunk, None, gradient=False))
+        factors += [engine.compute(chunk, None, gradient=False)
+                    for chunk in micro_batches(take(inputs, slice(0, left), n), micro)]
         left -= min(n, left)
         if left == 0:
             break

@@ -295,10 +295,7 @@ def _check_samples(seen: int, num_data: int, group: Any, device: torch.device) -
 
 
 def _batches(target: FitTarget, loader: Any) -> Any:
-    """The loader's batches as ``(inputs, targets)`` of ``target.model``, on its device.
-
-    Torch's generator is restored after the pass (a loader's shuffle draws from it).
-    """
+    """The loader's ``(inputs, targets)`` on the model's device, torch's generator left alone."""
     device = target.device or _first_param(target).device
     with torch.random.fork_rng(devices=[]):  # a pass's draws leave the caller's stream
         for X, y in loaders.batches(loader, target.dict_key_y):
