@@ -99,9 +99,7 @@ class MeasuredComplement:
     @classmethod
     def from_state(cls, state: Optional[Dict[str, object]]) -> Optional["MeasuredComplement"]:
         """Inverse of :meth:`state` (``None`` stays ``None``)."""
-        if state is None:
-            return None
-        return cls(**{f.name: state[f.name] for f in fields(cls)})
+        return None if state is None else cls(**{f.name: state[f.name] for f in fields(cls)})
 
 
 @dataclass(frozen=True)

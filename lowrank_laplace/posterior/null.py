@@ -125,11 +125,9 @@ def head_directions(model: nn.Module, params: Sequence[Tensor], likelihood: str,
     index = {id(p): i for i, p in enumerate(params)}
     heads = [m for m in model.modules() if isinstance(m, nn.Linear)
              and m.out_features == outputs and id(m.weight) in index]
-    if not heads:
+    if not heads or outputs * heads[-1].in_features**2 > MAX_ENTRIES:
         return None
     head = heads[-1]
-    if outputs * head.in_features**2 > MAX_ENTRIES:
-        return None
     offsets = tuple(itertools.accumulate((p.numel() for p in params[:-1]), initial=0))
     bias = None if head.bias is None else index.get(id(head.bias))
     return NullDirections(index[id(head.weight)], bias, offsets, outputs,

@@ -53,13 +53,8 @@ def jacobian_engine(model: nn.Module, backend: str) -> Iterator[FactorEngine]:
             yield engine
 
 
-def glm_moments(
-    engine: FactorEngine,
-    inputs: Tensor,
-    precision: LowRankPrecision,
-    weights: List[Weight],
-    joint: bool = False,
-) -> Tuple[Tensor, Tensor]:
+def glm_moments(engine: FactorEngine, inputs: Tensor, precision: LowRankPrecision,
+                weights: List[Weight], joint: bool = False) -> Tuple[Tensor, Tensor]:
     r"""Mean and (co)variance of the linearised predictive on a batch.
 
     Args:
@@ -105,13 +100,8 @@ def _small_products(factor: GGNFactor, precision: LowRankPrecision, weights: Lis
     return jdj / 2, jdw * precision.ell.to(SMALL_DTYPE).sqrt() / 2**0.5
 
 
-def batched_glm_moments(
-    engine: FactorEngine,
-    inputs: Tensor,
-    precision: LowRankPrecision,
-    weights: List[Weight],
-    micro_batch_size: int,
-) -> Tuple[Tensor, Tensor]:
+def batched_glm_moments(engine: FactorEngine, inputs: Tensor, precision: LowRankPrecision,
+                        weights: List[Weight], micro_batch_size: int) -> Tuple[Tensor, Tensor]:
     """:func:`glm_moments` over micro-batches (per-input variances only).
 
     Args:

@@ -205,10 +205,7 @@ def _measure(engine: FactorEngine, probe: List[Any], fit: FitResult, config: Fit
 
 def _checked_head(engine: FactorEngine, inputs: Any, null: NullDirections
                   ) -> Optional[NullDirections]:
-    """The candidate logit-shift directions if they move every output alike, else ``None``.
-
-    Checked on the first :data:`MIN_MEASURED` probe inputs.
-    """
+    """The candidate directions if they move every output alike on the first inputs, or ``None``."""
     n = check_batch(inputs, None)
     factor = engine.compute(take(inputs, slice(0, min(n, MIN_MEASURED)), n), None,
                             gradient=False)
@@ -314,5 +311,4 @@ def _broadcast(measured: Optional[MeasuredComplement], U: Tensor, group: Any
     box = [None if measured is None else measured.state()]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group,
                                device=U.device)
-    state = box[0]
-    return None if state is None else MeasuredComplement.from_state(state).to(U.device)
+    return None if box[0] is None else MeasuredComplement.from_state(box[0]).to(U.device)

@@ -277,8 +277,7 @@ def _check_basis_memory(dim: int, config: FitConfig, device: torch.device) -> No
             f"refine_complement: the Lanczos basis of {MAX_STEPS} steps for {dim:,} "
             f"parameters needs about {need / 2**30:.1f} GiB, above the memory budget of "
             f"{budget / 2**30:.1f} GiB: raise memory_budget (e.g. memory_budget=0.5 for half "
-            "the free memory)."
-        )
+            "the free memory).")
 
 
 def _check_samples(seen: int, num_data: int, group: Any, device: torch.device) -> None:

@@ -103,8 +103,7 @@ class Residual:
         if cls.needs_diagonal and dropped.diagonal is None:
             raise ValueError(
                 f"residual={cls.name!r} needs the residual diagonal, which this fit did "
-                f"not keep: refit with residual={cls.name!r}."
-            )
+                f"not keep: refit with residual={cls.name!r}.")
         return cls(dropped)
 
     def complement_variance(self, scale: Tensor, prior: Tensor) -> Optional[Tensor]:
@@ -313,10 +312,7 @@ class SpectralResidual(Residual):
 
     def _shift(self, scale: Tensor, prior: Tensor, num: int,
                device: torch.device) -> Tuple[Tensor, Tensor]:
-        """The network-wide shift ``rho = 1 / v - delta`` and the dropped log det (float64).
-
-        Each measured where it was (``v`` at the prior's mean), else the modelled tail's.
-        """
+        """The shift ``rho = 1 / v - delta`` and the dropped log det: measured, else the tail's."""
         rho = logdet = None
         if self.spectrum is not None:
             logdet = self._measured_logdet(scale, prior, num, device)
@@ -334,10 +330,7 @@ class SpectralResidual(Residual):
 
     def _measured_logdet(self, scale: Tensor, prior: Tensor, num: int,
                          device: torch.device) -> Tensor:
-        """The ``num`` dropped directions' log det from the measured spectrum (float64).
-
-        Those beyond the nodes' counts (the logit-shift ones) see the prior alone.
-        """
+        """The ``num`` dropped directions' log det by the measured spectrum (the rest: prior)."""
         nodes, counts = (t.to(device=device, dtype=torch.float64) for t in self.spectrum)
         delta = prior.to(device=device, dtype=torch.float64).mean()
         h = torch.as_tensor(scale).to(device=device, dtype=torch.float64)
@@ -352,8 +345,7 @@ class SpectralResidual(Residual):
 
 #: The residual models by name (the ``residual`` option).
 RESIDUALS: Dict[str, Type[Residual]] = {
-    cls.name: cls for cls in (SpectralResidual, IsotropicResidual, DiagonalResidual,
-                              NoResidual)
+    cls.name: cls for cls in (SpectralResidual, IsotropicResidual, DiagonalResidual, NoResidual)
 }
 #: The default residual model.
 DEFAULT_RESIDUAL = "spectral"
