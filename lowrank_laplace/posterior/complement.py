@@ -1,10 +1,8 @@
 r"""The complement variance measured on a probe of training inputs.
 
-The spectral residual's one variance ``v`` outside ``U``, from one backward pass's
-``(C m) x (C m)`` Gram matrix: each probe half's complement GGN against the other half's
-Jacobian energy, the sub-sample's bias extrapolated away; the energy a half cannot
-resolve meets the modelled tail beyond the directions it resolved
-(:class:`UnresolvedTail`; docs/posterior_quality.md, "The models").
+The spectral residual's variance ``v`` outside ``U``, from the probe's ``(C m) x (C m)``
+Gram matrix: each half's complement GGN against the other half's Jacobian energy
+(:class:`UnresolvedTail` for what a half cannot resolve; docs/posterior_quality.md).
 
 Shape glossary:
     D: parameters; r: kept rank; m: probe inputs; C: outputs; V: loss-factor columns.
@@ -12,7 +10,7 @@ Shape glossary:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -26,7 +24,6 @@ from lowrank_laplace.posterior.layer_tail import spectral_tail
 RESOLUTION = 1e-6
 #: Fewest inputs of a sub-sampled GGN that the bias correction measures again on.
 MIN_HALF = 16
-_FIELDS = ("mu", "q", "mu_half", "q_half", "energy", "fraction", "floor")
 
 
 @dataclass
@@ -71,21 +68,15 @@ class MeasuredComplement:
                 tail.variance(mu.numel() // 2, h, delta, self.floor)
             return _variance(mu, q, self.energy, h, delta, unresolved)
 
-        full = measured(self.mu, self.q)
-        if self.mu_half is None:
-            value = full
-        else:
-            half = measured(self.mu_half, self.q_half)
-            value = full - (half - full) * (1 - self.fraction)
+        value = measured(self.mu, self.q)
+        if self.mu_half is not None:  # the sub-sample's bias extrapolated away
+            value = value - (measured(self.mu_half, self.q_half) - value) * (1 - self.fraction)
         low = 1 / (h * anchor + delta)
         return torch.minimum(torch.maximum(value, low), 1 / delta)
 
     @property
     def resolved_share(self) -> float:
-        """Share of the probe's complement energy its halves resolve.
-
-        The rest meets the modelled tail (:class:`UnresolvedTail`).
-        """
+        """Share of the probe's complement energy its halves resolve (the rest meets the tail)."""
         return min(float(self.q.sum() / self.energy), 1.0)
 
     def shift(self, scale: Tensor, prior: Tensor, anchor: float,
@@ -96,33 +87,28 @@ class MeasuredComplement:
 
     def to(self, device: torch.device) -> "MeasuredComplement":
         """The same measurement on ``device``."""
-        move = (lambda t: None if t is None else t.to(device))  # noqa: E731
-        return MeasuredComplement(move(self.mu), move(self.q), move(self.mu_half),
-                                  move(self.q_half), move(self.energy), self.fraction,
-                                  self.floor)
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return MeasuredComplement(**{name: value.to(device) if torch.is_tensor(value) else value
+                                     for name, value in values.items()})
 
     def state(self) -> Dict[str, object]:
         """A plain dict for ``state_dict`` (tensors on the CPU)."""
         cpu = self.to(torch.device("cpu"))
-        return {name: getattr(cpu, name) for name in _FIELDS}
+        return {f.name: getattr(cpu, f.name) for f in fields(cpu)}
 
     @classmethod
     def from_state(cls, state: Optional[Dict[str, object]]) -> Optional["MeasuredComplement"]:
         """Inverse of :meth:`state` (``None`` stays ``None``)."""
-        if state is None:
-            return None
-        return cls(**{name: state[name] for name in _FIELDS})
+        return None if state is None else cls(**{f.name: state[f.name] for f in fields(cls)})
 
 
 @dataclass(frozen=True)
 class UnresolvedTail:
     """Where the energy a probe half leaves unresolved lies: the modelled tail.
 
-    A half of ``n`` inputs resolves at most ``n V`` complement directions, the largest
-    (scaled by ``N / n``); far below ``N`` the rest of its other half's energy still meets
-    curvature. Its unresolved energy is spread over the dropped directions it did not
-    resolve: the modelled tail's beyond the ``k`` it resolved (Jacobian-weighted,
-    ``t^beta``), and the null directions beyond the GGN's rank (curved by the floor).
+    A half of ``n`` inputs resolves at most ``n V`` complement directions; the energy it
+    leaves is spread over the modelled tail beyond the ``k`` it resolved (weighted
+    ``t^beta``) and the null directions beyond the GGN's rank (curved by the floor).
 
     Attributes:
         tail: Modelled dropped eigenvalues (descending, GGN scale), ``(n - r,)``.
@@ -168,11 +154,7 @@ class UnresolvedTail:
 
     def _beyond(self, resolved: int, device: torch.device
                 ) -> Optional[Tuple[Tensor, Tensor, float]]:
-        """The tail beyond ``resolved``, its weights and share, on ``device``.
-
-        The weights are the Jacobian weights ``t^beta``, the share that of the unresolved
-        directions the tail holds; ``None`` where no curved tail is left.
-        """
+        """The tail beyond ``resolved``, its weights ``t^beta`` and its share, or ``None``."""
         key = (resolved, str(device))
         if key not in self._parts:
             beyond = self.tail[resolved:].to(device=device, dtype=torch.float64)
@@ -185,10 +167,7 @@ class UnresolvedTail:
 
 def _variance(mu: Tensor, q: Tensor, energy: Tensor, h: Tensor, delta: Tensor,
               unresolved: Tensor) -> Tensor:
-    """``v`` of one measurement (float64).
-
-    ``unresolved``: the variance per unit of the energy outside its resolved directions.
-    """
+    """``v`` of one measurement; ``unresolved``: the variance per unit of unresolved energy."""
     rest = (energy - q.sum()).clamp(min=0)
     return ((q / (h * mu + delta)).sum() + rest * unresolved) / energy
 
@@ -197,9 +176,8 @@ def measure_complement(gram: Tensor, Z: Tensor, loss_sqrt: Tensor, num_data: int
                        ) -> Optional[MeasuredComplement]:
     r"""Return the complement spectrum of a probe (``None``: no energy outside ``U``).
 
-    Energy below the :data:`RESOLUTION` floor counts as curved by it: flat directions
-    (the logits' sum under cross-entropy) get ``1 / delta`` above ``h`` times the floor,
-    as in the full GGN's posterior, and a bounded variance below, in either dtype.
+    Energy below the :data:`RESOLUTION` floor counts as curved by it (flat directions get
+    ``1 / delta`` above ``h`` times the floor and a bounded variance below, in either dtype).
 
     Args:
         gram: ``F^T F`` of the probe's factor ``F = sqrt(2) J^T``, columns ``(c, n)``,
@@ -217,9 +195,8 @@ def measure_complement(gram: Tensor, Z: Tensor, loss_sqrt: Tensor, num_data: int
     if float(energy) <= RESOLUTION * float(gram.diagonal().sum()) / 2:
         return None
     S = loss_sqrt.to(wide)
-    weight = num_data / m
     # the GGN's trace as the probe estimates it: the scale of M's rounding in K
-    trace = weight * float(torch.einsum("vnc,vnb,cnbn->", S, S,
+    trace = num_data / m * float(torch.einsum("vnc,vnb,cnbn->", S, S,
                                         gram.reshape(classes, m, classes, m))) / 2
     floor = RESOLUTION * trace
     # M S: columns (v, n') of the probe's complement GGN factor, rows (c, n)

@@ -1,8 +1,7 @@
 r"""The spectral residual per layer: each parameter tensor's share of the dropped curvature.
 
-Layer ``l`` holds the exact mass ``T_l`` (its residual diagonal's sum) and
-``c_l = D_l - sum_k ||U_{l,k}||^2`` of the dropped directions, ``n_l`` of which carry a
-power law continuing the kept spectrum; each layer gets its own shift and tail log det
+Layer ``l`` holds the mass ``T_l`` (its residual diagonal's sum) and ``c_l`` dropped
+directions, ``n_l`` of which carry a power law continuing the kept spectrum
 (docs/posterior_quality.md, "The models" and "Per-layer priors").
 
 Shape glossary:
@@ -26,11 +25,9 @@ def segment_sums(values: Tensor, sizes: Sequence[int]) -> Tensor:
 
 
 def spectral_tail(eigenvalues: Tensor, mass: float, rank_bound: int, dim: int) -> Tensor:
-    """Return the modelled dropped eigenvalues of a fit.
+    """Return the modelled dropped eigenvalues of a fit: :func:`power_law_tail` from the last kept.
 
-    :func:`power_law_tail` from the last kept one over the ``min(rank_bound, D) - r``
-    dropped directions the GGN's rank allows (all ``D - r`` where those cannot hold the
-    mass).
+    Over the ``min(rank_bound, D) - r`` directions the rank allows (all ``D - r`` if none).
 
     Args:
         eigenvalues: Kept ``lambda`` (descending), ``(r,)``.
@@ -51,24 +48,21 @@ def power_law_tail(anchor: float, mass: float, start: int, count: int,
     r"""Return ``a (i / s)^-alpha``, ``i = s + j sigma``, ``j = 1..n``, summing to ``mass``.
 
     Float64 ``(count,)``, non-increasing; ``alpha`` by bisection; a mass above the flat
-    continuation is spread evenly. The stride places a layer's share at its positions in
-    the whole tail.
+    continuation is spread evenly.
 
     Args:
         anchor: The last kept eigenvalue ``a``.
         mass: The total the tail must hold.
         start: The last kept index ``s = r >= 1``.
         count: Tail eigenvalues ``n``.
-        stride: Spacing ``sigma >= 1`` of the tail's indices.
+        stride: Spacing ``sigma >= 1`` of the indices (a layer's positions in the whole tail).
     """
     if count <= 0:
         return torch.zeros(0, dtype=torch.float64)
-    if mass <= 0 or anchor <= 0:
+    if mass <= 0 or anchor <= 0 or anchor * count <= mass:
         return torch.full((count,), max(mass, 0.0) / count, dtype=torch.float64)
     steps = torch.arange(1, count + 1, dtype=torch.float64) * stride
     log_ratio = torch.log1p(steps / start)
-    if anchor * count <= mass:
-        return torch.full((count,), mass / count, dtype=torch.float64)
     lo, hi = 0.0, 1.0
     while float((anchor * torch.exp(-hi * log_ratio)).sum()) > mass:
         lo, hi = hi, 2 * hi
@@ -115,8 +109,7 @@ class LayerTails:
             eigenvectors: Kept ``U``, ``(D, r)``.
             eigenvalues: Kept ``lambda`` (descending), ``(r,)``.
             mass: The exact dropped mass ``T``.
-            residual_diagonal: ``(D,)``; its layer sums, scaled to ``T``, are the
-                layers' masses.
+            residual_diagonal: ``(D,)``; its layer sums, scaled to ``T``, are their masses.
             sizes: Parameters per layer.
             tail_count: The network's nonzero dropped eigenvalues ``n - r``.
         """
@@ -178,8 +171,7 @@ class LayerTails:
               device: torch.device) -> Tuple[Tensor, Tensor]:
         r"""Return each layer's shift ``rho_l`` ``(L,)`` and the tails' log det, at mean priors.
 
-        The log det is ``sum_l (sum_j log(h t_lj + delta_l) + z_l log delta_l)``; both are
-        float64, differentiable in ``scale`` and ``prior``.
+        Float64, differentiable in ``scale`` and ``prior``.
 
         Args:
             scale: ``h``.

@@ -1,13 +1,11 @@
 r"""The logit-shift directions of a softmax head: null directions of the GGN, known exactly.
 
-Under cross-entropy the loss Hessian ``diag(p) - p p^T`` annihilates ``1``: a change of
-the parameters that moves every logit alike, at every input, has no curvature. For a
-final linear layer ``z = W h + b`` with ``C`` outputs these are the ``H + 1``
-orthonormal directions ``dW = 1 a^T / sqrt(C)``, ``db = c 1 / sqrt(C)``. The exact
-posterior gives them the prior's variance, whatever the rank, and at a test input they
-hold the covariance ``(||h||^2 + 1) 1 1^T / (C delta)``, often the largest part of it.
-The spectral residual treats them apart (:class:`NullShift`) once the probe has checked
-that they shift all outputs alike (docs/posterior_quality.md, "The models").
+Under cross-entropy the loss Hessian ``diag(p) - p p^T`` annihilates ``1``: for a final
+linear layer ``z = W h + b`` with ``C`` outputs the ``H + 1`` orthonormal directions
+``dW = 1 a^T / sqrt(C)``, ``db = c 1 / sqrt(C)`` have no curvature, and the exact
+posterior gives them the prior's variance. The spectral residual treats them apart
+(:class:`NullShift`) once the probe checked that they shift all outputs alike
+(docs/posterior_quality.md, "The models").
 
 Shape glossary:
     D: parameters; C: outputs; H: the head's input features; k: directions (``H + 1``).
@@ -16,17 +14,16 @@ Shape glossary:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-#: Most entries of the weight's block of ``N`` (``C H x H``, dense in its products): a
-#: wider head is left to the residual model.
+#: Most entries of the weight's block of ``N`` (``C H x H``): a wider head is left to the model.
 MAX_ENTRIES = 2**22
-#: Largest relative spread of a direction's output change across the outputs that still
-#: counts as moving them alike (factors in float32 round at ``1e-7``).
+#: Largest relative spread of a direction's output change that counts as moving outputs alike.
 ALIKE = 1e-4
 
 
@@ -75,11 +72,7 @@ class NullDirections:
         return out
 
     def column_means(self, d: Tensor) -> Optional[Tensor]:
-        """A ``(D,)`` diagonal's value on every direction, ``(k,)``.
-
-        ``None`` where it is not constant over a direction's rows (they are then not
-        its eigenvectors). Reads the head's rows only.
-        """
+        """A ``(D,)`` diagonal's value on every direction, ``(k,)`` (``None``: not constant)."""
         C, H = self.classes, self.features
         parts = [d[self._rows(self.weight, C * H)].unflatten(-1, (C, H))]
         if self.bias is not None:
@@ -119,8 +112,7 @@ def head_directions(model: nn.Module, params: Sequence[Tensor], likelihood: str,
                     outputs: int) -> Optional[NullDirections]:
     """The candidate logit-shift directions of a classifier, unchecked (``None``: none).
 
-    The candidate is the last ``nn.Linear`` with ``outputs`` output features whose
-    weight is a Laplace parameter; the probe checks that it is the head.
+    Those of the last ``nn.Linear`` with ``outputs`` outputs and a Laplace weight.
 
     Args:
         model: The network.
@@ -133,17 +125,12 @@ def head_directions(model: nn.Module, params: Sequence[Tensor], likelihood: str,
     index = {id(p): i for i, p in enumerate(params)}
     heads = [m for m in model.modules() if isinstance(m, nn.Linear)
              and m.out_features == outputs and id(m.weight) in index]
-    if not heads:
+    if not heads or outputs * heads[-1].in_features**2 > MAX_ENTRIES:
         return None
     head = heads[-1]
-    if outputs * head.in_features**2 > MAX_ENTRIES:
-        return None
-    offsets, start = [], 0
-    for p in params:
-        offsets.append(start)
-        start += p.numel()
+    offsets = tuple(itertools.accumulate((p.numel() for p in params[:-1]), initial=0))
     bias = None if head.bias is None else index.get(id(head.bias))
-    return NullDirections(index[id(head.weight)], bias, tuple(offsets), outputs,
+    return NullDirections(index[id(head.weight)], bias, offsets, outputs,
                           head.in_features)
 
 
@@ -158,9 +145,8 @@ def moves_outputs_alike(product: Tensor, classes: int) -> bool:
 class NullShift:
     """The posterior's correction on the null directions: their variance is the prior's.
 
-    The precision's diagonal holds ``held`` there (prior plus the residual's shift);
-    the directions are its eigenvectors (orthogonal to ``U``, each within one parameter
-    tensor), so every product changes by a diagonal in their basis.
+    The precision's diagonal holds ``held`` there; the directions are its eigenvectors, so
+    every product changes by a diagonal in their basis.
 
     Attributes:
         directions: The null directions.

@@ -1,9 +1,7 @@
 r"""Low-rank plus diagonal posterior precision: solves, log-determinants, samples.
 
-``P = U diag(ell) U^T + diag(d)`` through its ``r x r`` capacitance matrix (Woodbury,
-determinant lemma, a square root for sampling); closed forms for an isotropic prior;
-nothing ``O(D^2)``. Formulas and float32 care: docs/concepts.md, "The posterior
-precision".
+``P = U diag(ell) U^T + diag(d)`` through its ``r x r`` capacitance matrix, nothing
+``O(D^2)`` (docs/concepts.md, "The posterior precision").
 
 Shape glossary:
     D: parameters; r: rank; B: inputs; C: outputs; K: vectors.
@@ -11,6 +9,7 @@ Shape glossary:
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Optional, Sequence, Tuple
 
@@ -89,8 +88,6 @@ class LowRankPrecision:
                                           device=eigenvectors.device)
         self.isotropic = prior_precision.numel() == 1
         self.d = prior_precision.reshape(()) if self.isotropic else prior_precision
-        self._chol: Optional[Tensor] = None
-        self._wide_chol: Optional[Tensor] = None
         self._sqrt_parts = None
 
     @property
@@ -103,39 +100,33 @@ class LowRankPrecision:
         W = self.U * self.ell.sqrt()
         return W / self.d if self.isotropic else W / self.d[:, None]
 
-    @property
+    @functools.cached_property
     def capacitance_cholesky(self) -> Tensor:
         """Lower Cholesky factor of ``K = I + W^T P_0^{-1} W``, shape ``(r, r)``."""
-        if self._chol is None:
-            self._chol = self._capacitance_cholesky(self.U.dtype, orthonormal=self.isotropic)
-        return self._chol
+        return self._capacitance_cholesky(self.U.dtype, orthonormal=self.isotropic)
 
-    @property
+    @functools.cached_property
     def wide_capacitance_cholesky(self) -> Tensor:
         """Float64 Cholesky factor of ``K`` from the actual ``U^T U`` (lower-precision ``U``)."""
-        if self._wide_chol is None:
-            self._wide_chol = self._capacitance_cholesky(torch.float64, orthonormal=False)
-        return self._wide_chol
+        return self._capacitance_cholesky(torch.float64, orthonormal=False)
 
     def _capacitance_cholesky(self, dtype: torch.dtype, orthonormal: bool) -> Tensor:
         """Cholesky factor of ``K`` in ``dtype``; ``orthonormal`` takes ``U^T U = I``."""
         ell, d = self.ell.to(dtype), self.d.to(dtype)
+        s = ell.sqrt()
         if orthonormal:  # scalar prior: K = I + diag(ell / d)
             K = torch.diag(ell / d)
         elif self.isotropic:  # U^T U / d, U^T U from the (shared) float64 cache
-            s = ell.sqrt()
             K = s[:, None] * self.gram_cache.get(self.U).to(dtype) / d * s[None, :]
         elif self.layers is not None:  # sum_l U_l^T U_l / d_l from the cached blocks
             sizes, layer_d = self.layers
             grams = self.gram_cache.layer_grams(self.U, sizes).to(dtype)
-            s = ell.sqrt()
             K = s[:, None] * (grams / layer_d.to(dtype)[:, None, None]).sum(0) * s[None, :]
         else:  # U^T diag(1/d) U over row chunks: no D x r temporary
             K = 0
-            for i, U in enumerate(self.U.split(_ROWS)):
+            for U, d_rows in zip(self.U.split(_ROWS), d.split(_ROWS)):
                 U = U.to(dtype)
-                K = K + (U / d[i * _ROWS: i * _ROWS + U.shape[0], None]).T @ U
-            s = ell.sqrt()
+                K = K + (U / d_rows[:, None]).T @ U
             K = s[:, None] * K * s[None, :]
         K = K + torch.eye(K.shape[0], dtype=K.dtype, device=K.device)
         return torch.linalg.cholesky(K)

@@ -53,13 +53,8 @@ def jacobian_engine(model: nn.Module, backend: str) -> Iterator[FactorEngine]:
             yield engine
 
 
-def glm_moments(
-    engine: FactorEngine,
-    inputs: Tensor,
-    precision: LowRankPrecision,
-    weights: List[Weight],
-    joint: bool = False,
-) -> Tuple[Tensor, Tensor]:
+def glm_moments(engine: FactorEngine, inputs: Tensor, precision: LowRankPrecision,
+                weights: List[Weight], joint: bool = False) -> Tuple[Tensor, Tensor]:
     r"""Mean and (co)variance of the linearised predictive on a batch.
 
     Args:
@@ -82,11 +77,9 @@ def glm_moments(
     ).reshape(num_out, num_in, -1).transpose(0, 1)
     if joint:  # rows/cols ordered (c, n) -> (n, c)
         jdj = jdj.reshape(num_out, num_in, num_out, num_in).permute(1, 0, 3, 2)
-        jdj = jdj.reshape(num_in * num_out, num_in * num_out)
-        flat = None if jn is None else jn.reshape(num_in * num_out, -1)
-        f_var = precision.functional_variance(jdj, jdw.reshape(num_in * num_out, -1), flat)
-    else:
-        f_var = precision.functional_variance(jdj, jdw, jn)
+        jdj, jdw = jdj.reshape(num_in * num_out, -1), jdw.reshape(num_in * num_out, -1)
+        jn = None if jn is None else jn.reshape(num_in * num_out, -1)
+    f_var = precision.functional_variance(jdj, jdw, jn)
     # a bfloat16 head's outputs are given in the posterior's own dtype
     dtype = torch.promote_types(factor.outputs.dtype, precision.U.dtype)
     return factor.outputs.to(dtype), f_var.to(dtype)
@@ -101,21 +94,14 @@ def _small_products(factor: GGNFactor, precision: LowRankPrecision, weights: Lis
     jdj, jdw = 0, 0
     for block, U, w in zip(factor.group_blocks(0), factor.split_flat(precision.U, 0), weights):
         for wide, product, w_wide in block.wide_parts(U, w):
-            if joint:
-                jdj = jdj + wide.weighted_gram(w_wide)
-            else:
-                jdj = jdj + wide.sample_gram(factor.num_vectors, w_wide)
+            jdj = jdj + (wide.weighted_gram(w_wide) if joint
+                         else wide.sample_gram(factor.num_vectors, w_wide))
             jdw = jdw + product
     return jdj / 2, jdw * precision.ell.to(SMALL_DTYPE).sqrt() / 2**0.5
 
 
-def batched_glm_moments(
-    engine: FactorEngine,
-    inputs: Tensor,
-    precision: LowRankPrecision,
-    weights: List[Weight],
-    micro_batch_size: int,
-) -> Tuple[Tensor, Tensor]:
+def batched_glm_moments(engine: FactorEngine, inputs: Tensor, precision: LowRankPrecision,
+                        weights: List[Weight], micro_batch_size: int) -> Tuple[Tensor, Tensor]:
     """:func:`glm_moments` over micro-batches (per-input variances only).
 
     Args:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lowrank_laplace.engine import FactorEngine
@@ -33,7 +34,7 @@ from lowrank_laplace.posterior.complement import (
     measure_complement,
 )
 from lowrank_laplace.posterior.null import NullDirections, moves_outputs_alike
-from lowrank_laplace.posterior.predictive import jacobian_energies, jacobian_engine
+from lowrank_laplace.posterior.predictive import jacobian_energies, jacobian_engine, micro_batches
 from lowrank_laplace.utils.batches import batch_device, take
 from lowrank_laplace.utils.checks import check_batch
 
@@ -46,8 +47,7 @@ PROBE_COLUMNS = 512
 MEASURE_COMPLEMENT = True
 #: Fewest probe inputs the complement variance is measured on (else it is modelled).
 MIN_MEASURED = 32
-#: Most Jacobian columns (inputs times outputs) of the measurement: its cost grows with
-#: their square and cube, its sub-sampling bias falls with them.
+#: Most Jacobian columns (inputs times outputs) of the measurement.
 MAX_COLUMNS = 1024
 
 
@@ -104,7 +104,7 @@ def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig,
         if (projections or fit.n_outputs) > probe.cap:  # fewer random ones fit the budget
             projections = probe.cap
         complement, energy, rank_check = None, None, None
-        if measure and (group is None or torch.distributed.get_rank(group) == 0):
+        if measure and (group is None or dist.get_rank(group) == 0):
             complement, energy, rank_check = _measure(
                 engine, probe.batches, fit, config, (likelihood_loss(likelihood), prior, null))
         if energy is None or projections is not None or group is not None:
@@ -113,8 +113,6 @@ def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig,
             energy = jacobian_energies(engine, probe.batches, U, micro, projections,
                                        probe.rng)
     if group is not None:
-        import torch.distributed as dist
-
         dist.all_reduce(energy, group=group)
         if measure:
             complement, rank_check = _broadcast(complement, U, group), None
@@ -152,14 +150,10 @@ def jacobian_exponent(eigenvalues: Tensor, energies: Tensor) -> float:
 def _measure(engine: FactorEngine, probe: List[Any], fit: FitResult, config: FitConfig,
              data: tuple) -> Tuple[Optional[MeasuredComplement], Optional[Tensor],
                                    Optional[Callable[[float], Optional[float]]]]:
-    """The complement on the probe inputs that fit, energies of ``U``, and the rank check.
+    """The complement on the probe inputs that fit, exact energies of ``U`` and the rank check.
 
-    The exact Jacobian energies come where the measured inputs are the whole probe (the
-    energy pass is then not run again); the rank check is :func:`variance_change` of an
-    exponent ``beta``.
-
-    ``data``: ``((loss, factor), (h, delta), null)`` with the checked logit-shift
-    directions (``None``: none), which the complement leaves out.
+    The energies only where those inputs are the whole probe; the rank check maps ``beta``
+    to :func:`variance_change`. ``data``: ``((loss, factor), (h, delta), null)``.
     """
     (U, lam, num_data), (loss, prior, null) = (fit.eigenvectors, fit.eigenvalues,
                                                fit.n_data), data
@@ -177,9 +171,8 @@ def _measure(engine: FactorEngine, probe: List[Any], fit: FitResult, config: Fit
     factors, left = [], m
     for inputs in probe:
         n = check_batch(inputs, None)
-        for start in range(0, min(n, left), micro):
-            chunk = take(inputs, slice(start, min(start + micro, n, left)), n)
-            factors.append(engine.compute(chunk, None, gradient=False))
+        factors += [engine.compute(chunk, None, gradient=False)
+                    for chunk in micro_batches(take(inputs, slice(0, left), n), micro)]
         left -= min(n, left)
         if left == 0:
             break
@@ -212,11 +205,7 @@ def _measure(engine: FactorEngine, probe: List[Any], fit: FitResult, config: Fit
 
 def _checked_head(engine: FactorEngine, inputs: Any, null: NullDirections
                   ) -> Optional[NullDirections]:
-    """The candidate logit-shift directions if they move every output alike.
-
-    Checked on the first :data:`MIN_MEASURED` probe inputs (one backward pass); ``None``
-    where they do not.
-    """
+    """The candidate directions if they move every output alike on the first inputs, or ``None``."""
     n = check_batch(inputs, None)
     factor = engine.compute(take(inputs, slice(0, min(n, MIN_MEASURED)), n), None,
                             gradient=False)
@@ -225,10 +214,7 @@ def _checked_head(engine: FactorEngine, inputs: Any, null: NullDirections
 
 
 def _unresolved(fit: FitResult, rank: int, exponent: float, known: int) -> UnresolvedTail:
-    """The modelled tail beyond the leading ``rank`` eigenpairs of a fit.
-
-    ``known`` null directions lie apart.
-    """
+    """The modelled tail beyond a fit's leading ``rank`` eigenpairs (``known`` null ones apart)."""
     lam, dim = fit.eigenvalues[:rank].double().cpu(), fit.eigenvectors.shape[0]
     mass = max(float(fit.trace) - float(lam.sum()), 0.0)
     return UnresolvedTail.of_fit(lam, mass, fit.rank_bound, dim, exponent, known)
@@ -322,29 +308,7 @@ def _assemble(factors: List[Any], U: Tensor, classes: int, m: int
 def _broadcast(measured: Optional[MeasuredComplement], U: Tensor, group: Any
                ) -> Optional[MeasuredComplement]:
     """Process 0's measurement on every process (``None`` stays ``None``)."""
-    import torch.distributed as dist
-
-    src = dist.get_global_rank(group, 0)
-    sizes = torch.zeros(3, dtype=torch.float64, device=U.device)
-    if measured is not None:
-        half = 0 if measured.mu_half is None else measured.mu_half.numel()
-        sizes = torch.tensor([1.0, measured.mu.numel(), half], dtype=torch.float64,
-                             device=U.device)
-    dist.broadcast(sizes, src=src, group=group)
-    present, k, k_half = (int(s) for s in sizes.tolist())
-    if not present:
-        return None
-    flat = torch.zeros(2 * k + 2 * k_half + 3, dtype=torch.float64, device=U.device)
-    if measured is not None:
-        parts = [measured.mu, measured.q] + (
-            [measured.mu_half, measured.q_half] if k_half else [])
-        flat = torch.cat([p.reshape(-1).to(flat) for p in parts] + [
-            measured.energy.reshape(1).to(flat),
-            flat.new_tensor([measured.fraction, measured.floor])])
-    dist.broadcast(flat, src=src, group=group)
-    mu, q, rest = flat[:k], flat[k:2 * k], flat[2 * k:]
-    mu_half = q_half = None
-    if k_half:
-        mu_half, q_half, rest = rest[:k_half], rest[k_half:2 * k_half], rest[2 * k_half:]
-    return MeasuredComplement(mu, q, mu_half, q_half, rest[0], float(rest[1]),
-                              float(rest[2]))
+    box = [None if measured is None else measured.state()]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group,
+                               device=U.device)
+    return None if box[0] is None else MeasuredComplement.from_state(box[0]).to(U.device)

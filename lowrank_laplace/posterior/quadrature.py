@@ -1,20 +1,12 @@
 r"""Lanczos quadrature of the curvature a rank-``r`` fit drops, over the whole training set.
 
 Lanczos runs on the deflated GGN ``P H P`` (``P`` projects out the kept eigenvectors
-and the logit-shift directions), all runs in one block, every step one GGN-matrix
-product ``sum_b V_b (V_b^T Q)`` over the training loader:
-
-- Jacobian starts ``P J^T eps`` (random output combinations of the first training
-  inputs): Gauss quadrature of ``b^T (h P H P + delta)^{-1} b`` is the complement
-  variance per unit of Jacobian energy, a :class:`MeasuredComplement` of the whole data;
-- Gaussian starts (stochastic Lanczos quadrature): nodes and counts of the dropped
-  spectrum, for the log det and the marginal likelihood.
-
-The Gauss rule under-states ``b^T (A + delta)^{-1} b`` and converges as
-``lambda_{r+1} / delta`` allows, so the runs go on until the last two steps moved the
-Jacobian starts' variance and the Gaussian starts' log det by less than
-:data:`TOLERANCE` at :data:`CHECK_PRIOR` times the current prior
-(docs/posterior_quality.md, "Lanczos quadrature of the dropped curvature").
+and the logit-shift directions), one GGN-matrix product over the training loader a step:
+Jacobian starts ``P J^T eps`` give the complement variance of the whole data (a
+:class:`MeasuredComplement`), Gaussian starts the dropped spectrum's nodes and counts
+(log det, marglik). The runs stop once two steps moved both by less than
+:data:`TOLERANCE` at :data:`CHECK_PRIOR` times the prior (docs/posterior_quality.md,
+"Lanczos quadrature of the dropped curvature").
 
 Shape glossary:
     D: parameters; r: kept rank; s: Lanczos runs; k: steps.
@@ -28,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lowrank_laplace.engine import FactorEngine
@@ -42,8 +35,7 @@ from lowrank_laplace.utils.batches import batch_device, take, to_device
 from lowrank_laplace.utils.checks import check_batch
 
 #: Below this kept share of the GGN trace a fit with the spectral residual refines its
-#: complement itself (``0``: only ``la.refine_complement`` does): most of its predictive
-#: variance then lies in the curvature the rank drops.
+#: complement itself (``0``: only ``la.refine_complement`` does).
 REFINE_BELOW = 0.6
 #: Lanczos runs of each kind (Jacobian starts, Gaussian starts).
 RUNS = 8
@@ -59,8 +51,7 @@ START_INPUTS = 256
 START_PROJECTIONS = 16
 #: A run ends (an invariant subspace) where a step leaves less than this share of it.
 BREAKDOWN = 1e-10
-#: Share of the memory budget the first pass's factors may keep: the later passes then
-#: multiply by them instead of recomputing them (where they do not fit, every pass does).
+#: Share of the memory budget the first pass's factors may keep for the later passes.
 CACHE_SHARE = 0.5
 
 
@@ -89,18 +80,13 @@ class DroppedQuadrature:
     checked_prior: float = 0.0
 
     def kept_complement(self, probed: Optional[MeasuredComplement]) -> MeasuredComplement:
-        """The complement to keep: the probe's where it covered the whole data, else this one.
-
-        A probe of every training input measured it exactly, without random starts.
-        """
+        """The complement to keep: the probe's where it covered the whole data, else this one."""
         return probed if probed is not None and probed.fraction >= 1 else self.complement
 
     def state(self) -> Dict[str, Any]:
         """A plain dict for ``state_dict`` (tensors on the CPU)."""
-        return {"complement": self.complement.state(), "nodes": self.nodes.cpu(),
-                "counts": self.counts.cpu(), "steps": self.steps,
-                "converged": self.converged, "seconds": self.seconds,
-                "checked_prior": self.checked_prior}
+        return {**vars(self), "complement": self.complement.state(), "nodes": self.nodes.cpu(),
+                "counts": self.counts.cpu()}
 
     @classmethod
     def from_state(cls, state: Optional[Dict[str, Any]], device: torch.device
@@ -168,10 +154,9 @@ class LanczosRuns:
 
 def gauss_estimates(rules: List[Tuple[Tensor, Tensor]], scale: float, prior: float
                     ) -> Tuple[float, float]:
-    """What the stopping rule watches, at ``(h, delta)``.
+    """The Jacobian runs' variance and the Gaussian runs' mean ``log(1 + h theta / delta)``.
 
-    The Jacobian runs' variance ``sum w / (h theta + delta) / sum w`` and the Gaussian
-    runs' mean ``log(1 + h theta / delta)`` (zero without weight).
+    What the stopping rule watches, at ``(h, delta)`` (zero without weight).
     """
     estimates = []
     for part, f in ((rules[:RUNS], lambda t: 1 / (scale * t + prior)),
@@ -220,8 +205,6 @@ def lanczos_quadrature(target: FitTarget, loader: Any,
     gaussian = torch.randn(RUNS, dim, generator=generator, dtype=wide).to(U.device)
     jacobian = _jacobian_starts(target, loader, config, outputs, generator).to(U.device)
     if group is not None:
-        import torch.distributed as dist
-
         dist.all_reduce(jacobian, group=group)  # every process's first inputs
     runs = LanczosRuns(project(torch.cat([jacobian, gaussian])), MAX_STEPS)
     start, (scale, delta), steps, converged = time.perf_counter(), prior, 0, False
@@ -269,20 +252,19 @@ def _found(rules: List[Tuple[Tensor, Tensor]], free: int, steps: int, converged:
     """The runs' Gauss rules as a :class:`DroppedQuadrature` (``free`` dropped directions)."""
     mu = torch.cat([r[0] for r in rules[:RUNS]])
     q = torch.cat([r[1] for r in rules[:RUNS]])
-    totals = [float(r[1].sum()) for r in rules[RUNS:]]
-    used = [(r, t) for r, t in zip(rules[RUNS:], totals) if t > 0]
-    nodes = torch.cat([r[0] for r, _ in used]) if used else mu.new_zeros(0)
-    counts = torch.cat([r[1] / t for r, t in used]) * free / max(len(used), 1) \
-        if used else mu.new_zeros(0)
+    used = [(r, float(r[1].sum())) for r in rules[RUNS:]]
+    used, empty = [(r, t) for r, t in used if t > 0], [mu.new_zeros(0)]
+    nodes = torch.cat([r[0] for r, _ in used] + empty)
+    counts = torch.cat([r[1] / t for r, t in used] + empty) * free / max(len(used), 1)
     complement = MeasuredComplement(mu, q, None, None, q.sum(), 1.0, 0.0)
     return DroppedQuadrature(complement, nodes.cpu(), counts.cpu(), steps, converged, seconds)
 
 
 def refines_itself(kept_fraction: float, dim: int, config: FitConfig,
                    device: torch.device) -> bool:
-    """Whether a fit that keeps ``kept_fraction`` of the GGN trace runs the quadrature itself.
+    """Whether a fit keeping ``kept_fraction`` of the trace (below :data:`REFINE_BELOW`) refines.
 
-    Below :data:`REFINE_BELOW`, where the Lanczos basis fits the memory budget.
+    Only where the Lanczos basis fits the memory budget.
     """
     return kept_fraction < REFINE_BELOW and _basis_bytes(dim) <= resolve_memory_budget(
         config.memory_budget, device)
@@ -302,15 +284,12 @@ def _check_basis_memory(dim: int, config: FitConfig, device: torch.device) -> No
             f"refine_complement: the Lanczos basis of {MAX_STEPS} steps for {dim:,} "
             f"parameters needs about {need / 2**30:.1f} GiB, above the memory budget of "
             f"{budget / 2**30:.1f} GiB: raise memory_budget (e.g. memory_budget=0.5 for half "
-            "the free memory)."
-        )
+            "the free memory).")
 
 
 def _check_samples(seen: int, num_data: int, group: Any, device: torch.device) -> None:
     """Refuse a loader of other samples than the fit's (a later one of online updates)."""
     if group is not None:
-        import torch.distributed as dist
-
         count = torch.tensor([seen], dtype=torch.float64, device=device)
         dist.all_reduce(count, group=group)
         seen = int(count)
@@ -322,11 +301,7 @@ def _check_samples(seen: int, num_data: int, group: Any, device: torch.device) -
 
 
 def _batches(target: FitTarget, loader: Any) -> Any:
-    """The loader's batches as ``(inputs, targets)`` of ``target.model``, on its device.
-
-    A loader draws its workers' seed and its shuffle from torch's generator: restored
-    after the pass, so a refinement draws nothing from the caller's stream.
-    """
+    """The loader's ``(inputs, targets)`` on the model's device, torch's generator left alone."""
     device = target.device or _first_param(target).device
     with torch.random.fork_rng(devices=[]):  # a pass's draws leave the caller's stream
         for X, y in loaders.batches(loader, target.dict_key_y):
@@ -389,11 +364,7 @@ class FactorCache:
 
 def _factors(engine: FactorEngine, target: FitTarget, loader: Any, config: FitConfig
              ) -> Iterator[Any]:
-    """The GGN factors of the loader's micro-batches, in one pass.
-
-    Monte-Carlo draws (``mc_samples``) are seeded per batch, so every pass yields the
-    same matrix.
-    """
+    """The GGN factors of the loader's micro-batches, Monte-Carlo draws seeded per batch."""
     for index, (X, y) in enumerate(_batches(target, loader)):
         n = len(y)
         micro = micro_batch_size(engine, X, config.mc_samples or None, config.memory_budget,

@@ -88,8 +88,7 @@ class Residual:
     def __init__(self, dropped: DroppedCurvature):
         self.dim = dropped.eigenvectors.shape[0]
         self.mass = dropped.mass
-        rank = dropped.eigenvalues.numel()
-        self.anchor = float(dropped.eigenvalues[-1]) if rank else 0.0
+        self.anchor = float(dropped.eigenvalues[-1]) if dropped.eigenvalues.numel() else 0.0
 
     @classmethod
     def from_fit(cls, dropped: DroppedCurvature) -> "Residual":
@@ -104,15 +103,11 @@ class Residual:
         if cls.needs_diagonal and dropped.diagonal is None:
             raise ValueError(
                 f"residual={cls.name!r} needs the residual diagonal, which this fit did "
-                f"not keep: refit with residual={cls.name!r}."
-            )
+                f"not keep: refit with residual={cls.name!r}.")
         return cls(dropped)
 
     def complement_variance(self, scale: Tensor, prior: Tensor) -> Optional[Tensor]:
-        """The complement variance ``v`` measured on the probe, as the posterior uses it.
-
-        At scale ``h`` and a scalar prior; ``None`` where it was not measured.
-        """
+        """The complement variance ``v`` measured on the probe at ``h`` (``None``: not measured)."""
         return None
 
     def precision(self, eigenvectors: Tensor, eigenvalues: Tensor, scale: Tensor,
@@ -155,9 +150,7 @@ class Residual:
         """
         kept = eigenvalues.detach().to(device="cpu", dtype=torch.float64) * scale
         values, counts = self._dropped_spectrum(kept, scale)
-        values = torch.cat([kept] + values) if values else kept
-        counts = torch.cat([torch.ones_like(kept)] + counts) if counts else \
-            torch.ones_like(kept)
+        values, counts = torch.cat([kept, *values]), torch.cat([torch.ones_like(kept), *counts])
         keep = values > 0
         return values[keep], counts[keep]
 
@@ -220,12 +213,9 @@ class IsotropicResidual(Residual):
 class SpectralResidual(Residual):
     """A power-law tail continuing the kept spectrum, in random dropped directions.
 
-    The GGN's logit-shift directions, where the probe checked them, keep the prior's
-    variance (:mod:`~lowrank_laplace.posterior.null`); the tail spans the rest.
-
-    Where Lanczos quadrature measured the dropped spectrum, its nodes and counts replace
-    the tail in the log det and the marglik (scalar priors; the layerwise split keeps the
-    tail).
+    Checked logit-shift directions keep the prior's variance
+    (:mod:`~lowrank_laplace.posterior.null`); a measured dropped spectrum replaces the
+    tail in the log det under scalar priors.
 
     Attributes:
         tail: Modelled dropped eigenvalues, ``(n - r,)``.
@@ -247,7 +237,6 @@ class SpectralResidual(Residual):
             dropped.eigenvalues, mass, dropped.rank_bound, dim, self.exponent,
             0 if self.null is None else self.null.count)
         self.tail = self.unresolved.tail
-        count = self.tail.numel()
         self.complement = dropped.complement if mass > 0 else None
         self.spectrum = dropped.spectrum if mass > 0 and rank < dim else None
         self._whole: Dict[int, LayerTails] = {}
@@ -257,7 +246,7 @@ class SpectralResidual(Residual):
         if dropped.diagonal is not None and dropped.layer_sizes and mass > 0 and rank < dim:
             self._split = functools.partial(
                 LayerTails.build, dropped.eigenvectors, dropped.eigenvalues, mass,
-                dropped.diagonal, dropped.layer_sizes, count)
+                dropped.diagonal, dropped.layer_sizes, self.tail.numel())
 
     @property
     def layers(self) -> Optional[LayerTails]:
@@ -273,17 +262,17 @@ class SpectralResidual(Residual):
     def _precision(self, eigenvectors, ell, scale, prior, extra):
         gram_cache, layer_prior = extra
         if prior.numel() > 1 and self.layers is not None:  # builds the split on first use
-            return self._layer_precision(eigenvectors, ell, scale, prior, extra)
-        num = self.dim - ell.numel()
-        rho, tail_logdet = self._shift(scale, prior, num, ell.device)
-        rho = rho.to(ell.dtype)
-        d = prior + rho
-        # against the d the precision holds, so its (D - r) log d cancels exactly
-        offset = (tail_logdet - num * torch.log(d.to(torch.float64).mean())).to(ell.dtype)
-        return LowRankPrecision(eigenvectors, (ell - rho).clamp(min=0), d,
-                                logdet_offset=offset, gram_cache=gram_cache,
-                                layers=_shifted(layer_prior, rho),
-                                null=self._null_shift(prior, d))
+            kept, d, offset, layers = self._layer_parts(ell, scale, prior, layer_prior)
+        else:
+            num = self.dim - ell.numel()
+            rho, tail_logdet = self._shift(scale, prior, num, ell.device)
+            kept = rho.to(ell.dtype)
+            d, layers = prior + kept, _shifted(layer_prior, kept)
+            # against the d the precision holds, so its (D - r) log d cancels exactly
+            offset = tail_logdet - num * torch.log(d.to(torch.float64).mean())
+        return LowRankPrecision(eigenvectors, (ell - kept).clamp(min=0), d,
+                                logdet_offset=offset.to(ell.dtype), gram_cache=gram_cache,
+                                layers=layers, null=self._null_shift(prior, d))
 
     def _null_shift(self, prior: Tensor, held: Tensor) -> Optional[NullShift]:
         """The prior's variance on the null directions, where the precision holds ``held``."""
@@ -303,34 +292,27 @@ class SpectralResidual(Residual):
         tail = self.tail.to(device="cpu", dtype=torch.float64) * scale
         return [tail], [torch.ones_like(tail)]
 
-    def _layer_precision(self, eigenvectors, ell, scale, prior, extra):
-        """The spectral model with one tail per layer (docs/posterior_quality.md)."""
-        gram_cache, layer_prior = extra
+    def _layer_parts(self, ell: Tensor, scale: Tensor, prior: Tensor,
+                     layer_prior: Optional[LayerPrior]) -> tuple:
+        """One tail per layer: the shift on ``U``, ``d``, log det offset and constant ``d_l``."""
         layers = self.layers
         rho, tail_logdet = layers.shift(scale, prior, self.exponent, ell.device)
         rho = rho.to(ell.dtype)
         sizes = torch.tensor(layers.sizes, device=ell.device)
         d = prior + rho.repeat_interleave(sizes, output_size=self.dim)
-        kept = (layers.norms.to(device=ell.device, dtype=ell.dtype).T @ rho)
+        kept = layers.norms.to(device=ell.device, dtype=ell.dtype).T @ rho
+        constant = None
         if layer_prior is not None and list(layer_prior[0]) == layers.sizes:
-            layer_d = layer_prior[1] + rho
-            log_d = torch.log(layer_d.to(torch.float64))
-            constant = (layers.sizes, layer_d)
+            constant = (layers.sizes, layer_prior[1] + rho)
+            log_d = torch.log(constant[1].to(torch.float64))
         else:
             log_d = torch.log(layers.layer_means(d.to(torch.float64)))  # as the tails' delta_l
-            constant = None
         offset = tail_logdet - (layers.complement.to(ell.device) * log_d).sum()
-        return LowRankPrecision(eigenvectors, (ell - kept).clamp(min=0), d,
-                                logdet_offset=offset.to(ell.dtype), gram_cache=gram_cache,
-                                layers=constant, null=self._null_shift(prior, d))
+        return kept, d, offset, constant
 
     def _shift(self, scale: Tensor, prior: Tensor, num: int,
                device: torch.device) -> Tuple[Tensor, Tensor]:
-        """The network-wide shift ``rho = 1 / v - delta`` and the dropped log det (float64).
-
-        ``v``: the complement variance measured at the prior's mean, else the
-        Jacobian-weighted tail's; the log det: the measured spectrum's, else the tail's.
-        """
+        """The shift ``rho = 1 / v - delta`` and the dropped log det: measured, else the tail's."""
         rho = logdet = None
         if self.spectrum is not None:
             logdet = self._measured_logdet(scale, prior, num, device)
@@ -348,11 +330,7 @@ class SpectralResidual(Residual):
 
     def _measured_logdet(self, scale: Tensor, prior: Tensor, num: int,
                          device: torch.device) -> Tensor:
-        """The dropped directions' log det from the measured spectrum (float64).
-
-        The ``num`` dropped directions beyond the nodes' counts (the logit-shift ones) see
-        the prior alone.
-        """
+        """The ``num`` dropped directions' log det by the measured spectrum (the rest: prior)."""
         nodes, counts = (t.to(device=device, dtype=torch.float64) for t in self.spectrum)
         delta = prior.to(device=device, dtype=torch.float64).mean()
         h = torch.as_tensor(scale).to(device=device, dtype=torch.float64)
@@ -367,8 +345,7 @@ class SpectralResidual(Residual):
 
 #: The residual models by name (the ``residual`` option).
 RESIDUALS: Dict[str, Type[Residual]] = {
-    cls.name: cls for cls in (SpectralResidual, IsotropicResidual, DiagonalResidual,
-                              NoResidual)
+    cls.name: cls for cls in (SpectralResidual, IsotropicResidual, DiagonalResidual, NoResidual)
 }
 #: The default residual model.
 DEFAULT_RESIDUAL = "spectral"
