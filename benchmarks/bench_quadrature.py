@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from laplace import Laplace
 
 from benchmarks import _faithful_report as report
 from benchmarks import bench_faithful as faithful
@@ -88,17 +89,91 @@ def run_problem(name: str, rank: int, cache: Path) -> dict:
     return record
 
 
+GATE_RANKS = (4, 6, 10, 20, 40)
+
+
+def digits_problem(hidden: int = 16, n_train: int = 500, epochs: int = 60):
+    """sklearn digits' MLP 64-16-10 at its MAP, as the package's real-data tests train it:
+    the model, the training loader and 400 held-out images with their labels."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    X = torch.tensor(data.data / 16.0, dtype=torch.float64)
+    y = torch.tensor(data.target)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.Tanh(),
+                                torch.nn.Linear(hidden, 10)).double()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(epochs):
+        for idx in torch.randperm(n_train).split(100):
+            opt.zero_grad()
+            decay = sum((p**2).sum() for p in model.parameters()) / (2 * n_train)
+            (torch.nn.functional.cross_entropy(model(X[idx]), y[idx]) + decay).backward()
+            opt.step()
+    train = torch.utils.data.TensorDataset(X[:n_train], y[:n_train])
+    return model, torch.utils.data.DataLoader(train, batch_size=100), X[500:900], y[500:900]
+
+
+def gate_study() -> dict:
+    """The digits MLP over ranks, unrefined and refined, against its full-GGN posterior:
+    where ``quadrature.REFINE_BELOW`` should sit."""
+    from laplace import FullLaplace
+
+    model, loader, X_test, y_test = digits_problem()
+
+    def measure(la) -> dict:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            la.optimize_prior_precision(method="marglik", n_steps=300, lr=0.1)
+            probs = la(X_test, link_approx="probit")
+        var = la._glm_predictive_distribution(X_test)[1].diagonal(dim1=1, dim2=2).sum(1)
+        return {"prior": float(la.prior_precision.reshape(-1)[0]), "var": var,
+                "nll": float(torch.nn.functional.nll_loss(probs.log(), y_test))}
+
+    with default_dtype(torch.float64):  # laplace-torch's backend builds float64 eyes
+        full = FullLaplace(model, "classification")
+        full.fit(loader)
+    exact = measure(full)
+    records = {"exact_prior": exact["prior"], "exact_nll": exact["nll"], "ranks": {}}
+    below = quadrature.REFINE_BELOW
+    for rank in GATE_RANKS:
+        for refined in (False, True):
+            quadrature.REFINE_BELOW = 1.0 if refined else 0.0
+            try:
+                la = Laplace(model, "classification", subset_of_weights="all",
+                             hessian_structure="lowrank_ggn", rank=rank)
+                start = time.perf_counter()
+                la.fit(loader)
+                seconds = time.perf_counter() - start
+            finally:
+                quadrature.REFINE_BELOW = below
+            got = measure(la)
+            error = ((got["var"] - exact["var"]).abs() / exact["var"]).median()
+            records["ranks"].setdefault(str(rank), {})["refined" if refined else "default"] = {
+                "kept_fraction": float(la.kept_fraction), "fit_s": seconds,
+                "passes": la.fit_report.quadrature_steps, "prior": got["prior"],
+                "fvar_error": float(error), "nll": got["nll"]}
+    print("gate", json.dumps(records), flush=True)
+    return records
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", default="mnist_aug_early")
     parser.add_argument("--ranks", default="100", help="comma-separated ranks")
-    parser.add_argument("--cache", type=Path, required=True)
+    parser.add_argument("--cache", type=Path)
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/quadrature"))
+    parser.add_argument("--gate", action="store_true",
+                        help="instead: the digits MLP over ranks, unrefined and refined")
     args = parser.parse_args(argv)
+    if args.cache is None and not args.gate:
+        parser.error("--cache is required (except with --gate)")
     torch.set_num_threads(1)
     path = args.out / "quadrature.json"
     result = json.loads(path.read_text()) if path.exists() else {"problems": {}}
-    for name in args.problems.split(","):
+    if args.gate:
+        result["gate"] = gate_study()
+    for name in [] if args.gate else args.problems.split(","):
         for rank in (int(r) for r in args.ranks.split(",")):
             key = "refine_complement" + ("" if rank == 100 else f" r={rank}")
             result["problems"].setdefault(name, {})[key] = run_problem(name, rank, args.cache)

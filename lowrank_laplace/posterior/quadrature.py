@@ -35,8 +35,9 @@ from lowrank_laplace.utils.batches import batch_device, take, to_device
 from lowrank_laplace.utils.checks import check_batch
 
 #: Below this kept share of the GGN trace a fit with the spectral residual refines its
-#: complement itself (``0``: only ``la.refine_complement`` does).
-REFINE_BELOW = 0.6
+#: complement itself (``0``: only ``la.refine_complement`` does): every measured problem
+#: below it came closer to the full GGN's prior and NLL (docs/posterior_quality.md).
+REFINE_BELOW = 0.7
 #: Lanczos runs of each kind (Jacobian starts, Gaussian starts).
 RUNS = 8
 #: Fewest and most Lanczos steps (each one pass over the training data).
