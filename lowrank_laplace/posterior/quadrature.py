@@ -230,20 +230,22 @@ def lanczos_quadrature(target: FitTarget, loader: Any,
                 break
         converged = converged or not bool(runs.active.any())
     if not converged:
-        _warn_unconverged(history, steps)
+        _warn_unconverged(history, steps, CHECK_PRIOR * delta)
     free = dim - U.shape[1] - (0 if null is None else null.count)
     found = _found(runs.rules(), free, steps, converged, time.perf_counter() - start)
     return replace(found, checked_prior=CHECK_PRIOR * delta)
 
 
-def _warn_unconverged(history: List[Tuple[float, float]], steps: int) -> None:
-    """Warn with how much the last two steps moved the estimates."""
+def _warn_unconverged(history: List[Tuple[float, float]], steps: int, prior: float) -> None:
+    """Warn with how much the last two steps moved the estimates at the checked ``prior``."""
     moved = max(abs(now - then) / max(abs(now), 1e-300)
                 for now, then in zip(history[-1], history[-min(3, len(history))]))
     warnings.warn(
-        f"refine_complement has not converged in {steps} passes: the last two moved "
-        f"the complement variance or log det by {moved:.1%} (needs {TOLERANCE:.0%}), "
-        "so it still under-states the complement variance; "
+        f"refine_complement has not converged in {steps} passes at prior precision "
+        f"{prior:.3g}: the last two moved the complement variance or log det by "
+        f"{moved:.1%} (needs {TOLERANCE:.0%}), so it may under-state the complement "
+        "variance there. A larger prior converges in fewer passes: after tuning it, "
+        "la.refine_complement(train_loader) measures again; "
         "lowrank_laplace.posterior.quadrature.MAX_STEPS allows more passes.",
         UserWarning, stacklevel=5)  # the caller of la.fit or la.refine_complement
 

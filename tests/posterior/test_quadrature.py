@@ -228,7 +228,8 @@ def test_an_unconverged_refinement_warns_with_the_number(monkeypatch):
     model, X, y, loader = _problem()
     la = LowRankGGNLaplace(model, "classification", rank=6)
     la.fit(loader)
-    with pytest.warns(UserWarning, match=r"not converged in 3 passes: .* by \d+\.\d%"):
+    with pytest.warns(UserWarning, match=r"not converged in 3 passes at prior precision 0\.5: "
+                                         r".* by \d+\.\d%.* after tuning it"):
         la.refine_complement(loader)
     assert la.fit_report.quadrature_converged is False
     assert "not converged" in str(la.fit_report)
