@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.engine.rng import forked_rng
 from lowrank_laplace.fitting import loader as loaders
 from lowrank_laplace.fitting.budget import micro_batch_size, resolve_memory_budget
 from lowrank_laplace.fitting.config import FitConfig
@@ -326,7 +327,7 @@ def _jacobian_starts(target: FitTarget, loader: Any, config: FitConfig, outputs:
             micro = micro_batch_size(engine, X, projections or None, config.memory_budget,
                                      config.micro_batch_size)
             for chunk in micro_batches(take(X, slice(0, START_INPUTS - seen), n), micro):
-                with torch.random.fork_rng(devices=_cuda(chunk)):
+                with forked_rng(batch_device(chunk)):
                     torch.manual_seed(config.seed + seen)
                     factor = engine.compute(chunk, None, mc_samples=projections,
                                             gradient=False)
@@ -360,7 +361,10 @@ class FactorCache:
             self.samples += factor.num_samples
             if self.room >= 0:
                 self.room -= sum(block.nbytes for block in factor.blocks.values())
-                self.kept = self.kept + [factor] if self.room >= 0 else []
+                if self.room >= 0:
+                    self.kept.append(factor)
+                else:  # overflowed: every pass recomputes its factors
+                    self.kept = []
             yield factor
         self.complete = self.room >= 0
 
@@ -374,7 +378,7 @@ def _factors(engine: FactorEngine, target: FitTarget, loader: Any, config: FitCo
                                  config.micro_batch_size)
         for begin in range(0, n, micro):
             chunk, labels = take(X, slice(begin, begin + micro), n), y[begin:begin + micro]
-            with torch.random.fork_rng(devices=_cuda(chunk)):
+            with forked_rng(batch_device(chunk)):
                 torch.manual_seed(config.seed + 7919 * index + begin)
                 yield engine.compute(chunk, labels, mc_samples=config.mc_samples,
                                      gradient=False)
@@ -393,9 +397,3 @@ def _ggn_product(factors: Iterable[Any], target: FitTarget, Q: Tensor) -> Tensor
 def _first_param(target: FitTarget) -> Tensor:
     """The GGN's first parameter: its dtype and device are the factor's blocks'."""
     return next(p for p in target.model.parameters() if p.requires_grad)
-
-
-def _cuda(batch: Any) -> List[torch.device]:
-    """The CUDA devices a batch's random draws may touch (for ``fork_rng``)."""
-    device = batch_device(batch)
-    return [device] if device.type == "cuda" else []
