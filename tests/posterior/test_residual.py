@@ -410,22 +410,13 @@ def test_online_update_keeps_the_rank_bound_growing():
 
 
 @functools.lru_cache(maxsize=1)
-def _digits_problem(hidden=16, n_train=500, epochs=60):
-    from sklearn.datasets import load_digits
+def _digits_problem():
+    """sklearn digits' MLP 64-16-10 at its MAP and its 500 training images (as the
+    refinement's gate study of ``benchmarks/bench_quadrature.py`` trains it)."""
+    from benchmarks.bench_quadrature import digits_problem
 
-    data = load_digits()
-    X = torch.tensor(data.data / 16.0, dtype=torch.float64)[:n_train]
-    y = torch.tensor(data.target)[:n_train]
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, 10)).double()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(epochs):
-        for idx in torch.randperm(n_train).split(100):
-            opt.zero_grad()
-            decay = sum((p**2).sum() for p in model.parameters()) / (2 * n_train)
-            (nn.functional.cross_entropy(model(X[idx]), y[idx]) + decay).backward()
-            opt.step()
-    return model, DataLoader(TensorDataset(X, y), batch_size=100)
+    model, loader, _, _ = digits_problem()
+    return model, loader
 
 
 def heldout_nll(la):
