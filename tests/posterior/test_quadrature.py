@@ -322,7 +322,7 @@ def test_a_fit_that_keeps_little_of_real_data_refines_itself_towards_the_full_gg
     unrefined, default = found[0.0], found[quadrature.REFINE_BELOW]
     assert unrefined[0] == 0 and default[0] >= quadrature.MIN_STEPS
     assert default[1] < quadrature.REFINE_BELOW
-    # measured: prior 18% -> 4% off, variance error 43% -> 11%, NLL +26% -> +6%
+    # the gate record of docs/benchmarks/quadrature/quadrature.json, rank 6
     assert default[2] < 0.1 and default[2] < unrefined[2] / 2
     assert default[3] < 0.2 and default[3] < unrefined[3] / 2
     assert default[4] < 0.1 and default[4] < unrefined[4] / 2
