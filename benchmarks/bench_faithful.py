@@ -162,10 +162,12 @@ def exact_reference(model, problem: Problem, data, ranks: Sequence[int]) -> dict
             "seconds": seconds}
 
 
-def fit_method(key: str, rank: Optional[int], model, fit_set, steps: int) -> Fitted:
-    """Fit one posterior on ``fit_set`` (inputs, labels) and tune its scalar prior."""
+def fit_method(key: str, rank: Optional[int], model, fit_set, steps: int,
+               **options: Any) -> Fitted:
+    """Fit one posterior on ``fit_set`` (inputs, labels), with ``options`` besides its own,
+    and tune its scalar prior."""
     method = METHODS[key]
-    kwargs = dict(method.options)
+    kwargs = {**method.options, **options}
     if method.ranked:
         kwargs["rank"] = rank
     if isinstance(fit_set[0], dict):

@@ -1,8 +1,8 @@
 """``la.refine_complement`` (Lanczos quadrature) against the exact full-GGN posterior.
 
 On ``bench_faithful``'s cached exact references (``--cache``): the default fit at each
-``--ranks`` (default 100) with its marglik prior, unrefined (``quadrature.REFINE_BELOW``
-set to 0 for it), then ``la.refine_complement(train_loader)``; both posteriors'
+``--ranks`` (default 100) with its marglik prior, unrefined (``refine_below=0``),
+then ``la.refine_complement(train_loader)``; both posteriors'
 functional variance against the exact one's, at their own marglik prior and at the exact
 one (``docs/posterior_quality.md``, "Lanczos quadrature of the dropped curvature", was
 measured at commit b321eca)::
@@ -29,7 +29,6 @@ from benchmarks import _faithful_report as report
 from benchmarks import bench_faithful as faithful
 from benchmarks._faithful_problems import build_model, make_data
 from benchmarks._worker import default_dtype
-from lowrank_laplace.posterior import quadrature
 
 
 def errors(fitted, model, data, ref, steps: int) -> dict:
@@ -66,12 +65,8 @@ def run_problem(name: str, rank: int, cache: Path) -> dict:
     work = model if dtype == torch.float64 else copy.deepcopy(model).to(dtype)
     fit_set = (faithful.cast(data.fit[0], dtype), data.fit[1])
     steps = problem.marglik_steps or faithful.MARGLIK_STEPS
-    below, quadrature.REFINE_BELOW = quadrature.REFINE_BELOW, 0.0  # the fit alone first
-    try:
-        with default_dtype(dtype):
-            fitted = faithful.fit_method("default", rank, work, fit_set, steps)
-    finally:
-        quadrature.REFINE_BELOW = below
+    with default_dtype(dtype):  # the fit alone first
+        fitted = faithful.fit_method("default", rank, work, fit_set, steps, refine_below=0.0)
     exact = {k: s["exact"]["nll"] for k, s in report.exact_sets(ref, data).items()}
     record = {"rank": rank, "kept_fraction": float(fitted.la.kept_fraction),
               "exact_prior": ref["delta"], "fit_s": fitted.record["fit_s"], "exact_nll": exact,
@@ -116,7 +111,7 @@ def digits_problem(hidden: int = 16, n_train: int = 500, epochs: int = 60):
 
 def gate_study() -> dict:
     """The digits MLP over ranks, unrefined and refined, against its full-GGN posterior:
-    where ``quadrature.REFINE_BELOW`` should sit."""
+    where the ``refine_below`` option's default should sit."""
     from laplace import FullLaplace
 
     model, loader, X_test, y_test = digits_problem()
@@ -135,18 +130,14 @@ def gate_study() -> dict:
         full.fit(loader)
     exact = measure(full)
     records = {"exact_prior": exact["prior"], "exact_nll": exact["nll"], "ranks": {}}
-    below = quadrature.REFINE_BELOW
     for rank in GATE_RANKS:
         for refined in (False, True):
-            quadrature.REFINE_BELOW = 1.0 if refined else 0.0
-            try:
-                la = Laplace(model, "classification", subset_of_weights="all",
-                             hessian_structure="lowrank_ggn", rank=rank)
-                start = time.perf_counter()
-                la.fit(loader)
-                seconds = time.perf_counter() - start
-            finally:
-                quadrature.REFINE_BELOW = below
+            la = Laplace(model, "classification", subset_of_weights="all",
+                         hessian_structure="lowrank_ggn", rank=rank,
+                         refine_below=1.0 if refined else 0.0)
+            start = time.perf_counter()
+            la.fit(loader)
+            seconds = time.perf_counter() - start
             got = measure(la)
             error = ((got["var"] - exact["var"]).abs() / exact["var"]).median()
             records["ranks"].setdefault(str(rank), {})["refined" if refined else "default"] = {

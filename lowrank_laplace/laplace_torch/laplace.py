@@ -268,7 +268,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         Data-parallel where ``torch.distributed`` is initialised (or a group is passed):
         each process streams its own shard, all end with the same posterior, and
         ``n_data`` counts every process's samples. A fit keeping less than
-        ``quadrature.REFINE_BELOW`` of the GGN trace ends with :meth:`refine_complement`.
+        the ``refine_below`` option of the GGN trace ends with :meth:`refine_complement`.
 
         Args:
             train_loader: Yields ``(X, y)`` batches (or dict batches);
@@ -302,9 +302,8 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         basis = warm_basis(self, params) if options.warm_start and previous is None else None
         rank, history = options.first_rank, []
         with LoaderFit(target, options.at_rank(rank), process_group) as run:
-            # only a scalar prior uses the measured complement (and the rank check)
-            prior = torch.as_tensor(self.prior_precision)
-            prior = (float(self._H_factor), float(prior)) if prior.numel() == 1 else None
+            # the rank check's prior: the mean of a layerwise or per-parameter one
+            prior = (float(self._H_factor), float(torch.as_tensor(self.prior_precision).mean()))
             while rank is not None:  # one fit, or rank="auto"'s doubling ranks
                 result = run.run(train_loader, previous, basis, progress_bar)
                 head = (self.likelihood, head_directions(module, params, self.likelihood,
@@ -318,8 +317,9 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
                     run.reconfigure(options.at_rank(rank))
                     basis = result.eigenvectors if options.warm_start else None
             self._store(result, probed, tuple(history))
-            if previous is None and self.fit_report.refinable and quadrature.refines_itself(
-                    self.fit_report.kept_fraction, self.n_params, options, self._device):
+            if previous is None and self.fit_report.refinable and not options.mc_samples \
+                    and self.fit_report.kept_fraction < options.refine_below \
+                    and quadrature.basis_fits(self.n_params, options, self._device):
                 self._refine(train_loader, run.group)  # on the fit's threads
 
     def _store(self, result: FitResult, probed: Any, ranks_tried: tuple) -> None:
@@ -345,7 +345,8 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
 
         Raises:
             AttributeError: Before :meth:`fit`.
-            ValueError: For a residual model other than ``"spectral"``.
+            ValueError: For a residual model other than ``"spectral"``, or a Monte-Carlo
+                GGN (``mc_samples``), whose kept eigenpairs another draw would not match.
             MemoryError: If the Lanczos basis does not fit ``memory_budget``.
         """
         self._check_H_init()
@@ -354,6 +355,12 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             raise ValueError(f"refine_complement measures the spectral residual; this "
                              f"posterior uses residual={self.residual!r}: set "
                              "residual='spectral'.")
+        if self.options.mc_samples:
+            raise ValueError(
+                f"refine_complement measures the exact GGN outside the kept eigenvectors; "
+                f"this posterior was fitted on a Monte-Carlo GGN (mc_samples="
+                f"{self.options.mc_samples}), whose draws it would not match: refit with "
+                "mc_samples=0 to refine it.")
         self._refine(train_loader, resolve_process_group("default"))
 
     def _refine(self, train_loader: Any, group: Any) -> None:
@@ -364,8 +371,11 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             FitTarget(module, self.likelihood, params, to_inputs, self.dict_key_y,
                       self._device), train_loader, (self.H[0], self._null, self.n_outputs),
             self.options, prior, self.n_data, group)
+        previous, probed = self._quadrature, self._complement
+        if previous is not None and previous.holds(probed):  # an earlier refinement's
+            probed = None
         self._quadrature, self._residual_model = found, None
-        self._complement = found.kept_complement(self._complement)
+        self._complement = found.kept_complement(probed)
         self.fit_report = replace(self.fit_report, complement_resolved=None,
                                   quadrature_steps=found.steps,
                                   quadrature_converged=found.converged)

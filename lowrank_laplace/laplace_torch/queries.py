@@ -68,9 +68,9 @@ class PosteriorQueries:
     def measured_complement(self) -> Optional[MeasuredComplement]:
         """The complement variance measured on the probe (:mod:`~lowrank_laplace.posterior.probe`).
 
-        ``None`` where the fit did not measure it (another residual model, a layerwise
-        or per-parameter prior, too few probe inputs within the memory budget, nothing
-        dropped); the spectral residual then models it.
+        ``None`` where the fit did not measure it (another residual model, too few probe
+        inputs within the memory budget, nothing dropped); the spectral residual then
+        models it.
         """
         return self._complement
 

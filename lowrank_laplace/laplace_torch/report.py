@@ -94,7 +94,7 @@ class FitReport:
             lines.append(f"  complement variance and dropped spectrum: Lanczos quadrature over "
                          f"the training data, {self.quadrature_steps} passes "
                          f"({'converged' if self.quadrature_converged else 'not converged'})")
-        elif self.refinable and self.kept_fraction < quadrature.REFINE_BELOW:
+        elif self.refinable and self.kept_fraction < quadrature.DEFAULT_REFINE_BELOW:
             lines.append("  most of the curvature is dropped: la.refine_complement(loader of "
                          "all the fitted data) measures it over the whole training set")
         if self.null_directions:

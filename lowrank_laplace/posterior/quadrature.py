@@ -35,10 +35,10 @@ from lowrank_laplace.posterior.predictive import jacobian_engine, micro_batches
 from lowrank_laplace.utils.batches import batch_device, take, to_device
 from lowrank_laplace.utils.checks import check_batch
 
-#: Below this kept share of the GGN trace a fit with the spectral residual refines its
-#: complement itself (``0``: only ``la.refine_complement`` does): every measured problem
-#: below it came closer to the full GGN's prior and NLL (docs/posterior_quality.md).
-REFINE_BELOW = 0.7
+#: The default of the ``refine_below`` option: below this kept share of the GGN trace a
+#: fit with the spectral residual refines its complement itself; every measured problem
+#: below it came closer to the full GGN's prior and NLL (docs/benchmarks/).
+DEFAULT_REFINE_BELOW = 0.7
 #: Lanczos runs of each kind (Jacobian starts, Gaussian starts).
 RUNS = 8
 #: Fewest and most Lanczos steps (each one pass over the training data).
@@ -80,6 +80,11 @@ class DroppedQuadrature:
     converged: bool
     seconds: float
     checked_prior: float = 0.0
+
+    def holds(self, complement: Optional[MeasuredComplement]) -> bool:
+        """Whether ``complement`` is this refinement's (also after ``load_state_dict``)."""
+        return complement is not None and complement.mu.shape == self.complement.mu.shape \
+            and bool((complement.mu == self.complement.mu.to(complement.mu)).all())
 
     def kept_complement(self, probed: Optional[MeasuredComplement]) -> MeasuredComplement:
         """The complement to keep: the probe's where it covered the whole data, else this one."""
@@ -264,14 +269,9 @@ def _found(rules: List[Tuple[Tensor, Tensor]], free: int, steps: int, converged:
     return DroppedQuadrature(complement, nodes.cpu(), counts.cpu(), steps, converged, seconds)
 
 
-def refines_itself(kept_fraction: float, dim: int, config: FitConfig,
-                   device: torch.device) -> bool:
-    """Whether a fit keeping ``kept_fraction`` of the trace (below :data:`REFINE_BELOW`) refines.
-
-    Only where the Lanczos basis fits the memory budget.
-    """
-    return kept_fraction < REFINE_BELOW and _basis_bytes(dim) <= resolve_memory_budget(
-        config.memory_budget, device)
+def basis_fits(dim: int, config: FitConfig, device: torch.device) -> bool:
+    """Whether the Lanczos basis of ``dim`` parameters fits the memory budget."""
+    return _basis_bytes(dim) <= resolve_memory_budget(config.memory_budget, device)
 
 
 def _basis_bytes(dim: int) -> int:

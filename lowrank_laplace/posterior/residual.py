@@ -261,15 +261,17 @@ class SpectralResidual(Residual):
 
     def _precision(self, eigenvectors, ell, scale, prior, extra):
         gram_cache, layer_prior = extra
-        if prior.numel() > 1 and self.layers is not None:  # builds the split on first use
-            kept, d, offset, layers = self._layer_parts(ell, scale, prior, layer_prior)
-        else:
-            num = self.dim - ell.numel()
-            rho, tail_logdet = self._shift(scale, prior, num, ell.device)
+        num = self.dim - ell.numel()
+        rho, logdet = self._shift(scale, prior, num, ell.device)
+        parts = self._layer_parts(ell, scale, prior, (rho, logdet), layer_prior) \
+            if prior.numel() > 1 and self.layers is not None else None  # the split on first use
+        if parts is None:  # one shift everywhere
             kept = rho.to(ell.dtype)
             d, layers = prior + kept, _shifted(layer_prior, kept)
             # against the d the precision holds, so its (D - r) log d cancels exactly
-            offset = tail_logdet - num * torch.log(d.to(torch.float64).mean())
+            offset = logdet - num * torch.log(d.to(torch.float64).mean())
+        else:
+            kept, d, offset, layers = parts
         return LowRankPrecision(eigenvectors, (ell - kept).clamp(min=0), d,
                                 logdet_offset=offset.to(ell.dtype), gram_cache=gram_cache,
                                 layers=layers, null=self._null_shift(prior, d))
@@ -293,11 +295,19 @@ class SpectralResidual(Residual):
         return [tail], [torch.ones_like(tail)]
 
     def _layer_parts(self, ell: Tensor, scale: Tensor, prior: Tensor,
-                     layer_prior: Optional[LayerPrior]) -> tuple:
-        """One tail per layer: the shift on ``U``, ``d``, log det offset and constant ``d_l``."""
+                     whole: Tuple[Tensor, Tensor], layer_prior: Optional[LayerPrior]) -> tuple:
+        """Shift on ``U``, ``d``, log det offset and constant ``d_l`` of a prior per layer.
+
+        Each layer's shift is the ``whole`` network's (``rho`` and log det at the prior's
+        mean) plus its own tail's change from that mean to its prior: zero for a constant
+        prior, which is therefore the scalar prior's posterior.
+        """
         layers = self.layers
-        rho, tail_logdet = layers.shift(scale, prior, self.exponent, ell.device)
-        rho = rho.to(ell.dtype)
+        mean = prior.to(torch.float64).mean().reshape(())
+        rho, logdet = layers.shift(scale, prior, self.exponent, ell.device)
+        at_mean, logdet_at_mean = layers.shift(scale, mean, self.exponent, ell.device)
+        rho = (whole[0] + rho - at_mean).clamp(min=0).to(ell.dtype)
+        logdet = whole[1] + logdet - logdet_at_mean
         sizes = torch.tensor(layers.sizes, device=ell.device)
         d = prior + rho.repeat_interleave(sizes, output_size=self.dim)
         kept = layers.norms.to(device=ell.device, dtype=ell.dtype).T @ rho
@@ -307,7 +317,7 @@ class SpectralResidual(Residual):
             log_d = torch.log(constant[1].to(torch.float64))
         else:
             log_d = torch.log(layers.layer_means(d.to(torch.float64)))  # as the tails' delta_l
-        offset = tail_logdet - (layers.complement.to(ell.device) * log_d).sum()
+        offset = logdet - (layers.complement.to(ell.device) * log_d).sum()
         return kept, d, offset, constant
 
     def _shift(self, scale: Tensor, prior: Tensor, num: int,

@@ -134,3 +134,31 @@ def test_the_layer_split_is_built_only_for_a_layerwise_prior():
     float(la.log_det_posterior_precision)
     assert residual._split is None and residual.layers is not None
     assert residual.layers.num_layers == 4
+
+
+@pytest.mark.parametrize("rank", [2, 30])
+def test_a_constant_layerwise_or_diagonal_prior_is_the_scalar_posterior(rank):
+    """The dropped curvature's estimate depends on the prior's value, not its shape:
+    where the fit refines itself (rank 2) and where it does not (rank 30)."""
+    la = _fit("classification", "spectral", rank=rank)
+    assert (la.fit_report.quadrature_steps > 0) == (rank == 2), la.fit_report
+    X = torch.randn(16, 5, dtype=torch.float64)
+    results = []
+    for prior in (torch.tensor(0.7), torch.full((4,), 0.7), torch.full((la.n_params,), 0.7)):
+        la.prior_precision = prior.double()
+        _, f_var = la._glm_predictive_distribution(X)
+        results.append((la.log_marginal_likelihood().detach(), f_var))
+    for logml, f_var in results[1:]:
+        torch.testing.assert_close(logml, results[0][0], rtol=1e-8, atol=0)
+        torch.testing.assert_close(f_var, results[0][1], rtol=1e-6, atol=1e-12)
+
+
+def test_a_layerwise_prior_moves_each_layer_by_its_own_tail():
+    """Layers whose prior differs from the mean see their own tail's change."""
+    la = _fit("classification", "spectral", rank=10)
+    la.prior_precision = torch.tensor([0.7, 0.7, 0.7, 0.7], dtype=torch.float64)
+    constant = la._precision().d.clone()
+    la.prior_precision = torch.tensor([0.2, 0.7, 3.0, 0.7], dtype=torch.float64)
+    moved = la._precision().d
+    assert not torch.allclose(moved - la.prior_precision_diag, constant - 0.7)
+    assert bool((moved >= la.prior_precision_diag).all())

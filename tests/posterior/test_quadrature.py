@@ -131,17 +131,15 @@ def test_the_complement_variance_is_the_exact_deflated_quadratic_form(monkeypatc
 
 @pytest.mark.parametrize("likelihood, marglik, fvar", [("classification", 0.01, 0.05),
                                                        ("regression", 0.025, 0.35)])
-def test_refined_posterior_is_closer_to_the_full_ggn_one(likelihood, marglik, fvar,
-                                                         monkeypatch):
+def test_refined_posterior_is_closer_to_the_full_ggn_one(likelihood, marglik, fvar):
     """The marglik moves to the full GGN's; the variance keeps the one-``v`` model's error.
 
     (The regression problem's complement is spread over directions the inputs weight
     unevenly, which one variance per unit of energy cannot follow.)
     """
-    monkeypatch.setattr(quadrature, "REFINE_BELOW", 0.0)  # the fit alone first
     model, X, y, loader = _problem(likelihood)
     full = fit_reference(FullLaplace(model, likelihood), loader)
-    la = LowRankGGNLaplace(model, likelihood, rank=6)
+    la = LowRankGGNLaplace(model, likelihood, rank=6, refine_below=0)  # the fit alone first
     la.fit(loader)
 
     def errors():
@@ -167,11 +165,10 @@ def test_refined_posterior_is_closer_to_the_full_ggn_one(likelihood, marglik, fv
     assert after[1] < before[1] + 0.02 and after[3] < before[3] + 0.02
 
 
-def test_refinement_is_saved_refused_and_discarded(monkeypatch):
-    monkeypatch.setattr(quadrature, "REFINE_BELOW", 0.0)  # a fit does not refine itself
+def test_refinement_is_saved_refused_and_discarded():
     model, X, y, loader = _problem()
     la = Laplace(model, "classification", subset_of_weights="all",
-                 hessian_structure="lowrank_ggn", rank=6)
+                 hessian_structure="lowrank_ggn", rank=6, refine_below=0)
     with pytest.raises(AttributeError, match="fit"):
         la.refine_complement(loader)
     la.fit(loader)
@@ -191,6 +188,36 @@ def test_refinement_is_saved_refused_and_discarded(monkeypatch):
         other.refine_complement(loader)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
         la.refine_complement(loader)
+
+
+def test_a_monte_carlo_fit_is_not_refined():
+    """Lanczos runs on the exact GGN would not match the kept eigenpairs of other draws."""
+    model, X, y, loader = _problem()
+    la = LowRankGGNLaplace(model, "classification", rank=6, mc_samples=1, refine_below=1)
+    la.fit(loader)
+    assert la.fit_report.quadrature_steps == 0
+    with pytest.raises(ValueError, match="mc_samples=0 to refine"):
+        la.refine_complement(loader)
+
+
+def test_a_second_refinement_measures_at_the_new_prior():
+    """tune -> refine -> tune -> refine ends where one refinement at the tuned prior does."""
+    model, X, y, loader = _problem()
+    twice = LowRankGGNLaplace(model, "classification", rank=6, refine_below=0)
+    twice.fit(loader)
+    twice.prior_precision = 5.0
+    twice.refine_complement(loader)
+    twice.prior_precision = 0.5
+    twice.refine_complement(loader)
+    once = LowRankGGNLaplace(model, "classification", rank=6, refine_below=0,
+                             prior_precision=0.5)
+    once.fit(loader)
+    once.refine_complement(loader)
+    assert twice._quadrature.checked_prior == pytest.approx(once._quadrature.checked_prior)
+    torch.testing.assert_close(twice.log_marginal_likelihood(), once.log_marginal_likelihood())
+    X_test = X[:20]
+    torch.testing.assert_close(twice._glm_predictive_distribution(X_test)[1],
+                               once._glm_predictive_distribution(X_test)[1])
 
 
 def test_last_layer_refinement_leaves_the_model_as_it_was():
@@ -235,29 +262,27 @@ def test_an_unconverged_refinement_warns_with_the_number(monkeypatch):
     assert "not converged" in str(la.fit_report)
 
 
-def test_a_fit_that_keeps_little_refines_itself_as_refine_complement_would(monkeypatch):
+def test_a_fit_that_keeps_little_refines_itself_as_refine_complement_would():
     model, X, y, loader = _problem()
     found = {}
     for below in (0.0, 1.0):  # never / always below the kept share
-        monkeypatch.setattr(quadrature, "REFINE_BELOW", below)
-        la = LowRankGGNLaplace(model, "classification", rank=6)
+        la = LowRankGGNLaplace(model, "classification", rank=6, refine_below=below)
         la.fit(loader)
         assert (la.fit_report.quadrature_steps > 0) == (below == 1.0)
         if below == 0.0:
-            assert "refine_complement" not in str(la.fit_report)
+            assert "la.refine_complement(loader" in str(la.fit_report)  # the hint
             la.refine_complement(loader)
         found[below] = (float(la.log_marginal_likelihood()), la.fit_report.quadrature_steps)
     assert found[0.0][1] == found[1.0][1]
     assert found[0.0][0] == pytest.approx(found[1.0][0], rel=1e-12)
 
 
-def test_an_online_update_is_not_refined_from_its_last_loader_alone(monkeypatch):
+def test_an_online_update_is_not_refined_from_its_last_loader_alone():
     """The GGN of ``override=False`` sums every fitted loader's: refining needs them all."""
-    monkeypatch.setattr(quadrature, "REFINE_BELOW", 1.0)
     model, X, y, _ = _problem()
     first, second = (DataLoader(TensorDataset(X[s], y[s]), batch_size=100)
                      for s in (slice(0, 400), slice(400, 600)))
-    la = LowRankGGNLaplace(model, "classification", rank=6)
+    la = LowRankGGNLaplace(model, "classification", rank=6, refine_below=1)
     la.fit(first)
     assert la.fit_report.quadrature_steps > 0
     la.fit(second, override=False)
@@ -294,8 +319,7 @@ def test_tuning_below_the_checked_prior_warns_and_a_new_refinement_clears_it():
 
 
 @pytest.mark.slow
-def test_a_fit_that_keeps_little_of_real_data_refines_itself_towards_the_full_ggn(
-        monkeypatch):
+def test_a_fit_that_keeps_little_of_real_data_refines_itself_towards_the_full_ggn():
     """sklearn digits, rank 6 of D = 1,210 (kept share 0.62): the default fit refines its
     complement itself, and its marglik prior, functional variance and held-out NLL move
     to the full GGN's."""
@@ -309,9 +333,9 @@ def test_a_fit_that_keeps_little_of_real_data_refines_itself_towards_the_full_gg
     full.optimize_prior_precision(method="marglik", n_steps=300, lr=0.1)
     exact = full._glm_predictive_distribution(X_test)[1].diagonal(dim1=1, dim2=2).sum(1)
     found = {}
-    for below in (0.0, quadrature.REFINE_BELOW):  # unrefined, then the default
-        monkeypatch.setattr(quadrature, "REFINE_BELOW", below)
-        la = LowRankGGNLaplace(model, "classification", rank=6)
+    default = quadrature.DEFAULT_REFINE_BELOW
+    for below in (0.0, default):  # unrefined, then the default
+        la = LowRankGGNLaplace(model, "classification", rank=6, refine_below=below)
         la.fit(loader)
         la.optimize_prior_precision(method="marglik", n_steps=300, lr=0.1)
         var = la._glm_predictive_distribution(X_test)[1].diagonal(dim1=1, dim2=2).sum(1)
@@ -319,9 +343,9 @@ def test_a_fit_that_keeps_little_of_real_data_refines_itself_towards_the_full_gg
                         abs(float(la.prior_precision / full.prior_precision) - 1),
                         float(((var - exact).abs() / exact).median()),
                         abs(heldout_nll(la) / heldout_nll(full) - 1))
-    unrefined, default = found[0.0], found[quadrature.REFINE_BELOW]
+    unrefined, default = found[0.0], found[default]
     assert unrefined[0] == 0 and default[0] >= quadrature.MIN_STEPS
-    assert default[1] < quadrature.REFINE_BELOW
+    assert default[1] < quadrature.DEFAULT_REFINE_BELOW
     # the gate record of docs/benchmarks/quadrature/quadrature.json, rank 6
     assert default[2] < 0.1 and default[2] < unrefined[2] / 2
     assert default[3] < 0.2 and default[3] < unrefined[3] / 2

@@ -201,12 +201,22 @@ def reference_posterior(la, full, X):
     # logit-shift directions apart, at the prior
     null = reference_null_basis(la, full)
     count = min(la.rank_bound, D - (0 if null is None else null.shape[1])) - r
-    if d.unique().numel() > 1:  # a prior per layer or parameter: one tail per layer
-        P, logdet = reference_layer_posterior(la, full, X, count, mass, kept)
+    rho, tail_logdet = reference_whole(la, full, X, (count, mass, null), d.mean())
+    if d.unique().numel() > 1:  # a prior per layer or parameter: each layer's tail moves it
+        P, logdet = reference_layer_posterior(la, full, (count, mass, kept), rho, tail_logdet)
         return with_null_prior(P, null, d), logdet
+    P = kept - rho * U @ U.T + torch.diag(d + rho)  # = U(hl+d)U^T + (rho+d)(I-UU^T) if scalar
+    logdet = torch.logdet(P) + tail_logdet - (D - r) * torch.log(rho + d.mean())
+    return with_null_prior(P, null, d), logdet
+
+
+def reference_whole(la, full, X, dropped, delta):
+    """The network-wide shift ``rho`` and dropped log det at the scalar prior ``delta``."""
+    (U, lam), (count, mass, null) = la.H, dropped
+    D, r = U.shape
+    h = 1 / la.sigma_noise**2 / la.temperature
     raw = reference_tail(float(lam[-1]), mass, r, count)
     tail = h * raw
-    delta = d.mean()
     zeros = D - r - count
     beta = reference_exponent(la, full, X)
     # exact on these small probes; random output projections (larger ones) estimate it
@@ -218,48 +228,52 @@ def reference_posterior(la, full, X):
         v = (tail**beta / (tail + delta)).sum() / (tail**beta).sum()
     else:
         v = ((1 / (tail + delta)).sum() + zeros / delta) / (D - r)
-    tail_logdet = torch.log(tail + delta).sum() + zeros * torch.log(delta)
-    rho = 1 / v - delta
-    P = kept - rho * U @ U.T + torch.diag(d + rho)  # = U(hl+d)U^T + (rho+d)(I-UU^T) if scalar
-    logdet = torch.logdet(P) + tail_logdet - (D - r) * torch.log(rho + delta)
-    return with_null_prior(P, null, d), logdet
+    return 1 / v - delta, torch.log(tail + delta).sum() + zeros * torch.log(delta)
 
 
-def reference_layer_posterior(la, full, X, count, mass, kept):
-    """The spectral model with the dropped curvature split block-diagonally over layers.
+def reference_layer_posterior(la, full, dropped, rho, tail_logdet):
+    """The spectral model under a prior that differs between layers.
 
-    Layer ``l`` holds the exact share ``T_l`` of the dropped mass (its part of
-    ``diag(H - U diag(lambda) U^T)``) and ``c_l = D_l - ||U_l||_F^2`` of the dropped
-    directions; ``n_l = round(count c_l / (D - r))`` of them carry a power law anchored
-    at ``lambda_r`` with stride ``count / n_l``, the rest none.
+    Each layer's shift is the network-wide ``rho`` at the prior's mean plus the change of
+    its own tail's shift from that mean to its prior (clamped at zero), and the log det
+    the network's plus each tail's change. Layer ``l``'s tail holds the exact share
+    ``T_l`` of the dropped mass (its part of ``diag(H - U diag(lambda) U^T)``) and
+    ``c_l = D_l - ||U_l||_F^2`` of the dropped directions; ``n_l = round(count c_l /
+    (D - r))`` of them carry a power law anchored at ``lambda_r`` with stride
+    ``count / n_l``, the rest none.
     """
-    U, lam = la.H
+    (U, lam), (count, mass, kept) = la.H, dropped
     D, r = U.shape
     h = 1 / la.sigma_noise**2 / la.temperature
     d = full.prior_precision_diag
     sizes = [p.numel() for p in full.model.parameters()]
-    dropped = (full.H - U @ torch.diag(lam) @ U.T).diagonal()
-    shares = torch.stack([part.sum() for part in dropped.split(sizes)])
+    residual = (full.H - U @ torch.diag(lam) @ U.T).diagonal()
+    shares = torch.stack([part.sum() for part in residual.split(sizes)])
     masses = shares / shares.sum() * mass
     norms = torch.stack([(part**2).sum(0) for part in U.split(sizes)])  # (L, r)
     complement = torch.tensor(sizes, dtype=torch.float64) - norms.sum(1)
     beta = la.jacobian_exponent
     top = h * float(lam[-1])  # weights are relative: any common scale cancels per layer
-    rhos, tail_logdet = [], 0.0
-    for c, m, delta in zip(complement, masses, [part.mean() for part in d.split(sizes)]):
+
+    def layer_tail(c, m, delta):
         n = max(1, round(count * float(c) / (D - r)))
         k = min(1.0, float(c) / n)  # directions per tail eigenvalue: n k + zeros = c_l
         tail = h * reference_tail(float(lam[-1]), float(m) / k, r, n, max(count / n, 1.0))
         zeros = max(float(c) - n, 0.0)
         if beta > 0:
             w = (tail / top) ** beta
-            rho = (w * tail / (tail + delta)).sum() / (w / (tail + delta)).sum()
+            shift = (w * tail / (tail + delta)).sum() / (w / (tail + delta)).sum()
         else:
-            rho = (k * tail / (tail + delta)).sum() / (
+            shift = (k * tail / (tail + delta)).sum() / (
                 (k / (tail + delta)).sum() + zeros / delta)
-        rhos.append(rho)
-        tail_logdet = tail_logdet + k * torch.log(tail + delta).sum() \
-            + zeros * torch.log(delta)
+        return shift, k * torch.log(tail + delta).sum() + zeros * torch.log(delta)
+
+    rhos = []
+    for c, m, delta in zip(complement, masses, [part.mean() for part in d.split(sizes)]):
+        (own, own_logdet), (mean, mean_logdet) = layer_tail(c, m, delta), \
+            layer_tail(c, m, d.mean())
+        rhos.append((rho + own - mean).clamp(min=0))
+        tail_logdet = tail_logdet + own_logdet - mean_logdet
     rho = torch.stack(rhos)
     rho_diag = torch.cat([r_l.expand(n) for r_l, n in zip(rho, sizes)])
     P = kept - U @ torch.diag(norms.T @ rho) @ U.T + torch.diag(d + rho_diag)
@@ -691,17 +705,18 @@ def test_fitted_posterior_pickles_after_a_predictive():
     torch.testing.assert_close(again(X[:4], pred_type="glm", link_approx="probit"), before)
 
 
-def test_a_fit_under_a_layerwise_prior_does_not_measure_the_complement():
-    """Only a scalar prior uses the measurement: ``marglik_training``'s refits, under
-    layerwise priors, skip its pass."""
+def test_a_fit_under_a_layerwise_prior_measures_the_complement_as_a_scalar_one():
+    """The measurement does not depend on the prior's shape: a fit under a layerwise
+    prior (``marglik_training``'s refits) measures the same complement."""
     model, likelihood, X, y, loader = make_problem("mlp-classification", n=80, batch_size=16)
     layers = len(list(model.parameters()))
     la = LowRankGGNLaplace(model, likelihood, rank=6, prior_precision=torch.ones(layers))
     la.fit(loader)
-    assert la.measured_complement is None and probe.MEASURE_COMPLEMENT
-    la.prior_precision = 1.0
-    la.fit(loader)
-    assert la.measured_complement is not None
+    assert la.measured_complement is not None and probe.MEASURE_COMPLEMENT
+    scalar = LowRankGGNLaplace(model, likelihood, rank=6, prior_precision=1.0)
+    scalar.fit(loader)
+    torch.testing.assert_close(la.measured_complement.mu, scalar.measured_complement.mu)
+    torch.testing.assert_close(la.log_marginal_likelihood(), scalar.log_marginal_likelihood())
 
 
 def test_probe_predictive_variance_is_the_dense_posteriors():
