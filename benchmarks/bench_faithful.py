@@ -3,7 +3,7 @@
 Networks trained to their MAP on real offline data (:mod:`benchmarks._faithful_problems`):
 every posterior of :data:`METHODS`, each with its own marglik-tuned scalar prior, against
 the exact full-GGN Laplace posterior (:mod:`benchmarks._exact`); the measurements are
-described in ``docs/posterior_quality.md``.
+described in ``docs/benchmarks/posterior_quality.md``.
 
     python -m benchmarks.bench_faithful --out docs/benchmarks/faithful
 
@@ -36,7 +36,7 @@ from benchmarks._harness import RESULTS_DIR
 from benchmarks._report import machine_info
 from benchmarks._worker import default_dtype, git
 
-#: The problems (see ``docs/posterior_quality.md`` for what each stands for).
+#: The problems (see ``docs/benchmarks/posterior_quality.md`` for what each stands for).
 PROBLEMS: dict[str, Problem] = {
     "mnist_mlp": Problem("mnist", "mlp", {"hidden": [40]}, pool=2, standardize=0.02,
                          n_train=800, n_test=200, rotations=(30, 45),

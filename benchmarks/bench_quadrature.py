@@ -4,7 +4,7 @@ On ``bench_faithful``'s cached exact references (``--cache``): the default fit a
 ``--ranks`` (default 100) with its marglik prior, unrefined (``refine_below=0``),
 then ``la.refine_complement(train_loader)``; both posteriors'
 functional variance against the exact one's, at their own marglik prior and at the exact
-one (``docs/posterior_quality.md``, "Lanczos quadrature of the dropped curvature", was
+one (``docs/benchmarks/posterior_quality.md``, "Lanczos quadrature of the dropped curvature", was
 measured at commit b321eca)::
 
     python -m benchmarks.bench_quadrature --problems mnist_aug_early --cache CACHE

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks on a GPU machine; docs/benchmarks.md ("GPU checks") says what each mode
+# The GPU checks on a GPU machine; docs/benchmarks/measurements.md ("GPU checks") says what each mode
 # runs and how long it takes. A bare GPU image may lack BackPACK, laplace-torch and
 # curvlinops and the network, so their pure-Python wheels travel with the working tree:
 #

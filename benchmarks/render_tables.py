@@ -1,4 +1,4 @@
-"""Render the tables of ``docs/benchmarks.md`` from the recorded results.
+"""Render the tables of ``docs/benchmarks/measurements.md`` from the recorded results.
 
 Each table is one JSON file in ``benchmarks/results/tables/``: its ``columns`` and
 ``rows``, when and where they were measured (``date``, ``machine``, ``versions``) and the
@@ -7,7 +7,7 @@ comments, ``<!-- table: eigh_3c3d_k10 -->`` and ``<!-- /table -->``; this script
 replaces what is between them by the table rendered from ``eigh_3c3d_k10.json`` and a
 line that says where the numbers come from::
 
-    python -m benchmarks.render_tables           # rewrite docs/benchmarks.md
+    python -m benchmarks.render_tables           # rewrite docs/benchmarks/measurements.md
     python -m benchmarks.render_tables --check   # exit 1 if the page is out of date
 
 The prose around the tables is written by hand; it explains, it does not log.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLES = ROOT / "benchmarks" / "results" / "tables"
-PAGE = ROOT / "docs" / "benchmarks.md"
+PAGE = ROOT / "docs" / "benchmarks" / "measurements.md"
 
 #: Fields every table record must have.
 REQUIRED = ("date", "machine", "versions", "sources", "columns", "rows")

@@ -24,7 +24,7 @@ def test_docs_tables_are_up_to_date_with_the_json():
     page = render_tables.PAGE.read_text()
     tables = render_tables.load_tables()
     assert render_tables.render(page, tables) == page, \
-        "docs/benchmarks.md is stale: run python benchmarks/render_tables.py"
+        "docs/benchmarks/measurements.md is stale: run python benchmarks/render_tables.py"
     assert render_tables.main(["--check"]) == 0
 
 

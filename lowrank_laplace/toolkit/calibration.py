@@ -244,7 +244,13 @@ def _format_table(report: dict) -> str:
 
 def _format_notes(report: dict) -> str:
     """How to read the table: the low-rank posteriors' rank, kept trace and residual model."""
-    lines = ["prior: tuned prior precision; kept: share of the exact GGN trace the rank keeps."]
+    lines = []
+    if DEFAULT_ROW in report["methods"]:
+        lines += [f"{DEFAULT_ROW} is the product: faithful to the exact GGN posterior, which is "
+                  "itself cautious in distribution on a small training set.",
+                  f"{REFERENCE_ROW} is that exact posterior." if REFERENCE_ROW in report["methods"]
+                  else f"--dataset digits shows the exact posterior ({REFERENCE_ROW}) beside it."]
+    lines.append("prior: tuned prior precision; kept: share of the exact GGN trace the rank keeps.")
     for name, m in report["methods"].items():
         info = m.get("posterior", {})
         if "fit_report" in info:  # the fit's faithfulness report, as la.fit_report prints it
@@ -255,8 +261,8 @@ def _format_notes(report: dict) -> str:
     if any(n.startswith("full") for n in report["methods"]):
         lines.append("full_*: laplace-torch's exact full-GGN posterior, the reference the "
                      "low-rank ones approximate.")
-    lines.append("lowrank_ggn_all (residual='spectral', the default) is the product; "
-                 "_isotropic and _none reuse its fit, so their fit time is prior tuning only.")
+    lines.append(f"{DEFAULT_ROW}_isotropic and _none reuse {DEFAULT_ROW}'s fit, so their fit "
+                 "time is prior tuning only.")
     return "\n".join(lines)
 
 

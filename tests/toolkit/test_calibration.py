@@ -64,6 +64,15 @@ def test_default_methods_and_notes():
     notes = calibration.format_report(report)
     assert "lowrank_ggn_all: rank 100, kept 0.900, residual='spectral'" in notes
     assert "full_*" in notes
+    # the two lines under the table: which row is the product and how to read it
+    lines = notes.splitlines()
+    at = lines.index(next(x for x in lines if x.startswith("lowrank_ggn_all is the product")))
+    assert at == 4 and "faithful to the exact GGN posterior" in lines[at]
+    assert lines[at + 1] == "--dataset digits shows the exact posterior (full_all) beside it."
+    report["methods"]["full_all"] = ENTRY
+    assert "full_all is that exact posterior." in calibration.format_report(report).splitlines()
+    del report["methods"]["full_all"]
+    assert "is the product" not in calibration.format_report({"methods": {"map": ENTRY}})
     check = {"name": "sketch self-check", "value": 0.97, "threshold": 0.95, "passed": True,
              "action": "kept the sketch"}
     entry["posterior"]["fit_report"] = {
