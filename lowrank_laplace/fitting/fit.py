@@ -79,7 +79,7 @@ class ProbeInputs:
 
 #: A sketch passes its check where half its random columns reach this share of its leading
 #: eigenvalues (``nystrom.sub_sketch_share``); else ``solver="auto"`` streams instead
-#: (docs/posterior_quality.md).
+#: (docs/benchmarks/posterior_quality.md).
 SKETCH_CONVERGED = 0.95
 
 

@@ -27,7 +27,7 @@ from lowrank_laplace.utils.batches import batch_device
 #: Extra eigenpairs kept while streaming, as a share of the rank.
 OVERSAMPLING = 0.2
 #: Where ``solver="auto"``'s sketch found the spectrum flat, streaming keeps this share of
-#: the rank more, at least the next count (docs/posterior_quality.md, "Where the rank
+#: the rank more, at least the next count (docs/benchmarks/posterior_quality.md, "Where the rank
 #: keeps under 40%").
 FLAT_OVERSAMPLING = 1.0
 FLAT_MIN_EXTRA = 64
@@ -47,7 +47,7 @@ LAZY_MIN_DIM_PER_EIGENPAIR = 200
 #: ``D x l`` takes at most this share of the budget; ``solver="auto"`` sketches within it.
 WIDE_SKETCH_SHARE = 0.25
 #: ``solver="auto"`` sketches with ``rank * (1 + AUTO_SKETCH_OVERSAMPLING)`` columns
-#: (fewer tune the marglik prior too strong; docs/posterior_quality.md).
+#: (fewer tune the marglik prior too strong; docs/benchmarks/posterior_quality.md).
 AUTO_SKETCH_OVERSAMPLING = 3
 #: Random columns per rank of a warm-started sketch besides its basis (at most the cold
 #: sketch's columns in all).
@@ -207,7 +207,7 @@ def choose_solver(sizes: FitSizes, config: FitConfig) -> Tuple[str, int]:
     """Return ``solver="auto"``'s ``("sketch" or "streaming", columns kept while fitting)``.
 
     A sketch needs its float64 ``D x l`` within :data:`WIDE_SKETCH_SHARE` of the budget and,
-    on the CPU, a lower cost than streaming (on CUDA fitting is enough: docs/benchmarks.md,
+    on the CPU, a lower cost than streaming (on CUDA fitting is enough: docs/benchmarks/measurements.md,
     "Default arguments and LoRA adapters on an H200"). Low-memory and data-parallel fits stream.
 
     Args:

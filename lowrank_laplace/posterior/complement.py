@@ -2,7 +2,7 @@ r"""The complement variance measured on a probe of training inputs.
 
 The spectral residual's variance ``v`` outside ``U``, from the probe's ``(C m) x (C m)``
 Gram matrix: each half's complement GGN against the other half's Jacobian energy
-(:class:`UnresolvedTail` for what a half cannot resolve; docs/posterior_quality.md).
+(:class:`UnresolvedTail` for what a half cannot resolve; docs/benchmarks/posterior_quality.md).
 
 Shape glossary:
     D: parameters; r: kept rank; m: probe inputs; C: outputs; V: loss-factor columns.

@@ -2,7 +2,7 @@ r"""The spectral residual per layer: each parameter tensor's share of the droppe
 
 Layer ``l`` holds the mass ``T_l`` (its residual diagonal's sum) and ``c_l`` dropped
 directions, ``n_l`` of which carry a power law continuing the kept spectrum
-(docs/posterior_quality.md, "The models" and "Per-layer priors").
+(docs/benchmarks/posterior_quality.md, "The models" and "Per-layer priors").
 
 Shape glossary:
     D: parameters; r: kept rank; L: layers; m: modelled tail eigenvalues.

@@ -5,7 +5,7 @@ linear layer ``z = W h + b`` with ``C`` outputs the ``H + 1`` orthonormal direct
 ``dW = 1 a^T / sqrt(C)``, ``db = c 1 / sqrt(C)`` have no curvature, and the exact
 posterior gives them the prior's variance. The spectral residual treats them apart
 (:class:`NullShift`) once the probe checked that they shift all outputs alike
-(docs/posterior_quality.md, "The models").
+(docs/benchmarks/posterior_quality.md, "The models").
 
 Shape glossary:
     D: parameters; C: outputs; H: the head's input features; k: directions (``H + 1``).

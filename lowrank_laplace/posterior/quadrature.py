@@ -5,7 +5,7 @@ and the logit-shift directions), one GGN-matrix product over the training loader
 Jacobian starts ``P J^T eps`` give the complement variance of the whole data (a
 :class:`MeasuredComplement`), Gaussian starts the dropped spectrum's nodes and counts
 (log det, marglik). The runs stop once two steps moved both by less than
-:data:`TOLERANCE` at :data:`CHECK_PRIOR` times the prior (docs/posterior_quality.md,
+:data:`TOLERANCE` at :data:`CHECK_PRIOR` times the prior (docs/benchmarks/posterior_quality.md,
 "Lanczos quadrature of the dropped curvature").
 
 Shape glossary:

@@ -2,7 +2,7 @@ r"""Models of the curvature a rank-``r`` truncation drops: one class per model.
 
 A fit knows the dropped mass ``T = tr(H) - sum(lambda)`` exactly. Each model, found by
 name in :data:`RESIDUALS`, is one consistent posterior (log det, marglik, predictive,
-samples). Derivations: docs/posterior_quality.md; a new model: docs/contributing.md.
+samples). Derivations: docs/benchmarks/posterior_quality.md; a new model: docs/contributing.md.
 
 Shape glossary:
     D: parameters; r: kept rank; n: rank bound of the GGN.
