@@ -151,6 +151,8 @@ class LoaderFit:
 
     Attributes:
         group: The process group merged across (``None``: this process alone).
+        passes: Passes over the training data so far (a sketch that falls back streams
+            again; ``rank="auto"`` fits once per rank).
     """
 
     def __init__(self, target: FitTarget, config: FitConfig, process_group: Any = "default"):
@@ -167,6 +169,7 @@ class LoaderFit:
         self.probe: Optional[ProbeInputs] = None
         self._probe_cap = 1
         self._sizes: Optional[Any] = None
+        self.passes = 0
 
     def __enter__(self) -> "LoaderFit":
         self.engine = self._scope.enter_context(FactorEngine(
@@ -234,6 +237,7 @@ class LoaderFit:
     def _pass(self, loader: Any, known: Optional[int], warm_basis: Optional[Tensor],
               progress_bar: bool) -> Tuple[BatchStreamer, Any, int]:
         """One pass: the streamer (its solver filled), loss and samples; keeps probe inputs."""
+        self.passes += 1
         config, target = self.config, self.target
         stream, kept, loss, seen = None, [], 0.0, 0
         pbar = tqdm.tqdm(loaders.batches(loader, target.dict_key_y), disable=not progress_bar,

@@ -316,14 +316,15 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
                 if rank is not None:
                     run.reconfigure(options.at_rank(rank))
                     basis = result.eigenvectors if options.warm_start else None
-            self._store(result, probed, tuple(history))
+            self._store(result, probed, tuple(history), run.passes)
             if previous is None and self.fit_report.refinable and not options.mc_samples \
                     and self.fit_report.kept_fraction < options.refine_below \
                     and quadrature.basis_fits(self.n_params, options, self._device):
                 self._refine(train_loader, run.group)  # on the fit's threads
 
-    def _store(self, result: FitResult, probed: Any, ranks_tried: tuple) -> None:
-        """Hold a fit's result, its probe's measurements and its report."""
+    def _store(self, result: FitResult, probed: Any, ranks_tried: tuple,
+               passes: int = 1) -> None:
+        """Hold a fit's result (``passes`` over the data), its probe's measurements, its report."""
         self.warm_started = result.warm_started
         self.mean, self.H = result.mean, (result.eigenvectors, result.eigenvalues)
         self.n_outputs, self.loss, self.n_data = result.n_outputs, result.loss, result.n_data
@@ -332,7 +333,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         self.rank_bound, self._jacobian_exponent = result.rank_bound, probed.exponent
         self._complement, self._null, self._quadrature = probed.complement, probed.null, None
         self.fit_report = FitReport.of_fit(result, probed, ranks_tried,
-                                           float(self.kept_fraction), self.options)
+                                           float(self.kept_fraction), self.options, passes)
         self._fitted_residual, self._residual_model = self.residual, None
 
     def refine_complement(self, train_loader: Any) -> None:

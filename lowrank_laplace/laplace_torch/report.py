@@ -9,6 +9,10 @@ from lowrank_laplace.fitting.fit import FastPathCheck, FitResult
 from lowrank_laplace.posterior import quadrature
 from lowrank_laplace.posterior.probe import ProbeResult
 
+#: What the simple residual models put in the dropped directions.
+ESTIMATORS = {"isotropic": "the mean dropped eigenvalue in every dropped direction",
+              "diagonal": "the exact GGN diagonal of the dropped curvature",
+              "none": "nothing: the prior alone"}
 #: What each fit path is called in the report.
 PATH_NAMES = {"dense": "a dense GGN sum (exact)", "streaming": "streaming merges",
               "sketch": "a one-pass sketch"}
@@ -38,6 +42,8 @@ class FitReport:
         quadrature_steps: Lanczos steps of ``refine_complement`` (``0``: not run).
         quadrature_converged: Whether its runs converged (``None``: not run).
         refinable: Whether the residual model takes ``refine_complement``.
+        fit_passes: The fit's passes over the training data (``refine_complement`` adds
+            ``quadrature_steps``).
     """
 
     rank: int
@@ -55,12 +61,26 @@ class FitReport:
     quadrature_steps: int = 0
     quadrature_converged: Optional[bool] = None
     refinable: bool = False
+    fit_passes: int = 1
+
+    @property
+    def estimator(self) -> str:
+        """What decided the dropped curvature's variance and log det, in words."""
+        if self.kept_fraction >= 1 - 1e-9 or self.rank >= self.num_params:
+            return "nothing dropped"
+        if self.residual != "spectral":
+            return ESTIMATORS[self.residual]
+        if self.quadrature_steps:
+            return "measured over the training data (Lanczos quadrature)"
+        if self.complement_resolved is not None:
+            return "variance measured on the probe inputs, log det from the modelled tail"
+        return "the modelled power-law tail (nothing measured)"
 
     @classmethod
     def of_fit(cls, result: FitResult, probed: ProbeResult,
                ranks_tried: Tuple[Tuple[int, Optional[float]], ...], kept_fraction: float,
-               options: Any) -> "FitReport":
-        """The report of a fit, its probe and the ranks it tried, under ``options``."""
+               options: Any, passes: int = 1) -> "FitReport":
+        """The report of a fit (``passes`` over the data), its probe and the ranks it tried."""
         complement = probed.complement
         return cls(
             rank=result.eigenvalues.numel(), num_params=result.mean.numel(),
@@ -70,14 +90,18 @@ class FitReport:
             warm_started=result.warm_started, ranks_tried=ranks_tried,
             complement_resolved=None if complement is None else complement.resolved_share,
             null_directions=0 if probed.null is None else probed.null.count,
-            refinable=options.residual_model.needs_probe)
+            refinable=options.residual_model.needs_probe, fit_passes=passes)
 
     def __str__(self) -> str:
         lines = [f"lowrank_ggn fit: rank {self.rank} of {self.num_params:,} parameters, "
                  f"{PATH_NAMES.get(self.fit_path, self.fit_path)} "
                  f"({self.factor_backend} backend{', warm start' if self.warm_started else ''})",
                  f"  kept share of the GGN trace: {self.kept_fraction:.3f} "
-                 f"(the rest: residual={self.residual!r})"]
+                 f"(the rest: residual={self.residual!r})",
+                 f"  dropped curvature: {self.estimator}; passes over the training data: "
+                 f"{self.fit_passes + self.quadrature_steps}"
+                 + (f" (fit {self.fit_passes}, refinement {self.quadrature_steps})"
+                    if self.quadrature_steps else "")]
         c = self.check
         if c is not None:
             lines.append(f"  {c.name}: {'passed' if c.passed else 'failed'} ({c.value:.3f}, "
@@ -107,8 +131,8 @@ class FitReport:
         return "\n".join(lines)
 
     def as_dict(self) -> Dict[str, Any]:
-        """The report as plain values (for JSON reports and ``state_dict``)."""
-        return asdict(self)
+        """The report as plain values (for JSON reports and ``state_dict``), with the estimator."""
+        return {**asdict(self), "estimator": self.estimator}
 
     @classmethod
     def from_dict(cls, values: Optional[Dict[str, Any]]) -> Optional["FitReport"]:
@@ -116,6 +140,7 @@ class FitReport:
         if values is None:
             return None
         values = dict(values)
+        values.pop("estimator", None)  # derived
         check = values.pop("check", None)
         values["ranks_tried"] = tuple(tuple(t) for t in values.get("ranks_tried", ()))
         return cls(**values, check=None if check is None else FastPathCheck(**check))

@@ -757,9 +757,20 @@ def test_fit_report_says_what_ran_and_survives_the_state_dict(tune):
     other = LowRankGGNLaplace(model, likelihood, rank=6, solver="streaming")
     other.load_state_dict(la.state_dict())
     assert other.fit_report == report
+    assert report.fit_passes == 1 and report.quadrature_steps == 0
+    assert "dropped curvature: variance measured on the probe inputs" in str(report)
+    assert report.as_dict()["estimator"] == report.estimator
     iso = LowRankGGNLaplace(model, likelihood, rank=6, residual="isotropic")
     iso.fit(loader)
     assert iso.fit_report.variance_change is None  # no probe pass
+    assert iso.fit_report.estimator.startswith("the mean dropped eigenvalue")
+    refined = LowRankGGNLaplace(model, likelihood, rank=6, solver="sketch", refine_below=1)
+    refined.fit(loader)
+    report = refined.fit_report
+    assert report.fit_passes >= 1 and report.quadrature_steps > 0
+    assert f"passes over the training data: {report.fit_passes + report.quadrature_steps} " \
+        f"(fit {report.fit_passes}, refinement {report.quadrature_steps})" in str(report)
+    assert "Lanczos quadrature" in report.estimator
 
 
 @pytest.mark.parametrize("n_train, hidden", [(1200, 8), (1500, 16)])
