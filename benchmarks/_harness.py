@@ -117,7 +117,8 @@ def worker_env(args: argparse.Namespace) -> dict[str, str]:
     """The environment of the worker processes: ``PYTHONPATH`` starts with the repository
     root; ``OPENBLAS_NUM_THREADS`` is ``--blas-threads`` (NumPy's and PyTorch's thread
     pools do not busy-wait for each other) and ``OMP_WAIT_POLICY`` ``--omp-wait-policy``
-    (``docs/benchmarks/measurements.md`` has the measurements); without them, or ``0``/``''``, unset."""
+    (``docs/benchmarks/measurements.md`` has the measurements); without them, or
+    ``0``/``''``, unset."""
     env = dict(os.environ)
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(REPO_ROOT) not in paths:
