@@ -208,7 +208,8 @@ def choose_solver(sizes: FitSizes, config: FitConfig) -> Tuple[str, int]:
 
     A sketch needs its float64 ``D x l`` within :data:`WIDE_SKETCH_SHARE` of the budget and,
     on the CPU, a lower cost than streaming (on CUDA fitting is enough:
-    docs/benchmarks/measurements.md, "Default arguments and LoRA adapters on an H200"). Low-memory and data-parallel fits stream.
+    docs/benchmarks/measurements.md, "Default arguments and LoRA adapters on an H200").
+    Low-memory and data-parallel fits stream.
 
     Args:
         sizes: The first batch's sizes.
