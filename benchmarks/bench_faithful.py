@@ -8,8 +8,11 @@ described in ``docs/benchmarks/posterior_quality.md``.
     python -m benchmarks.bench_faithful --out docs/benchmarks/faithful
 
 writes ``faithful.json`` (with date, machine, commit) and ``faithful.png`` and prints a
-markdown table per problem. The exact references (and the MAP networks) are cached
-under ``--cache``; ``--reuse-reference`` loads them instead of recomputing.
+markdown table per problem. The exact references (each problem's MAP network, exact
+spectrum, marglik prior and test-set predictive, well under 2 MB a problem) are
+committed under ``docs/benchmarks/faithful/references`` (``--references``), so a fresh
+machine refits every posterior in minutes; one is computed (and stored) where none is
+stored for the problem and ranks, or with ``--recompute-reference``.
 """
 
 from __future__ import annotations
@@ -97,6 +100,9 @@ DEFAULT_METHODS = ("default", "streaming", "kron", "diag", "last_layer")
 MARGLIK_STEPS = 300
 #: Inputs per Jacobian evaluation on the test sets.
 CHUNK = 100
+#: Where the compact exact references are committed.
+REFERENCES = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "faithful" / \
+    "references"
 
 
 @dataclass
@@ -118,18 +124,19 @@ def cast(inputs, dtype: torch.dtype):
     return inputs
 
 
-def reference(name: str, problem: Problem, ranks: Sequence[int], cache: Path,
-              reuse: bool) -> dict:
+def reference(name: str, problem: Problem, ranks: Sequence[int], directory: Path,
+              recompute: bool = False) -> dict:
     """The trained MAP network and its exact posterior (eigenvalues, prior, predictive per
-    test set split at ``ranks``, timings): from ``cache/<name>.pt`` with ``reuse`` if it
-    holds the same problem and ranks, else computed and cached."""
+    test set split at ``ranks``, timings): from ``directory/<name>.pt`` where it holds the
+    same problem and ranks (unless ``recompute``), else computed and stored there."""
     key = repr((problem, sorted(ranks)))
-    path = cache / f"{name}.pt"
-    if reuse and path.exists():
-        cached = torch.load(path, weights_only=False)
-        if cached.get("key") == key:
+    path = directory / f"{name}.pt"
+    if not recompute and path.exists():
+        stored = load_reference(path)
+        if stored.get("key") == key:
             print(f"{name}: exact reference loaded from {path}", flush=True)
-            return cached
+            return stored
+        print(f"{name}: {path} holds another problem or ranks: recomputing", flush=True)
     data = make_data(problem)
     model = build_model(problem, data.features)
     start = time.perf_counter()
@@ -137,9 +144,34 @@ def reference(name: str, problem: Problem, ranks: Sequence[int], cache: Path,
     train["seconds"] = time.perf_counter() - start
     ref = exact_reference(model, problem, data, ranks)
     ref.update(key=key, state=model.state_dict(), train=train)
-    cache.mkdir(parents=True, exist_ok=True)
-    torch.save(ref, path)
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.save(_compact(ref), path)
     return ref
+
+
+def _compact(value: Any) -> Any:
+    """A reference as stored: without the top eigenvectors (nothing reads them), its
+    floating-point tensors in float32 except the MAP weights (rounding far below the
+    study's errors), plain values only (``torch.load(weights_only=True)`` reads it)."""
+    if isinstance(value, dict):
+        return {k: (v if k == "state" else _compact(v)) for k, v in value.items()
+                if k != "top_vectors"}
+    if isinstance(value, Tensor) and value.is_floating_point():
+        return value.detach().to("cpu", torch.float32).clone()
+    return value
+
+
+def load_reference(path: Path) -> dict:
+    """A stored reference, its float32 tensors widened to float64 (the MAP weights as
+    stored)."""
+    def widen(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: (v if k == "state" else widen(v)) for k, v in value.items()}
+        if isinstance(value, Tensor) and value.dtype == torch.float32:
+            return value.double()
+        return value
+
+    return widen(torch.load(path, weights_only=True))
 
 
 def exact_reference(model, problem: Problem, data, ranks: Sequence[int]) -> dict:
@@ -205,12 +237,16 @@ def column_index(model, fitted: Fitted) -> Optional[Tensor]:
 
 
 def lowrank_facts(fitted: Fitted, ref: dict) -> dict:
-    """The kept eigenpairs against the exact top-``r`` ones, and the measured complement."""
+    """The kept eigenpairs against the exact top-``r`` ones, and the measured complement
+    (the subspace overlap only where the reference was just computed: a stored one keeps
+    no eigenvectors)."""
     U, lam = fitted.la.H
     r = lam.numel()
     exact = ref["eigenvalues"].double().sort(descending=True).values[:r].to(lam)
-    k = min(r, ref["top_vectors"].shape[1])  # a chosen rank may pass the stored vectors
-    overlap = (ref["top_vectors"][:, :k].T @ U.double()).pow(2).sum() / k
+    overlap = None
+    if "top_vectors" in ref:
+        k = min(r, ref["top_vectors"].shape[1])  # a chosen rank may pass the stored vectors
+        overlap = float((ref["top_vectors"][:, :k].T @ U.double()).pow(2).sum() / k)
     facts = {
         "rank": r, "eigenvalues": lam.tolist(), "kept_fraction": float(fitted.la.kept_fraction),
         "exact_top_share": float(exact.sum()) / ref["trace"],
@@ -218,7 +254,7 @@ def lowrank_facts(fitted: Fitted, ref: dict) -> dict:
         "top_eigenvalue_ratio": float(lam[0] / exact[0]),
         "last_eigenvalue_ratio": float(lam[-1] / exact[-1]),
         "eigenvalue_mean_rel_error": float(((lam - exact).abs() / exact).mean()),
-        "subspace_overlap": float(overlap), "fit_path": fitted.la.fit_path,
+        "subspace_overlap": overlap, "fit_path": fitted.la.fit_path,
         "fit_report": str(fitted.la.fit_report),
     }
     measured = fitted.la.residual_model.complement_variance(torch.tensor(1.0),
@@ -278,7 +314,7 @@ def _accumulate(f: Fitted, acc: dict, X, J: Tensor, delta: float) -> None:
 
 def run_problem(name: str, problem: Problem, args: argparse.Namespace) -> dict:
     """The reference, every method's fit and their measurements on one problem."""
-    ref = reference(name, problem, args.ranks, args.cache, args.reuse_reference)
+    ref = reference(name, problem, args.ranks, args.references, args.recompute_reference)
     data = make_data(problem)
     model = build_model(problem, data.features).double()
     model.load_state_dict(ref["state"])
@@ -320,9 +356,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                         help=f"comma-separated subset of {', '.join(METHODS)}")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "faithful")
-    parser.add_argument("--cache", type=Path, default=RESULTS_DIR / "faithful_cache")
-    parser.add_argument("--reuse-reference", action="store_true",
-                        help="load cached exact references (and MAP networks)")
+    parser.add_argument("--references", type=Path, default=REFERENCES,
+                        help="where the exact references (and MAP networks) are stored")
+    parser.add_argument("--recompute-reference", action="store_true",
+                        help="compute the exact references again (and store them)")
     parser.add_argument("--update", action="store_true",
                         help="keep the other problems of an existing faithful.json in --out")
     parser.add_argument("--marglik-steps", type=int, default=MARGLIK_STEPS)
@@ -356,7 +393,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = parse_args(argv)
     if args.tiny:
         args.ranks = sorted({min(r, 8) for r in args.ranks}, reverse=True)
-        args.cache = args.cache / "tiny"
+        if args.references == REFERENCES:  # not beside the committed ones
+            args.references = RESULTS_DIR / "faithful_references_tiny"
     result = {"machine": machine_info("cpu"),
               "commit": (git("rev-parse", "--short", "HEAD") or "unknown").strip(),
               "args": {k: str(v) for k, v in vars(args).items()}, "problems": {}}

@@ -1,15 +1,13 @@
 """``la.refine_complement`` (Lanczos quadrature) against the exact full-GGN posterior.
 
-On ``bench_faithful``'s cached exact references (``--cache``): the default fit at each
-``--ranks`` (default 100) with its marglik prior, unrefined (``refine_below=0``),
-then ``la.refine_complement(train_loader)``; both posteriors'
-functional variance against the exact one's, at their own marglik prior and at the exact
-one (``docs/benchmarks/posterior_quality.md``, "Lanczos quadrature of the dropped curvature", was
-measured at commit b321eca)::
+On ``bench_faithful``'s committed exact references (``--references``): the default fit at
+each ``--ranks`` (default 100) with its marglik prior, unrefined (``refine_below=0``),
+then ``la.refine_complement(train_loader)``; both posteriors' functional variance against
+the exact one's, at their own marglik prior and at the exact one
+(``docs/benchmarks/posterior_quality.md``, "Lanczos quadrature of the dropped curvature")::
 
-    python -m benchmarks.bench_quadrature --problems mnist_aug_early --cache CACHE
-    python -m benchmarks.bench_quadrature --problems client_digits,mnist_cnn --ranks 100,30 \
-        --cache CACHE
+    python -m benchmarks.bench_quadrature --problems mnist_aug_early
+    python -m benchmarks.bench_quadrature --problems client_digits,mnist_cnn --ranks 100,30
 """
 
 from __future__ import annotations
@@ -50,12 +48,12 @@ def errors(fitted, model, data, ref, steps: int) -> dict:
     return out
 
 
-def run_problem(name: str, rank: int, cache: Path) -> dict:
-    """The default fit unrefined, then its refined complement, on one cached problem.
+def run_problem(name: str, rank: int, references: Path) -> dict:
+    """The default fit unrefined, then its refined complement, on one stored problem.
 
     The fit runs in the problem's dtype with its marglik steps, as ``bench_faithful``'s.
     """
-    ref = torch.load(cache / f"{name}.pt", weights_only=False)
+    ref = faithful.load_reference(references / f"{name}.pt")
     problem = faithful.PROBLEMS[name]
     data = make_data(problem)
     model = build_model(problem, data.features).double()
@@ -152,13 +150,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", default="mnist_aug_early")
     parser.add_argument("--ranks", default="100", help="comma-separated ranks")
-    parser.add_argument("--cache", type=Path)
+    parser.add_argument("--references", type=Path, default=faithful.REFERENCES)
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/quadrature"))
     parser.add_argument("--gate", action="store_true",
                         help="instead: the digits MLP over ranks, unrefined and refined")
     args = parser.parse_args(argv)
-    if args.cache is None and not args.gate:
-        parser.error("--cache is required (except with --gate)")
     torch.set_num_threads(1)
     path = args.out / "quadrature.json"
     result = json.loads(path.read_text()) if path.exists() else {"problems": {}}
@@ -167,7 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     for name in [] if args.gate else args.problems.split(","):
         for rank in (int(r) for r in args.ranks.split(",")):
             key = "refine_complement" + ("" if rank == 100 else f" r={rank}")
-            result["problems"].setdefault(name, {})[key] = run_problem(name, rank, args.cache)
+            result["problems"].setdefault(name, {})[key] = run_problem(name, rank, args.references)
     args.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     return result

@@ -115,11 +115,11 @@ def test_command_line_errors(argv, message, capsys):
 def test_tiny_run_writes_json_png_and_tables(tmp_path, capsys):
     """``--tiny`` runs the whole study on a shrunken problem in seconds: reference,
     every default method, the JSON (with machine and commit), the PNG and the table;
-    a second run reuses the cached reference, gives the same exact posterior and, with
+    a second run loads the stored reference, gives the same exact posterior and, with
     ``--update``, keeps the first run's other problems in the JSON."""
     threads = torch.get_num_threads()
     argv = ["--tiny", "--problems", "mnist_mlp", "--ranks", "100,30", "--out",
-            str(tmp_path), "--cache", str(tmp_path / "cache"), "--marglik-steps", "50"]
+            str(tmp_path), "--references", str(tmp_path / "refs"), "--marglik-steps", "50"]
     first = bench_faithful.main(argv)
     saved = json.loads((tmp_path / "faithful.json").read_text())
     assert (tmp_path / "faithful.png").stat().st_size > 0
@@ -135,7 +135,8 @@ def test_tiny_run_writes_json_png_and_tables(tmp_path, capsys):
     assert "| exact full GGN |" in capsys.readouterr().out
     saved["problems"]["other"] = rec
     (tmp_path / "faithful.json").write_text(json.dumps(saved))
-    second = bench_faithful.main([*argv, "--reuse-reference", "--update", "--threads", "1"])
+    assert (tmp_path / "refs" / "mnist_mlp.pt").exists()
+    second = bench_faithful.main([*argv, "--update", "--threads", "1"])  # loads it
     assert (second["problems"]["mnist_mlp"]["exact_prior"]
             == first["problems"]["mnist_mlp"]["exact_prior"])
     kept = json.loads((tmp_path / "faithful.json").read_text())["problems"]
