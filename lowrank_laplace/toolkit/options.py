@@ -30,8 +30,6 @@ LAPLACE_METHODS = {
 }
 #: Methods whose dense D x D posterior fits only the small network of these data sets.
 SMALL_ONLY = {"full_all": ("digits",)}
-#: Residual models that share one fit (switched afterwards): all but "diagonal".
-SHARED_RESIDUALS = ("spectral", "isotropic", "none")
 #: The names of :data:`lowrank_laplace.posterior.residual.RESIDUALS`.
 RESIDUAL_MODELS = ("spectral", "isotropic", "diagonal", "none")
 #: Opt-in methods -> the ``hessian_structure`` of the network they train (marglik_training).

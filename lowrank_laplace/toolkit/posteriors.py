@@ -11,7 +11,6 @@ from torch.utils.data import DataLoader
 from lowrank_laplace.toolkit import datasets, metrics
 from lowrank_laplace.toolkit.options import (
     LAPLACE_METHODS,
-    SHARED_RESIDUALS,
     SMALL_ONLY,
     CalibrationConfig,
     fits,
@@ -28,7 +27,7 @@ def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
         model: The trained network.
         config: The options (rank, Monte-Carlo samples, solver, prior tuning, dataset).
         loaders: Fit on ``loaders["train"]``, grid search on ``loaders["val"]``.
-        fitted: Fits so far, updated (all residual models but ``diagonal`` share one).
+        fitted: Fits so far, updated (every residual model of a subset shares one fit).
         prior: A prior precision to keep instead of tuning (e.g. learned layerwise).
 
     Raises:
@@ -43,11 +42,12 @@ def fit_laplace(name: str, model: nn.Module, config: CalibrationConfig,
         raise ValueError(f"{name} needs a dense D x D posterior: run it with --dataset "
                          f"{' or '.join(SMALL_ONLY[name])}")
     residual = options.get("residual", "spectral")
-    key = (subset, structure, residual if residual not in SHARED_RESIDUALS else "shared")
+    key = (subset, structure)
     if key not in fitted:
-        if structure == "lowrank_ggn":  # a shared fit is spectral: it measures its weighting
+        if structure == "lowrank_ggn":  # spectral: it measures its weighting and tracks the
+            # GGN diagonal, so every residual model is switched on the same fit
             kwargs = dict(rank=config.rank, mc_samples=config.mc_samples, solver=config.solver,
-                          **options) | ({"residual": "spectral"} if key[2] == "shared" else {})
+                          **options) | {"residual": "spectral"}
         else:  # laplace-torch's BackPACK backend: far faster GLM Jacobians for these CNNs
             from laplace.curvature import BackPackGGN
 

@@ -127,3 +127,28 @@ def test_posterior_info_and_map_predictor():
                                        torch.device("cpu"))
     assert probs.shape == (10, 4)
     assert torch.allclose(probs, torch.softmax(model(X), -1).detach())
+
+
+def test_every_residual_model_switches_one_fit_as_its_own_fit_would():
+    """The study fits lowrank_ggn once per subset: the spectral fit tracks the GGN
+    diagonal, so the diagonal model switched on it is the diagonal model's own fit."""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lowrank_laplace import LowRankGGNLaplace
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3)).double()
+    X, y = torch.randn(90, 6, dtype=torch.float64), torch.randint(0, 3, (90,))
+    loaders = {"train": DataLoader(TensorDataset(X, y), batch_size=30)}
+    config = options.CalibrationConfig(rank=8, prior="marglik")
+    fitted = {}
+    shared = [posteriors.fit_laplace(name, model, config, loaders, fitted)
+              for name in ("lowrank_ggn_all", "lowrank_ggn_all_diag")]
+    assert shared[0] is shared[1] and len(fitted) == 1 and shared[1].residual == "diagonal"
+    own = LowRankGGNLaplace(model, "classification", rank=8, residual="diagonal")
+    own.fit(loaders["train"])
+    own.optimize_prior_precision(method="marglik")
+    torch.testing.assert_close(shared[1].prior_precision, own.prior_precision)
+    torch.testing.assert_close(shared[1].posterior_variance, own.posterior_variance)
