@@ -31,6 +31,7 @@ from torch import Tensor
 from lowrank_laplace.laplace_torch.report import FitReport
 from lowrank_laplace.toolkit import datasets, metrics, plots
 from lowrank_laplace.toolkit.options import (
+    ABLATIONS,
     LAPLACE_METHODS,
     METHODS,
     TRAINED_METHODS,
@@ -89,7 +90,7 @@ def _evaluate(predict: Callable[[Tensor], Tensor], split: datasets.Split, ood: T
     predict_s = time.perf_counter() - start
     entry = {"in_distribution": metrics.classification_metrics(probs, split.test[1]),
              "shift": rotation_scores(predict, split.test, config, device,
-                                      ("accuracy", "nll", "ece")),
+                                      ("accuracy", "nll", "ece"), unrotated=probs),
              "predict_s": predict_s,
              "ood_auroc": metrics.ood_auroc(
                  probs, predict_batched(predict, ood, config.batch_size, device))}
@@ -261,8 +262,10 @@ def _format_notes(report: dict) -> str:
     if any(n.startswith("full") for n in report["methods"]):
         lines.append("full_*: laplace-torch's exact full-GGN posterior, the reference the "
                      "low-rank ones approximate.")
-    lines.append(f"{DEFAULT_ROW}_isotropic and _none reuse {DEFAULT_ROW}'s fit, so their fit "
-                 "time is prior tuning only.")
+    shared = [n for n in ABLATIONS if n in report["methods"]]
+    if shared:
+        lines.append(f"{', '.join(shared)} reuse {DEFAULT_ROW}'s fit (another residual model), "
+                     "so their fit time is prior tuning only.")
     return "\n".join(lines)
 
 

@@ -32,6 +32,9 @@ LAPLACE_METHODS = {
 SMALL_ONLY = {"full_all": ("digits",)}
 #: The names of :data:`lowrank_laplace.posterior.residual.RESIDUALS`.
 RESIDUAL_MODELS = ("spectral", "isotropic", "diagonal", "none")
+#: Opt-in methods: the all-weights posterior with the other residual models (the rank study
+#: compares them at every rank), switched on its fit.
+ABLATIONS = ("lowrank_ggn_all_isotropic", "lowrank_ggn_all_diag", "lowrank_ggn_all_none")
 #: Opt-in methods -> the ``hessian_structure`` of the network they train (marglik_training).
 TRAINED_METHODS = {"lowrank_ggn_marglik": "lowrank_ggn"}
 #: Every method, in report order (``map``: the trained network alone).
@@ -75,7 +78,7 @@ def default_methods(dataset: str) -> List[str]:
     Args:
         dataset: ``'mnist'`` or ``'digits'``.
     """
-    return [m for m in METHODS if fits(m, dataset) and m not in TRAINED_METHODS]
+    return [m for m in METHODS if fits(m, dataset) and m not in (*TRAINED_METHODS, *ABLATIONS)]
 
 
 # ---- reading the command line's text (argparse types: errors name the flag, exit code 2)
@@ -257,10 +260,11 @@ CALIBRATE_OPTIONS = STUDY_OPTIONS + (
     Option("angles", "0,15,30,60,90,120,180",
            "rotation angles in degrees for the shift evaluation", _angles),
     Option("methods", "", "comma-separated methods; empty: all of "
-           + ",".join(m for m in METHODS if m not in TRAINED_METHODS)
-           + " (full_all on --dataset digits only); opt-in: " + ",".join(TRAINED_METHODS)
-           + " (trains its own network with laplace-torch's marglik_training, layerwise "
-           "priors)", convert=_methods),
+           + ",".join(m for m in METHODS if m not in (*TRAINED_METHODS, *ABLATIONS))
+           + " (full_all on --dataset digits only); opt-in: " + ",".join(ABLATIONS)
+           + " (the other residual models, on lowrank_ggn_all's fit), "
+           + ",".join(TRAINED_METHODS) + " (trains its own network with laplace-torch's "
+           "marglik_training, layerwise priors)", convert=_methods),
 )
 #: ``rank-study``'s options, in ``--help`` order.
 RANK_STUDY_OPTIONS = STUDY_OPTIONS + (

@@ -156,7 +156,7 @@ def predict_batched(predict: Callable[[Tensor], Tensor], X: Tensor, batch_size: 
 
 def rotation_scores(predict: Callable[[Tensor], Tensor], test: Tuple[Tensor, Tensor],
                     config: CalibrationConfig, device: torch.device,
-                    keys: Sequence[str]) -> dict:
+                    keys: Sequence[str], unrotated: Optional[Tensor] = None) -> dict:
     """Return ``{"<angle>": {key: value}}``: metrics on the test images rotated by each angle.
 
     Args:
@@ -165,10 +165,16 @@ def rotation_scores(predict: Callable[[Tensor], Tensor], test: Tuple[Tensor, Ten
         config: The options (angles, batch size).
         device: Where the network lives.
         keys: Which :func:`~lowrank_laplace.toolkit.metrics.classification_metrics` to keep.
+        unrotated: The test images' probabilities, if already predicted: reused for the
+            angles that leave the images as they are (multiples of 360 degrees).
     """
     out = {}
     for angle in config.angles:
-        probs = predict_batched(predict, datasets.rotate(test[0], angle), config.batch_size, device)
+        if unrotated is not None and angle % 360 == 0:  # rotate() returns the images
+            probs = unrotated
+        else:
+            probs = predict_batched(predict, datasets.rotate(test[0], angle),
+                                    config.batch_size, device)
         scores = metrics.classification_metrics(probs, test[1])
         out[f"{angle:g}"] = {k: scores[k] for k in keys}
     return out

@@ -57,6 +57,7 @@ def test_faithfulness_of_the_default_row_against_full_all():
 def test_default_methods_and_notes():
     assert "full_all" in calibration.default_methods("digits")
     assert "full_all" not in calibration.default_methods("mnist")
+    assert not set(options.ABLATIONS) & set(calibration.default_methods("mnist"))
     entry = dict(ENTRY, posterior={"prior_precision": 2.5, "rank": 100, "kept_fraction": 0.9,
                                    "residual": "spectral"})
     report = {"methods": {"lowrank_ggn_all": entry, "full_last_layer": ENTRY}}
@@ -152,3 +153,29 @@ def test_every_residual_model_switches_one_fit_as_its_own_fit_would():
     own.optimize_prior_precision(method="marglik")
     torch.testing.assert_close(shared[1].prior_precision, own.prior_precision)
     torch.testing.assert_close(shared[1].posterior_variance, own.posterior_variance)
+
+
+def test_rotation_scores_reuse_the_unrotated_probabilities_at_zero_degrees():
+    import torch
+
+    torch.manual_seed(0)
+    X, y = torch.rand(12, 1, 8, 8), torch.randint(0, 3, (12,))
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 3))
+    seen = []
+
+    def predict(inputs):
+        seen.append(inputs.shape[0])
+        return torch.softmax(model(inputs), -1)
+
+    config = options.CalibrationConfig(angles=(0.0, 90.0, 360.0), batch_size=12)
+    device = torch.device("cpu")
+    fresh = posteriors.rotation_scores(predict, (X, y), config, device, ("nll", "ece"))
+    assert len(seen) == 3
+    unrotated = posteriors.predict_batched(predict, X, 12, device)
+    seen.clear()
+    reused = posteriors.rotation_scores(predict, (X, y), config, device, ("nll", "ece"),
+                                        unrotated=unrotated)
+    assert len(seen) == 1  # 90 degrees only
+    for angle in fresh:
+        for key in fresh[angle]:
+            assert reused[angle][key] == pytest.approx(fresh[angle][key], rel=1e-6)
