@@ -32,6 +32,7 @@ class BatchStreamer:
     Attributes:
         rng: The private stream of the MC draws (a probe's draws continue it).
         n_outputs: Model outputs ``C`` (known after the first batch).
+        target_sum: The streamed targets summed, float64 (a fingerprint of the data).
     """
 
     def __init__(self, engine: Any, plan: FitPlan, config: FitConfig, solver: Solver,
@@ -41,6 +42,7 @@ class BatchStreamer:
         self.generator = torch.Generator().manual_seed(seed)  # sub-sampling
         self.rng = PrivateRNG(seed, device)  # MC draws
         self.n_outputs: Optional[int] = None
+        self.target_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.pending: List[GGNFactor] = []
         self.pending_scales: List[float] = []
 
@@ -48,6 +50,7 @@ class BatchStreamer:
         """Stream one batch ``(X, y)`` (on the fit's device); return its loss times ``scale``."""
         plan, config, solver = self.plan, self.config, self.solver
         micro = equal_parts(len(y), plan.micro)  # 128 in passes of <= 38: four of 32
+        self.target_sum += y.detach().sum(dtype=torch.float64)
         loss = 0.0
         for start in range(0, len(y), micro):  # tensor or dict batches
             Xc, yc = take(X, slice(start, start + micro), len(y)), y[start:start + micro]

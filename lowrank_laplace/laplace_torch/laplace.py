@@ -37,7 +37,12 @@ from lowrank_laplace.posterior import GramCache, Residual, quadrature, residual_
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.null import NullDirections, head_directions
 from lowrank_laplace.posterior.probe import probe_residual
-from lowrank_laplace.posterior.quadrature import DroppedQuadrature, lanczos_quadrature
+from lowrank_laplace.posterior.quadrature import (
+    DroppedQuadrature,
+    FittedData,
+    OtherDataError,
+    lanczos_quadrature,
+)
 from lowrank_laplace.posterior.residual import DEFAULT_RESIDUAL
 from lowrank_laplace.utils.threads import on_one_thread_if_small
 
@@ -155,6 +160,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         self._gram_cache = GramCache()  # float64 U^T U, kept across predictive calls
         self.residual_diagonal: Optional[Tensor] = None
         self.trace: Optional[Tensor] = None
+        self.target_sum: Optional[float] = None  # with loss and n_data: the data's fingerprint
         self.rank_bound: Optional[int] = None
         self._residual_model: Optional[Residual] = None
         self._fitted_residual: Optional[str] = None
@@ -320,7 +326,16 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             if previous is None and self.fit_report.refinable and not options.mc_samples \
                     and self.fit_report.kept_fraction < options.refine_below \
                     and quadrature.basis_fits(self.n_params, options, self._device):
-                self._refine(train_loader, run.group)  # on the fit's threads
+                try:
+                    self._refine(train_loader, run.group)  # on the fit's threads
+                except OtherDataError as err:  # e.g. random augmentation on every pass
+                    warnings.warn(
+                        "The fit kept "
+                        f"{self.fit_report.kept_fraction:.0%} of the GGN trace but did not "
+                        "refine its complement by Lanczos quadrature: the loader gave other "
+                        f"data on its next pass. {err} The probe's complement stays; "
+                        "la.refine_complement(loader) measures it on a loader that repeats "
+                        "its data.", UserWarning, stacklevel=2)
 
     def _store(self, result: FitResult, probed: Any, ranks_tried: tuple,
                passes: int = 1) -> None:
@@ -328,6 +343,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         self.warm_started = result.warm_started
         self.mean, self.H = result.mean, (result.eigenvectors, result.eigenvalues)
         self.n_outputs, self.loss, self.n_data = result.n_outputs, result.loss, result.n_data
+        self.target_sum = result.target_sum
         self.trace, self.residual_diagonal = result.trace, result.residual_diagonal
         self.factor_backend_used, self.fit_path = result.factor_backend, result.fit_path
         self.rank_bound, self._jacobian_exponent = result.rank_bound, probed.exponent
@@ -346,8 +362,11 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
 
         Raises:
             AttributeError: Before :meth:`fit`.
-            ValueError: For a residual model other than ``"spectral"``, or a Monte-Carlo
-                GGN (``mc_samples``), whose kept eigenpairs another draw would not match.
+            ValueError: For a residual model other than ``"spectral"``, a Monte-Carlo
+                GGN (``mc_samples``), whose kept eigenpairs another draw would not match, a
+                loader that yields no batch, or one whose pass does not reproduce the fitted
+                data's sample count, summed loss (``la.loss``, to ``sqrt(eps)`` of the
+                model's dtype) and summed targets (random augmentation, other samples).
             MemoryError: If the Lanczos basis does not fit ``memory_budget``.
         """
         self._check_H_init()
@@ -371,7 +390,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         found = lanczos_quadrature(
             FitTarget(module, self.likelihood, params, to_inputs, self.dict_key_y,
                       self._device), train_loader, (self.H[0], self._null, self.n_outputs),
-            self.options, prior, self.n_data, group)
+            self.options, prior, self._fitted_data(), group)
         previous, probed = self._quadrature, self._complement
         if previous is not None and previous.holds(probed):  # an earlier refinement's
             probed = None
@@ -381,6 +400,11 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
                                   quadrature_steps=found.steps,
                                   quadrature_converged=found.converged)
 
+    def _fitted_data(self) -> FittedData:
+        """What a pass over the fitted data reproduces (``la.loss``, ``n_data``, targets)."""
+        loss = None if self.loss is None else float(self.loss)
+        return FittedData(int(self.n_data), loss, self.target_sum)
+
     def _fit_result(self) -> FitResult:
         """The current fit as a :class:`FitResult` (what online updates add to)."""
         U, lam = self.H
@@ -388,7 +412,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             mean=self.mean, eigenvectors=U, eigenvalues=lam, trace=self.trace,
             residual_diagonal=self.residual_diagonal, loss=self.loss, n_data=self.n_data,
             n_outputs=self.n_outputs, factor_backend=self.factor_backend_used,
-            fit_path=self.fit_path, rank_bound=self.rank_bound,
+            fit_path=self.fit_path, rank_bound=self.rank_bound, target_sum=self.target_sum,
         )
 
     @property

@@ -20,6 +20,7 @@ class StatePersistence:
         state.update(trace=self.trace, rank=self.rank, mc_samples=self.mc_samples,
                      residual_diagonal=self.residual_diagonal, residual=self.residual,
                      rank_bound=self.rank_bound, jacobian_exponent=self._jacobian_exponent,
+                     target_sum=self.target_sum,
                      fit_report=None if self.fit_report is None else self.fit_report.as_dict())
         parts = {"measured_complement": self._complement, "null_directions": self._null,
                  "quadrature": self._quadrature}
@@ -50,6 +51,7 @@ class StatePersistence:
         self.trace = state_dict.get("trace")
         self.residual_diagonal = state_dict.get("residual_diagonal")
         self.rank_bound = state_dict.get("rank_bound")
+        self.target_sum = state_dict.get("target_sum")  # absent from older states
         self._jacobian_exponent = float(state_dict.get("jacobian_exponent", 0.0))
         complement = MeasuredComplement.from_state(state_dict.get("measured_complement"))
         self._complement = None if complement is None else complement.to(U.device)

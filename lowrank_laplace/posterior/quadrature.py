@@ -107,6 +107,63 @@ class DroppedQuadrature:
                    float(state.get("checked_prior", 0.0)))
 
 
+class OtherDataError(ValueError):
+    """A loader's pass does not reproduce the data the posterior was fitted on."""
+
+
+@dataclass(frozen=True)
+class FittedData:
+    """What a pass over the fitted data reproduces: its samples, summed loss and targets.
+
+    The loss is laplace-torch's (``la.loss``: summed, times the Hessian factor); the sums
+    are unchanged by shuffling, and ``None`` is unknown (a state saved without it).
+
+    Attributes:
+        samples: Samples fitted (over all processes).
+        loss: The summed loss.
+        target_sum: The targets summed, or ``None``.
+    """
+
+    samples: int
+    loss: Optional[float]
+    target_sum: Optional[float] = None
+
+    def check(self, seen: "FittedData", group: Any, dtype: torch.dtype,
+              device: torch.device) -> None:
+        """Refuse a pass (``seen``, this process's share) that is not of the fitted data.
+
+        The loss may differ by rounding (another batching or order): it must agree to
+        ``sqrt(eps)`` of the model's ``dtype``, the targets to float64 rounding.
+
+        Raises:
+            OtherDataError: Naming what differs and the way out.
+        """
+        if group is not None:
+            totals = torch.tensor([seen.samples, seen.loss, seen.target_sum],
+                                  dtype=torch.float64, device=device)
+            dist.all_reduce(totals, group=group)
+            seen = FittedData(int(totals[0]), float(totals[1]), float(totals[2]))
+        way_out = ("pass a loader of all the data the posterior was fitted on (after online "
+                   "updates, of every fitted loader's data) that gives the same samples on "
+                   "every pass: without random augmentation (e.g. the training set with the "
+                   "evaluation transform); shuffling is fine.")
+        if seen.samples != self.samples:
+            raise OtherDataError(
+                f"refine_complement: train_loader yields {seen.samples:,} samples where the "
+                f"posterior was fitted on {self.samples:,}: {way_out}")
+        tol = torch.finfo(dtype).eps ** 0.5
+        for what, fitted, now, rtol in (("summed loss", self.loss, seen.loss, tol),
+                                        ("summed targets", self.target_sum, seen.target_sum,
+                                         1e-12)):
+            if fitted is not None and abs(now - fitted) > rtol * max(abs(fitted), abs(now)):
+                raise OtherDataError(
+                    f"refine_complement: train_loader's {what} is {now:.8g} where the "
+                    f"fitted data's was {fitted:.8g} (relative difference "
+                    f"{abs(now - fitted) / max(abs(fitted), abs(now)):.2g}, more than "
+                    f"{rtol:.2g}), so it does not give the samples the posterior was "
+                    f"fitted on: {way_out}")
+
+
 class LanczosRuns:
     """Independent Lanczos runs with full reorthogonalization, one per row of ``starts``.
 
@@ -176,7 +233,7 @@ def gauss_estimates(rules: List[Tuple[Tensor, Tensor]], scale: float, prior: flo
 
 def lanczos_quadrature(target: FitTarget, loader: Any,
                        kept: Tuple[Tensor, Optional[NullDirections], int],
-                       config: FitConfig, prior: Tuple[float, float], num_data: int,
+                       config: FitConfig, prior: Tuple[float, float], fitted: FittedData,
                        group: Any = None) -> DroppedQuadrature:
     """Run the Lanczos quadrature of a fit's dropped curvature over a training loader.
 
@@ -187,7 +244,8 @@ def lanczos_quadrature(target: FitTarget, loader: Any,
             directions (``None``: none) and the model's outputs.
         config: The fit's options (backend, memory budget, micro-batches, seed).
         prior: ``(h, delta)``: the scale and the scalar prior the stopping rule checks at.
-        num_data: Samples the fit saw (over all processes), which the loader must hold.
+        fitted: What the fitted data's pass gave, which every pass of the loader must
+            reproduce (checked before the first Lanczos step).
         group: The data-parallel process group (products are summed over it), or ``None``.
 
     Returns:
@@ -196,7 +254,8 @@ def lanczos_quadrature(target: FitTarget, loader: Any,
     Raises:
         MemoryError: If the Lanczos basis of :data:`MAX_STEPS` steps does not fit the
             memory budget (naming ``memory_budget``).
-        ValueError: If the loader does not hold ``num_data`` samples (after one pass).
+        ValueError: If the loader yields no batch.
+        OtherDataError: If a pass of the loader does not reproduce ``fitted``.
     """
     U, null, outputs = kept
     dim, wide = U.shape[0], torch.float64
@@ -221,14 +280,15 @@ def lanczos_quadrature(target: FitTarget, loader: Any,
     with FactorEngine(target.model, loaders.likelihood_loss(target.likelihood)[0],
                       eval_mode=True, backend=config.factor_backend) as engine:
         while steps < MAX_STEPS and bool(runs.active.any()):
-            product = _ggn_product(cache.passes(_factors(engine, target, loader, config)),
-                                   target, runs.current)
+            seen = PassSums(loaders.likelihood_loss(target.likelihood)[1])
+            product = _ggn_product(cache.passes(_factors(engine, target, loader, config,
+                                                         seen)), target, runs.current)
+            if seen.batches:  # a fresh pass over the loader (not the kept factors)
+                fitted.check(seen.result(), group, U.dtype, product.device)
             if group is not None:
                 dist.all_reduce(product, group=group)
             runs.step(project(product))
             steps += 1
-            if steps == 1:
-                _check_samples(cache.samples, num_data, group, product.device)
             history.append(gauss_estimates(runs.rules(), scale, CHECK_PRIOR * delta))
             if steps >= MIN_STEPS and all(abs(now - then) <= TOLERANCE * abs(now) for now, then
                                           in zip(history[-1], history[-3])):
@@ -291,17 +351,29 @@ def _check_basis_memory(dim: int, config: FitConfig, device: torch.device) -> No
             "the free memory).")
 
 
-def _check_samples(seen: int, num_data: int, group: Any, device: torch.device) -> None:
-    """Refuse a loader of other samples than the fit's (a later one of online updates)."""
-    if group is not None:
-        count = torch.tensor([seen], dtype=torch.float64, device=device)
-        dist.all_reduce(count, group=group)
-        seen = int(count)
-    if seen != num_data:
-        raise ValueError(
-            f"refine_complement: train_loader yields {seen:,} samples where the posterior "
-            f"was fitted on {num_data:,}: pass a loader of all the data it was fitted on "
-            "(after online updates, of every fitted loader's data).")
+class PassSums:
+    """What one pass over the loader gave: batches, samples, summed loss and targets.
+
+    Args:
+        scale: laplace-torch's Hessian factor on the loss (as in ``la.loss``).
+    """
+
+    def __init__(self, scale: float):
+        self.scale, self.batches, self.samples = scale, 0, 0
+        self.sums: Optional[Tensor] = None  # loss and targets, float64, on the device
+
+    def add(self, y: Tensor, loss: Tensor) -> None:
+        """Count a micro-batch of targets ``y`` and its (unscaled) loss."""
+        self.batches += 1
+        self.samples += len(y)
+        sums = torch.stack([loss.detach().to(torch.float64),
+                            y.detach().sum(dtype=torch.float64)])
+        self.sums = sums if self.sums is None else self.sums + sums
+
+    def result(self) -> FittedData:
+        """The pass as a :class:`FittedData` (this process's share)."""
+        loss, targets = (0.0, 0.0) if self.sums is None else self.sums.tolist()
+        return FittedData(self.samples, self.scale * loss, targets)
 
 
 def _batches(target: FitTarget, loader: Any) -> Any:
@@ -338,6 +410,9 @@ def _jacobian_starts(target: FitTarget, loader: Any, config: FitConfig, outputs:
                 seen += check_batch(chunk, None)
             if seen >= START_INPUTS:
                 break
+    if starts is None:
+        raise ValueError("refine_complement: train_loader yielded no batches: pass a loader "
+                         "of the data the posterior was fitted on.")
     return starts / 2**0.5  # the MSE-sum factor is sqrt(2) J^T
 
 
@@ -349,16 +424,14 @@ class FactorCache:
     """
 
     def __init__(self, room: int):
-        self.room, self.kept, self.complete, self.samples = room, [], False, 0
+        self.room, self.kept, self.complete = room, [], False
 
     def passes(self, fresh: Iterator[Any]) -> Iterable[Any]:
         """The kept factors after a complete first pass, else ``fresh``'s, kept while they fit."""
         if self.complete:
             yield from self.kept
             return
-        self.samples = 0
         for factor in fresh:
-            self.samples += factor.num_samples
             if self.room >= 0:
                 self.room -= sum(block.nbytes for block in factor.blocks.values())
                 if self.room >= 0:
@@ -369,9 +442,12 @@ class FactorCache:
         self.complete = self.room >= 0
 
 
-def _factors(engine: FactorEngine, target: FitTarget, loader: Any, config: FitConfig
-             ) -> Iterator[Any]:
-    """The GGN factors of the loader's micro-batches, Monte-Carlo draws seeded per batch."""
+def _factors(engine: FactorEngine, target: FitTarget, loader: Any, config: FitConfig,
+             sums: Optional[PassSums] = None) -> Iterator[Any]:
+    """The GGN factors of the loader's micro-batches, counted in ``sums`` (if given).
+
+    Monte-Carlo draws are seeded per batch.
+    """
     for index, (X, y) in enumerate(_batches(target, loader)):
         n = len(y)
         micro = micro_batch_size(engine, X, config.mc_samples or None, config.memory_budget,
@@ -380,8 +456,11 @@ def _factors(engine: FactorEngine, target: FitTarget, loader: Any, config: FitCo
             chunk, labels = take(X, slice(begin, begin + micro), n), y[begin:begin + micro]
             with forked_rng(batch_device(chunk)):
                 torch.manual_seed(config.seed + 7919 * index + begin)
-                yield engine.compute(chunk, labels, mc_samples=config.mc_samples,
-                                     gradient=False)
+                factor = engine.compute(chunk, labels, mc_samples=config.mc_samples,
+                                        gradient=False)
+            if sums is not None:
+                sums.add(labels, factor.loss)
+            yield factor
 
 
 def _ggn_product(factors: Iterable[Any], target: FitTarget, Q: Tensor) -> Tensor:
