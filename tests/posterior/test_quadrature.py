@@ -395,3 +395,13 @@ def test_a_fit_on_a_loader_that_augments_afresh_skips_its_refinement_and_says_wh
         la.fit(DataLoader(_Augmented(X, y), batch_size=100))
     assert la._quadrature is None and la.fit_report.quadrature_steps == 0
     assert la.fit_report.refinable
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -2**63])
+def test_the_extreme_seeds_fit_and_refine(monkeypatch, seed):
+    """The passes add batch offsets to the seed: the accepted range leaves room for them."""
+    monkeypatch.setattr(quadrature, "REFINE_BELOW", 1.0)
+    model, X, y, loader = _problem()
+    la = LowRankGGNLaplace(model, "classification", rank=6, seed=seed, mc_samples=1)
+    la.fit(loader)
+    assert la.fit_report.quadrature_steps > 0
