@@ -109,6 +109,23 @@ def check_batch_types(X: Any, y: Any) -> None:
             "(e.g. in a TensorDataset).")
 
 
+def as_pair(data: Any) -> Tuple[Any, Any]:
+    """Return a loader's (non-dict) batch as its two items ``(X, y)``.
+
+    Raises:
+        ValueError: For a batch that is not a pair (e.g. ``(X, y, w)`` with sample weights).
+    """
+    if isinstance(data, (tuple, list)) and len(data) == 2:
+        return data[0], data[1]
+    what = (f"a {type(data).__name__} of {len(data)} items"
+            if isinstance(data, (tuple, list)) else f"a {type(data).__name__}")
+    raise ValueError(
+        f"train_loader must yield (X, y) pairs or dict batches, got {what}: the GGN "
+        "posterior takes inputs and targets only (laplace-torch's form; no sample weights "
+        "or extra fields). Yield (X, y), e.g. from a Dataset whose __getitem__ returns "
+        "(x, y) or a collate_fn that drops the rest.")
+
+
 def unpack(data: Any, dict_key_y: str) -> Tuple[Any, Tensor]:
     """Return a loader's batch as checked ``(X, y)``; a dict batch is the inputs whole.
 
@@ -118,6 +135,7 @@ def unpack(data: Any, dict_key_y: str) -> Tuple[Any, Tensor]:
 
     Raises:
         KeyError: For a dict batch without ``dict_key_y`` (laplace-torch's exception).
+        ValueError: For a batch that is not a pair (:func:`as_pair`).
         TypeError: See :func:`check_batch_types`.
     """
     if isinstance(data, MutableMapping):
@@ -128,7 +146,7 @@ def unpack(data: Any, dict_key_y: str) -> Tuple[Any, Tensor]:
                 "key of the labels as dict_key_y.")
         X, y = data, data[dict_key_y]
     else:
-        X, y = data
+        X, y = as_pair(data)
     check_batch_types(X, y)
     check_finite_inputs(X)
     return X, y

@@ -17,7 +17,7 @@ import torch
 from laplace.lllaplace import LLLaplace
 from torch import Tensor, nn
 
-from lowrank_laplace.fitting.loader import check_batch_types, loader_size
+from lowrank_laplace.fitting.loader import as_pair, check_batch_types, loader_size
 from lowrank_laplace.laplace_torch.laplace import (
     LowRankGGNLaplace,
     check_positive,
@@ -71,7 +71,7 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
             if data is None:
                 raise ValueError("train_loader yielded no batches: nothing to fit.")
             if not isinstance(data, MutableMapping):
-                check_batch_types(*data)
+                check_batch_types(*as_pair(data))
         self.whole_model = False
         try:
             LLLaplace.fit(self, train_loader, override=override, progress_bar=progress_bar)
