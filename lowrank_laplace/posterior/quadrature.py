@@ -32,7 +32,7 @@ from lowrank_laplace.fitting.fit import FitTarget
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.null import NullDirections
 from lowrank_laplace.posterior.predictive import jacobian_engine, micro_batches
-from lowrank_laplace.utils.batches import batch_device, take, to_device
+from lowrank_laplace.utils.batches import batch_device, format_bytes, take, to_device
 from lowrank_laplace.utils.checks import check_batch
 
 #: The default of the ``refine_below`` option: below this kept share of the GGN trace a
@@ -346,8 +346,8 @@ def _check_basis_memory(dim: int, config: FitConfig, device: torch.device) -> No
     if need > budget:
         raise MemoryError(
             f"refine_complement: the Lanczos basis of {MAX_STEPS} steps for {dim:,} "
-            f"parameters needs about {need / 2**30:.1f} GiB, above the memory budget of "
-            f"{budget / 2**30:.1f} GiB: raise memory_budget (e.g. memory_budget=0.5 for half "
+            f"parameters needs about {format_bytes(need)}, above the memory budget of "
+            f"{format_bytes(budget)}: raise memory_budget (e.g. memory_budget=0.5 for half "
             "the free memory).")
 
 

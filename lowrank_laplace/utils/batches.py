@@ -56,6 +56,17 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def format_bytes(size: float) -> str:
+    """Return ``size`` bytes for a message, in the largest binary unit it fills (``"1.5 GiB"``).
+
+    Three significant digits, so that two sizes compared in a message differ where they do.
+    """
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.3g} {unit}"
+    return f"{int(size)} bytes"
+
+
 def parse_memory(budget: Any) -> Any:
     """Turn a memory size with a unit (``"1GB"``, ``"512 MiB"``) into bytes.
 
