@@ -12,6 +12,8 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from lowrank_laplace.utils.batches import refuse_meta
+
 #: Samples planned for a dataset without a length (the plan streams; ``n_data`` is counted).
 UNKNOWN_SIZE = 2**40
 
@@ -156,8 +158,9 @@ def check_finite_inputs(X: Any) -> None:
     """Refuse inputs ``X`` holding NaN or inf (a saturating network hides them until the GGN).
 
     Raises:
-        ValueError: Naming the entry.
+        ValueError: Naming the entry, or for inputs on the ``meta`` device (no values).
     """
+    refuse_meta("inputs", X.values() if isinstance(X, MutableMapping) else [X])
     entries = X.items() if isinstance(X, MutableMapping) else [("inputs", X)]
     for key, value in entries:
         if isinstance(value, Tensor) and value.is_floating_point() and \

@@ -17,7 +17,12 @@ import torch
 from laplace.lllaplace import LLLaplace
 from torch import Tensor, nn
 
-from lowrank_laplace.fitting.loader import as_pair, check_batch_types, loader_size
+from lowrank_laplace.fitting.loader import (
+    as_pair,
+    check_batch_types,
+    check_finite_inputs,
+    loader_size,
+)
 from lowrank_laplace.laplace_torch.laplace import (
     LowRankGGNLaplace,
     check_positive,
@@ -70,8 +75,10 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
             data = next(iter(train_loader), None)
             if data is None:
                 raise ValueError("train_loader yielded no batches: nothing to fit.")
+            X = data if isinstance(data, MutableMapping) else as_pair(data)[0]
             if not isinstance(data, MutableMapping):
                 check_batch_types(*as_pair(data))
+            check_finite_inputs(X)  # before laplace-torch's forward pass on it
         self.whole_model = False
         try:
             LLLaplace.fit(self, train_loader, override=override, progress_bar=progress_bar)
