@@ -88,6 +88,9 @@ WRONG = {
                                     "'1' (AvgPool2d) has divisor_override=3"),
     "avg_pool3d_divisor_override": (lambda: after_conv(nn.AvgPool3d(2, divisor_override=3), 3),
                                     "'1' (AvgPool3d) has divisor_override=3"),
+    "batchnorm2d_without_affine": (
+        lambda: after_conv(nn.BatchNorm2d(2, affine=False).eval(), 2),
+        "'1' (BatchNorm2d) has affine=False"),
     "embedding_padding_idx": (lambda: (Embedded(padding_idx=0), None),
                               "'embed' (Embedding) has padding_idx=0"),
     "embedding_max_norm": (lambda: (Embedded(max_norm=0.5), None),
@@ -107,6 +110,8 @@ RIGHT = {
     "conv3d_groups": lambda: trainable(nn.Conv3d(2, 2, 3, groups=2, padding=1), 3),
     "conv_transpose2d_groups_dilation": lambda: trainable(
         nn.ConvTranspose2d(2, 4, 3, stride=2, groups=2, dilation=2), 2),
+    "conv_transpose1d_stride_padding_dilation": lambda: trainable(
+        nn.ConvTranspose1d(2, 2, 3, stride=2, padding=1, dilation=2, bias=False), 1),
     "conv_transpose3d_stride": lambda: trainable(nn.ConvTranspose3d(2, 2, 2, stride=2), 3),
     "max_pool1d_ceil_mode_padding": lambda: after_conv(
         nn.MaxPool1d(3, stride=2, padding=1, ceil_mode=True), 1),
@@ -118,6 +123,11 @@ RIGHT = {
     "leaky_relu_elu_slopes": lambda: (nn.Sequential(
         nn.Linear(4, 3), nn.LeakyReLU(0.3), nn.Linear(3, 3), nn.ELU(0.5), nn.Linear(3, 3)),
         (4,)),
+    "sigmoid_logsigmoid_selu_dropout": lambda: (nn.Sequential(
+        nn.Linear(4, 3), nn.Sigmoid(), nn.Linear(3, 3), nn.LogSigmoid(), nn.Linear(3, 3),
+        nn.SELU(), nn.Dropout(0.3), nn.Linear(3, 3)), (4,)),
+    "batchnorm2d_eval": lambda: after_conv(nn.BatchNorm2d(2, eps=0.1).eval(), 2),
+    "batchnorm3d_eval": lambda: after_conv(nn.BatchNorm3d(2, momentum=None).eval(), 3),
     "batchnorm1d_eval": lambda: (nn.Sequential(
         nn.Linear(4, 3), nn.BatchNorm1d(3, momentum=0.5, eps=0.1).eval(), nn.Linear(3, 3)),
         (4,)),

@@ -82,6 +82,9 @@ _AVG_POOL_OPTIONS = (
      "divisor_override={divisor_override} (BackPACK's derivatives divide by the window "
      "size)"),
 )
+_BATCHNORM_OPTIONS = (
+    (lambda m: not m.affine, "affine=False (BackPACK's derivatives need the affine weight)"),
+)
 _EMBEDDING_OPTIONS = (
     (lambda m: m.padding_idx is not None,
      "padding_idx={padding_idx} (BackPACK's derivatives take every index)"),
@@ -100,6 +103,8 @@ UNSUPPORTED_OPTIONS: Dict[type, Tuple[Tuple[Callable[[nn.Module], bool], str], .
     nn.ConvTranspose3d: _CONV_TRANSPOSE_OPTIONS,
     nn.AvgPool1d: _AVG_POOL_OPTIONS, nn.AvgPool2d: _AVG_POOL_OPTIONS,
     nn.AvgPool3d: _AVG_POOL_OPTIONS,
+    nn.BatchNorm1d: _BATCHNORM_OPTIONS, nn.BatchNorm2d: _BATCHNORM_OPTIONS,
+    nn.BatchNorm3d: _BATCHNORM_OPTIONS,
     nn.Embedding: _EMBEDDING_OPTIONS,
 }
 
