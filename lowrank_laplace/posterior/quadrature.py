@@ -362,10 +362,11 @@ class PassSums:
         self.scale, self.batches, self.samples = scale, 0, 0
         self.sums: Optional[Tensor] = None  # loss and targets, float64, on the device
 
-    def add(self, y: Tensor, loss: Tensor) -> None:
-        """Count a micro-batch of targets ``y`` and its (unscaled) loss."""
+    def add(self, y: Tensor, factor: Any) -> None:
+        """Count a micro-batch: its targets ``y`` and its factor's samples and (unscaled) loss."""
+        loss = factor.loss
         self.batches += 1
-        self.samples += len(y)
+        self.samples += factor.num_samples
         sums = torch.stack([loss.detach().to(torch.float64),
                             y.detach().sum(dtype=torch.float64)])
         self.sums = sums if self.sums is None else self.sums + sums
@@ -459,7 +460,7 @@ def _factors(engine: FactorEngine, target: FitTarget, loader: Any, config: FitCo
                 factor = engine.compute(chunk, labels, mc_samples=config.mc_samples,
                                         gradient=False)
             if sums is not None:
-                sums.add(labels, factor.loss)
+                sums.add(labels, factor)
             yield factor
 
 
