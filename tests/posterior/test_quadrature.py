@@ -398,10 +398,10 @@ def test_a_fit_on_a_loader_that_augments_afresh_skips_its_refinement_and_says_wh
 
 
 @pytest.mark.parametrize("seed", [2**63 - 1, -2**63])
-def test_the_extreme_seeds_fit_and_refine(monkeypatch, seed):
+def test_the_extreme_seeds_fit_and_refine(seed):
     """The passes add batch offsets to the seed: the accepted range leaves room for them."""
-    monkeypatch.setattr(quadrature, "REFINE_BELOW", 1.0)
     model, X, y, loader = _problem()
-    la = LowRankGGNLaplace(model, "classification", rank=6, seed=seed, mc_samples=1)
+    LowRankGGNLaplace(model, "classification", rank=6, seed=seed, mc_samples=1).fit(loader)
+    la = LowRankGGNLaplace(model, "classification", rank=6, seed=seed, refine_below=1)
     la.fit(loader)
     assert la.fit_report.quadrature_steps > 0
