@@ -311,3 +311,21 @@ class Choice(str, Enum):
         except ValueError:
             allowed = ", ".join(repr(m.value) for m in cls)
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}.") from None
+
+
+def refuse_inference_mode(what: str) -> None:
+    """Refuse a call under ``torch.inference_mode()``, which forbids its backward passes.
+
+    Args:
+        what: The call, for the message.
+
+    Raises:
+        RuntimeError: Under ``torch.inference_mode()``.
+    """
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"lowrank_ggn's {what} differentiates the model (the GGN factor comes from "
+            "backward passes), which torch.inference_mode() forbids: call it outside, or "
+            "under torch.no_grad() instead (it enables gradients where it needs them). "
+            "In Lightning, Trainer(inference_mode=False)."
+        )

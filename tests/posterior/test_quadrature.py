@@ -391,8 +391,9 @@ def test_a_loader_of_other_data_is_refused_before_any_lanczos_step():
 def test_a_fit_on_a_loader_that_augments_afresh_skips_its_refinement_and_says_why():
     model, X, y, _ = _problem()
     la = LowRankGGNLaplace(model, "classification", rank=6, refine_below=1)
-    with pytest.warns(UserWarning, match="did not refine its complement .* summed loss"):
+    with pytest.warns(UserWarning, match="did not refine its complement .* summed loss") as w:
         la.fit(DataLoader(_Augmented(X, y), batch_size=100))
+    assert w[0].filename == __file__  # points at the call of fit
     assert la._quadrature is None and la.fit_report.quadrature_steps == 0
     assert la.fit_report.refinable
 
