@@ -121,8 +121,11 @@ class FitResult:
         warm_started: Whether the sketch started from a basis.
         probe: The inputs kept for a probe pass, or ``None``.
         check: The sketch's own check (``None`` where no sketch ran).
-        target_sum: The fitted targets summed (over all processes; ``None``: unknown): with
+        target_energy: The fitted targets' squares summed (over all processes; ``None``:
+            unknown): with
             ``loss`` and ``n_data``, what a later pass over the same data reproduces.
+        loss_reproducible: Whether a pass over the data at ``mean`` reproduces ``loss``
+            (not after an online update, whose earlier losses were at other parameters).
     """
 
     mean: Tensor
@@ -139,7 +142,8 @@ class FitResult:
     warm_started: bool = False
     probe: Optional[ProbeInputs] = field(default=None, repr=False)
     check: Optional[FastPathCheck] = None
-    target_sum: Optional[float] = None
+    target_energy: Optional[float] = None
+    loss_reproducible: bool = True
 
 
 class LoaderFit:
@@ -225,7 +229,8 @@ class LoaderFit:
         if previous is not None:
             result = merge_fits(self.config, previous, result)
             loss, num_data = previous.loss + loss, previous.n_data + num_data
-            targets = None if previous.target_sum is None else previous.target_sum + targets
+            known = previous.target_energy is not None
+            targets = previous.target_energy + targets if known else None
         U, lam, trace, residual = result
         if float(trace) <= 0:  # a zero GGN has no eigenpairs, not a fake tiny one
             U, lam = U[:, :0], lam[:0]
@@ -236,7 +241,7 @@ class LoaderFit:
             n_outputs=stream.n_outputs, factor_backend=self.engine.backend,
             fit_path=self.plan.path, rank_bound=min(mean.numel(), samples * self._sizes.columns),
             warm_started=stream.solver.warm_columns > 0, probe=self.probe, check=check,
-            target_sum=targets,
+            target_energy=targets, loss_reproducible=previous is None,
         )
 
     def _pass(self, loader: Any, known: Optional[int], warm_basis: Optional[Tensor],
@@ -321,14 +326,14 @@ class LoaderFit:
         """Merge the solvers across processes; the loss, sample count and target sum of all."""
         num_data = seen if known is None else known
         if self.group is None:
-            return loss, num_data, float(stream.target_sum)
+            return loss, num_data, float(stream.target_energy)
         import torch.distributed as dist
 
         stream.solver.merge_across(self.group)
         wide = torch.float64
         totals = torch.stack([torch.as_tensor(loss, device=self.device).to(wide),
                               torch.tensor(float(seen), dtype=wide, device=self.device),
-                              stream.target_sum.to(self.device)])
+                              stream.target_energy.to(self.device)])
         dist.all_reduce(totals, group=self.group)
         return totals[0].to(dtype), int(totals[1]), float(totals[2])
 

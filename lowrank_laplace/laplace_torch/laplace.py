@@ -37,7 +37,7 @@ from lowrank_laplace.posterior import GramCache, Residual, quadrature, residual_
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.null import NullDirections, head_directions
 from lowrank_laplace.posterior.probe import probe_residual
-from lowrank_laplace.posterior.quadrature import DroppedQuadrature
+from lowrank_laplace.posterior.quadrature import DroppedQuadrature, FittedData
 from lowrank_laplace.posterior.residual import DEFAULT_RESIDUAL
 from lowrank_laplace.utils.checks import refuse_inference_mode
 from lowrank_laplace.utils.threads import on_one_thread_if_small
@@ -139,7 +139,7 @@ class LowRankGGNLaplace(StatePersistence, ComplementRefinement, PosteriorQueries
         self._gram_cache = GramCache()  # float64 U^T U, kept across predictive calls
         self.residual_diagonal: Optional[Tensor] = None
         self.trace: Optional[Tensor] = None
-        self.target_sum: Optional[float] = None  # with loss and n_data: the data's fingerprint
+        self._fitted_data: Optional[FittedData] = None  # what a pass over the data gives
         self.rank_bound: Optional[int] = None
         self._residual_model: Optional[Residual] = None
         self._fitted_residual: Optional[str] = None
@@ -313,7 +313,7 @@ class LowRankGGNLaplace(StatePersistence, ComplementRefinement, PosteriorQueries
         self.warm_started = result.warm_started
         self.mean, self.H = result.mean, (result.eigenvectors, result.eigenvalues)
         self.n_outputs, self.loss, self.n_data = result.n_outputs, result.loss, result.n_data
-        self.target_sum = result.target_sum
+        self._fitted_data = FittedData.of_fit(result)
         self.trace, self.residual_diagonal = result.trace, result.residual_diagonal
         self.factor_backend_used, self.fit_path = result.factor_backend, result.fit_path
         self.rank_bound, self._jacobian_exponent = result.rank_bound, probed.exponent
@@ -329,7 +329,8 @@ class LowRankGGNLaplace(StatePersistence, ComplementRefinement, PosteriorQueries
             mean=self.mean, eigenvectors=U, eigenvalues=lam, trace=self.trace,
             residual_diagonal=self.residual_diagonal, loss=self.loss, n_data=self.n_data,
             n_outputs=self.n_outputs, factor_backend=self.factor_backend_used,
-            fit_path=self.fit_path, rank_bound=self.rank_bound, target_sum=self.target_sum,
+            fit_path=self.fit_path, rank_bound=self.rank_bound,
+            target_energy=getattr(self._fitted_data, "target_energy", None),
         )
 
     @property

@@ -3,8 +3,9 @@
 laplace-torch's state is flat: tensors and plain values (``torch.load(...,
 weights_only=True)``, its ``test_serialize_no_pickle``). The posterior's optional parts
 (:data:`PARTS`: the fit report, the measured complement, the null directions, the
-quadrature) are saved field by field under ``"<part>.<field>"`` keys, nested fields under
-``"<part>.<field>.<field>"``; a state of the earlier nested form loads too.
+quadrature, what a pass over the fitted data gives) are saved field by field under
+``"<part>.<field>"`` keys, nested fields under ``"<part>.<field>.<field>"``; a state of
+the earlier nested form loads too.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from lowrank_laplace.laplace_torch.report import FitReport
 from lowrank_laplace.posterior import residual_class
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.null import NullDirections
-from lowrank_laplace.posterior.quadrature import DroppedQuadrature
+from lowrank_laplace.posterior.quadrature import DroppedQuadrature, FittedData
 
 #: The optional parts of the state, each saved flat under its name as key prefix.
-PARTS = ("fit_report", "measured_complement", "null_directions", "quadrature")
+PARTS = ("fit_report", "measured_complement", "null_directions", "quadrature", "fitted_data")
 #: Joins a part's name and its (nested) field names in a key.
 SEPARATOR = "."
 
@@ -62,10 +63,9 @@ class StatePersistence:
         state = super().state_dict()
         state.update(trace=self.trace, rank=self.rank, mc_samples=self.mc_samples,
                      residual_diagonal=self.residual_diagonal, residual=self.residual,
-                     rank_bound=self.rank_bound, jacobian_exponent=self._jacobian_exponent,
-                     target_sum=self.target_sum)
+                     rank_bound=self.rank_bound, jacobian_exponent=self._jacobian_exponent)
         parts = dict(zip(PARTS, (self.fit_report, self._complement, self._null,
-                                 self._quadrature)))
+                                 self._quadrature, self._fitted_data)))
         for name, part in parts.items():
             if part is not None:
                 state.update(flatten(name, part.as_dict() if name == "fit_report"
@@ -96,7 +96,6 @@ class StatePersistence:
         self.trace = state_dict.get("trace")
         self.residual_diagonal = state_dict.get("residual_diagonal")
         self.rank_bound = state_dict.get("rank_bound")
-        self.target_sum = state_dict.get("target_sum")  # absent from older states
         self._jacobian_exponent = float(state_dict.get("jacobian_exponent", 0.0))
         complement = MeasuredComplement.from_state(unflatten(state_dict,
                                                              "measured_complement"))
@@ -106,6 +105,7 @@ class StatePersistence:
                                                         U.device)
         self._residual_model = None
         self.fit_report = FitReport.from_dict(unflatten(state_dict, "fit_report"))
+        self._fitted_data = FittedData.from_state(unflatten(state_dict, "fitted_data"))
 
     def _check_state(self, state: dict) -> None:
         """Refuse a state this object cannot take before any of it is loaded."""

@@ -21,8 +21,9 @@ from lowrank_laplace.utils.checks import refuse_inference_mode
 class ComplementRefinement:
     """``refine_complement`` of :class:`~lowrank_laplace.LowRankGGNLaplace` (a mixin).
 
-    Its fit sets ``H``, ``n_data``, ``loss``, ``target_sum``, the probe's complement and
-    null directions, and ``fit_report``; ``_curvature_target`` names what the GGN is of.
+    Its fit sets ``H``, ``n_data``, what a pass over its data gives (``_fitted_data``), the
+    probe's complement and null directions, and ``fit_report``; ``_curvature_target``
+    names what the GGN is of.
     """
 
     def refine_complement(self, train_loader: Any) -> None:
@@ -39,7 +40,8 @@ class ComplementRefinement:
                 GGN (``mc_samples``), whose kept eigenpairs another draw would not match, a
                 loader that yields no batch, or one whose pass does not reproduce the fitted
                 data's sample count, summed loss (``la.loss``, to ``sqrt(eps)`` of the
-                model's dtype) and summed targets (random augmentation, other samples).
+                model's dtype) and summed squared targets (random augmentation, other
+                samples).
             MemoryError: If the Lanczos basis does not fit ``memory_budget``.
         """
         self._check_H_init()
@@ -75,8 +77,7 @@ class ComplementRefinement:
         found = lanczos_quadrature(
             FitTarget(module, self.likelihood, params, to_inputs, self.dict_key_y,
                       self._device), train_loader, (self.H[0], self._null, self.n_outputs),
-            self.options, prior, FittedData(int(self.n_data), None if self.loss is None
-                                            else float(self.loss), self.target_sum), group)
+            self.options, prior, self._fitted_data or FittedData(int(self.n_data)), group)
         previous, probed = self._quadrature, self._complement
         if previous is not None and previous.holds(probed):  # an earlier refinement's
             probed = None

@@ -28,7 +28,7 @@ from lowrank_laplace.engine.rng import forked_rng
 from lowrank_laplace.fitting import loader as loaders
 from lowrank_laplace.fitting.budget import micro_batch_size, resolve_memory_budget
 from lowrank_laplace.fitting.config import FitConfig
-from lowrank_laplace.fitting.fit import FitTarget
+from lowrank_laplace.fitting.fit import FitResult, FitTarget
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.null import NullDirections
 from lowrank_laplace.posterior.predictive import jacobian_engine, micro_batches
@@ -53,6 +53,9 @@ START_INPUTS = 256
 START_PROJECTIONS = 16
 #: A run ends (an invariant subspace) where a step leaves less than this share of it.
 BREAKDOWN = 1e-10
+#: Relative tolerance on the summed squared targets of a pass over the fitted data (float64
+#: sums of non-negative terms in another order agree far closer).
+TARGET_RTOL = 1e-9
 #: Share of the memory budget the first pass's factors may keep for the later passes.
 CACHE_SHARE = 0.5
 
@@ -116,30 +119,47 @@ class FittedData:
     """What a pass over the fitted data reproduces: its samples, summed loss and targets.
 
     The loss is laplace-torch's (``la.loss``: summed, times the Hessian factor); the sums
-    are unchanged by shuffling, and ``None`` is unknown (a state saved without it).
+    are unchanged by shuffling, and ``None`` is unknown (a state saved without them) or not
+    reproducible (the loss after an online update, whose earlier losses were at other
+    parameters).
 
     Attributes:
         samples: Samples fitted (over all processes).
         loss: The summed loss.
-        target_sum: The targets summed, or ``None``.
+        target_energy: The targets' squares summed, or ``None``.
     """
 
     samples: int
-    loss: Optional[float]
-    target_sum: Optional[float] = None
+    loss: Optional[float] = None
+    target_energy: Optional[float] = None
+
+    @classmethod
+    def of_fit(cls, fit: FitResult) -> "FittedData":
+        """What a pass over a fit's data reproduces (its loss only where reproducible)."""
+        return cls(int(fit.n_data), float(fit.loss) if fit.loss_reproducible else None,
+                   fit.target_energy)
+
+    def state(self) -> Dict[str, Any]:
+        """A plain dict for ``state_dict``."""
+        return dict(vars(self))
+
+    @classmethod
+    def from_state(cls, state: Optional[Dict[str, Any]]) -> Optional["FittedData"]:
+        """Inverse of :meth:`state` (``None`` stays ``None``)."""
+        return None if state is None else cls(**state)
 
     def check(self, seen: "FittedData", group: Any, dtype: torch.dtype,
               device: torch.device) -> None:
         """Refuse a pass (``seen``, this process's share) that is not of the fitted data.
 
         The loss may differ by rounding (another batching or order): it must agree to
-        ``sqrt(eps)`` of the model's ``dtype``, the targets to float64 rounding.
+        ``sqrt(eps)`` of the model's ``dtype``, the targets' squares to :data:`TARGET_RTOL`.
 
         Raises:
             OtherDataError: Naming what differs and the way out.
         """
         if group is not None:
-            totals = torch.tensor([seen.samples, seen.loss, seen.target_sum],
+            totals = torch.tensor([seen.samples, seen.loss, seen.target_energy],
                                   dtype=torch.float64, device=device)
             dist.all_reduce(totals, group=group)
             seen = FittedData(int(totals[0]), float(totals[1]), float(totals[2]))
@@ -152,16 +172,17 @@ class FittedData:
                 f"refine_complement: train_loader yields {seen.samples:,} samples where the "
                 f"posterior was fitted on {self.samples:,}: {way_out}")
         tol = torch.finfo(dtype).eps ** 0.5
-        for what, fitted, now, rtol in (("summed loss", self.loss, seen.loss, tol),
-                                        ("summed targets", self.target_sum, seen.target_sum,
-                                         1e-12)):
+        checked = (("summed squared targets", self.target_energy, seen.target_energy,
+                    TARGET_RTOL), ("summed loss", self.loss, seen.loss, tol))
+        for what, fitted, now, rtol in checked:
             if fitted is not None and abs(now - fitted) > rtol * max(abs(fitted), abs(now)):
                 raise OtherDataError(
                     f"refine_complement: train_loader's {what} is {now:.8g} where the "
                     f"fitted data's was {fitted:.8g} (relative difference "
                     f"{abs(now - fitted) / max(abs(fitted), abs(now)):.2g}, more than "
                     f"{rtol:.2g}), so it does not give the samples the posterior was "
-                    f"fitted on: {way_out}")
+                    f"fitted on (or the model's parameters changed since the fit: refit "
+                    f"then): {way_out}")
 
 
 class LanczosRuns:
@@ -352,7 +373,7 @@ def _check_basis_memory(dim: int, config: FitConfig, device: torch.device) -> No
 
 
 class PassSums:
-    """What one pass over the loader gave: batches, samples, summed loss and targets.
+    """What one pass over the loader gave: batches, samples, summed loss and squared targets.
 
     Args:
         scale: laplace-torch's Hessian factor on the loss (as in ``la.loss``).
@@ -368,7 +389,7 @@ class PassSums:
         self.batches += 1
         self.samples += factor.num_samples
         sums = torch.stack([loss.detach().to(torch.float64),
-                            y.detach().sum(dtype=torch.float64)])
+                            y.detach().to(torch.float64).square().sum()])
         self.sums = sums if self.sums is None else self.sums + sums
 
     def result(self) -> FittedData:

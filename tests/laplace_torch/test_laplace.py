@@ -745,6 +745,7 @@ def test_state_is_flat_and_loads_without_pickle(subset, tmp_path, tune):
     la.optimize_prior_precision()
     assert la.fit_report.check is not None and la._null is not None
     assert la._complement is not None and la._quadrature is not None
+    assert la._fitted_data.loss is not None and la._fitted_data.target_energy is not None
     torch.save(la.state_dict(), tmp_path / "state.bin")
     state = torch.load(tmp_path / "state.bin", weights_only=True)
     for value in state.values():
@@ -757,6 +758,7 @@ def test_state_is_flat_and_loads_without_pickle(subset, tmp_path, tune):
         fresh.load_state_dict(saved)
         assert fresh.fit_report == la.fit_report
         assert fresh._quadrature.steps == la._quadrature.steps
+        assert fresh._fitted_data == la._fitted_data
         torch.testing.assert_close(fresh.log_marginal_likelihood(),
                                    la.log_marginal_likelihood(), **TOL)
         torch.testing.assert_close(fresh(X[:4]), la(X[:4]), **TOL)

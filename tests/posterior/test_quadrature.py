@@ -379,12 +379,35 @@ def test_a_loader_of_other_data_is_refused_before_any_lanczos_step():
     }
     for name, data in others.items():
         with pytest.raises(ValueError, match="does not give the samples the posterior was "
-                                             "fitted on: .*without random augmentation"):
+                                             "fitted on .*without random augmentation"):
             la.refine_complement(DataLoader(data, batch_size=100))
         assert la._quadrature is None and la.fit_report.quadrature_steps == 0, name
     with pytest.raises(ValueError, match="yielded no batches"):
         la.refine_complement(DataLoader(TensorDataset(X[:0], y[:0]), batch_size=100))
+    loaded = LowRankGGNLaplace(model, "classification", rank=6, refine_below=0)
+    loaded.load_state_dict(la.state_dict())  # the state carries what the data gave
+    with pytest.raises(ValueError, match="summed squared targets"):
+        loaded.refine_complement(DataLoader(others["other labels"], batch_size=100))
     la.refine_complement(DataLoader(TensorDataset(X, y), batch_size=64, shuffle=True))
+    assert la.fit_report.quadrature_steps > 0
+
+
+def test_after_an_online_update_the_targets_are_checked_but_not_the_moved_loss():
+    """An online update's loss sums losses at other parameters: a pass cannot reproduce it,
+    while the count and the targets still tell the fitted data from other data."""
+    model, X, y, _ = _problem()
+    first, second = (DataLoader(TensorDataset(X[s], y[s]), batch_size=100)
+                     for s in (slice(0, 400), slice(400, 600)))
+    la = LowRankGGNLaplace(model, "classification", rank=6, refine_below=0)
+    la.fit(first)
+    with torch.no_grad():  # an online learner moves on before the next update
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    la.fit(second, override=False)
+    assert la._fitted_data.loss is None and la._fitted_data.samples == 600
+    with pytest.raises(ValueError, match="summed squared targets"):
+        la.refine_complement(DataLoader(TensorDataset(X, (y + 1) % 3), batch_size=100))
+    la.refine_complement(DataLoader(TensorDataset(X, y), batch_size=100))
     assert la.fit_report.quadrature_steps > 0
 
 
