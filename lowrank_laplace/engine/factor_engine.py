@@ -154,18 +154,17 @@ class FactorEngine:
         free = batches.available_memory(device)
         if need <= free:
             return
-        gib = 2**30
         if low_memory:
             ways = "a smaller batch, subsampling=..."
         else:
             lean = n * self.bytes_per_sample(inputs, mc_samples or None, one_block=True)
-            ways = (f"low_memory=True (about {lean / gib:.1f} GiB: one block of V at a "
-                    "time, a second backward pass), a smaller batch, subsampling=...")
+            ways = (f"low_memory=True (about {batches.format_bytes(lean)}: one block of V "
+                    "at a time, a second backward pass), a smaller batch, subsampling=...")
         ways += ", mc_samples=1" if not mc_samples else ", fewer mc_samples"
         raise MemoryError(
             f"{caller}: {'the largest block of ' if low_memory else ''}V for {n} samples "
-            f"needs about {need / gib:.1f} GiB, but {device.type} has {free / gib:.1f} GiB "
-            f"available. Ways out: {ways}.")
+            f"needs about {batches.format_bytes(need)}, but {device.type} has "
+            f"{batches.format_bytes(free)} available. Ways out: {ways}.")
 
     def gradient(self, inputs: Any, targets: Any,
                  param_groups: Optional[List[dict]] = None) -> list:

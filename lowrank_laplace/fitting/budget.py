@@ -6,7 +6,12 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from lowrank_laplace.utils.batches import available_memory, batch_device, parse_memory
+from lowrank_laplace.utils.batches import (
+    available_memory,
+    batch_device,
+    format_bytes,
+    parse_memory,
+)
 
 DEFAULT_MEMORY_BUDGET = 2**30
 
@@ -97,7 +102,7 @@ def dense_identity(dim: int, dtype: torch.dtype, device: torch.device,
     budget = resolve_memory_budget(budget, device)
     if need > budget:
         raise ValueError(
-            f"{what} is a dense {dim:,} x {dim:,} matrix ({need / 2**30:.1f} GiB with "
+            f"{what} is a dense {dim:,} x {dim:,} matrix ({format_bytes(need)} with "
             f"its workspace), over memory_budget={budget:,} bytes: use "
             "posterior_variance (its diagonal), functional_variance / "
             "functional_covariance (outputs) or sample(), or raise memory_budget.")

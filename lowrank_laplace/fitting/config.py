@@ -16,6 +16,9 @@ from lowrank_laplace.utils.checks import Choice, check_mc_samples
 
 #: Leading eigenpairs kept by default.
 DEFAULT_RANK = 100
+#: Seeds lie in ``[-SEED_LIMIT, SEED_LIMIT)``: a seed plus the offsets the passes add (per
+#: batch, sample and process) stays a valid ``torch.Generator`` seed (64 bits).
+SEED_LIMIT = 2**63
 
 
 class SolverKind(Choice):
@@ -35,7 +38,7 @@ def check_count(name: str, value: Any, minimum: int, allow_none: bool = False) -
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            int(value) != value or value < minimum:
+            (isinstance(value, float) and not value.is_integer()) or value < minimum:
         kind = "positive" if minimum == 1 else "non-negative"
         raise ValueError(f"{name} must be a {kind} integer, got {value!r}.")
 
@@ -50,7 +53,8 @@ class FitConfig:
         subsample_fraction: Curvature from this random fraction of every batch (unbiased).
         memory_budget: What one micro-batch's ``V`` may take (see ``resolve_memory_budget``).
         micro_batch_size: Upper bound on samples per backward pass.
-        seed: Seed of sub-sampling, MC draws (plus the process rank) and the sketch.
+        seed: Seed of sub-sampling, MC draws (plus the process rank) and the sketch, in
+            ``[-2**63, 2**63)``.
         low_memory: Never hold a micro-batch's whole ``V``: two backward passes per merge,
             one layer's block at a time (ignored by the dense sum).
         factor_backend: ``"backpack"``, ``"hooks"``, ``"functorch"`` or ``"auto"``.
@@ -78,8 +82,10 @@ class FitConfig:
         check_count("probe_inputs", self.probe_inputs, 0)
         seed = self.seed
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or \
-                not -2**63 <= seed < 2**64:
-            raise ValueError(f"seed must be an integer (a torch.Generator seed), got {seed!r}.")
+                not -SEED_LIMIT <= seed < SEED_LIMIT:
+            raise ValueError(
+                f"seed must be an integer in [-2**63, 2**63), got {seed!r}: it seeds "
+                "torch.Generator (64 bits), and the passes add per-batch offsets to it.")
         budget = parse_memory(self.memory_budget)  # refuses nan, inf and 1.5 bytes
         if budget is not None and budget <= 0:
             raise ValueError(f"memory_budget must be positive, got {self.memory_budget!r}.")

@@ -121,6 +121,11 @@ class FitResult:
         warm_started: Whether the sketch started from a basis.
         probe: The inputs kept for a probe pass, or ``None``.
         check: The sketch's own check (``None`` where no sketch ran).
+        target_energy: The fitted targets' squares summed (over all processes; ``None``:
+            unknown): with
+            ``loss`` and ``n_data``, what a later pass over the same data reproduces.
+        loss_reproducible: Whether a pass over the data at ``mean`` reproduces ``loss``
+            (not after an online update, whose earlier losses were at other parameters).
     """
 
     mean: Tensor
@@ -137,6 +142,8 @@ class FitResult:
     warm_started: bool = False
     probe: Optional[ProbeInputs] = field(default=None, repr=False)
     check: Optional[FastPathCheck] = None
+    target_energy: Optional[float] = None
+    loss_reproducible: bool = True
 
 
 class LoaderFit:
@@ -212,16 +219,18 @@ class LoaderFit:
                     "lost, and variances in weakly determined directions can be far off at small "
                     "prior precisions. solver='streaming', a larger memory_budget (or a float64 "
                     "model) resolves them.", UserWarning, stacklevel=3)
-        loss, num_data = self._reduce(stream, loss, seen, known, mean.dtype)
+        loss, num_data, targets = self._reduce(stream, loss, seen, known, mean.dtype)
         check = self._check(stream)
         if check is not None and check.action == "streamed instead":
             self.plan = flat_plan(self._sizes, self.config)
             stream, loss, seen = self._pass(loader, known, None, False)
-            loss, num_data = self._reduce(stream, loss, seen, known, mean.dtype)
+            loss, num_data, targets = self._reduce(stream, loss, seen, known, mean.dtype)
         result = stream.solver.result()
         if previous is not None:
             result = merge_fits(self.config, previous, result)
             loss, num_data = previous.loss + loss, previous.n_data + num_data
+            known = previous.target_energy is not None
+            targets = previous.target_energy + targets if known else None
         U, lam, trace, residual = result
         if float(trace) <= 0:  # a zero GGN has no eigenpairs, not a fake tiny one
             U, lam = U[:, :0], lam[:0]
@@ -232,6 +241,7 @@ class LoaderFit:
             n_outputs=stream.n_outputs, factor_backend=self.engine.backend,
             fit_path=self.plan.path, rank_bound=min(mean.numel(), samples * self._sizes.columns),
             warm_started=stream.solver.warm_columns > 0, probe=self.probe, check=check,
+            target_energy=targets, loss_reproducible=previous is None,
         )
 
     def _pass(self, loader: Any, known: Optional[int], warm_basis: Optional[Tensor],
@@ -312,18 +322,20 @@ class LoaderFit:
         return not stream.solver.resolves()
 
     def _reduce(self, stream: BatchStreamer, loss: Any, seen: int, known: Optional[int],
-                dtype: torch.dtype) -> Tuple[Any, int]:
-        """Merge the solvers across processes; the loss and sample count of all of them."""
+                dtype: torch.dtype) -> Tuple[Any, int, float]:
+        """Merge the solvers across processes; the loss, sample count and target sum of all."""
         num_data = seen if known is None else known
         if self.group is None:
-            return loss, num_data
+            return loss, num_data, float(stream.target_energy)
         import torch.distributed as dist
 
         stream.solver.merge_across(self.group)
-        totals = torch.stack([torch.as_tensor(loss, dtype=dtype, device=self.device),
-                              torch.tensor(float(seen), dtype=dtype, device=self.device)])
+        wide = torch.float64
+        totals = torch.stack([torch.as_tensor(loss, device=self.device).to(wide),
+                              torch.tensor(float(seen), dtype=wide, device=self.device),
+                              stream.target_energy.to(self.device)])
         dist.all_reduce(totals, group=self.group)
-        return totals[0], int(totals[1])
+        return totals[0].to(dtype), int(totals[1]), float(totals[2])
 
 
 def probe_cap(sizes: Any) -> int:

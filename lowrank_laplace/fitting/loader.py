@@ -12,6 +12,8 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from lowrank_laplace.utils.batches import refuse_meta
+
 #: Samples planned for a dataset without a length (the plan streams; ``n_data`` is counted).
 UNKNOWN_SIZE = 2**40
 
@@ -109,6 +111,23 @@ def check_batch_types(X: Any, y: Any) -> None:
             "(e.g. in a TensorDataset).")
 
 
+def as_pair(data: Any) -> Tuple[Any, Any]:
+    """Return a loader's (non-dict) batch as its two items ``(X, y)``.
+
+    Raises:
+        ValueError: For a batch that is not a pair (e.g. ``(X, y, w)`` with sample weights).
+    """
+    if isinstance(data, (tuple, list)) and len(data) == 2:
+        return data[0], data[1]
+    what = (f"a {type(data).__name__} of {len(data)} items"
+            if isinstance(data, (tuple, list)) else f"a {type(data).__name__}")
+    raise ValueError(
+        f"train_loader must yield (X, y) pairs or dict batches, got {what}: the GGN "
+        "posterior takes inputs and targets only (laplace-torch's form; no sample weights "
+        "or extra fields). Yield (X, y), e.g. from a Dataset whose __getitem__ returns "
+        "(x, y) or a collate_fn that drops the rest.")
+
+
 def unpack(data: Any, dict_key_y: str) -> Tuple[Any, Tensor]:
     """Return a loader's batch as checked ``(X, y)``; a dict batch is the inputs whole.
 
@@ -118,6 +137,7 @@ def unpack(data: Any, dict_key_y: str) -> Tuple[Any, Tensor]:
 
     Raises:
         KeyError: For a dict batch without ``dict_key_y`` (laplace-torch's exception).
+        ValueError: For a batch that is not a pair (:func:`as_pair`).
         TypeError: See :func:`check_batch_types`.
     """
     if isinstance(data, MutableMapping):
@@ -128,7 +148,7 @@ def unpack(data: Any, dict_key_y: str) -> Tuple[Any, Tensor]:
                 "key of the labels as dict_key_y.")
         X, y = data, data[dict_key_y]
     else:
-        X, y = data
+        X, y = as_pair(data)
     check_batch_types(X, y)
     check_finite_inputs(X)
     return X, y
@@ -138,8 +158,9 @@ def check_finite_inputs(X: Any) -> None:
     """Refuse inputs ``X`` holding NaN or inf (a saturating network hides them until the GGN).
 
     Raises:
-        ValueError: Naming the entry.
+        ValueError: Naming the entry, or for inputs on the ``meta`` device (no values).
     """
+    refuse_meta("inputs", X.values() if isinstance(X, MutableMapping) else [X])
     entries = X.items() if isinstance(X, MutableMapping) else [("inputs", X)]
     for key, value in entries:
         if isinstance(value, Tensor) and value.is_floating_point() and \

@@ -32,6 +32,8 @@ class BatchStreamer:
     Attributes:
         rng: The private stream of the MC draws (a probe's draws continue it).
         n_outputs: Model outputs ``C`` (known after the first batch).
+        target_energy: The streamed targets' squares summed, float64 (a fingerprint of the
+            data: its terms are non-negative, so no cancellation hides a difference).
     """
 
     def __init__(self, engine: Any, plan: FitPlan, config: FitConfig, solver: Solver,
@@ -41,6 +43,7 @@ class BatchStreamer:
         self.generator = torch.Generator().manual_seed(seed)  # sub-sampling
         self.rng = PrivateRNG(seed, device)  # MC draws
         self.n_outputs: Optional[int] = None
+        self.target_energy = torch.zeros((), dtype=torch.float64, device=device)
         self.pending: List[GGNFactor] = []
         self.pending_scales: List[float] = []
 
@@ -48,6 +51,7 @@ class BatchStreamer:
         """Stream one batch ``(X, y)`` (on the fit's device); return its loss times ``scale``."""
         plan, config, solver = self.plan, self.config, self.solver
         micro = equal_parts(len(y), plan.micro)  # 128 in passes of <= 38: four of 32
+        self.target_energy += y.detach().to(torch.float64).square().sum()
         loss = 0.0
         for start in range(0, len(y), micro):  # tensor or dict batches
             Xc, yc = take(X, slice(start, start + micro), len(y)), y[start:start + micro]

@@ -19,7 +19,6 @@ from laplace.baselaplace import ParametricLaplace
 from laplace.lllaplace import LLLaplace
 from torch import Tensor, nn
 
-from lowrank_laplace.fitting.distributed import resolve_process_group
 from lowrank_laplace.fitting.fit import FitResult, FitTarget, LoaderFit
 from lowrank_laplace.laplace_torch.options import (
     OPTION_NAMES,
@@ -30,6 +29,7 @@ from lowrank_laplace.laplace_torch.options import (
 from lowrank_laplace.laplace_torch.persistence import StatePersistence
 from lowrank_laplace.laplace_torch.queries import PosteriorQueries
 from lowrank_laplace.laplace_torch.rank import AUTO, next_rank
+from lowrank_laplace.laplace_torch.refinement import ComplementRefinement
 from lowrank_laplace.laplace_torch.report import FitReport
 from lowrank_laplace.laplace_torch.tuning import scalar_marglik_call, tune_scalar_prior
 from lowrank_laplace.laplace_torch.warm import warm_basis
@@ -37,8 +37,9 @@ from lowrank_laplace.posterior import GramCache, Residual, quadrature, residual_
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.null import NullDirections, head_directions
 from lowrank_laplace.posterior.probe import probe_residual
-from lowrank_laplace.posterior.quadrature import DroppedQuadrature, lanczos_quadrature
+from lowrank_laplace.posterior.quadrature import DroppedQuadrature, FittedData
 from lowrank_laplace.posterior.residual import DEFAULT_RESIDUAL
+from lowrank_laplace.utils.checks import refuse_inference_mode
 from lowrank_laplace.utils.threads import on_one_thread_if_small
 
 
@@ -54,24 +55,6 @@ def check_positive(name: str, value) -> None:
         raise ValueError(
             f"{name} must be positive and finite, got {value!r}: a zero or negative "
             f"{name} has no Gaussian posterior."
-        )
-
-
-def refuse_inference_mode(what: str) -> None:
-    """Refuse a call under ``torch.inference_mode()``, which forbids its backward passes.
-
-    Args:
-        what: The call, for the message.
-
-    Raises:
-        RuntimeError: Under ``torch.inference_mode()``.
-    """
-    if torch.is_inference_mode_enabled():
-        raise RuntimeError(
-            f"lowrank_ggn's {what} differentiates the model (the GGN factor comes from "
-            "backward passes), which torch.inference_mode() forbids: call it outside, or "
-            "under torch.no_grad() instead (it enables gradients where it needs them). "
-            "In Lightning, Trainer(inference_mode=False)."
         )
 
 
@@ -108,7 +91,8 @@ class _Option:
         )
 
 
-class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
+class LowRankGGNLaplace(StatePersistence, ComplementRefinement, PosteriorQueries,
+                        ParametricLaplace):
     r"""Full-network Laplace with the GGN's exact leading eigenspace as curvature.
 
     Accepts laplace-torch's ``ParametricLaplace`` arguments (``backend`` only serves
@@ -155,6 +139,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         self._gram_cache = GramCache()  # float64 U^T U, kept across predictive calls
         self.residual_diagonal: Optional[Tensor] = None
         self.trace: Optional[Tensor] = None
+        self._fitted_data: Optional[FittedData] = None  # what a pass over the data gives
         self.rank_bound: Optional[int] = None
         self._residual_model: Optional[Residual] = None
         self._fitted_residual: Optional[str] = None
@@ -320,7 +305,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             if previous is None and self.fit_report.refinable and not options.mc_samples \
                     and self.fit_report.kept_fraction < options.refine_below \
                     and quadrature.basis_fits(self.n_params, options, self._device):
-                self._refine(train_loader, run.group)  # on the fit's threads
+                self._refine_after_fit(train_loader, run.group)  # on the fit's threads
 
     def _store(self, result: FitResult, probed: Any, ranks_tried: tuple,
                passes: int = 1) -> None:
@@ -328,6 +313,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         self.warm_started = result.warm_started
         self.mean, self.H = result.mean, (result.eigenvectors, result.eigenvalues)
         self.n_outputs, self.loss, self.n_data = result.n_outputs, result.loss, result.n_data
+        self._fitted_data = FittedData.of_fit(result)
         self.trace, self.residual_diagonal = result.trace, result.residual_diagonal
         self.factor_backend_used, self.fit_path = result.factor_backend, result.fit_path
         self.rank_bound, self._jacobian_exponent = result.rank_bound, probed.exponent
@@ -335,51 +321,6 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
         self.fit_report = FitReport.of_fit(result, probed, ranks_tried,
                                            float(self.kept_fraction), self.options, passes)
         self._fitted_residual, self._residual_model = self.residual, None
-
-    def refine_complement(self, train_loader: Any) -> None:
-        """Measure the dropped curvature by Lanczos quadrature over the whole training set.
-
-        One pass over ``train_loader`` per Lanczos step on the GGN outside the kept
-        eigenvectors (:mod:`~lowrank_laplace.posterior.quadrature`), converged at half the
-        current prior; the results replace the probe's complement variance and the tail's
-        log det and marglik. A later :meth:`fit` discards them.
-
-        Raises:
-            AttributeError: Before :meth:`fit`.
-            ValueError: For a residual model other than ``"spectral"``, or a Monte-Carlo
-                GGN (``mc_samples``), whose kept eigenpairs another draw would not match.
-            MemoryError: If the Lanczos basis does not fit ``memory_budget``.
-        """
-        self._check_H_init()
-        refuse_inference_mode("refine_complement")
-        if not self.options.residual_model.needs_probe:
-            raise ValueError(f"refine_complement measures the spectral residual; this "
-                             f"posterior uses residual={self.residual!r}: set "
-                             "residual='spectral'.")
-        if self.options.mc_samples:
-            raise ValueError(
-                f"refine_complement measures the exact GGN outside the kept eigenvectors; "
-                f"this posterior was fitted on a Monte-Carlo GGN (mc_samples="
-                f"{self.options.mc_samples}), whose draws it would not match: refit with "
-                "mc_samples=0 to refine it.")
-        self._refine(train_loader, resolve_process_group("default"))
-
-    def _refine(self, train_loader: Any, group: Any) -> None:
-        """Run the Lanczos quadrature over ``train_loader``, summed over ``group``."""
-        module, to_inputs, params = self._curvature_target()
-        prior = (float(self._H_factor), float(torch.as_tensor(self.prior_precision).mean()))
-        found = lanczos_quadrature(
-            FitTarget(module, self.likelihood, params, to_inputs, self.dict_key_y,
-                      self._device), train_loader, (self.H[0], self._null, self.n_outputs),
-            self.options, prior, self.n_data, group)
-        previous, probed = self._quadrature, self._complement
-        if previous is not None and previous.holds(probed):  # an earlier refinement's
-            probed = None
-        self._quadrature, self._residual_model = found, None
-        self._complement = found.kept_complement(probed)
-        self.fit_report = replace(self.fit_report, complement_resolved=None,
-                                  quadrature_steps=found.steps,
-                                  quadrature_converged=found.converged)
 
     def _fit_result(self) -> FitResult:
         """The current fit as a :class:`FitResult` (what online updates add to)."""
@@ -389,6 +330,7 @@ class LowRankGGNLaplace(StatePersistence, PosteriorQueries, ParametricLaplace):
             residual_diagonal=self.residual_diagonal, loss=self.loss, n_data=self.n_data,
             n_outputs=self.n_outputs, factor_backend=self.factor_backend_used,
             fit_path=self.fit_path, rank_bound=self.rank_bound,
+            target_energy=getattr(self._fitted_data, "target_energy", None),
         )
 
     @property

@@ -17,7 +17,12 @@ import torch
 from laplace.lllaplace import LLLaplace
 from torch import Tensor, nn
 
-from lowrank_laplace.fitting.loader import check_batch_types, loader_size
+from lowrank_laplace.fitting.loader import (
+    as_pair,
+    check_batch_types,
+    check_finite_inputs,
+    loader_size,
+)
 from lowrank_laplace.laplace_torch.laplace import (
     LowRankGGNLaplace,
     check_positive,
@@ -70,14 +75,48 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
             data = next(iter(train_loader), None)
             if data is None:
                 raise ValueError("train_loader yielded no batches: nothing to fit.")
+            X = data if isinstance(data, MutableMapping) else as_pair(data)[0]
             if not isinstance(data, MutableMapping):
-                check_batch_types(*data)
+                check_batch_types(*as_pair(data))
+            check_finite_inputs(X)  # before laplace-torch's forward pass on it
         self.whole_model = False
         try:
             LLLaplace.fit(self, train_loader, override=override, progress_bar=progress_bar)
         except _FeaturesMissOutputs:  # found before any curvature of that batch
             self.whole_model = True
             LLLaplace.fit(self, train_loader, override=override, progress_bar=progress_bar)
+
+    def state_dict(self) -> dict:
+        """The posterior's state (see :meth:`LowRankGGNLaplace.state_dict`) and ``whole_model``."""
+        return {**super().state_dict(), "whole_model": self.whole_model}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a fitted posterior (see :meth:`LowRankGGNLaplace.load_state_dict`).
+
+        Args:
+            state_dict: From :meth:`state_dict` (one without ``whole_model``: ``False``).
+        """
+        super().load_state_dict(state_dict)
+        self.whole_model = bool(state_dict.get("whole_model", False))
+
+    def refine_complement(self, train_loader: Any) -> None:
+        """See :meth:`LowRankGGNLaplace.refine_complement`.
+
+        Raises:
+            ValueError: Also where the last layer on the loader's features does not give
+                the model's outputs but the posterior is the last layer's on its features.
+        """
+        try:
+            super().refine_complement(train_loader)
+        except _FeaturesMissOutputs as err:
+            raise ValueError(
+                "refine_complement: on train_loader's batches the last layer on its "
+                "features does not give the model's outputs (the model selects or pools "
+                "positions after its last layer), but this posterior is the last layer's "
+                "curvature on its features (whole_model=False: fitted where they agreed, "
+                "or loaded from a state that does not record whole_model). Fit it on this "
+                "loader (la.fit(train_loader) then differentiates the whole model), or "
+                "pass the loader it was fitted on.") from err
 
     def _expected_dim(self) -> Optional[int]:
         last = getattr(self.model, "last_layer", None)
@@ -130,6 +169,9 @@ class LowRankGGNLLLaplace(LLLaplace, LowRankGGNLaplace):
 
 class _FeaturesMissOutputs(Exception):
     """The last layer on its features does not give the model's outputs."""
+
+    def __init__(self):
+        super().__init__("the last layer on its features does not give the model's outputs")
 
 
 def _outputs_and_features(extractor: nn.Module, X: Any, grad: bool):

@@ -1,6 +1,16 @@
-"""Saving and restoring a fitted low-rank posterior (laplace-torch's ``state_dict``)."""
+"""Saving and restoring a fitted low-rank posterior (laplace-torch's ``state_dict``).
+
+laplace-torch's state is flat: tensors and plain values (``torch.load(...,
+weights_only=True)``, its ``test_serialize_no_pickle``). The posterior's optional parts
+(:data:`PARTS`: the fit report, the measured complement, the null directions, the
+quadrature, what a pass over the fitted data gives) are saved field by field under
+``"<part>.<field>"`` keys, nested fields under ``"<part>.<field>.<field>"``; a state of
+the earlier nested form loads too.
+"""
 
 from __future__ import annotations
+
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -8,7 +18,41 @@ from lowrank_laplace.laplace_torch.report import FitReport
 from lowrank_laplace.posterior import residual_class
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.null import NullDirections
-from lowrank_laplace.posterior.quadrature import DroppedQuadrature
+from lowrank_laplace.posterior.quadrature import DroppedQuadrature, FittedData
+
+#: The optional parts of the state, each saved flat under its name as key prefix.
+PARTS = ("fit_report", "measured_complement", "null_directions", "quadrature", "fitted_data")
+#: Joins a part's name and its (nested) field names in a key.
+SEPARATOR = "."
+
+
+def flatten(prefix: str, values: Dict[str, Any]) -> Dict[str, Any]:
+    """Return ``values`` (nested dicts of plain values) as one flat dict of prefixed keys."""
+    flat = {}
+    for key, value in values.items():
+        name = f"{prefix}{SEPARATOR}{key}"
+        flat.update(flatten(name, value) if isinstance(value, dict) else {name: value})
+    return flat
+
+
+def unflatten(state: Dict[str, Any], prefix: str) -> Optional[Dict[str, Any]]:
+    """Return the nested dict saved under ``prefix`` (inverse of :func:`flatten`), else ``None``.
+
+    A state of the earlier form holds the nested dict (or ``None``) under ``prefix`` itself.
+    """
+    if prefix in state:
+        return state[prefix]
+    start, nested = prefix + SEPARATOR, None
+    for key, value in state.items():
+        if not key.startswith(start):
+            continue
+        nested = {} if nested is None else nested
+        *path, leaf = key[len(start):].split(SEPARATOR)
+        node = nested
+        for name in path:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    return nested
 
 
 class StatePersistence:
@@ -19,11 +63,13 @@ class StatePersistence:
         state = super().state_dict()
         state.update(trace=self.trace, rank=self.rank, mc_samples=self.mc_samples,
                      residual_diagonal=self.residual_diagonal, residual=self.residual,
-                     rank_bound=self.rank_bound, jacobian_exponent=self._jacobian_exponent,
-                     fit_report=None if self.fit_report is None else self.fit_report.as_dict())
-        parts = {"measured_complement": self._complement, "null_directions": self._null,
-                 "quadrature": self._quadrature}
-        state.update({key: None if part is None else part.state() for key, part in parts.items()})
+                     rank_bound=self.rank_bound, jacobian_exponent=self._jacobian_exponent)
+        parts = dict(zip(PARTS, (self.fit_report, self._complement, self._null,
+                                 self._quadrature, self._fitted_data)))
+        for name, part in parts.items():
+            if part is not None:
+                state.update(flatten(name, part.as_dict() if name == "fit_report"
+                                     else part.state()))
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -51,12 +97,15 @@ class StatePersistence:
         self.residual_diagonal = state_dict.get("residual_diagonal")
         self.rank_bound = state_dict.get("rank_bound")
         self._jacobian_exponent = float(state_dict.get("jacobian_exponent", 0.0))
-        complement = MeasuredComplement.from_state(state_dict.get("measured_complement"))
+        complement = MeasuredComplement.from_state(unflatten(state_dict,
+                                                             "measured_complement"))
         self._complement = None if complement is None else complement.to(U.device)
-        self._null = NullDirections.from_state(state_dict.get("null_directions"))
-        self._quadrature = DroppedQuadrature.from_state(state_dict.get("quadrature"), U.device)
+        self._null = NullDirections.from_state(unflatten(state_dict, "null_directions"))
+        self._quadrature = DroppedQuadrature.from_state(unflatten(state_dict, "quadrature"),
+                                                        U.device)
         self._residual_model = None
-        self.fit_report = FitReport.from_dict(state_dict.get("fit_report"))
+        self.fit_report = FitReport.from_dict(unflatten(state_dict, "fit_report"))
+        self._fitted_data = FittedData.from_state(unflatten(state_dict, "fitted_data"))
 
     def _check_state(self, state: dict) -> None:
         """Refuse a state this object cannot take before any of it is loaded."""

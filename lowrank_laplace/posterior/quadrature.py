@@ -28,11 +28,11 @@ from lowrank_laplace.engine.rng import forked_rng
 from lowrank_laplace.fitting import loader as loaders
 from lowrank_laplace.fitting.budget import micro_batch_size, resolve_memory_budget
 from lowrank_laplace.fitting.config import FitConfig
-from lowrank_laplace.fitting.fit import FitTarget
+from lowrank_laplace.fitting.fit import FitResult, FitTarget
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.null import NullDirections
 from lowrank_laplace.posterior.predictive import jacobian_engine, micro_batches
-from lowrank_laplace.utils.batches import batch_device, take, to_device
+from lowrank_laplace.utils.batches import batch_device, format_bytes, take, to_device
 from lowrank_laplace.utils.checks import check_batch
 
 #: The default of the ``refine_below`` option: below this kept share of the GGN trace a
@@ -53,6 +53,9 @@ START_INPUTS = 256
 START_PROJECTIONS = 16
 #: A run ends (an invariant subspace) where a step leaves less than this share of it.
 BREAKDOWN = 1e-10
+#: Relative tolerance on the summed squared targets of a pass over the fitted data (float64
+#: sums of non-negative terms in another order agree far closer).
+TARGET_RTOL = 1e-9
 #: Share of the memory budget the first pass's factors may keep for the later passes.
 CACHE_SHARE = 0.5
 
@@ -105,6 +108,81 @@ class DroppedQuadrature:
         return cls(complement, state["nodes"], state["counts"], int(state["steps"]),
                    bool(state["converged"]), float(state["seconds"]),
                    float(state.get("checked_prior", 0.0)))
+
+
+class OtherDataError(ValueError):
+    """A loader's pass does not reproduce the data the posterior was fitted on."""
+
+
+@dataclass(frozen=True)
+class FittedData:
+    """What a pass over the fitted data reproduces: its samples, summed loss and targets.
+
+    The loss is laplace-torch's (``la.loss``: summed, times the Hessian factor); the sums
+    are unchanged by shuffling, and ``None`` is unknown (a state saved without them) or not
+    reproducible (the loss after an online update, whose earlier losses were at other
+    parameters).
+
+    Attributes:
+        samples: Samples fitted (over all processes).
+        loss: The summed loss.
+        target_energy: The targets' squares summed, or ``None``.
+    """
+
+    samples: int
+    loss: Optional[float] = None
+    target_energy: Optional[float] = None
+
+    @classmethod
+    def of_fit(cls, fit: FitResult) -> "FittedData":
+        """What a pass over a fit's data reproduces (its loss only where reproducible)."""
+        return cls(int(fit.n_data), float(fit.loss) if fit.loss_reproducible else None,
+                   fit.target_energy)
+
+    def state(self) -> Dict[str, Any]:
+        """A plain dict for ``state_dict``."""
+        return dict(vars(self))
+
+    @classmethod
+    def from_state(cls, state: Optional[Dict[str, Any]]) -> Optional["FittedData"]:
+        """Inverse of :meth:`state` (``None`` stays ``None``)."""
+        return None if state is None else cls(**state)
+
+    def check(self, seen: "FittedData", group: Any, dtype: torch.dtype,
+              device: torch.device) -> None:
+        """Refuse a pass (``seen``, this process's share) that is not of the fitted data.
+
+        The loss may differ by rounding (another batching or order): it must agree to
+        ``sqrt(eps)`` of the model's ``dtype``, the targets' squares to :data:`TARGET_RTOL`.
+
+        Raises:
+            OtherDataError: Naming what differs and the way out.
+        """
+        if group is not None:
+            totals = torch.tensor([seen.samples, seen.loss, seen.target_energy],
+                                  dtype=torch.float64, device=device)
+            dist.all_reduce(totals, group=group)
+            seen = FittedData(int(totals[0]), float(totals[1]), float(totals[2]))
+        way_out = ("pass a loader of all the data the posterior was fitted on (after online "
+                   "updates, of every fitted loader's data) that gives the same samples on "
+                   "every pass: without random augmentation (e.g. the training set with the "
+                   "evaluation transform); shuffling is fine.")
+        if seen.samples != self.samples:
+            raise OtherDataError(
+                f"refine_complement: train_loader yields {seen.samples:,} samples where the "
+                f"posterior was fitted on {self.samples:,}: {way_out}")
+        tol = torch.finfo(dtype).eps ** 0.5
+        checked = (("summed squared targets", self.target_energy, seen.target_energy,
+                    TARGET_RTOL), ("summed loss", self.loss, seen.loss, tol))
+        for what, fitted, now, rtol in checked:
+            if fitted is not None and abs(now - fitted) > rtol * max(abs(fitted), abs(now)):
+                raise OtherDataError(
+                    f"refine_complement: train_loader's {what} is {now:.8g} where the "
+                    f"fitted data's was {fitted:.8g} (relative difference "
+                    f"{abs(now - fitted) / max(abs(fitted), abs(now)):.2g}, more than "
+                    f"{rtol:.2g}), so it does not give the samples the posterior was "
+                    f"fitted on (or the model's parameters changed since the fit: refit "
+                    f"then): {way_out}")
 
 
 class LanczosRuns:
@@ -176,7 +254,7 @@ def gauss_estimates(rules: List[Tuple[Tensor, Tensor]], scale: float, prior: flo
 
 def lanczos_quadrature(target: FitTarget, loader: Any,
                        kept: Tuple[Tensor, Optional[NullDirections], int],
-                       config: FitConfig, prior: Tuple[float, float], num_data: int,
+                       config: FitConfig, prior: Tuple[float, float], fitted: FittedData,
                        group: Any = None) -> DroppedQuadrature:
     """Run the Lanczos quadrature of a fit's dropped curvature over a training loader.
 
@@ -187,7 +265,8 @@ def lanczos_quadrature(target: FitTarget, loader: Any,
             directions (``None``: none) and the model's outputs.
         config: The fit's options (backend, memory budget, micro-batches, seed).
         prior: ``(h, delta)``: the scale and the scalar prior the stopping rule checks at.
-        num_data: Samples the fit saw (over all processes), which the loader must hold.
+        fitted: What the fitted data's pass gave, which every pass of the loader must
+            reproduce (checked before the first Lanczos step).
         group: The data-parallel process group (products are summed over it), or ``None``.
 
     Returns:
@@ -196,7 +275,8 @@ def lanczos_quadrature(target: FitTarget, loader: Any,
     Raises:
         MemoryError: If the Lanczos basis of :data:`MAX_STEPS` steps does not fit the
             memory budget (naming ``memory_budget``).
-        ValueError: If the loader does not hold ``num_data`` samples (after one pass).
+        ValueError: If the loader yields no batch.
+        OtherDataError: If a pass of the loader does not reproduce ``fitted``.
     """
     U, null, outputs = kept
     dim, wide = U.shape[0], torch.float64
@@ -221,14 +301,15 @@ def lanczos_quadrature(target: FitTarget, loader: Any,
     with FactorEngine(target.model, loaders.likelihood_loss(target.likelihood)[0],
                       eval_mode=True, backend=config.factor_backend) as engine:
         while steps < MAX_STEPS and bool(runs.active.any()):
-            product = _ggn_product(cache.passes(_factors(engine, target, loader, config)),
-                                   target, runs.current)
+            seen = PassSums(loaders.likelihood_loss(target.likelihood)[1])
+            product = _ggn_product(cache.passes(_factors(engine, target, loader, config,
+                                                         seen)), target, runs.current)
+            if seen.batches:  # a fresh pass over the loader (not the kept factors)
+                fitted.check(seen.result(), group, U.dtype, product.device)
             if group is not None:
                 dist.all_reduce(product, group=group)
             runs.step(project(product))
             steps += 1
-            if steps == 1:
-                _check_samples(cache.samples, num_data, group, product.device)
             history.append(gauss_estimates(runs.rules(), scale, CHECK_PRIOR * delta))
             if steps >= MIN_STEPS and all(abs(now - then) <= TOLERANCE * abs(now) for now, then
                                           in zip(history[-1], history[-3])):
@@ -286,22 +367,35 @@ def _check_basis_memory(dim: int, config: FitConfig, device: torch.device) -> No
     if need > budget:
         raise MemoryError(
             f"refine_complement: the Lanczos basis of {MAX_STEPS} steps for {dim:,} "
-            f"parameters needs about {need / 2**30:.1f} GiB, above the memory budget of "
-            f"{budget / 2**30:.1f} GiB: raise memory_budget (e.g. memory_budget=0.5 for half "
+            f"parameters needs about {format_bytes(need)}, above the memory budget of "
+            f"{format_bytes(budget)}: raise memory_budget (e.g. memory_budget=0.5 for half "
             "the free memory).")
 
 
-def _check_samples(seen: int, num_data: int, group: Any, device: torch.device) -> None:
-    """Refuse a loader of other samples than the fit's (a later one of online updates)."""
-    if group is not None:
-        count = torch.tensor([seen], dtype=torch.float64, device=device)
-        dist.all_reduce(count, group=group)
-        seen = int(count)
-    if seen != num_data:
-        raise ValueError(
-            f"refine_complement: train_loader yields {seen:,} samples where the posterior "
-            f"was fitted on {num_data:,}: pass a loader of all the data it was fitted on "
-            "(after online updates, of every fitted loader's data).")
+class PassSums:
+    """What one pass over the loader gave: batches, samples, summed loss and squared targets.
+
+    Args:
+        scale: laplace-torch's Hessian factor on the loss (as in ``la.loss``).
+    """
+
+    def __init__(self, scale: float):
+        self.scale, self.batches, self.samples = scale, 0, 0
+        self.sums: Optional[Tensor] = None  # loss and targets, float64, on the device
+
+    def add(self, y: Tensor, factor: Any) -> None:
+        """Count a micro-batch: its targets ``y`` and its factor's samples and (unscaled) loss."""
+        loss = factor.loss
+        self.batches += 1
+        self.samples += factor.num_samples
+        sums = torch.stack([loss.detach().to(torch.float64),
+                            y.detach().to(torch.float64).square().sum()])
+        self.sums = sums if self.sums is None else self.sums + sums
+
+    def result(self) -> FittedData:
+        """The pass as a :class:`FittedData` (this process's share)."""
+        loss, targets = (0.0, 0.0) if self.sums is None else self.sums.tolist()
+        return FittedData(self.samples, self.scale * loss, targets)
 
 
 def _batches(target: FitTarget, loader: Any) -> Any:
@@ -338,6 +432,9 @@ def _jacobian_starts(target: FitTarget, loader: Any, config: FitConfig, outputs:
                 seen += check_batch(chunk, None)
             if seen >= START_INPUTS:
                 break
+    if starts is None:
+        raise ValueError("refine_complement: train_loader yielded no batches: pass a loader "
+                         "of the data the posterior was fitted on.")
     return starts / 2**0.5  # the MSE-sum factor is sqrt(2) J^T
 
 
@@ -349,16 +446,14 @@ class FactorCache:
     """
 
     def __init__(self, room: int):
-        self.room, self.kept, self.complete, self.samples = room, [], False, 0
+        self.room, self.kept, self.complete = room, [], False
 
     def passes(self, fresh: Iterator[Any]) -> Iterable[Any]:
         """The kept factors after a complete first pass, else ``fresh``'s, kept while they fit."""
         if self.complete:
             yield from self.kept
             return
-        self.samples = 0
         for factor in fresh:
-            self.samples += factor.num_samples
             if self.room >= 0:
                 self.room -= sum(block.nbytes for block in factor.blocks.values())
                 if self.room >= 0:
@@ -369,9 +464,12 @@ class FactorCache:
         self.complete = self.room >= 0
 
 
-def _factors(engine: FactorEngine, target: FitTarget, loader: Any, config: FitConfig
-             ) -> Iterator[Any]:
-    """The GGN factors of the loader's micro-batches, Monte-Carlo draws seeded per batch."""
+def _factors(engine: FactorEngine, target: FitTarget, loader: Any, config: FitConfig,
+             sums: Optional[PassSums] = None) -> Iterator[Any]:
+    """The GGN factors of the loader's micro-batches, counted in ``sums`` (if given).
+
+    Monte-Carlo draws are seeded per batch.
+    """
     for index, (X, y) in enumerate(_batches(target, loader)):
         n = len(y)
         micro = micro_batch_size(engine, X, config.mc_samples or None, config.memory_budget,
@@ -380,8 +478,11 @@ def _factors(engine: FactorEngine, target: FitTarget, loader: Any, config: FitCo
             chunk, labels = take(X, slice(begin, begin + micro), n), y[begin:begin + micro]
             with forked_rng(batch_device(chunk)):
                 torch.manual_seed(config.seed + 7919 * index + begin)
-                yield engine.compute(chunk, labels, mc_samples=config.mc_samples,
-                                     gradient=False)
+                factor = engine.compute(chunk, labels, mc_samples=config.mc_samples,
+                                        gradient=False)
+            if sums is not None:
+                sums.add(labels, factor)
+            yield factor
 
 
 def _ggn_product(factors: Iterable[Any], target: FitTarget, Q: Tensor) -> Tensor:

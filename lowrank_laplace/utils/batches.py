@@ -56,6 +56,17 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def format_bytes(size: float) -> str:
+    """Return ``size`` bytes for a message, in the largest binary unit it fills (``"1.5 GiB"``).
+
+    Three significant digits, so that two sizes compared in a message differ where they do.
+    """
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.3g} {unit}"
+    return f"{int(size)} bytes"
+
+
 def parse_memory(budget: Any) -> Any:
     """Turn a memory size with a unit (``"1GB"``, ``"512 MiB"``) into bytes.
 
@@ -91,8 +102,29 @@ def parse_memory(budget: Any) -> Any:
             "free memory (float in (0, 1]) or a string such as '512MB' or '2GiB'.") from None
 
 
+def refuse_meta(what: str, values: Any) -> None:
+    """Refuse tensors on the ``meta`` device among ``values`` (which hold no data).
+
+    Args:
+        what: What they are, for the message (``"inputs"``, ``"targets"``).
+        values: Tensors and other values.
+
+    Raises:
+        ValueError: Naming the way out.
+    """
+    if any(isinstance(t, Tensor) and t.is_meta for t in values):
+        raise ValueError(
+            f"The {what} are on the meta device, which holds shapes but no values: "
+            "move the batch to a device with data (e.g. .to('cpu')).")
+
+
 def to_device(inputs: Any, device: torch.device) -> Any:
-    """Return a tensor or dict batch with its tensors moved to ``device``."""
+    """Return a tensor or dict batch with its tensors moved to ``device``.
+
+    Raises:
+        ValueError: For tensors on the ``meta`` device (:func:`refuse_meta`).
+    """
+    refuse_meta("inputs", [inputs] if isinstance(inputs, Tensor) else inputs.values())
     if isinstance(inputs, Tensor):
         return inputs.to(device)
     out = copy.copy(inputs)

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lowrank_laplace.utils.batches import batch_size
+from lowrank_laplace.utils.batches import batch_size, refuse_meta
 
 SUPPORTED_LOSSES = (nn.CrossEntropyLoss, nn.MSELoss)
 _BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -111,10 +111,7 @@ def check_batch(inputs: Any, targets: Optional[Tensor]) -> int:
         raise TypeError("targets must be a torch.Tensor.")
     tensors = [inputs] if isinstance(inputs, Tensor) else list(inputs.values())
     for what, values in (("inputs", tensors), ("targets", [targets])):
-        if any(isinstance(t, Tensor) and t.is_meta for t in values):
-            raise ValueError(
-                f"The {what} are on the meta device, which holds shapes but no values: "
-                "move the batch to a device with data (e.g. .to('cpu')).")
+        refuse_meta(what, values)
     n = batch_size(inputs) if targets is None else (targets.shape[0] if targets.ndim else 0)
     if n == 0:
         raise ValueError("Empty batch: the batch must hold at least one sample.")
@@ -314,3 +311,21 @@ class Choice(str, Enum):
         except ValueError:
             allowed = ", ".join(repr(m.value) for m in cls)
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}.") from None
+
+
+def refuse_inference_mode(what: str) -> None:
+    """Refuse a call under ``torch.inference_mode()``, which forbids its backward passes.
+
+    Args:
+        what: The call, for the message.
+
+    Raises:
+        RuntimeError: Under ``torch.inference_mode()``.
+    """
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"lowrank_ggn's {what} differentiates the model (the GGN factor comes from "
+            "backward passes), which torch.inference_mode() forbids: call it outside, or "
+            "under torch.no_grad() instead (it enables gradients where it needs them). "
+            "In Lightning, Trainer(inference_mode=False)."
+        )

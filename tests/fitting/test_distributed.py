@@ -150,7 +150,7 @@ def test_refine_complement_sums_the_products_over_processes(tmp_path, monkeypatc
     loader = DataLoader(TensorDataset(X, y), batch_size=4)
     single.fit(loader, process_group=None)
     # one process's view of the data, as refine_complement resolves it
-    monkeypatch.setattr("lowrank_laplace.laplace_torch.laplace.resolve_process_group",
+    monkeypatch.setattr("lowrank_laplace.laplace_torch.refinement.resolve_process_group",
                         lambda group: None)
     single.refine_complement(loader)
     expected = _refined(single)

@@ -98,6 +98,32 @@ def test_empty_loader_and_batches_of_arrays_are_refused(subset):
 
 
 @pytest.mark.parametrize("subset", STRUCTURES)
+def test_batches_with_sample_weights_are_refused_naming_the_pair(subset):
+    X, y = _data()
+    weights = torch.ones(len(y), dtype=torch.float64)
+    triples = _Counting(DataLoader(TensorDataset(X, y, weights), batch_size=8))
+    la = Laplace(_mlp(), "classification", subset, "lowrank_ggn")
+    with pytest.raises(ValueError, match=r"must yield \(X, y\) pairs or dict batches, got a "
+                                         r"list of 3 items: .* no sample weights"):
+        la.fit(triples)
+    assert triples.count == 1
+
+
+@pytest.mark.parametrize("subset", STRUCTURES)
+def test_meta_inputs_to_a_cpu_model_are_refused_in_fit_and_prediction(subset):
+    X, y = _data()
+    meta = "inputs are on the meta device, which holds shapes but no values"
+    la = Laplace(_mlp(), "classification", subset, "lowrank_ggn")
+    with pytest.raises(ValueError, match=meta):
+        la.fit(DataLoader(TensorDataset(X.to("meta"), y), batch_size=8))
+    la.fit(_loader())
+    for query in (lambda: la(X.to("meta")), lambda: la(X.to("meta"), joint=True),
+                  lambda: la.predictive_samples(X.to("meta"), n_samples=2)):
+        with pytest.raises(ValueError, match=meta):
+            query()
+
+
+@pytest.mark.parametrize("subset", STRUCTURES)
 def test_frozen_and_meta_parameters_are_refused_before_the_fit(subset):
     frozen = _mlp().requires_grad_(False)
     loader = _Counting(_loader())

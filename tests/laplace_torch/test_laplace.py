@@ -726,6 +726,44 @@ def test_last_layer_state_dict_into_a_fresh_object():
                                **TOL)
 
 
+@pytest.mark.filterwarnings("ignore:solver='sketch' has not converged")
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_state_is_flat_and_loads_without_pickle(subset, tmp_path, tune):
+    """laplace-torch's ``test_serialize_no_pickle`` (a weights-only load, flat values), with
+    every optional part present: the sketch's check, the measured complement, the null
+    directions and the quadrature. A state of the earlier nested form loads the same."""
+    from lowrank_laplace.laplace_torch.persistence import PARTS, unflatten
+
+    tune(dense_max_dim=0)
+    model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
+    # passes of 2 samples: one streaming merge must not cover the data
+    kwargs = dict(subset_of_weights=subset, hessian_structure="lowrank_ggn", rank=3,
+                  solver="sketch", micro_batch_size=2)
+    la = Laplace(model, likelihood, **kwargs)
+    la.fit(loader)
+    la.refine_complement(loader)
+    la.optimize_prior_precision()
+    assert la.fit_report.check is not None and la._null is not None
+    assert la._complement is not None and la._quadrature is not None
+    assert la._fitted_data.loss is not None and la._fitted_data.target_energy is not None
+    torch.save(la.state_dict(), tmp_path / "state.bin")
+    state = torch.load(tmp_path / "state.bin", weights_only=True)
+    for value in state.values():
+        if value is not None:
+            assert isinstance(value, (list, tuple, int, float, str, bool, torch.Tensor))
+    nested = {k: v for k, v in state.items() if k.split(".")[0] not in PARTS}
+    nested.update({part: unflatten(state, part) for part in PARTS})
+    for saved in (state, nested):
+        fresh = Laplace(model, likelihood, **kwargs)
+        fresh.load_state_dict(saved)
+        assert fresh.fit_report == la.fit_report
+        assert fresh._quadrature.steps == la._quadrature.steps
+        assert fresh._fitted_data == la._fitted_data
+        torch.testing.assert_close(fresh.log_marginal_likelihood(),
+                                   la.log_marginal_likelihood(), **TOL)
+        torch.testing.assert_close(fresh(X[:4]), la(X[:4]), **TOL)
+
+
 class _FailingLoader:
     """Yields its first batch, then raises (a broken data pipeline)."""
 

@@ -150,3 +150,28 @@ def test_plain_mlp_keeps_the_features_path():
     exact = ggn(model, nn.CrossEntropyLoss(reduction="sum"), X, y, group)
     torch.testing.assert_close(_dense(la), exact, **TOL)
     _check_predictive(la, model, group, X[:5])
+
+
+def test_a_loaded_whole_model_posterior_refines_as_the_fitted_one():
+    """``whole_model`` is state: the loaded object refines its complement as the fitted
+    one; a state that does not record it is refused with the way out."""
+    model = PoolAfterHead().double().eval()
+    X, y = _tokens(40)
+    loader = DataLoader(TensorDataset(X, y), batch_size=8)
+    kwargs = dict(subset_of_weights="last_layer", hessian_structure="lowrank_ggn",
+                  last_layer_name="head", feature_reduction="pick_last", rank=4)
+    la = Laplace(model, "classification", **kwargs)
+    la.fit(loader)
+    state = la.state_dict()
+    la.refine_complement(loader)
+    loaded = Laplace(model, "classification", **kwargs)
+    loaded.load_state_dict(state)
+    assert la.whole_model and loaded.whole_model
+    loaded.refine_complement(loader)
+    assert loaded.fit_report.quadrature_steps == la.fit_report.quadrature_steps
+    torch.testing.assert_close(loaded.log_marginal_likelihood(), la.log_marginal_likelihood(),
+                               rtol=1e-10, atol=0)
+    older = Laplace(model, "classification", **kwargs)
+    older.load_state_dict({k: v for k, v in state.items() if k != "whole_model"})
+    with pytest.raises(ValueError, match=r"does not record whole_model\). Fit it on this"):
+        older.refine_complement(loader)

@@ -8,6 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lowrank_laplace as ll
+from tests.engine.test_backpack_layer_options import WRONG, build
 from tests.engine.test_models import DictModel, zoo_case
 
 TOL = dict(rtol=1e-5, atol=1e-8)
@@ -93,6 +94,19 @@ def test_factor_backends_agree_and_are_visible():
     with pytest.raises(ValueError, match="backend must be one of"):
         Laplace(model, "classification", factor_backend="x", **KW)
 
+
+@pytest.mark.parametrize("name", ["conv2d_circular", "conv1d_same", "avg_pool2d_divisor_override",
+                                  "embedding_padding_idx"])
+def test_layer_options_backpack_gets_wrong_fit_exactly(name):
+    """``auto`` fits such layers with an exact backend; ``backpack`` refuses before any pass."""
+    model, _, X, y = build(WRONG[name][0], n=10)
+    loader = DataLoader(TensorDataset(X, y), batch_size=4)
+    ours = Laplace(model, "classification", **KW)
+    ours.fit(loader)
+    assert ours.factor_backend_used != "backpack"
+    check_equal(ours, fit_full(model, loader), X)
+    with pytest.raises(ValueError, match="BackPACK would compute a wrong GGN"):
+        Laplace(model, "classification", factor_backend="backpack", **KW).fit(loader)
 
 
 @pytest.mark.slow

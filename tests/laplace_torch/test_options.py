@@ -39,6 +39,7 @@ def test_memory_budget_forms_accepted():
     for budget in (2**20, 2e9, 0.5, "512MB", None):
         assert LowRankOptions(memory_budget=budget).memory_budget == budget
     assert LowRankOptions(seed=2**40).seed == 2**40
+    assert LowRankOptions(seed=2**63 - 1, rank=4.0).seed == 2**63 - 1
 
 
 def test_options_are_frozen():
@@ -58,6 +59,11 @@ def test_options_are_frozen():
     (dict(factor_backend="jax"), "backend must be one of"),
     (dict(seed="a"), "seed must be an integer"),
     (dict(seed=1.0), "seed must be an integer"),
+    (dict(seed=2**64 - 1), r"seed must be an integer in \[-2\*\*63, 2\*\*63\)"),
+    (dict(seed=-2**63 - 1), "seed must be an integer in"),
+    (dict(rank=float("inf")), "rank must be a positive integer, got inf"),
+    (dict(rank=float("nan")), "rank must be a positive integer, got nan"),
+    (dict(micro_batch_size=float("inf")), "micro_batch_size must be a positive integer"),
     (dict(memory_budget=float("nan")), "memory_budget=nan is not a size"),
     (dict(memory_budget=float("inf")), "memory_budget=inf is not a size"),
     (dict(memory_budget=1.5), "memory_budget=1.5 is not a size"),

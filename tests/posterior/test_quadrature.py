@@ -350,3 +350,82 @@ def test_a_fit_that_keeps_little_of_real_data_refines_itself_towards_the_full_gg
     assert default[2] < 0.1 and default[2] < unrefined[2] / 2
     assert default[3] < 0.2 and default[3] < unrefined[3] / 2
     assert default[4] < 0.1 and default[4] < unrefined[4] / 2
+
+
+class _Augmented(torch.utils.data.Dataset):
+    """The problem's data with fresh Gaussian noise on every read (random augmentation)."""
+
+    def __init__(self, X, y):
+        self.X, self.y = X, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.X[i] + 0.1 * torch.randn_like(self.X[i]), self.y[i]
+
+
+def test_a_loader_of_other_data_is_refused_before_any_lanczos_step():
+    """Same count, other samples (or the same samples augmented afresh): refused; the same
+    samples shuffled or batched otherwise: measured."""
+    model, X, y, loader = _problem()
+    la = LowRankGGNLaplace(model, "classification", rank=6, refine_below=0)
+    la.fit(loader)
+    others = {
+        "other inputs": TensorDataset(torch.randn_like(X), y),
+        "other labels": TensorDataset(X, (y + 1) % 3),
+        "permuted labels": TensorDataset(X, y[torch.randperm(len(y))]),
+        "fresh augmentation": _Augmented(X, y),
+    }
+    for name, data in others.items():
+        with pytest.raises(ValueError, match="does not give the samples the posterior was "
+                                             "fitted on .*without random augmentation"):
+            la.refine_complement(DataLoader(data, batch_size=100))
+        assert la._quadrature is None and la.fit_report.quadrature_steps == 0, name
+    with pytest.raises(ValueError, match="yielded no batches"):
+        la.refine_complement(DataLoader(TensorDataset(X[:0], y[:0]), batch_size=100))
+    loaded = LowRankGGNLaplace(model, "classification", rank=6, refine_below=0)
+    loaded.load_state_dict(la.state_dict())  # the state carries what the data gave
+    with pytest.raises(ValueError, match="summed squared targets"):
+        loaded.refine_complement(DataLoader(others["other labels"], batch_size=100))
+    la.refine_complement(DataLoader(TensorDataset(X, y), batch_size=64, shuffle=True))
+    assert la.fit_report.quadrature_steps > 0
+
+
+def test_after_an_online_update_the_targets_are_checked_but_not_the_moved_loss():
+    """An online update's loss sums losses at other parameters: a pass cannot reproduce it,
+    while the count and the targets still tell the fitted data from other data."""
+    model, X, y, _ = _problem()
+    first, second = (DataLoader(TensorDataset(X[s], y[s]), batch_size=100)
+                     for s in (slice(0, 400), slice(400, 600)))
+    la = LowRankGGNLaplace(model, "classification", rank=6, refine_below=0)
+    la.fit(first)
+    with torch.no_grad():  # an online learner moves on before the next update
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    la.fit(second, override=False)
+    assert la._fitted_data.loss is None and la._fitted_data.samples == 600
+    with pytest.raises(ValueError, match="summed squared targets"):
+        la.refine_complement(DataLoader(TensorDataset(X, (y + 1) % 3), batch_size=100))
+    la.refine_complement(DataLoader(TensorDataset(X, y), batch_size=100))
+    assert la.fit_report.quadrature_steps > 0
+
+
+def test_a_fit_on_a_loader_that_augments_afresh_skips_its_refinement_and_says_why():
+    model, X, y, _ = _problem()
+    la = LowRankGGNLaplace(model, "classification", rank=6, refine_below=1)
+    with pytest.warns(UserWarning, match="did not refine its complement .* summed loss") as w:
+        la.fit(DataLoader(_Augmented(X, y), batch_size=100))
+    assert w[0].filename == __file__  # points at the call of fit
+    assert la._quadrature is None and la.fit_report.quadrature_steps == 0
+    assert la.fit_report.refinable
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -2**63])
+def test_the_extreme_seeds_fit_and_refine(seed):
+    """The passes add batch offsets to the seed: the accepted range leaves room for them."""
+    model, X, y, loader = _problem()
+    LowRankGGNLaplace(model, "classification", rank=6, seed=seed, mc_samples=1).fit(loader)
+    la = LowRankGGNLaplace(model, "classification", rank=6, seed=seed, refine_below=1)
+    la.fit(loader)
+    assert la.fit_report.quadrature_steps > 0

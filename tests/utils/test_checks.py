@@ -323,3 +323,12 @@ def test_user_backward_hooks_do_not_fire_in_internal_passes(mlp):
         la(X, pred_type="glm")
     assert calls == []
     assert all(len(h.hooks_dict_ref()) == 1 for h in handles)
+
+
+@pytest.mark.parametrize("size, text", [(512, "512 bytes"), (1536, "1.5 KiB"),
+                                        (3 * 2**20 + 2**19, "3.5 MiB"),
+                                        (1.04 * 2**30, "1.04 GiB")])
+def test_sizes_in_messages_are_in_the_unit_they_fill(size, text):
+    from lowrank_laplace.utils.batches import format_bytes
+
+    assert format_bytes(size) == text

@@ -50,14 +50,91 @@ def serialized(method: Callable[..., Any]) -> Callable[..., Any]:
     return locked
 
 
+class UnsupportedLayerOptions(NotImplementedError, ValueError):
+    """A layer BackPACK knows, with constructor options its derivatives get wrong.
+
+    A ``NotImplementedError`` (``backend='auto'`` passes BackPACK over) and a ``ValueError``
+    (an explicit ``backend='backpack'`` was asked for what it cannot compute).
+    """
+
+
+def _padded(module: nn.Module) -> bool:
+    """Whether a convolution pads its input (``"same"``, or any explicit padding)."""
+    padding = module.padding
+    return padding == "same" if isinstance(padding, str) else any(p > 0 for p in padding)
+
+
+_CONV_OPTIONS = (
+    (lambda m: m.padding == "same",
+     "padding='same' (BackPACK's derivatives pad symmetrically by an explicit amount)"),
+    (lambda m: m.padding_mode != "zeros" and _padded(m),
+     "padding_mode={padding_mode!r} (BackPACK's derivatives assume zero padding)"),
+)
+_CONV_TRANSPOSE_OPTIONS = (
+    (lambda m: any(p > 0 for p in m.output_padding),
+     "output_padding={output_padding} (BackPACK's derivatives leave it out)"),
+)
+_AVG_POOL_OPTIONS = (
+    (lambda m: m.ceil_mode, "ceil_mode=True (BackPACK's derivatives assume whole windows)"),
+    (lambda m: not m.count_include_pad,
+     "count_include_pad=False (BackPACK's derivatives divide by the whole window)"),
+    (lambda m: getattr(m, "divisor_override", None) is not None,  # AvgPool1d has none
+     "divisor_override={divisor_override} (BackPACK's derivatives divide by the window "
+     "size)"),
+)
+_BATCHNORM_OPTIONS = (
+    (lambda m: not m.affine, "affine=False (BackPACK's derivatives need the affine weight)"),
+)
+_EMBEDDING_OPTIONS = (
+    (lambda m: m.padding_idx is not None,
+     "padding_idx={padding_idx} (BackPACK's derivatives take every index)"),
+    (lambda m: m.max_norm is not None,
+     "max_norm={max_norm} (BackPACK's derivatives do not renormalise)"),
+)
+
+#: Layer type -> ``(predicate, option)`` pairs: the constructor options BackPACK's
+#: derivatives of that layer silently get wrong or fail on (checked in float64 against
+#: dense torch.func GGNs, ``tests/engine/test_backpack_layer_options.py``). ``option`` is
+#: formatted with the layer's attributes. ``backend='auto'`` passes such models to a
+#: backend that is exact for them; ``backend='backpack'`` refuses them.
+UNSUPPORTED_OPTIONS: Dict[type, Tuple[Tuple[Callable[[nn.Module], bool], str], ...]] = {
+    nn.Conv1d: _CONV_OPTIONS, nn.Conv2d: _CONV_OPTIONS, nn.Conv3d: _CONV_OPTIONS,
+    nn.ConvTranspose1d: _CONV_TRANSPOSE_OPTIONS, nn.ConvTranspose2d: _CONV_TRANSPOSE_OPTIONS,
+    nn.ConvTranspose3d: _CONV_TRANSPOSE_OPTIONS,
+    nn.AvgPool1d: _AVG_POOL_OPTIONS, nn.AvgPool2d: _AVG_POOL_OPTIONS,
+    nn.AvgPool3d: _AVG_POOL_OPTIONS,
+    nn.BatchNorm1d: _BATCHNORM_OPTIONS, nn.BatchNorm2d: _BATCHNORM_OPTIONS,
+    nn.BatchNorm3d: _BATCHNORM_OPTIONS,
+    nn.Embedding: _EMBEDDING_OPTIONS,
+}
+
+
+def unsupported_option(module: nn.Module) -> Optional[str]:
+    """Return the first option of ``module`` BackPACK gets wrong (:data:`UNSUPPORTED_OPTIONS`)."""
+    for cls in type(module).__mro__:
+        for applies, option in UNSUPPORTED_OPTIONS.get(cls, ()):
+            if applies(module):
+                return option.format(**vars(module))
+    return None
+
+
 def check_model(model: nn.Module, supported: Sequence[type]) -> None:
     """Check that BackPACK can backpropagate the GGN factor through every layer.
 
     ``supported`` are the module classes with a ``SqrtGGN`` extension.
 
     Raises:
+        UnsupportedLayerOptions: Naming the first layer with options BackPACK gets wrong.
         NotImplementedError: Naming the first unsupported layer or tied parameter.
     """
+    for name, module in model.named_modules():
+        option = unsupported_option(module)
+        if option is not None:
+            raise UnsupportedLayerOptions(
+                f"Layer {name or type(model).__name__!r} ({type(module).__name__}) has "
+                f"{option}, so BackPACK would compute a wrong GGN: use backend='functorch' "
+                "(exact for any layer options) or 'auto', which chooses it (laplace-torch: "
+                "factor_backend='functorch' or 'auto').")
     tied = checks.shared_parameters(model)
     if tied:
         raise NotImplementedError(
@@ -256,6 +333,8 @@ class BackpackEngine(EngineBase):
                 module.training = False if self.eval_mode else self._copy.training
             check_model(net, supported_modules())
             same = torch.allclose(checked_forward(net, sample), self._copy(sample))
+        except UnsupportedLayerOptions:  # a functional pool with such options
+            raise
         except Exception:  # noqa: BLE001 - the converter's own errors are not the point
             same = False
         if not same:

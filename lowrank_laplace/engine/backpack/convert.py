@@ -63,7 +63,8 @@ def _functional_to_modules(model: nn.Module) -> GraphModule:
         if found is None:
             continue
         module, source = found
-        name = f"_converted_{count}"
+        # named after the call it replaces, so messages about it name that call
+        name = node.name if not hasattr(root, node.name) else f"{node.name}_{count}"
         count += 1
         root.add_submodule(name, module)
         with graph.inserting_after(node):
