@@ -8,11 +8,8 @@ from typing import Any, Dict, Optional, Tuple
 from lowrank_laplace.fitting.fit import FastPathCheck, FitResult
 from lowrank_laplace.posterior import quadrature
 from lowrank_laplace.posterior.probe import ProbeResult
+from lowrank_laplace.posterior.residual import residual_class
 
-#: What the simple residual models put in the dropped directions.
-ESTIMATORS = {"isotropic": "the mean dropped eigenvalue in every dropped direction",
-              "diagonal": "the exact GGN diagonal of the dropped curvature",
-              "none": "nothing: the prior alone"}
 #: What each fit path is called in the report.
 PATH_NAMES = {"dense": "a dense GGN sum (exact)", "streaming": "streaming merges",
               "sketch": "a one-pass sketch"}
@@ -68,13 +65,14 @@ class FitReport:
         """What decided the dropped curvature's variance and log det, in words."""
         if self.kept_fraction >= 1 - 1e-9 or self.rank >= self.num_params:
             return "nothing dropped"
-        if self.residual != "spectral":
-            return ESTIMATORS[self.residual]
+        model = residual_class(self.residual)
+        if not model.needs_probe:  # a simple model (also one switched on a spectral fit)
+            return model.summary
         if self.quadrature_steps:
             return "measured over the training data (Lanczos quadrature)"
         if self.complement_resolved is not None:
             return "variance measured on the probe inputs, log det from the modelled tail"
-        return "the modelled power-law tail (nothing measured)"
+        return model.summary
 
     @classmethod
     def of_fit(cls, result: FitResult, probed: ProbeResult,

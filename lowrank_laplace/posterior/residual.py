@@ -76,6 +76,8 @@ class Residual:
 
     #: The model's name (the ``residual`` option).
     name: ClassVar[str] = ""
+    #: What it puts in the dropped directions where nothing was measured (the fit report).
+    summary: ClassVar[str] = ""
     #: A fit with this model tracks the GGN diagonal.
     tracks_diagonal: ClassVar[bool] = False
     #: The model cannot be built without the residual diagonal.
@@ -168,12 +170,14 @@ class NoResidual(Residual):
     """``R = 0``: the dropped directions see only the prior."""
 
     name = "none"
+    summary = "nothing: the prior alone"
 
 
 class DiagonalResidual(Residual):
     """The exact diagonal of the residual, added to the prior's."""
 
     name = "diagonal"
+    summary = "the exact GGN diagonal of the dropped curvature"
     tracks_diagonal = needs_diagonal = True
     constant_per_layer = False
 
@@ -194,6 +198,7 @@ class IsotropicResidual(Residual):
     """The mean dropped eigenvalue ``rho = T / (D - r)`` in every dropped direction."""
 
     name = "isotropic"
+    summary = "the mean dropped eigenvalue in every dropped direction"
 
     def _precision(self, eigenvectors, ell, scale, prior, extra):
         gram_cache, layer_prior = extra
@@ -226,6 +231,7 @@ class SpectralResidual(Residual):
     """
 
     name = "spectral"
+    summary = "the modelled power-law tail (nothing measured)"
     tracks_diagonal = needs_probe = True
 
     def __init__(self, dropped: DroppedCurvature):

@@ -764,6 +764,8 @@ def test_fit_report_says_what_ran_and_survives_the_state_dict(tune):
     iso.fit(loader)
     assert iso.fit_report.variance_change is None  # no probe pass
     assert iso.fit_report.estimator.startswith("the mean dropped eigenvalue")
+    switched = type(report)(**{**report.__dict__, "residual": "none"})  # calibrate's rows
+    assert switched.estimator == "nothing: the prior alone"
     refined = LowRankGGNLaplace(model, likelihood, rank=6, solver="sketch", refine_below=1)
     refined.fit(loader)
     report = refined.fit_report
