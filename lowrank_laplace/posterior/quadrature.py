@@ -332,8 +332,7 @@ def _warn_unconverged(history: List[Tuple[float, float]], steps: int, prior: flo
         f"{prior:.3g}: the last two moved the complement variance or log det by "
         f"{moved:.1%} (needs {TOLERANCE:.0%}), so it may under-state the complement "
         "variance there. A larger prior converges in fewer passes: after tuning it, "
-        "la.refine_complement(train_loader) measures again; "
-        "lowrank_laplace.posterior.quadrature.MAX_STEPS allows more passes.",
+        "la.refine_complement(train_loader) measures again.",
         UserWarning, stacklevel=5)  # the caller of la.fit or la.refine_complement
 
 
