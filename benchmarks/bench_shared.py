@@ -4,7 +4,9 @@ The digits MLP of ``bench_laplace`` (1,400 training and 397 test points). Part `
 the ``Laplace`` fit of the MAP network, marglik prior tuning and the GLM probit
 predictive, ``--repeat`` runs each (medians); part ``train``: laplace-torch's
 ``marglik_training`` from scratch with ``lowrank_ggn`` and ``kron`` (``full`` with
-``--with-full``), one run each. Conditions: ``quiet``, and ``loaded`` beside a
+``--with-full``), one run each; part ``medium``: the same phases as ``fit`` on the main
+job's MNIST CNN (real offline MNIST, ``MEDIUM_TRAIN`` training images, trained to a MAP
+untimed), timed over all three phases. Conditions: ``quiet``, and ``loaded`` beside a
 ``_load.CompetingLoad`` (``train`` only with ``--load``). The workers run as a user
 does: torch's default threads, neither ``OMP_WAIT_POLICY`` nor ``OPENBLAS_NUM_THREADS``.
 
@@ -36,7 +38,7 @@ from benchmarks._report import find, fmt, gib, others_cpu, phase_ok, ratio, targ
 from benchmarks._worker import LAPLACE_PREIMPORTS, run_phases, worker_setup
 
 N_TRAIN, N_TEST, BATCH_SIZE = 1400, 397, 128
-PARTS: tuple[str, ...] = ("fit", "train")
+PARTS: tuple[str, ...] = ("fit", "train", "medium")
 CONDITIONS: tuple[str, ...] = ("quiet", "loaded")
 CONDITION_LABELS = {"quiet": "quiet", "loaded": "beside a busy process"}
 #: Methods of each part.
@@ -47,6 +49,9 @@ LABELS = {"lowrank_ggn": "`lowrank_ggn` (defaults)",
           "kron": "`kron`", "diag": "`diag`", "full": "`full`"}
 FIT_PHASES: tuple[str, ...] = ("fit", "marglik", "glm")
 OURS, PEER = "lowrank_ggn", "kron"
+#: The medium part: MNIST training and test images, MAP training epochs, methods.
+MEDIUM_TRAIN, MEDIUM_TEST, MEDIUM_EPOCHS = 2000, 500, 3
+MEDIUM_METHODS: tuple[str, ...] = ("lowrank_ggn", "kron")
 #: Target factors.
 TARGET_VS_KRON = 3.0
 TARGET_LOADED_VS_QUIET = 3.0
@@ -68,15 +73,15 @@ def _time(record: dict | None) -> float | None:
     if record["part"] == "train":
         r = phase_ok(record, "train")
         return None if r is None else r["time_s"]
-    fit, marglik = phase_ok(record, "fit"), phase_ok(record, "marglik")
-    return None if fit is None or marglik is None else fit["time_s"] + marglik["time_s"]
+    phases = [phase_ok(record, p) for p in FIT_PHASES[:3 if record["part"] == "medium" else 2]]
+    return None if None in phases else sum(p["time_s"] for p in phases)
 
 
 def _metrics(record: dict | None) -> dict | None:
     """The phase that holds the test metrics (``glm`` or ``train``), if it succeeded."""
     if record is None:
         return None
-    return phase_ok(record, "glm" if record["part"] == "fit" else "train")
+    return phase_ok(record, "train" if record["part"] == "train" else "glm")
 
 
 def summarize(records: Sequence[dict]) -> dict[str, Any]:
@@ -104,6 +109,13 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
             TARGET_LOADED_VS_QUIET)
         add(f"{OURS} <= {TARGET_VS_KRON:g}x {PEER}'s", f"{fit}, beside a busy process",
             ratios[config_key("fit", "loaded", OURS)]["vs_kron"], TARGET_VS_KRON)
+    medium = "MNIST CNN, fit + marglik + GLM predictive, beside a busy process"
+    if _find(records, "medium", "loaded", OURS) is not None:
+        add(f"{OURS} <= {TARGET_LOADED_VS_QUIET:g}x its quiet time", medium,
+            ratios[config_key("medium", "loaded", OURS)]["vs_own_quiet"],
+            TARGET_LOADED_VS_QUIET)
+        add(f"{OURS} <= {PEER}'s time", medium,
+            ratios[config_key("medium", "loaded", OURS)]["vs_kron"], 1.0)
     for condition in CONDITIONS:
         if _find(records, "train", condition, OURS) is None:
             continue
@@ -221,6 +233,14 @@ def table_records(payload: dict[str, Any], source: str) -> dict[str, dict]:
                         "prior precisions (per parameter tensor)",
                         "worker peak RSS [GiB]", "others' CPU [%]"],
             "rows": [_row(r, ratios) for r in records if r["part"] == "train"]}
+    if any(r["part"] == "medium" for r in records):
+        tables["shared_medium"] = {
+            **common, "note": f"Median of {s['repeat']} fresh processes per row; the MNIST CNN "
+            f"of the main job, {MEDIUM_TRAIN} training images; time: fit + marglik + GLM.",
+            "columns": ["machine", "method", "fit [s]", "marglik [s]", "fit + marglik [s]",
+                        "/ kron's", "/ own quiet", "test NLL", "test acc.", "prior prec.",
+                        "worker peak RSS [GiB]", "others' CPU [%]"],
+            "rows": [_row(r, ratios) for r in records if r["part"] == "medium"]}
     tables["shared_targets"] = {**common, "note": "Ratios within one run.",
                                 "columns": ["target", "where", "measured", "verdict"],
                                 "rows": _report.target_rows(payload["summary"]["targets"])}
@@ -268,8 +288,10 @@ def fit_phases(model: torch.nn.Module, data: list, config: dict[str, Any]) -> li
         state["la"].optimize_prior_precision(method="marglik")
         return {"prior_precision": state["la"].prior_precision.detach().reshape(-1).tolist()[:8]}
 
-    def glm():
-        return state["la"](X_test, pred_type="glm", link_approx="probit").detach()
+    def glm():  # the medium part in batches, as a user predicts a CNN's test set
+        size = BATCH_SIZE if config["part"] == "medium" else len(X_test)
+        return torch.cat([state["la"](X, pred_type="glm", link_approx="probit").detach()
+                          for X in X_test.split(size)])
 
     return [("fit", fit, fitted), ("marglik", marglik, dict),
             ("glm", glm, lambda probs: test_metrics(probs, y_test))]
@@ -312,6 +334,12 @@ def worker_main(config: dict[str, Any]):
     import lowrank_laplace  # noqa: F401 (registers hessian_structure="lowrank_ggn")
 
     n, seed = N_TRAIN + N_TEST, config["seed"]
+    if config["part"] == "medium":
+        model, data = medium_problem(seed)
+        setup["D"] = sum(p.numel() for p in model.parameters())
+        run_phases(setup, fit_phases(model, data, config), config,
+                   (*LAPLACE_PREIMPORTS, "asdl"))
+        return
     if config["part"] == "fit":  # trained to a MAP (untimed)
         model, _, X, y = make_digits(n, N_TRAIN, seed=seed)
     else:  # marglik_training trains from a fresh initialisation
@@ -324,6 +352,26 @@ def worker_main(config: dict[str, Any]):
     run_phases(setup, phases, config, (*LAPLACE_PREIMPORTS, "asdl"))
 
 
+def medium_problem(seed: int) -> tuple[torch.nn.Module, list]:
+    """The main job's MNIST CNN trained to a MAP (untimed) and its data split."""
+    from lowrank_laplace.toolkit.datasets import load_images
+    from lowrank_laplace.toolkit.training import make_cnn
+
+    X, y = load_images("mnist")
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    X, y = X[perm][:MEDIUM_TRAIN + MEDIUM_TEST], y[perm][:MEDIUM_TRAIN + MEDIUM_TEST]
+    torch.manual_seed(seed)
+    model = make_cnn("mnist")
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(MEDIUM_EPOCHS):
+        for idx in torch.randperm(MEDIUM_TRAIN).split(BATCH_SIZE):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(X[idx]), y[idx]).backward()
+            optimizer.step()
+    model.eval()
+    return model, [X[:MEDIUM_TRAIN], y[:MEDIUM_TRAIN], X[MEDIUM_TRAIN:], y[MEDIUM_TRAIN:]]
+
+
 def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The configurations, in run order (the ``train`` part runs once each)."""
     load = {"threads": args.load_threads, "size": args.load_size, "env": "user"}
@@ -333,6 +381,9 @@ def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
     if "fit" in args.parts:
         configs += [{"part": "fit", "condition": c, "method": m, "phases": list(FIT_PHASES),
                      "repeat": args.repeat} for c in args.conditions for m in args.fit_methods]
+    if "medium" in args.parts:
+        configs += [{"part": "medium", "condition": c, "method": m, "phases": list(FIT_PHASES),
+                     "repeat": args.repeat} for c in args.conditions for m in MEDIUM_METHODS]
     if "train" in args.parts:
         configs += [{"part": "train", "condition": c, "method": m, "phases": ["train"],
                      "repeat": 1}
@@ -388,7 +439,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         # the user's environment, not the harness's settings (see the module docstring)
         blas_threads=0, omp_wait_policy="")
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS,
-                        help="fit: fit + marglik; train: marglik_training.")
+                        help="fit: fit + marglik; train: marglik_training; medium: the MNIST "
+                        "CNN's fit + marglik + GLM predictive.")
     parser.add_argument("--conditions", nargs="+", default=list(CONDITIONS),
                         choices=CONDITIONS, help="quiet, or loaded (beside a busy process).")
     parser.add_argument("--fit-methods", nargs="+", default=list(FIT_METHODS),

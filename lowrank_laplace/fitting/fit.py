@@ -34,7 +34,7 @@ from lowrank_laplace.fitting.streamer import BatchStreamer
 from lowrank_laplace.fitting.streaming import StreamingMerge
 from lowrank_laplace.utils.batches import take, to_device
 from lowrank_laplace.utils.linalg import squared_rows_dot
-from lowrank_laplace.utils.threads import cpu_threads
+from lowrank_laplace.utils.threads import cpu_threads, spare_threads
 
 
 def _identity(X: Any) -> Any:
@@ -285,8 +285,10 @@ class LoaderFit:
             plan = choose_plan(sizes, self.config)
             if self.group is not None:
                 plan = choose_plan(sizes, self.config, agree(self.group, plan, self.device))
-            if self._sizes is None:  # the fit's one thread setting
-                self._scope.enter_context(cpu_threads(plan.threads))
+            if self._sizes is None:  # the fit's one thread setting, beside other work
+                cpu = torch.device(self.device).type == "cpu"
+                self._scope.enter_context(cpu_threads(
+                    plan.threads if plan.threads is not None or not cpu else spare_threads()))
             self.plan, self._sizes = plan, sizes
             if self.config.probe_inputs:
                 self._probe_cap = probe_cap(sizes)

@@ -1,15 +1,19 @@
-"""Small work on one CPU thread, set once per public call and restored afterwards.
+"""The CPU threads of a public call: set once, restored afterwards.
 
 Beside a busy process every wake-up of PyTorch's thread pool waits for a core, and the
 thousands of small operations of a small model's algebra stall
-(docs/benchmarks/design_measurements.md). So a call whose largest operation is small
-runs on one thread, decided from sizes alone, never from the machine's load.
+(docs/benchmarks/design_measurements.md). So a call whose largest operation is small runs
+on one thread, decided from sizes alone. A larger call takes the cores no other process
+is running on as it starts (:func:`spare_threads`): the threads of a pool wait at every
+barrier for the slowest, and one of them sharing a core with another process's work
+stalls them all.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence, TypeVar
 
 import torch
@@ -37,16 +41,49 @@ def cpu_threads(num: Optional[int]) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def others_running() -> Optional[int]:
+    """Threads of other processes running or ready to run right now, or ``None`` (unknown).
+
+    Linux: the machine's runnable threads (``/proc/loadavg``) less this process's own
+    (``/proc/self/task``, whose pool threads may still spin after their last work).
+    """
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+        own = 0
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/stat") as f:
+                own += f.read().rsplit(")", 1)[1].split()[0] == "R"
+    except (OSError, ValueError, IndexError):  # another system, or a thread just ended
+        return None
+    return max(running - own, 0)
+
+
+def spare_threads() -> Optional[int]:
+    """Threads for a call starting now: the cores other processes leave (at least one).
+
+    ``None`` (the user's setting) on a quiet machine or where the load is unknown.
+    """
+    others = others_running()
+    if not others:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count() or 1
+    return max(cores - others, 1)
+
+
 def small_work(work: float, device: Any) -> ContextManager[None]:
-    """Return a context of one CPU thread for work below :data:`SMALL_WORK`, else a null one.
+    """Return the thread context of a call: one thread below :data:`SMALL_WORK`, else spare.
+
+    Spare: :func:`spare_threads`; other devices than the CPU get a null context.
 
     Args:
         work: Multiply-adds of the call's largest operation.
         device: Where it runs (only the CPU has a pool to spare).
     """
-    if torch.device(device).type != "cpu" or work >= SMALL_WORK:
+    if torch.device(device).type != "cpu":
         return contextlib.nullcontext()
-    return cpu_threads(1)
+    return cpu_threads(1 if work < SMALL_WORK else spare_threads())
 
 
 def on_one_thread_if_small(method: F) -> F:

@@ -1,4 +1,5 @@
-"""Small work on one thread: scoped, restored, decided from sizes, through the backward."""
+"""Small work on one thread, larger work on the cores other processes leave: scoped,
+restored, through the backward."""
 
 import ast
 from pathlib import Path
@@ -6,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lowrank_laplace.utils import threads
 from lowrank_laplace.utils.threads import SMALL_WORK, cpu_threads, scoped_backward, small_work
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lowrank_laplace"
@@ -31,7 +33,9 @@ def _fn(a, b, c):
 
 
 @pytest.fixture
-def two_threads():
+def two_threads(monkeypatch):
+    """Two threads on a machine where no other process runs (whatever the test machine's)."""
+    monkeypatch.setattr(threads, "others_running", lambda: 0)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
@@ -101,12 +105,72 @@ def test_the_glm_predictive_keeps_the_users_setting(monkeypatch, two_threads):
     assert seen == [2] and torch.get_num_threads() == 2
 
 
-def test_no_module_reads_the_machines_load():
-    """Thread counts are decided from sizes: no CPU statistics, no load average."""
+def test_only_the_threads_module_reads_the_machines_load():
+    """One decision per public call, in one place: no other module reads the machine."""
     for path in PACKAGE.rglob("*.py"):
+        if path.name == "threads.py" and path.parent.name == "utils":
+            continue
         text = path.read_text()
         for source in ("/proc/stat", "/proc/loadavg", "/proc/self/task", "getloadavg"):
             assert source not in text, (path, source)
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.Attribute):
                 assert node.attr not in ("sched_getaffinity", "times"), (path, node.lineno)
+
+
+def test_others_running_counts_other_processes_only():
+    """This process's own threads never count, whatever they do."""
+    count = threads.others_running()
+    assert count is None or count >= 0  # None off Linux
+    if count is None:
+        pytest.skip("no /proc here")
+    spinning = torch.ones(512, 512)
+    for _ in range(3):  # the pool's threads may still spin right after their work
+        spinning @ spinning
+    assert threads.others_running() is not None
+
+
+@pytest.mark.parametrize("others, expected", [(0, 2), (1, 1), (2, 1), (7, 1)])
+def test_larger_work_takes_the_cores_others_leave(monkeypatch, two_threads, others, expected):
+    monkeypatch.setattr(threads, "others_running", lambda: others)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    with small_work(SMALL_WORK, "cpu"):
+        assert torch.get_num_threads() == expected
+    assert torch.get_num_threads() == 2
+    with small_work(1, "cpu"):  # small work: one thread whatever the machine does
+        assert torch.get_num_threads() == 1
+
+
+def test_a_fit_beside_busy_processes_runs_on_the_spare_cores(monkeypatch, two_threads):
+    """The fit decides once, as it starts, and restores the user's setting."""
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lowrank_laplace import LowRankGGNLaplace
+    from lowrank_laplace.fitting import fit as fitting
+
+    monkeypatch.setattr(threads, "others_running", lambda: 3)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    seen = []
+    run = fitting.LoaderFit._pass
+
+    def recording(self, *args, **kwargs):
+        out = run(self, *args, **kwargs)
+        seen.append(torch.get_num_threads())
+        return out
+
+    monkeypatch.setattr(fitting.LoaderFit, "_pass", recording)
+    monkeypatch.setattr(fitting, "choose_plan", _large(fitting.choose_plan))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    X, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    la = LowRankGGNLaplace(model, "classification", rank=5)
+    la.fit(DataLoader(TensorDataset(X, y), batch_size=16))
+    assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+
+
+def _large(choose):
+    """``choose_plan`` as for a fit above the small-fit size (no thread setting of its own)."""
+    from dataclasses import replace
+
+    return lambda *args, **kwargs: replace(choose(*args, **kwargs), threads=None)
