@@ -21,7 +21,12 @@ from lowrank_laplace.posterior import DroppedCurvature, LowRankPrecision, Residu
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.predictive import glm_predictive, prior_variance_weights
 from lowrank_laplace.utils.batches import to_device
-from lowrank_laplace.utils.threads import SMALL_WORK, on_one_thread_if_small, scoped_backward
+from lowrank_laplace.utils.threads import (
+    SMALL_WORK,
+    on_one_thread_if_small,
+    on_spare_cores,
+    scoped_backward,
+)
 
 
 class PosteriorQueries:
@@ -285,6 +290,7 @@ class PosteriorQueries:
             return super()._glm_predictive_distribution(X, joint, diagonal_output)
         return self._engine_predictive(self.model, X, joint, diagonal_output)
 
+    @on_spare_cores
     def _engine_predictive(self, module: torch.nn.Module, X: Union[Tensor, MutableMapping],
                            joint: bool, diagonal_output: bool) -> Tuple[Tensor, Tensor]:
         """The GLM predictive with ``module``'s Jacobians from the fit's engine."""

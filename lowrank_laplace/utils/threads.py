@@ -86,6 +86,21 @@ def small_work(work: float, device: Any) -> ContextManager[None]:
     return cpu_threads(1 if work < SMALL_WORK else spare_threads())
 
 
+def on_spare_cores(method: F) -> F:
+    """Run a posterior method on :func:`spare_threads` where its object lives on the CPU.
+
+    For work that scales with the model (the GLM predictive's backward passes), not ``D r``.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        cpu = torch.device(self._device).type == "cpu"
+        with cpu_threads(spare_threads() if cpu else None):
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
 def on_one_thread_if_small(method: F) -> F:
     """Run a posterior method under :func:`small_work` of its object's ``query_work``."""
 
