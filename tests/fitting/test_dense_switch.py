@@ -182,7 +182,6 @@ def test_one_pass_feeds_several_merges_of_the_planned_size(monkeypatch):
 def test_small_fits_run_their_batch_loop_on_one_thread(monkeypatch, small, threads):
     from lowrank_laplace.engine import FactorEngine
     from lowrank_laplace.fitting.streaming import StreamingMerge
-
     from lowrank_laplace.utils import threads as thread_rules
 
     model, loader = _problem(n=40, out=4, batch_size=8)
