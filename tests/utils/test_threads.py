@@ -82,8 +82,10 @@ def test_cpu_threads_restores_the_setting_and_never_raises_it(two_threads):
     assert torch.get_num_threads() == 2
 
 
-def test_the_glm_predictive_keeps_the_users_setting(monkeypatch, two_threads):
-    """On a quiet machine the predictive runs on the user's threads."""
+@pytest.mark.parametrize("others, expected", [(0, 2), (2, 1)])
+def test_the_glm_predictive_runs_on_the_cores_others_leave(monkeypatch, two_threads, others,
+                                                           expected):
+    """On a quiet machine the user's threads; beside busy processes the spare cores."""
     from laplace import Laplace
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
@@ -101,8 +103,10 @@ def test_the_glm_predictive_keeps_the_users_setting(monkeypatch, two_threads):
     la = Laplace(model, "classification", subset_of_weights="all",
                  hessian_structure="lowrank_ggn", rank=5)
     la.fit(DataLoader(TensorDataset(X, y), batch_size=16))
+    monkeypatch.setattr(threads, "others_running", lambda: others)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     la(X, pred_type="glm", link_approx="probit")
-    assert seen == [2] and torch.get_num_threads() == 2
+    assert seen == [expected] and torch.get_num_threads() == 2
 
 
 def test_only_the_threads_module_reads_the_machines_load():
@@ -167,31 +171,6 @@ def test_a_fit_beside_busy_processes_runs_on_the_spare_cores(monkeypatch, two_th
     la = LowRankGGNLaplace(model, "classification", rank=5)
     la.fit(DataLoader(TensorDataset(X, y), batch_size=16))
     assert seen and set(seen) == {1} and torch.get_num_threads() == 2
-
-
-def test_the_glm_predictive_beside_busy_processes_runs_on_the_spare_cores(monkeypatch,
-                                                                          two_threads):
-    from laplace import Laplace
-    from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
-
-    import lowrank_laplace  # noqa: F401
-    from lowrank_laplace.laplace_torch import queries
-
-    seen = []
-    glm = queries.glm_predictive
-    monkeypatch.setattr(queries, "glm_predictive",
-                        lambda *a, **k: (seen.append(torch.get_num_threads()), glm(*a, **k))[1])
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
-    X, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
-    la = Laplace(model, "classification", subset_of_weights="all",
-                 hessian_structure="lowrank_ggn", rank=5)
-    la.fit(DataLoader(TensorDataset(X, y), batch_size=16))
-    monkeypatch.setattr(threads, "others_running", lambda: 2)
-    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    la(X, pred_type="glm", link_approx="probit")
-    assert seen == [1] and torch.get_num_threads() == 2
 
 
 def _large(choose):
