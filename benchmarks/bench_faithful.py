@@ -360,6 +360,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="where the exact references (and MAP networks) are stored")
     parser.add_argument("--recompute-reference", action="store_true",
                         help="compute the exact references again (and store them)")
+    parser.add_argument("--references-only", action="store_true",
+                        help="only make sure every problem's reference is stored")
     parser.add_argument("--update", action="store_true",
                         help="keep the other problems of an existing faithful.json in --out")
     parser.add_argument("--marglik-steps", type=int, default=MARGLIK_STEPS)
@@ -415,6 +417,10 @@ def run_all(args: argparse.Namespace, result: dict) -> None:
     path = args.out / "faithful.json"
     for name in args.problems:
         problem = PROBLEMS[name].shrink() if args.tiny else PROBLEMS[name]
+        if args.references_only:
+            with default_dtype(torch.float64):
+                reference(name, problem, args.ranks, args.references, args.recompute_reference)
+            continue
         with default_dtype(torch.float64):
             record = run_problem(name, problem, args)
         record["run"] = {"commit": result["commit"], "date": result["machine"]["date"]}
@@ -424,7 +430,8 @@ def run_all(args: argparse.Namespace, result: dict) -> None:
                                   **result["problems"]}
         result["problems"][name] = record
         path.write_text(json.dumps(result, indent=1))
-    report.plot(result, args.out / "faithful.png")
+    if result["problems"]:
+        report.plot(result, args.out / "faithful.png")
 
 
 if __name__ == "__main__":

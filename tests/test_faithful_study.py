@@ -144,6 +144,10 @@ def test_tiny_run_writes_json_png_and_tables(tmp_path, capsys):
     assert kept["mnist_mlp"]["run"]["commit"] == saved["commit"]
     assert torch.get_default_dtype() == torch.float32
     assert torch.get_num_threads() == threads
+    refs = tmp_path / "only"
+    bench_faithful.main([*argv[:-4], "--references", str(refs), "--references-only",
+                         "--out", str(tmp_path / "none")])
+    assert (refs / "mnist_mlp.pt").exists() and not (tmp_path / "none" / "faithful.json").exists()
 
 
 def test_augmented_training_set_keeps_the_images_first_and_repeats_the_labels():
