@@ -229,8 +229,8 @@ class LoaderFit:
         if previous is not None:
             result = merge_fits(self.config, previous, result)
             loss, num_data = previous.loss + loss, previous.n_data + num_data
-            known = previous.target_energy is not None
-            targets = previous.target_energy + targets if known else None
+            targets = None if previous.target_energy is None else \
+                previous.target_energy + targets
         U, lam, trace, residual = result
         if float(trace) <= 0:  # a zero GGN has no eigenpairs, not a fake tiny one
             U, lam = U[:, :0], lam[:0]
@@ -286,9 +286,9 @@ class LoaderFit:
             if self.group is not None:
                 plan = choose_plan(sizes, self.config, agree(self.group, plan, self.device))
             if self._sizes is None:  # the fit's one thread setting, beside other work
-                cpu = torch.device(self.device).type == "cpu"
-                self._scope.enter_context(cpu_threads(
-                    plan.threads if plan.threads is not None or not cpu else spare_threads()))
+                threads = plan.threads if plan.threads is not None else \
+                    spare_threads(self.device)
+                self._scope.enter_context(cpu_threads(threads))
             self.plan, self._sizes = plan, sizes
             if self.config.probe_inputs:
                 self._probe_cap = probe_cap(sizes)

@@ -128,6 +128,14 @@ def as_pair(data: Any) -> Tuple[Any, Any]:
         "(x, y) or a collate_fn that drops the rest.")
 
 
+def target_energy(y: Tensor) -> Tensor:
+    """Return the targets' squares summed in float64: the fingerprint of a pass's data.
+
+    Its terms are non-negative, so no cancellation hides a difference between two passes.
+    """
+    return y.detach().to(torch.float64).square().sum()
+
+
 def unpack(data: Any, dict_key_y: str) -> Tuple[Any, Tensor]:
     """Return a loader's batch as checked ``(X, y)``; a dict batch is the inputs whole.
 

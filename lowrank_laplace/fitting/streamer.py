@@ -11,6 +11,7 @@ from lowrank_laplace.engine.rng import PrivateRNG
 from lowrank_laplace.factor import GGNFactor
 from lowrank_laplace.fitting.base import Solver
 from lowrank_laplace.fitting.config import FitConfig
+from lowrank_laplace.fitting.loader import target_energy
 from lowrank_laplace.fitting.plan import FitPlan, equal_parts
 from lowrank_laplace.fitting.recompute import RecomputedFactor
 from lowrank_laplace.fitting.streaming import concat_factors
@@ -32,8 +33,8 @@ class BatchStreamer:
     Attributes:
         rng: The private stream of the MC draws (a probe's draws continue it).
         n_outputs: Model outputs ``C`` (known after the first batch).
-        target_energy: The streamed targets' squares summed, float64 (a fingerprint of the
-            data: its terms are non-negative, so no cancellation hides a difference).
+        target_energy: The streamed targets' squares summed, float64
+            (:func:`~lowrank_laplace.fitting.loader.target_energy`).
     """
 
     def __init__(self, engine: Any, plan: FitPlan, config: FitConfig, solver: Solver,
@@ -51,7 +52,7 @@ class BatchStreamer:
         """Stream one batch ``(X, y)`` (on the fit's device); return its loss times ``scale``."""
         plan, config, solver = self.plan, self.config, self.solver
         micro = equal_parts(len(y), plan.micro)  # 128 in passes of <= 38: four of 32
-        self.target_energy += y.detach().to(torch.float64).square().sum()
+        self.target_energy += target_energy(y)
         loss = 0.0
         for start in range(0, len(y), micro):  # tensor or dict batches
             Xc, yc = take(X, slice(start, start + micro), len(y)), y[start:start + micro]

@@ -388,7 +388,7 @@ class PassSums:
         self.batches += 1
         self.samples += factor.num_samples
         sums = torch.stack([loss.detach().to(torch.float64),
-                            y.detach().to(torch.float64).square().sum()])
+                            loaders.target_energy(y)])
         self.sums = sums if self.sums is None else self.sums + sums
 
     def result(self) -> FittedData:

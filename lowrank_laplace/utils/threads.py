@@ -59,11 +59,14 @@ def others_running() -> Optional[int]:
     return max(running - own, 0)
 
 
-def spare_threads() -> Optional[int]:
-    """Threads for a call starting now: the cores other processes leave (at least one).
+def spare_threads(device: Any) -> Optional[int]:
+    """Threads for a call on ``device`` starting now: the cores other processes leave (>= 1).
 
-    ``None`` (the user's setting) on a quiet machine or where the load is unknown.
+    ``None`` (the user's setting) off the CPU, with one thread set already, on a quiet
+    machine or where the load is unknown.
     """
+    if torch.device(device).type != "cpu" or torch.get_num_threads() <= 1:
+        return None  # nothing to spare: the machine is not read
     others = others_running()
     if not others:
         return None
@@ -83,7 +86,7 @@ def small_work(work: float, device: Any) -> ContextManager[None]:
     """
     if torch.device(device).type != "cpu":
         return contextlib.nullcontext()
-    return cpu_threads(1 if work < SMALL_WORK else spare_threads())
+    return cpu_threads(1 if work < SMALL_WORK else spare_threads(device))
 
 
 def on_spare_cores(method: F) -> F:
@@ -94,8 +97,7 @@ def on_spare_cores(method: F) -> F:
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        cpu = torch.device(self._device).type == "cpu"
-        with cpu_threads(spare_threads() if cpu else None):
+        with cpu_threads(spare_threads(self._device)):
             return method(self, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
