@@ -50,12 +50,16 @@ def others_running() -> Optional[int]:
     try:
         with open("/proc/loadavg") as f:
             running = int(f.read().split()[3].split("/")[0])
-        own = 0
-        for task in os.listdir("/proc/self/task"):
+        tasks = os.listdir("/proc/self/task")
+    except (OSError, ValueError, IndexError):  # another system
+        return None
+    own = 0
+    for task in tasks:
+        try:
             with open(f"/proc/self/task/{task}/stat") as f:
                 own += f.read().rsplit(")", 1)[1].split()[0] == "R"
-    except (OSError, ValueError, IndexError):  # another system, or a thread just ended
-        return None
+        except (OSError, IndexError):  # a thread that just ended runs nothing
+            continue
     return max(running - own, 0)
 
 
