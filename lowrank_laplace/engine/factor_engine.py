@@ -6,13 +6,15 @@ the first, in this order, that accepts the model (docs/concepts.md, "The backend
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type
+import contextlib
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type
 
 from torch import Tensor, nn
 
 from lowrank_laplace.engine.backpack.backend import BackpackEngine
 from lowrank_laplace.engine.base import EngineBase
-from lowrank_laplace.engine.functorch import FuncEngine
+from lowrank_laplace.engine.functorch import LOOPING, FuncEngine
 from lowrank_laplace.engine.hooks import HooksEngine
 from lowrank_laplace.engine.rng import RNGReplay
 from lowrank_laplace.factor import GGNFactor
@@ -215,3 +217,23 @@ class FactorEngine:
 
     def __exit__(self, *args) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def jacobian_engine(model: nn.Module, backend: str) -> Iterator[FactorEngine]:
+    """An MSE-sum engine on the model in eval mode (``V = sqrt(2) J^T``).
+
+    Without the functorch looping warning, which the fit already gave.
+
+    Args:
+        model: The network (left unchanged).
+        backend: The engine's backend.
+
+    Yields:
+        The open engine.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=LOOPING)
+        with FactorEngine(model, nn.MSELoss(reduction="sum"), eval_mode=True,
+                          backend=backend) as engine:
+            yield engine

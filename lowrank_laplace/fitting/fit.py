@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parameters_to_vector
 
 from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.engine.factor_engine import jacobian_engine
 from lowrank_laplace.fitting import loader as loaders
 from lowrank_laplace.fitting.config import FitConfig, SolverKind
 from lowrank_laplace.fitting.distributed import resolve_process_group
@@ -30,9 +31,11 @@ from lowrank_laplace.fitting.plan import (
     make_solver,
     measure_sizes,
 )
+from lowrank_laplace.fitting.products import FittedData, GGNProducts
 from lowrank_laplace.fitting.streamer import BatchStreamer
 from lowrank_laplace.fitting.streaming import StreamingMerge
 from lowrank_laplace.utils.batches import take, to_device
+from lowrank_laplace.utils.checks import check_batch
 from lowrank_laplace.utils.linalg import squared_rows_dot
 from lowrank_laplace.utils.threads import cpu_threads, spare_threads
 
@@ -176,6 +179,7 @@ class LoaderFit:
         self.probe: Optional[ProbeInputs] = None
         self._probe_cap = 1
         self._sizes: Optional[Any] = None
+        self._jacobian: Optional[FactorEngine] = None
         self.passes = 0
 
     def __enter__(self) -> "LoaderFit":
@@ -245,10 +249,14 @@ class LoaderFit:
         )
 
     def _pass(self, loader: Any, known: Optional[int], warm_basis: Optional[Tensor],
-              progress_bar: bool) -> Tuple[BatchStreamer, Any, int]:
-        """One pass: the streamer (its solver filled), loss and samples; keeps probe inputs."""
+              progress_bar: bool, sink: Any = None) -> Tuple[BatchStreamer, Any, int]:
+        """One pass: the streamer (its solver, or ``sink``, filled), loss and samples.
+
+        A fit's pass (no ``sink``) keeps the probe inputs.
+        """
         self.passes += 1
         config, target = self.config, self.target
+        keep = 0 if sink is not None else config.probe_inputs
         stream, kept, loss, seen = None, [], 0.0, 0
         pbar = tqdm.tqdm(loaders.batches(loader, target.dict_key_y), disable=not progress_bar,
                          desc="[lowrank_ggn: merging GGN factors]")
@@ -257,9 +265,10 @@ class LoaderFit:
             loaders.check_likelihood_targets(target.likelihood, y)
             if stream is None:  # the first batch: plan, solver, streamer
                 stream = self._start(X, len(y),
-                                     loaders.planned_samples(loader, known, len(y)), warm_basis)
-            if seen < config.probe_inputs:  # inputs for a probe pass after the fit
-                kept.append(take(X, slice(0, config.probe_inputs - seen), len(y)))
+                                     loaders.planned_samples(loader, known, len(y)),
+                                     warm_basis, sink)
+            if seen < keep:  # inputs for a probe pass after the fit
+                kept.append(take(X, slice(0, keep - seen), len(y)))
             loss = loss + stream.add(X, y)
             seen += len(y)
             if progress_bar and stream.solver.eigenvalues is not None:
@@ -269,16 +278,62 @@ class LoaderFit:
         if stream is None:
             raise ValueError("train_loader yielded no batches: nothing to fit.")
         stream.flush()
-        self.probe = ProbeInputs(kept, self._probe_cap, stream.rng) if kept else None
+        if sink is None:
+            self.probe = ProbeInputs(kept, self._probe_cap, stream.rng) if kept else None
         return stream, loss, seen
+
+    def stream(self, loader: Any, sink: Any) -> FittedData:
+        """One more pass over ``loader`` into ``sink``, the fit's way, and what it saw here.
+
+        ``sink`` takes the factors as a solver would (``add_factor``); the GGN is the full
+        one (no curvature sub-sampling), so every pass multiplies by the same matrix.
+        """
+        stream, loss, seen = self._pass(loader, None, None, False, sink)
+        return FittedData(seen, float(loss), float(stream.target_energy))
+
+    def products(self, loader: Any, fitted: FittedData) -> GGNProducts:
+        """The GGN times vectors, a pass over ``loader`` each (must reproduce ``fitted``)."""
+        return GGNProducts(self, loader, fitted)
+
+    @property
+    def jacobian(self) -> FactorEngine:
+        """An MSE-sum engine on the model (``V = sqrt(2) J^T``), opened once, closed with the fit.
+
+        The passes after the fit (probe, quadrature starts) share it.
+        """
+        if self._jacobian is None:
+            self._jacobian = self._scope.enter_context(
+                jacobian_engine(self.target.model, self.config.factor_backend))
+        return self._jacobian
+
+    def first_inputs(self, loader: Any, count: int) -> List[Any]:
+        """The first ``count`` training inputs as batches (model inputs, on the fit's device).
+
+        The fit's probe inputs where it kept as many, else read from ``loader``.
+        """
+        kept = [] if self.probe is None else self.probe.batches
+        if sum(check_batch(x, None) for x in kept) >= count:
+            return kept
+        inputs, seen = [], 0
+        with torch.random.fork_rng(devices=[]):  # a shuffling loader's draws stay private
+            for X, y in loaders.batches(loader, self.target.dict_key_y):
+                X = self.target.to_inputs(to_device(X, self.device))
+                inputs.append(take(X, slice(0, count - seen), len(y)))
+                seen += len(y)
+                if seen >= count:
+                    break
+        return inputs
 
     def reconfigure(self, config: FitConfig) -> None:
         """Fit again with ``config`` (another rank): a new plan, the same threads."""
         self.config, self.plan = config, None
 
-    def _start(self, X: Any, batch: int, num_data: int, warm_basis: Optional[Tensor]
-               ) -> BatchStreamer:
-        """At the first batch: plan (threads entered once), probe budget, solver, streamer."""
+    def _start(self, X: Any, batch: int, num_data: int, warm_basis: Optional[Tensor],
+               sink: Any = None) -> BatchStreamer:
+        """At the first batch: plan (threads entered once), probe budget, solver, streamer.
+
+        A ``sink`` takes the solver's place, with the full GGN (not sub-sampled).
+        """
         if self.plan is None:
             sizes = measure_sizes(self.engine, X, batch, num_data, self.config,
                                   self.group is not None)
@@ -292,11 +347,12 @@ class LoaderFit:
             self.plan, self._sizes = plan, sizes
             if self.config.probe_inputs:
                 self._probe_cap = probe_cap(sizes)
-        solver = make_solver(self.plan, self.config, self.params,
-                             basis=None if self.group is not None else warm_basis)
+        config = self.config if sink is None else replace(self.config, subsample_fraction=None)
+        solver = sink if sink is not None else make_solver(
+            self.plan, config, self.params, basis=None if self.group is not None else warm_basis)
         offset = 0 if self.group is None else torch.distributed.get_rank(self.group)
-        return BatchStreamer(self.engine, self.plan, self.config, solver, self.scale,
-                             self.config.seed + offset, self.device)
+        return BatchStreamer(self.engine, self.plan, config, solver, self.scale,
+                             config.seed + offset, self.device)
 
     def _check(self, stream: BatchStreamer) -> Optional[FastPathCheck]:
         """The sketch's convergence check: an unconverged auto sketch streams, else warns."""

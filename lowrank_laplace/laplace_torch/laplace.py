@@ -20,6 +20,7 @@ from laplace.lllaplace import LLLaplace
 from torch import Tensor, nn
 
 from lowrank_laplace.fitting.fit import FitResult, FitTarget, LoaderFit
+from lowrank_laplace.fitting.products import FittedData
 from lowrank_laplace.laplace_torch.options import (
     OPTION_NAMES,
     LowRankOptions,
@@ -37,7 +38,7 @@ from lowrank_laplace.posterior import GramCache, Residual, quadrature, residual_
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.null import NullDirections, head_directions
 from lowrank_laplace.posterior.probe import probe_residual
-from lowrank_laplace.posterior.quadrature import DroppedQuadrature, FittedData
+from lowrank_laplace.posterior.quadrature import DroppedQuadrature
 from lowrank_laplace.posterior.residual import DEFAULT_RESIDUAL
 from lowrank_laplace.utils.checks import refuse_inference_mode
 from lowrank_laplace.utils.threads import on_one_thread_if_small
@@ -293,7 +294,7 @@ class LowRankGGNLaplace(StatePersistence, ComplementRefinement, PosteriorQueries
                 result = run.run(train_loader, previous, basis, progress_bar)
                 head = (self.likelihood, head_directions(module, params, self.likelihood,
                                                          result.n_outputs))
-                probed = probe_residual(module, result, options, head, run.group, prior)
+                probed = probe_residual(run, result, head, prior)
                 history.append((result.eigenvalues.numel(), probed.variance_change))
                 rank = None if options.rank != AUTO or run.group is not None else next_rank(
                     rank, probed.variance_change, (result.rank_bound, result.mean.numel(),
@@ -305,7 +306,7 @@ class LowRankGGNLaplace(StatePersistence, ComplementRefinement, PosteriorQueries
             if previous is None and self.fit_report.refinable and not options.mc_samples \
                     and self.fit_report.kept_fraction < options.refine_below \
                     and quadrature.basis_fits(self.n_params, options, self._device):
-                self._refine_after_fit(train_loader, run.group)  # on the fit's threads
+                self._refine_after_fit(train_loader, run)  # the fit's loop and threads
 
     def _store(self, result: FitResult, probed: Any, ranks_tried: tuple,
                passes: int = 1) -> None:

@@ -14,11 +14,12 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from lowrank_laplace.fitting.products import FittedData
 from lowrank_laplace.laplace_torch.report import FitReport
 from lowrank_laplace.posterior import residual_class
 from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.null import NullDirections
-from lowrank_laplace.posterior.quadrature import DroppedQuadrature, FittedData
+from lowrank_laplace.posterior.quadrature import DroppedQuadrature
 
 #: The optional parts of the state, each saved flat under its name as key prefix.
 PARTS = ("fit_report", "measured_complement", "null_directions", "quadrature", "fitted_data")

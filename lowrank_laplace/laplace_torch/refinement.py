@@ -1,6 +1,7 @@
 """``la.refine_complement``: Lanczos quadrature of the dropped curvature, for laplace-torch.
 
-:mod:`~lowrank_laplace.posterior.quadrature` runs the passes; this mixin checks the call,
+:mod:`~lowrank_laplace.posterior.quadrature` runs the Lanczos steps, each a pass of the fit's
+loop (:class:`~lowrank_laplace.fitting.fit.LoaderFit`); this mixin checks the call,
 skips a fit's own refinement on data that changes between passes, and stores what it found.
 """
 
@@ -12,9 +13,9 @@ from typing import Any
 
 import torch
 
-from lowrank_laplace.fitting.distributed import resolve_process_group
-from lowrank_laplace.fitting.fit import FitTarget
-from lowrank_laplace.posterior.quadrature import FittedData, OtherDataError, lanczos_quadrature
+from lowrank_laplace.fitting.fit import FitTarget, LoaderFit
+from lowrank_laplace.fitting.products import FittedData, OtherDataError
+from lowrank_laplace.posterior.quadrature import lanczos_quadrature
 from lowrank_laplace.utils.checks import refuse_inference_mode
 
 
@@ -56,12 +57,16 @@ class ComplementRefinement:
                 f"this posterior was fitted on a Monte-Carlo GGN (mc_samples="
                 f"{self.options.mc_samples}), whose draws it would not match: refit with "
                 "mc_samples=0 to refine it.")
-        self._refine(train_loader, resolve_process_group("default"))
+        module, to_inputs, params = self._curvature_target()
+        target = FitTarget(module, self.likelihood, params, to_inputs, self.dict_key_y,
+                           self._device)
+        with LoaderFit(target, self.options.at_rank(max(self.H[1].numel(), 1))) as run:
+            self._refine(train_loader, run)
 
-    def _refine_after_fit(self, train_loader: Any, group: Any) -> None:
+    def _refine_after_fit(self, train_loader: Any, run: LoaderFit) -> None:
         """A fit's own refinement; skipped with a warning where the loader gives other data."""
         try:
-            self._refine(train_loader, group)
+            self._refine(train_loader, run)
         except OtherDataError as err:  # e.g. random augmentation drawn on every pass
             warnings.warn(
                 f"The fit kept {self.fit_report.kept_fraction:.0%} of the GGN trace but did "
@@ -70,14 +75,11 @@ class ComplementRefinement:
                 "la.refine_complement(loader) measures it on a loader that repeats its data.",
                 UserWarning, stacklevel=3)  # the caller of la.fit
 
-    def _refine(self, train_loader: Any, group: Any) -> None:
-        """Run the Lanczos quadrature over ``train_loader``, summed over ``group``."""
-        module, to_inputs, params = self._curvature_target()
+    def _refine(self, train_loader: Any, run: LoaderFit) -> None:
+        """Run the Lanczos quadrature over ``train_loader`` in ``run``'s loop."""
         prior = (float(self._H_factor), float(torch.as_tensor(self.prior_precision).mean()))
-        found = lanczos_quadrature(
-            FitTarget(module, self.likelihood, params, to_inputs, self.dict_key_y,
-                      self._device), train_loader, (self.H[0], self._null, self.n_outputs),
-            self.options, prior, self._fitted_data or FittedData(int(self.n_data)), group)
+        found = lanczos_quadrature(run, train_loader, (self.H[0], self._null, self.n_outputs),
+                                   prior, self._fitted_data or FittedData(int(self.n_data)))
         previous, probed = self._quadrature, self._complement
         if previous is not None and previous.holds(probed):  # an earlier refinement's
             probed = None
@@ -85,4 +87,5 @@ class ComplementRefinement:
         self._complement = found.kept_complement(probed)
         self.fit_report = replace(self.fit_report, complement_resolved=None,
                                   quadrature_steps=found.steps,
+                                  quadrature_passes=found.passes,
                                   quadrature_converged=found.converged)

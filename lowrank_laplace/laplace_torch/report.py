@@ -37,10 +37,12 @@ class FitReport:
         null_directions: The softmax head's logit-shift directions the probe checked,
             which keep the prior's variance (``0``: none).
         quadrature_steps: Lanczos steps of ``refine_complement`` (``0``: not run).
+        quadrature_passes: Its passes over the training data (the steps after the first
+            reuse the first pass's factors where they fit the memory budget).
         quadrature_converged: Whether its runs converged (``None``: not run).
         refinable: Whether the residual model takes ``refine_complement``.
         fit_passes: The fit's passes over the training data (``refine_complement`` adds
-            ``quadrature_steps``).
+            ``quadrature_passes``).
     """
 
     rank: int
@@ -59,6 +61,7 @@ class FitReport:
     quadrature_converged: Optional[bool] = None
     refinable: bool = False
     fit_passes: int = 1
+    quadrature_passes: int = 0
 
     @property
     def estimator(self) -> str:
@@ -97,8 +100,8 @@ class FitReport:
                  f"  kept share of the GGN trace: {self.kept_fraction:.3f} "
                  f"(the rest: residual={self.residual!r})",
                  f"  dropped curvature: {self.estimator}; passes over the training data: "
-                 f"{self.fit_passes + self.quadrature_steps}"
-                 + (f" (fit {self.fit_passes}, refinement {self.quadrature_steps})"
+                 f"{self.fit_passes + self.quadrature_passes}"
+                 + (f" (fit {self.fit_passes}, refinement {self.quadrature_passes})"
                     if self.quadrature_steps else "")]
         c = self.check
         if c is not None:
@@ -114,7 +117,7 @@ class FitReport:
                          "basis (the rest meets the modelled tail)")
         if self.quadrature_steps:
             lines.append(f"  complement variance and dropped spectrum: Lanczos quadrature over "
-                         f"the training data, {self.quadrature_steps} passes "
+                         f"the training data, {self.quadrature_steps} steps "
                          f"({'converged' if self.quadrature_converged else 'not converged'})")
         elif self.refinable and self.kept_fraction < quadrature.DEFAULT_REFINE_BELOW:
             lines.append("  most of the curvature is dropped: la.refine_complement(loader of "

@@ -11,14 +11,13 @@ Shape glossary:
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Any, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from lowrank_laplace.engine import FactorEngine
-from lowrank_laplace.engine.functorch import LOOPING
+from lowrank_laplace.engine.factor_engine import jacobian_engine
 from lowrank_laplace.factor import GGNFactor
 from lowrank_laplace.factor.weights import SMALL_DTYPE, Weight
 from lowrank_laplace.fitting import budget
@@ -31,26 +30,6 @@ from lowrank_laplace.utils.checks import check_batch
 PASS_BYTES = 2**25
 #: ...but a pass takes at least this many inputs: smaller ones cost more than the pages.
 MIN_PASS = 64
-
-
-@contextlib.contextmanager
-def jacobian_engine(model: nn.Module, backend: str) -> Iterator[FactorEngine]:
-    """An MSE-sum engine on the model in eval mode (``V = sqrt(2) J^T``).
-
-    Without the functorch looping warning, which the fit already gave.
-
-    Args:
-        model: The network (left unchanged).
-        backend: The engine's backend.
-
-    Yields:
-        The open engine.
-    """
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=LOOPING)
-        with FactorEngine(model, nn.MSELoss(reduction="sum"), eval_mode=True,
-                          backend=backend) as engine:
-            yield engine
 
 
 def glm_moments(engine: FactorEngine, inputs: Tensor, precision: LowRankPrecision,

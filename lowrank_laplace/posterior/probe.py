@@ -1,9 +1,10 @@
 r"""The spectral residual's probe: what a fit measures on its first training inputs.
 
-One Jacobian pass gives the kept eigenvectors' Jacobian energies (the exponent
-``beta``, :func:`jacobian_exponent`); under a scalar prior another, with all outputs,
-measures the complement variance (:mod:`~lowrank_laplace.posterior.complement`) and
-the rank check. Data-parallel fits sum the energies and take process 0's measurement.
+One Jacobian pass with all outputs, on the fit's Jacobian engine, gives the kept
+eigenvectors' Jacobian energies (the exponent ``beta``, :func:`jacobian_exponent`), the
+complement variance (:mod:`~lowrank_laplace.posterior.complement`) and the rank check
+(:func:`variance_change`, from the same measurement). Data-parallel fits sum the energies
+and take process 0's measurement.
 
 Shape glossary:
     D: Laplace parameters; r: kept rank; m: measured probe inputs; C: outputs.
@@ -16,7 +17,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.factor.loss_sqrt import hessian_sqrt
@@ -34,7 +35,7 @@ from lowrank_laplace.posterior.complement import (
     measure_complement,
 )
 from lowrank_laplace.posterior.null import NullDirections, moves_outputs_alike
-from lowrank_laplace.posterior.predictive import jacobian_energies, jacobian_engine, micro_batches
+from lowrank_laplace.posterior.predictive import jacobian_energies, micro_batches
 from lowrank_laplace.utils.batches import batch_device, take
 from lowrank_laplace.utils.checks import check_batch
 
@@ -69,8 +70,7 @@ class ProbeResult:
     null: Optional[NullDirections] = None
 
 
-def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig,
-                   head: Tuple[str, Optional[NullDirections]], group: Any = None,
+def probe_residual(run: Any, fit: FitResult, head: Tuple[str, Optional[NullDirections]],
                    prior: Optional[Tuple[float, float]] = None) -> ProbeResult:
     """``beta`` of the spectral residual, the measured complement and the rank check.
 
@@ -79,12 +79,11 @@ def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig,
     candidate logit-shift directions and measures the complement outside them.
 
     Args:
-        model: The module whose GGN was fitted.
+        run: The open :class:`~lowrank_laplace.fitting.fit.LoaderFit` of the fit: its
+            Jacobian engine, options and data-parallel process group.
         fit: The fit, with its probe inputs.
-        config: The fit's options.
         head: The likelihood (``"classification"`` or ``"regression"``) and the
             candidate logit-shift directions (``posterior.null.head_directions``).
-        group: The data-parallel process group, or ``None``.
         prior: ``(h, delta)`` of a scalar prior to measure under; ``None``: no
             measurement.
 
@@ -95,23 +94,24 @@ def probe_residual(model: nn.Module, fit: FitResult, config: FitConfig,
     if U.shape[1] in (0, U.shape[0]) or probe is None:  # nothing kept, or nothing dropped
         return ProbeResult()
     (likelihood, null), measure = head, prior is not None and MEASURE_COMPLEMENT
-    with jacobian_engine(model, config.factor_backend) as engine:
-        null = None if null is None else _checked_head(engine, probe.batches[0], null)
-        inputs = sum(check_batch(x, None) for x in probe.batches)
-        projections = None if PROBE_COLUMNS is None else -(-PROBE_COLUMNS // max(inputs, 1))
-        if projections is not None and projections >= fit.n_outputs:
-            projections = None  # no cheaper than the exact energies
-        if (projections or fit.n_outputs) > probe.cap:  # fewer random ones fit the budget
-            projections = probe.cap
-        complement, energy, rank_check = None, None, None
-        if measure and (group is None or dist.get_rank(group) == 0):
-            complement, energy, rank_check = _measure(
-                engine, probe.batches, fit, config, (likelihood_loss(likelihood), prior, null))
-        if energy is None or projections is not None or group is not None:
-            micro = micro_batch_size(engine, probe.batches[0], projections,
-                                     config.memory_budget, config.micro_batch_size)
-            energy = jacobian_energies(engine, probe.batches, U, micro, projections,
-                                       probe.rng)
+    config, group = run.config, run.group
+    engine = run.jacobian  # the fit's Jacobian engine, opened on first use
+    null = None if null is None else _checked_head(engine, probe.batches[0], null)
+    inputs = sum(check_batch(x, None) for x in probe.batches)
+    projections = None if PROBE_COLUMNS is None else -(-PROBE_COLUMNS // max(inputs, 1))
+    if projections is not None and projections >= fit.n_outputs:
+        projections = None  # no cheaper than the exact energies
+    if (projections or fit.n_outputs) > probe.cap:  # fewer random ones fit the budget
+        projections = probe.cap
+    complement, energy, rank_check = None, None, None
+    if measure and (group is None or dist.get_rank(group) == 0):
+        complement, energy, rank_check = _measure(
+            engine, probe.batches, fit, config, (likelihood_loss(likelihood), prior, null))
+    if energy is None or projections is not None or group is not None:
+        micro = micro_batch_size(engine, probe.batches[0], projections,
+                                 config.memory_budget, config.micro_batch_size)
+        energy = jacobian_energies(engine, probe.batches, U, micro, projections,
+                                   probe.rng)
     if group is not None:
         dist.all_reduce(energy, group=group)
         if measure:
@@ -185,20 +185,17 @@ def _measure(engine: FactorEngine, probe: List[Any], fit: FitResult, config: Fit
     S = hessian_sqrt(loss_func, outputs.to(torch.float64), 0, None) * factor ** 0.5
     energy = (Z**2).sum(0).div(2).to(U.dtype) if m == total else None  # E[V V^T] = 2 J^T J
     full = measure_complement(gram, outside, S, num_data)
-    half = lam.numel() // 2
-    if full is None or half == 0:
+    if full is None or lam.numel() < 2:
         return full, energy, None
     null_energy = None if ZN is None else (ZN**2).sum(1) / 2
     probe = ProbeColumns(gram.diagonal() / 2, Z / 2**0.5, classes, null_energy)
-    halved = measure_complement(gram, outside[:, [*range(half), *range(lam.numel(),
-                                                                      outside.shape[1])]],
-                                S, num_data)
     known = 0 if null is None else null.count
 
     def rank_check(exponent: float) -> Optional[float]:
-        kept = [(lam[:k], measured, _unresolved(fit, k, exponent, known))
-                for k, measured in ((lam.numel(), full), (half, halved))]
-        return variance_change(probe, *kept, prior)
+        tail = _unresolved(fit, lam.numel(), exponent, known)
+        variance = full.variance(torch.tensor(prior[0]), torch.tensor(prior[1]),
+                                 float(lam[-1]), tail)
+        return variance_change(probe, lam, variance, prior)
 
     return full, energy, rank_check
 
@@ -237,50 +234,61 @@ class ProbeColumns:
     null: Optional[Tensor] = None
 
 
-def predictive_variance(probe: ProbeColumns, kept: tuple, prior: Tuple[float, float]
-                        ) -> Tensor:
+def predictive_variance(probe: ProbeColumns, eigenvalues: Tensor, variance: Tensor,
+                        prior: Tuple[float, float], lumped: Optional[int] = None) -> Tensor:
     r"""Each probe input's GLM variance summed over outputs, under the spectral residual.
 
     ``sum_c (sum_k z_nck^2 / (h lambda_k + delta) + v (||J_nc||^2 - sum_k z_nck^2))``, the
-    logit-shift directions' energy apart at ``1 / delta``.
+    logit-shift directions' energy apart at ``1 / delta``. With ``lumped = k``, the kept
+    directions from ``k`` on join the complement: their exact eigenvalues and the probe's
+    energies on them pool with ``v`` into one variance, as a rank-``k`` fit's residual
+    would hold them.
 
     Args:
         probe: The probe's Jacobian columns.
-        kept: ``(lambda, complement, tail)``: the leading eigenvalues kept, the
-            complement measured outside them and the modelled tail of its unresolved
-            energy (``None``: curved by the floor).
+        eigenvalues: The kept ``lambda``, ``(r,)``.
+        variance: The complement variance ``v`` outside all ``r``.
         prior: ``(h, delta)``.
+        lumped: Kept directions treated as kept (``None``: all).
 
     Returns:
         ``(m,)``, float64.
     """
-    (lam, complement, tail), (scale, delta) = kept, prior
-    lam = lam.to(probe.projections)
+    (scale, delta), lam = prior, eigenvalues.to(probe.projections)
     z2 = probe.projections[:, : lam.numel()] ** 2
-    inside = z2 @ (1 / (scale * lam + delta))
+    inverse = 1 / (scale * lam + delta)
     null = 0 if probe.null is None else probe.null
     outside = (probe.norms - z2.sum(1) - null).clamp(min=0)
-    v = complement.variance(torch.tensor(scale), torch.tensor(delta), float(lam[-1]), tail)
-    return (inside + v.to(inside) * outside + null / delta).reshape(probe.classes, -1).sum(0)
+    v, k = variance.to(z2.dtype), lam.numel() if lumped is None else lumped
+    if k < lam.numel():  # pooled: energy-weighted mean of the lumped and outside variances
+        pooled = z2[:, k:].sum(0)
+        total = pooled.sum() + outside.sum()
+        v = ((pooled * inverse[k:]).sum() + v * outside.sum()) / total.clamp(
+            min=torch.finfo(z2.dtype).tiny)
+        outside = outside + z2[:, k:].sum(1)
+    inside = z2[:, :k] @ inverse[:k]
+    return (inside + v * outside + null / delta).reshape(probe.classes, -1).sum(0)
 
 
-def variance_change(probe: ProbeColumns, full: tuple, half: tuple,
-                    prior: Tuple[float, float]) -> Optional[float]:
+def variance_change(probe: ProbeColumns, eigenvalues: Tensor, variance: Tensor,
+                    prior: Tuple[float, float]) -> float:
     """Median relative change of the probe inputs' predictive variance from half to all.
+
+    The leading half of the kept eigenpairs against all of them: the directions the half
+    drops join its complement (:func:`predictive_variance` with ``lumped``).
 
     Args:
         probe: The probe's Jacobian columns.
-        full: ``(lambda, complement, tail)`` of all kept eigenpairs.
-        half: The same for the leading half (complement ``None``: not measurable).
+        eigenvalues: The kept ``lambda``, ``(r,)``, ``r >= 2``.
+        variance: The complement variance ``v`` outside all of them.
         prior: ``(h, delta)``.
 
     Returns:
-        ``median |var_half - var| / var`` over the inputs, or ``None``.
+        ``median |var_half - var| / var`` over the inputs.
     """
-    if half[1] is None:
-        return None
-    var = predictive_variance(probe, full, prior)
-    var_half = predictive_variance(probe, half, prior)
+    var = predictive_variance(probe, eigenvalues, variance, prior)
+    var_half = predictive_variance(probe, eigenvalues, variance, prior,
+                                   eigenvalues.numel() // 2)
     return float(((var_half - var).abs() / var.clamp(min=1e-300)).median())
 
 

@@ -185,7 +185,7 @@ def test_zero_ggn_keeps_no_eigenpairs_and_matches_full_laplace():
 def test_residual_none_runs_no_jacobian_probe(monkeypatch):
     calls = []
     real = predictive.jacobian_engine
-    monkeypatch.setattr("lowrank_laplace.posterior.probe.jacobian_engine",
+    monkeypatch.setattr("lowrank_laplace.fitting.fit.jacobian_engine",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     for residual in ("none", "isotropic", "spectral"):
         la = Laplace(_mlp(), "classification", "all", "lowrank_ggn", rank=5,

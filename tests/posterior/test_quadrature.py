@@ -9,7 +9,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lowrank_laplace import LowRankGGNLaplace
-from lowrank_laplace.fitting.fit import FitTarget
+from lowrank_laplace.fitting.fit import FitTarget, LoaderFit
+from lowrank_laplace.fitting.products import FittedData
 from lowrank_laplace.posterior import quadrature
 from lowrank_laplace.posterior.quadrature import LanczosRuns
 from tests import reference
@@ -60,14 +61,12 @@ def _problem(likelihood="classification"):
 
 
 def _products(la, model, loader, Qs, room):
-    """``H Q^T`` of each ``Q`` in turn, one pass each, through a cache of ``room`` bytes."""
+    """``H Q^T`` of each ``Q`` in turn through the fit's loop, a cache of ``room`` bytes."""
     target = FitTarget(model, "classification", la.params)
-    cache = quadrature.FactorCache(room)
-    with quadrature.FactorEngine(model, nn.CrossEntropyLoss(reduction="sum"),
-                                 eval_mode=True) as engine:
-        return [quadrature._ggn_product(
-            cache.passes(quadrature._factors(engine, target, loader, la.options)), target, Q)
-            for Q in Qs], cache
+    with LoaderFit(target, la.options.at_rank(5)) as run:
+        products = run.products(loader, FittedData(len(loader.dataset)))
+        products.cache.room = room
+        return [products(Q) for Q in Qs], products
 
 
 @pytest.mark.parametrize("room", [2**30, 1000, 0])
@@ -77,8 +76,23 @@ def test_the_ggn_products_are_the_dense_ggn_whether_the_factors_are_kept_or_not(
     la = LowRankGGNLaplace(model, "classification", rank=5)
     G = reference.ggn(model, nn.CrossEntropyLoss(reduction="sum"), X, y)
     Qs = [torch.randn(4, G.shape[0], dtype=torch.float64) for _ in range(3)]
-    products, cache = _products(la, model, loader, Qs, room)
-    assert cache.complete == (room == 2**30) and (len(cache.kept) == 6) == cache.complete
+    products, run = _products(la, model, loader, Qs, room)
+    cache = run.cache
+    assert cache.complete == (room == 2**30) and bool(cache.kept) == cache.complete
+    assert run.passes == (1 if cache.complete else len(Qs))
+    for product, Q in zip(products, Qs):
+        torch.testing.assert_close(product, Q @ G, rtol=1e-9, atol=1e-10)
+
+
+def test_low_memory_passes_recompute_the_same_products(tune):
+    """A low-memory fit's passes recompute ``V`` for ``V (V^T Q)``: nothing to keep."""
+    tune(dense_max_dim=0)  # a dense sum would drop low_memory
+    model, X, y, loader = _problem()
+    la = LowRankGGNLaplace(model, "classification", rank=5, low_memory=True)
+    G = reference.ggn(model, nn.CrossEntropyLoss(reduction="sum"), X, y)
+    Qs = [torch.randn(4, G.shape[0], dtype=torch.float64) for _ in range(2)]
+    products, run = _products(la, model, loader, Qs, 2**30)
+    assert not run.cache.complete and run.passes == 2
     for product, Q in zip(products, Qs):
         torch.testing.assert_close(product, Q @ G, rtol=1e-9, atol=1e-10)
 
@@ -87,9 +101,9 @@ def test_monte_carlo_passes_multiply_by_the_same_matrix_kept_or_recomputed():
     model, X, y, loader = _problem()
     la = LowRankGGNLaplace(model, "classification", rank=5, mc_samples=1)
     Q = torch.randn(4, la.n_params, dtype=torch.float64)
-    kept, cache = _products(la, model, loader, [Q, Q], 2**30)
+    kept, run = _products(la, model, loader, [Q, Q], 2**30)
     fresh, _ = _products(la, model, loader, [Q, Q], 0)
-    assert cache.complete
+    assert run.cache.complete
     for product in kept[1:] + fresh:
         torch.testing.assert_close(product, kept[0], rtol=1e-12, atol=1e-12)
 
@@ -110,7 +124,10 @@ def test_the_complement_variance_is_the_exact_deflated_quadratic_form(monkeypatc
     target = FitTarget(model, "classification", la.params)
     generator = torch.Generator().manual_seed(0)
     torch.randn(quadrature.RUNS, dim, generator=generator, dtype=torch.float64)  # Gaussian
-    starts = quadrature._jacobian_starts(target, loader, la.options, 3, generator) @ P
+    with LoaderFit(target, la.options.at_rank(6)) as run:
+        inputs = run.first_inputs(loader, quadrature.START_INPUTS)
+        starts = quadrature._jacobian_starts(run.jacobian, inputs, la.options, 3,
+                                             generator) @ P
     found = la._quadrature
     assert found.converged and found.steps < 80
     for h, delta in ((1.0, 1.0), (1.0, 0.05), (0.5, 3.0)):

@@ -721,26 +721,34 @@ def test_a_fit_under_a_layerwise_prior_measures_the_complement_as_a_scalar_one()
 
 def test_probe_predictive_variance_is_the_dense_posteriors():
     """The rank check's variance: the trace of ``J P^{-1} J^T`` for the precision with
-    ``h lambda + delta`` on the kept directions and ``1 / v`` outside them."""
-    from lowrank_laplace.posterior.complement import MeasuredComplement
-    from lowrank_laplace.posterior.probe import ProbeColumns, predictive_variance
+    ``h lambda + delta`` on the kept directions and ``1 / v`` outside them; at half the
+    rank, the dropped half pools with the complement into one energy-weighted variance."""
+    from lowrank_laplace.posterior.probe import ProbeColumns, predictive_variance, variance_change
 
     torch.manual_seed(0)
-    D, r, m, C, h, delta = 30, 4, 5, 3, 0.7, 0.4
+    D, r, m, C, h, delta, v = 30, 4, 5, 3, 0.7, 0.4, 0.9
     U = torch.linalg.qr(torch.randn(D, r, dtype=torch.float64))[0]
     lam = torch.tensor([9.0, 5.0, 2.0, 1.0], dtype=torch.float64)
     J = torch.randn(C * m, D, dtype=torch.float64)  # rows (c, n)
-    # a measurement whose variance is one value: all energy on one resolved eigenvalue
-    energy = torch.tensor(1.0, dtype=torch.float64)
-    complement = MeasuredComplement(torch.tensor([0.6], dtype=torch.float64), energy[None],
-                                    None, None, energy, 1.0)
-    v = float(complement.variance(torch.tensor(h), torch.tensor(delta), float(lam[-1])))
-    P = U @ torch.diag(h * lam + delta) @ U.T + (torch.eye(D, dtype=torch.float64)
-                                                  - U @ U.T) / v
-    dense = (J @ torch.linalg.inv(P) * J).sum(1).reshape(C, m).sum(0)
+    eye = torch.eye(D, dtype=torch.float64)
+
+    def dense(k, variance):
+        Uk = U[:, :k]
+        P = Uk @ torch.diag(h * lam[:k] + delta) @ Uk.T + (eye - Uk @ Uk.T) / variance
+        return (J @ torch.linalg.inv(P) * J).sum(1).reshape(C, m).sum(0)
+
     probe = ProbeColumns((J**2).sum(1), J @ U, C)
-    torch.testing.assert_close(predictive_variance(probe, (lam, complement, None), (h, delta)),
-                               dense, rtol=1e-10, atol=1e-12)
+    variance = torch.tensor(v, dtype=torch.float64)
+    full = predictive_variance(probe, lam, variance, (h, delta))
+    torch.testing.assert_close(full, dense(r, v), rtol=1e-10, atol=1e-12)
+    energies = ((J @ U[:, 2:]) ** 2).sum(0)
+    outside = ((J**2).sum() - ((J @ U) ** 2).sum())
+    pooled = float(((energies / (h * lam[2:] + delta)).sum() + v * outside)
+                   / (energies.sum() + outside))
+    half = predictive_variance(probe, lam, variance, (h, delta), lumped=2)
+    torch.testing.assert_close(half, dense(2, pooled), rtol=1e-10, atol=1e-12)
+    change = ((dense(2, pooled) - dense(r, v)).abs() / dense(r, v)).median()
+    assert variance_change(probe, lam, variance, (h, delta)) == pytest.approx(float(change))
 
 
 def test_fit_report_says_what_ran_and_survives_the_state_dict(tune):
@@ -769,9 +777,11 @@ def test_fit_report_says_what_ran_and_survives_the_state_dict(tune):
     refined = LowRankGGNLaplace(model, likelihood, rank=6, solver="sketch", refine_below=1)
     refined.fit(loader)
     report = refined.fit_report
-    assert report.fit_passes >= 1 and report.quadrature_steps > 0
-    assert f"passes over the training data: {report.fit_passes + report.quadrature_steps} " \
-        f"(fit {report.fit_passes}, refinement {report.quadrature_steps})" in str(report)
+    assert report.fit_passes >= 1 and report.quadrature_steps > 1
+    # the steps after the first reuse the first pass's factors: one pass over the data
+    assert report.quadrature_passes == 1
+    assert f"passes over the training data: {report.fit_passes + 1} " \
+        f"(fit {report.fit_passes}, refinement 1)" in str(report)
     assert "Lanczos quadrature" in report.estimator
 
 
