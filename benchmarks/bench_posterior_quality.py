@@ -32,22 +32,30 @@ from lowrank_laplace.toolkit import metrics
 RESIDUALS = ("spectral", "isotropic", "diagonal", "none")
 
 
+def standardized(a):
+    """Zero mean and unit variance per column."""
+    return (a - a.mean(0)) / a.std(0)
+
+
+#: sklearn's offline data sets: name -> (loader, likelihood, hidden widths, input scaling);
+#: regression targets are standardized.
+PROBLEMS = {
+    "digits": ("load_digits", "classification", [50], lambda X: X / 16.0),
+    "breast_cancer": ("load_breast_cancer", "classification", [50], standardized),
+    "wine": ("load_wine", "classification", [50], standardized),
+    "diabetes": ("load_diabetes", "regression", [50, 50], standardized),
+}
+
+
 def problem(name: str):
     """``(X_train, y_train, X_test, y_test, likelihood, hidden)`` of an offline data set."""
     from sklearn import datasets as skd
 
-    if name == "digits":
-        data = skd.load_digits()
-        X, y, likelihood, hidden = data.data / 16.0, data.target, "classification", [50]
-    elif name == "breast_cancer":
-        data = skd.load_breast_cancer()
-        X, y, likelihood, hidden = data.data, data.target, "classification", [50]
-        X = (X - X.mean(0)) / X.std(0)
-    else:
-        data = skd.load_diabetes()
-        X, y, likelihood, hidden = data.data, data.target, "regression", [50, 50]
-        X = (X - X.mean(0)) / X.std(0)
-        y = (y - y.mean()) / y.std()
+    loader, likelihood, hidden, scale = PROBLEMS[name]
+    data = getattr(skd, loader)()
+    X, y = scale(data.data), data.target
+    if likelihood == "regression":
+        y = standardized(y)
     X = torch.tensor(X, dtype=torch.float64)
     y = torch.tensor(y)
     y = y.long() if likelihood == "classification" else y[:, None].double()
