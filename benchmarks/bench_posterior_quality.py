@@ -208,7 +208,8 @@ def checks(rec: dict) -> dict:
 
 
 def plot(report: dict, path: Path) -> None:
-    """Test NLL and the marglik prior against the full GGN's, per rank and residual."""
+    """Test NLL and the marglik prior against the full GGN's, per rank and residual (grey:
+    the :data:`TARGETS` bands)."""
     names = list(report["problems"])
     with figure(path, 2, len(names), dpi=110, figsize=(4.6 * len(names), 7),
                 squeeze=False) as (_, axes):
@@ -226,8 +227,13 @@ def plot(report: dict, path: Path) -> None:
                                         ("MAP", rec["map"]["nll"], "r:")):
                 axes[0, col].axhline(value, color=style[0], linestyle=style[1:], label=label,
                                      linewidth=1)
+            full = rec["peers"]["full"]
+            for row, (metric, at) in enumerate((("nll", full["nll"]), ("prior_precision", 1))):
+                bound = TARGETS[metric]  # the target's band around the full GGN
+                axes[row, col].axhspan(at * (1 - bound), at * (1 + bound), color="0.9")
+            kron = rec["peers"]["kron"]["prior_precision"] / full["prior_precision"]
             axes[1, col].axhline(1.0, color="k", linestyle="--", linewidth=1, label="full GGN")
-            axes[1, col].axhspan(0.75, 1.25, color="0.9")
+            axes[1, col].axhline(kron, color="k", linestyle=":", linewidth=1, label="kron")
             for row in range(2):
                 axes[row, col].set_xscale("log")
                 axes[row, col].set_xlabel("Rank")
