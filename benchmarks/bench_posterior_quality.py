@@ -9,6 +9,9 @@ the MAP network's (trained under Laplace's Gaussian prior); one worker per probl
 
 writes ``posterior_quality.json`` (with date, machine and versions) and
 ``posterior_quality.png`` (NLL and prior-precision ratio against rank per problem).
+Where the run holds the library's default posterior (``--residuals spectral --ranks
+default`` runs only it and the peers), it also checks :data:`TARGETS`: the default's and
+``kron``'s test NLL and prior precision against the full GGN's.
 """
 
 from __future__ import annotations
@@ -27,27 +30,42 @@ import lowrank_laplace  # noqa: F401  (registers lowrank_ggn)
 from benchmarks._harness import run_results, script_main, script_parser
 from benchmarks._report import figure, machine_info
 from benchmarks._worker import default_dtype, run_result
+from lowrank_laplace.laplace_torch.options import LowRankOptions
 from lowrank_laplace.toolkit import metrics
 
 RESIDUALS = ("spectral", "isotropic", "diagonal", "none")
+#: The library's default posterior: ``Laplace(..., hessian_structure="lowrank_ggn")``'s options.
+DEFAULT = LowRankOptions()
+#: Names ``--ranks`` accepts besides integers.
+RANK_NAMES = {"default": DEFAULT.rank}
+#: Targets against the full GGN's posterior: metric -> largest ``|ratio - 1|``.
+TARGETS = {"nll": 0.05, "prior_precision": 0.25}
+
+
+def standardized(a):
+    """Zero mean and unit variance per column."""
+    return (a - a.mean(0)) / a.std(0)
+
+
+#: sklearn's offline data sets: name -> (loader, likelihood, hidden widths, input scaling);
+#: regression targets are standardized.
+PROBLEMS = {
+    "digits": ("load_digits", "classification", [50], lambda X: X / 16.0),
+    "breast_cancer": ("load_breast_cancer", "classification", [50], standardized),
+    "wine": ("load_wine", "classification", [50], standardized),
+    "diabetes": ("load_diabetes", "regression", [50, 50], standardized),
+}
 
 
 def problem(name: str):
     """``(X_train, y_train, X_test, y_test, likelihood, hidden)`` of an offline data set."""
     from sklearn import datasets as skd
 
-    if name == "digits":
-        data = skd.load_digits()
-        X, y, likelihood, hidden = data.data / 16.0, data.target, "classification", [50]
-    elif name == "breast_cancer":
-        data = skd.load_breast_cancer()
-        X, y, likelihood, hidden = data.data, data.target, "classification", [50]
-        X = (X - X.mean(0)) / X.std(0)
-    else:
-        data = skd.load_diabetes()
-        X, y, likelihood, hidden = data.data, data.target, "regression", [50, 50]
-        X = (X - X.mean(0)) / X.std(0)
-        y = (y - y.mean()) / y.std()
+    loader, likelihood, hidden, scale = PROBLEMS[name]
+    data = getattr(skd, loader)()
+    X, y = scale(data.data), data.target
+    if likelihood == "regression":
+        y = standardized(y)
     X = torch.tensor(X, dtype=torch.float64)
     y = torch.tensor(y)
     y = y.long() if likelihood == "classification" else y[:, None].double()
@@ -126,7 +144,7 @@ def tuned_full(la) -> float:
     return float(la.prior_precision)
 
 
-def run_problem(name: str, ranks, epochs: int) -> dict:
+def run_problem(name: str, ranks, epochs: int, residuals=RESIDUALS) -> dict:
     X, y, Xt, yt, likelihood, hidden = problem(name)
     model = train_map(X, y, likelihood, hidden, epochs)
     loader = DataLoader(TensorDataset(X, y), batch_size=128)
@@ -151,7 +169,7 @@ def run_problem(name: str, ranks, epochs: int) -> dict:
     full_prior = record["peers"]["full"]["prior_precision"]
     for rank in ranks:
         shared = None
-        for residual in RESIDUALS:
+        for residual in residuals:
             if residual == "diagonal" or shared is None:
                 la = Laplace(model, likelihood, subset_of_weights="all",
                              hessian_structure="lowrank_ggn", sigma_noise=sigma, rank=rank,
@@ -172,14 +190,32 @@ def run_problem(name: str, ranks, epochs: int) -> dict:
     return record
 
 
+def checks(rec: dict) -> dict:
+    """The default posterior's and ``kron``'s ratios to the full GGN's in each metric of
+    :data:`TARGETS` and whether they are within it (no ``default``: not run)."""
+    full = rec["peers"]["full"]
+    default = next((r for r in rec["lowrank"] if r["rank"] == DEFAULT.rank
+                    and r["residual"] == DEFAULT.residual), None)
+    out = {}
+    for name, r in (("default", default), ("kron", rec["peers"]["kron"])):
+        if r is not None:
+            ratios = {metric: r[metric] / full[metric] for metric in TARGETS}
+            out[name] = {metric: {"ratio": ratio, "met": abs(ratio - 1) <= TARGETS[metric]}
+                         for metric, ratio in ratios.items()}
+    if default is not None:
+        out["default"]["kept_fraction"] = default["kept_fraction"]
+    return out
+
+
 def plot(report: dict, path: Path) -> None:
-    """Test NLL and the marglik prior against the full GGN's, per rank and residual."""
+    """Test NLL and the marglik prior against the full GGN's, per rank and residual (grey:
+    the :data:`TARGETS` bands)."""
     names = list(report["problems"])
     with figure(path, 2, len(names), dpi=110, figsize=(4.6 * len(names), 7),
                 squeeze=False) as (_, axes):
         for col, name in enumerate(names):
             rec = report["problems"][name]
-            for residual in RESIDUALS:
+            for residual in report["residuals"]:
                 rows = [r for r in rec["lowrank"] if r["residual"] == residual]
                 ranks = [r["rank"] for r in rows]
                 axes[0, col].plot(ranks, [r["nll"] for r in rows], "o-", label=residual)
@@ -191,8 +227,13 @@ def plot(report: dict, path: Path) -> None:
                                         ("MAP", rec["map"]["nll"], "r:")):
                 axes[0, col].axhline(value, color=style[0], linestyle=style[1:], label=label,
                                      linewidth=1)
+            full = rec["peers"]["full"]
+            for row, (metric, at) in enumerate((("nll", full["nll"]), ("prior_precision", 1))):
+                bound = TARGETS[metric]  # the target's band around the full GGN
+                axes[row, col].axhspan(at * (1 - bound), at * (1 + bound), color="0.9")
+            kron = rec["peers"]["kron"]["prior_precision"] / full["prior_precision"]
             axes[1, col].axhline(1.0, color="k", linestyle="--", linewidth=1, label="full GGN")
-            axes[1, col].axhspan(0.75, 1.25, color="0.9")
+            axes[1, col].axhline(kron, color="k", linestyle=":", linewidth=1, label="kron")
             for row in range(2):
                 axes[row, col].set_xscale("log")
                 axes[row, col].set_xlabel("Rank")
@@ -208,13 +249,18 @@ def driver_main(args: argparse.Namespace) -> dict:
     """Run every problem in its own worker; write the report and its figure."""
     args.out = Path(args.out)
     args.out.mkdir(parents=True, exist_ok=True)
-    ranks = [int(r) for r in args.ranks.split(",")]
-    report = {"machine": machine_info("cpu"), "ranks": ranks, "problems": run_results(
-        "benchmarks.bench_posterior_quality",
-        {name: {"problem": name, "ranks": ranks, "epochs": args.epochs,
-                "threads": args.threads} for name in args.problems.split(",")}, args)}
-    (args.out / "posterior_quality.json").write_text(json.dumps(report, indent=2))
+    ranks = [int(RANK_NAMES.get(r, r)) for r in args.ranks.split(",")]
+    residuals = args.residuals.split(",")
+    report = {"machine": machine_info("cpu"), "ranks": ranks, "residuals": residuals,
+              "default": {"rank": DEFAULT.rank, "residual": DEFAULT.residual},
+              "targets": TARGETS, "problems": run_results(
+                  "benchmarks.bench_posterior_quality",
+                  {name: {"problem": name, "ranks": ranks, "residuals": residuals,
+                          "epochs": args.epochs, "threads": args.threads}
+                   for name in args.problems.split(",")}, args)}
     done = {name: rec for name, rec in report["problems"].items() if "lowrank" in rec}
+    report["checks"] = {name: checks(rec) for name, rec in done.items()}
+    (args.out / "posterior_quality.json").write_text(json.dumps(report, indent=2))
     if done:
         plot({**report, "problems": done}, args.out / "posterior_quality.png")
     for name, rec in done.items():
@@ -226,13 +272,21 @@ def driver_main(args: argparse.Namespace) -> dict:
             print(f"  rank {r['rank']:>4} {r['residual']:<10} kept {r['kept_fraction']:.3f} "
                   f"NLL {r['nll']:.4f} ({r['nll'] / full['nll'] - 1:+.1%}) "
                   f"prior x{r['prior_ratio']:.2f}")
+    print(f"\nAgainst the full GGN (targets: |ratio - 1| <= "
+          f"{', '.join(f'{v:.0%} in {k}' for k, v in TARGETS.items())}):")
+    for name, check in report["checks"].items():
+        for posterior, c in check.items():
+            print(f"  {name:<14} {posterior:<8}" + "".join(
+                f" {metric} x{c[metric]['ratio']:.3f} ({'met' if c[metric]['met'] else 'NOT met'})"
+                for metric in TARGETS))
     return report
 
 
 def worker_main(config: dict) -> None:
     """One problem's posteriors (phase ``result``)."""
     run_result(config, lambda: run_problem(config["problem"], config["ranks"],
-                                           config["epochs"]))
+                                           config["epochs"],
+                                           config.get("residuals", RESIDUALS)))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -241,7 +295,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                            "out", out="benchmarks/results/quality", threads=None,
                            timeout=14400.0)
     parser.add_argument("--problems", default="digits,breast_cancer,diabetes")
-    parser.add_argument("--ranks", default="10,37,100,200,400")
+    parser.add_argument("--ranks", default="10,37,100,200,400",
+                        help=f"Comma-separated ranks; 'default': the library's "
+                        f"({DEFAULT.rank}).")
+    parser.add_argument("--residuals", default=",".join(RESIDUALS),
+                        help="Comma-separated residual models of lowrank_ggn.")
     parser.add_argument("--epochs", type=int, default=300)
     return parser.parse_args(argv)
 

@@ -451,6 +451,12 @@ def test_the_quality_scripts_run_a_problem_each(tmp_path):
     record = report["problems"]["breast_cancer"]
     assert len(record["lowrank"]) == 4 and record["peers"]["full"]["nll"] > 0
     assert (tmp_path / "posterior_quality.png").is_file()
+    report = bench_posterior_quality.main(["--problems", "wine", "--ranks", "default",
+                                           "--residuals", "spectral", "--epochs", "1",
+                                           "--out", str(tmp_path)])
+    (row,) = report["problems"]["wine"]["lowrank"]
+    assert row["rank"] == bench_posterior_quality.DEFAULT.rank
+    assert set(report["checks"]["wine"]) == {"default", "kron"}
     report = bench_sketch_quality.main(["--problems", "breast_cancer", "--epochs", "1",
                                         "--out", str(tmp_path)])
     assert len(report["problems"]["breast_cancer"]["lowrank"]) == 4
