@@ -20,6 +20,7 @@ from torch.nn.utils import parameters_to_vector
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.engine.factor_engine import jacobian_engine
 from lowrank_laplace.fitting import loader as loaders
+from lowrank_laplace.fitting.budget import resolve_memory_budget
 from lowrank_laplace.fitting.config import FitConfig, SolverKind
 from lowrank_laplace.fitting.distributed import resolve_process_group
 from lowrank_laplace.fitting.plan import (
@@ -31,7 +32,7 @@ from lowrank_laplace.fitting.plan import (
     make_solver,
     measure_sizes,
 )
-from lowrank_laplace.fitting.products import FittedData, GGNProducts
+from lowrank_laplace.fitting.products import CACHE_SHARE, FactorCache, FittedData, GGNProducts
 from lowrank_laplace.fitting.streamer import BatchStreamer
 from lowrank_laplace.fitting.streaming import StreamingMerge
 from lowrank_laplace.utils.batches import take, to_device
@@ -158,15 +159,24 @@ class LoaderFit:
         target: What the GGN is computed of.
         config: The fit's options.
         process_group: Group to merge across; ``"default"``: the initialised default one.
+        keep_factors: Keep the first pass's factors (within
+            :data:`~lowrank_laplace.fitting.products.CACHE_SHARE` of the memory budget) for
+            the GGN products after the fit (:meth:`products`): a refinement then needs no
+            more passes over the data. Only for the full GGN (no sub-sampling, exact).
 
     Attributes:
+        cache: The first pass's factors (``None``: not kept).
         group: The process group merged across (``None``: this process alone).
         passes: Passes over the training data so far (a sketch that falls back streams
             again; ``rank="auto"`` fits once per rank).
     """
 
-    def __init__(self, target: FitTarget, config: FitConfig, process_group: Any = "default"):
+    def __init__(self, target: FitTarget, config: FitConfig, process_group: Any = "default",
+                 keep_factors: bool = False):
         self.target, self.config = target, config
+        self.cache: Optional[FactorCache] = None
+        self._keep = keep_factors and not config.mc_samples \
+            and config.subsample_fraction in (None, 1)
         self.params = [p for p in target.model.parameters() if p.requires_grad] \
             if target.params is None else target.params
         loaders.check_params(self.params)
@@ -267,6 +277,7 @@ class LoaderFit:
                 stream = self._start(X, len(y),
                                      loaders.planned_samples(loader, known, len(y)),
                                      warm_basis, sink)
+                stream.tap = self._cache_tap(sink)
             if seen < keep:  # inputs for a probe pass after the fit
                 kept.append(take(X, slice(0, keep - seen), len(y)))
             loss = loss + stream.add(X, y)
@@ -278,9 +289,19 @@ class LoaderFit:
         if stream is None:
             raise ValueError("train_loader yielded no batches: nothing to fit.")
         stream.flush()
+        if stream.tap is not None:
+            self.cache.complete = self.cache.room >= 0
         if sink is None:
             self.probe = ProbeInputs(kept, self._probe_cap, stream.rng) if kept else None
         return stream, loss, seen
+
+    def _cache_tap(self, sink: Any) -> Optional[Callable[[Any, float], None]]:
+        """Where the first fit pass's factors go (``None``: not kept, or kept already)."""
+        if not self._keep or sink is not None or self.cache is not None or self.plan.low_memory:
+            return None
+        budget = resolve_memory_budget(self.config.memory_budget, self.device)
+        self.cache = FactorCache(int(CACHE_SHARE * budget))
+        return self.cache.offer
 
     def stream(self, loader: Any, sink: Any) -> FittedData:
         """One more pass over ``loader`` into ``sink``, the fit's way, and what it saw here.

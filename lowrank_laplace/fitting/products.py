@@ -4,7 +4,8 @@ Each pass streams the loader as a fit does (:class:`~lowrank_laplace.fitting.fit
 its engine, plan, micro-batches, seeds and low-memory recomputation) into a
 :class:`ProductSink` instead of a solver. Every fresh pass must reproduce the fitted data
 (:class:`FittedData`); the first pass's factors serve the later ones while they fit
-:data:`CACHE_SHARE` of the memory budget.
+:data:`CACHE_SHARE` of the memory budget, and where the fit kept its own pass's factors
+(``LoaderFit(keep_factors=True)``) no pass reads the data again.
 
 Shape glossary:
     D: parameters; s: vectors multiplied.
@@ -168,8 +169,11 @@ class GGNProducts:
 
     def __init__(self, run: Any, loader: Any, fitted: FittedData):
         self.run, self.loader, self.fitted = run, loader, fitted
-        budget = resolve_memory_budget(run.config.memory_budget, run.device)
-        self.cache = FactorCache(int(CACHE_SHARE * budget))
+        if run.cache is not None and run.cache.complete:  # the fit's own pass: its data
+            self.cache = run.cache
+        else:
+            budget = resolve_memory_budget(run.config.memory_budget, run.device)
+            self.cache = FactorCache(int(CACHE_SHARE * budget))
         self.passes = 0
 
     def __call__(self, X: Tensor) -> Tensor:

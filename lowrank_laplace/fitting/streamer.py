@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -31,6 +31,7 @@ class BatchStreamer:
         device: The fit's device.
 
     Attributes:
+        tap: Also given every merge the solver gets, with its scale (``None``: nothing).
         rng: The private stream of the MC draws (a probe's draws continue it).
         n_outputs: Model outputs ``C`` (known after the first batch).
         target_energy: The streamed targets' squares summed, float64
@@ -47,6 +48,7 @@ class BatchStreamer:
         self.target_energy = torch.zeros((), dtype=torch.float64, device=device)
         self.pending: List[GGNFactor] = []
         self.pending_scales: List[float] = []
+        self.tap: Optional[Callable[[Any, float], None]] = None
 
     def add(self, X: Any, y: Tensor) -> Tensor:
         """Stream one batch ``(X, y)`` (on the fit's device); return its loss times ``scale``."""
@@ -72,8 +74,14 @@ class BatchStreamer:
             self.n_outputs = batch.outputs.shape[-1]
             if not plan.low_memory:
                 for merge in self._merges(batch, sub_scale):
-                    solver.add_factor(merge, scale=self.scale)
+                    self._add(merge)
         return loss
+
+    def _add(self, merge: Any) -> None:
+        """Give a merge to the solver (and the tap)."""
+        if self.tap is not None:
+            self.tap(merge, self.scale)
+        self.solver.add_factor(merge, scale=self.scale)
 
     def _merges(self, batch: GGNFactor, sub_scale: float) -> Iterator[GGNFactor]:
         """Queue a pass's factor; yield whole merges of up to ``chunk`` samples.
@@ -106,7 +114,7 @@ class BatchStreamer:
     def flush(self) -> None:
         """Merge the pending micro-batch factors as one."""
         if self.pending:
-            self.solver.add_factor(self._take_pending(), scale=self.scale)
+            self._add(self._take_pending())
 
 
 def subsample_indices(n: int, fraction: Optional[float], generator: torch.Generator

@@ -287,7 +287,9 @@ class LowRankGGNLaplace(StatePersistence, ComplementRefinement, PosteriorQueries
                            self._device)
         basis = warm_basis(self, params) if options.warm_start and previous is None else None
         rank, history = options.first_rank, []
-        with LoaderFit(target, options.at_rank(rank), process_group) as run:
+        # a fit that may refine itself keeps its factors for the refinement's products
+        keep = previous is None and options.residual_model.needs_probe and options.refine_below > 0
+        with LoaderFit(target, options.at_rank(rank), process_group, keep_factors=keep) as run:
             # the rank check's prior: the mean of a layerwise or per-parameter one
             prior = (float(self._H_factor), float(torch.as_tensor(self.prior_precision).mean()))
             while rank is not None:  # one fit, or rank="auto"'s doubling ranks

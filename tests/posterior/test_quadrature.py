@@ -84,6 +84,24 @@ def test_the_ggn_products_are_the_dense_ggn_whether_the_factors_are_kept_or_not(
         torch.testing.assert_close(product, Q @ G, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("solver, dense_max_dim", [("sketch", 0), ("streaming", 0),
+                                                   ("auto", 2048)])
+def test_the_fits_kept_factors_multiply_by_the_dense_ggn(tune, solver, dense_max_dim):
+    """Whatever solver took the fit's factors, the kept ones are the whole GGN, unchanged."""
+    tune(dense_max_dim=dense_max_dim)
+    model, X, y, loader = _problem()
+    la = LowRankGGNLaplace(model, "classification", rank=5, solver=solver)
+    G = reference.ggn(model, nn.CrossEntropyLoss(reduction="sum"), X, y)
+    Q = torch.randn(4, G.shape[0], dtype=torch.float64)
+    target = FitTarget(model, "classification", la.params)
+    with LoaderFit(target, la.options, keep_factors=True) as run:
+        run.run(loader)
+        assert run.cache.complete and run.plan.path == ("dense" if dense_max_dim else solver)
+        products = run.products(loader, FittedData(len(X)))
+        torch.testing.assert_close(products(Q), Q @ G, rtol=1e-9, atol=1e-10)
+    assert products.passes == 0
+
+
 def test_low_memory_passes_recompute_the_same_products(tune):
     """A low-memory fit's passes recompute ``V`` for ``V (V^T Q)``: nothing to keep."""
     tune(dense_max_dim=0)  # a dense sum would drop low_memory
@@ -428,8 +446,17 @@ def test_after_an_online_update_the_targets_are_checked_but_not_the_moved_loss()
     assert la.fit_report.quadrature_steps > 0
 
 
-def test_a_fit_on_a_loader_that_augments_afresh_skips_its_refinement_and_says_why():
+def test_a_fit_on_a_loader_that_augments_afresh_refines_on_its_own_factors(monkeypatch):
+    """The fit's kept factors are its own draw of the data: no pass draws another. Where
+    they do not fit the budget, the next pass would: the refinement is skipped, saying why."""
     model, X, y, _ = _problem()
+    la = LowRankGGNLaplace(model, "classification", rank=6, refine_below=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        la.fit(DataLoader(_Augmented(X, y), batch_size=100))
+    assert la.fit_report.quadrature_steps > 0 and la.fit_report.quadrature_passes == 0
+    for module in ("fitting.fit", "fitting.products"):
+        monkeypatch.setattr(f"lowrank_laplace.{module}.CACHE_SHARE", 0)
     la = LowRankGGNLaplace(model, "classification", rank=6, refine_below=1)
     with pytest.warns(UserWarning, match="did not refine its complement .* summed loss") as w:
         la.fit(DataLoader(_Augmented(X, y), batch_size=100))
