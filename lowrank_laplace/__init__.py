@@ -32,6 +32,7 @@ _HOMES = {
     "SketchMerge": "lowrank_laplace.fitting",
     "StreamingMerge": "lowrank_laplace.fitting",
     "damped_newton_step": "lowrank_laplace.newton",
+    "fit_lowrank_ggn": "lowrank_laplace.laplace_torch.fitted",
     "directional_derivatives": "lowrank_laplace.directional",
     "directional_from_factor": "lowrank_laplace.directional",
     "ggn_eigh": "lowrank_laplace.spectrum",

@@ -59,6 +59,10 @@ class Solver:
         self._finalize()
         return self._vectors
 
+    def finalize(self) -> None:
+        """Form the eigenpairs from what was accumulated now (else on first read)."""
+        self._finalize()
+
     def _finalize(self) -> None:
         """Form :attr:`eigenvectors` from what was accumulated (solvers that defer them)."""
 

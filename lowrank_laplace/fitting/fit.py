@@ -1,7 +1,8 @@
 r"""A loader's GGN as its leading eigenpairs: one engine, one plan, one pass.
 
 :class:`LoaderFit` streams the batches into its plan's solver, merges across processes and
-with an earlier fit, and keeps inputs for a probe pass; :func:`fit_lowrank_ggn` is one call.
+with an earlier fit, and keeps inputs for a probe pass; :func:`fit_loader` is one call (the
+eigenpairs alone: :func:`lowrank_laplace.fit_lowrank_ggn` adds the residual's measurements).
 """
 
 from __future__ import annotations
@@ -221,6 +222,8 @@ class LoaderFit:
         known = loaders.loader_size(loader)
         mean = parameters_to_vector(self.params).detach()
         stream, loss, seen = self._pass(loader, known, warm_basis, progress_bar)
+        if self.group is None:  # else after the processes' merge
+            stream.solver.finalize()
         if self._rounded(stream):  # a float32 sketch rounded a kept eigenvalue
             if self.plan.widen:  # one more pass, in float64
                 self.plan = self.plan.widened()
@@ -452,9 +455,9 @@ def merge_fits(config: FitConfig, previous: FitResult, current: tuple
     return both.result()
 
 
-def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Any, config: FitConfig, *,
-                    previous: Optional[FitResult] = None, process_group: Any = "default",
-                    progress_bar: bool = False) -> FitResult:
+def fit_loader(model: nn.Module, likelihood: str, loader: Any, config: FitConfig, *,
+               previous: Optional[FitResult] = None, process_group: Any = "default",
+               progress_bar: bool = False) -> FitResult:
     """Return the :class:`FitResult` of ``model``'s trainable parameters (:meth:`LoaderFit.run`).
 
     Args:

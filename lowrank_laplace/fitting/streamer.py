@@ -74,14 +74,10 @@ class BatchStreamer:
             self.n_outputs = batch.outputs.shape[-1]
             if not plan.low_memory:
                 for merge in self._merges(batch, sub_scale):
-                    self._add(merge)
+                    if self.tap is not None:
+                        self.tap(merge, self.scale)
+                    solver.add_factor(merge, scale=self.scale)
         return loss
-
-    def _add(self, merge: Any) -> None:
-        """Give a merge to the solver (and the tap)."""
-        if self.tap is not None:
-            self.tap(merge, self.scale)
-        self.solver.add_factor(merge, scale=self.scale)
 
     def _merges(self, batch: GGNFactor, sub_scale: float) -> Iterator[GGNFactor]:
         """Queue a pass's factor; yield whole merges of up to ``chunk`` samples.
@@ -114,7 +110,10 @@ class BatchStreamer:
     def flush(self) -> None:
         """Merge the pending micro-batch factors as one."""
         if self.pending:
-            self._add(self._take_pending())
+            merge = self._take_pending()
+            if self.tap is not None:
+                self.tap(merge, self.scale)
+            self.solver.add_factor(merge, scale=self.scale)
 
 
 def subsample_indices(n: int, fraction: Optional[float], generator: torch.Generator

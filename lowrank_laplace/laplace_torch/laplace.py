@@ -19,8 +19,10 @@ from laplace.baselaplace import ParametricLaplace
 from laplace.lllaplace import LLLaplace
 from torch import Tensor, nn
 
-from lowrank_laplace.fitting.fit import FitResult, FitTarget, LoaderFit
+from lowrank_laplace.fitting.fit import FitResult, FitTarget
+from lowrank_laplace.fitting.loader import check_params
 from lowrank_laplace.fitting.products import FittedData
+from lowrank_laplace.laplace_torch.fitted import FittedPosterior, fit_posterior
 from lowrank_laplace.laplace_torch.options import (
     OPTION_NAMES,
     LowRankOptions,
@@ -29,15 +31,13 @@ from lowrank_laplace.laplace_torch.options import (
 )
 from lowrank_laplace.laplace_torch.persistence import StatePersistence
 from lowrank_laplace.laplace_torch.queries import PosteriorQueries
-from lowrank_laplace.laplace_torch.rank import AUTO, next_rank
 from lowrank_laplace.laplace_torch.refinement import ComplementRefinement
 from lowrank_laplace.laplace_torch.report import FitReport
 from lowrank_laplace.laplace_torch.tuning import scalar_marglik_call, tune_scalar_prior
 from lowrank_laplace.laplace_torch.warm import warm_basis
-from lowrank_laplace.posterior import GramCache, Residual, quadrature, residual_class
+from lowrank_laplace.posterior import GramCache, Residual, residual_class
 from lowrank_laplace.posterior.complement import MeasuredComplement
-from lowrank_laplace.posterior.null import NullDirections, head_directions
-from lowrank_laplace.posterior.probe import probe_residual
+from lowrank_laplace.posterior.null import NullDirections
 from lowrank_laplace.posterior.quadrature import DroppedQuadrature
 from lowrank_laplace.posterior.residual import DEFAULT_RESIDUAL
 from lowrank_laplace.utils.checks import refuse_inference_mode
@@ -286,33 +286,15 @@ class LowRankGGNLaplace(StatePersistence, ComplementRefinement, PosteriorQueries
         target = FitTarget(module, self.likelihood, params, to_inputs, self.dict_key_y,
                            self._device)
         basis = warm_basis(self, params) if options.warm_start and previous is None else None
-        rank, history = options.first_rank, []
-        # a fit that may refine itself keeps its factors for the refinement's products
-        keep = previous is None and options.residual_model.needs_probe and options.refine_below > 0
-        with LoaderFit(target, options.at_rank(rank), process_group, keep_factors=keep) as run:
-            # the rank check's prior: the mean of a layerwise or per-parameter one
-            prior = (float(self._H_factor), float(torch.as_tensor(self.prior_precision).mean()))
-            while rank is not None:  # one fit, or rank="auto"'s doubling ranks
-                result = run.run(train_loader, previous, basis, progress_bar)
-                head = (self.likelihood, head_directions(module, params, self.likelihood,
-                                                         result.n_outputs))
-                probed = probe_residual(run, result, head, prior)
-                history.append((result.eigenvalues.numel(), probed.variance_change))
-                rank = None if options.rank != AUTO or run.group is not None else next_rank(
-                    rank, probed.variance_change, (result.rank_bound, result.mean.numel(),
-                                                   options.memory_budget, self._device))
-                if rank is not None:
-                    run.reconfigure(options.at_rank(rank))
-                    basis = result.eigenvectors if options.warm_start else None
-            self._store(result, probed, tuple(history), run.passes)
-            if previous is None and self.fit_report.refinable and not options.mc_samples \
-                    and self.fit_report.kept_fraction < options.refine_below \
-                    and quadrature.basis_fits(self.n_params, options, self._device):
-                self._refine_after_fit(train_loader, run)  # the fit's loop and threads
+        check_params(params)  # before the prior is read from them (meta tensors)
+        # the probe's and the refinement's prior: the mean of a layerwise or per-parameter one
+        prior = (float(self._H_factor), float(torch.as_tensor(self.prior_precision).mean()))
+        self._store(fit_posterior(target, train_loader, options, prior, previous,
+                                  (process_group, basis, progress_bar)))
 
-    def _store(self, result: FitResult, probed: Any, ranks_tried: tuple,
-               passes: int = 1) -> None:
-        """Hold a fit's result (``passes`` over the data), its probe's measurements, its report."""
+    def _store(self, fitted: FittedPosterior) -> None:
+        """Hold a fit's result, its probe's and refinement's measurements, and its report."""
+        result, probed, found = fitted.result, fitted.probed, fitted.quadrature
         self.warm_started = result.warm_started
         self.mean, self.H = result.mean, (result.eigenvectors, result.eigenvalues)
         self.n_outputs, self.loss, self.n_data = result.n_outputs, result.loss, result.n_data
@@ -320,9 +302,10 @@ class LowRankGGNLaplace(StatePersistence, ComplementRefinement, PosteriorQueries
         self.trace, self.residual_diagonal = result.trace, result.residual_diagonal
         self.factor_backend_used, self.fit_path = result.factor_backend, result.fit_path
         self.rank_bound, self._jacobian_exponent = result.rank_bound, probed.exponent
-        self._complement, self._null, self._quadrature = probed.complement, probed.null, None
-        self.fit_report = FitReport.of_fit(result, probed, ranks_tried,
-                                           float(self.kept_fraction), self.options, passes)
+        self._complement, self._null = probed.complement, probed.null
+        self._quadrature, self.fit_report = None, fitted.report
+        if found is not None:
+            self._store_refinement(found)
         self._fitted_residual, self._residual_model = self.residual, None
 
     def _fit_result(self) -> FitResult:

@@ -1,21 +1,20 @@
 """``la.refine_complement``: Lanczos quadrature of the dropped curvature, for laplace-torch.
 
 :mod:`~lowrank_laplace.posterior.quadrature` runs the Lanczos steps, each a pass of the fit's
-loop (:class:`~lowrank_laplace.fitting.fit.LoaderFit`); this mixin checks the call,
-skips a fit's own refinement on data that changes between passes, and stores what it found.
+loop (:class:`~lowrank_laplace.fitting.fit.LoaderFit`); this mixin checks the call and
+stores what it found (also what the fit's own refinement found,
+:mod:`~lowrank_laplace.laplace_torch.fitted`).
 """
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import replace
 from typing import Any
 
 import torch
 
 from lowrank_laplace.fitting.fit import FitTarget, LoaderFit
-from lowrank_laplace.fitting.products import FittedData, OtherDataError
-from lowrank_laplace.posterior.quadrature import lanczos_quadrature
+from lowrank_laplace.fitting.products import FittedData
+from lowrank_laplace.posterior.quadrature import DroppedQuadrature, lanczos_quadrature
 from lowrank_laplace.utils.checks import refuse_inference_mode
 
 
@@ -63,29 +62,22 @@ class ComplementRefinement:
         with LoaderFit(target, self.options.at_rank(max(self.H[1].numel(), 1))) as run:
             self._refine(train_loader, run)
 
-    def _refine_after_fit(self, train_loader: Any, run: LoaderFit) -> None:
-        """A fit's own refinement; skipped with a warning where the loader gives other data."""
-        try:
-            self._refine(train_loader, run)
-        except OtherDataError as err:  # e.g. random augmentation drawn on every pass
-            warnings.warn(
-                f"The fit kept {self.fit_report.kept_fraction:.0%} of the GGN trace but did "
-                "not refine its complement by Lanczos quadrature: the loader gave other data "
-                f"on its next pass. {err} The probe's complement stays; "
-                "la.refine_complement(loader) measures it on a loader that repeats its data.",
-                UserWarning, stacklevel=3)  # the caller of la.fit
-
     def _refine(self, train_loader: Any, run: LoaderFit) -> None:
         """Run the Lanczos quadrature over ``train_loader`` in ``run``'s loop."""
         prior = (float(self._H_factor), float(torch.as_tensor(self.prior_precision).mean()))
         found = lanczos_quadrature(run, train_loader, (self.H[0], self._null, self.n_outputs),
                                    prior, self._fitted_data or FittedData(int(self.n_data)))
+        self._store_refinement(found)
+
+    def _store_refinement(self, found: DroppedQuadrature) -> None:
+        """Hold a refinement's result and its fields of the fit report.
+
+        Its complement replaces the probe's, unless the probe covered the whole data
+        (an earlier refinement's is always replaced).
+        """
         previous, probed = self._quadrature, self._complement
         if previous is not None and previous.holds(probed):  # an earlier refinement's
             probed = None
         self._quadrature, self._residual_model = found, None
         self._complement = found.kept_complement(probed)
-        self.fit_report = replace(self.fit_report, complement_resolved=None,
-                                  quadrature_steps=found.steps,
-                                  quadrature_passes=found.passes,
-                                  quadrature_converged=found.converged)
+        self.fit_report = self.fit_report.refined(found)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, Optional, Tuple
 
 from lowrank_laplace.fitting.fit import FastPathCheck, FitResult
@@ -92,6 +92,11 @@ class FitReport:
             complement_resolved=None if complement is None else complement.resolved_share,
             null_directions=0 if probed.null is None else probed.null.count,
             refinable=options.residual_model.needs_probe, fit_passes=passes)
+
+    def refined(self, found: Any) -> "FitReport":
+        """This report after a refinement (a ``DroppedQuadrature``): its steps and passes."""
+        return replace(self, complement_resolved=None, quadrature_steps=found.steps,
+                       quadrature_passes=found.passes, quadrature_converged=found.converged)
 
     def __str__(self) -> str:
         lines = [f"lowrank_ggn fit: rank {self.rank} of {self.num_params:,} parameters, "

@@ -1,4 +1,4 @@
-"""fit_lowrank_ggn on its own (no laplace-torch object) against the dense GGN."""
+"""fit_loader on its own (no laplace-torch object) against the dense GGN."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lowrank_laplace.fitting.config import FitConfig
-from lowrank_laplace.fitting.fit import FitResult, fit_lowrank_ggn
+from lowrank_laplace.fitting.fit import FitResult, fit_loader
 from tests import reference as ref
 
 TOL = dict(rtol=1e-7, atol=1e-9)
@@ -28,7 +28,7 @@ def test_full_rank_fit_is_laplace_torchs_ggn(likelihood, dense_max_dim, path, tu
     before = [p.detach().clone() for p in model.parameters()]
     tune(dense_max_dim=dense_max_dim)
     options = FitConfig(rank=1000, track_diagonal=True)
-    result = fit_lowrank_ggn(model, likelihood, loader, options)
+    result = fit_loader(model, likelihood, loader, options)
     assert isinstance(result, FitResult) and result.fit_path == path
     # laplace-torch's GGN: cross-entropy summed, or 1/2 the summed squared error's
     loss_func, factor = (nn.CrossEntropyLoss(reduction="sum"), 1.0) \
@@ -54,9 +54,9 @@ def test_previous_fit_is_merged_like_another_batch(tune):
     first, second = (DataLoader(TensorDataset(X[s], y[s]), batch_size=6)
                      for s in (slice(0, half), slice(half, None)))
     options = FitConfig(rank=1000)
-    both = fit_lowrank_ggn(model, "classification", second, options,
-                           previous=fit_lowrank_ggn(model, "classification", first, options))
-    whole = fit_lowrank_ggn(model, "classification", loader, options)
+    both = fit_loader(model, "classification", second, options,
+                           previous=fit_loader(model, "classification", first, options))
+    whole = fit_loader(model, "classification", loader, options)
     torch.testing.assert_close(both.eigenvectors @ torch.diag(both.eigenvalues)
                                @ both.eigenvectors.T,
                                whole.eigenvectors @ torch.diag(whole.eigenvalues)
@@ -68,22 +68,22 @@ def test_bad_loaders_and_targets_fail_before_any_pass():
     model, X, y, loader = _problem("classification")
     options = FitConfig()
     with pytest.raises(ValueError, match="needs a .dataset"):
-        fit_lowrank_ggn(model, "classification", [(X, y)], options)
+        fit_loader(model, "classification", [(X, y)], options)
     with pytest.raises(ValueError, match="train_loader is empty"):
-        fit_lowrank_ggn(model, "classification", DataLoader(TensorDataset(X[:0], y[:0])),
+        fit_loader(model, "classification", DataLoader(TensorDataset(X[:0], y[:0])),
                         options)
     with pytest.raises(ValueError, match="integer class targets"):
-        fit_lowrank_ggn(model, "classification",
+        fit_loader(model, "classification",
                         DataLoader(TensorDataset(X, y.double()), batch_size=5), options)
 
 
 def test_the_fit_keeps_its_first_inputs_for_a_probe_pass():
     model, X, y, loader = _problem("classification")
-    result = fit_lowrank_ggn(model, "classification", loader, FitConfig(probe_inputs=8))
+    result = fit_loader(model, "classification", loader, FitConfig(probe_inputs=8))
     kept = torch.cat(result.probe.batches)
     torch.testing.assert_close(kept, X[:8], rtol=0, atol=0)
     assert result.probe.cap >= 1
-    assert fit_lowrank_ggn(model, "classification", loader, FitConfig()).probe is None
+    assert fit_loader(model, "classification", loader, FitConfig()).probe is None
 
 
 def _package_frames(stack):
