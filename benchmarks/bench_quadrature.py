@@ -3,7 +3,8 @@
 On ``bench_faithful``'s committed exact references (``--references``): the default fit at
 each ``--ranks`` (default 100) with its marglik prior, unrefined (``refine_below=0``),
 then ``la.refine_complement(train_loader)``; both posteriors' functional variance against
-the exact one's, at their own marglik prior and at the exact one
+the exact one's, at their own marglik prior and at the exact one; and the time of a fit
+that refines itself (``refine_below=1``, on its own kept factors) over the unrefined one's
 (``docs/benchmarks/posterior_quality.md``, "Lanczos quadrature of the dropped curvature")::
 
     python -m benchmarks.bench_quadrature --problems mnist_aug_early
@@ -70,6 +71,12 @@ def run_problem(name: str, rank: int, references: Path) -> dict:
               "exact_prior": ref["delta"], "fit_s": fitted.record["fit_s"], "exact_nll": exact,
               "commit": (faithful.git("rev-parse", "--short", "HEAD") or "unknown").strip()}
     record["default"] = errors(fitted, model, data, ref, steps)
+    with default_dtype(dtype):  # the fit that refines itself, as the default does below 0.7
+        own = faithful.fit_method("default", rank, work, fit_set, steps, refine_below=1.0)
+    record["self_refining_fit_s"] = own.record["fit_s"]
+    record["self_refining_passes"] = own.la.fit_report.quadrature_passes
+    record["self_refining_steps"] = own.la.fit_report.quadrature_steps
+    record["self_refining_cost"] = own.record["fit_s"] / record["fit_s"]
     start = time.perf_counter()
     with default_dtype(dtype):
         fitted.la.refine_complement(faithful.loader(*fit_set))
