@@ -36,9 +36,10 @@ from lowrank_laplace.utils.batches import batch_device, format_bytes
 from lowrank_laplace.utils.checks import check_batch
 
 #: The default of the ``refine_below`` option: below this kept share of the GGN trace a
-#: fit with the spectral residual refines its complement itself; every measured problem
-#: below it came closer to the full GGN's prior and NLL (docs/benchmarks/).
-DEFAULT_REFINE_BELOW = 0.7
+#: fit with the spectral residual refines its complement itself. Every measured problem
+#: below it came closer to the full GGN's prior and NLL; above it (0.876-0.986) small
+#: training sets moved away (docs/benchmarks/posterior_quality.md).
+DEFAULT_REFINE_BELOW = 0.85
 #: Lanczos runs of each kind (Jacobian starts, Gaussian starts).
 RUNS = 8
 #: Fewest and most Lanczos steps (each one pass over the training data).

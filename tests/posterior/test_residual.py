@@ -815,7 +815,8 @@ def test_measured_complement_far_below_n_meets_the_modelled_tail(n_train, hidden
     full = fit_reference(FullLaplace(model, "classification"), loader)
     with pytest.MonkeyPatch.context() as patch:
         set_tuning(patch, probe_size=40)
-        la = LowRankGGNLaplace(model, "classification", rank=20, solver="streaming")
+        la = LowRankGGNLaplace(model, "classification", rank=20, solver="streaming",
+                               refine_below=0)  # the probe's measurement, unrefined
         la.fit(loader)
     one, delta = torch.tensor(1.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
     U, lam = la.H
