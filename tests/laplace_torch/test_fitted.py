@@ -3,28 +3,17 @@
 import pytest
 import torch
 from laplace import Laplace
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 import lowrank_laplace
 from lowrank_laplace.laplace_torch.options import LowRankOptions
-
-
-def _problem(likelihood):
-    torch.manual_seed(0)
-    X = torch.randn(300, 6, dtype=torch.float64)
-    outputs = 3 if likelihood == "classification" else 2
-    y = torch.randint(0, 3, (300,)) if likelihood == "classification" \
-        else torch.randn(300, 2, dtype=torch.float64)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, outputs)).double()
-    return model, X, DataLoader(TensorDataset(X, y), batch_size=50)
+from tests.posterior.test_quadrature import _problem
 
 
 @pytest.mark.parametrize("likelihood, sigma", [("classification", 1.0), ("regression", 0.7)])
 @pytest.mark.parametrize("refine_below", [0.0, 1.0])
 def test_fit_lowrank_ggn_is_the_laplace_fit(likelihood, sigma, refine_below):
     """Eigenpairs, probe, refinement and so the precision: the fit ``la`` holds."""
-    model, X, loader = _problem(likelihood)
+    model, X, _, loader = _problem(likelihood)
     before = [p.detach().clone() for p in model.parameters()]
     kwargs = {"rank": 6, "refine_below": refine_below, "residual": "spectral"}
     fitted = lowrank_laplace.fit_lowrank_ggn(model, likelihood, loader,
@@ -45,7 +34,7 @@ def test_fit_lowrank_ggn_is_the_laplace_fit(likelihood, sigma, refine_below):
 
 
 def test_the_defaults_and_a_layerwise_prior():
-    model, X, loader = _problem("classification")
+    model, X, _, loader = _problem("classification")
     fitted = lowrank_laplace.fit_lowrank_ggn(model, "classification", loader)
     assert fitted.options == LowRankOptions()  # rank 100: every nonzero eigenvalue kept
     assert fitted.report.kept_fraction == pytest.approx(1.0) and fitted.report.rank <= 83
