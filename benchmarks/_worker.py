@@ -61,8 +61,6 @@ TUNINGS: dict[str, Tuning] = {
     "dense_max_dim": Tuning("lowrank_laplace.fitting.plan", "DENSE_MAX_DIM"),
     "oversampling": FractionOfRank("lowrank_laplace.fitting.plan", "OVERSAMPLING"),
     "probe_size": Tuning("lowrank_laplace.posterior.probe", "PROBE_SIZE"),
-    "probe_columns": Tuning("lowrank_laplace.posterior.probe", "PROBE_COLUMNS"),
-    "measure_complement": Tuning("lowrank_laplace.posterior.probe", "MEASURE_COMPLEMENT"),
 }
 
 

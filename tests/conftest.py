@@ -137,8 +137,6 @@ TUNING = {
     "oversampling": ("lowrank_laplace.fitting.plan", "OVERSAMPLING"),
     "test_matrix": ("lowrank_laplace.fitting.sketch", "TEST_MATRIX"),
     "probe_size": ("lowrank_laplace.posterior.probe", "PROBE_SIZE"),
-    "probe_columns": ("lowrank_laplace.posterior.probe", "PROBE_COLUMNS"),
-    "measure_complement": ("lowrank_laplace.posterior.probe", "MEASURE_COMPLEMENT"),
 }
 
 

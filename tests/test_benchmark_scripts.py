@@ -157,7 +157,7 @@ def test_set_tuning_assigns_a_constant_or_passes_the_option(monkeypatch):
     assert _worker.set_tuning("extra", 0.25, rank=40) == {"extra": 10}
     assert not hasattr(module, "EXTRA")
     assert set(_worker.TUNINGS) >= {"sketch_test_matrix", "dense_max_dim", "oversampling",
-                                    "probe_size", "probe_columns", "measure_complement"}
+                                    "probe_size"}
 
 
 def test_a_fit_and_a_predictive_shrink_to_their_budgets(monkeypatch):

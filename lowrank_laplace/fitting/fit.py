@@ -161,9 +161,10 @@ class LoaderFit:
         config: The fit's options.
         process_group: Group to merge across; ``"default"``: the initialised default one.
         keep_factors: Keep the first pass's factors (within
-            :data:`~lowrank_laplace.fitting.products.CACHE_SHARE` of the memory budget) for
-            the GGN products after the fit (:meth:`products`): a refinement then needs no
-            more passes over the data. Only for the full GGN (no sub-sampling, exact).
+            :data:`~lowrank_laplace.fitting.products.CACHE_SHARE` of the memory budget;
+            the leading ones where not all fit) and its first inputs, for the Lanczos
+            quadrature after the fit, which then reads the data no more. Not with
+            curvature sub-sampling.
 
     Attributes:
         cache: The first pass's factors (``None``: not kept).
@@ -176,8 +177,7 @@ class LoaderFit:
                  keep_factors: bool = False):
         self.target, self.config = target, config
         self.cache: Optional[FactorCache] = None
-        self._keep = keep_factors and not config.mc_samples \
-            and config.subsample_fraction in (None, 1)
+        self._keep = keep_factors and config.subsample_fraction in (None, 1)
         self.params = [p for p in target.model.parameters() if p.requires_grad] \
             if target.params is None else target.params
         loaders.check_params(self.params)
@@ -294,6 +294,7 @@ class LoaderFit:
         stream.flush()
         if stream.tap is not None:
             self.cache.complete = self.cache.room >= 0
+            self.cache.inputs = kept
         if sink is None:
             self.probe = ProbeInputs(kept, self._probe_cap, stream.rng) if kept else None
         return stream, loss, seen
@@ -303,7 +304,7 @@ class LoaderFit:
         if not self._keep or sink is not None or self.cache is not None or self.plan.low_memory:
             return None
         budget = resolve_memory_budget(self.config.memory_budget, self.device)
-        self.cache = FactorCache(int(CACHE_SHARE * budget))
+        self.cache = FactorCache(int(CACHE_SHARE * budget), partial=True)
         return self.cache.offer
 
     def stream(self, loader: Any, sink: Any) -> FittedData:

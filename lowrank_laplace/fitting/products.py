@@ -109,11 +109,18 @@ class FactorCache:
 
     Args:
         room: Bytes the kept blocks may take.
+        partial: Keep the leading factors that fit where not all do (else none).
+
+    Attributes:
+        kept: The kept factors with their scales, in the pass's order.
+        complete: Whether every factor of the pass is kept.
+        inputs: The pass's first inputs (as the fit's probe kept them).
     """
 
-    def __init__(self, room: int):
-        self.room, self.complete = room, False
+    def __init__(self, room: int, partial: bool = False):
+        self.room, self.partial, self.complete = room, partial, False
         self.kept: List[Tuple[Any, float]] = []
+        self.inputs: List[Any] = []
 
     def offer(self, factor: Any, scale: float) -> None:
         """Keep a first pass's factor while it fits (a recomputed one never does)."""
@@ -124,8 +131,19 @@ class FactorCache:
             self.room - sum(block.nbytes for block in blocks.values())
         if self.room >= 0:
             self.kept.append((factor, scale))
-        else:  # overflowed: every pass recomputes its factors
+        elif not self.partial:  # overflowed: every pass recomputes its factors
             self.kept = []
+
+    def leading(self, samples: int) -> List[Tuple[Any, float]]:
+        """The kept factors of the pass's first ``samples`` samples (its first inputs)."""
+        out, left = [], samples
+        for factor, scale in self.kept:
+            if left <= 0:
+                break
+            n = factor.num_samples
+            out.append((factor if n <= left else factor.take_samples(0, left), scale))
+            left -= n
+        return out
 
 
 class ProductSink:

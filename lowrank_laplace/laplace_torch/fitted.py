@@ -1,47 +1,46 @@
-"""One fit of the posterior: the low-rank GGN and what its residual model measured.
+"""One fit of the posterior: the low-rank GGN and its measured dropped curvature.
 
 :func:`fit_posterior` is what ``LowRankGGNLaplace.fit`` runs and :func:`fit_lowrank_ggn`
 (the call without laplace-torch's classes) returns: the loader's leading eigenpairs
-(:class:`~lowrank_laplace.fitting.fit.LoaderFit`, ``rank="auto"``'s doublings), the
-residual's probe and, where the fit keeps less than ``refine_below``, the Lanczos
-quadrature of the dropped curvature, all in one loop over the data.
+(:class:`~lowrank_laplace.fitting.fit.LoaderFit`, ``rank="auto"``'s doublings) and, for
+the spectral residual, the Lanczos quadrature of the dropped curvature on the fit's own
+factors, all in one pass over the data.
 """
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from lowrank_laplace.fitting.fit import FitResult, FitTarget, LoaderFit
-from lowrank_laplace.fitting.products import FittedData, OtherDataError
+from lowrank_laplace.fitting.products import FittedData
 from lowrank_laplace.laplace_torch.options import LowRankOptions
 from lowrank_laplace.laplace_torch.rank import AUTO, next_rank
 from lowrank_laplace.laplace_torch.report import FitReport
 from lowrank_laplace.posterior import DroppedCurvature, LowRankPrecision, Residual, quadrature
-from lowrank_laplace.posterior.null import head_directions
-from lowrank_laplace.posterior.probe import ProbeResult, probe_residual
+from lowrank_laplace.posterior.null import NullDirections, head_directions
+from lowrank_laplace.posterior.probe import checked_null, variance_change
 from lowrank_laplace.posterior.quadrature import DroppedQuadrature, lanczos_quadrature
 
 
 @dataclass
 class FittedPosterior:
-    """A fitted low-rank GGN with its residual model's measurements.
+    """A fitted low-rank GGN with its measured dropped curvature.
 
     Attributes:
         result: The eigenpairs, trace and data counts (:class:`FitResult`).
-        probed: What the probe measured (:class:`ProbeResult`).
-        quadrature: The Lanczos quadrature's result (``None``: not refined).
+        null: The checked logit-shift directions (``None``: none).
+        quadrature: The Lanczos quadrature's result (``None``: not measured).
         report: The fit report.
         options: The options it was fitted with.
         layer_sizes: Parameters per parameter tensor.
     """
 
     result: FitResult
-    probed: ProbeResult
+    null: Optional[NullDirections]
     quadrature: Optional[DroppedQuadrature]
     report: FitReport
     options: LowRankOptions
@@ -49,14 +48,11 @@ class FittedPosterior:
 
     def dropped(self) -> DroppedCurvature:
         """What the fit tells about the curvature its rank drops."""
-        result, probed, found = self.result, self.probed, self.quadrature
-        complement = probed.complement if found is None else found.kept_complement(
-            probed.complement)
+        result = self.result
         return DroppedCurvature(
             result.eigenvectors, result.eigenvalues, result.trace,
             result.rank_bound or result.mean.numel(), result.residual_diagonal,
-            probed.exponent, list(self.layer_sizes), complement, probed.null,
-            None if found is None else (found.nodes, found.counts))
+            list(self.layer_sizes), self.null, self.quadrature)
 
     def residual(self) -> Residual:
         """The options' residual model of the dropped curvature."""
@@ -81,15 +77,16 @@ def fit_posterior(target: FitTarget, loader: Any, options: LowRankOptions,
                   prior: Tuple[float, float], previous: Optional[FitResult] = None,
                   run_args: Tuple[Any, Optional[Tensor], bool] = ("default", None, False)
                   ) -> FittedPosterior:
-    """Fit the low-rank GGN over ``loader``, probe its residual and refine it where it keeps little.
+    """Fit the low-rank GGN over ``loader`` and measure what its rank drops.
 
     Args:
         target: What the GGN is of.
         loader: The training loader.
         options: The validated options.
         prior: ``(h, delta)``: laplace-torch's Hessian factor and the prior's mean, where
-            the probe measures and the refinement checks its convergence.
-        previous: An earlier fit to add to (online updates: never refined).
+            the quadrature checks its convergence and the rank check reads the variance.
+        previous: An earlier fit to add to (online updates: not measured, their GGN
+            spans earlier loaders).
         run_args: ``(process_group, warm-start basis, progress_bar)``.
 
     Returns:
@@ -97,51 +94,68 @@ def fit_posterior(target: FitTarget, loader: Any, options: LowRankOptions,
     """
     group, basis, progress_bar = run_args
     rank, history = options.first_rank, []
-    # a fit that may refine itself keeps its factors for the refinement's products
-    keep = previous is None and options.residual_model.needs_probe and options.refine_below > 0
-    with LoaderFit(target, options.at_rank(rank), group, keep_factors=keep) as run:
+    spectral = options.residual_model.needs_probe
+    with LoaderFit(target, options.at_rank(rank), group,
+                   keep_factors=spectral and previous is None) as run:
         while rank is not None:  # one fit, or rank="auto"'s doubling ranks
             result = run.run(loader, previous, basis, progress_bar)
-            head = (target.likelihood, head_directions(target.model, run.params,
-                                                       target.likelihood, result.n_outputs))
-            probed = probe_residual(run, result, head, prior)
-            history.append((result.eigenvalues.numel(), probed.variance_change))
+            null = None
+            if spectral and result.probe is not None:
+                null = checked_null(run.jacobian, result.probe.batches[0], head_directions(
+                    target.model, run.params, target.likelihood, result.n_outputs))
+            found, why = _measured(run, result, null, (options, prior, previous))
+            change = None if found is None else _rank_check(result, found, prior)
+            history.append((result.eigenvalues.numel(), change))
             rank = None if options.rank != AUTO or run.group is not None else next_rank(
-                rank, probed.variance_change, (result.rank_bound, result.mean.numel(),
-                                               options.memory_budget, run.device))
+                rank, change, (result.rank_bound, result.mean.numel(),
+                               options.memory_budget, run.device))
             if rank is not None:
                 run.reconfigure(options.at_rank(rank))
                 basis = result.eigenvectors if options.warm_start else None
         kept = 1.0 if float(result.trace) <= 0 else \
             float(result.eigenvalues.sum() / result.trace)
-        report = FitReport.of_fit(result, probed, tuple(history), kept, options, run.passes)
-        fitted = FittedPosterior(result, probed, None, report, options,
-                                 tuple(p.numel() for p in run.params))
-        if previous is None and report.refinable and not options.mc_samples \
-                and kept < options.refine_below \
-                and quadrature.basis_fits(result.mean.numel(), options, run.device):
-            fitted.quadrature = _refined(run, loader, fitted, prior)
-            if fitted.quadrature is not None:
-                fitted.report = report.refined(fitted.quadrature)
-    return fitted
+        report = FitReport.of_fit(result, (0 if null is None else null.count, change),
+                                  tuple(history), kept, options, run.passes)
+        report = report.measured(found) if found is not None else \
+            replace(report, not_measured=why)
+    return FittedPosterior(result, null, found, report, options,
+                           tuple(p.numel() for p in run.params))
 
 
-def _refined(run: LoaderFit, loader: Any, fitted: FittedPosterior,
-             prior: Tuple[float, float]) -> Optional[DroppedQuadrature]:
-    """A fit's own refinement; ``None``, with a warning, where the loader gives other data."""
-    result = fitted.result
-    try:
-        return lanczos_quadrature(run, loader, (result.eigenvectors, fitted.probed.null,
-                                                result.n_outputs), prior,
-                                  FittedData.of_fit(result))
-    except OtherDataError as err:  # e.g. random augmentation drawn on every pass
-        warnings.warn(
-            f"The fit kept {fitted.report.kept_fraction:.0%} of the GGN trace but did "
-            "not refine its complement by Lanczos quadrature: the loader gave other data "
-            f"on its next pass. {err} The probe's complement stays; "
-            "la.refine_complement(loader) measures it on a loader that repeats its data.",
-            UserWarning, stacklevel=4)  # the caller of la.fit or fit_lowrank_ggn
+def _measured(run: LoaderFit, result: FitResult, null: Optional[NullDirections],
+              settings: Tuple[LowRankOptions, Tuple[float, float], Optional[FitResult]]
+              ) -> Tuple[Optional[DroppedQuadrature], Optional[str]]:
+    """The quadrature on the fit's own factors, or ``None`` and why it did not run."""
+    options, prior, previous = settings
+    dim, rank = result.mean.numel(), result.eigenvalues.numel()
+    if not options.residual_model.needs_probe or rank in (0, dim) \
+            or float(result.trace) <= float(result.eigenvalues.sum()):
+        return None, None
+    reasons = ((previous is not None, "an online update's GGN spans earlier loaders"),
+               (run.cache is None or not run.cache.kept or not run.cache.inputs,
+                "the fit kept no factors: none fit half of memory_budget, or low_memory, "
+                "or curvature sub-sampling"),
+               (not quadrature.basis_fits(dim, options, run.device),
+                "its Lanczos basis exceeds memory_budget"))
+    for refused, why in reasons:
+        if refused:
+            return None, why
+    found = lanczos_quadrature(run, None, (result.eigenvectors, null, result.n_outputs),
+                               prior, FittedData.of_fit(result))
+    return found, None
+
+
+def _rank_check(result: FitResult, found: DroppedQuadrature, prior: Tuple[float, float]
+                ) -> Optional[float]:
+    """:func:`variance_change` of the quadrature's Jacobian starts at ``prior``."""
+    lam = result.eigenvalues
+    if lam.numel() < 2 or found.columns is None:
         return None
+    h, delta = prior
+    v = found.variance(torch.tensor(h), torch.tensor(delta, dtype=torch.float64),
+                       float(lam[-1]))
+    return variance_change(found.columns, lam.double().to(found.columns.projections.device),
+                           v, prior)
 
 
 def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Any,
@@ -153,15 +167,15 @@ def fit_lowrank_ggn(model: nn.Module, likelihood: str, loader: Any,
 
     The same fit as ``Laplace(model, likelihood, subset_of_weights="all",
     hessian_structure="lowrank_ggn", prior_precision=..., sigma_noise=..., **options).fit``
-    (eigenpairs, probe, refinement), so :meth:`FittedPosterior.precision` at that prior is
-    the precision ``la`` holds.
+    (eigenpairs and the measured dropped curvature), so :meth:`FittedPosterior.precision`
+    at that prior is the precision ``la`` holds.
 
     Args:
         model: The network (left as it was).
         likelihood: ``"classification"`` or ``"regression"``.
         loader: Yields ``(X, y)`` or dict batches (targets under ``"labels"``).
         options: The ``lowrank_ggn`` options (``None``: the defaults).
-        prior_precision: The scalar prior the probe measures at.
+        prior_precision: The scalar prior the quadrature checks its convergence at.
         sigma_noise: The regression noise (``1`` for classification).
         process_group: ``torch.distributed`` group to merge across.
         progress_bar: Show a tqdm progress bar over batches.

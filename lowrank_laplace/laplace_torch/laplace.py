@@ -8,7 +8,6 @@ The curvature is the GGN's exact leading eigenpairs
 
 from __future__ import annotations
 
-import math
 import numbers
 import warnings
 from dataclasses import replace
@@ -36,7 +35,6 @@ from lowrank_laplace.laplace_torch.report import FitReport
 from lowrank_laplace.laplace_torch.tuning import scalar_marglik_call, tune_scalar_prior
 from lowrank_laplace.laplace_torch.warm import warm_basis
 from lowrank_laplace.posterior import GramCache, Residual, residual_class
-from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.null import NullDirections
 from lowrank_laplace.posterior.quadrature import DroppedQuadrature
 from lowrank_laplace.posterior.residual import DEFAULT_RESIDUAL
@@ -133,8 +131,6 @@ class LowRankGGNLaplace(StatePersistence, ComplementRefinement, PosteriorQueries
                                                diagonal_correction)
         self.options = LowRankOptions(**options)
         self.factor_backend_used: Optional[str] = None
-        self._jacobian_exponent = 0.0
-        self._complement: Optional[MeasuredComplement] = None
         self._null: Optional[NullDirections] = None
         self._quadrature: Optional[DroppedQuadrature] = None
         self._gram_cache = GramCache()  # float64 U^T U, kept across predictive calls
@@ -227,9 +223,10 @@ class LowRankGGNLaplace(StatePersistence, ComplementRefinement, PosteriorQueries
                 and not residual_class(self._fitted_residual).needs_probe:
             warnings.warn(
                 f"This posterior was fitted with residual={self._fitted_residual!r}, "
-                "which does not measure the spectral model's Jacobian weighting: "
-                f"jacobian_exponent stays {self._jacobian_exponent:g}. Refit with "
-                f"residual={model.name!r} to measure it.", UserWarning, stacklevel=2,
+                "which does not measure the dropped curvature: the spectral model puts the "
+                "mean dropped eigenvalue in every dropped direction until "
+                "la.refine_complement(train_loader) measures it (or a refit with "
+                f"residual={model.name!r}).", UserWarning, stacklevel=2,
             )
         self.options = replace(self.options, residual=model.name)
         self._residual_model = None
@@ -253,8 +250,9 @@ class LowRankGGNLaplace(StatePersistence, ComplementRefinement, PosteriorQueries
 
         Data-parallel where ``torch.distributed`` is initialised (or a group is passed):
         each process streams its own shard, all end with the same posterior, and
-        ``n_data`` counts every process's samples. A fit keeping less than
-        the ``refine_below`` option of the GGN trace ends with :meth:`refine_complement`.
+        ``n_data`` counts every process's samples. With the spectral residual the fit
+        measures the curvature its rank drops by Lanczos quadrature on its own factors
+        (:mod:`~lowrank_laplace.posterior.quadrature`), reading the data no more.
 
         Args:
             train_loader: Yields ``(X, y)`` batches (or dict batches);
@@ -287,25 +285,22 @@ class LowRankGGNLaplace(StatePersistence, ComplementRefinement, PosteriorQueries
                            self._device)
         basis = warm_basis(self, params) if options.warm_start and previous is None else None
         check_params(params)  # before the prior is read from them (meta tensors)
-        # the probe's and the refinement's prior: the mean of a layerwise or per-parameter one
+        # the quadrature's and the rank check's prior: the mean of a layerwise or per-parameter one
         prior = (float(self._H_factor), float(torch.as_tensor(self.prior_precision).mean()))
         self._store(fit_posterior(target, train_loader, options, prior, previous,
                                   (process_group, basis, progress_bar)))
 
     def _store(self, fitted: FittedPosterior) -> None:
-        """Hold a fit's result, its probe's and refinement's measurements, and its report."""
-        result, probed, found = fitted.result, fitted.probed, fitted.quadrature
+        """Hold a fit's result, its measured dropped curvature and its report."""
+        result = fitted.result
         self.warm_started = result.warm_started
         self.mean, self.H = result.mean, (result.eigenvectors, result.eigenvalues)
         self.n_outputs, self.loss, self.n_data = result.n_outputs, result.loss, result.n_data
         self._fitted_data = FittedData.of_fit(result)
         self.trace, self.residual_diagonal = result.trace, result.residual_diagonal
         self.factor_backend_used, self.fit_path = result.factor_backend, result.fit_path
-        self.rank_bound, self._jacobian_exponent = result.rank_bound, probed.exponent
-        self._complement, self._null = probed.complement, probed.null
-        self._quadrature, self.fit_report = None, fitted.report
-        if found is not None:
-            self._store_refinement(found)
+        self.rank_bound, self._null = result.rank_bound, fitted.null
+        self._quadrature, self.fit_report = fitted.quadrature, fitted.report
         self._fitted_residual, self._residual_model = self.residual, None
 
     def _fit_result(self) -> FitResult:
@@ -318,25 +313,6 @@ class LowRankGGNLaplace(StatePersistence, ComplementRefinement, PosteriorQueries
             fit_path=self.fit_path, rank_bound=self.rank_bound,
             target_energy=getattr(self._fitted_data, "target_energy", None),
         )
-
-    @property
-    def jacobian_exponent(self) -> float:
-        """Exponent ``beta`` weighting the spectral residual's tail (see the residual module).
-
-        Fitted: the kept eigenvectors' Jacobian energies on the first ``PROBE_SIZE``
-        training inputs against their eigenvalues. Settable (``0``: the plain mean over
-        random directions; ``1``: the training curvature's weighting). Where the fit
-        measured the complement variance, only layerwise and per-parameter priors use it.
-        """
-        return self._jacobian_exponent
-
-    @jacobian_exponent.setter
-    def jacobian_exponent(self, value: float) -> None:
-        value = float(value)
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"jacobian_exponent must be finite and >= 0, got {value}.")
-        self._jacobian_exponent = value
-        self._residual_model = None
 
 
 for _name in OPTION_NAMES:  # la.rank, la.solver, ...: read-only views of la.options

@@ -6,14 +6,13 @@ pass this same object down the fit.
 
 from __future__ import annotations
 
-import numbers
 import warnings
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Optional, Tuple, Type
 
 from lowrank_laplace.fitting.config import FitConfig
 from lowrank_laplace.laplace_torch import rank as auto_rank
-from lowrank_laplace.posterior import probe, quadrature
+from lowrank_laplace.posterior import probe
 from lowrank_laplace.posterior.residual import DEFAULT_RESIDUAL, Residual, residual_class
 
 
@@ -35,15 +34,10 @@ class LowRankOptions(FitConfig):
         warm_start: A refit of this posterior after its parameters moved starts the
             sketch from its last eigenvectors (:mod:`~lowrank_laplace.laplace_torch.warm`);
             ``False``: every fit starts cold.
-        refine_below: A fit with the spectral residual whose kept share of the GGN trace is
-            below this ends with ``la.refine_complement(train_loader)``: Lanczos quadrature
-            of the dropped curvature over the training data (4-32 more passes); in
-            ``[0, 1]``, ``0`` never, ``1`` always.
     """
 
     residual: str = DEFAULT_RESIDUAL
     warm_start: bool = True
-    refine_below: float = quadrature.DEFAULT_REFINE_BELOW
     track_diagonal: bool = field(default=False, init=False)
     probe_inputs: int = field(default=0, init=False)
 
@@ -52,11 +46,6 @@ class LowRankOptions(FitConfig):
         set_ = object.__setattr__  # frozen: derived once, here
         set_(self, "residual", model.name)
         set_(self, "warm_start", bool(self.warm_start))
-        below = self.refine_below
-        if isinstance(below, bool) or not isinstance(below, numbers.Real) \
-                or not 0 <= below <= 1:
-            raise ValueError(f"refine_below must be a kept share in [0, 1], got {below!r}.")
-        set_(self, "refine_below", float(below))
         set_(self, "track_diagonal", model.tracks_diagonal)
         set_(self, "probe_inputs", probe.PROBE_SIZE if model.needs_probe else 0)
         auto = isinstance(self.rank, str) and self.rank == auto_rank.AUTO

@@ -2,8 +2,8 @@
 
 laplace-torch's state is flat: tensors and plain values (``torch.load(...,
 weights_only=True)``, its ``test_serialize_no_pickle``). The posterior's optional parts
-(:data:`PARTS`: the fit report, the measured complement, the null directions, the
-quadrature, what a pass over the fitted data gives) are saved field by field under
+(:data:`PARTS`: the fit report, the null directions, the quadrature, what a pass over
+the fitted data gives) are saved field by field under
 ``"<part>.<field>"`` keys, nested fields under ``"<part>.<field>.<field>"``; a state of
 the earlier nested form loads too.
 """
@@ -17,12 +17,11 @@ import torch
 from lowrank_laplace.fitting.products import FittedData
 from lowrank_laplace.laplace_torch.report import FitReport
 from lowrank_laplace.posterior import residual_class
-from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.null import NullDirections
 from lowrank_laplace.posterior.quadrature import DroppedQuadrature
 
 #: The optional parts of the state, each saved flat under its name as key prefix.
-PARTS = ("fit_report", "measured_complement", "null_directions", "quadrature", "fitted_data")
+PARTS = ("fit_report", "null_directions", "quadrature", "fitted_data")
 #: Joins a part's name and its (nested) field names in a key.
 SEPARATOR = "."
 
@@ -64,9 +63,9 @@ class StatePersistence:
         state = super().state_dict()
         state.update(trace=self.trace, rank=self.rank, mc_samples=self.mc_samples,
                      residual_diagonal=self.residual_diagonal, residual=self.residual,
-                     rank_bound=self.rank_bound, jacobian_exponent=self._jacobian_exponent)
-        parts = dict(zip(PARTS, (self.fit_report, self._complement, self._null,
-                                 self._quadrature, self._fitted_data)))
+                     rank_bound=self.rank_bound)
+        parts = dict(zip(PARTS, (self.fit_report, self._null, self._quadrature,
+                                 self._fitted_data)))
         for name, part in parts.items():
             if part is not None:
                 state.update(flatten(name, part.as_dict() if name == "fit_report"
@@ -97,13 +96,8 @@ class StatePersistence:
         self.trace = state_dict.get("trace")
         self.residual_diagonal = state_dict.get("residual_diagonal")
         self.rank_bound = state_dict.get("rank_bound")
-        self._jacobian_exponent = float(state_dict.get("jacobian_exponent", 0.0))
-        complement = MeasuredComplement.from_state(unflatten(state_dict,
-                                                             "measured_complement"))
-        self._complement = None if complement is None else complement.to(U.device)
         self._null = NullDirections.from_state(unflatten(state_dict, "null_directions"))
-        self._quadrature = DroppedQuadrature.from_state(unflatten(state_dict, "quadrature"),
-                                                        U.device)
+        self._quadrature = DroppedQuadrature.from_state(unflatten(state_dict, "quadrature"))
         self._residual_model = None
         self.fit_report = FitReport.from_dict(unflatten(state_dict, "fit_report"))
         self._fitted_data = FittedData.from_state(unflatten(state_dict, "fitted_data"))

@@ -18,8 +18,8 @@ from torch import Tensor
 
 from lowrank_laplace.fitting.budget import dense_identity
 from lowrank_laplace.posterior import DroppedCurvature, LowRankPrecision, Residual
-from lowrank_laplace.posterior.complement import MeasuredComplement
 from lowrank_laplace.posterior.predictive import glm_predictive, prior_variance_weights
+from lowrank_laplace.posterior.quadrature import DroppedQuadrature
 from lowrank_laplace.utils.batches import to_device
 from lowrank_laplace.utils.threads import (
     SMALL_WORK,
@@ -70,14 +70,14 @@ class PosteriorQueries:
         return (U, ell), d
 
     @property
-    def measured_complement(self) -> Optional[MeasuredComplement]:
-        """The complement variance measured on the probe (:mod:`~lowrank_laplace.posterior.probe`).
+    def dropped_quadrature(self) -> Optional[DroppedQuadrature]:
+        """The Lanczos quadrature of the dropped curvature (``posterior.quadrature``).
 
-        ``None`` where the fit did not measure it (another residual model, too few probe
-        inputs within the memory budget, nothing dropped); the spectral residual then
-        models it.
+        ``None`` where nothing was measured (another residual model, nothing dropped, a
+        fit that kept no factors); the spectral residual then puts the mean dropped
+        eigenvalue in every dropped direction.
         """
-        return self._complement
+        return self._quadrature
 
     @property
     def residual_model(self) -> Residual:
@@ -86,11 +86,7 @@ class PosteriorQueries:
         if self._residual_model is None:
             self._residual_model = self.options.residual_model.from_fit(DroppedCurvature(
                 self.H[0], self.H[1], self.trace, self.rank_bound or self.n_params,
-                self.residual_diagonal, self._jacobian_exponent, self._layer_sizes(),
-                self._complement, self._null,
-                None if self._quadrature is None else (self._quadrature.nodes,
-                                                       self._quadrature.counts),
-            ))
+                self.residual_diagonal, self._layer_sizes(), self._null, self._quadrature))
         return self._residual_model
 
     def _layer_sizes(self) -> Optional[List[int]]:

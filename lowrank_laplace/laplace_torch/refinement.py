@@ -2,8 +2,7 @@
 
 :mod:`~lowrank_laplace.posterior.quadrature` runs the Lanczos steps, each a pass of the fit's
 loop (:class:`~lowrank_laplace.fitting.fit.LoaderFit`); this mixin checks the call and
-stores what it found (also what the fit's own refinement found,
-:mod:`~lowrank_laplace.laplace_torch.fitted`).
+stores what it found in place of the fit's own measurement.
 """
 
 from __future__ import annotations
@@ -31,8 +30,11 @@ class ComplementRefinement:
 
         One pass over ``train_loader`` per Lanczos step on the GGN outside the kept
         eigenvectors (:mod:`~lowrank_laplace.posterior.quadrature`), converged at half the
-        current prior; the results replace the probe's complement variance and the tail's
-        log det and marglik. A later :meth:`fit` discards them.
+        current prior; the result replaces the fit's own measurement (on its kept factors,
+        converged at the fit's prior). A later :meth:`fit` discards it. Its Jacobian starts
+        are training inputs whose curvature the passes include, so where the training set
+        is small its complement variance is that of the training inputs, below a test
+        input's: the fit's own measurement holds them out.
 
         Raises:
             AttributeError: Before :meth:`fit`.
@@ -70,14 +72,6 @@ class ComplementRefinement:
         self._store_refinement(found)
 
     def _store_refinement(self, found: DroppedQuadrature) -> None:
-        """Hold a refinement's result and its fields of the fit report.
-
-        Its complement replaces the probe's, unless the probe covered the whole data
-        (an earlier refinement's is always replaced).
-        """
-        previous, probed = self._quadrature, self._complement
-        if previous is not None and previous.holds(probed):  # an earlier refinement's
-            probed = None
+        """Hold a quadrature's result and its fields of the fit report."""
         self._quadrature, self._residual_model = found, None
-        self._complement = found.kept_complement(probed)
-        self.fit_report = self.fit_report.refined(found)
+        self.fit_report = self.fit_report.measured(found)

@@ -6,8 +6,6 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, Optional, Tuple
 
 from lowrank_laplace.fitting.fit import FastPathCheck, FitResult
-from lowrank_laplace.posterior import quadrature
-from lowrank_laplace.posterior.probe import ProbeResult
 from lowrank_laplace.posterior.residual import residual_class
 
 #: What each fit path is called in the report.
@@ -27,19 +25,25 @@ class FitReport:
         factor_backend: What computed ``V``.
         residual: The model of the dropped curvature.
         check: The sketch's own check and what the fit did about it (``None``: no sketch ran).
-        variance_change: Median relative change of the probe inputs' predictive variance
-            from the leading half of the kept eigenpairs to all, at the fit's prior
-            (``None``: not measured, e.g. without the spectral residual's probe).
+        variance_change: Median relative change of the predictive variance of the
+            Lanczos quadrature's Jacobian starts (random combinations of the first training
+            inputs' Jacobians) from the leading half of the kept eigenpairs to all, at the
+            fit's prior (``None``: not measured, e.g. without the spectral residual).
         warm_started: Whether the sketch started from this posterior's last fit.
-        complement_resolved: Share of the probe's Jacobian energy outside the kept basis
-            that the measured complement resolves (``None``: not measured).
         ranks_tried: ``(rank, variance change)`` of every fit (``rank="auto"`` fits several).
         null_directions: The softmax head's logit-shift directions the probe checked,
             which keep the prior's variance (``0``: none).
-        quadrature_steps: Lanczos steps of ``refine_complement`` (``0``: not run).
-        quadrature_passes: Its passes over the training data (the steps after the first
-            reuse the first pass's factors where they fit the memory budget).
-        quadrature_converged: Whether its runs converged (``None``: not run).
+        quadrature_steps: Lanczos steps that measured the dropped curvature (``0``: not
+            measured).
+        quadrature_passes: Their passes over the training data (``0``: the fit's own
+            factors, or none run).
+        quadrature_converged: Whether the runs converged (``None``: not run).
+        quadrature_moved: How much the last two steps moved the complement variance or
+            log det at half the prior: the quadrature's estimated error (``None``: not run).
+        quadrature_samples: ``(m, K, N)``: inputs held out of the Jacobian runs' GGN,
+            inputs whose curvature the runs multiplied by, inputs fitted.
+        not_measured: Why a spectral fit did not measure the dropped curvature (``None``:
+            it did, or another model).
         refinable: Whether the residual model takes ``refine_complement``.
         fit_passes: The fit's passes over the training data (``refine_complement`` adds
             ``quadrature_passes``).
@@ -55,10 +59,12 @@ class FitReport:
     variance_change: Optional[float] = None
     warm_started: bool = False
     ranks_tried: Tuple[Tuple[int, Optional[float]], ...] = ()
-    complement_resolved: Optional[float] = None
     null_directions: int = 0
     quadrature_steps: int = 0
     quadrature_converged: Optional[bool] = None
+    quadrature_moved: Optional[float] = None
+    quadrature_samples: Tuple[int, int, int] = (0, 0, 0)
+    not_measured: Optional[str] = None
     refinable: bool = False
     fit_passes: int = 1
     quadrature_passes: int = 0
@@ -72,31 +78,33 @@ class FitReport:
         if not model.needs_probe:  # a simple model (also one switched on a spectral fit)
             return model.summary
         if self.quadrature_steps:
-            return "measured over the training data (Lanczos quadrature)"
-        if self.complement_resolved is not None:
-            return "variance measured on the probe inputs, log det from the modelled tail"
+            where = "the fit's own factors" if not self.quadrature_passes else \
+                "passes over the training data"
+            return f"measured by Lanczos quadrature on {where}"
         return model.summary
 
     @classmethod
-    def of_fit(cls, result: FitResult, probed: ProbeResult,
+    def of_fit(cls, result: FitResult, checks: Tuple[int, Optional[float]],
                ranks_tried: Tuple[Tuple[int, Optional[float]], ...], kept_fraction: float,
                options: Any, passes: int = 1) -> "FitReport":
-        """The report of a fit (``passes`` over the data), its probe and the ranks it tried."""
-        complement = probed.complement
+        """The report of a fit (``passes`` over the data) and the ranks it tried.
+
+        ``checks``: the checked null directions and the rank check's variance change.
+        """
         return cls(
             rank=result.eigenvalues.numel(), num_params=result.mean.numel(),
             kept_fraction=kept_fraction, fit_path=result.fit_path,
             factor_backend=result.factor_backend, residual=options.residual,
-            check=result.check, variance_change=probed.variance_change,
+            check=result.check, variance_change=checks[1],
             warm_started=result.warm_started, ranks_tried=ranks_tried,
-            complement_resolved=None if complement is None else complement.resolved_share,
-            null_directions=0 if probed.null is None else probed.null.count,
-            refinable=options.residual_model.needs_probe, fit_passes=passes)
+            null_directions=checks[0], refinable=options.residual_model.needs_probe,
+            fit_passes=passes)
 
-    def refined(self, found: Any) -> "FitReport":
-        """This report after a refinement (a ``DroppedQuadrature``): its steps and passes."""
-        return replace(self, complement_resolved=None, quadrature_steps=found.steps,
-                       quadrature_passes=found.passes, quadrature_converged=found.converged)
+    def measured(self, found: Any) -> "FitReport":
+        """This report with a quadrature (a ``DroppedQuadrature``): its steps, passes, error."""
+        return replace(self, quadrature_steps=found.steps, quadrature_passes=found.passes,
+                       quadrature_converged=found.converged, quadrature_moved=found.moved,
+                       quadrature_samples=tuple(found.samples), not_measured=None)
 
     def __str__(self) -> str:
         lines = [f"lowrank_ggn fit: rank {self.rank} of {self.num_params:,} parameters, "
@@ -106,8 +114,8 @@ class FitReport:
                  f"(the rest: residual={self.residual!r})",
                  f"  dropped curvature: {self.estimator}; passes over the training data: "
                  f"{self.fit_passes + self.quadrature_passes}"
-                 + (f" (fit {self.fit_passes}, refinement {self.quadrature_passes})"
-                    if self.quadrature_steps else "")]
+                 + (f" (fit {self.fit_passes}, quadrature {self.quadrature_passes})"
+                    if self.quadrature_passes else "")]
         c = self.check
         if c is not None:
             lines.append(f"  {c.name}: {'passed' if c.passed else 'failed'} ({c.value:.3f}, "
@@ -116,17 +124,20 @@ class FitReport:
             lines.append(f"  predictive variance on the probe inputs: changes by "
                          f"{self.variance_change:.1%} from rank {self.rank // 2} to "
                          f"{self.rank}")
-        if self.complement_resolved is not None:
-            lines.append(f"  complement variance: measured on the probe, which resolves "
-                         f"{self.complement_resolved:.0%} of its energy outside the kept "
-                         "basis (the rest meets the modelled tail)")
         if self.quadrature_steps:
-            lines.append(f"  complement variance and dropped spectrum: Lanczos quadrature over "
-                         f"the training data, {self.quadrature_steps} steps "
-                         f"({'converged' if self.quadrature_converged else 'not converged'})")
-        elif self.refinable and self.kept_fraction < quadrature.DEFAULT_REFINE_BELOW:
-            lines.append("  most of the curvature is dropped: la.refine_complement(loader of "
-                         "all the fitted data) measures it over the whole training set")
+            held, kept, fitted = self.quadrature_samples
+            on = f" on {kept:,} of {fitted:,} inputs' factors" if 0 < kept < fitted else ""
+            out = f", the Jacobian runs' {held:,} inputs held out" if held else ""
+            lines.append(
+                f"  complement variance and dropped spectrum: Lanczos quadrature, "
+                f"{self.quadrature_steps} steps{on}{out}; "
+                + (f"converged (last steps moved {self.quadrature_moved:.1%})"
+                   if self.quadrature_converged else
+                   f"not converged (last steps moved {self.quadrature_moved:.1%}): "
+                   "la.refine_complement(loader) after tuning the prior"))
+        elif self.not_measured and self.kept_fraction < 1 - 1e-9:
+            lines.append(f"  not measured ({self.not_measured}): "
+                         "la.refine_complement(loader of all the fitted data) measures it")
         if self.null_directions:
             lines.append(f"  logit-shift directions: {self.null_directions} null directions of "
                          "the GGN keep the prior's variance (checked on the probe)")
@@ -149,4 +160,6 @@ class FitReport:
         values.pop("estimator", None)  # derived
         check = values.pop("check", None)
         values["ranks_tried"] = tuple(tuple(t) for t in values.get("ranks_tried", ()))
+        values["quadrature_samples"] = tuple(values.get("quadrature_samples", (0, 0, 0)))
+        values.pop("complement_resolved", None)  # an older version's field
         return cls(**values, check=None if check is None else FastPathCheck(**check))

@@ -10,7 +10,6 @@ Shape glossary:
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -143,35 +142,6 @@ def glm_predictive(model: nn.Module, X: Any, precision: LowRankPrecision,
         micro = min(budget.micro_batch_size(engine, X, None, memory_budget, micro_batch_size),
                     max(MIN_PASS, PASS_BYTES // engine.bytes_per_sample(X, one_block=True)))
         return batched_glm_moments(engine, X, precision, weights, micro)
-
-
-def jacobian_energies(engine: FactorEngine, batches: List, U: Tensor,
-                      micro_batch_size: int, projections: Optional[int] = None,
-                      rng: Any = None) -> Tensor:
-    r"""Jacobian energies ``e_k = sum_n ||J_n u_k||^2`` of the columns of ``U``.
-
-    With ``projections = m``, ``m`` Gaussian output combinations per input replace the
-    ``C`` outputs: unbiased (``E ||xi^T J u||^2 = ||J u||^2``) at ``m / C`` of the cost.
-
-    Args:
-        engine: An MSE-sum engine on the model.
-        batches: Input batches, summed over.
-        U: Orthonormal directions, ``(D, r)``.
-        micro_batch_size: Inputs per backward pass.
-        projections: ``None`` (exact) or random projections per input.
-        rng: Context manager of the random draws (``None``: the global generator).
-
-    Returns:
-        ``(r,)``.
-    """
-    energy = U.new_zeros(U.shape[1])
-    for inputs in batches:
-        for chunk in micro_batches(inputs, micro_batch_size):
-            with rng if rng is not None and projections else contextlib.nullcontext():
-                factor = engine.compute(chunk, None, mc_samples=projections or 0,
-                                        gradient=False)
-            energy += (factor.t_matmul(U) ** 2).sum(0) / 2  # E[V V^T] = 2 J^T J
-    return energy
 
 
 def micro_batches(inputs: Any, size: int) -> Iterator[Any]:

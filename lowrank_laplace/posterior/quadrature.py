@@ -1,12 +1,20 @@
-r"""Lanczos quadrature of the curvature a rank-``r`` fit drops, over the whole training set.
+r"""The dropped curvature, measured: Lanczos quadrature on the GGN outside the kept basis.
 
-Lanczos runs on the deflated GGN ``P H P`` (``P`` projects out the kept eigenvectors
-and the logit-shift directions), one GGN-matrix product over the training loader a step:
-Jacobian starts ``P J^T eps`` give the complement variance of the whole data (a
-:class:`MeasuredComplement`), Gaussian starts the dropped spectrum's nodes and counts
-(log det, marglik). The runs stop once two steps moved both by less than
-:data:`TOLERANCE` at :data:`CHECK_PRIOR` times the prior (docs/benchmarks/posterior_quality.md,
-"Lanczos quadrature of the dropped curvature").
+Lanczos runs on the deflated GGN ``P H P`` (``P`` projects out the kept eigenvectors and
+the logit-shift directions). A fit multiplies by its own pass's factors (all of them, or
+the leading inputs' that fit half the memory budget, scaled to ``N``), so the measurement
+reads the data no more; ``la.refine_complement(loader)`` multiplies by passes over a loader.
+
+- Jacobian starts ``P J_S^T eps`` of the first inputs ``S``: Gauss quadrature of
+  ``b^T (h P H P + delta)^{-1} b`` gives the complement variance ``v`` per unit of
+  Jacobian energy. On the fit's factors the runs multiply by the GGN without ``S``'s own
+  curvature, scaled back to ``N``, so ``v`` is that of inputs the posterior has not seen.
+- Gaussian starts (stochastic Lanczos quadrature): the dropped spectrum's nodes and
+  counts, for the log det and the marglik.
+
+The runs stop once two steps moved both by less than :data:`TOLERANCE` at
+:data:`CHECK_PRIOR` times the prior (docs/benchmarks/posterior_quality.md, "Lanczos
+quadrature of the dropped curvature").
 
 Shape glossary:
     D: parameters; r: kept rank; s: Lanczos runs; k: steps.
@@ -14,9 +22,10 @@ Shape glossary:
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -28,21 +37,16 @@ from lowrank_laplace.engine.rng import forked_rng
 from lowrank_laplace.fitting.base import factor_dtype
 from lowrank_laplace.fitting.budget import micro_batch_size, resolve_memory_budget
 from lowrank_laplace.fitting.config import FitConfig
-from lowrank_laplace.fitting.products import FittedData
-from lowrank_laplace.posterior.complement import MeasuredComplement
+from lowrank_laplace.fitting.products import FactorCache, FittedData, ProductSink
 from lowrank_laplace.posterior.null import NullDirections
 from lowrank_laplace.posterior.predictive import micro_batches
-from lowrank_laplace.utils.batches import batch_device, format_bytes
+from lowrank_laplace.posterior.probe import ProbeColumns
+from lowrank_laplace.utils.batches import batch_device, format_bytes, take
 from lowrank_laplace.utils.checks import check_batch
 
-#: The default of the ``refine_below`` option: below this kept share of the GGN trace a
-#: fit with the spectral residual refines its complement itself. Every measured problem
-#: below it came closer to the full GGN's prior and NLL; above it (0.876-0.986) small
-#: training sets moved away (docs/benchmarks/posterior_quality.md).
-DEFAULT_REFINE_BELOW = 0.85
 #: Lanczos runs of each kind (Jacobian starts, Gaussian starts).
 RUNS = 8
-#: Fewest and most Lanczos steps (each one pass over the training data).
+#: Fewest and most Lanczos steps.
 MIN_STEPS, MAX_STEPS = 4, 32
 #: The runs stop when two steps moved the variance and log det by less than this share...
 TOLERANCE = 0.01
@@ -61,20 +65,27 @@ class DroppedQuadrature:
     """What the Lanczos runs found, on the GGN's own scale (before ``h``).
 
     Attributes:
-        complement: The complement variance of the Jacobian starts (whole data).
+        mu: Ritz values of the Jacobian starts (the complement's nodes).
+        q: Their weights, the starts' Jacobian energy on each.
         nodes: Ritz values of the Gaussian starts: the dropped spectrum's nodes.
         counts: Directions per node; they sum to the dropped directions outside the
             logit-shift ones.
-        steps: Lanczos steps (passes over the training data).
+        steps: Lanczos steps (``0``: nothing measured, the mean dropped eigenvalue in
+            every dropped direction, :meth:`flat`).
         converged: Whether the runs met :data:`TOLERANCE` before :data:`MAX_STEPS`.
-        seconds: Wall time of the passes.
+        seconds: Wall time of the runs.
         checked_prior: The prior precision the convergence was checked at (below it the
             Gauss rule may under-state the complement).
-        passes: Passes over the training loader (steps after the first use the first
-            pass's factors where they fit the memory budget).
+        passes: Passes over the training loader (``0``: the fit's own factors).
+        samples: ``(m, K, N)``: inputs held out of the Jacobian runs' GGN, inputs whose
+            factors the runs multiplied by, inputs fitted.
+        moved: How much the last two steps moved the variance or log det at the checked
+            prior (the stopping rule's measure of the error).
+        columns: The Jacobian starts as the rank check reads them (not saved).
     """
 
-    complement: MeasuredComplement
+    mu: Tensor
+    q: Tensor
     nodes: Tensor
     counts: Tensor
     steps: int
@@ -82,32 +93,55 @@ class DroppedQuadrature:
     seconds: float
     checked_prior: float = 0.0
     passes: int = 0
-
-    def holds(self, complement: Optional[MeasuredComplement]) -> bool:
-        """Whether ``complement`` is this refinement's (also after ``load_state_dict``)."""
-        return complement is not None and complement.mu.shape == self.complement.mu.shape \
-            and bool((complement.mu == self.complement.mu.to(complement.mu)).all())
-
-    def kept_complement(self, probed: Optional[MeasuredComplement]) -> MeasuredComplement:
-        """The complement to keep: the probe's where it covered the whole data, else this one."""
-        return probed if probed is not None and probed.fraction >= 1 else self.complement
-
-    def state(self) -> Dict[str, Any]:
-        """A plain dict for ``state_dict`` (tensors on the CPU)."""
-        return {**vars(self), "complement": self.complement.state(), "nodes": self.nodes.cpu(),
-                "counts": self.counts.cpu()}
+    samples: Tuple[int, int, int] = (0, 0, 0)
+    moved: float = 0.0
+    columns: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_state(cls, state: Optional[Dict[str, Any]], device: torch.device
-                   ) -> Optional["DroppedQuadrature"]:
-        """Inverse of :meth:`state` on ``device`` (``None`` stays ``None``)."""
+    def flat(cls, mass: float, free: int) -> "DroppedQuadrature":
+        """Nothing measured: the mean dropped eigenvalue in all ``free`` directions."""
+        level = torch.tensor([mass / max(free, 1)], dtype=torch.float64)
+        one = torch.ones(1, dtype=torch.float64)
+        return cls(level, one, level.clone(), one * max(free, 0), 0, False, 0.0)
+
+    def variance(self, scale: Tensor, prior: Tensor, anchor: float) -> Tensor:
+        r"""The complement variance ``v = sum q / (h mu + delta) / sum q`` (float64 scalar).
+
+        Clamped to ``[1 / (h lambda_r + delta), 1 / delta]``; differentiable in ``scale``
+        and ``prior``.
+        """
+        mu = self.mu.to(device=prior.device, dtype=torch.float64)
+        q = self.q.to(mu)
+        h, delta = (torch.as_tensor(x).to(mu) for x in (scale, prior))
+        value = (q / (h * mu + delta)).sum() / q.sum().clamp(min=torch.finfo(mu.dtype).tiny)
+        return torch.minimum(torch.maximum(value, 1 / (h * anchor + delta)), 1 / delta)
+
+    def logdet(self, scale: Tensor, prior: Tensor, num: int) -> Tensor:
+        """The ``num`` dropped directions' log det: the measured nodes, the rest the prior's."""
+        nodes = self.nodes.to(device=prior.device, dtype=torch.float64)
+        counts = self.counts.to(nodes)
+        h, delta = (torch.as_tensor(x).to(nodes) for x in (scale, prior))
+        return (counts * torch.log(h * nodes + delta)).sum() + (num - counts.sum()) * delta.log()
+
+    def state(self) -> Dict[str, Any]:
+        """A plain dict for ``state_dict`` (tensors on the CPU, without the columns)."""
+        values = {k: v for k, v in vars(self).items() if k != "columns"}
+        return {**values, **{k: getattr(self, k).cpu() for k in ("mu", "q", "nodes", "counts")},
+                "samples": list(self.samples)}
+
+    @classmethod
+    def from_state(cls, state: Optional[Dict[str, Any]]) -> Optional["DroppedQuadrature"]:
+        """Inverse of :meth:`state` (``None`` stays ``None``; an older version's converts)."""
         if state is None:
             return None
-        complement = MeasuredComplement.from_state(state["complement"]).to(device)
-        return cls(complement, state["nodes"], state["counts"], int(state["steps"]),
+        if "mu" not in state:  # an older version's: its complement held the Jacobian rule
+            state = {**state, **{k: state["complement"][k] for k in ("mu", "q")},
+                     "samples": (0, 0, 0), "moved": 0.0}
+        return cls(state["mu"], state["q"], state["nodes"], state["counts"], int(state["steps"]),
                    bool(state["converged"]), float(state["seconds"]),
                    float(state.get("checked_prior", 0.0)),
-                   int(state.get("passes", state["steps"])))
+                   int(state.get("passes", state["steps"])),
+                   tuple(int(x) for x in state["samples"]), float(state["moved"]))
 
 
 class LanczosRuns:
@@ -179,13 +213,15 @@ def gauss_estimates(rules: List[Tuple[Tensor, Tensor]], scale: float, prior: flo
 
 def lanczos_quadrature(run: Any, loader: Any, kept: Tuple[Tensor, Optional[NullDirections], int],
                        prior: Tuple[float, float], fitted: FittedData) -> DroppedQuadrature:
-    """Run the Lanczos quadrature of a fit's dropped curvature over a training loader.
+    """Measure a fit's dropped curvature by Lanczos quadrature.
 
     Args:
         run: The open :class:`~lowrank_laplace.fitting.fit.LoaderFit` of the fitted model:
-            its loop makes the passes, its Jacobian engine the starts, its options (memory
-            budget, seed) and process group (products summed over it) hold.
-        loader: The training loader (one pass per step).
+            its kept factors or its loop make the products, its Jacobian engine the starts,
+            its options (memory budget, seed) and process group (products summed over it)
+            hold.
+        loader: The training loader, one pass per step; ``None``: the fit's own kept
+            factors (``run.cache``), with the Jacobian runs' inputs held out.
         kept: ``(U, null, C)``: the kept eigenvectors ``(D, r)``, the checked logit-shift
             directions (``None``: none) and the model's outputs.
         prior: ``(h, delta)``: the scale and the scalar prior the stopping rule checks at.
@@ -193,7 +229,7 @@ def lanczos_quadrature(run: Any, loader: Any, kept: Tuple[Tensor, Optional[NullD
             reproduce (checked before its product is used).
 
     Returns:
-        The :class:`DroppedQuadrature`.
+        The :class:`DroppedQuadrature`, with the starts' columns for the rank check.
 
     Raises:
         MemoryError: If the Lanczos basis of :data:`MAX_STEPS` steps does not fit the
@@ -210,16 +246,21 @@ def lanczos_quadrature(run: Any, loader: Any, kept: Tuple[Tensor, Optional[NullD
         X = X - (X @ basis) @ basis.T
         return X if null is None else X - null.expand(null.project(X), dim)
 
+    start = time.perf_counter()
     generator = torch.Generator().manual_seed(config.seed)  # the same on every process
     gaussian = torch.randn(RUNS, dim, generator=generator, dtype=wide).to(U.device)
-    inputs = run.first_inputs(loader, START_INPUTS)
+    if loader is None:
+        products = KeptProducts(run.cache, fitted.samples, run.group)
+        inputs = products.inputs
+    else:
+        products, inputs = run.products(loader, fitted), run.first_inputs(loader, START_INPUTS)
     jacobian = _jacobian_starts(run.jacobian, inputs, config, outputs, generator).to(U.device)
     if run.group is not None:
         dist.all_reduce(jacobian, group=run.group)  # every process's first inputs
+    columns = start_columns(jacobian, basis, null)
     runs = LanczosRuns(project(torch.cat([jacobian, gaussian])), MAX_STEPS)
-    start, (scale, delta), steps, converged = time.perf_counter(), prior, 0, False
+    (scale, delta), steps, converged = prior, 0, False
     history: List[Tuple[float, float]] = []
-    products = run.products(loader, fitted)
     while steps < MAX_STEPS and bool(runs.active.any()):
         runs.step(project(products(runs.current)))
         steps += 1
@@ -229,24 +270,109 @@ def lanczos_quadrature(run: Any, loader: Any, kept: Tuple[Tensor, Optional[NullD
             converged = True
             break
     converged = converged or not bool(runs.active.any())
+    moved = _moved(history)
     if not converged:
-        _warn_unconverged(history, steps, CHECK_PRIOR * delta)
+        _warn_unconverged(moved, steps, CHECK_PRIOR * delta)
     free = dim - U.shape[1] - (0 if null is None else null.count)
     found = _found(runs.rules(), free, steps, converged, time.perf_counter() - start)
-    return replace(found, checked_prior=CHECK_PRIOR * delta, passes=products.passes)
+    return replace(found, checked_prior=CHECK_PRIOR * delta, passes=products.passes, moved=moved,
+                   samples=getattr(products, "samples", (0, fitted.samples, fitted.samples)),
+                   columns=columns)
 
 
-def _warn_unconverged(history: List[Tuple[float, float]], steps: int, prior: float) -> None:
+class KeptProducts:
+    """``X -> X H`` by a fit's kept factors, the first :data:`RUNS` rows without their inputs.
+
+    The factors' GGN is scaled from the ``K`` inputs kept to the ``N`` fitted. The first
+    ``m`` of them (at most :data:`START_INPUTS` and a quarter of ``K``) start the Jacobian runs,
+    whose rows multiply by the GGN without them, scaled by ``N / (K - m)``: the complement
+    variance of inputs the posterior has not seen (test inputs), not of the training inputs
+    themselves, whose own curvature would lower it.
+
+    Args:
+        cache: The fit's kept factors and first inputs.
+        num_data: Inputs fitted ``N`` (over all processes).
+        group: The fit's process group (``None``: one process).
+
+    Attributes:
+        inputs: The held-out inputs, as batches.
+        samples: ``(m, K, N)`` over all processes.
+        passes: Passes over the data (none).
+    """
+
+    def __init__(self, cache: FactorCache, num_data: int, group: Any):
+        self.cache, self.group, self.passes = cache, group, 0
+        kept = sum(factor.num_samples for factor, _ in cache.kept)
+        first = sum(check_batch(x, None) for x in cache.inputs)
+        count = min(first, START_INPUTS, kept // 4)  # held out: none of under four inputs
+        self.inputs, left = [], count or min(first, START_INPUTS)
+        for x in cache.inputs:
+            n = check_batch(x, None)
+            if left > 0:
+                self.inputs.append(take(x, slice(0, left), n))
+            left -= n
+        self.held = cache.leading(count)
+        totals = torch.tensor([float(count), float(kept)], dtype=torch.float64)
+        if group is not None:
+            dist.all_reduce(totals, group=group)
+        self.samples = (int(totals[0]), int(totals[1]), int(num_data))
+
+    def __call__(self, X: Tensor) -> Tensor:
+        """``X H`` of rows ``X`` ``(s, D)``, float64, summed over the fit's processes."""
+        held, kept, num_data = self.samples
+        product = self._product(X, self.cache.kept)
+        own = self._product(X[:RUNS], self.held)
+        out = product * (num_data / kept)
+        out[:RUNS] = (product[:RUNS] - own) * (num_data / (kept - held))
+        return out
+
+    def _product(self, X: Tensor, factors: List[Tuple[Any, float]]) -> Tensor:
+        """``sum scale V (V^T X)`` over ``factors`` (zero without), summed over processes."""
+        if factors:
+            sink = ProductSink(X.T.to(factor_dtype(factors[0][0])).contiguous())
+            for factor, scale in factors:
+                sink.add_factor(factor, scale=scale)
+            out = sink.out.T.to(torch.float64)
+        else:
+            out = torch.zeros_like(X, dtype=torch.float64)
+        if self.group is not None:
+            dist.all_reduce(out, group=self.group)
+        return out
+
+
+def start_columns(starts: Tensor, basis: Tensor, null: Optional[NullDirections]
+                  ) -> ProbeColumns:
+    """The Jacobian starts as the rank check reads them: energies, on ``U`` and on the null."""
+    return ProbeColumns((starts ** 2).sum(1), starts @ basis, 1,
+                        None if null is None else (null.project(starts) ** 2).sum(1))
+
+
+def _moved(history: List[Tuple[float, float]]) -> float:
+    """How much the last two steps moved the estimates (relative; ``0`` without steps)."""
+    if not history:
+        return 0.0
+    return max(abs(now - then) / max(abs(now), 1e-300)
+               for now, then in zip(history[-1], history[-min(3, len(history))]))
+
+
+def _warn_unconverged(moved: float, steps: int, prior: float) -> None:
     """Warn with how much the last two steps moved the estimates at the checked ``prior``."""
-    moved = max(abs(now - then) / max(abs(now), 1e-300)
-                for now, then in zip(history[-1], history[-min(3, len(history))]))
     warnings.warn(
-        f"refine_complement has not converged in {steps} passes at prior precision "
-        f"{prior:.3g}: the last two moved the complement variance or log det by "
-        f"{moved:.1%} (needs {TOLERANCE:.0%}), so it may under-state the complement "
-        "variance there. A larger prior converges in fewer passes: after tuning it, "
-        "la.refine_complement(train_loader) measures again.",
-        UserWarning, stacklevel=5)  # the caller of la.fit or la.refine_complement
+        f"The Lanczos quadrature of the dropped curvature has not converged in {steps} "
+        f"steps at prior precision {prior:.3g}: the last two moved the complement variance "
+        f"or log det by {moved:.1%} (needs {TOLERANCE:.0%}), so it may under-state the "
+        "complement variance there. A larger prior converges in fewer steps: after tuning "
+        "it, la.refine_complement(train_loader) measures again.",
+        UserWarning, stacklevel=_outside_level())
+
+
+def _outside_level() -> int:
+    """The ``stacklevel`` of the first caller outside this package (of la.fit, say)."""
+    frame, level = sys._getframe(2), 2  # the caller of warnings.warn's caller
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(
+            "lowrank_laplace"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _found(rules: List[Tuple[Tensor, Tensor]], free: int, steps: int, converged: bool,
@@ -258,8 +384,8 @@ def _found(rules: List[Tuple[Tensor, Tensor]], free: int, steps: int, converged:
     used, empty = [(r, t) for r, t in used if t > 0], [mu.new_zeros(0)]
     nodes = torch.cat([r[0] for r, _ in used] + empty)
     counts = torch.cat([r[1] / t for r, t in used] + empty) * free / max(len(used), 1)
-    complement = MeasuredComplement(mu, q, None, None, q.sum(), 1.0, 0.0)
-    return DroppedQuadrature(complement, nodes.cpu(), counts.cpu(), steps, converged, seconds)
+    return DroppedQuadrature(mu.cpu(), q.cpu(), nodes.cpu(), counts.cpu(), steps, converged,
+                             seconds)
 
 
 def basis_fits(dim: int, config: FitConfig, device: torch.device) -> bool:

@@ -17,10 +17,10 @@ from typing import Callable, ClassVar, Dict, Optional, Sequence, Tuple, Type
 import torch
 from torch import Tensor
 
-from lowrank_laplace.posterior.complement import MeasuredComplement, UnresolvedTail
-from lowrank_laplace.posterior.layer_tail import LayerTails
+from lowrank_laplace.posterior.layers import LayerScales
 from lowrank_laplace.posterior.null import NullDirections, NullShift
 from lowrank_laplace.posterior.precision import GramCache, LowRankPrecision
+from lowrank_laplace.posterior.quadrature import DroppedQuadrature
 
 #: A layerwise prior: parameters per layer and one precision per layer.
 LayerPrior = Tuple[Sequence[int], Tensor]
@@ -36,12 +36,10 @@ class DroppedCurvature:
         trace: The exact trace of ``H``.
         rank_bound: Upper bound on the rank of ``H``.
         diagonal: ``diag(H - U diag(lambda) U^T)``, or ``None``.
-        exponent: The Jacobian-weighting exponent ``beta`` (spectral).
         layer_sizes: Parameters per layer (laplace-torch's parameter tensors).
-        complement: The complement variance measured on the probe (spectral).
         null: The GGN's checked logit-shift directions (spectral), or ``None``.
-        spectrum: Nodes and counts of the dropped spectrum from Lanczos quadrature
-            (spectral; :mod:`~lowrank_laplace.posterior.quadrature`), or ``None``.
+        quadrature: The Lanczos quadrature of the dropped curvature (spectral;
+            :mod:`~lowrank_laplace.posterior.quadrature`), or ``None``.
     """
 
     eigenvectors: Tensor
@@ -49,11 +47,9 @@ class DroppedCurvature:
     trace: Tensor
     rank_bound: int
     diagonal: Optional[Tensor] = None
-    exponent: float = 0.0
     layer_sizes: Optional[Sequence[int]] = None
-    complement: Optional[MeasuredComplement] = None
     null: Optional[NullDirections] = None
-    spectrum: Optional[Tuple[Tensor, Tensor]] = None
+    quadrature: Optional[DroppedQuadrature] = None
 
     @property
     def mass(self) -> float:
@@ -216,59 +212,58 @@ class IsotropicResidual(Residual):
 
 
 class SpectralResidual(Residual):
-    """A power-law tail continuing the kept spectrum, in random dropped directions.
+    """The dropped curvature measured by Lanczos quadrature, in random dropped directions.
 
-    Checked logit-shift directions keep the prior's variance
-    (:mod:`~lowrank_laplace.posterior.null`); a measured dropped spectrum replaces the
-    tail in the log det under scalar priors.
+    The complement variance ``v`` (the precision's shift ``1 / v - delta`` outside ``U``)
+    and the dropped log det come from the measured spectrum
+    (:mod:`~lowrank_laplace.posterior.quadrature`); a fit that measured nothing puts the
+    mean dropped eigenvalue in every dropped direction. Checked logit-shift directions
+    keep the prior's variance (:mod:`~lowrank_laplace.posterior.null`); a layerwise or
+    per-parameter prior reads each layer's share at its own prior
+    (:mod:`~lowrank_laplace.posterior.layers`).
 
     Attributes:
-        tail: Modelled dropped eigenvalues, ``(n - r,)``.
-        exponent: Jacobian-weighting exponent ``beta``.
-        complement: The measured complement variance (``None``: modelled).
+        spectrum: The measured (or flat) :class:`DroppedQuadrature`.
+        measured: Whether the spectrum was measured.
         null: The logit-shift directions (``None``: none known).
-        spectrum: The measured dropped spectrum ``(nodes, counts)`` (``None``: modelled).
     """
 
     name = "spectral"
-    summary = "the modelled power-law tail (nothing measured)"
+    summary = "the mean dropped eigenvalue (nothing measured)"
     tracks_diagonal = needs_probe = True
 
     def __init__(self, dropped: DroppedCurvature):
         super().__init__(dropped)
         rank, dim, mass = dropped.eigenvalues.numel(), self.dim, self.mass
         self.null = dropped.null if rank < dim else None
-        self.exponent = float(dropped.exponent)
-        self.unresolved = UnresolvedTail.of_fit(
-            dropped.eigenvalues, mass, dropped.rank_bound, dim, self.exponent,
-            0 if self.null is None else self.null.count)
-        self.tail = self.unresolved.tail
-        self.complement = dropped.complement if mass > 0 else None
-        self.spectrum = dropped.spectrum if mass > 0 and rank < dim else None
-        self._whole: Dict[int, LayerTails] = {}
-        self._layers: Optional[LayerTails] = None
+        found = dropped.quadrature if mass > 0 and rank < dim else None
+        self.measured = found is not None and found.steps > 0
+        free = dim - rank - (0 if self.null is None else self.null.count)
+        self.spectrum = found if self.measured else DroppedQuadrature.flat(mass, free)
+        self._layers: Optional[LayerScales] = None
         # built on first use: only layerwise and per-parameter priors read the split
-        self._split: Optional[Callable[[], Optional[LayerTails]]] = None
+        self._split: Optional[Callable[[], Optional[LayerScales]]] = None
         if dropped.diagonal is not None and dropped.layer_sizes and mass > 0 and rank < dim:
-            self._split = functools.partial(
-                LayerTails.build, dropped.eigenvectors, dropped.eigenvalues, mass,
-                dropped.diagonal, dropped.layer_sizes, self.tail.numel())
+            self._split = functools.partial(LayerScales.build, dropped.eigenvectors, mass,
+                                            dropped.diagonal, dropped.layer_sizes)
 
     @property
-    def layers(self) -> Optional[LayerTails]:
-        """The tail split over layers (built on first use), or ``None``."""
+    def layers(self) -> Optional[LayerScales]:
+        """The dropped curvature split over layers (built on first use), or ``None``."""
         if self._split is not None:
             self._layers, self._split = self._split(), None
         return self._layers
 
     @layers.setter
-    def layers(self, value: Optional[LayerTails]) -> None:
+    def layers(self, value: Optional[LayerScales]) -> None:
         self._layers, self._split = value, None
 
     def _precision(self, eigenvectors, ell, scale, prior, extra):
         gram_cache, layer_prior = extra
         num = self.dim - ell.numel()
-        rho, logdet = self._shift(scale, prior, num, ell.device)
+        mean = prior.to(torch.float64).mean().reshape(())
+        rho = self.complement_shift(scale, mean)
+        logdet = self.spectrum.logdet(scale, mean, num)
         parts = self._layer_parts(ell, scale, prior, (rho, logdet), layer_prior) \
             if prior.numel() > 1 and self.layers is not None else None  # the split on first use
         if parts is None:  # one shift everywhere
@@ -282,6 +277,11 @@ class SpectralResidual(Residual):
                                 logdet_offset=offset.to(ell.dtype), gram_cache=gram_cache,
                                 layers=layers, null=self._null_shift(prior, d))
 
+    def complement_shift(self, scale: Tensor, prior: Tensor) -> Tensor:
+        r"""The precision shift :math:`\rho = 1 / v - \delta \ge 0` at a scalar prior."""
+        delta = torch.as_tensor(prior).to(torch.float64)
+        return (1 / self.spectrum.variance(scale, delta, self.anchor) - delta).clamp(min=0)
+
     def _null_shift(self, prior: Tensor, held: Tensor) -> Optional[NullShift]:
         """The prior's variance on the null directions, where the precision holds ``held``."""
         if self.null is None:
@@ -294,25 +294,23 @@ class SpectralResidual(Residual):
     def _dropped_spectrum(self, kept, scale):
         if self.dim - kept.numel() <= 0:
             return [], []
-        if self.spectrum is not None:
-            nodes, counts = (t.to(device="cpu", dtype=torch.float64) for t in self.spectrum)
-            return [nodes * scale], [counts]
-        tail = self.tail.to(device="cpu", dtype=torch.float64) * scale
-        return [tail], [torch.ones_like(tail)]
+        nodes, counts = (t.to(device="cpu", dtype=torch.float64)
+                         for t in (self.spectrum.nodes, self.spectrum.counts))
+        return [nodes * scale], [counts]
 
     def _layer_parts(self, ell: Tensor, scale: Tensor, prior: Tensor,
                      whole: Tuple[Tensor, Tensor], layer_prior: Optional[LayerPrior]) -> tuple:
         """Shift on ``U``, ``d``, log det offset and constant ``d_l`` of a prior per layer.
 
         Each layer's shift is the ``whole`` network's (``rho`` and log det at the prior's
-        mean) plus its own tail's change from that mean to its prior: zero for a constant
+        mean) plus its own share's change from that mean to its prior: zero for a constant
         prior, which is therefore the scalar prior's posterior.
         """
         layers = self.layers
         mean = prior.to(torch.float64).mean().reshape(())
-        rho, logdet = layers.shift(scale, prior, self.exponent, ell.device)
-        at_mean, logdet_at_mean = layers.shift(scale, mean, self.exponent, ell.device)
-        rho = (whole[0] + rho - at_mean).clamp(min=0).to(ell.dtype)
+        rho, logdet = layers.shift(scale, prior, self.spectrum, self.anchor)
+        at_mean, logdet_at_mean = layers.shift(scale, mean, self.spectrum, self.anchor)
+        rho = (whole[0].to(rho.device) + rho - at_mean).clamp(min=0).to(ell.dtype)
         logdet = whole[1] + logdet - logdet_at_mean
         sizes = torch.tensor(layers.sizes, device=ell.device)
         d = prior + rho.repeat_interleave(sizes, output_size=self.dim)
@@ -322,41 +320,16 @@ class SpectralResidual(Residual):
             constant = (layers.sizes, layer_prior[1] + rho)
             log_d = torch.log(constant[1].to(torch.float64))
         else:
-            log_d = torch.log(layers.layer_means(d.to(torch.float64)))  # as the tails' delta_l
+            log_d = torch.log(layers.layer_means(d.to(torch.float64)))
         offset = logdet - (layers.complement.to(ell.device) * log_d).sum()
         return kept, d, offset, constant
 
-    def _shift(self, scale: Tensor, prior: Tensor, num: int,
-               device: torch.device) -> Tuple[Tensor, Tensor]:
-        """The shift ``rho = 1 / v - delta`` and the dropped log det: measured, else the tail's."""
-        rho = logdet = None
-        if self.spectrum is not None:
-            logdet = self._measured_logdet(scale, prior, num, device)
-        if self.complement is not None:  # measured on the probe, at this prior
-            delta = prior.to(torch.float64).mean() if prior.numel() > 1 else prior
-            rho = self.complement.to(device).shift(scale, delta, self.anchor, self.unresolved)
-        if rho is None or logdet is None:  # the modelled tail fills what was not measured
-            whole = self._whole.get(num)
-            if whole is None:  # one layer, the network; kept with its prior-free factors
-                whole = self._whole[num] = LayerTails.whole(self.tail, self.dim, num)
-            tail_rho, tail_logdet = whole.shift(scale, prior, self.exponent, device)
-            rho = tail_rho[0] if rho is None else rho
-            logdet = tail_logdet if logdet is None else logdet
-        return rho, logdet
-
-    def _measured_logdet(self, scale: Tensor, prior: Tensor, num: int,
-                         device: torch.device) -> Tensor:
-        """The ``num`` dropped directions' log det by the measured spectrum (the rest: prior)."""
-        nodes, counts = (t.to(device=device, dtype=torch.float64) for t in self.spectrum)
-        delta = prior.to(device=device, dtype=torch.float64).mean()
-        h = torch.as_tensor(scale).to(device=device, dtype=torch.float64)
-        return (counts * torch.log(h * nodes + delta)).sum() + (num - counts.sum()) * delta.log()
-
     def complement_variance(self, scale: Tensor, prior: Tensor) -> Optional[Tensor]:
-        """See :meth:`Residual.complement_variance`."""
-        if self.complement is None:
+        """See :meth:`Residual.complement_variance` (``None``: nothing measured)."""
+        if not self.measured:
             return None
-        return self.complement.variance(scale, prior, self.anchor, self.unresolved)
+        return self.spectrum.variance(scale, torch.as_tensor(prior).to(torch.float64),
+                                      self.anchor)
 
 
 #: The residual models by name (the ``residual`` option).

@@ -8,7 +8,7 @@ images, unrotated and rotated, against MAP, ``kron``, ``diag`` and (digits) the 
      "references": {name: {"<angle>": {"nll", "ece", "brier", "accuracy"}, ...,
                            "posterior": {...}}},
      "lowrank": [{"rank", "requested_rank", "residual", "kept_fraction",
-                  "prior_precision", "jacobian_exponent", "fit_s",
+                  "prior_precision", "quadrature_steps", "fit_s",
                   "scores": {"<angle>": {...}}}, ...]}
 
 ``fit_s`` is fit plus prior tuning (only the tuning where a residual model reuses its rank's
@@ -101,7 +101,7 @@ def run(config: RankStudyConfig, log: Callable[[str], None] = silent) -> dict:
                 "rank": int(la.H[1].numel()), "requested_rank": rank, "residual": residual,
                 "kept_fraction": float(la.kept_fraction),
                 "prior_precision": float(torch.as_tensor(la.prior_precision).mean()),
-                "jacobian_exponent": la.jacobian_exponent, "fit_s": fit_s,
+                "quadrature_steps": la.fit_report.quadrature_steps, "fit_s": fit_s,
                 "scores": rotation_scores(make_predictor("lowrank", model, la), split.test,
                                           config, device, keys)})
         log(f"rank {rank} done")

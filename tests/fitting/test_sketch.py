@@ -365,7 +365,7 @@ def test_sketch_posterior_tracks_the_full_ggn_on_real_data(tune):
     for oversampling in (None, 140):
         tune(oversampling=0.2 if oversampling is None else oversampling / 60)
         la = LowRankGGNLaplace(model, "classification", rank=60, solver="sketch",
-                               refine_below=0)  # the sketch's own eigenvalues decide
+                               residual="isotropic")  # the sketch's own eigenvalues decide
         la.fit(loader)
         la.optimize_prior_precision(method="marglik", n_steps=300, lr=0.1)
         kept[oversampling] = float(la.kept_fraction)
@@ -393,7 +393,8 @@ def test_sketch_streams_whole_equal_passes(monkeypatch, tune):
     pass size."""
     model, likelihood, X, y, loader = make_problem("mlp-classification", n=60, batch_size=16)
     tune(oversampling=10 / 6)
-    kw = dict(rank=6, solver="sketch")
+    # (the quadrature after the fit may cut its held-out inputs out of a merge)
+    kw = dict(rank=6, solver="sketch", residual="isotropic")
     one = LowRankGGNLaplace(model, likelihood, micro_batch_size=16, **kw)  # the batches
     one.fit(loader)
     sizes = []

@@ -30,7 +30,7 @@ def test_about_ten_options_a_user_decides():
     the residual model (diagonal, probe inputs) is not an option either."""
     assert OPTION_NAMES == ("rank", "mc_samples", "subsample_fraction", "memory_budget",
                             "micro_batch_size", "seed", "low_memory", "factor_backend",
-                            "solver", "residual", "warm_start", "refine_below")
+                            "solver", "residual", "warm_start")
     with pytest.raises(TypeError):
         LowRankOptions(track_diagonal=True)
 
@@ -69,10 +69,6 @@ def test_options_are_frozen():
     (dict(memory_budget=1.5), "memory_budget=1.5 is not a size"),
     (dict(memory_budget=0), "memory_budget must be positive"),
     (dict(memory_budget="lots"), "is not a size"),
-    (dict(refine_below=1.5), "refine_below must be a kept share in"),
-    (dict(refine_below=float("nan")), "refine_below must be a kept share in"),
-    (dict(refine_below=True), "refine_below must be a kept share in"),
-    (dict(refine_below="0.5"), "refine_below must be a kept share in"),
 ])
 def test_each_bad_option_has_its_error(kwargs, msg):
     with pytest.raises(ValueError, match=msg):

@@ -9,6 +9,7 @@ from lowrank_laplace import LowRankGGNLaplace
 from lowrank_laplace.laplace_torch import rank as rank_module
 from lowrank_laplace.laplace_torch.options import LowRankOptions
 from lowrank_laplace.laplace_torch.rank import next_rank
+from lowrank_laplace.posterior import quadrature
 
 
 def test_next_rank_doubles_until_a_bound():
@@ -42,10 +43,11 @@ def _problem(n=120):
 @pytest.mark.parametrize("tolerance, ranks", [(-1.0, [4, 8, 16, 32, 64]), (10.0, [4])])
 def test_auto_rank_grows_while_the_variance_moves(monkeypatch, tune, tolerance, ranks):
     """Every fit of the schedule runs (here: from rank 4, doubled until the memory cap
-    or never), each with its own probe; the last one is the posterior."""
+    or never), each with its own rank check; the last one is the posterior."""
     tune(dense_max_dim=0)
     monkeypatch.setattr(rank_module, "AUTO_RANK_START", 4)
     monkeypatch.setattr(rank_module, "AUTO_RANK_TOLERANCE", tolerance)
+    monkeypatch.setattr(quadrature, "MAX_STEPS", 20)  # its basis within the capped budget
     model, loader = _problem()
     dim = sum(p.numel() for p in model.parameters())
     cap = int(dim * 2 * 64 * 8 / rank_module.AUTO_RANK_MEMORY_SHARE)  # up to rank 64

@@ -126,56 +126,77 @@ def test_monte_carlo_passes_multiply_by_the_same_matrix_kept_or_recomputed():
         torch.testing.assert_close(product, kept[0], rtol=1e-12, atol=1e-12)
 
 
+def _exact_starts(la, loader, count, dim):
+    """The Jacobian starts of the first ``count`` inputs, as the quadrature draws them."""
+    target = FitTarget(la.model, "classification", la.params)
+    generator = torch.Generator().manual_seed(0)
+    torch.randn(quadrature.RUNS, dim, generator=generator, dtype=torch.float64)  # Gaussian
+    with LoaderFit(target, la.options.at_rank(6)) as run:
+        inputs = run.first_inputs(loader, count)
+        return quadrature._jacobian_starts(run.jacobian, inputs, la.options, 3, generator)
+
+
 def test_the_complement_variance_is_the_exact_deflated_quadratic_form(monkeypatch):
-    """Run to the end of every Krylov space: the Gauss rule is then exact."""
+    """Run to the end of every Krylov space: the Gauss rule is then exact. The fit's own
+    measurement multiplies its Jacobian runs by the GGN without their 150 inputs (a
+    quarter of the data), scaled back to ``N``; ``refine_complement``'s passes by the
+    whole GGN. Both Gaussian runs give the spectrum of the whole deflated GGN."""
     monkeypatch.setattr(quadrature, "MAX_STEPS", 80)
     monkeypatch.setattr(quadrature, "MIN_STEPS", 80)
     model, X, y, loader = _problem()
     la = LowRankGGNLaplace(model, "classification", rank=6)
     la.fit(loader)
+    fitted = la._quadrature
+    assert fitted.samples == (150, 600, 600) and fitted.passes == 0
     la.refine_complement(loader)
+    refined = la._quadrature
+    assert refined.passes == 1 and refined.samples == (0, 600, 600)
     U, null, dim = la.H[0], la._null, la.n_params
-    G = reference.ggn(model, nn.CrossEntropyLoss(reduction="sum"), X, y)
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    G = reference.ggn(model, loss, X, y)
+    held_out = (G - reference.ggn(model, loss, X[:150], y[:150])) * 600 / (600 - 150)
     P = torch.eye(dim, dtype=torch.float64) - U @ U.T
     if null is not None:
         P = P - null.expand(null.project(torch.eye(dim, dtype=torch.float64)), dim)
-    target = FitTarget(model, "classification", la.params)
-    generator = torch.Generator().manual_seed(0)
-    torch.randn(quadrature.RUNS, dim, generator=generator, dtype=torch.float64)  # Gaussian
-    with LoaderFit(target, la.options.at_rank(6)) as run:
-        inputs = run.first_inputs(loader, quadrature.START_INPUTS)
-        starts = quadrature._jacobian_starts(run.jacobian, inputs, la.options, 3,
-                                             generator) @ P
-    found = la._quadrature
-    assert found.converged and found.steps < 80
-    for h, delta in ((1.0, 1.0), (1.0, 0.05), (0.5, 3.0)):
-        solve = torch.linalg.solve(h * P @ G @ P + delta * torch.eye(dim, dtype=P.dtype),
-                                   starts.T)
-        exact = float((starts.T * solve).sum() / (starts**2).sum())
-        got = found.complement.variance(torch.tensor(h), torch.tensor(delta),
-                                         float(la.H[1][-1]))
-        assert float(got) == pytest.approx(exact, rel=1e-5)
-    # the Gaussian runs' nodes are eigenvalues of P G P, their counts its free directions
-    exact_eigs = torch.linalg.eigvalsh(P @ G @ P)
-    weighty = found.nodes[found.counts > 1e-6 * found.counts.sum()]
-    gaps = (weighty[:, None] - exact_eigs[None]).abs().min(1).values
-    assert float(gaps.max()) < 1e-6 * float(exact_eigs.max())
-    free = dim - U.shape[1] - (0 if null is None else null.count)
-    assert float(found.counts.sum()) == pytest.approx(free, rel=1e-10)
+    for found, matrix, count in ((fitted, held_out, 150), (refined, G, 256)):
+        starts = _exact_starts(la, loader, count, dim) @ P
+        assert found.converged and found.steps < 80
+        for h, delta in ((1.0, 1.0), (1.0, 0.05), (0.5, 3.0)):
+            solve = torch.linalg.solve(h * P @ matrix @ P + delta * torch.eye(dim, dtype=P.dtype),
+                                       starts.T)
+            exact = float((starts.T * solve).sum() / (starts**2).sum())
+            got = found.variance(torch.tensor(h), torch.tensor(delta, dtype=torch.float64),
+                                 1e300)  # no lower clamp
+            assert float(got) == pytest.approx(exact, rel=1e-5)
+        # the Gaussian runs' nodes are eigenvalues of P G P, their counts its free directions
+        exact_eigs = torch.linalg.eigvalsh(P @ G @ P)
+        weighty = found.nodes[found.counts > 1e-6 * found.counts.sum()]
+        gaps = (weighty[:, None] - exact_eigs[None]).abs().min(1).values
+        assert float(gaps.max()) < 1e-6 * float(exact_eigs.max())
+        free = dim - U.shape[1] - (0 if null is None else null.count)
+        assert float(found.counts.sum()) == pytest.approx(free, rel=1e-10)
+    for h, delta in ((1.0, 1.0), (0.5, 0.05)):
+        args = (torch.tensor(h), torch.tensor(delta, dtype=torch.float64), dim - 6)
+        assert float(fitted.logdet(*args)) == pytest.approx(float(refined.logdet(*args)),
+                                                             rel=1e-8)
 
 
-@pytest.mark.parametrize("likelihood, marglik, fvar", [("classification", 0.01, 0.05),
-                                                       ("regression", 0.025, 0.35)])
-def test_refined_posterior_is_closer_to_the_full_ggn_one(likelihood, marglik, fvar):
-    """The marglik moves to the full GGN's; the variance keeps the one-``v`` model's error.
+@pytest.mark.parametrize("likelihood, marglik, fvar", [("classification", 0.01, 0.08),
+                                                       ("regression", 0.025, 0.45)])
+def test_the_measured_posterior_is_closer_to_the_full_ggn_one(likelihood, marglik, fvar):
+    """Against the mean dropped eigenvalue in every dropped direction (nothing measured),
+    the marglik moves to the full GGN's at the fit's prior and a tenth of it, and the
+    median functional variance of fresh inputs at the fit's prior (below the prior the
+    runs were checked at, half the fit's, the Gauss rule may under-state it).
 
     (The regression problem's complement is spread over directions the inputs weight
     unevenly, which one variance per unit of energy cannot follow.)
     """
     model, X, y, loader = _problem(likelihood)
     full = fit_reference(FullLaplace(model, likelihood), loader)
-    la = LowRankGGNLaplace(model, likelihood, rank=6, refine_below=0)  # the fit alone first
+    la = LowRankGGNLaplace(model, likelihood, rank=6)
     la.fit(loader)
+    X_new = torch.randn(40, 6, dtype=torch.float64)
 
     def errors():
         out = []
@@ -183,40 +204,42 @@ def test_refined_posterior_is_closer_to_the_full_ggn_one(likelihood, marglik, fv
             la.prior_precision = full.prior_precision = prior
             exact = float(full.log_marginal_likelihood())
             out.append(abs(float(la.log_marginal_likelihood()) - exact) / abs(exact))
-            var = la._glm_predictive_distribution(X[:40])[1].diagonal(dim1=1, dim2=2).sum(1)
-            ref = full._glm_predictive_distribution(X[:40])[1].diagonal(dim1=1, dim2=2).sum(1)
+            var = la._glm_predictive_distribution(X_new)[1].diagonal(dim1=1, dim2=2).sum(1)
+            ref = full._glm_predictive_distribution(X_new)[1].diagonal(dim1=1, dim2=2).sum(1)
             out.append(float(((var - ref).abs() / ref).median()))
         return out
 
-    before = errors()
-    la.prior_precision = 1.0
-    la.refine_complement(loader)
     after = errors()
     assert la.fit_report.quadrature_steps >= quadrature.MIN_STEPS
-    assert "Lanczos quadrature" in str(la.fit_report)
+    la._quadrature, la._residual_model = None, None  # nothing measured
+    before = errors()
     assert max(after[0], after[2]) < marglik  # at both priors
     assert after[0] < before[0] / 2 and after[2] < before[2] / 2
-    assert max(after[1], after[3]) < fvar  # the median functional variance
-    assert after[1] < before[1] + 0.02 and after[3] < before[3] + 0.02
+    assert after[1] < fvar and after[1] < before[1] / 1.5
 
 
 def test_refinement_is_saved_refused_and_discarded():
     model, X, y, loader = _problem()
     la = Laplace(model, "classification", subset_of_weights="all",
-                 hessian_structure="lowrank_ggn", rank=6, refine_below=0)
+                 hessian_structure="lowrank_ggn", rank=6)
     with pytest.raises(AttributeError, match="fit"):
         la.refine_complement(loader)
     la.fit(loader)
+    one = torch.tensor(1.0, dtype=torch.float64)
+    own = float(la.residual_model.complement_variance(one, one))
     la.refine_complement(loader)
     marglik = float(la.log_marginal_likelihood())
+    refined = float(la.residual_model.complement_variance(one, one))
+    assert refined < own  # in sample: the training inputs' own curvature lowers it
     loaded = Laplace(model, "classification", subset_of_weights="all",
                      hessian_structure="lowrank_ggn", rank=6)
     loaded.load_state_dict(la.state_dict())
     assert float(loaded.log_marginal_likelihood()) == pytest.approx(marglik, rel=1e-12)
     assert loaded.fit_report.quadrature_steps == la.fit_report.quadrature_steps
-    la.fit(loader)  # a new fit measures afresh
-    assert la._quadrature is None and la.fit_report.quadrature_steps == 0
-    assert float(la.log_marginal_likelihood()) != pytest.approx(marglik, rel=1e-6)
+    assert loaded.fit_report.quadrature_passes == 1
+    la.fit(loader)  # a new fit measures afresh, on its own factors
+    assert la._quadrature.passes == 0 and la.fit_report.quadrature_passes == 0
+    assert float(la.residual_model.complement_variance(one, one)) == pytest.approx(own)
     other = LowRankGGNLaplace(model, "classification", rank=6, residual="isotropic")
     other.fit(loader)
     with pytest.raises(ValueError, match="residual='spectral'"):
@@ -225,12 +248,13 @@ def test_refinement_is_saved_refused_and_discarded():
         la.refine_complement(loader)
 
 
-def test_a_monte_carlo_fit_is_not_refined():
-    """Lanczos runs on the exact GGN would not match the kept eigenpairs of other draws."""
+def test_a_monte_carlo_fit_is_measured_on_its_own_draws():
+    """A pass would draw another Monte-Carlo GGN than the kept eigenpairs': the fit measures
+    on its own kept factors, and ``refine_complement`` refuses."""
     model, X, y, loader = _problem()
-    la = LowRankGGNLaplace(model, "classification", rank=6, mc_samples=1, refine_below=1)
+    la = LowRankGGNLaplace(model, "classification", rank=6, mc_samples=1)
     la.fit(loader)
-    assert la.fit_report.quadrature_steps == 0
+    assert la.fit_report.quadrature_steps > 0 and la.fit_report.quadrature_passes == 0
     with pytest.raises(ValueError, match="mc_samples=0 to refine"):
         la.refine_complement(loader)
 
@@ -238,14 +262,13 @@ def test_a_monte_carlo_fit_is_not_refined():
 def test_a_second_refinement_measures_at_the_new_prior():
     """tune -> refine -> tune -> refine ends where one refinement at the tuned prior does."""
     model, X, y, loader = _problem()
-    twice = LowRankGGNLaplace(model, "classification", rank=6, refine_below=0)
+    twice = LowRankGGNLaplace(model, "classification", rank=6)
     twice.fit(loader)
     twice.prior_precision = 5.0
     twice.refine_complement(loader)
     twice.prior_precision = 0.5
     twice.refine_complement(loader)
-    once = LowRankGGNLaplace(model, "classification", rank=6, refine_below=0,
-                             prior_precision=0.5)
+    once = LowRankGGNLaplace(model, "classification", rank=6, prior_precision=0.5)
     once.fit(loader)
     once.refine_complement(loader)
     assert twice._quadrature.checked_prior == pytest.approx(once._quadrature.checked_prior)
@@ -283,45 +306,33 @@ def test_a_float32_refinement_matches_the_float64_one():
     assert found[0][0] == pytest.approx(found[1][0], rel=1e-5)
 
 
-def test_an_unconverged_refinement_warns_with_the_number(monkeypatch):
+def test_an_unconverged_quadrature_warns_with_the_number(monkeypatch):
     monkeypatch.setattr(quadrature, "MIN_STEPS", 3)
     monkeypatch.setattr(quadrature, "MAX_STEPS", 3)
     monkeypatch.setattr(quadrature, "TOLERANCE", 0.0)
     model, X, y, loader = _problem()
     la = LowRankGGNLaplace(model, "classification", rank=6)
-    la.fit(loader)
-    with pytest.warns(UserWarning, match=r"not converged in 3 passes at prior precision 0\.5: "
-                                         r".* by \d+\.\d%.* after tuning it"):
-        la.refine_complement(loader)
-    assert la.fit_report.quadrature_converged is False
-    assert "not converged" in str(la.fit_report)
-
-
-def test_a_fit_that_keeps_little_refines_itself_as_refine_complement_would():
-    model, X, y, loader = _problem()
-    found = {}
-    for below in (0.0, 1.0):  # never / always below the kept share
-        la = LowRankGGNLaplace(model, "classification", rank=6, refine_below=below)
+    message = r"not converged in 3 steps at prior precision 0\.5: .* by \d+\.\d%.* after tuning"
+    with pytest.warns(UserWarning, match=message) as caught:
         la.fit(loader)
-        assert (la.fit_report.quadrature_steps > 0) == (below == 1.0)
-        if below == 0.0:
-            assert "la.refine_complement(loader" in str(la.fit_report)  # the hint
-            la.refine_complement(loader)
-        found[below] = (float(la.log_marginal_likelihood()), la.fit_report.quadrature_steps)
-    assert found[0.0][1] == found[1.0][1]
-    assert found[0.0][0] == pytest.approx(found[1.0][0], rel=1e-12)
+    assert caught[0].filename == __file__  # points at the call of fit
+    assert la.fit_report.quadrature_converged is False
+    assert "not converged (last steps moved" in str(la.fit_report)
+    with pytest.warns(UserWarning, match=message):
+        la.refine_complement(loader)
 
 
-def test_an_online_update_is_not_refined_from_its_last_loader_alone():
-    """The GGN of ``override=False`` sums every fitted loader's: refining needs them all."""
+def test_an_online_update_is_not_measured_from_its_last_loader_alone():
+    """The GGN of ``override=False`` sums every fitted loader's: measuring needs them all."""
     model, X, y, _ = _problem()
     first, second = (DataLoader(TensorDataset(X[s], y[s]), batch_size=100)
                      for s in (slice(0, 400), slice(400, 600)))
-    la = LowRankGGNLaplace(model, "classification", rank=6, refine_below=1)
+    la = LowRankGGNLaplace(model, "classification", rank=6)
     la.fit(first)
     assert la.fit_report.quadrature_steps > 0
     la.fit(second, override=False)
-    assert la.fit_report.quadrature_steps == 0
+    assert la.fit_report.quadrature_steps == 0 and la._quadrature is None
+    assert "not measured (an online update" in str(la.fit_report)
     assert "loader of all the fitted data" in str(la.fit_report)
     with pytest.raises(ValueError, match="yields 200 samples where the posterior was fitted "
                                          "on 600"):
@@ -354,10 +365,10 @@ def test_tuning_below_the_checked_prior_warns_and_a_new_refinement_clears_it():
 
 
 @pytest.mark.slow
-def test_a_fit_that_keeps_little_of_real_data_refines_itself_towards_the_full_ggn():
-    """sklearn digits, rank 6 of D = 1,210 (kept share 0.62): the default fit refines its
-    complement itself, and its marglik prior, functional variance and held-out NLL move
-    to the full GGN's."""
+def test_where_the_rank_keeps_little_of_real_data_the_measurement_tracks_the_full_ggn():
+    """sklearn digits, rank 6 of D = 1,210 (kept share 0.62): the measured posterior's
+    marglik prior, functional variance on held-out images and held-out NLL are close to
+    the full GGN's, and closer than the mean dropped eigenvalue's (``isotropic``)."""
     from sklearn.datasets import load_digits
 
     from tests.posterior.test_residual import _digits_problem, heldout_nll
@@ -368,23 +379,20 @@ def test_a_fit_that_keeps_little_of_real_data_refines_itself_towards_the_full_gg
     full.optimize_prior_precision(method="marglik", n_steps=300, lr=0.1)
     exact = full._glm_predictive_distribution(X_test)[1].diagonal(dim1=1, dim2=2).sum(1)
     found = {}
-    default = quadrature.DEFAULT_REFINE_BELOW
-    for below in (0.0, default):  # unrefined, then the default
-        la = LowRankGGNLaplace(model, "classification", rank=6, refine_below=below)
+    for residual in ("spectral", "isotropic"):
+        la = LowRankGGNLaplace(model, "classification", rank=6, residual=residual)
         la.fit(loader)
         la.optimize_prior_precision(method="marglik", n_steps=300, lr=0.1)
         var = la._glm_predictive_distribution(X_test)[1].diagonal(dim1=1, dim2=2).sum(1)
-        found[below] = (la.fit_report.quadrature_steps, float(la.kept_fraction),
-                        abs(float(la.prior_precision / full.prior_precision) - 1),
-                        float(((var - exact).abs() / exact).median()),
-                        abs(heldout_nll(la) / heldout_nll(full) - 1))
-    unrefined, default = found[0.0], found[default]
-    assert unrefined[0] == 0 and default[0] >= quadrature.MIN_STEPS
-    assert default[1] < quadrature.DEFAULT_REFINE_BELOW
-    # the gate record of docs/benchmarks/quadrature/quadrature.json, rank 6
-    assert default[2] < 0.1 and default[2] < unrefined[2] / 2
-    assert default[3] < 0.2 and default[3] < unrefined[3] / 2
-    assert default[4] < 0.1 and default[4] < unrefined[4] / 2
+        found[residual] = (la.fit_report.quadrature_steps, float(la.kept_fraction),
+                           abs(float(la.prior_precision / full.prior_precision) - 1),
+                           float(((var - exact).abs() / exact).median()),
+                           abs(heldout_nll(la) / heldout_nll(full) - 1))
+    measured, flat = found["spectral"], found["isotropic"]
+    assert measured[0] >= quadrature.MIN_STEPS and measured[1] < 0.7
+    assert measured[2] < 0.1 and measured[2] < flat[2] / 2, found
+    assert measured[3] < 0.2 and measured[3] < flat[3], found
+    assert measured[4] < 0.1 and measured[4] < flat[4], found
 
 
 class _Augmented(torch.utils.data.Dataset):
@@ -404,8 +412,9 @@ def test_a_loader_of_other_data_is_refused_before_any_lanczos_step():
     """Same count, other samples (or the same samples augmented afresh): refused; the same
     samples shuffled or batched otherwise: measured."""
     model, X, y, loader = _problem()
-    la = LowRankGGNLaplace(model, "classification", rank=6, refine_below=0)
+    la = LowRankGGNLaplace(model, "classification", rank=6)
     la.fit(loader)
+    own = la._quadrature
     others = {
         "other inputs": TensorDataset(torch.randn_like(X), y),
         "other labels": TensorDataset(X, (y + 1) % 3),
@@ -416,15 +425,15 @@ def test_a_loader_of_other_data_is_refused_before_any_lanczos_step():
         with pytest.raises(ValueError, match="does not give the samples the posterior was "
                                              "fitted on .*without random augmentation"):
             la.refine_complement(DataLoader(data, batch_size=100))
-        assert la._quadrature is None and la.fit_report.quadrature_steps == 0, name
+        assert la._quadrature is own and la.fit_report.quadrature_passes == 0, name
     with pytest.raises(ValueError, match="yielded no batches"):
         la.refine_complement(DataLoader(TensorDataset(X[:0], y[:0]), batch_size=100))
-    loaded = LowRankGGNLaplace(model, "classification", rank=6, refine_below=0)
+    loaded = LowRankGGNLaplace(model, "classification", rank=6)
     loaded.load_state_dict(la.state_dict())  # the state carries what the data gave
     with pytest.raises(ValueError, match="summed squared targets"):
         loaded.refine_complement(DataLoader(others["other labels"], batch_size=100))
     la.refine_complement(DataLoader(TensorDataset(X, y), batch_size=64, shuffle=True))
-    assert la.fit_report.quadrature_steps > 0
+    assert la.fit_report.quadrature_passes > 0
 
 
 def test_after_an_online_update_the_targets_are_checked_but_not_the_moved_loss():
@@ -433,7 +442,7 @@ def test_after_an_online_update_the_targets_are_checked_but_not_the_moved_loss()
     model, X, y, _ = _problem()
     first, second = (DataLoader(TensorDataset(X[s], y[s]), batch_size=100)
                      for s in (slice(0, 400), slice(400, 600)))
-    la = LowRankGGNLaplace(model, "classification", rank=6, refine_below=0)
+    la = LowRankGGNLaplace(model, "classification", rank=6)
     la.fit(first)
     with torch.no_grad():  # an online learner moves on before the next update
         for p in model.parameters():
@@ -446,30 +455,30 @@ def test_after_an_online_update_the_targets_are_checked_but_not_the_moved_loss()
     assert la.fit_report.quadrature_steps > 0
 
 
-def test_a_fit_on_a_loader_that_augments_afresh_refines_on_its_own_factors(monkeypatch):
+def test_a_fit_on_a_loader_that_augments_afresh_is_measured_on_its_own_factors(monkeypatch):
     """The fit's kept factors are its own draw of the data: no pass draws another. Where
-    they do not fit the budget, the next pass would: the refinement is skipped, saying why."""
+    they do not fit the budget nothing is measured, and the report says why."""
     model, X, y, _ = _problem()
-    la = LowRankGGNLaplace(model, "classification", rank=6, refine_below=1)
+    la = LowRankGGNLaplace(model, "classification", rank=6)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         la.fit(DataLoader(_Augmented(X, y), batch_size=100))
     assert la.fit_report.quadrature_steps > 0 and la.fit_report.quadrature_passes == 0
     for module in ("fitting.fit", "fitting.products"):
         monkeypatch.setattr(f"lowrank_laplace.{module}.CACHE_SHARE", 0)
-    la = LowRankGGNLaplace(model, "classification", rank=6, refine_below=1)
-    with pytest.warns(UserWarning, match="did not refine its complement .* summed loss") as w:
-        la.fit(DataLoader(_Augmented(X, y), batch_size=100))
-    assert w[0].filename == __file__  # points at the call of fit
+    la = LowRankGGNLaplace(model, "classification", rank=6)
+    la.fit(DataLoader(_Augmented(X, y), batch_size=100))
     assert la._quadrature is None and la.fit_report.quadrature_steps == 0
+    assert "not measured (the fit kept no factors: none fit half of memory_budget" \
+        in str(la.fit_report)
     assert la.fit_report.refinable
 
 
 @pytest.mark.parametrize("seed", [2**63 - 1, -2**63])
-def test_the_extreme_seeds_fit_and_refine(seed):
+def test_the_extreme_seeds_fit_and_measure(seed):
     """The passes add batch offsets to the seed: the accepted range leaves room for them."""
     model, X, y, loader = _problem()
     LowRankGGNLaplace(model, "classification", rank=6, seed=seed, mc_samples=1).fit(loader)
-    la = LowRankGGNLaplace(model, "classification", rank=6, seed=seed, refine_below=1)
+    la = LowRankGGNLaplace(model, "classification", rank=6, seed=seed)
     la.fit(loader)
     assert la.fit_report.quadrature_steps > 0
