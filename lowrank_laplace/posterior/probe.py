@@ -49,40 +49,35 @@ def checked_null(engine: FactorEngine, inputs: Any, null: Optional[NullDirection
 
 @dataclass(frozen=True)
 class ProbeColumns:
-    """The measured probe inputs' Jacobians, as the rank check needs them.
+    """Jacobian columns (the quadrature's starts), as the rank check reads them.
 
     Attributes:
-        norms: ``||J_nc||^2``, ordered ``(c, n)``, ``(C m,)``.
-        projections: ``J_nc U``, ``(C m, r)``, float64.
-        classes: Outputs ``C``.
-        null: ``||J_nc N||^2`` on the logit-shift directions (``None``: none known).
+        norms: ``||j_i||^2``, ``(m,)``.
+        projections: ``j_i^T U``, ``(m, r)``, float64.
+        null: ``||N^T j_i||^2`` on the logit-shift directions (``None``: none known).
     """
 
     norms: Tensor
     projections: Tensor
-    classes: int
     null: Optional[Tensor] = None
 
 
 def predictive_variance(probe: ProbeColumns, eigenvalues: Tensor, variance: Tensor,
                         prior: Tuple[float, float], lumped: Optional[int] = None) -> Tensor:
-    r"""Each probe input's GLM variance summed over outputs, under the spectral residual.
+    r"""Each column's GLM variance under the spectral residual, ``(m,)`` float64.
 
-    ``sum_c (sum_k z_nck^2 / (h lambda_k + delta) + v (||J_nc||^2 - sum_k z_nck^2))``, the
+    ``sum_k z_ik^2 / (h lambda_k + delta) + v (||j_i||^2 - sum_k z_ik^2)``, the
     logit-shift directions' energy apart at ``1 / delta``. With ``lumped = k``, the kept
-    directions from ``k`` on join the complement: their exact eigenvalues and the probe's
+    directions from ``k`` on join the complement: their exact eigenvalues and the columns'
     energies on them pool with ``v`` into one variance, as a rank-``k`` fit's residual
     would hold them.
 
     Args:
-        probe: The probe's Jacobian columns.
+        probe: The columns.
         eigenvalues: The kept ``lambda``, ``(r,)``.
         variance: The complement variance ``v`` outside all ``r``.
         prior: ``(h, delta)``.
         lumped: Kept directions treated as kept (``None``: all).
-
-    Returns:
-        ``(m,)``, float64.
     """
     (scale, delta), lam = prior, eigenvalues.to(probe.projections)
     z2 = probe.projections[:, : lam.numel()] ** 2
@@ -96,29 +91,18 @@ def predictive_variance(probe: ProbeColumns, eigenvalues: Tensor, variance: Tens
         v = ((pooled * inverse[k:]).sum() + v * outside.sum()) / total.clamp(
             min=torch.finfo(z2.dtype).tiny)
         outside = outside + z2[:, k:].sum(1)
-    inside = z2[:, :k] @ inverse[:k]
-    return (inside + v * outside + null / delta).reshape(probe.classes, -1).sum(0)
+    return z2[:, :k] @ inverse[:k] + v * outside + null / delta
 
 
 def variance_change(probe: ProbeColumns, eigenvalues: Tensor, variance: Tensor,
                     prior: Tuple[float, float]) -> float:
-    """Median relative change of the probe inputs' predictive variance from half to all.
+    """``median |var_half - var| / var`` of the columns' predictive variance.
 
-    The leading half of the kept eigenpairs against all of them: the directions the half
-    drops join its complement (:func:`predictive_variance` with ``lumped``).
-
-    Args:
-        probe: The probe's Jacobian columns.
-        eigenvalues: The kept ``lambda``, ``(r,)``, ``r >= 2``.
-        variance: The complement variance ``v`` outside all of them.
-        prior: ``(h, delta)``.
-
-    Returns:
-        ``median |var_half - var| / var`` over the inputs.
+    The leading half of the kept eigenpairs ``(r,)``, ``r >= 2``, against all of them: the
+    directions the half drops join its complement (:func:`predictive_variance` with
+    ``lumped``); ``variance`` is ``v`` outside all of them, ``prior`` ``(h, delta)``.
     """
     var = predictive_variance(probe, eigenvalues, variance, prior)
     var_half = predictive_variance(probe, eigenvalues, variance, prior,
                                    eigenvalues.numel() // 2)
     return float(((var_half - var).abs() / var.clamp(min=1e-300)).median())
-
-

@@ -1,20 +1,13 @@
 r"""The dropped curvature, measured: Lanczos quadrature on the GGN outside the kept basis.
 
-Lanczos runs on the deflated GGN ``P H P`` (``P`` projects out the kept eigenvectors and
-the logit-shift directions). A fit multiplies by its own pass's factors (all of them, or
-the leading inputs' that fit half the memory budget, scaled to ``N``), so the measurement
-reads the data no more; ``la.refine_complement(loader)`` multiplies by passes over a loader.
-
-- Jacobian starts ``P J_S^T eps`` of the first inputs ``S``: Gauss quadrature of
-  ``b^T (h P H P + delta)^{-1} b`` gives the complement variance ``v`` per unit of
-  Jacobian energy. On the fit's factors the runs multiply by the GGN without ``S``'s own
-  curvature, scaled back to ``N``, so ``v`` is that of inputs the posterior has not seen.
-- Gaussian starts (stochastic Lanczos quadrature): the dropped spectrum's nodes and
-  counts, for the log det and the marglik.
-
-The runs stop once two steps moved both by less than :data:`TOLERANCE` at
-:data:`CHECK_PRIOR` times the prior (docs/benchmarks/posterior_quality.md, "Lanczos
-quadrature of the dropped curvature").
+Runs on the deflated GGN ``P H P`` (``P`` projects out the kept eigenvectors and the
+logit-shift directions), by the fit's own kept factors (no pass over the data) or by
+passes over a loader (``la.refine_complement``). Jacobian starts ``P J_S^T eps`` of the
+first inputs ``S`` give the complement variance ``v`` per unit of Jacobian energy by Gauss
+quadrature; on the fit's factors they multiply by the GGN without ``S``'s own curvature,
+so ``v`` is that of unseen inputs. Gaussian starts give the dropped spectrum's nodes and
+counts (log det, marglik). The runs stop once two steps moved both by less than
+:data:`TOLERANCE` at :data:`CHECK_PRIOR` times the prior (docs/explanation.md).
 
 Shape glossary:
     D: parameters; r: kept rank; s: Lanczos runs; k: steps.
@@ -343,7 +336,7 @@ class KeptProducts:
 def start_columns(starts: Tensor, basis: Tensor, null: Optional[NullDirections]
                   ) -> ProbeColumns:
     """The Jacobian starts as the rank check reads them: energies, on ``U`` and on the null."""
-    return ProbeColumns((starts ** 2).sum(1), starts @ basis, 1,
+    return ProbeColumns((starts ** 2).sum(1), starts @ basis,
                         None if null is None else (null.project(starts) ** 2).sum(1))
 
 
@@ -369,8 +362,7 @@ def _warn_unconverged(moved: float, steps: int, prior: float) -> None:
 def _outside_level() -> int:
     """The ``stacklevel`` of the first caller outside this package (of la.fit, say)."""
     frame, level = sys._getframe(2), 2  # the caller of warnings.warn's caller
-    while frame is not None and frame.f_globals.get("__name__", "").startswith(
-            "lowrank_laplace"):
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("lowrank_"):
         frame, level = frame.f_back, level + 1
     return level
 
@@ -389,25 +381,20 @@ def _found(rules: List[Tuple[Tensor, Tensor]], free: int, steps: int, converged:
 
 
 def basis_fits(dim: int, config: FitConfig, device: torch.device) -> bool:
-    """Whether the Lanczos basis of ``dim`` parameters fits the memory budget."""
-    return _basis_bytes(dim) <= resolve_memory_budget(config.memory_budget, device)
-
-
-def _basis_bytes(dim: int) -> int:
-    """Bytes of the Lanczos basis of :data:`MAX_STEPS` steps (float64)."""
-    return (MAX_STEPS + 3) * 2 * RUNS * dim * 8
+    """Whether the Lanczos basis of :data:`MAX_STEPS` steps (float64) fits the memory budget."""
+    return (MAX_STEPS + 3) * 2 * RUNS * dim * 8 <= resolve_memory_budget(
+        config.memory_budget, device)
 
 
 def _check_basis_memory(dim: int, config: FitConfig, device: torch.device) -> None:
     """Refuse a Lanczos basis the memory budget cannot hold."""
-    need = _basis_bytes(dim)
-    budget = resolve_memory_budget(config.memory_budget, device)
-    if need > budget:
+    if not basis_fits(dim, config, device):
+        need = format_bytes((MAX_STEPS + 3) * 2 * RUNS * dim * 8)
+        budget = format_bytes(resolve_memory_budget(config.memory_budget, device))
         raise MemoryError(
             f"refine_complement: the Lanczos basis of {MAX_STEPS} steps for {dim:,} "
-            f"parameters needs about {format_bytes(need)}, above the memory budget of "
-            f"{format_bytes(budget)}: raise memory_budget (e.g. memory_budget=0.5 for half "
-            "the free memory).")
+            f"parameters needs about {need}, above the memory budget of {budget}: raise "
+            "memory_budget (e.g. memory_budget=0.5 for half the free memory).")
 
 
 def _jacobian_starts(engine: FactorEngine, inputs: List[Any], config: FitConfig, outputs: int,

@@ -105,7 +105,7 @@ class Residual:
         return cls(dropped)
 
     def complement_variance(self, scale: Tensor, prior: Tensor) -> Optional[Tensor]:
-        """The complement variance ``v`` measured on the probe at ``h`` (``None``: not measured)."""
+        """The measured complement variance ``v`` at ``h`` (``None``: not measured)."""
         return None
 
     def precision(self, eigenvectors: Tensor, eigenvalues: Tensor, scale: Tensor,
@@ -240,8 +240,7 @@ class SpectralResidual(Residual):
         self.measured = found is not None and found.steps > 0
         free = dim - rank - (0 if self.null is None else self.null.count)
         self.spectrum = found if self.measured else DroppedQuadrature.flat(mass, free)
-        self._layers: Optional[LayerScales] = None
-        # built on first use: only layerwise and per-parameter priors read the split
+        self._layers: Optional[LayerScales] = None  # the split, built on first use
         self._split: Optional[Callable[[], Optional[LayerScales]]] = None
         if dropped.diagonal is not None and dropped.layer_sizes and mass > 0 and rank < dim:
             self._split = functools.partial(LayerScales.build, dropped.eigenvectors, mass,

@@ -529,7 +529,7 @@ def test_a_fit_under_a_layerwise_prior_measures_the_complement_as_a_scalar_one()
 
 
 def test_probe_predictive_variance_is_the_dense_posteriors():
-    """The rank check's variance: the trace of ``J P^{-1} J^T`` for the precision with
+    """The rank check's variance: each column's ``j^T P^{-1} j`` for the precision with
     ``h lambda + delta`` on the kept directions and ``1 / v`` outside them; at half the
     rank, the dropped half pools with the complement into one energy-weighted variance."""
     from lowrank_laplace.posterior.probe import ProbeColumns, predictive_variance, variance_change
@@ -544,9 +544,9 @@ def test_probe_predictive_variance_is_the_dense_posteriors():
     def dense(k, variance):
         Uk = U[:, :k]
         P = Uk @ torch.diag(h * lam[:k] + delta) @ Uk.T + (eye - Uk @ Uk.T) / variance
-        return (J @ torch.linalg.inv(P) * J).sum(1).reshape(C, m).sum(0)
+        return (J @ torch.linalg.inv(P) * J).sum(1)
 
-    probe = ProbeColumns((J**2).sum(1), J @ U, C)
+    probe = ProbeColumns((J**2).sum(1), J @ U)
     variance = torch.tensor(v, dtype=torch.float64)
     full = predictive_variance(probe, lam, variance, (h, delta))
     torch.testing.assert_close(full, dense(r, v), rtol=1e-10, atol=1e-12)
