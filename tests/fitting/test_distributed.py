@@ -124,21 +124,23 @@ def _refine_worker(rank, world, port, path):
         la = LowRankGGNLaplace(model, "classification", rank=5)
         loader = DataLoader(TensorDataset(X[rank::world], y[rank::world]), batch_size=4)
         la.fit(loader)
+        own = _refined(la)
         la.refine_complement(loader)
-        torch.save(_refined(la), f"{path}.{rank}")
+        torch.save({**_refined(la), "own": own}, f"{path}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
 def _refined(la):
-    found = la._quadrature
+    found, one = la._quadrature, torch.tensor(1.0, dtype=torch.float64)
     return {"nodes": found.nodes, "counts": found.counts, "steps": found.steps,
-            "v": found.complement.variance(torch.tensor(1.0), torch.tensor(1.0), 0.0)}
+            "samples": found.samples, "v": found.variance(one, one, 1e300)}
 
 
 @pytest.mark.slow
 def test_refine_complement_sums_the_products_over_processes(tmp_path, monkeypatch):
-    """The Gaussian runs see the whole data's GGN: the single process's nodes and counts."""
+    """The Gaussian runs see the whole data's GGN: the single process's nodes and counts,
+    on the fit's kept factors as on passes over the loader."""
     from lowrank_laplace.posterior import quadrature
 
     path = str(tmp_path / "refined")
@@ -149,6 +151,7 @@ def test_refine_complement_sums_the_products_over_processes(tmp_path, monkeypatc
     single = LowRankGGNLaplace(model, "classification", rank=5)
     loader = DataLoader(TensorDataset(X, y), batch_size=4)
     single.fit(loader, process_group=None)
+    own = _refined(single)
     single.refine_complement(loader)  # one process: torch.distributed is not initialised here
     expected = _refined(single)
     results = [torch.load(f"{path}.{r}") for r in range(2)]
@@ -158,4 +161,8 @@ def test_refine_complement_sums_the_products_over_processes(tmp_path, monkeypatc
         torch.testing.assert_close(res["counts"], expected["counts"], rtol=1e-6, atol=1e-8)
         # the Jacobian starts are other random combinations of the same 30 inputs
         assert float(res["v"]) == pytest.approx(float(expected["v"]), rel=0.3)
+        # the fit's own measurement: the kept factors of both shards, summed; each process
+        # holds out a quarter of its own first inputs
+        assert res["own"]["samples"] == (6, 30, 30) and own["samples"] == (7, 30, 30)
+        torch.testing.assert_close(res["own"]["nodes"], own["nodes"], rtol=1e-6, atol=1e-8)
     torch.testing.assert_close(results[0]["v"], results[1]["v"], rtol=0, atol=0)
