@@ -183,7 +183,7 @@ def run_problem(name: str, ranks, epochs: int, residuals=RESIDUALS) -> dict:
             prior = tuned(la)
             record["lowrank"].append({
                 "rank": rank, "residual": residual, "kept_fraction": float(la.kept_fraction),
-                "jacobian_exponent": la.jacobian_exponent,
+                "quadrature_steps": la.fit_report.quadrature_steps,
                 "prior_precision": prior, "prior_ratio": prior / full_prior,
                 **scores(la, model, Xt, yt, likelihood, sigma)})
         print(f"{name}: rank {rank} done", flush=True)

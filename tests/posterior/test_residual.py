@@ -329,7 +329,7 @@ def test_online_update_keeps_the_rank_bound_growing():
 @functools.lru_cache(maxsize=1)
 def _digits_problem():
     """sklearn digits' MLP 64-16-10 at its MAP and its 500 training images (as the
-    refinement's gate study of ``benchmarks/bench_quadrature.py`` trains it)."""
+    digits study of ``benchmarks/bench_quadrature.py`` trains it)."""
     from benchmarks.bench_quadrature import digits_problem
 
     model, loader, _, _ = digits_problem()
