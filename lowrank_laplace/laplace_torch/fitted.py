@@ -131,18 +131,29 @@ def _measured(run: LoaderFit, result: FitResult, null: Optional[NullDirections],
     if not options.residual_model.needs_probe or rank in (0, dim) \
             or float(result.trace) <= float(result.eigenvalues.sum()):
         return None, None
-    reasons = ((previous is not None, "an online update's GGN spans earlier loaders"),
-               (run.cache is None or not run.cache.kept or not run.cache.inputs,
-                "the fit kept no factors: none fit half of memory_budget, or low_memory, "
-                "or curvature sub-sampling"),
-               (not quadrature.basis_fits(dim, options, run.device),
-                "its Lanczos basis exceeds memory_budget"))
-    for refused, why in reasons:
-        if refused:
-            return None, why
+    why = _unmeasurable(run, dim, options, previous)
+    if why is not None:
+        return None, why
     found = lanczos_quadrature(run, None, (result.eigenvectors, null, result.n_outputs),
                                prior, FittedData.of_fit(result))
     return found, None
+
+
+def _unmeasurable(run: LoaderFit, dim: int, options: LowRankOptions,
+                  previous: Optional[FitResult]) -> Optional[str]:
+    """Why the fit's own factors cannot be measured on (``None``: they can)."""
+    if previous is not None:
+        return "an online update's GGN spans earlier loaders"
+    cache = run.cache
+    if cache is None or not cache.kept or not cache.inputs:
+        return ("the fit kept no factors: none fit half of memory_budget, or low_memory, "
+                "or curvature sub-sampling")
+    if quadrature.step_budget(dim, options, run.device) < quadrature.MIN_STEPS:
+        return "its Lanczos basis exceeds memory_budget"
+    kept = sum(factor.num_samples for factor, _ in cache.kept)
+    if not cache.complete and kept < quadrature.MIN_KEPT:
+        return f"the fit kept the factors of only {kept} inputs within half of memory_budget"
+    return None
 
 
 def _rank_check(result: FitResult, found: DroppedQuadrature, prior: Tuple[float, float]

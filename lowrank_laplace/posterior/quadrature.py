@@ -39,8 +39,10 @@ from lowrank_laplace.utils.checks import check_batch
 
 #: Lanczos runs of each kind (Jacobian starts, Gaussian starts).
 RUNS = 8
-#: Fewest and most Lanczos steps.
+#: Fewest and most Lanczos steps (fewer where the basis of more exceeds the memory budget).
 MIN_STEPS, MAX_STEPS = 4, 32
+#: Fewest inputs whose kept factors a fit measures on (where not all of them were kept).
+MIN_KEPT = 256
 #: The runs stop when two steps moved the variance and log det by less than this share...
 TOLERANCE = 0.01
 #: ...at this multiple of the current prior (marglik tuning may move it down).
@@ -93,8 +95,7 @@ class DroppedQuadrature:
     @classmethod
     def flat(cls, mass: float, free: int) -> "DroppedQuadrature":
         """Nothing measured: the mean dropped eigenvalue in all ``free`` directions."""
-        level = torch.tensor([mass / max(free, 1)], dtype=torch.float64)
-        one = torch.ones(1, dtype=torch.float64)
+        level, one = torch.tensor([mass / max(free, 1), 1.0], dtype=torch.float64).split(1)
         return cls(level, one, level.clone(), one * max(free, 0), 0, False, 0.0)
 
     def variance(self, scale: Tensor, prior: Tensor, anchor: float) -> Tensor:
@@ -225,14 +226,15 @@ def lanczos_quadrature(run: Any, loader: Any, kept: Tuple[Tensor, Optional[NullD
         The :class:`DroppedQuadrature`, with the starts' columns for the rank check.
 
     Raises:
-        MemoryError: If the Lanczos basis of :data:`MAX_STEPS` steps does not fit the
-            memory budget (naming ``memory_budget``).
+        MemoryError: If the Lanczos basis of :data:`MIN_STEPS` steps does not fit the
+            memory budget (naming ``memory_budget``); between them, the runs take the
+            steps it holds.
         ValueError: If the loader yields no batch.
         OtherDataError: If a pass of the loader does not reproduce ``fitted``.
     """
     U, null, outputs = kept
     dim, wide, config = U.shape[0], torch.float64, run.config
-    _check_basis_memory(dim, config, U.device)
+    most = _check_basis_memory(dim, config, U.device)
     basis = U.to(wide)
 
     def project(X: Tensor) -> Tensor:  # rows (s, D)
@@ -251,10 +253,10 @@ def lanczos_quadrature(run: Any, loader: Any, kept: Tuple[Tensor, Optional[NullD
     if run.group is not None:
         dist.all_reduce(jacobian, group=run.group)  # every process's first inputs
     columns = start_columns(jacobian, basis, null)
-    runs = LanczosRuns(project(torch.cat([jacobian, gaussian])), MAX_STEPS)
+    runs = LanczosRuns(project(torch.cat([jacobian, gaussian])), most)
     (scale, delta), steps, converged = prior, 0, False
     history: List[Tuple[float, float]] = []
-    while steps < MAX_STEPS and bool(runs.active.any()):
+    while steps < most and bool(runs.active.any()):
         runs.step(project(products(runs.current)))
         steps += 1
         history.append(gauss_estimates(runs.rules(), scale, CHECK_PRIOR * delta))
@@ -265,7 +267,7 @@ def lanczos_quadrature(run: Any, loader: Any, kept: Tuple[Tensor, Optional[NullD
     converged = converged or not bool(runs.active.any())
     moved = _moved(history)
     if not converged:
-        _warn_unconverged(moved, steps, CHECK_PRIOR * delta)
+        _warn_unconverged(moved, (steps, most < MAX_STEPS), CHECK_PRIOR * delta)
     free = dim - U.shape[1] - (0 if null is None else null.count)
     found = _found(runs.rules(), free, steps, converged, time.perf_counter() - start)
     return replace(found, checked_prior=CHECK_PRIOR * delta, passes=products.passes, moved=moved,
@@ -276,11 +278,10 @@ def lanczos_quadrature(run: Any, loader: Any, kept: Tuple[Tensor, Optional[NullD
 class KeptProducts:
     """``X -> X H`` by a fit's kept factors, the first :data:`RUNS` rows without their inputs.
 
-    The factors' GGN is scaled from the ``K`` inputs kept to the ``N`` fitted. The first
-    ``m`` of them (at most :data:`START_INPUTS` and a quarter of ``K``) start the Jacobian runs,
-    whose rows multiply by the GGN without them, scaled by ``N / (K - m)``: the complement
-    variance of inputs the posterior has not seen (test inputs), not of the training inputs
-    themselves, whose own curvature would lower it.
+    The GGN of the ``K`` inputs kept is scaled to the ``N`` fitted; the first ``m`` (at most
+    :data:`START_INPUTS` and a quarter of ``K``) start the Jacobian runs, whose rows
+    multiply by the GGN without them, scaled by ``N / (K - m)``: the complement variance
+    of unseen inputs, which the training inputs' own curvature would lower.
 
     Args:
         cache: The fit's kept factors and first inputs.
@@ -288,9 +289,7 @@ class KeptProducts:
         group: The fit's process group (``None``: one process).
 
     Attributes:
-        inputs: The held-out inputs, as batches.
-        samples: ``(m, K, N)`` over all processes.
-        passes: Passes over the data (none).
+        inputs: The held-out inputs, as batches; samples: ``(m, K, N)``; passes: none.
     """
 
     def __init__(self, cache: FactorCache, num_data: int, group: Any):
@@ -348,14 +347,15 @@ def _moved(history: List[Tuple[float, float]]) -> float:
                for now, then in zip(history[-1], history[-min(3, len(history))]))
 
 
-def _warn_unconverged(moved: float, steps: int, prior: float) -> None:
-    """Warn with how much the last two steps moved the estimates at the checked ``prior``."""
+def _warn_unconverged(moved: float, steps: Tuple[int, bool], prior: float) -> None:
+    """Warn with the last steps' move at the checked ``prior`` (``steps``: taken, capped)."""
+    capped = " (all that memory_budget holds: a larger one allows more)" if steps[1] else ""
     warnings.warn(
-        f"The Lanczos quadrature of the dropped curvature has not converged in {steps} "
-        f"steps at prior precision {prior:.3g}: the last two moved the complement variance "
-        f"or log det by {moved:.1%} (needs {TOLERANCE:.0%}), so it may under-state the "
-        "complement variance there. A larger prior converges in fewer steps: after tuning "
-        "it, la.refine_complement(train_loader) measures again.",
+        f"The Lanczos quadrature of the dropped curvature has not converged in {steps[0]} "
+        f"steps{capped} at prior precision {prior:.3g}: the last two moved the complement "
+        f"variance or log det by {moved:.1%} (needs {TOLERANCE:.0%}), so it may under-state "
+        "the complement variance there. A larger prior converges in fewer steps: after "
+        "tuning it, la.refine_complement(train_loader) measures again.",
         UserWarning, stacklevel=_outside_level())
 
 
@@ -380,21 +380,23 @@ def _found(rules: List[Tuple[Tensor, Tensor]], free: int, steps: int, converged:
                              seconds)
 
 
-def basis_fits(dim: int, config: FitConfig, device: torch.device) -> bool:
-    """Whether the Lanczos basis of :data:`MAX_STEPS` steps (float64) fits the memory budget."""
-    return (MAX_STEPS + 3) * 2 * RUNS * dim * 8 <= resolve_memory_budget(
-        config.memory_budget, device)
+def step_budget(dim: int, config: FitConfig, device: torch.device) -> int:
+    """The most steps (at most :data:`MAX_STEPS`) whose float64 basis fits the memory budget."""
+    budget = resolve_memory_budget(config.memory_budget, device)
+    return min(MAX_STEPS, budget // (2 * RUNS * dim * 8) - 3)
 
 
-def _check_basis_memory(dim: int, config: FitConfig, device: torch.device) -> None:
-    """Refuse a Lanczos basis the memory budget cannot hold."""
-    if not basis_fits(dim, config, device):
-        need = format_bytes((MAX_STEPS + 3) * 2 * RUNS * dim * 8)
-        budget = format_bytes(resolve_memory_budget(config.memory_budget, device))
-        raise MemoryError(
-            f"refine_complement: the Lanczos basis of {MAX_STEPS} steps for {dim:,} "
-            f"parameters needs about {need}, above the memory budget of {budget}: raise "
-            "memory_budget (e.g. memory_budget=0.5 for half the free memory).")
+def _check_basis_memory(dim: int, config: FitConfig, device: torch.device) -> int:
+    """The most steps the memory budget holds; a MemoryError below :data:`MIN_STEPS`."""
+    most = step_budget(dim, config, device)
+    if most < MIN_STEPS:
+        need, budget = (format_bytes(x) for x in ((MIN_STEPS + 3) * 2 * RUNS * dim * 8,
+                        resolve_memory_budget(config.memory_budget, device)))
+        raise MemoryError(f"refine_complement: the Lanczos basis of {MIN_STEPS} steps for "
+                          f"{dim:,} parameters needs about {need}, above the memory budget "
+                          f"of {budget}: raise memory_budget (e.g. memory_budget=0.5 for "
+                          "half the free memory).")
+    return most
 
 
 def _jacobian_starts(engine: FactorEngine, inputs: List[Any], config: FitConfig, outputs: int,

@@ -214,13 +214,11 @@ class IsotropicResidual(Residual):
 class SpectralResidual(Residual):
     """The dropped curvature measured by Lanczos quadrature, in random dropped directions.
 
-    The complement variance ``v`` (the precision's shift ``1 / v - delta`` outside ``U``)
-    and the dropped log det come from the measured spectrum
-    (:mod:`~lowrank_laplace.posterior.quadrature`); a fit that measured nothing puts the
-    mean dropped eigenvalue in every dropped direction. Checked logit-shift directions
-    keep the prior's variance (:mod:`~lowrank_laplace.posterior.null`); a layerwise or
-    per-parameter prior reads each layer's share at its own prior
-    (:mod:`~lowrank_laplace.posterior.layers`).
+    The complement variance ``v`` (the shift ``1 / v - delta`` outside ``U``) and the
+    dropped log det come from the measured spectrum (``posterior.quadrature``), else the
+    mean dropped eigenvalue everywhere. Checked logit-shift directions keep the prior's
+    variance (``posterior.null``); a layerwise or per-parameter prior reads each layer's
+    share at its own prior (``posterior.layers``).
 
     Attributes:
         spectrum: The measured (or flat) :class:`DroppedQuadrature`.

@@ -482,3 +482,25 @@ def test_the_extreme_seeds_fit_and_measure(seed):
     la = LowRankGGNLaplace(model, "classification", rank=6, seed=seed)
     la.fit(loader)
     assert la.fit_report.quadrature_steps > 0
+
+
+def test_the_memory_budget_caps_the_steps_and_the_kept_inputs(monkeypatch):
+    """A budget whose Lanczos basis holds fewer than MAX_STEPS steps runs as many as it
+    holds (and says so where they do not converge); one whose half keeps the factors of
+    fewer than MIN_KEPT inputs measures nothing, saying why."""
+    monkeypatch.setattr(quadrature, "TOLERANCE", 0.0)  # run to the cap
+    model, X, y, _ = _problem()
+    dim = sum(p.numel() for p in model.parameters())
+    budget = 300_000  # (25 + 3) steps' basis; half of it keeps 60 inputs' factors
+    steps = budget // (2 * quadrature.RUNS * dim * 8) - 3
+    assert quadrature.MIN_STEPS <= steps < quadrature.MAX_STEPS
+    small = DataLoader(TensorDataset(X[:60], y[:60]), batch_size=20)
+    la = LowRankGGNLaplace(model, "classification", rank=6, memory_budget=budget)
+    with pytest.warns(UserWarning, match="all that memory_budget holds"):
+        la.fit(small)
+    assert la.fit_report.quadrature_steps == steps
+    assert la.fit_report.quadrature_samples == (15, 60, 60)
+    la = LowRankGGNLaplace(model, "classification", rank=6, memory_budget=budget)
+    la.fit(DataLoader(TensorDataset(X, y), batch_size=20))
+    kept = la.fit_report.not_measured
+    assert la.dropped_quadrature is None and kept.startswith("the fit kept the factors of only")
