@@ -27,6 +27,8 @@ from lowrank_laplace.fitting.budget import resolve_memory_budget
 TARGET_RTOL = 1e-9
 #: Share of the memory budget the first pass's factors may keep for the later passes.
 CACHE_SHARE = 0.5
+#: Fewest samples a partial cache keeps (fewer are dropped when the factors overflow it).
+MIN_PARTIAL = 256
 
 
 class OtherDataError(ValueError):
@@ -109,7 +111,8 @@ class FactorCache:
 
     Args:
         room: Bytes the kept blocks may take.
-        partial: Keep the leading factors that fit where not all do (else none).
+        partial: Keep the leading factors that fit where not all do, if they hold at least
+            :data:`MIN_PARTIAL` samples (else none).
 
     Attributes:
         kept: The kept factors with their scales, in the pass's order.
@@ -131,8 +134,8 @@ class FactorCache:
             self.room - sum(block.nbytes for block in blocks.values())
         if self.room >= 0:
             self.kept.append((factor, scale))
-        elif not self.partial:  # overflowed: every pass recomputes its factors
-            self.kept = []
+        elif not self.partial or sum(f.num_samples for f, _ in self.kept) < MIN_PARTIAL:
+            self.kept = []  # overflowed: every pass recomputes its factors
 
     def leading(self, samples: int) -> List[Tuple[Any, float]]:
         """The kept factors of the pass's first ``samples`` samples (its first inputs)."""

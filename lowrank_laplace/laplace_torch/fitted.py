@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from lowrank_laplace.fitting.fit import FitResult, FitTarget, LoaderFit
-from lowrank_laplace.fitting.products import FittedData
+from lowrank_laplace.fitting.products import MIN_PARTIAL, FittedData
 from lowrank_laplace.laplace_torch.options import LowRankOptions
 from lowrank_laplace.laplace_torch.rank import AUTO, next_rank
 from lowrank_laplace.laplace_torch.report import FitReport
@@ -146,13 +146,10 @@ def _unmeasurable(run: LoaderFit, dim: int, options: LowRankOptions,
         return "an online update's GGN spans earlier loaders"
     cache = run.cache
     if cache is None or not cache.kept or not cache.inputs:
-        return ("the fit kept no factors: none fit half of memory_budget, or low_memory, "
-                "or curvature sub-sampling")
+        return (f"the fit kept no factors: fewer than {MIN_PARTIAL} inputs' fit half of "
+                "memory_budget, or low_memory, or curvature sub-sampling")
     if quadrature.step_budget(dim, options, run.device) < quadrature.MIN_STEPS:
         return "its Lanczos basis exceeds memory_budget"
-    kept = sum(factor.num_samples for factor, _ in cache.kept)
-    if not cache.complete and kept < quadrature.MIN_KEPT:
-        return f"the fit kept the factors of only {kept} inputs within half of memory_budget"
     return None
 
 

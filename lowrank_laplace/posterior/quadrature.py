@@ -41,8 +41,6 @@ from lowrank_laplace.utils.checks import check_batch
 RUNS = 8
 #: Fewest and most Lanczos steps (fewer where the basis of more exceeds the memory budget).
 MIN_STEPS, MAX_STEPS = 4, 32
-#: Fewest inputs whose kept factors a fit measures on (where not all of them were kept).
-MIN_KEPT = 256
 #: The runs stop when two steps moved the variance and log det by less than this share...
 TOLERANCE = 0.01
 #: ...at this multiple of the current prior (marglik tuning may move it down).
