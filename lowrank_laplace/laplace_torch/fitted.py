@@ -144,12 +144,12 @@ def _unmeasurable(run: LoaderFit, dim: int, options: LowRankOptions,
     """Why the fit's own factors cannot be measured on (``None``: they can)."""
     if previous is not None:
         return "an online update's GGN spans earlier loaders"
+    if quadrature.step_budget(dim, options, run.device) < quadrature.MIN_STEPS:
+        return "its Lanczos basis exceeds memory_budget"
     cache = run.cache
     if cache is None or not cache.kept or not cache.inputs:
         return (f"the fit kept no factors: fewer than {MIN_PARTIAL} inputs' fit half of "
                 "memory_budget, or low_memory, or curvature sub-sampling")
-    if quadrature.step_budget(dim, options, run.device) < quadrature.MIN_STEPS:
-        return "its Lanczos basis exceeds memory_budget"
     return None
 
 
