@@ -127,8 +127,7 @@ class DroppedQuadrature:
         if state is None:
             return None
         if "mu" not in state:  # an older version's: its complement held the Jacobian rule
-            state = {**state, **{k: state["complement"][k] for k in ("mu", "q")},
-                     "samples": (0, 0, 0), "moved": 0.0}
+            state = {**state, **state["complement"], "samples": (0, 0, 0), "moved": 0.0}
         return cls(state["mu"], state["q"], state["nodes"], state["counts"], int(state["steps"]),
                    bool(state["converged"]), float(state["seconds"]),
                    float(state.get("checked_prior", 0.0)),
@@ -401,8 +400,9 @@ def _jacobian_starts(engine: FactorEngine, inputs: List[Any], config: FitConfig,
                      generator: torch.Generator) -> Tensor:
     """``J^T eps`` over the first :data:`START_INPUTS` training inputs, ``(RUNS, D)`` float64.
 
-    ``eps``: random signs on every output, or on :data:`START_PROJECTIONS` random output
-    combinations per input where the model has more.
+    ``eps``: random signs on every output (or :data:`START_PROJECTIONS` random output
+    combinations per input where it has more), each input's scaled to unit Jacobian energy:
+    ``v`` is the mean of the inputs' own levels, not one their energies weight.
     """
     projections = START_PROJECTIONS if outputs > START_PROJECTIONS else 0
     starts, seen = None, 0
@@ -414,9 +414,14 @@ def _jacobian_starts(engine: FactorEngine, inputs: List[Any], config: FitConfig,
                 torch.manual_seed(config.seed + seen)
                 factor = engine.compute(chunk, None, mc_samples=projections, gradient=False)
             signs = torch.randint(0, 2, (factor.num_columns, RUNS), generator=generator)
-            part = factor.matmul((2 * signs - 1).to(factor_dtype(factor))).T.to(torch.float64)
+            n, dtype = check_batch(chunk, None), factor_dtype(factor)
+            energy = sum(b.row_sq_norms() for b in factor.group_blocks()).reshape(-1, n).sum(0)
+            scale = energy.clamp(min=torch.finfo(dtype).tiny).rsqrt().repeat(
+                factor.num_columns // n)  # columns (c, n)
+            part = factor.matmul((2 * signs - 1).to(dtype) * scale[:, None].to(dtype))
+            part = part.T.to(torch.float64)
             starts = part if starts is None else starts + part
-            seen += check_batch(chunk, None)
+            seen += n
     if starts is None:
         raise ValueError("refine_complement: train_loader yielded no batches: pass a loader "
                          "of the data the posterior was fitted on.")

@@ -259,7 +259,7 @@ class SpectralResidual(Residual):
         gram_cache, layer_prior = extra
         num = self.dim - ell.numel()
         mean = prior.to(torch.float64).mean().reshape(())
-        rho = self.complement_shift(scale, mean)
+        rho = (1 / self.spectrum.variance(scale, mean, self.anchor) - mean).clamp(min=0)
         logdet = self.spectrum.logdet(scale, mean, num)
         parts = self._layer_parts(ell, scale, prior, (rho, logdet), layer_prior) \
             if prior.numel() > 1 and self.layers is not None else None  # the split on first use
@@ -273,11 +273,6 @@ class SpectralResidual(Residual):
         return LowRankPrecision(eigenvectors, (ell - kept).clamp(min=0), d,
                                 logdet_offset=offset.to(ell.dtype), gram_cache=gram_cache,
                                 layers=layers, null=self._null_shift(prior, d))
-
-    def complement_shift(self, scale: Tensor, prior: Tensor) -> Tensor:
-        r"""The precision shift :math:`\rho = 1 / v - \delta \ge 0` at a scalar prior."""
-        delta = torch.as_tensor(prior).to(torch.float64)
-        return (1 / self.spectrum.variance(scale, delta, self.anchor) - delta).clamp(min=0)
 
     def _null_shift(self, prior: Tensor, held: Tensor) -> Optional[NullShift]:
         """The prior's variance on the null directions, where the precision holds ``held``."""
@@ -323,10 +318,8 @@ class SpectralResidual(Residual):
 
     def complement_variance(self, scale: Tensor, prior: Tensor) -> Optional[Tensor]:
         """See :meth:`Residual.complement_variance` (``None``: nothing measured)."""
-        if not self.measured:
-            return None
-        return self.spectrum.variance(scale, torch.as_tensor(prior).to(torch.float64),
-                                      self.anchor)
+        delta = torch.as_tensor(prior).to(torch.float64)
+        return self.spectrum.variance(scale, delta, self.anchor) if self.measured else None
 
 
 #: The residual models by name (the ``residual`` option).
