@@ -10,6 +10,7 @@ the earlier nested form loads too.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Dict, Optional
 
 import torch
@@ -100,6 +101,12 @@ class StatePersistence:
         self._quadrature = DroppedQuadrature.from_state(unflatten(state_dict, "quadrature"))
         self._residual_model = None
         self.fit_report = FitReport.from_dict(unflatten(state_dict, "fit_report"))
+        report = self.fit_report
+        if report is not None and report.refinable and self._quadrature is None \
+                and report.not_measured is None and report.kept_fraction < 1 - 1e-9:
+            # an earlier version's spectral state
+            self.fit_report = replace(report, not_measured="saved by an earlier version, "
+                                      "which did not measure it this way")
         self._fitted_data = FittedData.from_state(unflatten(state_dict, "fitted_data"))
 
     def _check_state(self, state: dict) -> None:

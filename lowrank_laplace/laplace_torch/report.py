@@ -128,13 +128,13 @@ class FitReport:
             held, kept, fitted = self.quadrature_samples
             on = f" on {kept:,} of {fitted:,} inputs' factors" if 0 < kept < fitted else ""
             out = f", the Jacobian runs' {held:,} inputs held out" if held else ""
+            moved = "" if self.quadrature_moved is None else \
+                f" (last steps moved {self.quadrature_moved:.1%})"  # None: an older state
             lines.append(
                 f"  complement variance and dropped spectrum: Lanczos quadrature, "
                 f"{self.quadrature_steps} steps{on}{out}; "
-                + (f"converged (last steps moved {self.quadrature_moved:.1%})"
-                   if self.quadrature_converged else
-                   f"not converged (last steps moved {self.quadrature_moved:.1%}): "
-                   "la.refine_complement(loader) after tuning the prior"))
+                + (f"converged{moved}" if self.quadrature_converged else
+                   f"not converged{moved}: la.refine_complement(loader) after tuning the prior"))
         elif self.not_measured and self.kept_fraction < 1 - 1e-9:
             lines.append(f"  not measured ({self.not_measured}): "
                          "la.refine_complement(loader of all the fitted data) measures it")

@@ -506,3 +506,33 @@ def test_the_memory_budget_caps_the_steps_and_the_kept_inputs(monkeypatch):
     la.fit(DataLoader(TensorDataset(X, y), batch_size=20))
     assert la.dropped_quadrature is None
     assert la.fit_report.not_measured.startswith("the fit kept no factors: fewer than 256")
+
+
+def test_a_state_of_the_earlier_version_loads():
+    """The earlier version saved the Jacobian rule under ``quadrature.complement`` and no
+    ``quadrature_moved``: a refined state keeps its spectrum, an unrefined one loads
+    unmeasured, saying so; both reports print."""
+    model, X, y, loader = _problem()
+    la = LowRankGGNLaplace(model, "classification", rank=6)
+    la.fit(loader)
+    state = la.state_dict()
+    old = {k: v for k, v in state.items() if not k.startswith(("quadrature.",
+                                                                "fit_report.quadrature_m"))}
+    old.update({"quadrature.complement.mu": state["quadrature.mu"],
+                "quadrature.complement.q": state["quadrature.q"],
+                "quadrature.complement.fraction": 1.0, "jacobian_exponent": 0.3,
+                "fit_report.complement_resolved": None, "measured_complement.mu": state[
+                    "quadrature.mu"]})
+    old.update({f"quadrature.{k}": state[f"quadrature.{k}"]
+                for k in ("nodes", "counts", "steps", "converged", "seconds")})
+    unrefined = {k: v for k, v in old.items() if not k.startswith("quadrature.")}
+    unrefined.update({"fit_report.quadrature_steps": 0, "fit_report.quadrature_converged": None})
+    for saved, measured in ((old, True), (unrefined, False)):
+        loaded = LowRankGGNLaplace(model, "classification", rank=6)
+        loaded.load_state_dict(saved)
+        assert (loaded.dropped_quadrature is not None) == measured
+        text = str(loaded.fit_report)
+        assert ("saved by an earlier version" in text) == (not measured)
+        if measured:
+            torch.testing.assert_close(loaded.log_marginal_likelihood(),
+                                       la.log_marginal_likelihood())
