@@ -85,17 +85,9 @@ class LayerScales:
             spectrum: The measured :class:`~lowrank_laplace.posterior.quadrature.DroppedQuadrature`.
             anchor: The last kept eigenvalue (the variance's lower clamp).
         """
-        delta = self.layer_means(prior.to(WIDE))[:, None]
-        device = delta.device
-        h = torch.as_tensor(scale).to(device=device, dtype=WIDE) * \
-            self.scales.to(device)[:, None]
-        mu, q, nodes, counts = (t.to(device=device, dtype=WIDE) for t in (
-            spectrum.mu, spectrum.q, spectrum.nodes, spectrum.counts))
-        v = (q / (h * mu + delta)).sum(1) / q.sum().clamp(min=torch.finfo(WIDE).tiny)
-        low = 1 / (h[:, 0] * anchor + delta[:, 0])
-        v = torch.minimum(torch.maximum(v, low), 1 / delta[:, 0])
-        rho = (1 / v - delta[:, 0]).clamp(min=0)
-        share = self.complement.to(device) / self.complement.sum().clamp(min=1e-300)
-        per_node = (counts * torch.log(h * nodes + delta)).sum(1)
-        rest = (self.complement.sum() - counts.sum()).to(device) * torch.log(delta[:, 0])
-        return rho, (share * (per_node + rest)).sum()
+        delta = self.layer_means(prior.to(WIDE))
+        complement = self.complement.to(delta.device)
+        h = torch.as_tensor(scale).to(delta) * self.scales.to(delta.device)
+        rho = (1 / spectrum.variance(h, delta, anchor) - delta).clamp(min=0)
+        share = complement / complement.sum().clamp(min=1e-300)
+        return rho, (share * spectrum.logdet(h, delta, complement.sum())).sum()

@@ -97,23 +97,28 @@ class DroppedQuadrature:
         return cls(level, one, level.clone(), one * max(free, 0), 0, False, 0.0)
 
     def variance(self, scale: Tensor, prior: Tensor, anchor: float) -> Tensor:
-        r"""The complement variance ``v = sum q / (h mu + delta) / sum q`` (float64 scalar).
+        r"""The complement variance ``v = sum q / (h mu + delta) / sum q`` (float64).
 
-        Clamped to ``[1 / (h lambda_r + delta), 1 / delta]``; differentiable in ``scale``
-        and ``prior``.
+        Clamped to ``[1 / (h lambda_r + delta), 1 / delta]``; of the broadcast shape of
+        ``scale`` and ``prior`` (one per layer, say), differentiable in both.
         """
         mu = self.mu.to(device=prior.device, dtype=torch.float64)
         q = self.q.to(mu)
-        h, delta = (torch.as_tensor(x).to(mu) for x in (scale, prior))
-        value = (q / (h * mu + delta)).sum() / q.sum().clamp(min=torch.finfo(mu.dtype).tiny)
+        h, delta = (torch.as_tensor(x).to(mu)[..., None] for x in (scale, prior))
+        value = (q / (h * mu + delta)).sum(-1) / q.sum().clamp(min=torch.finfo(mu.dtype).tiny)
+        h, delta = h[..., 0], delta[..., 0]
         return torch.minimum(torch.maximum(value, 1 / (h * anchor + delta)), 1 / delta)
 
-    def logdet(self, scale: Tensor, prior: Tensor, num: int) -> Tensor:
-        """The ``num`` dropped directions' log det: the measured nodes, the rest the prior's."""
+    def logdet(self, scale: Tensor, prior: Tensor, num: Any) -> Tensor:
+        """The ``num`` dropped directions' log det: the measured nodes, the rest the prior's.
+
+        Of the broadcast shape of ``scale`` and ``prior``, as :meth:`variance`.
+        """
         nodes = self.nodes.to(device=prior.device, dtype=torch.float64)
         counts = self.counts.to(nodes)
-        h, delta = (torch.as_tensor(x).to(nodes) for x in (scale, prior))
-        return (counts * torch.log(h * nodes + delta)).sum() + (num - counts.sum()) * delta.log()
+        h, delta = (torch.as_tensor(x).to(nodes)[..., None] for x in (scale, prior))
+        return (counts * torch.log(h * nodes + delta)).sum(-1) \
+            + (num - counts.sum()) * delta[..., 0].log()
 
     def state(self) -> Dict[str, Any]:
         """A plain dict for ``state_dict`` (tensors on the CPU, without the columns)."""
