@@ -134,19 +134,34 @@ class FactorCache:
             self.room - sum(block.nbytes for block in blocks.values())
         if self.room >= 0:
             self.kept.append((factor, scale))
-        elif not self.partial or sum(f.num_samples for f, _ in self.kept) < MIN_PARTIAL:
+        elif not self.partial or self.samples < MIN_PARTIAL:
             self.kept = []  # overflowed: every pass recomputes its factors
 
-    def leading(self, samples: int) -> List[Tuple[Any, float]]:
-        """The kept factors of the pass's first ``samples`` samples (its first inputs)."""
-        out, left = [], samples
+    @property
+    def samples(self) -> int:
+        """Samples whose factors are kept."""
+        return sum(factor.num_samples for factor, _ in self.kept)
+
+    def split(self, samples: int) -> Tuple[List[Tuple[Any, float]], List[Tuple[Any, float]]]:
+        """The kept factors of the pass's first ``samples`` samples, and of the rest."""
+        head, tail, left = [], [], samples
         for factor, scale in self.kept:
-            if left <= 0:
-                break
             n = factor.num_samples
-            out.append((factor if n <= left else factor.take_samples(0, left), scale))
+            if 0 < left < n:  # the factor the split crosses
+                head.append((factor.take_samples(0, left), scale))
+                tail.append((factor.take_samples(left, n), scale))
+            else:
+                (head if left >= n else tail).append((factor, scale))
             left -= n
-        return out
+        return head, tail
+
+
+def kept_products(X: Tensor, factors: List[Tuple[Any, float]], dtype: torch.dtype) -> Tensor:
+    """``X H`` of rows ``X`` ``(s, D)`` by kept factors, ``sum scale V V^T``, float64."""
+    sink = ProductSink(X.T.to(dtype).contiguous())
+    for factor, scale in factors:
+        sink.add_factor(factor, scale=scale)
+    return sink.out.T.to(torch.float64)
 
 
 class ProductSink:
@@ -199,18 +214,17 @@ class GGNProducts:
 
     def __call__(self, X: Tensor) -> Tensor:
         """``X H`` of rows ``X`` ``(s, D)``, float64, summed over the fit's processes."""
-        sink = ProductSink(X.T.to(self.run.params[0].dtype).contiguous(),
-                          None if self.cache.complete else self.cache)
+        dtype = self.run.params[0].dtype
         if self.cache.complete:
-            for factor, scale in self.cache.kept:
-                sink.add_factor(factor, scale=scale)
+            product = kept_products(X, self.cache.kept, dtype)
         else:
+            sink = ProductSink(X.T.to(dtype).contiguous(), self.cache)
             with torch.random.fork_rng(devices=[]):  # a pass's draws leave the caller's stream
                 seen = self.run.stream(self.loader, sink)
             self.passes += 1
-            self.fitted.check(seen, self.run.group, self.run.params[0].dtype, X.device)
+            self.fitted.check(seen, self.run.group, dtype, X.device)
             self.cache.complete = self.cache.room >= 0
-        product = sink.out.T.to(torch.float64)
+            product = sink.out.T.to(torch.float64)
         if self.run.group is not None:
             dist.all_reduce(product, group=self.run.group)
         return product

@@ -30,7 +30,7 @@ from lowrank_laplace.engine.rng import forked_rng
 from lowrank_laplace.fitting.base import factor_dtype
 from lowrank_laplace.fitting.budget import micro_batch_size, resolve_memory_budget
 from lowrank_laplace.fitting.config import FitConfig
-from lowrank_laplace.fitting.products import FactorCache, FittedData, ProductSink
+from lowrank_laplace.fitting.products import FactorCache, FittedData, kept_products
 from lowrank_laplace.posterior.null import NullDirections
 from lowrank_laplace.posterior.predictive import micro_batches
 from lowrank_laplace.posterior.probe import ProbeColumns
@@ -248,9 +248,10 @@ def lanczos_quadrature(run: Any, loader: Any, kept: Tuple[Tensor, Optional[NullD
     gaussian = torch.randn(RUNS, dim, generator=generator, dtype=wide).to(U.device)
     if loader is None:
         products = KeptProducts(run.cache, fitted.samples, run.group)
-        inputs = products.inputs
+        inputs, samples = products.inputs, products.samples
     else:
         products, inputs = run.products(loader, fitted), run.first_inputs(loader, START_INPUTS)
+        samples = (0, fitted.samples, fitted.samples)
     jacobian = _jacobian_starts(run.jacobian, inputs, config, outputs, generator).to(U.device)
     if run.group is not None:
         dist.all_reduce(jacobian, group=run.group)  # every process's first inputs
@@ -273,8 +274,7 @@ def lanczos_quadrature(run: Any, loader: Any, kept: Tuple[Tensor, Optional[NullD
     free = dim - U.shape[1] - (0 if null is None else null.count)
     found = _found(runs.rules(), free, steps, converged, time.perf_counter() - start)
     return replace(found, checked_prior=CHECK_PRIOR * delta, passes=products.passes, moved=moved,
-                   samples=getattr(products, "samples", (0, fitted.samples, fitted.samples)),
-                   columns=columns)
+                   samples=samples, columns=columns)
 
 
 class KeptProducts:
@@ -282,8 +282,8 @@ class KeptProducts:
 
     The GGN of the ``K`` inputs kept is scaled to the ``N`` fitted; the first ``m`` (at most
     :data:`START_INPUTS` and a quarter of ``K``) start the Jacobian runs, whose rows
-    multiply by the GGN without them, scaled by ``N / (K - m)``: the complement variance
-    of unseen inputs, which the training inputs' own curvature would lower.
+    multiply by the GGN of the other ``K - m``, scaled by ``N / (K - m)``: the complement
+    variance of unseen inputs, which the training inputs' own curvature would lower.
 
     Args:
         cache: The fit's kept factors and first inputs.
@@ -295,8 +295,8 @@ class KeptProducts:
     """
 
     def __init__(self, cache: FactorCache, num_data: int, group: Any):
-        self.cache, self.group, self.passes = cache, group, 0
-        kept = sum(factor.num_samples for factor, _ in cache.kept)
+        self.group, self.passes = group, 0
+        kept = cache.samples
         first = sum(check_batch(x, None) for x in cache.inputs)
         count = min(first, START_INPUTS, kept // 4)  # held out: none of under four inputs
         self.inputs, left = [], count or min(first, START_INPUTS)
@@ -305,7 +305,7 @@ class KeptProducts:
             if left > 0:
                 self.inputs.append(take(x, slice(0, left), n))
             left -= n
-        self.held = cache.leading(count)
+        self.held, self.rest = cache.split(count)
         totals = torch.tensor([float(count), float(kept)], dtype=torch.float64)
         if group is not None:
             dist.all_reduce(totals, group=group)
@@ -314,21 +314,15 @@ class KeptProducts:
     def __call__(self, X: Tensor) -> Tensor:
         """``X H`` of rows ``X`` ``(s, D)``, float64, summed over the fit's processes."""
         held, kept, num_data = self.samples
-        product = self._product(X, self.cache.kept)
-        own = self._product(X[:RUNS], self.held)
-        out = product * (num_data / kept)
-        out[:RUNS] = (product[:RUNS] - own) * (num_data / (kept - held))
+        own, rest = (self._product(X, factors) for factors in (self.held, self.rest))
+        out = (own + rest) * (num_data / kept)
+        out[:RUNS] = rest[:RUNS] * (num_data / (kept - held))
         return out
 
     def _product(self, X: Tensor, factors: List[Tuple[Any, float]]) -> Tensor:
-        """``sum scale V (V^T X)`` over ``factors`` (zero without), summed over processes."""
-        if factors:
-            sink = ProductSink(X.T.to(factor_dtype(factors[0][0])).contiguous())
-            for factor, scale in factors:
-                sink.add_factor(factor, scale=scale)
-            out = sink.out.T.to(torch.float64)
-        else:
-            out = torch.zeros_like(X, dtype=torch.float64)
+        """``X H`` by ``factors`` (zero without), summed over processes."""
+        out = kept_products(X, factors, factor_dtype(factors[0][0])) if factors else \
+            torch.zeros_like(X, dtype=torch.float64)
         if self.group is not None:
             dist.all_reduce(out, group=self.group)
         return out
