@@ -142,18 +142,20 @@ class FactorCache:
         """Samples whose factors are kept."""
         return sum(factor.num_samples for factor, _ in self.kept)
 
-    def split(self, samples: int) -> Tuple[List[Tuple[Any, float]], List[Tuple[Any, float]]]:
-        """The kept factors of the pass's first ``samples`` samples, and of the rest."""
-        head, tail, left = [], [], samples
+    def leading(self, samples: int) -> List[Tuple[Any, float]]:
+        """The kept factors of the pass's first ``samples`` samples (its first inputs).
+
+        Only the factor the bound crosses is copied (its leading samples); the rest's would
+        copy nearly all of a pass kept as one merge.
+        """
+        out, left = [], samples
         for factor, scale in self.kept:
+            if left <= 0:
+                break
             n = factor.num_samples
-            if 0 < left < n:  # the factor the split crosses
-                head.append((factor.take_samples(0, left), scale))
-                tail.append((factor.take_samples(left, n), scale))
-            else:
-                (head if left >= n else tail).append((factor, scale))
+            out.append((factor if n <= left else factor.take_samples(0, left), scale))
             left -= n
-        return head, tail
+        return out
 
 
 def kept_products(X: Tensor, factors: List[Tuple[Any, float]], dtype: torch.dtype) -> Tensor:

@@ -282,8 +282,8 @@ class KeptProducts:
 
     The GGN of the ``K`` inputs kept is scaled to the ``N`` fitted; the first ``m`` (at most
     :data:`START_INPUTS` and a quarter of ``K``) start the Jacobian runs, whose rows
-    multiply by the GGN of the other ``K - m``, scaled by ``N / (K - m)``: the complement
-    variance of unseen inputs, which the training inputs' own curvature would lower.
+    multiply by the GGN without them, scaled by ``N / (K - m)``: the complement variance
+    of unseen inputs, which the training inputs' own curvature would lower.
 
     Args:
         cache: The fit's kept factors and first inputs.
@@ -305,7 +305,7 @@ class KeptProducts:
             if left > 0:
                 self.inputs.append(take(x, slice(0, left), n))
             left -= n
-        self.held, self.rest = cache.split(count)
+        self.kept, self.held = cache.kept, cache.leading(count)
         totals = torch.tensor([float(count), float(kept)], dtype=torch.float64)
         if group is not None:
             dist.all_reduce(totals, group=group)
@@ -314,9 +314,10 @@ class KeptProducts:
     def __call__(self, X: Tensor) -> Tensor:
         """``X H`` of rows ``X`` ``(s, D)``, float64, summed over the fit's processes."""
         held, kept, num_data = self.samples
-        own, rest = (self._product(X, factors) for factors in (self.held, self.rest))
-        out = (own + rest) * (num_data / kept)
-        out[:RUNS] = rest[:RUNS] * (num_data / (kept - held))
+        product = self._product(X, self.kept)
+        own = self._product(X[:RUNS], self.held)
+        out = product * (num_data / kept)
+        out[:RUNS] = (product[:RUNS] - own) * (num_data / (kept - held))
         return out
 
     def _product(self, X: Tensor, factors: List[Tuple[Any, float]]) -> Tensor:
