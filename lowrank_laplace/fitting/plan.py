@@ -34,11 +34,10 @@ FLAT_MIN_EXTRA = 64
 #: Up to this many parameters the fit sums densely wherever streaming would truncate
 #: and the matrix fits; ``0``: never, ``None``: the cost model decides alone.
 DENSE_MAX_DIM = 2048
-#: Fits run on one CPU thread below these streaming merge ``S D k``, entries of ``V`` in a
-#: pass and ``sketch_cost``.
+#: Streaming fits run on one CPU thread below these merge ``S D k`` and entries of ``V`` in
+#: a pass (sketches, whose products are few and wide, take the idle cores).
 SINGLE_THREAD_MERGE_WORK = 2**26
 SINGLE_THREAD_PASS_ENTRIES = 2**22
-SINGLE_THREAD_SKETCH_WORK = 2**34
 #: Sketch merges span several passes up to this many bytes of ``V``.
 SKETCH_MERGE_BYTES = 2**28
 #: Below this many parameters per kept eigenpair, merges rotate the basis explicitly.
@@ -47,7 +46,7 @@ LAZY_MIN_DIM_PER_EIGENPAIR = 200
 #: ``D x l`` takes at most this share of the budget; ``solver="auto"`` sketches within it.
 WIDE_SKETCH_SHARE = 0.25
 #: ``solver="auto"`` sketches with ``rank * (1 + AUTO_SKETCH_OVERSAMPLING)`` columns
-#: (fewer tune the marglik prior too strong; docs/benchmarks/posterior_quality.md).
+#: (fewer tuned the marglik prior too strong; docs/benchmarks/design_measurements.md).
 AUTO_SKETCH_OVERSAMPLING = 3
 #: Random columns per rank of a warm-started sketch besides its basis (at most the cold
 #: sketch's columns in all).
@@ -266,7 +265,7 @@ def choose_plan(sizes: FitSizes, config: FitConfig,
         low_memory = False
         micro, chunk = merge_plan(sizes, config, keep, path=path)
     return _frozen_plan(sizes, "dense" if dense else path, (micro, chunk), low_memory, keep,
-                        samples, (dense, single))
+                        (dense, single))
 
 
 def flat_plan(sizes: FitSizes, config: FitConfig) -> FitPlan:
@@ -280,8 +279,7 @@ def flat_plan(sizes: FitSizes, config: FitConfig) -> FitPlan:
     """
     keep = keep_while_fitting(config.rank, flat=True)
     passes = merge_plan(sizes, config, keep)
-    samples = math.ceil(sizes.num_data * (config.subsample_fraction or 1.0))
-    return _frozen_plan(sizes, "streaming", passes, False, keep, samples, (False, False))
+    return _frozen_plan(sizes, "streaming", passes, False, keep, (False, False))
 
 
 def choose_dense(sizes: FitSizes, keep: int, samples: int, merge_samples: int,
@@ -312,15 +310,10 @@ def choose_dense(sizes: FitSizes, keep: int, samples: int, merge_samples: int,
 
 
 def _frozen_plan(sizes: FitSizes, path: str, passes: Tuple[int, int], low_memory: bool,
-                 keep: int, samples: int, flags: Tuple[bool, bool]) -> FitPlan:
+                 keep: int, flags: Tuple[bool, bool]) -> FitPlan:
     """The :class:`FitPlan` of :func:`choose_plan`'s decisions (threads, laziness, dtype)."""
     micro, chunk = passes
-    if path == "sketch":
-        work = cost.sketch_cost(sizes.columns, min(keep, sizes.dim), sizes.dim,
-                                sizes.gram_dim, samples)
-        small = work < SINGLE_THREAD_SKETCH_WORK
-    else:
-        small = path != "dense" and chunk * sizes.dim * keep < SINGLE_THREAD_MERGE_WORK
+    small = path == "streaming" and chunk * sizes.dim * keep < SINGLE_THREAD_MERGE_WORK
     pass_entries = min(micro, sizes.batch_size) * (
         sizes.columns * sizes.vector_bytes // sizes.itemsize)
     small = small and pass_entries < SINGLE_THREAD_PASS_ENTRIES
