@@ -88,6 +88,6 @@ class LayerScales:
         delta = self.layer_means(prior.to(WIDE))
         complement = self.complement.to(delta.device)
         h = torch.as_tensor(scale).to(delta) * self.scales.to(delta.device)
-        rho = (1 / spectrum.variance(h, delta, anchor) - delta).clamp(min=0)
+        rho = spectrum.shift(h, delta, anchor)
         share = complement / complement.sum().clamp(min=1e-300)
         return rho, (share * spectrum.logdet(h, delta, complement.sum())).sum()

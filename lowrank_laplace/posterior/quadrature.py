@@ -109,6 +109,11 @@ class DroppedQuadrature:
         h, delta = h[..., 0], delta[..., 0]
         return torch.minimum(torch.maximum(value, 1 / (h * anchor + delta)), 1 / delta)
 
+    def shift(self, scale: Tensor, prior: Tensor, anchor: float) -> Tensor:
+        """The precision shift ``rho = 1 / v - delta >= 0``, shaped as :meth:`variance`."""
+        delta = torch.as_tensor(prior).to(torch.float64)
+        return (1 / self.variance(scale, delta, anchor) - delta).clamp(min=0)
+
     def logdet(self, scale: Tensor, prior: Tensor, num: Any) -> Tensor:
         """The ``num`` dropped directions' log det: the measured nodes, the rest the prior's.
 
@@ -380,14 +385,19 @@ def _found(rules: List[Tuple[Tensor, Tensor]], free: int, steps: int, converged:
 def step_budget(dim: int, config: FitConfig, device: torch.device) -> int:
     """The most steps (at most :data:`MAX_STEPS`) whose float64 basis fits the memory budget."""
     budget = resolve_memory_budget(config.memory_budget, device)
-    return min(MAX_STEPS, budget // (2 * RUNS * dim * 8) - 3)
+    return min(MAX_STEPS, budget // _step_bytes(dim) - 3)
+
+
+def _step_bytes(dim: int) -> int:
+    """Bytes one more Lanczos step adds to the float64 basis of every run (of both kinds)."""
+    return 2 * RUNS * dim * 8
 
 
 def _check_basis_memory(dim: int, config: FitConfig, device: torch.device) -> int:
     """The most steps the memory budget holds; a MemoryError below :data:`MIN_STEPS`."""
     most = step_budget(dim, config, device)
     if most < MIN_STEPS:
-        need, budget = (format_bytes(x) for x in ((MIN_STEPS + 3) * 2 * RUNS * dim * 8,
+        need, budget = (format_bytes(x) for x in ((MIN_STEPS + 3) * _step_bytes(dim),
                         resolve_memory_budget(config.memory_budget, device)))
         raise MemoryError(f"refine_complement: the Lanczos basis of {MIN_STEPS} steps for "
                           f"{dim:,} parameters needs about {need}, above the memory budget "

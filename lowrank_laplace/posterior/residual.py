@@ -259,7 +259,7 @@ class SpectralResidual(Residual):
         gram_cache, layer_prior = extra
         num = self.dim - ell.numel()
         mean = prior.to(torch.float64).mean().reshape(())
-        rho = (1 / self.spectrum.variance(scale, mean, self.anchor) - mean).clamp(min=0)
+        rho = self.spectrum.shift(scale, mean, self.anchor)
         logdet = self.spectrum.logdet(scale, mean, num)
         parts = self._layer_parts(ell, scale, prior, (rho, logdet), layer_prior) \
             if prior.numel() > 1 and self.layers is not None else None  # the split on first use
