@@ -39,7 +39,7 @@ from lowrank_laplace.fitting.streaming import StreamingMerge
 from lowrank_laplace.utils.batches import take, to_device
 from lowrank_laplace.utils.checks import check_batch
 from lowrank_laplace.utils.linalg import squared_rows_dot
-from lowrank_laplace.utils.threads import cpu_threads, spare_threads
+from lowrank_laplace.utils.threads import SpareCores, cpu_threads
 
 
 def _identity(X: Any) -> Any:
@@ -152,9 +152,11 @@ class FitResult:
 
 
 class LoaderFit:
-    """A fit over a loader, as a context manager: one engine, plan and thread setting.
+    """A fit over a loader, as a context manager: one engine, plan and thread scope.
 
-    Work inside it after :meth:`run` (a probe pass) keeps the fit's threads until exit.
+    A small fit runs on one thread; a larger one takes the cores other processes leave,
+    re-read at every batch (:class:`~lowrank_laplace.utils.threads.SpareCores`). Work
+    inside it after :meth:`run` (a probe pass) keeps the fit's threads until exit.
 
     Args:
         target: What the GGN is computed of.
@@ -191,6 +193,7 @@ class LoaderFit:
         self._probe_cap = 1
         self._sizes: Optional[Any] = None
         self._jacobian: Optional[FactorEngine] = None
+        self._cores: Optional[SpareCores] = None  # re-read at every batch (large fits)
         self.passes = 0
 
     def __enter__(self) -> "LoaderFit":
@@ -283,6 +286,8 @@ class LoaderFit:
                 stream.tap = self._cache_tap(sink)
             if seen < keep:  # inputs for a probe pass after the fit
                 kept.append(take(X, slice(0, keep - seen), len(y)))
+            if self._cores is not None:
+                self._cores.step()
             loss = loss + stream.add(X, y)
             seen += len(y)
             if progress_bar and stream.solver.eigenvalues is not None:
@@ -355,7 +360,7 @@ class LoaderFit:
 
     def _start(self, X: Any, batch: int, num_data: int, warm_basis: Optional[Tensor],
                sink: Any = None) -> BatchStreamer:
-        """At the first batch: plan (threads entered once), probe budget, solver, streamer.
+        """At the first batch: plan (thread scope entered once), probe budget, solver, streamer.
 
         A ``sink`` takes the solver's place, with the full GGN (not sub-sampled).
         """
@@ -365,10 +370,11 @@ class LoaderFit:
             plan = choose_plan(sizes, self.config)
             if self.group is not None:
                 plan = choose_plan(sizes, self.config, agree(self.group, plan, self.device))
-            if self._sizes is None:  # the fit's one thread setting, beside other work
-                threads = plan.threads if plan.threads is not None else \
-                    spare_threads(self.device)
-                self._scope.enter_context(cpu_threads(threads))
+            if self._sizes is None:  # the fit's threads, beside other work
+                self._cores = None if plan.threads is not None else \
+                    self._scope.enter_context(SpareCores(self.device))
+                if plan.threads is not None:
+                    self._scope.enter_context(cpu_threads(plan.threads))
             self.plan, self._sizes = plan, sizes
             if self.config.probe_inputs:
                 self._probe_cap = probe_cap(sizes)

@@ -4,9 +4,9 @@ Beside a busy process every wake-up of PyTorch's thread pool waits for a core, a
 thousands of small operations of a small model's algebra stall
 (docs/benchmarks/design_measurements.md). So a call whose largest operation is small runs
 on one thread, decided from sizes alone. A larger call takes the cores no other process
-is running on as it starts (:func:`spare_threads`): the threads of a pool wait at every
-barrier for the slowest, and one of them sharing a core with another process's work
-stalls them all.
+is running on as it starts (:func:`spare_threads`), a fit at each of its batches
+(:class:`SpareCores`): the threads of a pool wait at every barrier for the slowest, and
+one of them sharing a core with another process's work stalls them all.
 """
 
 from __future__ import annotations
@@ -71,12 +71,48 @@ def spare_threads(device: Any) -> Optional[int]:
     """
     if torch.device(device).type != "cpu" or torch.get_num_threads() <= 1:
         return None  # nothing to spare: the machine is not read
+    return _cores_left()
+
+
+def _cores_left() -> Optional[int]:
+    """The cores other processes leave now (>= 1); ``None`` when quiet or unknown."""
     others = others_running()
     if not others:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
         else os.cpu_count() or 1
     return max(cores - others, 1)
+
+
+class SpareCores:
+    """A long call's threads on ``device``: :func:`spare_threads`, re-read at every step.
+
+    One reading as the call starts can catch another process's passing work (one exiting
+    and freeing its memory is runnable for a while) and leave a quiet machine's other
+    cores idle for a whole fit; a busy neighbour is seen at every step. The user's
+    setting is the most taken, and restored at exit.
+    """
+
+    def __init__(self, device: Any):
+        cpu = torch.device(device).type == "cpu"
+        self._user = torch.get_num_threads() if cpu else 1  # one: nothing to spare
+
+    def __enter__(self) -> "SpareCores":
+        self.step()
+        return self
+
+    def step(self) -> None:
+        """Take the cores other processes leave now (reads ``/proc``, about 0.1 ms)."""
+        if self._user <= 1:
+            return
+        left = _cores_left()
+        threads = self._user if left is None else min(left, self._user)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._user > 1 and torch.get_num_threads() != self._user:
+            torch.set_num_threads(self._user)
 
 
 def small_work(work: float, device: Any) -> ContextManager[None]:

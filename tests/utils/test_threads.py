@@ -146,7 +146,7 @@ def test_larger_work_takes_the_cores_others_leave(monkeypatch, two_threads, othe
 
 
 def test_a_fit_beside_busy_processes_runs_on_the_spare_cores(monkeypatch, two_threads):
-    """The fit decides once, as it starts, and restores the user's setting."""
+    """The fit takes the spare cores at each batch and restores the user's setting."""
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -178,3 +178,29 @@ def _large(choose):
     from dataclasses import replace
 
     return lambda *args, **kwargs: replace(choose(*args, **kwargs), threads=None)
+
+
+def test_a_fit_takes_back_the_cores_a_passing_process_left(monkeypatch, two_threads):
+    """Another process runnable as the fit starts (one exiting) costs one batch's threads,
+    not the whole fit's; a busy one that appears later is seen at the next batch."""
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lowrank_laplace import LowRankGGNLaplace
+    from lowrank_laplace.fitting import fit as fitting
+    from lowrank_laplace.fitting.streamer import BatchStreamer
+
+    readings = iter([1, 1, 0, 2])  # as the fit starts, then at each of its three batches
+    monkeypatch.setattr(threads, "others_running", lambda: next(readings, 0))
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    seen, add = [], BatchStreamer.add
+    monkeypatch.setattr(BatchStreamer, "add",
+                        lambda self, X, y: (seen.append(torch.get_num_threads()),
+                                            add(self, X, y))[1])
+    monkeypatch.setattr(fitting, "choose_plan", _large(fitting.choose_plan))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    X, y = torch.randn(48, 4), torch.randint(0, 3, (48,))
+    la = LowRankGGNLaplace(model, "classification", rank=5, residual="none")
+    la.fit(DataLoader(TensorDataset(X, y), batch_size=16))
+    assert seen == [1, 2, 1] and torch.get_num_threads() == 2
