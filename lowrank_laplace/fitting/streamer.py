@@ -48,10 +48,15 @@ class BatchStreamer:
         self.target_energy = torch.zeros((), dtype=torch.float64, device=device)
         self.pending: List[GGNFactor] = []
         self.pending_scales: List[float] = []
+        self.queued: List[Tuple[GGNFactor, float]] = []  # passes not yet merged or pending
         self.tap: Optional[Callable[[Any, float], None]] = None
 
     def add(self, X: Any, y: Tensor) -> Tensor:
-        """Stream one batch ``(X, y)`` (on the fit's device); return its loss times ``scale``."""
+        """Stream one batch ``(X, y)`` (on the fit's device); return its loss times ``scale``.
+
+        A pass's factor is merged before the next pass is computed, which may then reuse
+        its buffers.
+        """
         plan, config, solver = self.plan, self.config, self.solver
         micro = equal_parts(len(y), plan.micro)  # 128 in passes of <= 38: four of 32
         self.target_energy += target_energy(y)
@@ -60,6 +65,11 @@ class BatchStreamer:
             Xc, yc = take(X, slice(start, start + micro), len(y)), y[start:start + micro]
             sub, sub_scale = subsample_indices(len(yc), config.subsample_fraction,
                                                self.generator)
+            for merge in self._merges(len(yc) if sub is None else len(sub)):
+                if self.tap is not None:
+                    self.tap(merge, self.scale)
+                solver.add_factor(merge, scale=self.scale)
+            merge = None
             with self.rng:
                 if plan.low_memory:  # one merge per micro-batch, V recomputed
                     batch = RecomputedFactor(self.engine, Xc, yc, config.mc_samples, sub,
@@ -73,32 +83,30 @@ class BatchStreamer:
             loss = loss + self.scale * batch.loss
             self.n_outputs = batch.outputs.shape[-1]
             if not plan.low_memory:
-                for merge in self._merges(batch, sub_scale):
-                    if self.tap is not None:
-                        self.tap(merge, self.scale)
-                    solver.add_factor(merge, scale=self.scale)
+                self.queued.append((batch, sub_scale))
+            batch = None
         return loss
 
-    def _merges(self, batch: GGNFactor, sub_scale: float) -> Iterator[GGNFactor]:
-        """Queue a pass's factor; yield whole merges of up to ``chunk`` samples.
+    def _merges(self, samples: Optional[int]) -> Iterator[GGNFactor]:
+        """The merges due before a pass of ``samples`` (``None``: no more passes).
 
         A merge never straddles passes (that would copy blocks twice); a larger pass is
         streamed in equal pieces, or whole by the linear sketch and dense sum.
         """
-        chunk, total = self.plan.chunk, batch.num_curv_samples
+        chunk = self.plan.chunk
+        while self.queued:
+            batch, scale = self.queued.pop(0)
+            total = batch.num_curv_samples
+            if total > chunk and self.plan.path == "streaming":
+                size = equal_parts(total, chunk)
+                for start in range(0, total, size):
+                    yield concat_factors(
+                        [batch.take_samples(start, min(total, start + size))], [scale])
+                continue
+            self.pending.append(batch)
+            self.pending_scales.append(scale)
         pending = sum(f.num_curv_samples for f in self.pending)
-        if self.pending and pending + total > chunk:
-            yield self._take_pending()
-            pending = 0
-        if total > chunk and self.plan.path == "streaming":
-            size = equal_parts(total, chunk)
-            for start in range(0, total, size):
-                yield concat_factors([batch.take_samples(start, min(total, start + size))],
-                                     [sub_scale])
-            return
-        self.pending.append(batch)
-        self.pending_scales.append(sub_scale)
-        if pending + total >= chunk:
+        if self.pending and (samples is None or pending + samples > chunk):
             yield self._take_pending()
 
     def _take_pending(self) -> GGNFactor:
@@ -108,9 +116,8 @@ class BatchStreamer:
         return merged
 
     def flush(self) -> None:
-        """Merge the pending micro-batch factors as one."""
-        if self.pending:
-            merge = self._take_pending()
+        """Merge the queued and pending factors."""
+        for merge in self._merges(None):
             if self.tap is not None:
                 self.tap(merge, self.scale)
             self.solver.add_factor(merge, scale=self.scale)

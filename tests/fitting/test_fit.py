@@ -95,9 +95,13 @@ def _package_frames(stack):
 
 
 @pytest.mark.parametrize("solver", ["streaming", "sketch", "dense"])
-def test_the_fit_reaches_the_eigensolver_in_at_most_seven_package_frames(
+def test_the_fit_reaches_the_eigensolver_in_at_most_eight_package_frames(
         monkeypatch, tune, solver):
-    """From ``la.fit`` down to ``torch.linalg.eigh``: a short call chain."""
+    """From ``la.fit`` down to ``torch.linalg.eigh``: a short call chain.
+
+    Streaming's deepest: ``fit``, ``fit_posterior``, ``run``, ``_pass``, the streamer's
+    ``add``, ``add_factor``, ``_merge_eigh``, ``top_eigh`` (every merge after the first).
+    """
     import inspect
 
     from laplace import Laplace
@@ -119,10 +123,10 @@ def test_the_fit_reaches_the_eigensolver_in_at_most_seven_package_frames(
     la = Laplace(model, "classification", subset_of_weights="all",
                  hessian_structure="lowrank_ggn", rank=4, residual="none",
                  solver="auto" if solver == "dense" else solver,
-                 micro_batch_size=2 if solver == "sketch" else None)
+                 micro_batch_size=None if solver == "dense" else 2)
     la.fit(loader)
     assert la.fit_path == solver and depths
-    assert max(depths) <= 7, depths
+    assert max(depths) <= 8, depths
 
 
 def test_a_fit_sets_the_thread_count_at_most_once(monkeypatch):

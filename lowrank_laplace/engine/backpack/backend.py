@@ -19,6 +19,7 @@ from backpack.context import CTX
 from backpack.utils.module_classification import is_no_op
 from torch import Tensor, nn
 
+from lowrank_laplace.engine.backpack.buffers import RowBuffers
 from lowrank_laplace.engine.backpack.convert import convert
 from lowrank_laplace.engine.backpack.extensions import (
     batch_grad_extension,
@@ -261,6 +262,7 @@ class BackpackEngine(EngineBase):
         super().__init__(model, loss_func, eval_mode)
         self._handles = None  # BackPACK hooks, installed at the first pass
         self._unused: set = set()  # trainable parameters the output ignores: zero blocks
+        self._buffers = RowBuffers()  # convolution weight rows, reused until close()
 
     def _check_model(self, model: nn.Module, eval_mode: bool) -> None:
         check_model(model, supported_modules())
@@ -359,6 +361,7 @@ class BackpackEngine(EngineBase):
         ids = {id(h) for h in handles}
         CTX.hook_handles = [h for h in CTX.hook_handles if id(h) not in ids]
         self._handles = []
+        self._buffers.clear()
         super().close()
 
     @serialized
@@ -377,7 +380,7 @@ class BackpackEngine(EngineBase):
         mean = self.loss_func.reduction == "mean"
         # BackPACK normalises by the full batch; rescale to the subset's own loss
         rescale = math.sqrt(n / n_curv) if (mean and subsampling is not None) else 1.0
-        ext = sqrt_ggn_extension(mc_samples, subsampling)
+        ext = sqrt_ggn_extension(mc_samples, subsampling, self._buffers)
         exts = [ext, batch_grad_extension()] if collector.batch_grad else [ext]
 
         def consume(module: nn.Module) -> None:

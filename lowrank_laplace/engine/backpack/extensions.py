@@ -11,6 +11,7 @@ layer, ``Q = in * prod(kernel)``.
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Tuple
 
 import torch
@@ -34,6 +35,7 @@ from backpack.utils.subsampling import subsample
 from torch import Tensor, nn
 from torch.nn.functional import pad
 
+from lowrank_laplace.engine.backpack.buffers import RowBuffers
 from lowrank_laplace.factor import reduced_cross_entropy_sqrt
 from lowrank_laplace.factor.blocks import DenseBlock, KronBlock
 
@@ -46,8 +48,12 @@ def _linear_weight(module: nn.Linear, mat: Tensor, subsampling) -> Optional[Kron
     return KronBlock(mat.detach(), z)
 
 
-def _conv_weight(module: nn.Module, mat: Tensor, subsampling) -> Optional[DenseBlock]:
-    """A conv weight's rows ``(V N, out Q)`` from ``mat`` ``(V, N, out, *spatial)``, or ``None``."""
+def _conv_weight(module: nn.Module, mat: Tensor, subsampling,
+                 buffers: Optional[RowBuffers] = None) -> Optional[DenseBlock]:
+    """A conv weight's rows ``(V N, out Q)`` from ``mat`` ``(V, N, out, *spatial)``, or ``None``.
+
+    Written into ``buffers``' buffer for the module where it is free.
+    """
     if (module.groups != 1 or isinstance(module.padding, str)
             or module.padding_mode != "zeros"):
         return None
@@ -61,7 +67,8 @@ def _conv_weight(module: nn.Module, mat: Tensor, subsampling) -> Optional[DenseB
     cols_t = unfold_input(x, kernel, dilation, padding, stride).transpose(1, 2)  # (N, P, Q)
     num_vecs, num_samples, out_channels = mat.shape[:3]
     mat = mat.detach().reshape(num_vecs, num_samples, out_channels, -1)  # (V, N, out, P)
-    rows = mat.new_empty(num_vecs, num_samples, out_channels, cols_t.shape[2])
+    shape = (num_vecs, num_samples, out_channels, cols_t.shape[2])
+    rows = mat.new_empty(shape) if buffers is None else buffers.empty(module, shape, mat)
     for v in range(num_vecs):
         torch.matmul(mat[v], cols_t, out=rows[v])
     return DenseBlock(rows.reshape(num_vecs * num_samples, -1))
@@ -159,7 +166,8 @@ _EXTRA_SQRT_GGN = {
 }
 
 
-def sqrt_ggn_extension(mc_samples: int, subsampling: Optional[List[int]]) -> BackpropExtension:
+def sqrt_ggn_extension(mc_samples: int, subsampling: Optional[List[int]],
+                       buffers: Optional[RowBuffers] = None) -> BackpropExtension:
     """Return BackPACK's ``SqrtGGNExact``/``SqrtGGNMC`` with the tuned layer extensions.
 
     Results are stored under ``ext.savefield``.
@@ -167,15 +175,17 @@ def sqrt_ggn_extension(mc_samples: int, subsampling: Optional[List[int]]) -> Bac
     Args:
         mc_samples: ``0`` (exact GGN) or ``M >= 1``.
         subsampling: Active sample indices or ``None``.
+        buffers: Where convolution weight rows are written (``None``: fresh tensors).
     """
+    conv_weight = functools.partial(_conv_weight, buffers=buffers)
     if mc_samples:
         ext = SqrtGGNMC(mc_samples=mc_samples, subsampling=subsampling)
     else:
         ext = SqrtGGNExact(subsampling=subsampling)
     ext.set_module_extension(nn.Linear, _sqrt_ggn(SqrtGGNLinear, _linear_weight)(), overwrite=True)
     ext.set_module_extension(nn.CrossEntropyLoss, _SqrtGGNCrossEntropy(), overwrite=True)
-    ext.set_module_extension(nn.Conv1d, _sqrt_ggn(SqrtGGNConv1d, _conv_weight)(), overwrite=True)
-    ext.set_module_extension(nn.Conv2d, _sqrt_ggn(SqrtGGNConv2d, _conv_weight)(), overwrite=True)
+    ext.set_module_extension(nn.Conv1d, _sqrt_ggn(SqrtGGNConv1d, conv_weight)(), overwrite=True)
+    ext.set_module_extension(nn.Conv2d, _sqrt_ggn(SqrtGGNConv2d, conv_weight)(), overwrite=True)
     for layer, derivatives in _EXTRA_SQRT_GGN.items():
         ext.set_module_extension(layer, SqrtGGNBaseModule(derivatives()), overwrite=True)
     for layer, extension in _IN_PLACE_SQRT_GGN.items():
