@@ -53,15 +53,21 @@ def rotate(basis: Tensor, mat: Tensor, in_place: bool, rows: int = 2**16) -> Ten
     return basis
 
 
-def wide_inner(a: Tensor, b: Optional[Tensor] = None, rows: int = 2**18) -> Tensor:
+#: Float64 entries of :func:`wide_inner`'s cast chunks (16 MB: a freed chunk's pages are
+#: reused, where one of 250 MB was mapped and faulted in anew, 0.35 s instead of 0.6 s
+#: for ``D = 895,210``, ``k = 120`` on 2 cores).
+WIDE_INNER_ENTRIES = 2**21
+
+
+def wide_inner(a: Tensor, b: Optional[Tensor] = None) -> Tensor:
     """Return ``a^T b`` ``(k, l)`` in float64, one row chunk cast at a time (see docs/concepts.md).
 
     Args:
         a: Shape ``(D, k)``.
         b: Shape ``(D, l)``; ``None``: ``a`` (the result is then exactly symmetric).
-        rows: Rows per chunk.
     """
     other = a if b is None else b
+    rows = max(1, WIDE_INNER_ENTRIES // max(1, a.shape[1] + other.shape[1]))
     out = a.new_zeros(a.shape[1], other.shape[1], dtype=torch.float64)
     for part_a, part_b in zip(a.split(rows), other.split(rows)):
         part_a = part_a.to(torch.float64)
