@@ -53,3 +53,20 @@ def test_a_kept_factor_keeps_its_rows_when_the_next_pass_runs():
     with ll.FactorEngine(model, nn.CrossEntropyLoss(), backend="functorch") as engine:
         reference = engine.compute(X[:3], y[:3])
     torch.testing.assert_close(reference.blocks[0].to_dense(), kept, rtol=1e-5, atol=1e-6)
+
+
+def test_passes_through_overlapping_max_pools_reusing_their_zeros_stay_exact():
+    """Pools whose windows overlap (DeepOBS' 3x3, stride 2) scatter-add into zeros that
+    the engine reuses: every pass's GGN factor equals the functorch one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(),
+                          nn.MaxPool2d(3, stride=2, padding=1), nn.Flatten(),
+                          nn.Linear(3 * 3 * 3, 4))
+    X, y = torch.randn(8, 2, 7, 7), torch.randint(0, 4, (8,))
+    loss_func = nn.CrossEntropyLoss()
+    with ll.FactorEngine(model, loss_func, backend="functorch") as engine:
+        expected = [engine.compute(X[i:i + 4], y[i:i + 4]).gram() for i in (0, 4, 0)]
+    with ll.FactorEngine(model, loss_func, backend="backpack") as engine:
+        for i, gram in zip((0, 4, 0), expected):
+            torch.testing.assert_close(engine.compute(X[i:i + 4], y[i:i + 4]).gram(), gram,
+                                       rtol=1e-5, atol=1e-6)
