@@ -370,11 +370,10 @@ class LoaderFit:
             plan = choose_plan(sizes, self.config)
             if self.group is not None:
                 plan = choose_plan(sizes, self.config, agree(self.group, plan, self.device))
-            if self._sizes is None:  # the fit's threads, beside other work
-                self._cores = None if plan.threads is not None else \
-                    self._scope.enter_context(SpareCores(self.device))
-                if plan.threads is not None:
-                    self._scope.enter_context(cpu_threads(plan.threads))
+            if self._sizes is None and plan.threads is not None:  # a small fit
+                self._scope.enter_context(cpu_threads(plan.threads))
+            elif self._sizes is None:  # the cores other processes leave, batch by batch
+                self._cores = self._scope.enter_context(SpareCores(self.device))
             self.plan, self._sizes = plan, sizes
             if self.config.probe_inputs:
                 self._probe_cap = probe_cap(sizes)

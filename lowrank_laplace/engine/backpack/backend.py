@@ -262,7 +262,7 @@ class BackpackEngine(EngineBase):
         super().__init__(model, loss_func, eval_mode)
         self._handles = None  # BackPACK hooks, installed at the first pass
         self._unused: set = set()  # trainable parameters the output ignores: zero blocks
-        self._buffers = RowBuffers()  # convolution weight rows, reused until close()
+        self._buffers = RowBuffers()  # conv rows and max-pool matrices, until close()
 
     def _check_model(self, model: nn.Module, eval_mode: bool) -> None:
         check_model(model, supported_modules())

@@ -1,10 +1,11 @@
 """Output buffers an engine reuses from pass to pass while nothing else holds them.
 
 A convolution's expanded weight rows are the largest tensor of a BackPACK pass (218 MB a
-merge for DeepOBS' ``3c3d``). On the CPU every fresh allocation of that size is mapped
-anew and its pages faulted in and zeroed by the kernel, about a tenth of a streaming fit;
-writing each pass's rows into the previous pass's buffer, once its factor is merged and
-dropped, skips that (docs/benchmarks/design_measurements.md).
+merge for DeepOBS' ``3c3d``), a max-pool's scattered matrix the next (90 MB). On the CPU
+every fresh allocation of that size is mapped anew and its pages faulted in and zeroed by
+the kernel (half of that fit's page faults); writing each pass's into the previous pass's
+buffer, once its factor is merged and dropped, skips that
+(docs/benchmarks/design_measurements.md).
 """
 
 from __future__ import annotations
