@@ -116,6 +116,9 @@ class LowRankGGNLaplace(StatePersistence, ComplementRefinement, PosteriorQueries
     def __init__(self, model: nn.Module, likelihood: str, *args: Any,
                  diagonal_correction: Optional[bool] = None, **kwargs: Any):
         self._set_options(diagonal_correction, split_options(kwargs))
+        meta = [p for p in model.parameters() if p.requires_grad and p.is_meta]
+        if meta:  # laplace-torch 0.5 reads the prior's values from them in its __init__
+            check_params(meta)
         super().__init__(model, likelihood, *args, **kwargs)
         if not isinstance(self, LLLaplace):  # the last-layer class checks after its options
             refuse_other_curvature(self)
