@@ -14,12 +14,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence, TypeVar
 
 import torch
 
 #: Work (e.g. ``D r`` multiply-adds) below which a posterior's queries run on one thread.
 SMALL_WORK = 2**24
+#: Readings after one that finds other processes running (the fewest count).
+CONFIRM_READINGS = 2
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -75,8 +78,18 @@ def spare_threads(device: Any) -> Optional[int]:
 
 
 def _cores_left() -> Optional[int]:
-    """The cores other processes leave now (>= 1); ``None`` when quiet or unknown."""
+    """The cores other processes leave now (>= 1); ``None`` when quiet or unknown.
+
+    A reading that finds others running is checked twice more, 1 ms apart, and the fewest
+    count: a passing thread (a kernel worker) is rarely still runnable, a busy process's
+    always is.
+    """
     others = others_running()
+    for _ in range(CONFIRM_READINGS):
+        if not others:
+            return None
+        time.sleep(0.001)
+        others = min(others, others_running() or 0)
     if not others:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
@@ -89,38 +102,25 @@ class SpareCores:
 
     One reading as the call starts can catch another process's passing work (one exiting
     and freeing its memory is runnable for a while) and leave a quiet machine's other
-    cores idle for a whole fit; a busy neighbour is seen at every step. Fewer threads are
-    taken at once, more only when two steps in a row read them free: one step on too many
-    threads beside a busy process costs far more than one on too few on a quiet machine.
-    The user's setting is the most taken, and restored at exit.
+    cores idle for a whole fit; a busy neighbour is seen at every step. The user's
+    setting is the most taken, and restored at exit.
     """
 
     def __init__(self, device: Any):
         cpu = torch.device(device).type == "cpu"
         self._user = torch.get_num_threads() if cpu else 1  # one: nothing to spare
-        self._previous = 1  # the threads the last step read free
 
     def __enter__(self) -> "SpareCores":
-        if self._user > 1:
-            self._previous = self._free()
-            if self._previous != self._user:
-                torch.set_num_threads(self._previous)
+        self.step()
         return self
-
-    def _free(self) -> int:
-        """The threads other processes leave now, at most the user's setting."""
-        left = _cores_left()
-        return self._user if left is None else min(left, self._user)
 
     def step(self) -> None:
         """Take the cores other processes leave now (reads ``/proc``, about 0.1 ms)."""
         if self._user <= 1:
             return
-        free, current = self._free(), torch.get_num_threads()
-        # fewer at once; more only as far as this reading and the last agree
-        threads = free if free <= current else max(current, min(free, self._previous))
-        self._previous = free
-        if threads != current:
+        left = _cores_left()
+        threads = self._user if left is None else min(left, self._user)
+        if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
 
     def __exit__(self, *exc: Any) -> None:

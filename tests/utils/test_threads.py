@@ -180,15 +180,9 @@ def _large(choose):
     return lambda *args, **kwargs: replace(choose(*args, **kwargs), threads=None)
 
 
-@pytest.mark.parametrize("readings, expected", [
-    ([1, 1, 0, 0, 2], [1, 1, 2, 1]),  # a passing process as the fit starts, a busy one later
-    ([2, 2, 0, 2, 2], [1, 1, 1, 1]),  # one quiet reading beside a busy process: no raise
-])
-def test_a_fit_rereads_the_spare_cores_at_every_batch(monkeypatch, two_threads, readings,
-                                                       expected):
-    """Another process runnable as the fit starts (one exiting) costs two batches' threads,
-    not the whole fit's; a busy one that appears later is seen at the next batch; more
-    threads are taken only when two batches in a row read them free."""
+def test_a_fit_rereads_the_spare_cores_at_every_batch(monkeypatch, two_threads):
+    """Another process runnable as the fit starts (one exiting) costs one batch's threads,
+    not the whole fit's; a busy one that appears later is seen at the next batch."""
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -196,17 +190,36 @@ def test_a_fit_rereads_the_spare_cores_at_every_batch(monkeypatch, two_threads, 
     from lowrank_laplace.fitting import fit as fitting
     from lowrank_laplace.fitting.streamer import BatchStreamer
 
-    readings = iter(readings)  # as the fit starts, then at each of its four batches
-    monkeypatch.setattr(threads, "others_running", lambda: next(readings, 0))
+    later = iter([0, 0, 2])  # read before the second, third and fourth batch
+    machine = {"others": 1}  # as the fit starts and before its first batch
+    monkeypatch.setattr(threads, "others_running", lambda: machine["others"])
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     seen, add = [], BatchStreamer.add
-    monkeypatch.setattr(BatchStreamer, "add",
-                        lambda self, X, y: (seen.append(torch.get_num_threads()),
-                                            add(self, X, y))[1])
+
+    def recording(self, X, y):
+        seen.append(torch.get_num_threads())
+        out = add(self, X, y)
+        machine["others"] = next(later, 0)
+        return out
+
+    monkeypatch.setattr(BatchStreamer, "add", recording)
     monkeypatch.setattr(fitting, "choose_plan", _large(fitting.choose_plan))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
     X, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
     la = LowRankGGNLaplace(model, "classification", rank=5, residual="none")
     la.fit(DataLoader(TensorDataset(X, y), batch_size=16))
-    assert seen == expected and torch.get_num_threads() == 2
+    assert seen == [1, 2, 2, 1] and torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("readings, expected", [
+    ([1, 0], None),  # a passing thread: gone at the second reading
+    ([2, 1, 2], 1),  # a busy process: the fewest of three readings
+    ([0], None),
+])
+def test_a_reading_of_other_processes_is_confirmed(monkeypatch, two_threads, readings,
+                                                   expected):
+    readings = iter(readings)
+    monkeypatch.setattr(threads, "others_running", lambda: next(readings))
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert threads.spare_threads("cpu") == expected
