@@ -134,8 +134,9 @@ class StreamingMerge(Solver):
 
         ``narrow_only``: formed in the factor's own dtype only where its ``keep`` leading
         eigenvalues are resolved and span less than ``WIDE_SPAN eps``, as a later merge's
-        kept spectrum is checked; else nothing is done and ``False`` returned (3c3d's first
-        merge 0.45 s instead of 0.9 s; a wide spectrum pays one more Gram matrix).
+        kept spectrum is checked; else nothing is done and ``False`` returned, and the merge
+        is formed in float64 after this one more Gram matrix
+        (docs/benchmarks/design_measurements.md).
         """
         gram, _, formed = wide_products(factor, blocks, [], group)
         gram = gram * scale

@@ -54,8 +54,8 @@ def rotate(basis: Tensor, mat: Tensor, in_place: bool, rows: int = 2**16) -> Ten
 
 
 #: Float64 entries of :func:`wide_inner`'s cast chunks (16 MB: a freed chunk's pages are
-#: reused, where one of 250 MB was mapped and faulted in anew, 0.35 s instead of 0.6 s
-#: for ``D = 895,210``, ``k = 120`` on 2 cores).
+#: reused, where a larger one is mapped and faulted in anew;
+#: docs/benchmarks/design_measurements.md).
 WIDE_INNER_ENTRIES = 2**21
 
 

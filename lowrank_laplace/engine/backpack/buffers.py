@@ -1,10 +1,9 @@
 """Output buffers an engine reuses from pass to pass while nothing else holds them.
 
-A convolution's expanded weight rows are the largest tensor of a BackPACK pass (218 MB a
-merge for DeepOBS' ``3c3d``), a max-pool's scattered matrix the next (90 MB). On the CPU
-every fresh allocation of that size is mapped anew and its pages faulted in and zeroed by
-the kernel (half of that fit's page faults); writing each pass's into the previous pass's
-buffer, once its factor is merged and dropped, skips that
+A convolution's expanded weight rows are the largest tensor of a BackPACK pass, a
+max-pool's scattered matrix the next. On the CPU every fresh allocation of that size is
+mapped anew and its pages faulted in and zeroed by the kernel; writing each pass's into
+the previous pass's buffer, once its factor is merged and dropped, skips that
 (docs/benchmarks/design_measurements.md).
 """
 

@@ -160,10 +160,7 @@ def _exclusive(ext, mat: Tensor) -> bool:
 
 
 def _reused_zeros(base, buffers: RowBuffers):
-    """A max-pool's derivatives scattering into reused zeros (BackPACK's are fresh each pass).
-
-    The matrix at the input of the first pool of DeepOBS' ``3c3d`` is 90 MB a pass.
-    """
+    """A max-pool's derivatives scattering into reused zeros (BackPACK's are fresh each pass)."""
 
     class _Pooled(base):
         def _jac_t_mat_prod(self, module, g_inp, g_out, mat, subsampling=None):
