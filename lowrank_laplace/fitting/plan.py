@@ -20,6 +20,7 @@ from lowrank_laplace.fitting.base import Solver
 from lowrank_laplace.fitting.budget import resolve_memory_budget, samples_that_fit
 from lowrank_laplace.fitting.config import FitConfig, SolverKind
 from lowrank_laplace.fitting.dense import DenseSum
+from lowrank_laplace.fitting.products import CACHE_SHARE
 from lowrank_laplace.fitting.sketch import SketchMerge
 from lowrank_laplace.fitting.streaming import StreamingMerge
 from lowrank_laplace.utils.batches import batch_device
@@ -46,8 +47,11 @@ LAZY_MIN_DIM_PER_EIGENPAIR = 200
 #: ``D x l`` takes at most this share of the budget; ``solver="auto"`` sketches within it.
 WIDE_SKETCH_SHARE = 0.25
 #: ``solver="auto"`` sketches with ``rank * (1 + AUTO_SKETCH_OVERSAMPLING)`` columns
-#: (fewer tuned the marglik prior too strong; docs/benchmarks/design_measurements.md).
+#: (fewer tuned the marglik prior too strong; docs/benchmarks/design_measurements.md)...
 AUTO_SKETCH_OVERSAMPLING = 3
+#: ...and with ``rank * (1 + RITZ_SKETCH_OVERSAMPLING)`` where the fit keeps its factors,
+#: whose Rayleigh-Ritz step then makes the kept eigenvalues exact on the sketch's span.
+RITZ_SKETCH_OVERSAMPLING = 1
 #: Random columns per rank of a warm-started sketch besides its basis (at most the cold
 #: sketch's columns in all).
 WARM_SKETCH_OVERSAMPLING = 2
@@ -80,6 +84,8 @@ class FitSizes:
         device: ``"cpu"``, ``"cuda"``, ...
         float64: Whether the parameters are float64.
         grouped: A data-parallel fit.
+        cached: The fit keeps its pass's factors for products after it (a sketch then
+            refines its eigenpairs by Rayleigh-Ritz on them).
     """
 
     dim: int
@@ -94,6 +100,12 @@ class FitSizes:
     device: str = "cpu"
     float64: bool = True
     grouped: bool = False
+    cached: bool = False
+
+    def ritz(self) -> bool:
+        """Whether a sketch's Rayleigh-Ritz step can run: every factor fits the cache."""
+        kept = self.num_data * self.columns * self.vector_bytes
+        return self.cached and not self.grouped and kept <= CACHE_SHARE * self.budget
 
     def limit(self, low_memory: bool) -> Tuple[int, int]:
         """Samples whose ``V`` fits the budget, and one sample's bytes.
@@ -106,7 +118,7 @@ class FitSizes:
 
 
 def measure_sizes(engine: Any, X: Any, batch_size: int, num_data: int, config: FitConfig,
-                  grouped: bool = False) -> FitSizes:
+                  grouped: bool = False, cached: bool = False) -> FitSizes:
     """Return the :class:`FitSizes` of a fit from its first batch (one sample's forward).
 
     Args:
@@ -116,6 +128,7 @@ def measure_sizes(engine: Any, X: Any, batch_size: int, num_data: int, config: F
         num_data: Samples this process streams.
         config: The fit's options.
         grouped: A data-parallel fit.
+        cached: The fit keeps its pass's factors (``FitSizes.cached``).
     """
     vector = engine.bytes_per_sample(X, 1)
     block = engine.bytes_per_sample(X, 1, one_block=True)
@@ -127,7 +140,7 @@ def measure_sizes(engine: Any, X: Any, batch_size: int, num_data: int, config: F
         vector_bytes=vector, block_bytes=block, itemsize=params[0].element_size(),
         batch_size=batch_size, num_data=num_data,
         budget=resolve_memory_budget(config.memory_budget, device), device=device.type,
-        float64=params[0].dtype == torch.float64, grouped=grouped,
+        float64=params[0].dtype == torch.float64, grouped=grouped, cached=cached,
     )
 
 
@@ -205,6 +218,8 @@ def merge_plan(sizes: FitSizes, config: FitConfig, keep: int, low_memory: bool =
 def choose_solver(sizes: FitSizes, config: FitConfig) -> Tuple[str, int]:
     """Return ``solver="auto"``'s ``("sketch" or "streaming", columns kept while fitting)``.
 
+    Fewer columns where the fit's Rayleigh-Ritz step refines them (:meth:`FitSizes.ritz`).
+
     A sketch needs its float64 ``D x l`` within :data:`WIDE_SKETCH_SHARE` of the budget and,
     on the CPU, a lower cost than streaming (on CUDA fitting is enough:
     docs/benchmarks/measurements.md, "Default arguments and LoRA adapters on an H200").
@@ -215,7 +230,8 @@ def choose_solver(sizes: FitSizes, config: FitConfig) -> Tuple[str, int]:
         config: The options.
     """
     keep = keep_while_fitting(config.rank)
-    columns = min(sizes.dim, max(keep, config.rank * (1 + AUTO_SKETCH_OVERSAMPLING)))
+    extra = RITZ_SKETCH_OVERSAMPLING if sizes.ritz() else AUTO_SKETCH_OVERSAMPLING
+    columns = min(sizes.dim, max(keep, config.rank * (1 + extra)))
     if config.low_memory or sizes.grouped or \
             sizes.dim * columns * 8 > WIDE_SKETCH_SHARE * sizes.budget:
         return "streaming", keep

@@ -14,12 +14,13 @@ Shape glossary:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lowrank_laplace.fitting.base import factor_dtype
 from lowrank_laplace.fitting.budget import resolve_memory_budget
 
 #: Relative tolerance on the summed squared targets of a pass over the fitted data (float64
@@ -136,6 +137,13 @@ class FactorCache:
             self.kept.append((factor, scale))
         elif not self.partial or self.samples < MIN_PARTIAL:
             self.kept = []  # overflowed: every pass recomputes its factors
+
+    def products(self) -> Optional[Callable[[Tensor], Tensor]]:
+        """``X -> X H`` of rows ``X`` by the kept factors, where all were kept (else ``None``)."""
+        if not self.complete or not self.kept:
+            return None
+        dtype = factor_dtype(self.kept[0][0])
+        return lambda rows: kept_products(rows, self.kept, dtype)
 
     @property
     def samples(self) -> int:

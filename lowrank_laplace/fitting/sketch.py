@@ -10,15 +10,17 @@ docs/concepts.md, "One-pass sketch".
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from lowrank_laplace.factor import Block, cat_blocks
+from lowrank_laplace.factor.wide import WIDE
 from lowrank_laplace.fitting.base import Solver
 from lowrank_laplace.fitting.nystrom import nystrom_core, nystrom_eigenpairs, sub_sketch_share
 from lowrank_laplace.fitting.omega import BasisOmega, Omega
+from lowrank_laplace.utils.linalg import rotate, sym_eigh
 
 #: Factored linear-layer blocks of consecutive passes are added together, up to this
 #: many samples per parameter and bytes queued in all (each product writes a whole
@@ -73,6 +75,7 @@ class SketchMerge(Solver):
         self._sketch: Optional[Tensor] = None  # Y = H Omega, laid out like Omega
         self.shift: Optional[float] = None  # nu of the last finalisation
         self._convergence = 1.0  # sub_sketch_share of the last finalisation
+        self.ritz = False  # whether rayleigh_ritz refined the eigenpairs
         # parameter index -> (blocks, scaled V^T Omega rows, sketch slice) not yet added
         self._kron: Dict[int, Tuple[List[Block], List[Tensor], Tensor]] = {}
 
@@ -213,9 +216,36 @@ class SketchMerge(Solver):
         ratio = RESOLVED_RATIO if ratio is None else ratio
         return float(lam[: self.rank].min()) >= ratio * self.shift
 
+    def rayleigh_ritz(self, products: Callable[[Tensor], Tensor]) -> None:
+        r"""Replace the Nyström eigenpairs by ``H``'s Ritz pairs on their span (finalises).
+
+        With ``U`` the Nyström eigenvectors, the eigenpairs of ``U^T H U`` (float64) give
+        ``U W`` and ``theta``: the kept eigenvalues become the exact curvature of their
+        directions (Nyström's under-state it), at the cost of one product with ``r`` columns.
+        :attr:`convergence` becomes the Nyström eigenvalues' sum over the Ritz values'.
+
+        Args:
+            products: ``X -> X H`` of rows ``X`` ``(k, D)``, float64 (the fit's kept factors).
+        """
+        self._finalize()
+        U = self._vectors
+        if U is None or U.shape[1] == 0:
+            return
+        rows = U.T.to(WIDE)
+        theta, W = sym_eigh(products(rows) @ rows.T)
+        theta = theta.clamp(min=0)
+        nystrom, ritz = float(self._exact[1].sum()), float(theta.sum())
+        self._convergence = nystrom / ritz if ritz > 0 else 1.0
+        self._vectors = rotate(U, W.to(U.dtype), in_place=True)
+        self.keep_eigenvalues(theta, self._dtype)
+        self.ritz = True
+
     @property
     def convergence(self) -> float:
-        """``sub_sketch_share`` of the sketch, ``1.0`` where converged (finalises it)."""
+        """``sub_sketch_share`` of the sketch, ``1.0`` where converged (finalises it).
+
+        After :meth:`rayleigh_ritz`: the Nyström eigenvalues' share of the Ritz values.
+        """
         self._finalize()
         return self._convergence
 

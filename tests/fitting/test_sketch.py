@@ -1,5 +1,7 @@
 """The one-pass Nyström sketch (``solver="sketch"``) against dense references."""
 
+import dataclasses
+
 import pytest
 import torch
 from laplace import FullLaplace, Laplace
@@ -537,8 +539,10 @@ def test_auto_streams_where_its_sketch_did_not_converge(tune):
     stream = LowRankGGNLaplace(model, "classification", rank=10, solver="streaming")
     stream.fit(loader)
     check = checks[0]
-    assert check.name == "sketch convergence" and not check.passed
-    assert check.value < SKETCH_CONVERGED and check.action == "streamed instead"
+    assert check.name.startswith("sketch convergence") and not check.passed
+    # the fit kept its factors: a sketch of 2 * rank columns, refined by Rayleigh-Ritz
+    assert check.threshold == SKETCH_CONVERGED[True][0]
+    assert check.value < check.threshold and check.action == "streamed instead"
     assert auto.fit_path == "streaming"
     # on the flat spectrum it streams keeping more eigenpairs: as streaming tuned to them
     assert float(auto.H[1].sum()) >= float(stream.H[1].sum()) * (1 - 1e-9)
@@ -559,3 +563,78 @@ def test_auto_streams_where_its_sketch_did_not_converge(tune):
                                  solver="sketch")
         kept.fit(loader)
     assert kept.fit_path == "sketch" and checks[-1].passed and checks[-1].action == "kept"
+
+
+@pytest.mark.parametrize("arch", ["mlp", "cnn"])
+def test_rayleigh_ritz_gives_the_ggn_on_the_nystrom_span(arch):
+    """The Ritz pairs of the dense GGN on the Nyström eigenvectors' span: orthonormal,
+    ``U^T G U`` diagonal with the eigenvalues, never below Nyström's nor above the GGN's."""
+    model, loss_func, X, y, factors = _factors(arch, batches=6, n=3)
+    G = ggn(model, loss_func, X, y)
+    merge = SketchMerge(4, 4, seed=3)
+    for f in factors:
+        merge.add_factor(f)
+    nystrom_U, nystrom_lam = (t.clone() for t in merge.result()[:2])
+    merge.rayleigh_ritz(lambda rows: rows @ G)
+    U, lam, trace, _ = merge.result()
+    assert merge.ritz and U.shape == nystrom_U.shape
+    span = nystrom_U @ nystrom_U.T
+    torch.testing.assert_close(span @ U, U, **TOL)  # the same span
+    torch.testing.assert_close(U.T @ U, torch.eye(4, dtype=U.dtype), **TOL)
+    torch.testing.assert_close(U.T @ G @ U, torch.diag(lam), rtol=0, atol=1e-9 * lam[0])
+    exact = torch.linalg.eigvalsh(G).flip(0)[:4]
+    assert (lam >= nystrom_lam * (1 - 1e-9)).all() and (lam <= exact * (1 + 1e-9)).all()
+    assert merge.convergence == pytest.approx(float(nystrom_lam.sum() / lam.sum()), rel=1e-9)
+    # the dropped mass stays exact: the trace minus the kept Ritz values
+    torch.testing.assert_close(trace, torch.trace(G), **TOL)
+
+
+def test_a_fit_keeping_its_factors_refines_its_sketch_by_rayleigh_ritz(tune):
+    """Where the fit keeps its factors, ``solver="auto"`` sketches ``2 * rank`` columns
+    and its eigenvalues are the dense GGN's Rayleigh quotients on its eigenvectors; a fit
+    that keeps none (``residual="isotropic"``) keeps the ``4 * rank`` Nyström sketch."""
+    from tests.laplace_torch.test_warm import _problem as decaying_problem
+
+    tune(dense_max_dim=0)
+    model, X, y, loader = decaying_problem()
+    likelihood = "classification"
+    G = ggn(model, nn.CrossEntropyLoss(reduction="sum"), X, y)
+    columns = []
+    make = plan.make_solver
+
+    def recorded(fit_plan, *args, **kwargs):
+        columns.append(fit_plan.keep)
+        return make(fit_plan, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("lowrank_laplace.fitting.fit.make_solver", recorded)
+        la = LowRankGGNLaplace(model, likelihood, rank=5)
+        la.fit(loader)
+        plain = LowRankGGNLaplace(model, likelihood, rank=5, residual="isotropic")
+        plain.fit(loader)
+    assert la.fit_path == plain.fit_path == "sketch" and columns == [10, 20]
+    assert la.fit_report.check.passed and "Rayleigh-Ritz" in str(la.fit_report)
+    U, lam = la.H
+    torch.testing.assert_close(U.T @ G @ U, torch.diag(lam), rtol=0, atol=1e-8 * lam[0])
+    exact = torch.linalg.eigvalsh(G).flip(0)[:5]
+    assert float(lam.sum()) >= 0.95 * float(exact.sum())
+    assert "Rayleigh-Ritz" not in str(plain.fit_report)
+    # the same fit without laplace-torch's class: the same eigenpairs
+    from lowrank_laplace.laplace_torch.fitted import fit_lowrank_ggn
+    from lowrank_laplace.laplace_torch.options import LowRankOptions
+
+    fitted = fit_lowrank_ggn(model, likelihood, loader, LowRankOptions(rank=5))
+    torch.testing.assert_close(fitted.result.eigenvalues, lam, rtol=1e-10, atol=0)
+
+
+def test_plan_sketches_fewer_columns_where_all_factors_are_kept():
+    """``FitSizes.ritz``: kept factors that fit the cache's share of the budget."""
+    sizes = plan.FitSizes(dim=10**5, gram_dim=400, columns=9, vector_bytes=4 * 10**5 // 4,
+                          block_bytes=4000, itemsize=4, batch_size=128, num_data=1000,
+                          budget=2**32, float64=False, cached=True)
+    config = FitConfig(rank=100)
+    assert sizes.ritz() and plan.choose_solver(sizes, config) == ("sketch", 200)
+    assert plan.choose_solver(dataclasses.replace(sizes, cached=False), config) == \
+        ("sketch", 400)
+    overflowing = dataclasses.replace(sizes, num_data=10**6, budget=2**34)
+    assert not overflowing.ritz()
