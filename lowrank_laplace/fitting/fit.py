@@ -312,7 +312,7 @@ class LoaderFit:
             raise ValueError("train_loader yielded no batches: nothing to fit.")
         stream.flush()
         if stream.tap is not None:
-            self.cache.complete = self.cache.room >= 0
+            self.cache.close_pass()
             self.cache.inputs = kept
         if sink is None:
             self.probe = ProbeInputs(kept, self._probe_cap, stream.rng) if kept else None

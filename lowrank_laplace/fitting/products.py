@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lowrank_laplace.factor import DenseBlock
+from lowrank_laplace.factor.dense_block import SampleConcat
 from lowrank_laplace.fitting.base import factor_dtype
 from lowrank_laplace.fitting.budget import resolve_memory_budget
 
@@ -138,6 +140,18 @@ class FactorCache:
         elif not self.partial or self.samples < MIN_PARTIAL:
             self.kept = []  # overflowed: every pass recomputes its factors
 
+    def close_pass(self) -> None:
+        """End the first pass: whether it kept every factor; blocks of several passes made one.
+
+        A kept ``SampleConcat`` is copied into one matrix, a block at a time (its parts are
+        freed as it is): the products after the fit read it at every step.
+        """
+        self.complete = self.room >= 0
+        for factor, _ in self.kept:
+            for index, block in factor.blocks.items():
+                if isinstance(block, SampleConcat):
+                    factor.blocks[index] = DenseBlock(block.rows)
+
     def products(self) -> Optional[Callable[[Tensor], Tensor]]:
         """``X -> X H`` of rows ``X`` by the kept factors, where all were kept (else ``None``)."""
         if not self.complete or not self.kept:
@@ -233,7 +247,7 @@ class GGNProducts:
                 seen = self.run.stream(self.loader, sink)
             self.passes += 1
             self.fitted.check(seen, self.run.group, dtype, X.device)
-            self.cache.complete = self.cache.room >= 0
+            self.cache.close_pass()
             product = sink.out.T.to(torch.float64)
         if self.run.group is not None:
             dist.all_reduce(product, group=self.run.group)

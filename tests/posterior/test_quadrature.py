@@ -9,8 +9,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lowrank_laplace import LowRankGGNLaplace
+from lowrank_laplace.engine import FactorEngine
+from lowrank_laplace.factor.dense_block import SampleConcat
 from lowrank_laplace.fitting.fit import FitTarget, LoaderFit
-from lowrank_laplace.fitting.products import FittedData
+from lowrank_laplace.fitting.products import FactorCache, FittedData, kept_products
+from lowrank_laplace.fitting.streaming import concat_factors
 from lowrank_laplace.posterior import quadrature
 from lowrank_laplace.posterior.quadrature import LanczosRuns
 from tests import reference
@@ -97,9 +100,32 @@ def test_the_fits_kept_factors_multiply_by_the_dense_ggn(tune, solver, dense_max
     with LoaderFit(target, la.options, keep_factors=True) as run:
         run.run(loader)
         assert run.cache.complete and run.plan.path == ("dense" if dense_max_dim else solver)
+        # blocks of several passes were made one matrix for the products
+        blocks = [b for f, _ in run.cache.kept for b in f.blocks.values()]
+        assert not any(isinstance(b, SampleConcat) for b in blocks)
         products = run.products(loader, FittedData(len(X)))
         torch.testing.assert_close(products(Q), Q @ G, rtol=1e-9, atol=1e-10)
     assert products.passes == 0
+
+
+def test_closing_the_pass_makes_concatenated_blocks_one_matrix():
+    """``FactorCache.close_pass``: a factor of two passes' blocks multiplies as before."""
+    model, X, y, _ = _problem()
+    with FactorEngine(model, nn.CrossEntropyLoss(reduction="sum")) as engine:
+        factors = [engine.compute(X[i:i + 50], y[i:i + 50]) for i in (0, 50)]
+    cache = FactorCache(2**30)
+    cache.offer(concat_factors(factors, [1.0, 2.0]), 0.5)
+    assert any(isinstance(b, SampleConcat) for b in cache.kept[0][0].blocks.values())
+    Q = torch.randn(3, sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    before = kept_products(Q, cache.kept, torch.float64)
+    cache.close_pass()
+    assert cache.complete
+    assert not any(isinstance(b, SampleConcat) for b in cache.kept[0][0].blocks.values())
+    torch.testing.assert_close(kept_products(Q, cache.kept, torch.float64), before,
+                               rtol=1e-12, atol=1e-12 * before.abs().max())
+    G = sum(scale * reference.ggn(model, nn.CrossEntropyLoss(reduction="sum"),
+                                  X[i:i + 50], y[i:i + 50]) for i, scale in ((0, 0.5), (50, 1.0)))
+    torch.testing.assert_close(before, Q @ G, rtol=1e-9, atol=1e-10)
 
 
 def test_low_memory_passes_recompute_the_same_products(tune):
