@@ -250,9 +250,10 @@ class LoaderFit:
                     "lost, and variances in weakly determined directions can be far off at small "
                     "prior precisions. solver='streaming', a larger memory_budget (or a float64 "
                     "model) resolves them.", UserWarning, stacklevel=3)
-        products = None if self.cache is None or self.group is not None else self.cache.products()
-        if self.plan.path == "sketch" and products is not None:  # the kept factors refine it
-            stream.solver.rayleigh_ritz(products)
+        form = None if self.cache is None or self.group is not None else \
+            self.cache.quadratic_form()
+        if self.plan.path == "sketch" and form is not None:  # the kept factors refine it
+            stream.solver.rayleigh_ritz(form)
         loss, num_data, targets = self._reduce(stream, loss, seen, known, mean.dtype)
         check = self._check(stream)
         if check is not None and check.action == "streamed instead":

@@ -152,12 +152,12 @@ class FactorCache:
                 if isinstance(block, SampleConcat):
                     factor.blocks[index] = DenseBlock(block.rows)
 
-    def products(self) -> Optional[Callable[[Tensor], Tensor]]:
-        """``X -> X H`` of rows ``X`` by the kept factors, where all were kept (else ``None``)."""
+    def quadratic_form(self) -> Optional[Callable[[Tensor], Tensor]]:
+        """``X -> X H X^T`` of rows ``X`` by the kept factors where all were kept, else ``None``."""
         if not self.complete or not self.kept:
             return None
         dtype = factor_dtype(self.kept[0][0])
-        return lambda rows: kept_products(rows, self.kept, dtype)
+        return lambda rows: kept_quadratic_form(rows, self.kept, dtype)
 
     @property
     def samples(self) -> int:
@@ -186,6 +186,17 @@ def kept_products(X: Tensor, factors: List[Tuple[Any, float]], dtype: torch.dtyp
     for factor, scale in factors:
         sink.add_factor(factor, scale=scale)
     return sink.out.T.to(torch.float64)
+
+
+def kept_quadratic_form(X: Tensor, factors: List[Tuple[Any, float]], dtype: torch.dtype
+                        ) -> Tensor:
+    """``X H X^T`` of rows ``X`` ``(s, D)``: ``sum scale W^T W``, ``W = V^T X^T``; float64."""
+    X_t = X.T.to(dtype).contiguous()
+    out = torch.zeros(X.shape[0], X.shape[0], dtype=torch.float64, device=X.device)
+    for factor, scale in factors:
+        W = factor.t_matmul(X_t).to(torch.float64)
+        out.addmm_(W.T, W, alpha=scale)
+    return out
 
 
 class ProductSink:

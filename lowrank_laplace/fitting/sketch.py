@@ -216,23 +216,23 @@ class SketchMerge(Solver):
         ratio = RESOLVED_RATIO if ratio is None else ratio
         return float(lam[: self.rank].min()) >= ratio * self.shift
 
-    def rayleigh_ritz(self, products: Callable[[Tensor], Tensor]) -> None:
+    def rayleigh_ritz(self, quadratic_form: Callable[[Tensor], Tensor]) -> None:
         r"""Replace the Nyström eigenpairs by ``H``'s Ritz pairs on their span (finalises).
 
         With ``U`` the Nyström eigenvectors, the eigenpairs of ``U^T H U`` (float64) give
         ``U W`` and ``theta``: the kept eigenvalues become the exact curvature of their
-        directions (Nyström's under-state it), at the cost of one product with ``r`` columns.
+        directions (Nyström's under-state it), at the cost of one product ``V^T U``.
         :attr:`convergence` becomes the Nyström eigenvalues' sum over the Ritz values'.
 
         Args:
-            products: ``X -> X H`` of rows ``X`` ``(k, D)``, float64 (the fit's kept factors).
+            quadratic_form: ``X -> X H X^T`` of rows ``X`` ``(k, D)``, float64 (the fit's
+                kept factors).
         """
         self._finalize()
         U = self._vectors
         if U is None or U.shape[1] == 0:
             return
-        rows = U.T.to(WIDE)
-        theta, W = sym_eigh(products(rows) @ rows.T)
+        theta, W = sym_eigh(quadratic_form(U.T.to(WIDE)))
         theta = theta.clamp(min=0)
         nystrom, ritz = float(self._exact[1].sum()), float(theta.sum())
         self._convergence = nystrom / ritz if ritz > 0 else 1.0

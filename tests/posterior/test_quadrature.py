@@ -12,7 +12,12 @@ from lowrank_laplace import LowRankGGNLaplace
 from lowrank_laplace.engine import FactorEngine
 from lowrank_laplace.factor.dense_block import SampleConcat
 from lowrank_laplace.fitting.fit import FitTarget, LoaderFit
-from lowrank_laplace.fitting.products import FactorCache, FittedData, kept_products
+from lowrank_laplace.fitting.products import (
+    FactorCache,
+    FittedData,
+    kept_products,
+    kept_quadratic_form,
+)
 from lowrank_laplace.fitting.streaming import concat_factors
 from lowrank_laplace.posterior import quadrature
 from lowrank_laplace.posterior.quadrature import LanczosRuns
@@ -126,6 +131,8 @@ def test_closing_the_pass_makes_concatenated_blocks_one_matrix():
     G = sum(scale * reference.ggn(model, nn.CrossEntropyLoss(reduction="sum"),
                                   X[i:i + 50], y[i:i + 50]) for i, scale in ((0, 0.5), (50, 1.0)))
     torch.testing.assert_close(before, Q @ G, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(kept_quadratic_form(Q, cache.kept, torch.float64), Q @ G @ Q.T,
+                               rtol=1e-9, atol=1e-10)
 
 
 def test_low_memory_passes_recompute_the_same_products(tune):
