@@ -33,12 +33,7 @@ from lowrank_laplace.fitting.plan import (
     make_solver,
     measure_sizes,
 )
-from lowrank_laplace.fitting.products import (
-    CACHE_SHARE,
-    FactorCache,
-    FittedData,
-    GGNProducts,
-)
+from lowrank_laplace.fitting.products import CACHE_SHARE, FactorCache, FittedData, GGNProducts
 from lowrank_laplace.fitting.streamer import BatchStreamer
 from lowrank_laplace.fitting.streaming import StreamingMerge
 from lowrank_laplace.utils.batches import take, to_device
