@@ -26,6 +26,12 @@ _ACC_MIN_ROWS = 16
 _ACC_ENTRIES_DEVICE = 2**24
 #: From this many columns (and below 512 samples) one product per output unit.
 _PER_UNIT_MIN_COLUMNS = 32
+#: ``KronBlock.t_matmul`` forms ``z X`` by one wide product, not one per output unit (or
+#: per column) of few columns, for at most this many columns (8: 3-5x faster)...
+_ONE_PRODUCT_MAX_COLUMNS = 16
+#: ...and of rows stored transposed (the sketch's) for weights of at most this many
+#: entries (1.2-2.5x; larger ones 0.7-0.9x; docs/benchmarks/design_measurements.md).
+_ONE_PRODUCT_MAX_TRANSPOSED = 2**12
 
 if TYPE_CHECKING:
     from lowrank_laplace.factor.blocks import Block
@@ -138,18 +144,21 @@ class KronBlock:
         """See ``Block.t_matmul`` (not expanded)."""
         if x.dtype != self.dtype:  # blocks of several dtypes: the wider one
             return self.to(w := torch.promote_types(self.dtype, x.dtype)).t_matmul(x.to(w))
-        out_dim, in_dim = self.s.shape[2], self.z.shape[1]
-        if stored_transposed(x):
-            # per column k: z (N, in) @ X_k^T (in, out), read along the rows of x^T
-            k, n = x.shape[1], self.z.shape[0]
+        out_dim, (n, in_dim), k = self.s.shape[2], self.z.shape, x.shape[1]
+        if stored_transposed(x):  # read along the rows of x^T: X_k is (out, in)
             x_t = x.T.view(k, out_dim, in_dim)
-            zx = torch.bmm(self.z.expand(k, n, in_dim), x_t.transpose(1, 2))
-            res = torch.bmm(self.s.transpose(0, 1), zx.permute(1, 2, 0))  # (N, V, K)
-            return res.transpose(0, 1).reshape(self.num_rows, -1)
-        # per output unit o: z (N, in) @ X_o (in, K); X = x viewed as (out, in, K)
-        zx = self.z @ x.reshape(out_dim, in_dim, -1)  # (out, N, K)
-        # per sample n: s_n (V, out) @ zx_n (out, K)
-        res = self.s.transpose(0, 1) @ zx.transpose(0, 1)  # (N, V, K)
+            if out_dim * in_dim <= _ONE_PRODUCT_MAX_TRANSPOSED:  # z @ (K out, in)^T at once
+                zx = (self.z @ x_t.reshape(k * out_dim, in_dim).T).view(n, k, out_dim)
+                zx = zx.transpose(1, 2)
+            else:  # per column k: z (N, in) @ X_k^T (in, out)
+                zx = torch.bmm(self.z.expand(k, n, in_dim), x_t.transpose(1, 2)).permute(1, 2, 0)
+        elif k <= _ONE_PRODUCT_MAX_COLUMNS:  # z (N, in) @ X (in, out K): one wide product
+            wide = x.reshape(out_dim, in_dim, k).transpose(0, 1).reshape(in_dim, out_dim * k)
+            zx = (self.z @ wide).view(n, out_dim, k)
+        else:  # per output unit o: z (N, in) @ X_o (in, K); X = x viewed as (out, in, K)
+            zx = (self.z @ x.reshape(out_dim, in_dim, k)).transpose(0, 1)
+        # per sample n: s_n (V, out) @ zx_n (out, K), zx (N, out, K)
+        res = torch.bmm(self.s.transpose(0, 1), zx)  # (N, V, K)
         return res.transpose(0, 1).reshape(self.num_rows, -1)
 
     def t_matmul_khatri_rao(self, p: Tensor, q: Tensor) -> Tensor:

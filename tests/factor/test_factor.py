@@ -202,6 +202,18 @@ def test_factored_products_into_contiguous_outputs_take_every_order(n, k):
                                start + dense.rows.T @ y, **TOL)
 
 
+@pytest.mark.parametrize("k", [3, 16, 17, 40])
+@pytest.mark.parametrize("out_dim, in_dim", [(7, 4), (4, 7)])
+def test_factored_products_with_vectors_take_either_contraction(k, out_dim, in_dim):
+    """``B x`` of a factored weight: one wide product ``z X`` for up to 16 columns, one
+    product per output unit above."""
+    torch.manual_seed(0)
+    kron = KronBlock(torch.randn(3, 11, out_dim, dtype=torch.float64),
+                     torch.randn(11, in_dim, dtype=torch.float64))
+    x = torch.randn(out_dim * in_dim, k, dtype=torch.float64)
+    torch.testing.assert_close(kron.t_matmul(x), kron.to_dense() @ x, **TOL)
+
+
 @pytest.mark.parametrize("entries", [1, 2**30])
 def test_small_factored_products_into_transposed_outputs_in_chunks(monkeypatch, entries):
     """A small weight's per-sample products into a transposed output are formed in
@@ -227,10 +239,11 @@ def test_products_with_operands_stored_transposed(wide, one_product, monkeypatch
     """``x`` and ``out`` as row slices of ``(K, D)`` tensors (the sketch's layout) give
     the products of contiguous operands, for factored and explicit blocks (wide
     blocks with many rows take the dense block's other product order; small factored
-    weights add one wide product, large ones one product per column)."""
+    weights take one wide product each way, large ones one product per column)."""
     from lowrank_laplace.factor import kron_block
 
-    monkeypatch.setattr(kron_block, "_ONE_PRODUCT_MAX", 2**30 if one_product else 0)
+    for name in ("_ONE_PRODUCT_MAX", "_ONE_PRODUCT_MAX_TRANSPOSED"):
+        monkeypatch.setattr(kron_block, name, 2**30 if one_product else 0)
     torch.manual_seed(0)
     num_vecs, n, out_dim, in_dim, k = (9, 4, 6, 800, 3) if wide else (3, 4, 5, 3, 2)
     s = torch.randn(num_vecs, n, out_dim, dtype=torch.float64)
