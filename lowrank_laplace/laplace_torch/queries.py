@@ -94,14 +94,26 @@ class PosteriorQueries:
         sizes = [p.numel() for p in getattr(self, "params", None) or ()]
         return sizes if sizes and sum(sizes) == self.n_params else None
 
-    def _layer_prior(self) -> Optional[Tuple[List[int], Tensor]]:
+    def _layer_prior(self, dtype: Optional[torch.dtype] = None
+                     ) -> Optional[Tuple[List[int], Tensor]]:
         """``(sizes, delta_l)`` for a layerwise prior (one value per parameter tensor)."""
         prior = torch.as_tensor(self.prior_precision)
         sizes = self._layer_sizes()
         if sizes is None or prior.ndim != 1 or prior.numel() in (1, self.n_params) \
                 or prior.numel() != len(sizes):
             return None
-        return sizes, prior.to(device=self._device, dtype=self._dtype)
+        return sizes, prior.to(device=self._device, dtype=dtype or self._dtype)
+
+    @property
+    def prior_precision_diag(self) -> Tensor:
+        """laplace-torch's prior precision diagonal ``(D,)``; a layerwise one by one repeat."""
+        dtype = torch.promote_types(torch.as_tensor(self.prior_precision).dtype, self._dtype)
+        layer = self._layer_prior(dtype)
+        if layer is None:
+            return super().prior_precision_diag
+        sizes, prior = layer
+        return prior.repeat_interleave(torch.tensor(sizes, device=self._device),
+                                       output_size=self.n_params)
 
     def _check_H_init(self) -> None:
         """Refuse a posterior query before :meth:`fit`, with laplace-torch's message."""

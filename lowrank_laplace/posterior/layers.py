@@ -68,9 +68,11 @@ class LayerScales:
         return cls(sizes, norms, complement, scales)
 
     def layer_means(self, values: Tensor) -> Tensor:
-        """Per-layer means of a scalar or a ``(D,)`` vector, shape ``(L,)``."""
+        """Per-layer means of a scalar, an ``(L,)`` (itself) or a ``(D,)`` vector, ``(L,)``."""
         if values.numel() == 1:
             return values.reshape(()).expand(len(self.sizes))
+        if values.numel() == len(self.sizes):
+            return values
         return segment_sums(values, self.sizes) / values.new_tensor(self.sizes)
 
     def shift(self, scale: Tensor, prior: Tensor, spectrum: Any, anchor: float

@@ -300,19 +300,18 @@ class SpectralResidual(Residual):
         """
         layers = self.layers
         mean = prior.to(torch.float64).mean().reshape(())
-        rho, logdet = layers.shift(scale, prior, self.spectrum, self.anchor)
+        given = layer_prior is not None and list(layer_prior[0]) == layers.sizes
+        rho, logdet = layers.shift(scale, layer_prior[1] if given else prior, self.spectrum,
+                                   self.anchor)
         at_mean, logdet_at_mean = layers.shift(scale, mean, self.spectrum, self.anchor)
         rho = (whole[0].to(rho.device) + rho - at_mean).clamp(min=0).to(ell.dtype)
         logdet = whole[1] + logdet - logdet_at_mean
         sizes = torch.tensor(layers.sizes, device=ell.device)
         d = prior + rho.repeat_interleave(sizes, output_size=self.dim)
         kept = layers.norms.to(device=ell.device, dtype=ell.dtype).T @ rho
-        constant = None
-        if layer_prior is not None and list(layer_prior[0]) == layers.sizes:
-            constant = (layers.sizes, layer_prior[1] + rho)
-            log_d = torch.log(constant[1].to(torch.float64))
-        else:
-            log_d = torch.log(layers.layer_means(d.to(torch.float64)))
+        constant = (layers.sizes, layer_prior[1] + rho) if given else None
+        log_d = torch.log(layers.layer_means((d if constant is None else constant[1]).to(
+            torch.float64)))
         offset = logdet - (layers.complement.to(ell.device) * log_d).sum()
         return kept, d, offset, constant
 
