@@ -28,8 +28,9 @@ _WIDE_COLUMNS = 4096
 _KHATRI_RAO_CHUNK = 2**22
 #: Entries squared per step of :meth:`DenseBlock.diag_outer` (a core's L2 in float32).
 _DIAG_CHUNK_ENTRIES = 2**18
-#: From this many columns a CPU block's diagonal adds one squared row at a time.
-_ROW_WISE_DIAG_COLUMNS = 2**15
+#: From this many columns a CPU block's diagonal adds squared rows into this many
+#: accumulators, a slab at a time (one row at a time woke the thread pool every row).
+_ROW_WISE_DIAG_COLUMNS, _ROW_WISE_DIAG_ROWS = 2**15, 16
 
 
 class DenseBlock:
@@ -139,15 +140,16 @@ class DenseBlock:
     def diag_outer(self) -> Tensor:
         """``diag(B^T B)`` (this parameter's GGN diagonal), ``(d,)``, without a squared copy.
 
-        On the CPU a wide block adds one squared row at a time; else chunks of about
-        ``2^18`` entries (at least 64 rows) are squared.
+        On the CPU a wide block adds slabs of 16 squared rows into 16 accumulators; else
+        chunks of about ``2^18`` entries (at least 64 rows) are squared.
         """
         rows = self.rows
         out = rows.new_zeros(rows.shape[1])
         if rows.device.type == "cpu" and out.numel() >= _ROW_WISE_DIAG_COLUMNS:
-            for row in rows:
-                out.addcmul_(row, row)
-            return out
+            acc = rows.new_zeros(max(1, min(_ROW_WISE_DIAG_ROWS, len(rows))), rows.shape[1])
+            for slab in rows.split(len(acc)):
+                acc[: len(slab)].addcmul_(slab, slab)
+            return acc.sum(0)
         for chunk in rows.split(max(64, _DIAG_CHUNK_ENTRIES // max(1, out.numel()))):
             out.add_((chunk * chunk).sum(0))
         return out

@@ -25,7 +25,7 @@ from lowrank_laplace.fitting.base import (
     wide_merge,
     wide_products,
 )
-from lowrank_laplace.utils.linalg import rotate, top_eigh, wide_inner
+from lowrank_laplace.utils.linalg import lapack_threads, rotate, top_eigh, wide_inner
 
 #: A float32 merge stays float32 while its kept eigenvalues all exceed this multiple
 #: of ``eps lambda_max`` (``wide_merge``).
@@ -79,11 +79,13 @@ class StreamingMerge(Solver):
             to_orth = torch.linalg.solve_triangular(chol.T, eye, upper=True)
             inner = chol.T @ coords
         else:  # numerically rank-deficient basis: symmetric inverse square root
-            g, Z = torch.linalg.eigh(gram)
+            with lapack_threads(gram):
+                g, Z = torch.linalg.eigh(gram)
             g = g.clamp(min=g[-1] * torch.finfo(basis.dtype).eps)
             to_orth, inner = Z / g.sqrt(), (Z * g.sqrt()).T @ coords
         lam = self.eigenvalues.double()
-        evals, q = torch.linalg.eigh((inner * lam) @ inner.T)
+        with lapack_threads(inner):
+            evals, q = torch.linalg.eigh((inner * lam) @ inner.T)
         evals, q = evals.flip(0), q.flip(1)
         self._basis = rotate(basis, (to_orth @ q).to(basis.dtype), in_place=not self._shared)
         self._coords = None

@@ -185,15 +185,16 @@ class LanczosRuns:
 
     def rules(self) -> List[Tuple[Tensor, Tensor]]:
         """Every run's Gauss rule: Ritz values (clamped at 0) and weights ``||b||^2 y_1^2``."""
-        alphas, betas, out = torch.stack(self.alphas, 1), torch.stack(self.betas, 1), []
-        for i, k in enumerate(self.length.tolist()):
-            if k == 0:
-                out.append((alphas.new_zeros(0), alphas.new_zeros(0)))
-                continue
-            off = betas[i, : k - 1]
-            T = torch.diag(alphas[i, :k]) + torch.diag(off, 1) + torch.diag(off, -1)
+        alphas, betas = torch.stack(self.alphas, 1), torch.stack(self.betas, 1)
+        out = [(alphas.new_zeros(0), alphas.new_zeros(0))] * len(self.length)
+        for k in set(self.length.tolist()) - {0}:  # one batched eigh per length
+            runs = (self.length == k).nonzero()[:, 0]
+            off = betas[runs, : k - 1]
+            T = torch.diag_embed(alphas[runs, :k]) + torch.diag_embed(off, offset=1) \
+                + torch.diag_embed(off, offset=-1)
             theta, Y = torch.linalg.eigh(T)
-            out.append((theta.clamp(min=0), Y[0] ** 2 * self.norms[i] ** 2))
+            for j, i in enumerate(runs.tolist()):
+                out[i] = (theta[j].clamp(min=0), Y[j, 0] ** 2 * self.norms[i] ** 2)
         return out
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import os
+from typing import ContextManager, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from lowrank_laplace.utils.threads import cpu_threads
 
 
 def squared_rows_dot(mat: Tensor, weights: Tensor, entries: int = 2**20) -> Tensor:
@@ -89,7 +92,8 @@ def top_eigh(mat: Tensor, keep: int, factor_dtype: Optional[torch.dtype] = None,
         factor_dtype: Dtype (``eps_f``) of the factors ``Z``, ``mat = Z^T Z`` (``None``: same).
         formed_in: Dtype (``eps_p``) its entries were computed in (``None``: ``mat``'s).
     """
-    evals, evecs = torch.linalg.eigh(mat.double())
+    with lapack_threads(mat):
+        evals, evecs = torch.linalg.eigh(mat.double())
     evals, evecs = evals.flip(0), evecs.flip(1)
     eps_f = torch.finfo(factor_dtype or mat.dtype).eps
     eps_p = torch.finfo(formed_in or mat.dtype).eps
@@ -103,5 +107,17 @@ def top_eigh(mat: Tensor, keep: int, factor_dtype: Optional[torch.dtype] = None,
 def sym_eigh(mat: Tensor) -> Tuple[Tensor, Tensor]:
     """Descending eigenpairs of the symmetric part of a matrix, in float64."""
     mat = mat.double()
-    evals, evecs = torch.linalg.eigh((mat + mat.T) / 2)
+    with lapack_threads(mat):
+        evals, evecs = torch.linalg.eigh((mat + mat.T) / 2)
     return evals.flip(0), evecs.flip(1)
+
+
+def lapack_threads(mat: Tensor) -> ContextManager[None]:
+    """The threads of a LAPACK call on ``mat``: one on the CPU where OpenMP threads sleep.
+
+    Under the user's ``OMP_WAIT_POLICY=passive`` every barrier of LAPACK's reduction wakes
+    the pool: ``eigh`` of a 408 x 408 matrix took 91 ms on two threads and 19 ms on one
+    (11 ms on two under the default policy; docs/benchmarks/design_measurements.md).
+    """
+    passive = os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
+    return cpu_threads(1 if passive and mat.device.type == "cpu" else None)

@@ -176,15 +176,17 @@ def test_linear_gram_without_expansion():
 
 @pytest.mark.parametrize("row_wise", [1, 2**30])
 def test_explicit_block_diagonal_row_by_row_or_in_chunks(monkeypatch, row_wise):
-    """The GGN diagonal of an explicit block, one squared row at a time (wide blocks on
-    the CPU) or over chunks of rows."""
+    """The GGN diagonal of an explicit block, slabs of squared rows added into 16
+    accumulators (wide blocks on the CPU; 150 rows: a short last slab, 5 rows: one) or
+    over chunks of rows."""
     from lowrank_laplace.factor import dense_block
 
     monkeypatch.setattr(dense_block, "_ROW_WISE_DIAG_COLUMNS", row_wise)
     torch.manual_seed(0)
-    block = DenseBlock(torch.randn(150, 7, dtype=torch.float64))
-    torch.testing.assert_close(block.diag_outer(), (block.rows.T @ block.rows).diagonal(),
-                               **TOL)
+    for num_rows in (150, 5, 0):
+        block = DenseBlock(torch.randn(num_rows, 7, dtype=torch.float64))
+        torch.testing.assert_close(block.diag_outer(),
+                                   (block.rows.T @ block.rows).diagonal(), **TOL)
 
 
 @pytest.mark.parametrize("n, k", [(5, 3), (5, 40), (520, 3)])

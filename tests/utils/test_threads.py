@@ -223,3 +223,26 @@ def test_a_reading_of_other_processes_is_confirmed(monkeypatch, two_threads, rea
     monkeypatch.setattr(threads, "others_running", lambda: next(readings))
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert threads.spare_threads("cpu") == expected
+
+
+@pytest.mark.parametrize("policy, inside", [("PASSIVE", 1), ("passive", 1), ("ACTIVE", 2),
+                                            (None, 2)])
+def test_lapack_calls_take_one_thread_where_openmp_threads_sleep(monkeypatch, two_threads,
+                                                                 policy, inside):
+    """``eigh`` and friends on one thread under ``OMP_WAIT_POLICY=passive`` (the CPU only),
+    the user's setting otherwise; restored after."""
+    from lowrank_laplace.utils.linalg import lapack_threads, top_eigh
+
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    with lapack_threads(torch.zeros(2, 2)):
+        assert torch.get_num_threads() == inside
+    with lapack_threads(torch.zeros(2, 2, device="meta")):
+        assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == 2
+    A = torch.randn(6, 4, dtype=torch.float64)
+    evals, _ = top_eigh(A.T @ A, 4)
+    torch.testing.assert_close(evals, torch.linalg.eigvalsh(A.T @ A).flip(0))
+    assert torch.get_num_threads() == 2
