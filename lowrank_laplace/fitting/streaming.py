@@ -188,7 +188,8 @@ class StreamingMerge(Solver):
         r = P.shape[0]
         if not self.lazy or P.shape[1] != r:
             return False
-        L, S, Qt = torch.linalg.svd(P.double())
+        with lapack_threads(P):
+            L, S, Qt = torch.linalg.svd(P.double())
         drift = (S < self.tau) | (S > 1 / self.tau)
         # hysteresis: once one drifts, reset all outside the narrower band (one host read)
         wide = (S < self.tau**0.5) | (S > self.tau**-0.5)
