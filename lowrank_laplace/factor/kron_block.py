@@ -190,18 +190,19 @@ class KronBlock:
         if stored_transposed(out):
             k = y.shape[1]
             if out_dim * in_dim <= _ONE_PRODUCT_MAX:
-                # small layers: z^T (in, c) @ acc (c, K out) per chunk of c samples
+                # small layers: acc^T (K out, c) @ z (c, in) per chunk of c samples, in
+                # out^T's own layout (K, out, in): the sum adds along its rows
                 ys, st = y.reshape(v, n, k).permute(1, 2, 0), self.s.transpose(0, 1)
                 entries = _ACC_ENTRIES if y.device.type == "cpu" else _ACC_ENTRIES_DEVICE
                 rows = max(_ACC_MIN_ROWS, entries // max(k * out_dim, 1))
                 # one buffer for every chunk: fresh pages cost as much as the products
-                prod = y.new_zeros(in_dim, k * out_dim)
+                prod = y.new_zeros(k * out_dim, in_dim)
                 buffer = y.new_empty(min(rows, n), k, out_dim)
                 for start in range(0, n, rows):
                     stop = min(start + rows, n)
                     acc = torch.bmm(ys[start:stop], st[start:stop], out=buffer[: stop - start])
-                    prod.addmm_(self.z[start:stop].T, acc.view(stop - start, -1))
-                out.T.view(k, out_dim, in_dim).add_(prod.view(in_dim, k, out_dim).permute(1, 2, 0))
+                    prod.addmm_(acc.view(stop - start, -1).T, self.z[start:stop])
+                out.T.view(k, out_dim, in_dim).add_(prod.view(k, out_dim, in_dim))
                 return out
             acc = torch.bmm(y.reshape(v, n, k).permute(1, 2, 0), self.s.transpose(0, 1))
             # per column k: out^T_k (out, in) += acc_k (out, N) @ z (N, in)
