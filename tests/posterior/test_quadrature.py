@@ -48,14 +48,19 @@ def test_lanczos_rules_are_exact_quadratic_forms_once_the_krylov_space_is_full()
 
 
 def test_a_start_in_a_small_invariant_subspace_ends_early():
+    """A run that ends early keeps its own rule beside a full one (rules of each length
+    come from one batched eigendecomposition)."""
     A = torch.diag(torch.tensor([3.0, 2.0, 1.0, 0.5], dtype=torch.float64))
-    runs = LanczosRuns(torch.tensor([[1.0, 1.0, 0.0, 0.0]], dtype=torch.float64), 4)
+    starts = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    runs = LanczosRuns(starts, 4)
     for _ in range(4):
         runs.step(runs.current @ A)
-    theta, weight = runs.rules()[0]
-    assert runs.length.tolist() == [2]
+    (theta, weight), (theta_full, weight_full) = runs.rules()
+    assert runs.length.tolist() == [2, 4]
     torch.testing.assert_close(theta, torch.tensor([2.0, 3.0], dtype=torch.float64))
     torch.testing.assert_close(weight, torch.ones(2, dtype=torch.float64))
+    torch.testing.assert_close(theta_full, A.diagonal().sort().values)
+    torch.testing.assert_close(weight_full, torch.ones(4, dtype=torch.float64))
 
 
 def _problem(likelihood="classification"):
