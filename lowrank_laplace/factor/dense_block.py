@@ -144,12 +144,12 @@ class DenseBlock:
         chunks of about ``2^18`` entries (at least 64 rows) are squared.
         """
         rows = self.rows
-        out = rows.new_zeros(rows.shape[1])
-        if rows.device.type == "cpu" and out.numel() >= _ROW_WISE_DIAG_COLUMNS:
+        if rows.device.type == "cpu" and rows.shape[1] >= _ROW_WISE_DIAG_COLUMNS:
             acc = rows.new_zeros(max(1, min(_ROW_WISE_DIAG_ROWS, len(rows))), rows.shape[1])
             for slab in rows.split(len(acc)):
                 acc[: len(slab)].addcmul_(slab, slab)
             return acc.sum(0)
+        out = rows.new_zeros(rows.shape[1])
         for chunk in rows.split(max(64, _DIAG_CHUNK_ENTRIES // max(1, out.numel()))):
             out.add_((chunk * chunk).sum(0))
         return out

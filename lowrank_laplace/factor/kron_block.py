@@ -26,11 +26,11 @@ _ACC_MIN_ROWS = 16
 _ACC_ENTRIES_DEVICE = 2**24
 #: From this many columns (and below 512 samples) one product per output unit.
 _PER_UNIT_MIN_COLUMNS = 32
-#: ``KronBlock.t_matmul`` forms ``z X`` by one wide product, not one per output unit (or
-#: per column) of few columns, for at most this many columns (8: 3-5x faster)...
+#: ``KronBlock.t_matmul`` forms ``z X`` by one wide product, not one narrow product per
+#: output unit (or per column), for at most this many columns...
 _ONE_PRODUCT_MAX_COLUMNS = 16
 #: ...and of rows stored transposed (the sketch's) for weights of at most this many
-#: entries (1.2-2.5x; larger ones 0.7-0.9x; docs/benchmarks/design_measurements.md).
+#: entries, where it measured faster (docs/benchmarks/design_measurements.md).
 _ONE_PRODUCT_MAX_TRANSPOSED = 2**12
 
 if TYPE_CHECKING:

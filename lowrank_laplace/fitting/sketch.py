@@ -74,7 +74,9 @@ class SketchMerge(Solver):
         self._projection: Optional[Tensor] = None  # Omega formed, for low-memory passes
         self._sketch: Optional[Tensor] = None  # Y = H Omega, laid out like Omega
         self.shift: Optional[float] = None  # nu of the last finalisation
-        self._convergence = 1.0  # sub_sketch_share of the last finalisation
+        # sub_sketch_share of the last finalisation, formed when first read (a
+        # Rayleigh-Ritz step replaces it unread)
+        self._convergence: Union[float, Callable[[], float]] = 1.0
         self.ritz = False  # whether rayleigh_ritz refined the eigenpairs
         # parameter index -> (blocks, scaled V^T Omega rows, sketch slice) not yet added
         self._kron: Dict[int, Tuple[List[Block], List[Tensor], Tensor]] = {}
@@ -247,6 +249,8 @@ class SketchMerge(Solver):
         After :meth:`rayleigh_ritz`: the Nyström eigenvalues' share of the Ritz values.
         """
         self._finalize()
+        if callable(self._convergence):
+            self._convergence = self._convergence()
         return self._convergence
 
     def _finalize(self) -> None:
@@ -262,4 +266,5 @@ class SketchMerge(Solver):
         self._vectors = vectors.to(self._dtype)
         self.keep_eigenvalues(lam, self._dtype)
         half = self.warm_columns + (chol.shape[0] - self.warm_columns) // 2
-        self._convergence = sub_sketch_share(chol, gram, self.shift, self.rank, half)
+        self._convergence = functools.partial(sub_sketch_share, chol, gram, self.shift,
+                                              self.rank, half)

@@ -116,8 +116,8 @@ def lapack_threads(mat: Tensor) -> ContextManager[None]:
     """The threads of a LAPACK call on ``mat``: one on the CPU where OpenMP threads sleep.
 
     Under the user's ``OMP_WAIT_POLICY=passive`` every barrier of LAPACK's reduction wakes
-    the pool: ``eigh`` of a 408 x 408 matrix took 91 ms on two threads and 19 ms on one
-    (11 ms on two under the default policy; docs/benchmarks/design_measurements.md).
+    the pool, so one thread is faster there; under the default policy two are
+    (docs/benchmarks/design_measurements.md).
     """
     passive = os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
     return cpu_threads(1 if passive and mat.device.type == "cpu" else None)
