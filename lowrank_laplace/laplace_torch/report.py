@@ -38,8 +38,9 @@ class FitReport:
         quadrature_passes: Their passes over the training data (``0``: the fit's own
             factors, or none run).
         quadrature_converged: Whether the runs converged (``None``: not run).
-        quadrature_moved: How much the last two steps moved the complement variance or
-            log det at half the prior: the quadrature's estimated error (``None``: not run).
+        quadrature_error: The quadrature's error bound at half the prior: half its
+            Gauss/Gauss-Radau bracket of the complement variance and log det, relative
+            (``None``: not run).
         quadrature_samples: ``(m, K, N)``: inputs held out of the Jacobian runs' GGN,
             inputs whose curvature the runs multiplied by, inputs fitted.
         not_measured: Why a spectral fit did not measure the dropped curvature (``None``:
@@ -62,7 +63,7 @@ class FitReport:
     null_directions: int = 0
     quadrature_steps: int = 0
     quadrature_converged: Optional[bool] = None
-    quadrature_moved: Optional[float] = None
+    quadrature_error: Optional[float] = None
     quadrature_samples: Tuple[int, int, int] = (0, 0, 0)
     not_measured: Optional[str] = None
     refinable: bool = False
@@ -103,7 +104,7 @@ class FitReport:
     def measured(self, found: Any) -> "FitReport":
         """This report with a quadrature (a ``DroppedQuadrature``): its steps, passes, error."""
         return replace(self, quadrature_steps=found.steps, quadrature_passes=found.passes,
-                       quadrature_converged=found.converged, quadrature_moved=found.moved,
+                       quadrature_converged=found.converged, quadrature_error=found.error,
                        quadrature_samples=tuple(found.samples), not_measured=None)
 
     def __str__(self) -> str:
@@ -128,8 +129,8 @@ class FitReport:
             held, kept, fitted = self.quadrature_samples
             on = f" on {kept:,} of {fitted:,} inputs' factors" if 0 < kept < fitted else ""
             out = f", the Jacobian runs' {held:,} inputs held out" if held else ""
-            moved = "" if self.quadrature_moved is None else \
-                f" (last steps moved {self.quadrature_moved:.1%})"  # None: an older state
+            moved = "" if self.quadrature_error is None else \
+                f" (to within {self.quadrature_error:.1%})"  # None: an older state
             lines.append(
                 f"  complement variance and dropped spectrum: Lanczos quadrature, "
                 f"{self.quadrature_steps} steps{on}{out}; "
@@ -162,4 +163,6 @@ class FitReport:
         values["ranks_tried"] = tuple(tuple(t) for t in values.get("ranks_tried", ()))
         values["quadrature_samples"] = tuple(values.get("quadrature_samples", (0, 0, 0)))
         values.pop("complement_resolved", None)  # an older version's field
+        if "quadrature_moved" in values:  # an older version's error estimate
+            values["quadrature_error"] = values.pop("quadrature_moved")
         return cls(**values, check=None if check is None else FastPathCheck(**check))

@@ -13,12 +13,5 @@ from lowrank_laplace.posterior.residual import (
     residual_class,
 )
 
-__all__ = [
-    "DEFAULT_RESIDUAL",
-    "DroppedCurvature",
-    "GramCache",
-    "LowRankPrecision",
-    "RESIDUALS",
-    "Residual",
-    "residual_class",
-]
+__all__ = ["DEFAULT_RESIDUAL", "DroppedCurvature", "GramCache", "LowRankPrecision", "RESIDUALS",
+           "Residual", "residual_class"]

@@ -130,8 +130,7 @@ def head_directions(model: nn.Module, params: Sequence[Tensor], likelihood: str,
     head = heads[-1]
     offsets = tuple(itertools.accumulate((p.numel() for p in params[:-1]), initial=0))
     bias = None if head.bias is None else index.get(id(head.bias))
-    return NullDirections(index[id(head.weight)], bias, offsets, outputs,
-                          head.in_features)
+    return NullDirections(index[id(head.weight)], bias, offsets, outputs, head.in_features)
 
 
 def moves_outputs_alike(product: Tensor, classes: int) -> bool:

@@ -74,8 +74,7 @@ class LowRankPrecision:
     """
 
     def __init__(self, eigenvectors: Tensor, eigenvalues: Tensor, prior_precision: Tensor,
-                 logdet_offset: Optional[Tensor] = None,
-                 gram_cache: Optional[GramCache] = None,
+                 logdet_offset: Optional[Tensor] = None, gram_cache: Optional[GramCache] = None,
                  layers: Optional[Tuple[Sequence[int], Tensor]] = None,
                  null: Optional[NullShift] = None):
         self.U, self.null = eigenvectors, null

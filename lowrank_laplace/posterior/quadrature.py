@@ -6,8 +6,9 @@ passes over a loader (``la.refine_complement``). Jacobian starts ``P J_S^T eps``
 first inputs ``S`` give the complement variance ``v`` per unit of Jacobian energy by Gauss
 quadrature; on the fit's factors they multiply by the GGN without ``S``'s own curvature,
 so ``v`` is that of unseen inputs. Gaussian starts give the dropped spectrum's nodes and
-counts (log det, marglik). The runs stop once two steps moved both by less than
-:data:`TOLERANCE` at :data:`CHECK_PRIOR` times the prior (docs/explanation.md).
+counts (log det, marglik). Each run's Gauss and Gauss-Radau rules bound both from either
+side; the runs stop once the bracket is within :data:`TOLERANCE` at :data:`CHECK_PRIOR`
+times the prior and keep its midpoint, the two rules at half weight (docs/explanation.md).
 
 Shape glossary:
     D: parameters; r: kept rank; s: Lanczos runs; k: steps.
@@ -41,7 +42,7 @@ from lowrank_laplace.utils.checks import check_batch
 RUNS = 8
 #: Fewest and most Lanczos steps (fewer where the basis of more exceeds the memory budget).
 MIN_STEPS, MAX_STEPS = 4, 32
-#: The runs stop when two steps moved the variance and log det by less than this share...
+#: The runs stop when half the bracket of the variance and log det is this share of them...
 TOLERANCE = 0.01
 #: ...at this multiple of the current prior (marglik tuning may move it down).
 CHECK_PRIOR = 0.5
@@ -72,8 +73,8 @@ class DroppedQuadrature:
         passes: Passes over the training loader (``0``: the fit's own factors).
         samples: ``(m, K, N)``: inputs held out of the Jacobian runs' GGN, inputs whose
             factors the runs multiplied by, inputs fitted.
-        moved: How much the last two steps moved the variance or log det at the checked
-            prior (the stopping rule's measure of the error).
+        error: Half the Gauss/Gauss-Radau bracket of the variance and log det at the
+            checked prior, relative: a bound on the kept midpoint rule's error there.
         columns: The Jacobian starts as the rank check reads them (not saved).
     """
 
@@ -87,7 +88,7 @@ class DroppedQuadrature:
     checked_prior: float = 0.0
     passes: int = 0
     samples: Tuple[int, int, int] = (0, 0, 0)
-    moved: float = 0.0
+    error: float = 0.0
     columns: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
@@ -137,12 +138,12 @@ class DroppedQuadrature:
         if state is None:
             return None
         if "mu" not in state:  # an older version's: its complement held the Jacobian rule
-            state = {**state, **state["complement"], "samples": (0, 0, 0), "moved": 0.0}
+            state = {**state, **state["complement"], "samples": (0, 0, 0)}
         return cls(state["mu"], state["q"], state["nodes"], state["counts"], int(state["steps"]),
                    bool(state["converged"]), float(state["seconds"]),
-                   float(state.get("checked_prior", 0.0)),
-                   int(state.get("passes", state["steps"])),
-                   tuple(int(x) for x in state["samples"]), float(state["moved"]))
+                   float(state.get("checked_prior", 0.0)), int(state.get("passes", state["steps"])),
+                   tuple(int(x) for x in state["samples"]),
+                   float(state.get("error", state.get("moved", 0.0))))
 
 
 class LanczosRuns:
@@ -183,16 +184,27 @@ class LanczosRuns:
         self.basis[:, k + 1] = torch.where(self.active[:, None], W / beta.clamp(
             min=torch.finfo(W.dtype).tiny)[:, None], torch.zeros_like(W))
 
-    def rules(self) -> List[Tuple[Tensor, Tensor]]:
-        """Every run's Gauss rule: Ritz values (clamped at 0) and weights ``||b||^2 y_1^2``."""
+    def rules(self, radau: bool = False) -> List[Tuple[Tensor, Tensor]]:
+        """Every run's Gauss rule: Ritz values (clamped at 0) and weights ``||b||^2 y_1^2``.
+
+        ``radau``: Gauss-Radau with a node fixed at 0 (``T`` bordered by ``beta_k`` and
+        ``beta_k^2 (T^{-1})_{kk}``), the bound of both estimates from Gauss's other side.
+        """
         alphas, betas = torch.stack(self.alphas, 1), torch.stack(self.betas, 1)
         out = [(alphas.new_zeros(0), alphas.new_zeros(0))] * len(self.length)
         for k in set(self.length.tolist()) - {0}:  # one batched eigh per length
             runs = (self.length == k).nonzero()[:, 0]
-            off = betas[runs, : k - 1]
-            T = torch.diag_embed(alphas[runs, :k]) + torch.diag_embed(off, offset=1) \
-                + torch.diag_embed(off, offset=-1)
+            off = torch.diag_embed(betas[runs, : k - 1], offset=1)
+            T = torch.diag_embed(alphas[runs, :k]) + off + off.mT
             theta, Y = torch.linalg.eigh(T)
+            if radau:
+                last = betas[runs, k - 1]
+                corner = (Y[:, -1] ** 2 / theta).sum(1) * last ** 2
+                ok = torch.isfinite(corner) & (theta.min(1).values > 0)  # else Gauss's node 0
+                T = torch.nn.functional.pad(T, (0, 1, 0, 1))
+                T[:, k - 1, k] = T[:, k, k - 1] = torch.where(ok, last, 0)
+                T[:, k, k] = torch.where(ok, corner, 0)
+                theta, Y = torch.linalg.eigh(T)
             for j, i in enumerate(runs.tolist()):
                 out[i] = (theta[j].clamp(min=0), Y[j, 0] ** 2 * self.norms[i] ** 2)
         return out
@@ -263,24 +275,22 @@ def lanczos_quadrature(run: Any, loader: Any, kept: Tuple[Tensor, Optional[NullD
         dist.all_reduce(jacobian, group=run.group)  # every process's first inputs
     columns = start_columns(jacobian, basis, null)
     runs = LanczosRuns(project(torch.cat([jacobian, gaussian])), most)
-    (scale, delta), steps, converged = prior, 0, False
-    history: List[Tuple[float, float]] = []
+    (scale, delta), steps, width = prior, 0, 0.0
     while steps < most and bool(runs.active.any()):
         runs.step(project(products(runs.current)))
         steps += 1
-        history.append(gauss_estimates(runs.rules(), scale, CHECK_PRIOR * delta))
-        if steps >= MIN_STEPS and all(abs(now - then) <= TOLERANCE * abs(now) for now, then
-                                      in zip(history[-1], history[-3])):
-            converged = True
+        width = bracket_width(runs, scale, CHECK_PRIOR * delta)
+        if steps >= MIN_STEPS and width <= TOLERANCE:
             break
-    converged = converged or not bool(runs.active.any())
-    moved = _moved(history)
+    converged = width <= TOLERANCE or not bool(runs.active.any())
     if not converged:
-        _warn_unconverged(moved, (steps, most < MAX_STEPS), CHECK_PRIOR * delta)
+        _warn_unconverged(width, (steps, most < MAX_STEPS), CHECK_PRIOR * delta)
     free = dim - U.shape[1] - (0 if null is None else null.count)
-    found = _found(runs.rules(), free, steps, converged, time.perf_counter() - start)
-    return replace(found, checked_prior=CHECK_PRIOR * delta, passes=products.passes, moved=moved,
-                   samples=samples, columns=columns)
+    rules = [(torch.cat([g[0], r[0]]), torch.cat([g[1], r[1]]) / 2)
+             for g, r in zip(runs.rules(), runs.rules(radau=True))]
+    found = _found(rules, free, steps, converged, time.perf_counter() - start)
+    return replace(found, checked_prior=CHECK_PRIOR * delta, passes=products.passes,
+                   error=width, samples=samples, columns=columns)
 
 
 class KeptProducts:
@@ -342,23 +352,22 @@ def start_columns(starts: Tensor, basis: Tensor, null: Optional[NullDirections]
                         None if null is None else (null.project(starts) ** 2).sum(1))
 
 
-def _moved(history: List[Tuple[float, float]]) -> float:
-    """How much the last two steps moved the estimates (relative; ``0`` without steps)."""
-    if not history:
-        return 0.0
-    return max(abs(now - then) / max(abs(now), 1e-300)
-               for now, then in zip(history[-1], history[-min(3, len(history))]))
+def bracket_width(runs: LanczosRuns, scale: float, prior: float) -> float:
+    """Half the Gauss/Gauss-Radau bracket over its midpoint: the kept rule's error bound."""
+    pairs = zip(gauss_estimates(runs.rules(), scale, prior),
+                gauss_estimates(runs.rules(radau=True), scale, prior))
+    return max(abs(g - r) / max(abs(g + r), 1e-300) for g, r in pairs)
 
 
-def _warn_unconverged(moved: float, steps: Tuple[int, bool], prior: float) -> None:
-    """Warn with the last steps' move at the checked ``prior`` (``steps``: taken, capped)."""
+def _warn_unconverged(width: float, steps: Tuple[int, bool], prior: float) -> None:
+    """Warn with the bracket's width at the checked ``prior`` (``steps``: taken, capped)."""
     capped = " (all that memory_budget holds: a larger one allows more)" if steps[1] else ""
     warnings.warn(
         f"The Lanczos quadrature of the dropped curvature has not converged in {steps[0]} "
-        f"steps{capped} at prior precision {prior:.3g}: the last two moved the complement "
-        f"variance or log det by {moved:.1%} (needs {TOLERANCE:.0%}), so it may under-state "
-        "the complement variance there. A larger prior converges in fewer steps: after "
-        "tuning it, la.refine_complement(train_loader) measures again.",
+        f"steps{capped} at prior precision {prior:.3g}: the complement variance or log det is "
+        f"known to within {width:.1%} (needs {TOLERANCE:.0%}), so it may be off by as much "
+        "there. A larger prior converges in fewer steps: after tuning it, "
+        "la.refine_complement(train_loader) measures again.",
         UserWarning, stacklevel=_outside_level())
 
 

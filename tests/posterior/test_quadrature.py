@@ -62,6 +62,41 @@ def test_a_start_in_a_small_invariant_subspace_ends_early():
     torch.testing.assert_close(theta_full, A.diagonal().sort().values)
     torch.testing.assert_close(weight_full, torch.ones(4, dtype=torch.float64))
 
+@pytest.mark.parametrize("zeros", [0, 20])
+def test_gauss_and_gauss_radau_rules_bracket_the_exact_quadratic_forms(zeros):
+    """Against the dense solve and eigendecomposition: Gauss under, Gauss-Radau (node at 0)
+    over ``b^T (hA + delta)^{-1} b``, the other way round for ``log(1 + h lambda / delta)``;
+    the kept midpoint rule (both at half weight) is within half the bracket, which closes."""
+    A, g = _psd(60, seed=3)
+    if zeros:  # a null space, as the deflated GGN has: the Radau node's own eigenvalue
+        Q = torch.linalg.qr(torch.randn(60, 60, generator=g, dtype=A.dtype))[0]
+        lam = torch.linalg.eigvalsh(A)
+        lam[:zeros] = 0
+        A = (Q * lam) @ Q.T
+    starts = torch.randn(2 * quadrature.RUNS, 60, generator=g, dtype=torch.float64)
+    lam, vecs = torch.linalg.eigh(A)
+    energy = (starts @ vecs) ** 2  # each start's weight on each eigenvalue
+    runs, widths = LanczosRuns(starts, 8), []
+    for _ in range(8):
+        runs.step(runs.current @ A)
+        for h, delta in ((1.0, 0.05), (2.0, 1.0)):
+            exact = [float((energy[: quadrature.RUNS] / (h * lam.clamp(min=0) + delta)).sum()
+                           / energy[: quadrature.RUNS].sum()),
+                     float((energy[quadrature.RUNS:] * torch.log1p(h * lam.clamp(min=0) / delta)
+                            ).sum() / energy[quadrature.RUNS:].sum())]
+            gauss = quadrature.gauss_estimates(runs.rules(), h, delta)
+            radau = quadrature.gauss_estimates(runs.rules(radau=True), h, delta)
+            assert gauss[0] <= exact[0] * (1 + 1e-9) and radau[0] >= exact[0] * (1 - 1e-9)
+            assert gauss[1] >= exact[1] * (1 - 1e-9) and radau[1] <= exact[1] * (1 + 1e-9)
+            width = quadrature.bracket_width(runs, h, delta)
+            for estimate, value in zip(quadrature.gauss_estimates(
+                    [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]) / 2)
+                     for a, b in zip(runs.rules(), runs.rules(radau=True))], h, delta), exact):
+                assert abs(estimate - value) <= width * abs(estimate) * (1 + 1e-6) + 1e-12
+        widths.append(quadrature.bracket_width(runs, 1.0, 0.05))
+    assert widths[-1] < widths[0] / 10
+
+
 
 def _problem(likelihood="classification"):
     torch.manual_seed(0)
@@ -350,12 +385,12 @@ def test_an_unconverged_quadrature_warns_with_the_number(monkeypatch):
     monkeypatch.setattr(quadrature, "TOLERANCE", 0.0)
     model, X, y, loader = _problem()
     la = LowRankGGNLaplace(model, "classification", rank=6)
-    message = r"not converged in 3 steps at prior precision 0\.5: .* by \d+\.\d%.* after tuning"
+    message = r"not converged in 3 steps at prior precision 0\.5: .* within \d+\.\d%.* after tuning"
     with pytest.warns(UserWarning, match=message) as caught:
         la.fit(loader)
     assert caught[0].filename == __file__  # points at the call of fit
     assert la.fit_report.quadrature_converged is False
-    assert "not converged (last steps moved" in str(la.fit_report)
+    assert "not converged (to within" in str(la.fit_report)
     with pytest.warns(UserWarning, match=message):
         la.refine_complement(loader)
 
@@ -548,7 +583,7 @@ def test_the_memory_budget_caps_the_steps_and_the_kept_inputs(monkeypatch):
 
 def test_a_state_of_the_earlier_version_loads():
     """The earlier version saved the Jacobian rule under ``quadrature.complement`` and no
-    ``quadrature_moved``: a refined state keeps its spectrum, an unrefined one loads
+    ``quadrature_error``: a refined state keeps its spectrum, an unrefined one loads
     unmeasured, saying so; both reports print."""
     model, X, y, loader = _problem()
     la = LowRankGGNLaplace(model, "classification", rank=6)

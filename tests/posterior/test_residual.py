@@ -577,7 +577,7 @@ def test_fit_report_says_what_ran_and_survives_the_state_dict(tune):
     # the steps multiply by the fit's own kept factors: no pass over the data
     assert report.fit_passes == 1 and report.quadrature_steps > 1
     assert report.quadrature_passes == 0 and report.quadrature_converged
-    assert 0 <= report.quadrature_moved <= 0.01
+    assert 0 <= report.quadrature_error <= 0.01
     held, kept, fitted = report.quadrature_samples
     assert (held, kept, fitted) == (20, 80, 80)  # the first inputs, a quarter of the data
     assert "passes over the training data: 1\n" in str(report)
