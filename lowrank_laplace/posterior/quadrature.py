@@ -191,7 +191,7 @@ class LanczosRuns:
         ``beta_k^2 (T^{-1})_{kk}``), the bound of both estimates from Gauss's other side.
         """
         alphas, betas = torch.stack(self.alphas, 1), torch.stack(self.betas, 1)
-        out = [(alphas.new_zeros(0), alphas.new_zeros(0))] * len(self.length)
+        out = dict.fromkeys(range(len(self.length)), (alphas.new_zeros(0), alphas.new_zeros(0)))
         for k in set(self.length.tolist()) - {0}:  # one batched eigh per length
             runs = (self.length == k).nonzero()[:, 0]
             off = torch.diag_embed(betas[runs, : k - 1], offset=1)
@@ -205,9 +205,9 @@ class LanczosRuns:
                 T[:, k - 1, k] = T[:, k, k - 1] = torch.where(ok, last, 0)
                 T[:, k, k] = torch.where(ok, corner, 0)
                 theta, Y = torch.linalg.eigh(T)
-            for j, i in enumerate(runs.tolist()):
-                out[i] = (theta[j].clamp(min=0), Y[j, 0] ** 2 * self.norms[i] ** 2)
-        return out
+            weights = Y[:, 0] ** 2 * self.norms[runs, None] ** 2
+            out.update(zip(runs.tolist(), zip(theta.clamp(min=0), weights)))
+        return list(out.values())
 
 
 def gauss_estimates(rules: List[Tuple[Tensor, Tensor]], scale: float, prior: float
