@@ -41,7 +41,7 @@ from lowrank_laplace.utils.checks import check_batch
 #: Lanczos runs of each kind (Jacobian starts, Gaussian starts).
 RUNS = 8
 #: Fewest and most Lanczos steps (fewer where the basis of more exceeds the memory budget).
-MIN_STEPS, MAX_STEPS = 4, 32
+MIN_STEPS, MAX_STEPS = 2, 32
 #: The runs stop when half the bracket of the variance and log det is this share of them...
 TOLERANCE = 0.01
 #: ...at this multiple of the current prior (marglik tuning may move it down).
