@@ -8,7 +8,7 @@ parameter; ``K`` vectors in a product.
 
 from __future__ import annotations
 
-from typing import Iterator, List, Protocol, Tuple
+from typing import Iterator, List, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
@@ -89,15 +89,21 @@ class Block(Protocol):
     def diag_outer(self) -> Tensor:
         """``diag(B^T B)`` (the parameter's GGN diagonal), ``(d,)``."""
 
-    def t_matmul(self, x: Tensor) -> Tensor:
-        """Return ``B x`` ``(M, K)`` (``V^T x`` on this parameter) for ``x`` ``(d, K)``."""
+    def t_matmul(self, x: Tensor, out: Optional[Tensor] = None) -> Tensor:
+        """Return ``B x`` ``(M, K)`` (``V^T x`` on this parameter) for ``x`` ``(d, K)``.
 
-    def t_matmul_khatri_rao(self, p: Tensor, q: Tensor) -> Tensor:
+        ``out``: add the product into this ``(M, K)`` tensor in place and return it (no
+        ``M x K`` temporary where the block can avoid one).
+        """
+
+    def t_matmul_khatri_rao(self, p: Tensor, q: Tensor, out: Optional[Tensor] = None
+                            ) -> Tensor:
         r"""Return ``B x`` ``(M, K)`` for ``x`` of Khatri-Rao columns ``x_k = p_k \otimes q_k``.
 
         Args:
             p: Output factors ``(K, out)``.
             q: Input factors ``(K, in)``.
+            out: As for :meth:`t_matmul`.
 
         Raises:
             ValueError: If the factors' sizes do not match the parameter's.

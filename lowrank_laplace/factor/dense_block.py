@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable, Iterator, Tuple
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -154,19 +154,22 @@ class DenseBlock:
             out.add_((chunk * chunk).sum(0))
         return out
 
-    def t_matmul(self, x: Tensor) -> Tensor:
+    def t_matmul(self, x: Tensor, out: Optional[Tensor] = None) -> Tensor:
         """See ``Block.t_matmul``."""
         if x.dtype != self.dtype:  # blocks of several dtypes: the wider one
-            return self.to(w := torch.promote_types(self.dtype, x.dtype)).t_matmul(x.to(w))
-        return self.rows @ x
+            return self.to(w := torch.promote_types(self.dtype, x.dtype)).t_matmul(x.to(w), out)
+        return self.rows @ x if out is None else out.addmm_(self.rows, x)
 
-    def t_matmul_khatri_rao(self, p: Tensor, q: Tensor) -> Tensor:
+    def t_matmul_khatri_rao(self, p: Tensor, q: Tensor, out: Optional[Tensor] = None
+                            ) -> Tensor:
         r"""See ``Block.t_matmul_khatri_rao``.
 
         With row ``m`` as an ``out x in`` matrix ``B_m``, ``(B x)_{mk} = p_k^\top B_m q_k``.
         With fewer rows than ``max(out, in)`` the products ``B_m q_k`` (or ``B_m^\top p_k``)
         come first, in row chunks, and ``x`` is never formed; else ``x`` is formed.
         """
+        if out is not None:
+            return out.add_(self.t_matmul_khatri_rao(p, q))
         if p.dtype != self.dtype:  # blocks of several dtypes: the wider one
             wide = torch.promote_types(self.dtype, p.dtype)
             return self.to(wide).t_matmul_khatri_rao(p.to(wide), q.to(wide))
@@ -240,10 +243,24 @@ class SampleConcat(DenseBlock):
                 for p in self.parts]
         return torch.cat(outs, dim=1).flatten(0, 1)
 
-    def t_matmul(self, x: Tensor) -> Tensor:  # noqa: D102
+    def _add_by_part(self, out: Tensor, product: Callable[[DenseBlock], Tensor]) -> Tensor:
+        """Add the parts' row-wise results into their rows of ``out`` (no concatenation)."""
+        rows, start = out.view(self.num_vectors, -1, out.shape[1]), 0
+        for part in self.parts:
+            stop = start + part.num_rows // self.num_vectors
+            rows[:, start:stop] += product(part).view(self.num_vectors, stop - start, -1)
+            start = stop
+        return out
+
+    def t_matmul(self, x: Tensor, out: Optional[Tensor] = None) -> Tensor:  # noqa: D102
+        if out is not None:
+            return self._add_by_part(out, lambda p: p.t_matmul(x))
         return self._by_part(lambda p: p.t_matmul(x))
 
-    def t_matmul_khatri_rao(self, p: Tensor, q: Tensor) -> Tensor:  # noqa: D102
+    def t_matmul_khatri_rao(self, p: Tensor, q: Tensor,  # noqa: D102
+                            out: Optional[Tensor] = None) -> Tensor:
+        if out is not None:
+            return self._add_by_part(out, lambda part: part.t_matmul_khatri_rao(p, q))
         return self._by_part(lambda part: part.t_matmul_khatri_rao(p, q))
 
     def row_sq_norms(self) -> Tensor:  # noqa: D102

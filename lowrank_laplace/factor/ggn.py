@@ -142,8 +142,13 @@ class GGNFactor:
 
     def t_matmul(self, x: Tensor, group: int = 0) -> Tensor:
         """``V^T x`` for ``x`` ``(D, K)``, ``(M, K)``."""
-        parts = self.split_flat(x, group)
-        return sum(b.t_matmul(p) for b, p in zip(self.group_blocks(group), parts))
+        out = None
+        for block, part in zip(self.group_blocks(group), self.split_flat(x, group)):
+            if out is not None and out.dtype == torch.promote_types(out.dtype, block.dtype):
+                out = block.t_matmul(part, out)  # added in place
+            else:  # the first, or a wider dtype than the sum so far
+                out = block.t_matmul(part) if out is None else block.t_matmul(part) + out
+        return out
 
     def matmul(self, y: Tensor, group: int = 0) -> Tensor:
         """``V y`` for ``y`` ``(M, K)``, ``(D, K)``."""

@@ -6,7 +6,7 @@ samples, ``M = V N`` rows, ``d = out in`` entries, ``K`` vectors in a product.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Tuple
+from typing import TYPE_CHECKING, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -140,8 +140,10 @@ class KronBlock:
         """See ``Block.diag_outer`` (not expanded)."""
         return torch.einsum("vno,ni->oi", self.s**2, self.z**2).flatten()
 
-    def t_matmul(self, x: Tensor) -> Tensor:
+    def t_matmul(self, x: Tensor, out: Optional[Tensor] = None) -> Tensor:
         """See ``Block.t_matmul`` (not expanded)."""
+        if out is not None:
+            return out.add_(self.t_matmul(x))
         if x.dtype != self.dtype:  # blocks of several dtypes: the wider one
             return self.to(w := torch.promote_types(self.dtype, x.dtype)).t_matmul(x.to(w))
         out_dim, (n, in_dim), k = self.s.shape[2], self.z.shape, x.shape[1]
@@ -161,15 +163,22 @@ class KronBlock:
         res = torch.bmm(self.s.transpose(0, 1), zx)  # (N, V, K)
         return res.transpose(0, 1).reshape(self.num_rows, -1)
 
-    def t_matmul_khatri_rao(self, p: Tensor, q: Tensor) -> Tensor:
-        r"""Khatri-Rao product: ``(B x)_{vn,k} = (s_{vn}^\top p_k)(z_n^\top q_k)``."""
+    def t_matmul_khatri_rao(self, p: Tensor, q: Tensor, out: Optional[Tensor] = None
+                            ) -> Tensor:
+        r"""Khatri-Rao product: ``(B x)_{vn,k} = (s_{vn}^\top p_k)(z_n^\top q_k)``.
+
+        Into ``out``: one fused multiply-add, no ``M x K`` temporary of the product.
+        """
         if p.dtype != self.dtype:  # blocks of several dtypes: the wider one
             wide = torch.promote_types(self.dtype, p.dtype)
-            return self.to(wide).t_matmul_khatri_rao(p.to(wide), q.to(wide))
+            return self.to(wide).t_matmul_khatri_rao(p.to(wide), q.to(wide), out)
         if p.shape[1] != self.s.shape[2] or q.shape[1] != self.z.shape[1]:
             raise ValueError(
                 f"Khatri-Rao factors of sizes {p.shape[1]} x {q.shape[1]} do not match "
                 f"the block's {self.s.shape[2]} x {self.z.shape[1]}.")
+        if out is not None:
+            out.view(*self.s.shape[:2], -1).addcmul_(self.s @ p.T, self.z @ q.T)
+            return out
         return ((self.s @ p.T) * (self.z @ q.T)).reshape(self.num_rows, -1)
 
     def matmul(self, y: Tensor) -> Tensor:

@@ -130,10 +130,16 @@ class Omega:
         return other
 
     def block_products(self, blocks: Sequence[Block]) -> Tensor:
-        """``V^T Omega`` from a factor's blocks (one per slice), ``(M, l)``; slices unformed."""
-        return _summed(block.t_matmul(self.parts[i].T) if self.factors(i) is None
-                       else block.t_matmul_khatri_rao(*self.factors(i))
-                       for i, block in enumerate(blocks))
+        """``V^T Omega`` from a factor's blocks (one per slice), ``(M, l)``; slices unformed.
+
+        Each block's product after the first is added into the first's (no temporaries).
+        """
+        total = None
+        for i, block in enumerate(blocks):
+            factors = self.factors(i)
+            total = block.t_matmul(self.parts[i].T, total) if factors is None \
+                else block.t_matmul_khatri_rao(*factors, total)
+        return total
 
     def t_matmul(self, x: Tensor) -> Tensor:
         """``Omega^T x`` for ``x`` of shape ``(D, K)`` (any layout), ``(l, K)``."""

@@ -287,9 +287,18 @@ def test_product_with_khatri_rao_columns_equals_the_explicit_one(monkeypatch, ou
     q = torch.randn(7, in_dim, dtype=torch.float64)
     x = (p[:, :, None] * q[:, None, :]).reshape(7, -1).T  # (out * in, K), out-major
     few = DenseBlock(dense.rows[:3])  # 3 rows < max(out, in)
-    for block in (kron, dense, few):
-        torch.testing.assert_close(block.t_matmul_khatri_rao(p, q), block.to_dense() @ x,
-                                   **TOL)
+    for block in (kron, dense, few, kron.to(torch.float32), dense.to(torch.float32)):
+        expected = block.to_dense().double() @ x
+        tol = TOL if block.dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+        own = block.t_matmul_khatri_rao(p.to(block.dtype), q.to(block.dtype))
+        torch.testing.assert_close(own.double(), expected, **tol)
+        # into an existing sum in place (a float64 one beside a float32 block): one more term
+        out = torch.ones_like(expected)
+        assert block.t_matmul_khatri_rao(p, q, out) is out
+        torch.testing.assert_close(out, 1 + expected, **tol)
+        out = torch.ones_like(expected)
+        assert block.t_matmul(x, out) is out
+        torch.testing.assert_close(out, 1 + expected, **tol)
         with pytest.raises(ValueError, match="do not match"):
             block.t_matmul_khatri_rao(p[:, :-1], q)
 
@@ -315,6 +324,11 @@ def test_blocks_of_passes_concatenated_only_when_read_whole():
     torch.testing.assert_close(block.t_matmul(x), explicit @ x, **TOL)
     torch.testing.assert_close(block.t_matmul_khatri_rao(p, q),
                                explicit @ (p[:, :, None] * q[:, None, :]).reshape(6, -1).T, **TOL)
+    for product in (lambda out: block.t_matmul(x, out),  # added part by part, in place
+                    lambda out: block.t_matmul_khatri_rao(p, q, out)):
+        out = torch.ones(explicit.shape[0], 6, dtype=torch.float64)
+        assert product(out) is out
+        torch.testing.assert_close(out, 1 + product(None), **TOL)
     torch.testing.assert_close(block.row_sq_norms(), (explicit**2).sum(1), **TOL)
     torch.testing.assert_close(block.diag_outer(), (explicit**2).sum(0), **TOL)
     out = torch.ones(out_dim * in_dim, 6, dtype=torch.float64)
