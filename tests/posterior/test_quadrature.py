@@ -582,19 +582,21 @@ def test_the_memory_budget_caps_the_steps_and_the_kept_inputs(monkeypatch):
 
 
 def test_a_state_of_the_earlier_version_loads():
-    """The earlier version saved the Jacobian rule under ``quadrature.complement`` and no
-    ``quadrature_error``: a refined state keeps its spectrum, an unrefined one loads
-    unmeasured, saying so; both reports print."""
+    """The earlier version saved the Jacobian rule under ``quadrature.complement`` and its
+    error estimate as ``quadrature_moved``: a refined state keeps its spectrum and reads
+    that as ``quadrature_error``, an unrefined one loads unmeasured, saying so; both
+    reports print."""
     model, X, y, loader = _problem()
     la = LowRankGGNLaplace(model, "classification", rank=6)
     la.fit(loader)
     state = la.state_dict()
     old = {k: v for k, v in state.items() if not k.startswith(("quadrature.",
-                                                                "fit_report.quadrature_m"))}
+                                                                "fit_report.quadrature_e"))}
     old.update({"quadrature.complement.mu": state["quadrature.mu"],
                 "quadrature.complement.q": state["quadrature.q"],
                 "quadrature.complement.fraction": 1.0, "jacobian_exponent": 0.3,
-                "fit_report.complement_resolved": None, "measured_complement.mu": state[
+                "fit_report.complement_resolved": None, "fit_report.quadrature_moved": 0.004,
+                "measured_complement.mu": state[
                     "quadrature.mu"]})
     old.update({f"quadrature.{k}": state[f"quadrature.{k}"]
                 for k in ("nodes", "counts", "steps", "converged", "seconds")})
@@ -607,5 +609,6 @@ def test_a_state_of_the_earlier_version_loads():
         text = str(loaded.fit_report)
         assert ("saved by an earlier version" in text) == (not measured)
         if measured:
+            assert loaded.fit_report.quadrature_error == 0.004
             torch.testing.assert_close(loaded.log_marginal_likelihood(),
                                        la.log_marginal_likelihood())
