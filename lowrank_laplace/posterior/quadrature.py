@@ -157,7 +157,7 @@ class LanczosRuns:
     def __init__(self, starts: Tensor, steps: int):
         self.norms = starts.norm(dim=1)
         self.active = self.norms > 0
-        self.basis = starts.new_zeros(len(starts), steps + 1, starts.shape[1])  # (s, k, D)
+        self.basis = starts.new_empty(len(starts), steps + 1, starts.shape[1])  # (s, k, D)
         self.basis[:, 0] = starts / self.norms.clamp(min=torch.finfo(starts.dtype).tiny)[:, None]
         self.alphas: List[Tensor] = []
         self.betas: List[Tensor] = []
