@@ -184,30 +184,30 @@ class LanczosRuns:
         self.basis[:, k + 1] = torch.where(self.active[:, None], W / beta.clamp(
             min=torch.finfo(W.dtype).tiny)[:, None], torch.zeros_like(W))
 
-    def rules(self, radau: bool = False) -> List[Tuple[Tensor, Tensor]]:
-        """Every run's Gauss rule: Ritz values (clamped at 0) and weights ``||b||^2 y_1^2``.
+    def rules(self) -> Tuple[List[Tuple[Tensor, Tensor]], List[Tuple[Tensor, Tensor]]]:
+        """Every run's Gauss and Gauss-Radau rules: Ritz values (clamped at 0), weights.
 
-        ``radau``: Gauss-Radau with a node fixed at 0 (``T`` bordered by ``beta_k`` and
-        ``beta_k^2 (T^{-1})_{kk}``), the bound of both estimates from Gauss's other side.
+        Weights ``||b||^2 y_1^2``; Gauss-Radau fixes a node at 0 (``T`` bordered by ``beta_k``
+        and ``beta_k^2 (T^{-1})_{kk}``): the bound of both estimates from Gauss's other side.
         """
         alphas, betas = torch.stack(self.alphas, 1), torch.stack(self.betas, 1)
-        out = dict.fromkeys(range(len(self.length)), (alphas.new_zeros(0), alphas.new_zeros(0)))
-        for k in set(self.length.tolist()) - {0}:  # one batched eigh per length
+        gauss, radau = (dict.fromkeys(range(len(self.length)), (alphas.new_zeros(0),) * 2)
+                        for _ in range(2))
+        for k in set(self.length.tolist()) - {0}:  # batched eigh per length and rule
             runs = (self.length == k).nonzero()[:, 0]
             off = torch.diag_embed(betas[runs, : k - 1], offset=1)
             T = torch.diag_embed(alphas[runs, :k]) + off + off.mT
-            theta, Y = torch.linalg.eigh(T)
-            if radau:
-                last = betas[runs, k - 1]
-                corner = (Y[:, -1] ** 2 / theta).sum(1) * last ** 2
-                ok = torch.isfinite(corner) & (theta.min(1).values > 0)  # else Gauss's node 0
-                T = torch.nn.functional.pad(T, (0, 1, 0, 1))
-                T[:, k - 1, k] = T[:, k, k - 1] = torch.where(ok, last, 0)
-                T[:, k, k] = torch.where(ok, corner, 0)
-                theta, Y = torch.linalg.eigh(T)
-            weights = Y[:, 0] ** 2 * self.norms[runs, None] ** 2
-            out.update(zip(runs.tolist(), zip(theta.clamp(min=0), weights)))
-        return list(out.values())
+            eig = torch.linalg.eigh(T)
+            (theta, Y), last = eig, betas[runs, k - 1]
+            corner = (Y[:, -1] ** 2 / theta).sum(1) * last ** 2
+            ok = torch.isfinite(corner) & (theta.min(1).values > 0)  # else Gauss's node 0
+            T = torch.nn.functional.pad(T, (0, 1, 0, 1))
+            T[:, k - 1, k] = T[:, k, k - 1] = torch.where(ok, last, 0)
+            T[:, k, k] = torch.where(ok, corner, 0)
+            for out, (nodes, vectors) in ((gauss, eig), (radau, torch.linalg.eigh(T))):
+                weights = vectors[:, 0] ** 2 * self.norms[runs, None] ** 2
+                out.update(zip(runs.tolist(), zip(nodes.clamp(min=0), weights)))
+        return list(gauss.values()), list(radau.values())
 
 
 def gauss_estimates(rules: List[Tuple[Tensor, Tensor]], scale: float, prior: float
@@ -279,16 +279,16 @@ def lanczos_quadrature(run: Any, loader: Any, kept: Tuple[Tensor, Optional[NullD
     while steps < most and bool(runs.active.any()):
         runs.step(project(products(runs.current)))
         steps += 1
-        width = bracket_width(runs, scale, CHECK_PRIOR * delta)
+        rules = runs.rules()
+        width = bracket_width(rules, scale, CHECK_PRIOR * delta)
         if steps >= MIN_STEPS and width <= TOLERANCE:
             break
     converged = width <= TOLERANCE or not bool(runs.active.any())
     if not converged:
         _warn_unconverged(width, (steps, most < MAX_STEPS), CHECK_PRIOR * delta)
     free = dim - U.shape[1] - (0 if null is None else null.count)
-    rules = [(torch.cat([g[0], r[0]]), torch.cat([g[1], r[1]]) / 2)
-             for g, r in zip(runs.rules(), runs.rules(radau=True))]
-    found = _found(rules, free, steps, converged, time.perf_counter() - start)
+    midpoint = [(torch.cat([g[0], r[0]]), torch.cat([g[1], r[1]]) / 2) for g, r in zip(*rules)]
+    found = _found(midpoint, free, steps, converged, time.perf_counter() - start)
     return replace(found, checked_prior=CHECK_PRIOR * delta, passes=products.passes,
                    error=width, samples=samples, columns=columns)
 
@@ -352,10 +352,10 @@ def start_columns(starts: Tensor, basis: Tensor, null: Optional[NullDirections]
                         None if null is None else (null.project(starts) ** 2).sum(1))
 
 
-def bracket_width(runs: LanczosRuns, scale: float, prior: float) -> float:
-    """Half the Gauss/Gauss-Radau bracket over its midpoint: the kept rule's error bound."""
-    pairs = zip(gauss_estimates(runs.rules(), scale, prior),
-                gauss_estimates(runs.rules(radau=True), scale, prior))
+def bracket_width(rules: Tuple[List[Tuple[Tensor, Tensor]], ...], scale: float, prior: float
+                  ) -> float:
+    """Half the bracket of the Gauss and Gauss-Radau ``rules`` over its midpoint (error bound)."""
+    pairs = zip(*(gauss_estimates(part, scale, prior) for part in rules))
     return max(abs(g - r) / max(abs(g + r), 1e-300) for g, r in pairs)
 
 

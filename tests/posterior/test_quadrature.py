@@ -39,12 +39,12 @@ def test_lanczos_rules_are_exact_quadratic_forms_once_the_krylov_space_is_full()
     for _ in range(15):  # past the dimension: the runs end themselves
         runs.step(runs.current @ A)
     assert runs.length.tolist() == [12, 12, 0] and not runs.active.any()
-    for (theta, weight), b in zip(runs.rules()[:2], starts):
+    for (theta, weight), b in zip(runs.rules()[0][:2], starts):
         for delta in (0.01, 1.0):
             exact = b @ torch.linalg.solve(A + delta * torch.eye(12, dtype=A.dtype), b)
             assert float((weight / (theta + delta)).sum()) == pytest.approx(float(exact),
                                                                            rel=1e-9)
-    assert runs.rules()[2][0].numel() == 0
+    assert runs.rules()[0][2][0].numel() == 0
 
 
 def test_a_start_in_a_small_invariant_subspace_ends_early():
@@ -55,7 +55,7 @@ def test_a_start_in_a_small_invariant_subspace_ends_early():
     runs = LanczosRuns(starts, 4)
     for _ in range(4):
         runs.step(runs.current @ A)
-    (theta, weight), (theta_full, weight_full) = runs.rules()
+    (theta, weight), (theta_full, weight_full) = runs.rules()[0]
     assert runs.length.tolist() == [2, 4]
     torch.testing.assert_close(theta, torch.tensor([2.0, 3.0], dtype=torch.float64))
     torch.testing.assert_close(weight, torch.ones(2, dtype=torch.float64))
@@ -84,16 +84,17 @@ def test_gauss_and_gauss_radau_rules_bracket_the_exact_quadratic_forms(zeros):
                            / energy[: quadrature.RUNS].sum()),
                      float((energy[quadrature.RUNS:] * torch.log1p(h * lam.clamp(min=0) / delta)
                             ).sum() / energy[quadrature.RUNS:].sum())]
-            gauss = quadrature.gauss_estimates(runs.rules(), h, delta)
-            radau = quadrature.gauss_estimates(runs.rules(radau=True), h, delta)
+            rules = runs.rules()
+            gauss = quadrature.gauss_estimates(rules[0], h, delta)
+            radau = quadrature.gauss_estimates(rules[1], h, delta)
             assert gauss[0] <= exact[0] * (1 + 1e-9) and radau[0] >= exact[0] * (1 - 1e-9)
             assert gauss[1] >= exact[1] * (1 - 1e-9) and radau[1] <= exact[1] * (1 + 1e-9)
-            width = quadrature.bracket_width(runs, h, delta)
+            width = quadrature.bracket_width(rules, h, delta)
             for estimate, value in zip(quadrature.gauss_estimates(
                     [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]) / 2)
-                     for a, b in zip(runs.rules(), runs.rules(radau=True))], h, delta), exact):
+                     for a, b in zip(*rules)], h, delta), exact):
                 assert abs(estimate - value) <= width * abs(estimate) * (1 + 1e-6) + 1e-12
-        widths.append(quadrature.bracket_width(runs, 1.0, 0.05))
+        widths.append(quadrature.bracket_width(runs.rules(), 1.0, 0.05))
     assert widths[-1] < widths[0] / 10
 
 
