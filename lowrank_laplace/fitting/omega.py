@@ -194,8 +194,9 @@ class BasisOmega:
 
     def block_products(self, blocks: Sequence[Block]) -> Tensor:
         """``V^T [W, Omega]`` from a factor's blocks (one per slice), ``(M, l)``."""
-        own = _summed(block.t_matmul(part.T)
-                      for block, part in zip(blocks, self.basis.split(self.sizes, dim=1)))
+        own = None
+        for block, part in zip(blocks, self.basis.split(self.sizes, dim=1)):
+            own = block.t_matmul(part.T, own)  # added into the first, as Omega's
         return torch.cat([own, self.omega.block_products(blocks)], dim=1)
 
     def t_matmul(self, x: Tensor) -> Tensor:
