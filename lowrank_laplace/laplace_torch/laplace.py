@@ -8,6 +8,7 @@ The curvature is the GGN's exact leading eigenpairs
 
 from __future__ import annotations
 
+import math
 import numbers
 import warnings
 from dataclasses import replace
@@ -49,8 +50,8 @@ def check_positive(name: str, value) -> None:
             f"{name} must be a positive float or a torch.Tensor, got {value!r} of type "
             f"{type(value).__name__}."
         )
-    values = torch.as_tensor(value).detach()
-    if not (values.numel() and bool(torch.isfinite(values).all() and (values > 0).all())):
+    values = torch.as_tensor(value).detach()  # min NaN fails the first comparison
+    if not (values.numel() and float(values.min()) > 0 and float(values.max()) < math.inf):
         raise ValueError(
             f"{name} must be positive and finite, got {value!r}: a zero or negative "
             f"{name} has no Gaussian posterior."

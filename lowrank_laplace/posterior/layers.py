@@ -12,7 +12,7 @@ Shape glossary:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -75,21 +75,24 @@ class LayerScales:
             return values
         return segment_sums(values, self.sizes) / values.new_tensor(self.sizes)
 
-    def shift(self, scale: Tensor, prior: Tensor, spectrum: Any, anchor: float
-              ) -> Tuple[Tensor, Tensor]:
-        r"""Each layer's shift ``rho_l = 1 / v_l - delta_l`` ``(L,)`` and the layers' log det.
+    def readings(self, scale: Tensor, prior: Tensor, num: int) -> Tuple[Tensor, Tensor, Tensor]:
+        """Where the spectrum is read for a prior per layer: ``h``, ``delta``, directions.
 
-        Float64, differentiable in ``scale`` and ``prior`` (the layers' mean priors).
-
-        Args:
-            scale: ``h``.
-            prior: The prior precision, scalar or ``(D,)``.
-            spectrum: The measured :class:`~lowrank_laplace.posterior.quadrature.DroppedQuadrature`.
-            anchor: The last kept eigenvalue (the variance's lower clamp).
+        ``(2L + 1,)`` float64 each, differentiable in ``scale`` and ``prior`` (scalar,
+        ``(L,)`` or ``(D,)``): the network at the prior's mean (``num`` dropped directions),
+        each layer at its mean prior, each at the prior's mean (``h s_l``, all layers').
         """
         delta = self.layer_means(prior.to(WIDE))
-        complement = self.complement.to(delta.device)
-        h = torch.as_tensor(scale).to(delta) * self.scales.to(delta.device)
-        rho = spectrum.shift(h, delta, anchor)
-        share = complement / complement.sum().clamp(min=1e-300)
-        return rho, (share * spectrum.logdet(h, delta, complement.sum())).sum()
+        sizes = delta.new_tensor(self.sizes)
+        mean = ((delta * sizes).sum() / sizes.sum()).reshape(1)  # over the D parameters
+        h = torch.as_tensor(scale).to(delta).reshape(1)
+        scaled = h * self.scales.to(delta.device)
+        count = self.complement.sum().to(delta.device).reshape(1).expand(2 * len(self.sizes))
+        return (torch.cat([h, scaled, scaled]), torch.cat([mean, delta, mean.expand_as(delta)]),
+                torch.cat([count.new_tensor([float(num)]), count]))
+
+    def share_sum(self, logdets: Tensor) -> Tensor:
+        """The layers' log det change from the mean prior: :meth:`readings`' last ``2L``."""
+        complement = self.complement.to(logdets.device)
+        own, at_mean = logdets.split(len(self.sizes))
+        return (complement / complement.sum().clamp(min=1e-300) * (own - at_mean)).sum()

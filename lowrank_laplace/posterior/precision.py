@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -70,14 +70,15 @@ class LowRankPrecision:
         layers: ``(sizes, d_l)`` for ``d`` constant over row blocks: the capacitance
             then costs ``O(L r^2)`` (used where ``L r <= D``).
         null: Null directions of the GGN whose variance is the prior's, not ``1 / d``
-            (every product but :meth:`logdet`, which the residual model's offset holds).
+            (every product but :meth:`logdet`, which the residual model's offset holds), or
+            a function returning them, called when a product first needs them.
     """
 
     def __init__(self, eigenvectors: Tensor, eigenvalues: Tensor, prior_precision: Tensor,
                  logdet_offset: Optional[Tensor] = None, gram_cache: Optional[GramCache] = None,
                  layers: Optional[Tuple[Sequence[int], Tensor]] = None,
-                 null: Optional[NullShift] = None):
-        self.U, self.null = eigenvectors, null
+                 null: Union[None, NullShift, Callable[[], Optional[NullShift]]] = None):
+        self.U, self._null = eigenvectors, null
         self.layers = layers if layers is not None and \
             len(layers[0]) * eigenvectors.shape[1] <= eigenvectors.shape[0] else None
         self.gram_cache = gram_cache if gram_cache is not None else GramCache()
@@ -88,6 +89,11 @@ class LowRankPrecision:
         self.isotropic = prior_precision.numel() == 1
         self.d = prior_precision.reshape(()) if self.isotropic else prior_precision
         self._sqrt_parts = None
+
+    @functools.cached_property
+    def null(self) -> Optional[NullShift]:
+        """The null directions' correction (``None``: none)."""
+        return self._null() if callable(self._null) else self._null
 
     @property
     def dim(self) -> int:

@@ -16,7 +16,6 @@ Shape glossary:
 
 from __future__ import annotations
 
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field, replace
@@ -36,7 +35,7 @@ from lowrank_laplace.posterior.null import NullDirections
 from lowrank_laplace.posterior.predictive import micro_batches
 from lowrank_laplace.posterior.probe import ProbeColumns
 from lowrank_laplace.utils.batches import batch_device, format_bytes, take
-from lowrank_laplace.utils.checks import check_batch
+from lowrank_laplace.utils.checks import check_batch, outside_stacklevel
 
 #: Lanczos runs of each kind (Jacobian starts, Gaussian starts).
 RUNS = 8
@@ -368,15 +367,7 @@ def _warn_unconverged(width: float, steps: Tuple[int, bool], prior: float) -> No
         f"known to within {width:.1%} (needs {TOLERANCE:.0%}), so it may be off by as much "
         "there. A larger prior converges in fewer steps: after tuning it, "
         "la.refine_complement(train_loader) measures again.",
-        UserWarning, stacklevel=_outside_level())
-
-
-def _outside_level() -> int:
-    """The ``stacklevel`` of the first caller outside this package (of la.fit, say)."""
-    frame, level = sys._getframe(2), 2  # the caller of warnings.warn's caller
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("lowrank_"):
-        frame, level = frame.f_back, level + 1
-    return level
+        UserWarning, stacklevel=outside_stacklevel())
 
 
 def _found(rules: List[Tuple[Tensor, Tensor]], free: int, steps: int, converged: bool,

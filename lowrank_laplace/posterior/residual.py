@@ -258,21 +258,19 @@ class SpectralResidual(Residual):
     def _precision(self, eigenvectors, ell, scale, prior, extra):
         gram_cache, layer_prior = extra
         num = self.dim - ell.numel()
-        mean = prior.to(torch.float64).mean().reshape(())
-        rho = self.spectrum.shift(scale, mean, self.anchor)
-        logdet = self.spectrum.logdet(scale, mean, num)
-        parts = self._layer_parts(ell, scale, prior, (rho, logdet), layer_prior) \
-            if prior.numel() > 1 and self.layers is not None else None  # the split on first use
-        if parts is None:  # one shift everywhere
-            kept = rho.to(ell.dtype)
+        if prior.numel() > 1 and self.layers is not None:  # the split on first use
+            kept, d, offset, layers = self._layer_parts(ell, scale, prior, layer_prior)
+        else:  # one shift everywhere
+            mean = prior.to(torch.float64).mean().reshape(())
+            kept = self.spectrum.shift(scale, mean, self.anchor).to(ell.dtype)
             d, layers = prior + kept, _shifted(layer_prior, kept)
             # against the d the precision holds, so its (D - r) log d cancels exactly
-            offset = logdet - num * torch.log(d.to(torch.float64).mean())
-        else:
-            kept, d, offset, layers = parts
+            offset = self.spectrum.logdet(scale, mean, num) \
+                - num * torch.log(d.to(torch.float64).mean())
         return LowRankPrecision(eigenvectors, (ell - kept).clamp(min=0), d,
                                 logdet_offset=offset.to(ell.dtype), gram_cache=gram_cache,
-                                layers=layers, null=self._null_shift(prior, d))
+                                layers=layers,
+                                null=functools.partial(self._null_shift, prior, d))
 
     def _null_shift(self, prior: Tensor, held: Tensor) -> Optional[NullShift]:
         """The prior's variance on the null directions, where the precision holds ``held``."""
@@ -291,21 +289,22 @@ class SpectralResidual(Residual):
         return [nodes * scale], [counts]
 
     def _layer_parts(self, ell: Tensor, scale: Tensor, prior: Tensor,
-                     whole: Tuple[Tensor, Tensor], layer_prior: Optional[LayerPrior]) -> tuple:
+                     layer_prior: Optional[LayerPrior]) -> tuple:
         """Shift on ``U``, ``d``, log det offset and constant ``d_l`` of a prior per layer.
 
-        Each layer's shift is the ``whole`` network's (``rho`` and log det at the prior's
-        mean) plus its own share's change from that mean to its prior: zero for a constant
-        prior, which is therefore the scalar prior's posterior.
+        Each layer's shift is the whole network's (``rho`` and log det at the prior's mean)
+        plus its own share's change from that mean to its prior: zero for a constant
+        prior, which is therefore the scalar prior's posterior. The three readings of the
+        spectrum (whole, layers at their priors, layers at the mean) are one evaluation.
         """
-        layers = self.layers
-        mean = prior.to(torch.float64).mean().reshape(())
+        layers, num = self.layers, self.dim - ell.numel()
         given = layer_prior is not None and list(layer_prior[0]) == layers.sizes
-        rho, logdet = layers.shift(scale, layer_prior[1] if given else prior, self.spectrum,
-                                   self.anchor)
-        at_mean, logdet_at_mean = layers.shift(scale, mean, self.spectrum, self.anchor)
-        rho = (whole[0].to(rho.device) + rho - at_mean).clamp(min=0).to(ell.dtype)
-        logdet = whole[1] + logdet - logdet_at_mean
+        h, delta, count = layers.readings(scale, layer_prior[1] if given else prior, num)
+        rho, logdet = self.spectrum.shift(h, delta, self.anchor), \
+            self.spectrum.logdet(h, delta, count)
+        whole, own, at_mean = rho.split([1, len(layers.sizes), len(layers.sizes)])
+        rho = (whole + own - at_mean).clamp(min=0).to(ell.dtype)
+        logdet = logdet[0] + layers.share_sum(logdet[1:])
         sizes = torch.tensor(layers.sizes, device=ell.device)
         d = prior + rho.repeat_interleave(sizes, output_size=self.dim)
         kept = layers.norms.to(device=ell.device, dtype=ell.dtype).T @ rho

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import MutableMapping
 from enum import Enum
 from typing import Any, Dict, List, Optional, Sequence
@@ -329,3 +330,14 @@ def refuse_inference_mode(what: str) -> None:
             "under torch.no_grad() instead (it enables gradients where it needs them). "
             "In Lightning, Trainer(inference_mode=False)."
         )
+
+
+def outside_stacklevel() -> int:
+    """The ``stacklevel`` of the first caller outside this package (of ``la.fit``, say).
+
+    For ``warnings.warn`` in a function of the package, evaluated there.
+    """
+    frame, level = sys._getframe(2), 2  # the caller of warnings.warn's caller
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("lowrank_"):
+        frame, level = frame.f_back, level + 1
+    return level
