@@ -164,20 +164,21 @@ class FactorCache:
         """Samples whose factors are kept."""
         return sum(factor.num_samples for factor, _ in self.kept)
 
-    def leading(self, samples: int) -> List[Tuple[Any, float]]:
-        """The kept factors of the pass's first ``samples`` samples (its first inputs).
+    def split(self, samples: int) -> Tuple[List[Tuple[Any, float]], List[Tuple[Any, float]]]:
+        """The kept factors of the pass's first ``samples`` samples (its first inputs), the rest's.
 
-        Only the factor the bound crosses is copied (its leading samples); the rest's would
-        copy nearly all of a pass kept as one merge.
+        Only the factor the bound crosses is copied (in two); the others are shared.
         """
-        out, left = [], samples
+        first, rest, left = [], [], samples
         for factor, scale in self.kept:
-            if left <= 0:
-                break
             n = factor.num_samples
-            out.append((factor if n <= left else factor.take_samples(0, left), scale))
+            if 0 < left < n:
+                first.append((factor.take_samples(0, left), scale))
+                rest.append((factor.take_samples(left, n), scale))
+            else:
+                (first if left >= n else rest).append((factor, scale))
             left -= n
-        return out
+        return first, rest
 
 
 def kept_products(X: Tensor, factors: List[Tuple[Any, float]], dtype: torch.dtype) -> Tensor:

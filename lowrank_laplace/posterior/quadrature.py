@@ -298,7 +298,8 @@ class KeptProducts:
     The GGN of the ``K`` inputs kept is scaled to the ``N`` fitted; the first ``m`` (at most
     :data:`START_INPUTS` and a quarter of ``K``) start the Jacobian runs, whose rows
     multiply by the GGN without them, scaled by ``N / (K - m)``: the complement variance
-    of unseen inputs, which the training inputs' own curvature would lower.
+    of unseen inputs, which the training inputs' own curvature would lower. The other
+    rows add the ``m`` inputs' product: each factor multiplies only the rows it is in.
 
     Args:
         cache: The fit's kept factors and first inputs.
@@ -320,7 +321,7 @@ class KeptProducts:
             if left > 0:
                 self.inputs.append(take(x, slice(0, left), n))
             left -= n
-        self.kept, self.held = cache.kept, cache.leading(count)
+        self.held, self.rest = cache.split(count)
         totals = torch.tensor([float(count), float(kept)], dtype=torch.float64)
         if group is not None:
             dist.all_reduce(totals, group=group)
@@ -329,10 +330,10 @@ class KeptProducts:
     def __call__(self, X: Tensor) -> Tensor:
         """``X H`` of rows ``X`` ``(s, D)``, float64, summed over the fit's processes."""
         held, kept, num_data = self.samples
-        product = self._product(X, self.kept)
-        own = self._product(X[:RUNS], self.held)
-        out = product * (num_data / kept)
-        out[:RUNS] = (product[:RUNS] - own) * (num_data / (kept - held))
+        out = self._product(X, self.rest)
+        out[RUNS:] += self._product(X[RUNS:], self.held)
+        out[:RUNS] *= num_data / (kept - held)
+        out[RUNS:] *= num_data / kept
         return out
 
     def _product(self, X: Tensor, factors: List[Tuple[Any, float]]) -> Tensor:
@@ -342,7 +343,6 @@ class KeptProducts:
         if self.group is not None:
             dist.all_reduce(out, group=self.group)
         return out
-
 
 def start_columns(starts: Tensor, basis: Tensor, null: Optional[NullDirections]
                   ) -> ProbeColumns:
