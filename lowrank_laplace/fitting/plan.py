@@ -49,9 +49,11 @@ WIDE_SKETCH_SHARE = 0.25
 #: ``solver="auto"`` sketches with ``rank * (1 + AUTO_SKETCH_OVERSAMPLING)`` columns
 #: (fewer tuned the marglik prior too strong; docs/benchmarks/design_measurements.md)...
 AUTO_SKETCH_OVERSAMPLING = 3
-#: ...and with ``rank * (1 + RITZ_SKETCH_OVERSAMPLING)`` where the fit keeps its factors,
-#: whose Rayleigh-Ritz step then makes the kept eigenvalues exact on the sketch's span.
-RITZ_SKETCH_OVERSAMPLING = 1
+#: ...and with ``rank`` plus this share of it, at least the next count, where the fit keeps
+#: its factors, whose Rayleigh-Ritz step then makes the kept eigenvalues exact on the
+#: sketch's span (docs/benchmarks/design_measurements.md).
+RITZ_SKETCH_OVERSAMPLING = 0.5
+RITZ_MIN_EXTRA = 50
 #: Random columns per rank of a warm-started sketch besides its basis (at most the cold
 #: sketch's columns in all).
 WARM_SKETCH_OVERSAMPLING = 2
@@ -229,9 +231,10 @@ def choose_solver(sizes: FitSizes, config: FitConfig) -> Tuple[str, int]:
         sizes: The first batch's sizes.
         config: The options.
     """
-    keep = keep_while_fitting(config.rank)
-    extra = RITZ_SKETCH_OVERSAMPLING if sizes.ritz() else AUTO_SKETCH_OVERSAMPLING
-    columns = min(sizes.dim, max(keep, config.rank * (1 + extra)))
+    keep, rank = keep_while_fitting(config.rank), config.rank
+    extra = max(int(rank * RITZ_SKETCH_OVERSAMPLING), RITZ_MIN_EXTRA) if sizes.ritz() else \
+        rank * AUTO_SKETCH_OVERSAMPLING
+    columns = min(sizes.dim, max(keep, rank + extra))
     if config.low_memory or sizes.grouped or \
             sizes.dim * columns * 8 > WIDE_SKETCH_SHARE * sizes.budget:
         return "streaming", keep

@@ -540,7 +540,7 @@ def test_auto_streams_where_its_sketch_did_not_converge(tune):
     stream.fit(loader)
     check = checks[0]
     assert check.name.startswith("sketch convergence") and not check.passed
-    # the fit kept its factors: a sketch of 2 * rank columns, refined by Rayleigh-Ritz
+    # the fit kept its factors: a sketch refined by Rayleigh-Ritz
     assert check.threshold == SKETCH_CONVERGED[True][0]
     assert check.value < check.threshold and check.action == "streamed instead"
     assert auto.fit_path == "streaming"
@@ -590,9 +590,10 @@ def test_rayleigh_ritz_gives_the_ggn_on_the_nystrom_span(arch):
 
 
 def test_a_fit_keeping_its_factors_refines_its_sketch_by_rayleigh_ritz(tune):
-    """Where the fit keeps its factors, ``solver="auto"`` sketches ``2 * rank`` columns
-    and its eigenvalues are the dense GGN's Rayleigh quotients on its eigenvectors; a fit
-    that keeps none (``residual="isotropic"``) keeps the ``4 * rank`` Nyström sketch."""
+    """Where the fit keeps its factors, ``solver="auto"`` sketches ``rank`` plus half of it,
+    at least ``RITZ_MIN_EXTRA``, columns and its eigenvalues are the dense GGN's Rayleigh
+    quotients on its eigenvectors; a fit that keeps none (``residual="isotropic"``) keeps
+    the ``4 * rank`` Nyström sketch."""
     from tests.laplace_torch.test_warm import _problem as decaying_problem
 
     tune(dense_max_dim=0)
@@ -612,7 +613,8 @@ def test_a_fit_keeping_its_factors_refines_its_sketch_by_rayleigh_ritz(tune):
         la.fit(loader)
         plain = LowRankGGNLaplace(model, likelihood, rank=5, residual="isotropic")
         plain.fit(loader)
-    assert la.fit_path == plain.fit_path == "sketch" and columns == [10, 20]
+    ritz = 5 + max(int(5 * plan.RITZ_SKETCH_OVERSAMPLING), plan.RITZ_MIN_EXTRA)
+    assert la.fit_path == plain.fit_path == "sketch" and columns == [ritz, 20] == [55, 20]
     assert la.fit_report.check.passed and "Rayleigh-Ritz" in str(la.fit_report)
     U, lam = la.H
     torch.testing.assert_close(U.T @ G @ U, torch.diag(lam), rtol=0, atol=1e-8 * lam[0])
@@ -633,7 +635,9 @@ def test_plan_sketches_fewer_columns_where_all_factors_are_kept():
                           block_bytes=4000, itemsize=4, batch_size=128, num_data=1000,
                           budget=2**32, float64=False, cached=True)
     config = FitConfig(rank=100)
-    assert sizes.ritz() and plan.choose_solver(sizes, config) == ("sketch", 200)
+    assert sizes.ritz() and plan.choose_solver(sizes, config) == ("sketch", 150)
+    # small ranks: at least RITZ_MIN_EXTRA more columns
+    assert plan.choose_solver(sizes, FitConfig(rank=20)) == ("sketch", 70)
     assert plan.choose_solver(dataclasses.replace(sizes, cached=False), config) == \
         ("sketch", 400)
     overflowing = dataclasses.replace(sizes, num_data=10**6, budget=2**34)
