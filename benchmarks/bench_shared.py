@@ -4,11 +4,13 @@ The digits MLP of ``bench_laplace`` (1,400 training and 397 test points). Part `
 the ``Laplace`` fit of the MAP network, marglik prior tuning and the GLM probit
 predictive, ``--repeat`` runs each (medians); part ``train``: laplace-torch's
 ``marglik_training`` from scratch with ``lowrank_ggn`` and ``kron`` (``full`` with
-``--with-full``), one run each; part ``medium``: the same phases as ``fit`` on the main
-job's MNIST CNN (real offline MNIST, ``MEDIUM_TRAIN`` training images, trained to a MAP
-untimed), timed over all three phases. Conditions: ``quiet``, and ``loaded`` beside a
-``_load.CompetingLoad`` (``train`` only with ``--load``). The workers run as a user
-does: torch's default threads, neither ``OMP_WAIT_POLICY`` nor ``OPENBLAS_NUM_THREADS``.
+``--with-full``), ``--train-repeat`` runs each (medians; alternating fresh processes:
+this kind of machine's speed moves within minutes); part ``medium``: the same phases as
+``fit`` on the main job's MNIST CNN (real offline MNIST, ``MEDIUM_TRAIN`` training
+images, trained to a MAP untimed), timed over all three phases. Conditions: ``quiet``,
+and ``loaded`` beside a ``_load.CompetingLoad`` (``train`` only with ``--load``). The
+workers run as a user does: torch's default threads, neither ``OMP_WAIT_POLICY`` nor
+``OPENBLAS_NUM_THREADS``.
 
 Examples::
 
@@ -54,6 +56,8 @@ MEDIUM_TRAIN, MEDIUM_TEST, MEDIUM_EPOCHS = 2000, 500, 3
 MEDIUM_METHODS: tuple[str, ...] = ("lowrank_ggn", "kron")
 #: Target factors.
 TARGET_VS_KRON = 3.0
+#: ``marglik_training`` on a quiet machine.
+TARGET_TRAIN_VS_KRON = 2.0
 TARGET_LOADED_VS_QUIET = 3.0
 
 
@@ -119,9 +123,10 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
     for condition in CONDITIONS:
         if _find(records, "train", condition, OURS) is None:
             continue
-        add(f"{OURS} <= {TARGET_VS_KRON:g}x {PEER}'s",
+        bound = TARGET_TRAIN_VS_KRON if condition == "quiet" else TARGET_VS_KRON
+        add(f"{OURS} <= {bound:g}x {PEER}'s",
             f"digits, marglik_training, {CONDITION_LABELS[condition]}",
-            ratios[config_key("train", condition, OURS)]["vs_kron"], TARGET_VS_KRON)
+            ratios[config_key("train", condition, OURS)]["vs_kron"], bound)
         ours = _metrics(_find(records, "train", condition, OURS))
         full = _metrics(_find(records, "train", condition, "full"))
         if _find(records, "train", condition, "full") is not None:
@@ -147,7 +152,7 @@ def _row_line(r: dict, ratios: dict) -> str:
 
 def print_summary(records: Sequence[dict], summary: dict[str, Any]):
     """Print the results and the targets."""
-    print("\nResults (fit: median of the runs of fit + marglik; train: one run of "
+    print("\nResults (fit: median of the runs of fit + marglik; train: median of the runs of "
           "marglik_training):")
     for r in records:
         print(_row_line(r, summary["ratios"]), flush=True)
@@ -377,7 +382,7 @@ def medium_problem(seed: int) -> tuple[torch.nn.Module, list]:
 
 
 def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The configurations, in run order (the ``train`` part runs once each)."""
+    """The configurations, in run order (the ``train`` part ``--train-repeat`` times each)."""
     load = {"threads": args.load_threads, "size": args.load_size, "env": "user"}
     common = {"epochs": args.epochs, "seed": args.seed, "threads": args.threads or None,
               "timeout": args.timeout}
@@ -390,7 +395,7 @@ def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
                      "repeat": args.repeat} for c in args.conditions for m in MEDIUM_METHODS]
     if "train" in args.parts:
         configs += [{"part": "train", "condition": c, "method": m, "phases": ["train"],
-                     "repeat": 1}
+                     "repeat": args.train_repeat}
                     for c in args.conditions if c == "quiet" or args.load
                     for m in TRAIN_METHODS if m != "full" or args.with_full]
     return [{**c, **common, **({"load": load} if c["condition"] == "loaded" else {})}
@@ -413,14 +418,15 @@ def driver_main(args: argparse.Namespace) -> dict[str, Any]:
         configs = configurations(args)
         settings = {"problem": "digits MLP 64-50-50-10 tanh", "D": None, "n_train": N_TRAIN,
                     "n_test": N_TEST, "batch_size": BATCH_SIZE, "dtype": "float32",
-                    "repeat": args.repeat, "train_repeat": 1, "epochs": args.epochs,
+                    "repeat": args.repeat, "train_repeat": args.train_repeat,
+                    "epochs": args.epochs,
                     "threads": args.threads or "torch default", "device": "cpu",
                     "load_threads": args.load_threads, "load_size": args.load_size,
                     "timeout_s": args.timeout, "seed": args.seed,
                     "configurations": ["/".join(c[k] for k in ("part", "condition", "method"))
                                        for c in configs]}
         print(f"{len(configs)} configurations: fit rows {args.repeat} run(s) each (median), "
-              f"train rows 1 run each", flush=True)
+              f"train rows {args.train_repeat} run(s) each (median)", flush=True)
         plan = _harness.Plan("benchmarks.bench_shared", configs,
                              ("part", "condition", "method"), path, settings, info)
         records = plan.run(args)
@@ -454,6 +460,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--load", action="store_true",
                         help="marglik_training beside the busy process too.")
     parser.add_argument("--epochs", type=int, default=20, help="marglik_training epochs.")
+    parser.add_argument("--train-repeat", type=int, default=1,
+                        help="marglik_training runs per method, alternating (median).")
     parser.add_argument("--load-threads", type=int, default=2,
                         help="torch threads of the busy process.")
     parser.add_argument("--load-size", type=int, default=1500,
@@ -469,7 +477,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.out is None:
         args.out = str(_harness.RESULTS_DIR / ("quick" if args.quick else "shared"))
     if args.quick:
-        args.repeat, args.epochs = 1, min(args.epochs, 2)
+        args.repeat, args.train_repeat, args.epochs = 1, 1, min(args.epochs, 2)
     return args
 
 

@@ -651,3 +651,32 @@ def test_the_held_out_complement_variance_is_a_test_inputs(n_train, hidden):
     in_sample = float(la.residual_model.complement_variance(one, delta))
     assert abs(math.log(held_out / exact)) < abs(math.log(in_sample / exact))
     assert abs(held_out / exact - 1) < 0.2, (held_out, exact, in_sample)
+
+
+def test_a_prior_per_layer_shifts_each_layer_by_its_share_of_the_measured_spectrum():
+    """Under a prior per layer each layer's shift is the network's at the mean prior plus
+    its own share's change from the mean to its prior, and the log det likewise (each
+    read of the spectrum separately here, as the definition states)."""
+    model, likelihood, X, y, loader = make_problem("mlp-classification", n=80, batch_size=16)
+    sizes = [p.numel() for p in model.parameters()]
+    prior = torch.tensor([0.3, 2.0, 0.7, 5.0, 1.1, 0.5] * 4, dtype=torch.float64)[: len(sizes)]
+    la = LowRankGGNLaplace(model, likelihood, rank=6, prior_precision=prior)
+    la.fit(loader)
+    residual, h = la.residual_model, torch.tensor(1.0, dtype=torch.float64)
+    spectrum, layers, anchor = residual.spectrum, residual.layers, residual.anchor
+    dim, rank = sum(sizes), la.H[1].numel()
+    expanded = prior.repeat_interleave(torch.tensor(sizes))
+    mean = expanded.mean()
+    whole = spectrum.shift(h, mean, anchor)
+    total = layers.complement.sum()
+    own = [spectrum.shift(h * s, d, anchor) for s, d in zip(layers.scales, prior)]
+    at_mean = [spectrum.shift(h * s, mean, anchor) for s in layers.scales]
+    rho = torch.stack([(whole + o - m).clamp(min=0) for o, m in zip(own, at_mean)])
+    logdet = spectrum.logdet(h, mean, dim - rank) + sum(
+        c / total * (spectrum.logdet(h * s, d, total) - spectrum.logdet(h * s, mean, total))
+        for c, s, d in zip(layers.complement, layers.scales, prior))
+    precision = la._precision()
+    torch.testing.assert_close(precision.d.double(), expanded + rho.repeat_interleave(
+        torch.tensor(sizes)), rtol=1e-10, atol=0)
+    offset = logdet - (layers.complement * torch.log(prior + rho)).sum()
+    torch.testing.assert_close(precision.logdet_offset.double(), offset, rtol=1e-10, atol=1e-10)
