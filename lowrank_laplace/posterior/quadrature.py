@@ -344,6 +344,7 @@ class KeptProducts:
             dist.all_reduce(out, group=self.group)
         return out
 
+
 def start_columns(starts: Tensor, basis: Tensor, null: Optional[NullDirections]
                   ) -> ProbeColumns:
     """The Jacobian starts as the rank check reads them: energies, on ``U`` and on the null."""
