@@ -6,6 +6,7 @@ from torch import nn
 
 from lowrank_laplace import FactorEngine
 from lowrank_laplace.factor.blocks import DenseBlock, KronBlock
+from lowrank_laplace.factor.conv_block import ConvBlock, factored_gram_pays
 from tests import reference as ref
 from tests.conftest import make_case
 
@@ -484,3 +485,57 @@ def test_activations_multiply_in_place_only_what_nothing_else_reads(monkeypatch,
     if in_place is not None:
         assert in_place in calls
     assert (False in calls) == shared
+
+
+def _late_conv_case(dtype=torch.float64):
+    """A convolution with few output positions and wide patches: its Gram pays from factors."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 6, 3), nn.ReLU(), nn.Flatten(), nn.Linear(24, 4))
+    X, y = torch.randn(5, 8, 4, 4), torch.randint(0, 4, (5,))
+    return model.to(dtype), nn.CrossEntropyLoss(reduction="sum"), X.to(dtype), y
+
+
+@pytest.mark.parametrize("mc_samples", [0, 3])
+def test_conv_gram_from_factors_equals_the_dense_ggn(mc_samples):
+    """The conv block keeps its factors (2x2 positions, 72-entry patches) and its Gram,
+    that of a piece of its samples, scaled and in float32 all equal the rows' products."""
+    model, loss_func, X, y = _late_conv_case()
+    with FactorEngine(model, loss_func) as engine:
+        factor = engine.compute(X, y, mc_samples=mc_samples)
+    assert isinstance(factor.blocks[0], ConvBlock)
+    V = dense_V(factor)
+    if not mc_samples:
+        torch.testing.assert_close(V @ V.T, ref.ggn(model, loss_func, X, y), **TOL)
+    torch.testing.assert_close(factor.gram(), V.T @ V, **TOL)
+    block = factor.blocks[0]
+    rows = block.rows.clone()
+    piece = block.take_samples(1, 4, factor.num_vectors)
+    expected = rows.reshape(factor.num_vectors, 5, -1)[:, 1:4].reshape(-1, rows.shape[1])
+    assert isinstance(piece, ConvBlock)
+    torch.testing.assert_close(piece.gram(), expected @ expected.T, **TOL)
+    single = block.to(torch.float32)
+    torch.testing.assert_close(single.gram().double(), rows @ rows.T, rtol=1e-5, atol=1e-5)
+    gram = block.scale_(0.5).gram()
+    torch.testing.assert_close(gram, rows @ rows.T / 4, **TOL)
+    assert torch.equal(gram, gram.T) and block.nbytes > rows.numel() * 8
+
+
+@pytest.mark.parametrize("layer, pays", [
+    ((9, 64, 28 * 28, 3 * 25), False),  # DeepOBS 3c3d's convolutions, exact GGN of 10 classes
+    ((9, 96, 12 * 12, 64 * 9), False),
+    ((9, 128, 6 * 6, 96 * 9), True),
+    ((1, 128, 6 * 6, 96 * 9), False),  # one MC vector
+    ((9, 512, 7 * 7, 512 * 9), True),  # a ResNet's last stage
+])
+def test_conv_gram_from_factors_where_it_multiplies_less(layer, pays):
+    assert factored_gram_pays(*layer) is pays
+
+
+def test_conv_block_only_where_its_gram_pays(monkeypatch):
+    import lowrank_laplace.factor.conv_block as conv_block
+
+    monkeypatch.setattr(conv_block, "FACTORED_GRAM_ADVANTAGE", 1e9)
+    model, loss_func, X, y = _late_conv_case()
+    with FactorEngine(model, loss_func) as engine:
+        factor = engine.compute(X, y)
+    assert type(factor.blocks[0]) is DenseBlock

@@ -43,6 +43,7 @@ from torch.nn.functional import pad
 from lowrank_laplace.engine.backpack.buffers import RowBuffers
 from lowrank_laplace.factor import reduced_cross_entropy_sqrt
 from lowrank_laplace.factor.blocks import DenseBlock, KronBlock
+from lowrank_laplace.factor.conv_block import ConvBlock, factored_gram_pays
 
 
 def _linear_weight(module: nn.Linear, mat: Tensor, subsampling) -> Optional[KronBlock]:
@@ -57,7 +58,9 @@ def _conv_weight(module: nn.Module, mat: Tensor, subsampling,
                  buffers: Optional[RowBuffers] = None) -> Optional[DenseBlock]:
     """A conv weight's rows ``(V N, out Q)`` from ``mat`` ``(V, N, out, *spatial)``, or ``None``.
 
-    Written into ``buffers``' buffer for the module where it is free.
+    Written into ``buffers``' buffer for the module where it is free; a
+    :class:`~lowrank_laplace.factor.conv_block.ConvBlock` keeping ``mat`` and the patches
+    where its Gram is cheaper from them.
     """
     if (module.groups != 1 or isinstance(module.padding, str)
             or module.padding_mode != "zeros"):
@@ -76,7 +79,10 @@ def _conv_weight(module: nn.Module, mat: Tensor, subsampling,
     rows = mat.new_empty(shape) if buffers is None else buffers.empty(module, shape, mat)
     for v in range(num_vecs):
         torch.matmul(mat[v], cols_t, out=rows[v])
-    return DenseBlock(rows.reshape(num_vecs * num_samples, -1))
+    rows = rows.reshape(num_vecs * num_samples, -1)
+    if factored_gram_pays(num_vecs, out_channels, *cols_t.shape[1:]):
+        return ConvBlock(rows, mat, cols_t.contiguous())
+    return DenseBlock(rows)
 
 
 def unfold_input(x: Tensor, kernel: Tuple[int, int], dilation: Tuple[int, int],
