@@ -39,7 +39,9 @@ class ConvBlock(DenseBlock):
 
     Args:
         rows: ``B``, rows in ``(v, n)`` order.
-        grads: ``G`` ``(V, N, out, P)``.
+        grads: ``G`` by sample, ``(N, V, out, P)``, contiguous and the block's own (the
+            backpropagated matrix may be reused or multiplied in place once the block is
+            formed).
         patches: ``X`` ``(N, P, Q)``.
     """
 
@@ -60,15 +62,15 @@ class ConvBlock(DenseBlock):
         return ConvBlock(self.rows.to(dtype), self.grads.to(dtype), self.patches.to(dtype))
 
     def scale_(self, alpha: float) -> "ConvBlock":
-        """See ``Block.scale_`` (``G`` may be a buffer's view: scaled as a copy)."""
+        """See ``Block.scale_``."""
         self.rows.mul_(alpha)
-        self.grads = self.grads * alpha
+        self.grads.mul_(alpha)
         return self
 
     def take_samples(self, start: int, stop: int, num_vectors: int) -> "ConvBlock":
         """See ``Block.take_samples``: the rows copied, the factors sliced."""
         rows = super().take_samples(start, stop, num_vectors).rows
-        return ConvBlock(rows, self.grads[:, start:stop], self.patches[start:stop])
+        return ConvBlock(rows, self.grads[start:stop], self.patches[start:stop])
 
     def gram(self) -> Tensor:
         """``B B^T`` from the factors, ``(M, M)``, exactly symmetric.
@@ -76,13 +78,11 @@ class ConvBlock(DenseBlock):
         The patches' Gram ``K`` first; then, for each sample ``m``, ``G_vn K_nm`` of the
         samples ``n <= m`` and its products with ``G_wm``; the other half mirrored.
         """
-        grads = self.grads
-        num_vectors, num, out, positions = grads.shape
+        num, num_vectors, out, positions = self.grads.shape
         kernel = DenseBlock(self.patches.reshape(num * positions, -1)).gram()
-        by_sample = grads.transpose(0, 1)  # (N, V, out, P)
-        left = by_sample.reshape(num, num_vectors * out, positions)  # a copy
-        right = by_sample.reshape(num, num_vectors, out * positions)  # a view
-        gram = grads.new_empty(num, num_vectors, num, num_vectors)  # [n, v, m, w]
+        left = self.grads.view(num, num_vectors * out, positions)
+        right = self.grads.view(num, num_vectors, out * positions)
+        gram = left.new_empty(num, num_vectors, num, num_vectors)  # [n, v, m, w]
         for m in range(num):
             cols = slice(m * positions, (m + 1) * positions)
             k_nm = kernel[: (m + 1) * positions, cols].view(m + 1, positions, positions)

@@ -539,3 +539,20 @@ def test_conv_block_only_where_its_gram_pays(monkeypatch):
     with FactorEngine(model, loss_func) as engine:
         factor = engine.compute(X, y)
     assert type(factor.blocks[0]) is DenseBlock
+
+
+def test_conv_block_factors_outlive_the_engine_buffers():
+    """A conv block behind a max-pool keeps its own factors: the next pass, which writes
+    into the pool's reused buffer, leaves the first factor's Gram as it was."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(16, 6, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                          nn.Linear(6, 4)).double()
+    loss_func = nn.CrossEntropyLoss(reduction="sum")
+    X, y = torch.randn(10, 16, 4, 4, dtype=torch.float64), torch.randint(0, 4, (10,))
+    with FactorEngine(model, loss_func) as engine:
+        first = engine.compute(X[:5], y[:5])
+        block = first.blocks[0]
+        assert isinstance(block, ConvBlock)
+        expected = block.rows @ block.rows.T
+        engine.compute(X[5:], y[5:])
+    torch.testing.assert_close(block.gram(), expected, **TOL)

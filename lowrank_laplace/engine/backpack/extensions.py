@@ -81,7 +81,7 @@ def _conv_weight(module: nn.Module, mat: Tensor, subsampling,
         torch.matmul(mat[v], cols_t, out=rows[v])
     rows = rows.reshape(num_vecs * num_samples, -1)
     if factored_gram_pays(num_vecs, out_channels, *cols_t.shape[1:]):
-        return ConvBlock(rows, mat, cols_t.contiguous())
+        return ConvBlock(rows, mat.transpose(0, 1).contiguous(), cols_t.contiguous())
     return DenseBlock(rows)
 
 
