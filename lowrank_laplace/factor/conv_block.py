@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lowrank_laplace.factor.dense_block import DenseBlock
+from lowrank_laplace.factor.dense_block import DenseBlock, symmetrized
 
 #: The factors' Gram is taken where its multiply-adds are below the rows' by this factor
 #: (its products are narrower, so slower per multiply-add).
@@ -90,6 +90,5 @@ class ConvBlock(DenseBlock):
             block = torch.bmm(left_k, right[m].T.expand(m + 1, -1, -1))  # [n, v, w]
             gram[: m + 1, :, m] = block
             gram[m, :, :m] = block[:m].permute(2, 0, 1)
-        rows = num_vectors * num
-        gram = gram.permute(1, 0, 3, 2).reshape(rows, rows)
-        return (gram + gram.T) / 2  # exactly symmetric: the diagonal blocks' are not
+        rows = num_vectors * num  # the diagonal sample blocks need not be bitwise symmetric
+        return symmetrized(gram.permute(1, 0, 3, 2).reshape(rows, rows))

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from lowrank_laplace.factor.blocks import Block
 
 
-def _symmetrized(square: Tensor) -> Tensor:
+def symmetrized(square: Tensor) -> Tensor:
     """``(A + A^T) / 2``: exactly symmetric whatever the BLAS kernel produced."""
     return (square + square.T) / 2
 
@@ -106,13 +106,13 @@ class DenseBlock:
         num = rows.shape[0]
         parts = min(6, num // 64) if num >= 192 else 1  # 6 parts beat 3 for large M
         if parts == 1:
-            return _symmetrized(rows @ rows.T)
+            return symmetrized(rows @ rows.T)
         out = rows.new_empty(num, num)
         edges = [num * i // parts for i in range(parts + 1)]
         for lo, hi in zip(edges[:-1], edges[1:]):
             upper = rows[lo:hi] @ rows[lo:].T  # rows lo:hi, columns lo:
             out[lo:hi, lo:] = upper
-            out[lo:hi, lo:hi] = _symmetrized(upper[:, : hi - lo])
+            out[lo:hi, lo:hi] = symmetrized(upper[:, : hi - lo])
             out[hi:, lo:hi] = upper[:, hi - lo:].T
         return out
 
